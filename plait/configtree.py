@@ -1,0 +1,142 @@
+"""Typed config trees: build nested dataclasses from plain dicts, with errors that name the key.
+
+Every component owns a small dataclass beside its code and checks its values in `__post_init__`
+with `check(...)`; `plait/config.py` composes them into one tree. This module only knows how to
+turn a dict (YAML plus `key=value` overrides) into such a tree and back. It does not know plait's
+keys, so it is also what component tests use to build a single config.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from typing import Any, Literal, Union, get_args, get_origin
+
+
+class ConfigError(ValueError):
+    """A bad config key, type or value. `key` is the dotted path once the tree builder sees it."""
+
+    def __init__(self, key: str, value: Any, expected: str):
+        self.key, self.value, self.expected = key, value, expected
+        super().__init__(f"{key}={value!r}: {expected}")
+
+    def under(self, prefix: str) -> "ConfigError":
+        return ConfigError(f"{prefix}.{self.key}" if prefix else self.key, self.value, self.expected)
+
+
+def check(ok: bool, key: str, value: Any, expected: str) -> None:
+    """Raise a ConfigError for field `key` unless `ok`; used in `__post_init__`."""
+    if not ok:
+        raise ConfigError(key, value, expected)
+
+
+def build(cls: type, data: dict | None, prefix: str = "") -> Any:
+    """Build dataclass `cls` from `data`, recursing into nested dataclasses.
+
+    Unknown keys name the closest valid key; values are checked against the field's type
+    annotation; `__post_init__` errors get the dotted path of their node.
+    """
+    data = {} if data is None else data
+    if not isinstance(data, dict):
+        raise ConfigError(prefix or "<root>", data, f"expected a mapping of {cls.__name__} keys")
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    hints = typing.get_type_hints(cls)
+    for key in data:
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), list(fields), n=1, cutoff=0.5)
+            hint = f"unknown key; did you mean '{_join(prefix, close[0])}'?" if close else (
+                f"unknown key; valid keys here: {', '.join(sorted(fields))}")
+            raise ConfigError(_join(prefix, str(key)), data[key], hint)
+    kwargs = {}
+    for name, value in data.items():
+        kwargs[name] = _coerce(hints[name], value, _join(prefix, name))
+    try:
+        return cls(**kwargs)
+    except ConfigError as err:
+        raise err.under(prefix) from None
+
+
+def to_dict(node: Any) -> Any:
+    """The plain-dict form of a config tree (what `plait config show` prints and checkpoints store)."""
+    if dataclasses.is_dataclass(node):
+        return {f.name: to_dict(getattr(node, f.name)) for f in dataclasses.fields(node)}
+    if isinstance(node, (list, tuple)):
+        return [to_dict(v) for v in node]
+    if isinstance(node, dict):
+        return {k: to_dict(v) for k, v in node.items()}
+    return node
+
+
+def _join(prefix: str, key: str) -> str:
+    return f"{prefix}.{key}" if prefix else key
+
+
+def _coerce(tp: Any, value: Any, key: str) -> Any:
+    origin, args = get_origin(tp), get_args(tp)
+    if dataclasses.is_dataclass(tp):
+        return build(tp, value, key)
+    if origin in (Union, types.UnionType):
+        if value is None:
+            if type(None) in args:
+                return None
+            raise ConfigError(key, value, f"must not be null; expected {_name(tp)}")
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(arg, value, key)
+            except ConfigError as err:
+                errors.append(err)
+        raise ConfigError(key, value, f"expected {_name(tp)}")
+    if origin is Literal:
+        if value in args:
+            return value
+        raise ConfigError(key, value, f"expected one of {', '.join(repr(a) for a in args)}")
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(key, value, f"expected a list ({_name(tp)})")
+        item = args[0] if args else Any
+        return [_coerce(item, v, f"{key}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(key, value, f"expected a mapping ({_name(tp)})")
+        return dict(value)
+    if tp is Any:
+        return value
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(key, value, "expected a boolean (true or false)")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise ConfigError(key, value, "expected an integer")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise ConfigError(key, value, "expected a number")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise ConfigError(key, value, "expected a string")
+    return value
+
+
+def _name(tp: Any) -> str:
+    origin, args = get_origin(tp), get_args(tp)
+    if origin in (Union, types.UnionType):
+        return " or ".join(_name(a) for a in args)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in args)
+    if origin in (list, tuple):
+        return f"list of {_name(args[0])}" if args else "list"
+    if tp is type(None):
+        return "null"
+    return getattr(tp, "__name__", str(tp))

@@ -119,6 +119,11 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads 1e-6 (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
         raise ConfigError(key, value, "expected a number")
     if tp is str:
         if isinstance(value, str):

@@ -1,0 +1,361 @@
+"""The config tree: one typed dataclass per node, verl's key names and nesting, plait's extras.
+
+`load_config(path, overrides)` merges the defaults, an optional YAML file and `key=value`
+overrides, then builds the tree with `configtree.build`, so a wrong key, type or value is one
+`ConfigError` naming the key, the value and what would be valid. The defaults run the built-in
+demo on a laptop CPU. Nodes owned by a component (the profiler's) are imported from beside it.
+Cross-node rules (batch sizes that must divide, modes that need a placement) live in
+`PlaitConfig.__post_init__`, the one place that sees the whole tree.
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass, field
+from typing import Any, Literal, Optional
+
+import yaml
+
+from plait.backends import RayConfig
+from plait.configtree import ConfigError, build, check, to_dict
+from plait.profiler.config import GlobalProfilerConfig, RoleProfilerConfig
+from plait.workers.diffusion import DiffusionConfig
+
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+KL_KINDS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
+ADV_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus", "gae")
+
+
+@dataclass
+class DataConfig:
+    train_files: Optional[list[str]] = None  # null: the built-in task named by `task`
+    val_files: Optional[list[str]] = None
+    task: str = "arithmetic"                  # built-in task used when the files are null
+    train_size: int = 4096                    # rows generated for the built-in task
+    val_size: int = 128
+    train_batch_size: int = 32                # prompts per step (each sampled rollout.n times)
+    val_batch_size: Optional[int] = None      # null: the whole validation set in one batch
+    max_prompt_length: int = 32
+    max_response_length: int = 8
+    prompt_key: str = "prompt"
+    truncation: Literal["error", "left"] = "error"
+    shuffle: bool = True
+    seed: int = 1
+
+    def __post_init__(self):
+        check(self.train_batch_size > 0, "train_batch_size", self.train_batch_size, "must be > 0")
+        check(self.val_batch_size is None or self.val_batch_size > 0, "val_batch_size", self.val_batch_size, "must be > 0 or null")
+        check(self.max_prompt_length > 0, "max_prompt_length", self.max_prompt_length, "must be > 0")
+        check(self.max_response_length > 0, "max_response_length", self.max_response_length, "must be > 0")
+        check(self.train_size > 0 and self.val_size > 0, "train_size", self.train_size, "train_size and val_size must be > 0")
+
+
+@dataclass
+class DemoConfig:
+    """The built-in demo model, used when `actor_rollout_ref.model.path` is null."""
+    model_size: Literal["xs", "s", "m"] = "s"
+    warmstart_steps: int = 300                # supervised warm start so RL has something to sharpen
+    warmstart_lr: float = 3e-3
+    warmstart_batch_size: int = 64
+
+    def __post_init__(self):
+        check(self.warmstart_steps >= 0, "warmstart_steps", self.warmstart_steps, "must be >= 0")
+
+
+@dataclass
+class ModelConfig:
+    path: Optional[str] = None                # a local Hugging Face causal LM directory; null: the demo model
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-6
+    weight_decay: float = 0.01
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    lr_warmup_steps: int = 0
+
+    def __post_init__(self):
+        check(self.lr > 0, "lr", self.lr, "must be > 0")
+        check(self.weight_decay >= 0, "weight_decay", self.weight_decay, "must be >= 0")
+        check(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "betas", self.betas, "two numbers in [0, 1)")
+        check(self.lr_warmup_steps >= 0, "lr_warmup_steps", self.lr_warmup_steps, "must be >= 0")
+
+
+@dataclass
+class ActorConfig:
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=2e-4))
+    ppo_mini_batch_size: int = 16             # prompts per optimizer step (x rollout.n samples)
+    ppo_micro_batch_size_per_gpu: int = 64    # samples per forward/backward (gradient accumulation)
+    ppo_epochs: int = 1
+    shuffle: bool = False
+    clip_ratio: float = 0.2
+    clip_ratio_low: Optional[float] = None    # null: clip_ratio
+    clip_ratio_high: Optional[float] = None   # null: clip_ratio
+    clip_ratio_c: float = 3.0
+    loss_agg_mode: str = "token-mean"
+    entropy_coeff: float = 0.0
+    use_kl_loss: bool = False
+    kl_loss_coef: float = 0.001
+    kl_loss_type: str = "low_var_kl"
+    grad_clip: float = 1.0
+    profiler: RoleProfilerConfig = field(default_factory=RoleProfilerConfig)
+
+    def __post_init__(self):
+        check(self.ppo_mini_batch_size > 0, "ppo_mini_batch_size", self.ppo_mini_batch_size, "must be > 0")
+        check(self.ppo_micro_batch_size_per_gpu > 0, "ppo_micro_batch_size_per_gpu", self.ppo_micro_batch_size_per_gpu, "must be > 0")
+        check(self.ppo_epochs > 0, "ppo_epochs", self.ppo_epochs, "must be > 0")
+        check(self.clip_ratio > 0, "clip_ratio", self.clip_ratio, "must be > 0")
+        check(self.clip_ratio_c > 1, "clip_ratio_c", self.clip_ratio_c, "must be > 1 (dual-clip bound)")
+        check(self.loss_agg_mode in LOSS_AGG_MODES, "loss_agg_mode", self.loss_agg_mode, f"one of {', '.join(LOSS_AGG_MODES)}")
+        check(self.kl_loss_type in KL_KINDS, "kl_loss_type", self.kl_loss_type, f"one of {', '.join(KL_KINDS)}")
+        check(self.grad_clip > 0, "grad_clip", self.grad_clip, "must be > 0")
+        self.clip_ratio_low = self.clip_ratio if self.clip_ratio_low is None else self.clip_ratio_low
+        self.clip_ratio_high = self.clip_ratio if self.clip_ratio_high is None else self.clip_ratio_high
+
+
+@dataclass
+class SamplingConfig:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    do_sample: bool = True
+
+    def __post_init__(self):
+        check(self.n > 0, "n", self.n, "must be > 0")
+        check(self.temperature >= 0, "temperature", self.temperature, "must be >= 0")
+        check(0 < self.top_p <= 1, "top_p", self.top_p, "must be in (0, 1]")
+        check(self.top_k >= -1, "top_k", self.top_k, "-1 (off) or a positive integer")
+
+
+def _val_sampling() -> SamplingConfig:
+    return SamplingConfig(n=1, temperature=1.0, do_sample=False)
+
+
+@dataclass
+class RolloutConfig:
+    name: Literal["hf"] = "hf"                # the built-in transformers engine; vLLM/SGLang plug in here on GPUs
+    n: int = 8
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    do_sample: bool = True
+    log_prob_micro_batch_size_per_gpu: int = 64
+    val_kwargs: SamplingConfig = field(default_factory=_val_sampling)
+    profiler: RoleProfilerConfig = field(default_factory=RoleProfilerConfig)
+
+    def __post_init__(self):
+        SamplingConfig(self.n, self.temperature, self.top_p, self.top_k, self.do_sample)  # same checks
+        check(self.log_prob_micro_batch_size_per_gpu > 0, "log_prob_micro_batch_size_per_gpu",
+              self.log_prob_micro_batch_size_per_gpu, "must be > 0")
+
+
+@dataclass
+class RefConfig:
+    log_prob_micro_batch_size_per_gpu: int = 64
+    profiler: RoleProfilerConfig = field(default_factory=RoleProfilerConfig)
+
+
+@dataclass
+class ActorRolloutRefConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    ref: RefConfig = field(default_factory=RefConfig)
+
+
+@dataclass
+class CriticModelConfig:
+    path: Optional[str] = None                # null: the actor's model
+
+
+@dataclass
+class CriticConfig:
+    enable: Optional[bool] = None             # null: on exactly when the advantage estimator needs values (gae)
+    model: CriticModelConfig = field(default_factory=CriticModelConfig)
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-3))
+    ppo_mini_batch_size: int = 16
+    ppo_micro_batch_size_per_gpu: int = 64
+    ppo_epochs: int = 1
+    cliprange_value: float = 0.5
+    loss_agg_mode: str = "token-mean"
+    grad_clip: float = 1.0
+    profiler: RoleProfilerConfig = field(default_factory=RoleProfilerConfig)
+
+    def __post_init__(self):
+        check(self.ppo_mini_batch_size > 0, "ppo_mini_batch_size", self.ppo_mini_batch_size, "must be > 0")
+        check(self.ppo_micro_batch_size_per_gpu > 0, "ppo_micro_batch_size_per_gpu", self.ppo_micro_batch_size_per_gpu, "must be > 0")
+        check(self.ppo_epochs > 0, "ppo_epochs", self.ppo_epochs, "must be > 0")
+        check(self.cliprange_value > 0, "cliprange_value", self.cliprange_value, "must be > 0")
+        check(self.loss_agg_mode in LOSS_AGG_MODES, "loss_agg_mode", self.loss_agg_mode, f"one of {', '.join(LOSS_AGG_MODES)}")
+
+
+@dataclass
+class KLCtrlConfig:
+    type: Literal["fixed", "adaptive"] = "fixed"
+    kl_coef: float = 0.001
+    horizon: int = 10000
+    target_kl: float = 0.1
+
+    def __post_init__(self):
+        check(self.kl_coef >= 0, "kl_coef", self.kl_coef, "must be >= 0")
+        check(self.horizon > 0, "horizon", self.horizon, "must be > 0")
+
+
+@dataclass
+class AlgorithmConfig:
+    adv_estimator: str = "grpo"
+    gamma: float = 1.0
+    lam: float = 1.0
+    norm_adv_by_std_in_grpo: bool = True
+    use_kl_in_reward: bool = False
+    kl_penalty: str = "kl"
+    kl_ctrl: KLCtrlConfig = field(default_factory=KLCtrlConfig)
+
+    def __post_init__(self):
+        check(self.adv_estimator in ADV_ESTIMATORS, "adv_estimator", self.adv_estimator, f"one of {', '.join(ADV_ESTIMATORS)}")
+        check(0 <= self.gamma <= 1, "gamma", self.gamma, "must be in [0, 1]")
+        check(0 <= self.lam <= 1, "lam", self.lam, "must be in [0, 1]")
+        check(self.kl_penalty in KL_KINDS, "kl_penalty", self.kl_penalty, f"one of {', '.join(KL_KINDS)}")
+
+
+LOGGERS = ("console", "tensorboard", "wandb")
+
+
+@dataclass
+class TrainerConfig:
+    total_training_steps: Optional[int] = 40  # null: total_epochs over the training data
+    total_epochs: int = 1
+    save_freq: int = -1                       # steps between checkpoints; -1: only at the end
+    test_freq: int = 5                        # steps between validations; -1: never
+    val_before_train: bool = True
+    default_local_dir: Optional[str] = None   # null: outputs/<project_name>/<experiment_name>
+    resume_mode: Literal["auto", "disable", "resume_path"] = "auto"
+    resume_from_path: Optional[str] = None
+    max_ckpt_to_keep: Optional[int] = 2
+    logger: list[str] = field(default_factory=lambda: ["console"])
+    project_name: str = "plait"
+    experiment_name: str = "demo"
+    seed: int = 1
+    mode: Literal["sync", "diffusion"] = "sync"
+    placement: Literal["colocated", "separated"] = "colocated"
+    backend: Literal["local", "ray"] = "local"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    num_threads: int = 0                      # torch threads in the driver; 0: leave torch's default
+    nnodes: int = 1
+    n_gpus_per_node: int = 1
+    ray: RayConfig = field(default_factory=RayConfig)  # trainer.backend=ray only; docs/ray.md
+
+    def __post_init__(self):
+        check(self.total_training_steps is None or self.total_training_steps > 0, "total_training_steps",
+              self.total_training_steps, "must be > 0 or null")
+        check(self.total_epochs > 0, "total_epochs", self.total_epochs, "must be > 0")
+        check(self.save_freq == -1 or self.save_freq > 0, "save_freq", self.save_freq, "-1 or a positive number of steps")
+        check(self.test_freq == -1 or self.test_freq > 0, "test_freq", self.test_freq, "-1 or a positive number of steps")
+        check(self.max_ckpt_to_keep is None or self.max_ckpt_to_keep > 0, "max_ckpt_to_keep", self.max_ckpt_to_keep, "must be > 0 or null")
+        for i, name in enumerate(self.logger):
+            check(name in LOGGERS, f"logger[{i}]", name, f"one of {', '.join(LOGGERS)}")
+        check(self.resume_mode != "resume_path" or bool(self.resume_from_path), "resume_from_path",
+              self.resume_from_path, "a global_step_N checkpoint directory when resume_mode=resume_path")
+        check(self.num_threads >= 0, "num_threads", self.num_threads, "must be >= 0")
+
+
+@dataclass
+class CustomRewardConfig:
+    path: Optional[str] = None
+    name: str = "compute_score"
+
+
+@dataclass
+class PlaitConfig:
+    data: DataConfig = field(default_factory=DataConfig)
+    actor_rollout_ref: ActorRolloutRefConfig = field(default_factory=ActorRolloutRefConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    custom_reward_function: CustomRewardConfig = field(default_factory=CustomRewardConfig)
+    global_profiler: GlobalProfilerConfig = field(default_factory=GlobalProfilerConfig)
+    demo: DemoConfig = field(default_factory=DemoConfig)
+    diffusion: DiffusionConfig = field(default_factory=DiffusionConfig)
+
+    def __post_init__(self):
+        actor, n = self.actor_rollout_ref.actor, self.actor_rollout_ref.rollout.n
+        # Diffusion mode has no critic and updates on the whole batch with diffusion.actor's settings.
+        lm = self.trainer.mode != "diffusion"
+        check(not lm or self.data.train_batch_size % actor.ppo_mini_batch_size == 0, "actor_rollout_ref.actor.ppo_mini_batch_size",
+              actor.ppo_mini_batch_size, f"must divide data.train_batch_size={self.data.train_batch_size}")
+        if self.critic.enable is None:
+            self.critic.enable = self.algorithm.adv_estimator == "gae"
+        check(self.algorithm.adv_estimator != "gae" or self.critic.enable, "critic.enable", self.critic.enable,
+              "must be true with algorithm.adv_estimator=gae (GAE needs values)")
+        if self.critic.enable and lm:
+            check(self.data.train_batch_size % self.critic.ppo_mini_batch_size == 0, "critic.ppo_mini_batch_size",
+                  self.critic.ppo_mini_batch_size, f"must divide data.train_batch_size={self.data.train_batch_size}")
+        if self.algorithm.adv_estimator in ("grpo", "rloo"):
+            check(n > 1, "actor_rollout_ref.rollout.n", n, f"must be > 1 for {self.algorithm.adv_estimator} (group baseline)")
+
+    @property
+    def output_dir(self) -> str:
+        t = self.trainer
+        return t.default_local_dir or f"outputs/{t.project_name}/{t.experiment_name}"
+
+    @property
+    def uses_ref(self) -> bool:
+        return self.actor_rollout_ref.actor.use_kl_loss or self.algorithm.use_kl_in_reward
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """`a.b.c=value` -> (["a", "b", "c"], value); the value is parsed as YAML (numbers, bools, null, lists)."""
+    if "=" not in text:
+        raise ConfigError(text, None, "overrides are key=value, e.g. trainer.total_training_steps=10")
+    key, raw = text.split("=", 1)
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    if isinstance(value, str):  # YAML 1.1 reads 3e-4 as a string
+        try:
+            value = float(value)
+        except ValueError:
+            pass
+    return key.strip().split("."), value
+
+
+def load_config(path: str | None = None, overrides: list[str] = ()) -> PlaitConfig:
+    """Defaults <- YAML file <- overrides, built and validated as one tree."""
+    tree: dict = {}
+    if path:
+        try:
+            with open(path) as f:
+                tree = yaml.safe_load(f) or {}
+        except FileNotFoundError:
+            raise ConfigError("--config", path, "no such file") from None
+        except yaml.YAMLError as err:
+            raise ConfigError("--config", path, f"not valid YAML: {err}") from None
+        if not isinstance(tree, dict):
+            raise ConfigError("--config", path, "the YAML file must hold a mapping at the top level")
+    for text in overrides:
+        keys, value = parse_override(text)
+        _set_path(tree, keys, value)
+    return build(PlaitConfig, tree)
+
+
+def _set_path(tree: dict, keys: list[str], value: Any) -> None:
+    node, defaults = tree, to_dict(PlaitConfig())
+    for i, key in enumerate(keys[:-1]):
+        if isinstance(defaults, dict) and key not in defaults:
+            _unknown(keys[: i + 1], defaults)
+        defaults = defaults.get(key) if isinstance(defaults, dict) else None
+        node = node.setdefault(key, {})
+        if not isinstance(node, dict):
+            raise ConfigError(".".join(keys[: i + 1]), node, "is a value, not a section")
+    node[keys[-1]] = value
+
+
+def _unknown(keys: list[str], options: dict) -> None:
+    close = difflib.get_close_matches(keys[-1], list(options), n=1, cutoff=0.5)
+    prefix = ".".join(keys[:-1])
+    hint = f"did you mean '{'.'.join([*keys[:-1], close[0]]) if prefix else close[0]}'?" if close else (
+        f"valid keys here: {', '.join(sorted(options))}")
+    raise ConfigError(".".join(keys), None, f"unknown key; {hint}")

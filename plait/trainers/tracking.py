@@ -1,0 +1,106 @@
+"""Where step metrics go: metrics.jsonl (always), the console, TensorBoard, W&B.
+
+A logger that fails while training (disk full, a W&B hiccup) is reported once and switched off;
+it never stops the run. Asking for a logger whose package is missing fails at start instead,
+before any training work.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from typing import Iterable
+
+from plait.configtree import ConfigError
+
+CONSOLE_KEYS = ("critic/score/mean", "actor/pg_loss", "response_length/mean", "perf/time_per_step")
+
+
+class Tracker:
+    def __init__(self, output_dir: str, loggers: list[str], project: str, experiment: str,
+                 config: dict | None = None, progress: bool = True):
+        os.makedirs(output_dir, exist_ok=True)
+        self.path = os.path.join(output_dir, "metrics.jsonl")
+        self.console = "console" in loggers
+        self.show_progress = progress
+        self.sinks: dict[str, object] = {}
+        if "tensorboard" in loggers:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                raise ConfigError("trainer.logger", "tensorboard", "needs the tensorboard package: pip install tensorboard") from None
+            self.sinks["tensorboard"] = SummaryWriter(os.path.join(output_dir, "tensorboard"))
+        if "wandb" in loggers:
+            try:
+                import wandb
+            except ImportError:
+                raise ConfigError("trainer.logger", "wandb", "needs the wandb package: pip install wandb") from None
+            self.sinks["wandb"] = wandb.init(project=project, name=experiment, config=config or {})
+        self._bar = None
+
+    def progress(self, steps: Iterable[int], total: int, initial: int) -> Iterable[int]:
+        if not self.show_progress:
+            return steps
+        from tqdm import tqdm
+        self._bar = tqdm(steps, total=total, initial=initial, desc="plait", unit="step", dynamic_ncols=True, file=sys.stderr)
+        return self._bar
+
+    def truncate_after(self, step: int) -> None:
+        """Drop records of steps after `step` (a resumed run rewrites them)."""
+        if not os.path.exists(self.path):
+            return
+        with open(self.path) as f:
+            keep = [line for line in f if line.strip() and json.loads(line).get("step", 0) <= step]
+        with open(self.path, "w") as f:
+            f.writelines(keep)
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        record = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        for name, sink in list(self.sinks.items()):
+            try:
+                if name == "tensorboard":
+                    for k, v in record.items():
+                        if isinstance(v, (int, float)) and k != "step":
+                            sink.add_scalar(k, v, step)
+                    sink.flush()
+                else:
+                    sink.log(record, step=step)
+            except Exception as err:  # noqa: BLE001 - a logger never kills training
+                print(f"plait: logger {name} failed ({err!r}); it is switched off for this run", file=sys.stderr)
+                del self.sinks[name]
+        if self.console:
+            self._print(record)
+
+    def _print(self, record: dict) -> None:
+        parts = [f"step {record['step']}"]
+        for k in CONSOLE_KEYS:
+            if k in record:
+                parts.append(f"{k.split('/')[-2] if k.count('/') > 1 else k.split('/')[-1]}={record[k]:.3g}")
+        parts += [f"{k}={v:.3g}" for k, v in record.items() if k.startswith("val-core/") and isinstance(v, float)]
+        line = " | ".join(parts)
+        if self._bar is not None:
+            self._bar.write(line, file=sys.stderr)
+        else:
+            print(line, file=sys.stderr)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+        for name, sink in self.sinks.items():
+            try:
+                sink.close() if name == "tensorboard" else sink.finish()
+            except Exception as err:  # noqa: BLE001
+                print(f"plait: closing logger {name} failed ({err!r})", file=sys.stderr)
+        self.sinks = {}
+
+
+def _plain(v):
+    if hasattr(v, "item"):
+        v = v.item()
+    if isinstance(v, float) and not math.isfinite(v):
+        return str(v)
+    return v

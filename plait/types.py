@@ -1,0 +1,117 @@
+"""What crosses role boundaries: prompts, rollouts and the outputs of each role.
+
+A `RolloutBatch` is made by the rollout role and grows through the step: the lifecycle fills in
+scores, log-probs, values and advantages as the stages run. It knows how to split itself across
+data-parallel workers and join back, and nothing else; the math lives in plait/algorithms.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+
+@dataclass
+class PromptBatch:
+    """Prompts for one generation call (before the rollout repeats each one n times)."""
+    prompt_ids: list[list[int]]
+    data_sources: list[str]
+    ground_truths: list[str]
+    extra_infos: list[dict]
+    indices: list[int]                     # row index in the dataset; stable ids for groups and logs
+
+    def __len__(self) -> int:
+        return len(self.prompt_ids)
+
+
+_OPTIONAL_TENSORS = ("token_scores", "token_rewards", "old_logprobs", "ref_logprobs", "values",
+                     "advantages", "returns")
+
+
+@dataclass
+class RolloutBatch:
+    prompts: torch.Tensor                  # [batch, prompt_len] left-padded
+    responses: torch.Tensor                # [batch, resp_len] right-padded
+    response_mask: torch.Tensor            # [batch, resp_len] float, 1 on generated tokens (EOS included)
+    prompt_mask: torch.Tensor              # [batch, prompt_len] 1 on real prompt tokens
+    rollout_logprobs: torch.Tensor         # [batch, resp_len] log-probs the rollout sampled with
+    group_ids: torch.Tensor                # [batch] long; samples of one prompt share an id
+    versions: torch.Tensor                 # [batch] long; policy version each sample was generated with
+    data_sources: list[str]
+    ground_truths: list[str]
+    extra_infos: list[dict]
+    stop_reasons: list[str]
+    token_scores: Optional[torch.Tensor] = None   # [batch, resp_len] reward at the last token
+    token_rewards: Optional[torch.Tensor] = None  # [batch, resp_len] scores minus in-reward KL
+    old_logprobs: Optional[torch.Tensor] = None   # [batch, resp_len]
+    ref_logprobs: Optional[torch.Tensor] = None   # [batch, resp_len]
+    values: Optional[torch.Tensor] = None         # [batch, resp_len]
+    advantages: Optional[torch.Tensor] = None     # [batch, resp_len]
+    returns: Optional[torch.Tensor] = None        # [batch, resp_len]
+    scores: list[float] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return self.responses.shape[0]
+
+    @property
+    def input_ids(self) -> torch.Tensor:
+        return torch.cat([self.prompts, self.responses], dim=1)  # [batch, prompt_len + resp_len]
+
+    @property
+    def attention_mask(self) -> torch.Tensor:
+        return torch.cat([self.prompt_mask, self.response_mask.to(self.prompt_mask.dtype)], dim=1)  # [batch, prompt_len + resp_len]
+
+    def select(self, idx: torch.Tensor | list[int] | slice) -> "RolloutBatch":
+        """Rows `idx` of every field."""
+        if isinstance(idx, slice):
+            rows = list(range(len(self)))[idx]
+        else:
+            rows = idx.tolist() if isinstance(idx, torch.Tensor) else list(idx)
+        index = torch.as_tensor(rows, dtype=torch.long)
+        out = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, torch.Tensor):
+                out[f.name] = value.index_select(0, index)
+            elif isinstance(value, list) and len(value) == len(self):
+                out[f.name] = [value[i] for i in rows]
+            else:
+                out[f.name] = value
+        return RolloutBatch(**out)
+
+    def split(self, n: int) -> list["RolloutBatch"]:
+        """`n` contiguous, near-equal chunks (data-parallel dispatch)."""
+        bounds = torch.linspace(0, len(self), n + 1).round().long().tolist()
+        return [self.select(slice(a, b)) for a, b in zip(bounds[:-1], bounds[1:])]
+
+    @staticmethod
+    def concat(parts: list["RolloutBatch"]) -> "RolloutBatch":
+        """Join batches row-wise, padding prompts on the left and responses on the right."""
+        if len(parts) == 1:
+            return parts[0]
+        pad_p = max(p.prompts.shape[1] for p in parts)
+        pad_r = max(p.responses.shape[1] for p in parts)
+        out = {}
+        for f in dataclasses.fields(RolloutBatch):
+            values = [getattr(p, f.name) for p in parts]
+            if all(v is None for v in values):
+                out[f.name] = None
+            elif isinstance(values[0], torch.Tensor):
+                out[f.name] = torch.cat([_pad_to(v, f.name, pad_p, pad_r) for v in values], dim=0)
+            else:
+                out[f.name] = [x for v in values for x in v]
+        return RolloutBatch(**out)
+
+    def replace(self, **changes) -> "RolloutBatch":
+        return dataclasses.replace(self, **changes)
+
+
+def _pad_to(t: torch.Tensor, name: str, prompt_len: int, resp_len: int) -> torch.Tensor:
+    if name in ("prompts", "prompt_mask"):  # left-padded
+        return torch.nn.functional.pad(t, (prompt_len - t.shape[1], 0), value=0)
+    if t.dim() == 2:                         # response-aligned, right-padded
+        return torch.nn.functional.pad(t, (0, resp_len - t.shape[1]), value=0)
+    return t

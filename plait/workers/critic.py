@@ -1,0 +1,102 @@
+"""The critic role: a value head on a causal LM body, predicting a value per response token.
+
+The body is any Hugging Face causal LM (by default the actor's starting weights); the head is one
+linear layer on the last hidden state, zero-initialised so the first values are 0.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from plait.algorithms.losses import value_loss
+from plait.config import CriticConfig
+from plait.models import load_causal_lm
+from plait.types import RolloutBatch
+from plait.workers.actor import (all_reduce_grads, check_same_batch, checkpoint_state, clip_grads, dp_rank_size,
+                                 dp_share, global_sum, load_checkpoint_state, make_optimizer, shard_model, use_fsdp)
+
+
+class ValueModel(torch.nn.Module):
+    def __init__(self, lm):
+        super().__init__()
+        self.lm = lm
+        self.head = torch.nn.Linear(lm.config.hidden_size, 1)
+        torch.nn.init.zeros_(self.head.weight)
+        torch.nn.init.zeros_(self.head.bias)
+
+    def forward(self, micro: RolloutBatch) -> torch.Tensor:
+        device = self.head.weight.device
+        input_ids, mask = micro.input_ids.to(device), micro.attention_mask.to(device)
+        position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+        out = self.lm.base_model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, use_cache=False)
+        resp_len = micro.responses.shape[1]
+        hidden = out.last_hidden_state[:, -resp_len - 1:-1]   # [micro, resp_len, hidden]: state before each token
+        return self.head(hidden.float()).squeeze(-1)           # [micro, resp_len]
+
+
+class Critic:
+    def __init__(self, model_path: str, cfg: CriticConfig, n: int, profiler,
+                 device: str = "cpu", dtype: torch.dtype = torch.float32, fsdp: bool | None = None):
+        self.cfg, self.n, self.profiler = cfg, n, profiler
+        self.model = ValueModel(load_causal_lm(model_path, dtype=dtype, device=device)).to(device)
+        if use_fsdp(fsdp, device):  # data parallelism as in the actor (plait/workers/actor.py)
+            shard_model(self.model, self.model.lm._no_split_modules or [])
+        self.optimizer, self.scheduler = make_optimizer(self.model.parameters(), cfg.optim)
+
+    def compute_values(self, batch: RolloutBatch) -> torch.Tensor:
+        with self.profiler.annotate("values"), torch.no_grad():
+            mb = self.cfg.ppo_micro_batch_size_per_gpu
+            return torch.cat([self.model(batch.select(slice(s, s + mb))) * batch.response_mask[s:s + mb]
+                              for s in range(0, len(batch), mb)])  # [batch, resp_len]
+
+    def update(self, batch: RolloutBatch) -> dict[str, float]:
+        with self.profiler.annotate("update_critic"):
+            cfg, mini = self.cfg, self.cfg.ppo_mini_batch_size * self.n
+            check_same_batch(batch, "Critic.update")
+            sums, count = {"vf_loss": 0.0, "vf_clipfrac": 0.0, "grad_norm": 0.0}, 0
+            rows = torch.arange(len(batch))
+            for _ in range(cfg.ppo_epochs):
+                for start in range(0, len(batch), mini):
+                    stats = self._optimizer_step(batch.select(dp_share(rows[start:start + mini])))
+                    for k in sums:
+                        sums[k] += stats[k]
+                    count += 1
+            return {f"critic/{k}": v / count for k, v in sums.items()}
+
+    def _optimizer_step(self, mini: RolloutBatch) -> dict[str, float]:
+        cfg = self.cfg
+        num_tokens, num_seqs = global_sum([mini.response_mask.sum().item(), float(len(mini))])
+        norm = dict(num_tokens=max(num_tokens, 1.0), num_seqs=num_seqs)
+        device = self.model.head.weight.device
+        self.optimizer.zero_grad(set_to_none=True)
+        stats = {"vf_loss": 0.0, "vf_clipfrac": 0.0}
+        for start in range(0, len(mini), cfg.ppo_micro_batch_size_per_gpu):
+            micro = mini.select(slice(start, start + cfg.ppo_micro_batch_size_per_gpu))
+            mask = micro.response_mask.to(device)
+            loss, m = value_loss(self.model(micro), micro.values.to(device), micro.returns.to(device), mask,
+                                 cliprange=cfg.cliprange_value, agg_mode=cfg.loss_agg_mode, **norm)
+            loss.backward()
+            stats["vf_loss"] += loss.item()
+            stats["vf_clipfrac"] += m["vf_clipfrac"] * mask.sum().item() / norm["num_tokens"]
+        all_reduce_grads(self.model)
+        grad_norm = clip_grads(self.model, cfg.grad_clip)
+        self.optimizer.step()
+        self.scheduler.step()
+        stats = dict(zip(stats, global_sum(list(stats.values()))))  # each rank summed its rows' parts
+        stats["grad_norm"] = grad_norm
+        return stats
+
+    def save_checkpoint(self, path: str) -> None:
+        model_state, optim_state = checkpoint_state(self.model, self.optimizer)
+        if dp_rank_size()[0] != 0:  # one writer, as in the actor
+            return
+        os.makedirs(path, exist_ok=True)
+        torch.save({"model": model_state, "optimizer": optim_state,
+                    "scheduler": self.scheduler.state_dict()}, os.path.join(path, "critic.pt"))
+
+    def load_checkpoint(self, path: str) -> None:
+        state = torch.load(os.path.join(path, "critic.pt"), weights_only=True)
+        load_checkpoint_state(self.model, self.optimizer, state["model"], state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])

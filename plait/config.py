@@ -236,7 +236,7 @@ class TrainerConfig:
     max_ckpt_to_keep: Optional[int] = 2
     logger: list[str] = field(default_factory=lambda: ["console"])
     project_name: str = "plait"
-    experiment_name: str = "demo"
+    experiment_name: Optional[str] = None     # null: the mode's name, so demos of different modes don't share outputs
     seed: int = 1
     mode: Literal["sync", "diffusion"] = "sync"
     placement: Literal["colocated", "separated"] = "colocated"
@@ -298,7 +298,7 @@ class PlaitConfig:
     @property
     def output_dir(self) -> str:
         t = self.trainer
-        return t.default_local_dir or f"outputs/{t.project_name}/{t.experiment_name}"
+        return t.default_local_dir or f"outputs/{t.project_name}/{t.experiment_name or t.mode}"
 
     @property
     def uses_ref(self) -> bool:

@@ -70,7 +70,7 @@ def build(cfg: PlaitConfig, progress: bool = True) -> Lifecycle:
     if cfg.trainer.num_threads:
         torch.set_num_threads(cfg.trainer.num_threads)
     t = cfg.trainer
-    tracker = Tracker(cfg.output_dir, t.logger, t.project_name, t.experiment_name, to_dict(cfg), progress=progress)
+    tracker = Tracker(cfg.output_dir, t.logger, t.project_name, t.experiment_name or t.mode, to_dict(cfg), progress=progress)
     backend = make_backend(cfg)
     if t.mode == "diffusion":
         from plait.trainers.diffusion import build_diffusion_trainer

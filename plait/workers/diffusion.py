@@ -22,26 +22,28 @@ others run as ODE. The window start is drawn per batch from `sde_window_range`, 
 layout) and later steps both get trained while each update costs K << T model passes.
 
 Here: DiffusionModelConfig, FlowModel, pretrain_flow_model / load_flow_model, the sampler and
-step_logprob, Trajectory, and the workers DiffusionActor (rollout + update, colocated) and
-DiffusionRef (frozen means for the KL). Not here: the step loop (plait/trainers/), advantages and
-losses (plait/algorithms/flow_grpo.py), conditions and rewards (plait/data/images.py), diffusers.
+step_logprob, Trajectory, the workers DiffusionActor (rollout + update, colocated) and
+DiffusionRef (frozen means for the KL), and DiffusionConfig, the `diffusion` node of the config
+tree. Not here: the step loop (plait/trainers/diffusion.py), advantages and losses
+(plait/algorithms/flow_grpo.py), conditions and rewards (plait/data/images.py), diffusers.
 """
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import json
 import math
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Optional
 
 import torch
 from torch import Tensor, nn
 
 from plait.algorithms.flow_grpo import flow_grpo_loss, mean_kl
 from plait.configtree import check
-from plait.data.images import NUM_GLYPHS, render_glyphs
+from plait.data.images import IMAGE_REWARDS, NUM_GLYPHS, render_glyphs
 
 
 @dataclass
@@ -142,10 +144,14 @@ def pretrain_flow_model(cfg: DiffusionModelConfig, steps: int, batch_size: int, 
     return out
 
 
+def flow_model_config(path: str | Path) -> DiffusionModelConfig:
+    """The architecture recorded beside the model `pretrain_flow_model` saved in `path`."""
+    return DiffusionModelConfig(**json.loads((Path(path) / "settings.json").read_text())["model"])
+
+
 def load_flow_model(path: str | Path) -> FlowModel:
     """The model `pretrain_flow_model` saved in `path` (CPU, float32)."""
-    settings = json.loads((Path(path) / "settings.json").read_text())
-    model = FlowModel(DiffusionModelConfig(**settings["model"]))
+    model = FlowModel(flow_model_config(path))
     model.load_state_dict(torch.load(Path(path) / "model.pt", map_location="cpu", weights_only=True))
     return model
 
@@ -241,22 +247,26 @@ def step_logprob(model: FlowModel, x_t: Tensor, x_prev: Tensor, t: float, t_prev
 
 @dataclass
 class DiffusionActorConfig:
-    """Sampler and Flow-GRPO update settings; verl's key names where verl has the knob."""
+    """Sampler and Flow-GRPO update settings; verl's key names where verl has the knob.
+
+    The defaults are the built-in demo's (8x8 glyphs, classifier reward), tuned on CPU.
+    """
 
     num_inference_steps: int = 10
-    noise_level: float = 0.7
+    noise_level: float = 1.0
     """Scales sigma_t; 0 would make the sampler deterministic (no log-probs)."""
-    sde_window_size: int = 2
+    sde_window_size: int = 4
     """Trained (stochastic) denoising steps per sample; 0 makes every step stochastic and trained."""
-    sde_window_range: tuple[int, int] = (0, 5)
+    sde_window_range: tuple[int, int] = (0, 10)
     """The window lies inside steps [lo, hi); its start is drawn per batch."""
-    lr: float = 3e-4
+    lr: float = 1e-3
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     clip_ratio: float = 1e-4
     adv_clip_max: float = 5.0
-    kl_loss_coef: float = 0.0
-    """Weight of the KL to the reference means; > 0 needs ref_mean in update()."""
+    kl_loss_coef: float = 0.01
+    """Weight of the KL to the reference means; > 0 needs ref_mean in update() (the trainer then
+    runs the ref role)."""
     ppo_epochs: int = 1
 
     def __post_init__(self):
@@ -278,13 +288,15 @@ class DiffusionActorConfig:
 class DiffusionActor:
     """Policy worker: samples trajectories with log-probs and runs the Flow-GRPO update.
 
-    Stages are annotated with verl's names (gen, old_log_prob, update_actor) on the `profiler`
-    handle the profiler session gives each role.
+    Built from a model folder (`backend.spawn("actor", DiffusionActor, path, cfg, device=...)`),
+    so a backend can construct it wherever the role lives. Stages are annotated with verl's
+    names (gen, old_log_prob, update_actor) on the `profiler` handle the session gives the role.
     """
 
-    def __init__(self, model: FlowModel, cfg: DiffusionActorConfig, profiler):
-        self.model, self.cfg, self.profiler = model, cfg, profiler
-        self.optim = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    def __init__(self, model_path: str | Path, cfg: DiffusionActorConfig, profiler, device: str = "cpu"):
+        self.model = load_flow_model(model_path).to(device)
+        self.cfg, self.profiler = cfg, profiler
+        self.optim = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
 
     def generate(self, cond: Tensor, generator: torch.Generator, ode: bool = False) -> Trajectory:
         """SDE rollout with a window drawn from `generator`; `ode` samples deterministically (validation)."""
@@ -344,12 +356,22 @@ class DiffusionActor:
         self.model.load_state_dict(state["model"])
         self.optim.load_state_dict(state["optimizer"])
 
+    def save_checkpoint(self, path: str) -> None:
+        """Model and optimizer into folder `path` (the worker writes its own files, wherever it runs)."""
+        os.makedirs(path, exist_ok=True)
+        torch.save(self.state_dict(), os.path.join(path, "model_and_optimizer.pt"))
+
+    def load_checkpoint(self, path: str) -> None:
+        device = next(self.model.parameters()).device
+        self.load_state_dict(torch.load(os.path.join(path, "model_and_optimizer.pt"), map_location=device,
+                                        weights_only=True))
+
 
 class DiffusionRef:
     """Frozen copy of the initial policy: its predicted means on recorded transitions, for the KL."""
 
-    def __init__(self, model: FlowModel, profiler):
-        self.model = copy.deepcopy(model).requires_grad_(False)
+    def __init__(self, model_path: str | Path, profiler, device: str = "cpu"):
+        self.model = load_flow_model(model_path).to(device).requires_grad_(False)
         self.profiler = profiler
 
     def compute_means(self, traj: Trajectory) -> Tensor:
@@ -364,3 +386,35 @@ def _window_steps(model: FlowModel, traj: Trajectory):
         t, t_prev = traj.timesteps[i].item(), traj.timesteps[i + 1].item()
         yield step_logprob(model, traj.latents[:, i], traj.latents[:, i + 1], t, t_prev, traj.cond,
                            traj.noise_level)
+
+
+# --- the config node ---------------------------------------------------------------------------
+
+@dataclass
+class DiffusionConfig:
+    """The `diffusion` node, read with trainer.mode=diffusion: the policy, its pre-training, the reward.
+
+    The batch and schedule come from the shared keys: data.train_batch_size conditions x
+    actor_rollout_ref.rollout.n samples per step, data.train_size / data.val_size conditions,
+    trainer.*; profiling from actor_rollout_ref.{actor,ref}.profiler (roles "actor" and "ref").
+    The LM update keys (actor_rollout_ref.actor.optim, clip_ratio, ...) do not apply: the
+    Flow-GRPO update's own are under `actor`, because its clip range and lr live on another scale.
+    """
+
+    model_path: Optional[str] = None
+    """A folder saved by pretrain_flow_model; null: the built-in glyph model, pre-trained once
+    and cached in <output_dir>/demo_model/flow."""
+    model: DiffusionModelConfig = field(default_factory=DiffusionModelConfig)
+    """The built-in model's architecture (a model_path folder records its own)."""
+    pretrain_steps: int = 50
+    pretrain_batch_size: int = 128
+    pretrain_lr: float = 2e-3
+    reward: str = "glyph_classifier"
+    """A name in plait.data.images.IMAGE_REWARDS; custom_reward_function.path replaces it."""
+    actor: DiffusionActorConfig = field(default_factory=DiffusionActorConfig)
+
+    def __post_init__(self):
+        check(self.pretrain_steps >= 0, "pretrain_steps", self.pretrain_steps, "an integer >= 0")
+        check(self.pretrain_batch_size >= 1, "pretrain_batch_size", self.pretrain_batch_size, "an integer >= 1")
+        check(self.pretrain_lr > 0, "pretrain_lr", self.pretrain_lr, "a number > 0")
+        check(self.reward in IMAGE_REWARDS, "reward", self.reward, f"one of {', '.join(IMAGE_REWARDS)}")

@@ -18,11 +18,11 @@ def _heldout_reward(actor, reward, val):
     return reward(traj.images, val).mean().item()
 
 
-def test_flow_grpo_raises_heldout_classifier_reward(model, profiler):
+def test_flow_grpo_raises_heldout_classifier_reward(pretrained_dir, profiler):
     reward = IMAGE_REWARDS["glyph_classifier"]
     cfg = DiffusionActorConfig(noise_level=1.0, sde_window_size=4, sde_window_range=(0, 10), lr=5e-4,
                                kl_loss_coef=0.01)
-    actor, ref = DiffusionActor(model, cfg, profiler), DiffusionRef(model, profiler)
+    actor, ref = DiffusionActor(pretrained_dir, cfg, profiler), DiffusionRef(pretrained_dir, profiler)
     train, val = condition_split("train", 640), condition_split("val", 100)
     before = _heldout_reward(actor, reward, val)
     generator, groups, group_size = torch.Generator().manual_seed(1), 16, 8

@@ -10,7 +10,7 @@ from torch import nn
 from plait.configtree import ConfigError, build
 from plait.data.images import condition_split
 from plait.workers.diffusion import (DiffusionActor, DiffusionActorConfig, DiffusionModelConfig, DiffusionRef,
-                                     load_flow_model, pretrain_flow_model, sample_with_logprobs, sde_std,
+                                     pretrain_flow_model, sample_with_logprobs, sde_std,
                                      step_logprob)
 
 
@@ -86,9 +86,10 @@ def test_ode_mode_is_deterministic(model):
     assert torch.equal(sde[0].latents[:, 0], a.latents[:, 0])  # same seed, same starting noise
 
 
-def test_update_changes_parameters_and_logprobs(model, profiler):
-    actor = DiffusionActor(model, DiffusionActorConfig(sde_window_size=3, sde_window_range=(0, 10), lr=1e-3),
-                           profiler)
+def test_update_changes_parameters_and_logprobs(pretrained_dir, profiler):
+    cfg = DiffusionActorConfig(sde_window_size=3, sde_window_range=(0, 10), lr=1e-3, kl_loss_coef=0.0)
+    actor = DiffusionActor(pretrained_dir, cfg, profiler)
+    model = actor.model
     cond = condition_split("train", 8)
     traj = actor.generate(cond, torch.Generator().manual_seed(0))
     assert traj.window[1] - traj.window[0] == 3
@@ -102,9 +103,10 @@ def test_update_changes_parameters_and_logprobs(model, profiler):
     assert profiler.stages == ["gen", "old_log_prob", "update_actor", "old_log_prob"]
 
 
-def test_kl_to_reference(model, profiler):
-    ref = DiffusionRef(model, profiler)
-    actor = DiffusionActor(model, DiffusionActorConfig(kl_loss_coef=0.1, lr=1e-3), profiler)
+def test_kl_to_reference(pretrained_dir, profiler):
+    ref = DiffusionRef(pretrained_dir, profiler)
+    actor = DiffusionActor(pretrained_dir, DiffusionActorConfig(sde_window_size=2, kl_loss_coef=0.1, lr=1e-3),
+                           profiler)
     cond, generator = condition_split("train", 8), torch.Generator().manual_seed(0)
     traj = actor.generate(cond, generator)
     with pytest.raises(ValueError, match="ref_mean"):
@@ -119,13 +121,14 @@ def test_kl_to_reference(model, profiler):
     assert "ref" in profiler.stages
 
 
-def test_state_dict_round_trip(model, pretrained_dir, profiler):
-    actor = DiffusionActor(model, DiffusionActorConfig(lr=1e-3), profiler)
+def test_checkpoint_round_trip(pretrained_dir, profiler, tmp_path):
+    actor = DiffusionActor(pretrained_dir, DiffusionActorConfig(lr=1e-3, kl_loss_coef=0.0), profiler)
     traj = actor.generate(condition_split("train", 8), torch.Generator().manual_seed(0))
     actor.update(traj, torch.linspace(-1, 1, 8), traj.window_log_probs)
-    fresh = DiffusionActor(load_flow_model(pretrained_dir), DiffusionActorConfig(lr=1e-3), profiler)
+    fresh = DiffusionActor(pretrained_dir, DiffusionActorConfig(lr=1e-3), profiler)
     assert not torch.allclose(fresh.compute_logprobs(traj), actor.compute_logprobs(traj))
-    fresh.load_state_dict(actor.state_dict())
+    actor.save_checkpoint(str(tmp_path / "actor"))
+    fresh.load_checkpoint(str(tmp_path / "actor"))
     assert torch.equal(fresh.compute_logprobs(traj), actor.compute_logprobs(traj))
     assert fresh.optim.state_dict()["state"]  # Adam moments came along
 

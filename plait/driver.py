@@ -66,7 +66,7 @@ def resolve_reward(cfg: PlaitConfig):
 
 
 def build(cfg: PlaitConfig, progress: bool = True) -> Lifecycle:
-    validate_environment(cfg.global_profiler)
+    validate_environment(cfg.global_profiler, role_profilers(cfg))
     if cfg.trainer.num_threads:
         torch.set_num_threads(cfg.trainer.num_threads)
     t = cfg.trainer

@@ -1,1 +1,83 @@
+"""Profiler tools and the check that a tool can run on this machine.
 
+A tool is a small stateful object driven by a ProfilerSession:
+
+    open(window)                     window start: begin collecting
+    stage(role, stage, own_file)     a context manager around one stage, only inside a window
+    close()                          window end: stop collecting, write artifacts via window.save
+
+`own_file` is False for a stage of a hosted role that is not profiled on this rank: it still
+gets a range in the shared collection but never a discrete file of its own.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+from typing import Mapping, Optional
+
+# Not `import torch`: importing the submodule tools/torch.py rebinds `torch` in this namespace.
+from torch.cuda import is_available as cuda_available
+
+from plait.configtree import check
+from plait.profiler.config import ROLE_KEYS, GlobalProfilerConfig, RoleProfilerConfig
+
+log = logging.getLogger("plait.profiler")
+
+
+def validate_environment(cfg: GlobalProfilerConfig,
+                         roles: Optional[Mapping[str, RoleProfilerConfig]] = None) -> None:
+    """Raise ConfigError if `cfg.tool` (or a role's torch contents) cannot run on this machine.
+
+    Call before any training work, with the role nodes when the caller has them. Also warns in
+    one line when no role is enabled, and says what torch_memory writes without CUDA.
+    """
+    check_environment(cfg, roles or {})
+    if cfg.tool and cfg.steps and roles is not None and not any(rc.enable for rc in roles.values()):
+        log.warning("profiler: global_profiler.tool is %s but no role has profiler.enable: true; "
+                    "nothing will be profiled", cfg.tool)
+    if cfg.tool == "torch_memory" and not cuda_available():
+        log.warning("profiler: torch_memory without CUDA writes a torch.profiler trace with CPU "
+                    "memory events per window; trace_alloc_max_entries and stack_depth apply to "
+                    "CUDA snapshots only (docs/profiling.md)")
+
+
+def check_environment(cfg: GlobalProfilerConfig, roles: Mapping[str, RoleProfilerConfig]) -> None:
+    if cfg.tool is None:
+        return
+    cuda = cuda_available()
+    if cfg.tool == "nsys":
+        check(cuda, "global_profiler.tool", cfg.tool,
+              "nsys needs CUDA, and torch.cuda.is_available() is False on this machine; "
+              "use torch or torch_memory here")
+        check(importlib.util.find_spec("nvtx") is not None, "global_profiler.tool", cfg.tool,
+              "nsys needs the nvtx package for its stage ranges: pip install nvtx")
+    if cfg.tool == "torch":
+        for role, rc in roles.items():
+            check(cuda or not rc.enable or "cuda" not in rc.tool_config.torch.contents,
+                  f"{ROLE_KEYS.get(role, role)}.profiler.tool_config.torch.contents",
+                  rc.tool_config.torch.contents,
+                  "lists cuda, but torch.cuda.is_available() is False on this machine")
+    check(not os.path.isfile(cfg.save_path), "global_profiler.save_path", cfg.save_path,
+          "is an existing file; expected a folder")
+
+
+def make_tool(cfg: GlobalProfilerConfig, roles: Mapping[str, RoleProfilerConfig]):
+    """The tool for the roles profiled in one process; they share one collection."""
+    check_environment(cfg, roles)
+    if cfg.tool == "torch":
+        contents = set().union(*(rc.tool_config.torch.contents for rc in roles.values()))
+        discrete = {rc.tool_config.torch.discrete for rc in roles.values()}
+        check(len(discrete) == 1, "profiler.tool_config.torch.discrete",
+              {role: rc.tool_config.torch.discrete for role, rc in roles.items()},
+              "roles profiled in one process share one collection; give them the same value")
+        # "cpu" without "cuda" keeps CUDA kernels out; CPU is always on for the stage ranges.
+        cuda = cuda_available() and not ("cpu" in contents and "cuda" not in contents)
+        from plait.profiler.tools.torch import TorchTool
+        return TorchTool(contents, discrete.pop(), cuda)
+    if cfg.tool == "torch_memory":
+        from plait.profiler.tools.torch_memory import torch_memory_tool
+        return torch_memory_tool(cfg.global_tool_config.torch_memory)
+    from plait.profiler.tools.nsys import NsysTool
+    return NsysTool()

@@ -1,0 +1,90 @@
+"""The driver side: StepProfiler, the only profiler object the step lifecycle touches.
+
+    StepProfiler(cfg, last_step, targets)      plan the windows; warn once about unreachable steps
+    begin_step(N, version)   ─▶ start_profile on every target     if a window opens at N
+    end_step(N)              ─▶ stop_profile, manifest, hook       if the window closes at N
+    close(error)             ─▶ close an open window (complete=false), hook if due; idempotent
+
+A target is one worker process (ProfileTarget): the local backend passes its ProfilerSession,
+Ray a proxy that forwards the two calls. The finish hook runs once, after the last window
+closes, or at close() when a window opened but the run ended or failed before the hook ran.
+A target or manifest failure is reported and never raised into training.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional, Protocol, Sequence
+
+from plait.profiler.config import GlobalProfilerConfig
+from plait.profiler.hook import run_finish_hook
+from plait.profiler.naming import append_manifest
+from plait.profiler.schedule import Window, plan
+
+log = logging.getLogger("plait.profiler")
+
+
+class ProfileTarget(Protocol):
+    def start_profile(self, first_step: int, last_step: int, version: int) -> None: ...
+    def stop_profile(self, complete: bool) -> list[dict]: ...
+
+
+class StepProfiler:
+    def __init__(self, cfg: GlobalProfilerConfig, last_step: int, targets: Sequence[ProfileTarget]):
+        self.cfg = cfg
+        self.plan = plan((cfg.steps or []) if cfg.tool else [], last_step, cfg.profile_continuous_steps)
+        if self.plan.warning:
+            log.warning("profiler: %s", self.plan.warning)
+        self.targets = list(targets)
+        self.open: Optional[Window] = None
+        self.opened_any = False
+        self.hook_ran = False
+
+    def begin_step(self, step: int, version: int) -> None:
+        w = self.plan.window_of(step)
+        if self.open is not None or w is None:
+            return
+        # A run resumed inside a planned window opens it at the resume step.
+        self.open = Window(step, w.last)
+        self.opened_any = True
+        for target in self.targets:
+            try:
+                target.start_profile(self.open.first, self.open.last, version)
+            except Exception as err:
+                log.warning("profiler: start_profile failed on %r: %s: %s", target, type(err).__name__, err)
+
+    def end_step(self, step: int) -> None:
+        if self.open is not None and step >= self.open.last:
+            self._stop(complete=True)
+        if self.open is None and self.plan.hook_step is not None and step >= self.plan.hook_step:
+            self._finish()
+
+    def close(self, error: Optional[BaseException] = None) -> None:
+        """Run end or failure: close an open window as incomplete, run the hook if still due.
+
+        A window still open here did not reach its last step, so it is incomplete whether or not
+        `error` is set; the lifecycle re-raises the error itself.
+        """
+        if self.open is not None:
+            self._stop(complete=False)  # the run ended before the window's last step
+        self._finish()
+
+    def _stop(self, complete: bool) -> None:
+        self.open = None
+        records: list[dict] = []
+        for target in self.targets:
+            try:
+                records.extend(target.stop_profile(complete))
+            except Exception as err:
+                log.warning("profiler: stop_profile failed on %r: %s: %s", target, type(err).__name__, err)
+        try:
+            append_manifest(self.cfg.save_path, records)
+        except Exception as err:
+            log.warning("profiler: could not write the manifest: %s: %s", type(err).__name__, err)
+
+    def _finish(self) -> None:
+        if not self.opened_any or self.hook_ran:
+            return
+        self.hook_ran = True
+        if self.cfg.finish_hook_cmd is not None:
+            run_finish_hook(self.cfg.finish_hook_cmd, self.cfg.save_path, self.cfg.tool)

@@ -1,0 +1,191 @@
+"""The worker side: one ProfilerSession per process, one RoleProfiler handle per hosted role.
+
+    driver (StepProfiler) ──start(first, last, version)──▶ ProfilerSession ──open──▶ tool
+    worker stage:  with self.profiler.annotate("update_actor"): ...   (a range, or nothing)
+    driver ◀──records── stop(complete) ──close──▶ tool writes artifacts via the window
+
+Roles hosted by one process share one collection, so a window gives one artifact per process,
+named after the process's profiled roles in the order actor, rollout, ref, critic
+("actor-ref_rank0"); in a separated placement each role has its own process and artifact.
+A role is profiled on rank 0 unless its `ranks` or `all_ranks` say otherwise. Between windows
+`annotate` is one boolean check returning a shared no-op context manager: no record_function,
+no NVTX, no allocator history. A failing tool is reported once and its artifact marked
+incomplete; it never raises into training. The manifest is written by the driver, not here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import Callable, Mapping, Optional
+
+from plait.configtree import ConfigError
+from plait.profiler.config import ROLE_KEYS, ROLE_ORDER, GlobalProfilerConfig, RoleProfilerConfig
+from plait.profiler.naming import artifact_path
+from plait.profiler.tools import make_tool
+
+log = logging.getLogger("plait.profiler")
+
+NULL_RANGE = contextlib.nullcontext()  # what annotate returns outside a window
+
+
+@dataclass
+class Artifact:
+    role: str
+    stage: Optional[str]
+    path: Optional[str]        # relative to save_path; None when nothing was written
+    start_time: float
+    end_time: float
+    complete: bool
+
+
+class OpenWindow:
+    """One open window's artifact sink: names each file and records what was written."""
+
+    def __init__(self, save_path: str, first: int, last: int, version: int, name: str, rank: int,
+                 on_error: Callable[[str, BaseException], None]):
+        self.save_path, self.first, self.last, self.version = save_path, first, last, version
+        self.name, self.rank = name, rank
+        self.on_error = on_error
+        self.start_time = time.time()
+        self.artifacts: list[Artifact] = []
+        self._stage_counts: dict[tuple[str, str], int] = {}
+
+    def save(self, role: str, ext: str, write: Callable[[str], None], stage: Optional[str] = None,
+             start_time: Optional[float] = None) -> None:
+        """Write one artifact with `write(path)`; a failure is reported and recorded as incomplete."""
+        if stage is not None:  # a stage repeated within a window gets -2, -3, ...
+            n = self._stage_counts[(role, stage)] = self._stage_counts.get((role, stage), 0) + 1
+            stage = stage if n == 1 else f"{stage}-{n}"
+        path = artifact_path(self.save_path, self.first, self.last, role, self.rank, ext=ext, stage=stage)
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            write(path)
+        except Exception as err:
+            self.on_error("writing an artifact", err)
+            if os.path.exists(path):
+                os.remove(path)
+            self.add(role, stage, None, start_time, complete=False)
+            return
+        self.add(role, stage, path, start_time)
+
+    def add(self, role: str, stage: Optional[str] = None, path: Optional[str] = None,
+            start_time: Optional[float] = None, complete: bool = True) -> None:
+        rel = None if path is None else os.path.relpath(path, self.save_path)
+        self.artifacts.append(Artifact(role, stage, rel, start_time or self.start_time, time.time(), complete))
+
+
+class ProfilerSession:
+    def __init__(self, cfg: GlobalProfilerConfig, roles: Mapping[str, RoleProfilerConfig], rank: int,
+                 world_size: int = 1):
+        for role, rc in roles.items():
+            if any(r >= world_size for r in rc.ranks):
+                raise ConfigError(f"{ROLE_KEYS.get(role, role)}.profiler.ranks", rc.ranks,
+                                  f"ranks must be below the world size {world_size}")
+        self.cfg, self.rank = cfg, rank
+        order = sorted(roles, key=lambda r: ROLE_ORDER.index(r) if r in ROLE_ORDER else len(ROLE_ORDER))
+        profiled = [r for r in order if roles[r].selects(rank)]
+        self.name = "-".join(profiled)  # the shared artifact's role name, "" if none
+        self.tool = make_tool(cfg, {r: roles[r] for r in profiled}) if cfg.tool and profiled else None
+        self._handles = {r: RoleProfiler(self, r, r in profiled) for r in roles}
+        self._window: Optional[OpenWindow] = None
+        self._recording = False  # window open and tool collecting: the one flag annotate reads
+        self._warned: set[str] = set()
+
+    def for_role(self, role: str) -> "RoleProfiler":
+        if role not in self._handles:
+            raise ValueError(f"role {role!r} is not hosted by this process ({', '.join(self._handles)})")
+        return self._handles[role]
+
+    @property
+    def active(self) -> bool:
+        return self._window is not None
+
+    def start(self, first_step: int, last_step: int, version: int) -> None:
+        """Open a window; a no-op when no hosted role is profiled on this rank or tool is None."""
+        if self.tool is None:
+            return
+        if self._window is not None:
+            self._warn("start", f"window for steps {first_step}-{last_step} asked to open while "
+                                f"steps {self._window.first}-{self._window.last} are open; ignored")
+            return
+        self._window = OpenWindow(self.cfg.save_path, first_step, last_step, version, self.name,
+                                  self.rank, self._fail)
+        try:
+            self.tool.open(self._window)
+            self._recording = True
+        except Exception as err:
+            self._fail("starting", err)
+            self._window.add(self.name, complete=False)
+
+    def stop(self, complete: bool = True) -> list[dict]:
+        """Close the window, write its artifacts and return their manifest records."""
+        window, self._window = self._window, None
+        if window is None:
+            return []
+        if self._recording:
+            self._recording = False
+            try:
+                self.tool.close()
+            except Exception as err:
+                self._fail("stopping", err)
+                window.add(self.name, complete=False)
+        return [{"steps": [window.first, window.last], "role": a.role, "stage": a.stage,
+                 "rank": self.rank, "pid": os.getpid(), "tool": self.cfg.tool, "path": a.path,
+                 "start_time": a.start_time, "end_time": a.end_time,
+                 "policy_version": window.version, "complete": complete and a.complete}
+                for a in window.artifacts]
+
+    # ProfileTarget: the local backend hands the session itself to the driver.
+    start_profile = start
+    stop_profile = stop
+
+    def _fail(self, what: str, err: BaseException) -> None:
+        self._warn(f"{what}:{type(err).__name__}",
+                   f"{self.cfg.tool} failed {what}: {type(err).__name__}: {err}; training "
+                   "continues, the artifact is marked incomplete")
+
+    def _warn(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            log.warning("profiler (%s, rank %d): %s", self.name, self.rank, message)
+
+
+class RoleProfiler:
+    """The handle a worker keeps as `self.profiler`."""
+
+    def __init__(self, session: ProfilerSession, role: str, profiled: bool):
+        self._session, self.role, self.profiled = session, role, profiled
+
+    def annotate(self, stage: str):
+        """A context manager around one stage: the tool's range inside a window, else a no-op."""
+        if not self._session._recording:
+            return NULL_RANGE
+        return _Stage(self._session, self.role, stage, self.profiled)
+
+
+class _Stage:
+    """Enters the tool's stage range; a tool error is reported, the stage runs exactly once."""
+
+    def __init__(self, session: ProfilerSession, role: str, stage: str, own_file: bool):
+        self.session, self.role, self.stage, self.own_file = session, role, stage, own_file
+        self.cm = None
+
+    def __enter__(self):
+        try:
+            cm = self.session.tool.stage(self.role, self.stage, self.own_file)
+            cm.__enter__()
+            self.cm = cm
+        except Exception as err:
+            self.session._fail("entering a stage", err)
+
+    def __exit__(self, *exc) -> bool:
+        if self.cm is not None:
+            try:
+                self.cm.__exit__(*exc)
+            except Exception as err:
+                self.session._fail("leaving a stage", err)
+        return False  # never swallow the stage's own error

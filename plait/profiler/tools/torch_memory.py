@@ -1,0 +1,106 @@
+"""The `torch_memory` tool: what held memory during a window.
+
+On CUDA: the caching allocator's history is recorded only while a window is open
+(`_record_memory_history`, at most `trace_alloc_max_entries` events, Python stacks), dumped as a
+snapshot pickle at window end for pytorch.org/memory_viz, then switched off, which also clears
+it, so each snapshot covers exactly one window. PyTorch has no stack-depth option, so
+`stack_depth` is applied when writing: each event keeps its innermost `stack_depth` frames. An
+out-of-memory error inside a window dumps `<name>_oom.pickle` before the error propagates.
+Stage ranges are recorded as annotations in the snapshot.
+
+Without CUDA there is no allocator history; the window instead gets a torch.profiler trace with
+profile_memory and record_shapes (see tools/torch.py): every CPU allocation and free with its
+size and running total, a "memory allocated (cpu)" counter track, and the stage ranges. The
+CUDA-only knobs then do nothing, which `validate_environment` says in one line.
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+from typing import Callable, Optional
+
+import torch
+from torch.profiler import record_function
+
+from plait.profiler.config import TorchMemoryToolConfig
+from plait.profiler.tools.torch import TorchTool
+
+log = logging.getLogger("plait.profiler")
+
+
+def torch_memory_tool(cfg: TorchMemoryToolConfig):
+    if torch.cuda.is_available():
+        return CudaMemoryHistory(cfg)
+    return TorchTool({"memory", "shapes"}, discrete=False, cuda=False)
+
+
+class CudaMemoryHistory:
+    def __init__(self, cfg: TorchMemoryToolConfig):
+        self.cfg = cfg
+        self._window = None
+
+    def open(self, window) -> None:
+        # Python stacks only: with C++ frames the innermost `stack_depth` frames would all be
+        # allocator internals and the call site would be trimmed away.
+        torch.cuda.memory._record_memory_history(
+            enabled="all", context="all", stacks="python", max_entries=self.cfg.trace_alloc_max_entries,
+            clear_history=True, global_record_annotations=True)
+        self._window = window
+        _OomObserver.attach()
+        _OomObserver.dump = lambda: window.save(window.name, "pickle", self._write, stage="oom")
+
+    def stage(self, role: str, stage: str, own_file: bool):
+        return record_function(f"{role}/{stage}")
+
+    def close(self) -> None:
+        _OomObserver.dump = None
+        window, self._window = self._window, None
+        try:
+            window.save(window.name, "pickle", self._write)
+        finally:
+            torch.cuda.memory._record_memory_history(enabled=None)  # stop and clear the history
+
+    def _write(self, path: str) -> None:
+        snapshot = trim_frames(torch.cuda.memory._snapshot(), self.cfg.stack_depth)
+        with open(path, "wb") as f:
+            pickle.dump(snapshot, f)
+
+
+def trim_frames(snapshot: dict, depth: int) -> dict:
+    """Keep the innermost `depth` frames of every block and trace event (frames are innermost first)."""
+    items = [b for seg in snapshot.get("segments", []) for b in seg.get("blocks", [])]
+    items += [e for trace in snapshot.get("device_traces", []) for e in trace]
+    for item in items:
+        if "frames" in item:
+            item["frames"] = item["frames"][:depth]
+    return snapshot
+
+
+class _OomObserver:
+    """Forwards CUDA out-of-memory to the open window's dump.
+
+    Process-wide on purpose: the allocator's observer cannot be detached, so it is attached once
+    per process and does nothing while no torch_memory window is open.
+    """
+
+    dump: Optional[Callable[[], None]] = None
+    attached = False
+
+    @classmethod
+    def attach(cls) -> None:
+        if cls.attached:
+            return
+        cls.attached = True
+        # A private API, present in CUDA builds of recent PyTorch; without it the failure-path
+        # snapshot at window close still records the "oom" event.
+        if not hasattr(torch._C, "_cuda_attach_out_of_memory_observer"):
+            log.warning("torch_memory: this PyTorch build has no CUDA OOM observer; "
+                        "no separate snapshot is taken at out-of-memory")
+            return
+        torch._C._cuda_attach_out_of_memory_observer(cls._on_oom)
+
+    @classmethod
+    def _on_oom(cls, device: int, alloc: int, device_allocated: int, device_free: int) -> None:
+        if cls.dump is not None:
+            cls.dump()

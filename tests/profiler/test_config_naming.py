@@ -1,0 +1,151 @@
+"""Config validation, the environment check, artifact names, the manifest, and the pure helpers."""
+
+import logging
+import os
+import re
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from plait.configtree import ConfigError, build
+from plait.profiler import (GlobalProfilerConfig, RoleProfilerConfig, append_manifest, artifact_path,
+                            read_manifest, validate_environment)
+from plait.profiler.naming import sanitise
+from plait.profiler.tools.torch import memory_counters
+from plait.profiler.tools.torch_memory import trim_frames
+
+no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a CPU-only machine")
+
+
+@pytest.mark.parametrize("data, key", [
+    ({"steps": [0]}, "global_profiler.steps[0]"),
+    ({"steps": [3, -1]}, "global_profiler.steps[1]"),
+    ({"steps": [1.5]}, "global_profiler.steps"),  # type errors name the list and its value
+    ({"steps": ["2"]}, "global_profiler.steps"),
+    ({"steps": [True]}, "global_profiler.steps"),
+    ({"tool": "npu"}, "global_profiler.tool"),
+    ({"save_path": ""}, "global_profiler.save_path"),
+    ({"finish_hook_cmd": "  "}, "global_profiler.finish_hook_cmd"),
+    ({"global_tool_config": {"torch_memory": {"stack_depth": 0}}},
+     "global_profiler.global_tool_config.torch_memory.stack_depth"),
+    ({"global_tool_config": {"torch_memory": {"trace_alloc_max_entries": -5}}},
+     "global_profiler.global_tool_config.torch_memory.trace_alloc_max_entries"),
+    ({"stepz": [1]}, "global_profiler.stepz"),
+])
+def test_global_config_errors_name_the_key(data, key):
+    with pytest.raises(ConfigError) as err:
+        build(GlobalProfilerConfig, data, "global_profiler")
+    assert err.value.key == key
+    assert repr(err.value.value) in str(err.value)
+
+
+def test_direct_construction_is_validated_too():
+    with pytest.raises(ConfigError, match="steps"):
+        GlobalProfilerConfig(tool="torch", steps=[2, 2.5])
+    assert build(GlobalProfilerConfig, {"steps": [2.0, 3]}).steps == [2, 3]
+
+
+@pytest.mark.parametrize("data, key", [
+    ({"tool_config": {"torch": {"contents": ["memory", "flops"]}}}, "p.tool_config.torch.contents[1]"),
+    ({"all_ranks": True, "ranks": [1]}, "p.ranks"),
+    ({"ranks": [-1]}, "p.ranks[0]"),
+])
+def test_role_config_errors(data, key):
+    with pytest.raises(ConfigError) as err:
+        build(RoleProfilerConfig, data, "p")
+    assert err.value.key == key
+
+
+def test_rank_selection():
+    assert [RoleProfilerConfig(enable=True).selects(r) for r in range(3)] == [True, False, False]
+    assert [RoleProfilerConfig(enable=True, ranks=[1, 2]).selects(r) for r in range(3)] == [False, True, True]
+    assert all(RoleProfilerConfig(enable=True, all_ranks=True).selects(r) for r in range(3))
+    assert not RoleProfilerConfig(enable=False, all_ranks=True).selects(0)
+
+
+@no_cuda
+def test_nsys_is_refused_without_cuda():
+    with pytest.raises(ConfigError, match="nsys needs CUDA") as err:
+        validate_environment(GlobalProfilerConfig(tool="nsys", steps=[1]))
+    assert err.value.key == "global_profiler.tool"
+
+
+@no_cuda
+def test_torch_cuda_contents_refused_without_cuda():
+    roles = {"actor": build(RoleProfilerConfig, {"enable": True, "tool_config": {"torch": {"contents": ["cuda"]}}})}
+    with pytest.raises(ConfigError) as err:
+        validate_environment(GlobalProfilerConfig(tool="torch"), roles)
+    assert err.value.key == "actor_rollout_ref.actor.profiler.tool_config.torch.contents"
+    roles["actor"].enable = False  # a disabled role's contents do not matter
+    validate_environment(GlobalProfilerConfig(tool="torch"), roles)
+
+
+@no_cuda
+def test_torch_memory_on_cpu_says_what_it_writes(caplog):
+    with caplog.at_level(logging.WARNING, logger="plait.profiler"):
+        validate_environment(GlobalProfilerConfig(tool="torch_memory", steps=[1]))
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and "CPU memory events" in lines[0] and "stack_depth" in lines[0]
+
+
+def test_tool_without_any_enabled_role_is_said(caplog):
+    with caplog.at_level(logging.WARNING, logger="plait.profiler"):
+        validate_environment(GlobalProfilerConfig(tool="torch", steps=[1]), {"actor": RoleProfilerConfig()})
+    assert ["no role has profiler.enable" in r.getMessage() for r in caplog.records] == [True]
+
+
+def test_save_path_that_is_a_file_is_refused(tmp_path):
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(ConfigError, match="existing file"):
+        validate_environment(GlobalProfilerConfig(tool="torch", save_path=str(tmp_path / "f")))
+    validate_environment(GlobalProfilerConfig(tool=None, save_path=str(tmp_path / "f")))  # off: no check
+
+
+def test_artifact_path_layout():
+    assert artifact_path("out", 3, 3, "actor", 0, ext="pt.trace.json.gz") == "out/step3/actor_rank0.pt.trace.json.gz"
+    assert artifact_path("out", 2, 4, "actor-ref", 7, ext="pickle") == "out/step2-4/actor-ref_rank7.pickle"
+    assert (artifact_path("out", 5, 5, "critic", 1, ext="pt.trace.json.gz", stage="update_critic")
+            == "out/step5/critic_rank1_update_critic.pt.trace.json.gz")
+    assert artifact_path("out", 1, 1, "a/../b", 0, ext="x", stage="../../etc/passwd") == \
+        "out/step1/a___b_rank0_____etc_passwd.x"
+
+
+@given(st.text(min_size=1, max_size=40))
+def test_sanitised_names_cannot_escape_the_step_folder(name):
+    safe = sanitise(name)
+    assert re.fullmatch(r"[A-Za-z0-9_.-]+", safe) and ".." not in safe and not safe.startswith(".")
+    path = artifact_path("save", 1, 2, name, 0, ext="pickle", stage=name)
+    assert os.path.dirname(path) == os.path.join("save", "step1-2")
+
+
+def test_manifest_appends_lines_with_fixed_keys(tmp_path):
+    record = {"steps": [2, 3], "role": "actor", "stage": None, "rank": 0, "pid": 1, "tool": "torch",
+              "path": "step2-3/actor_rank0.pt.trace.json.gz", "start_time": 1.0, "end_time": 2.0,
+              "policy_version": 1, "complete": True}
+    append_manifest(str(tmp_path), [record])
+    append_manifest(str(tmp_path), [])
+    append_manifest(str(tmp_path), [dict(record, complete=False)])
+    assert read_manifest(str(tmp_path)) == [record, dict(record, complete=False)]
+    with pytest.raises(ValueError, match="keys"):
+        append_manifest(str(tmp_path), [{"steps": [1, 1]}])
+
+
+def test_trim_frames_keeps_the_innermost_frames():
+    frames = [{"filename": f"f{i}.py", "line": i, "name": f"fn{i}"} for i in range(10)]
+    snapshot = {"segments": [{"blocks": [{"size": 512, "frames": list(frames)}, {"size": 0, "state": "inactive"}]}],
+                "device_traces": [[{"action": "alloc", "size": 512, "frames": list(frames)}]]}
+    trimmed = trim_frames(snapshot, 3)
+    assert trimmed["segments"][0]["blocks"][0]["frames"] == frames[:3]
+    assert trimmed["device_traces"][0][0]["frames"] == frames[:3]
+    assert "frames" not in trimmed["segments"][0]["blocks"][1]
+
+
+def test_memory_counters_follow_total_allocated_per_device():
+    events = [{"name": "[memory]", "pid": 1, "ts": 10.0, "args": {"Device Type": 0, "Device Id": -1, "Total Allocated": 64}},
+              {"name": "aten::mm", "pid": 1, "ts": 11.0, "args": {}},
+              {"name": "[memory]", "pid": 1, "ts": 12.0, "args": {"Device Type": 1, "Device Id": 0, "Total Allocated": 32}}]
+    assert memory_counters(events) == [
+        {"ph": "C", "name": "memory allocated (cpu)", "pid": 1, "ts": 10.0, "args": {"bytes": 64}},
+        {"ph": "C", "name": "memory allocated (cuda:0)", "pid": 1, "ts": 12.0, "args": {"bytes": 32}}]

@@ -1,0 +1,329 @@
+"""The Ray backend: worker groups as Ray actors, data-parallel over torch.distributed.
+
+    driver ── RayWorkerGroup.call / call_dp ──▶ Host actors (one process per GPU, or per CPU worker)
+                                                  │  each hosts role objects: actor, ref, critic, rollout
+      train pool:   Host rank 0 .. W-1  ◀── torch.distributed group (gloo on CPU, NCCL on GPU)
+      rollout:      Host rank 0 of the train pool (colocated) or its own one-process pool (separated)
+
+Placement: a pool is one placement group of W bundles ({CPU: cpus_per_worker} plus {GPU: 1} on
+GPUs), so W = `trainer.ray.num_cpu_workers` on CPU or `trainer.nnodes * trainer.n_gpus_per_node`
+with GPUs; a pool that cannot be placed in `placement_timeout_s` is an error naming the missing
+resources, never a silent pending wait. The data-parallel roles (actor, critic, ref) live on every
+host of the train pool; any other role (the rollout) runs one worker. Each host process runs its
+own ProfilerSession with its rank; `profile_targets()` gives the driver one proxy for all of them.
+
+A worker that dies or raises fails the whole group at once: the first error is raised on the
+driver as one `WorkerError`, open profiler windows on the surviving hosts are closed (their
+records handed to the driver's profiler), every host is killed (a surviving rank may be blocked
+in a collective) and a Ray instance plait started is shut down.
+
+Left out: data-parallel generation (one rollout engine), NCCL weight broadcast (weights travel
+through the object store), node affinity beyond Ray's PACK strategy, and actor restarts.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import shutil
+import tempfile
+from typing import Any, Callable, Optional
+
+import ray
+import torch
+from ray.exceptions import RayActorError, RayError, RayTaskError
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from plait.backends import RayConfig
+from plait.config import PlaitConfig
+from plait.configtree import ConfigError
+from plait.profiler.config import ROLE_KEYS
+
+DATA_PARALLEL_ROLES = ("actor", "critic", "ref")
+
+
+class WorkerError(RuntimeError):
+    """A worker process died or raised; the Ray backend has been shut down."""
+
+
+@ray.remote
+class Host:
+    """One worker process: the role objects placed on it, its profiler session, its DP rank."""
+
+    def __init__(self, rank: int, world_size: int, cwd: str, threads: int, profiler_cfg, roles_cfg: dict):
+        from plait.profiler import ProfilerSession
+        if os.path.isdir(cwd):  # relative model, data and profile paths mean what they mean on the driver
+            os.chdir(cwd)
+        torch.set_num_threads(threads)
+        self.rank, self.world_size = rank, world_size
+        self.session = ProfilerSession(profiler_cfg, roles_cfg, rank=rank, world_size=world_size)
+        self.workers: dict[str, Any] = {}
+        self.store = None
+
+    def open_store(self) -> tuple[str, int]:
+        """Rank 0: a TCP store on a free port for the process group to meet at."""
+        import torch.distributed as dist
+        host = ray.util.get_node_ip_address()
+        self.store = dist.TCPStore(host, 0, self.world_size, is_master=True, wait_for_workers=False)
+        return host, self.store.port
+
+    def join_group(self, host: str, port: int) -> None:
+        import torch.distributed as dist
+        store = self.store or dist.TCPStore(host, port, self.world_size, is_master=False)
+        if torch.cuda.is_available():
+            torch.cuda.set_device(0)  # Ray sets CUDA_VISIBLE_DEVICES to this process's GPU
+        # NCCL for CUDA tensors, gloo for the small CPU reductions (token counts, metrics).
+        backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend, store=store, rank=self.rank, world_size=self.world_size)
+
+    def construct(self, role: str, cls: type, payload: tuple) -> int:
+        args, kwargs = payload
+        self.workers[role] = cls(*args, profiler=self.session.for_role(role), **kwargs)
+        return os.getpid()
+
+    def run(self, role: str, method: Callable, payload: tuple, keep: bool) -> Any:
+        """`method(worker, *args, **kwargs)`; the result crosses to the driver on CPU, or not at all."""
+        args, kwargs = payload
+        out = method(self.workers[role], *args, **kwargs)
+        return to_cpu(out) if keep else None
+
+    def start_profile(self, first_step: int, last_step: int, version: int) -> None:
+        self.session.start(first_step, last_step, version)
+
+    def stop_profile(self, complete: bool) -> list[dict]:
+        # On the actor's one thread, after any running call: torch's profiler crashes when stopped
+        # from a thread other than the one that started it.
+        return self.session.stop(complete)
+
+
+def to_cpu(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return x.cpu()
+    if isinstance(x, (list, tuple)):
+        return type(x)(to_cpu(v) for v in x)
+    if isinstance(x, dict):
+        return {k: to_cpu(v) for k, v in x.items()}
+    return x
+
+
+def start_local_ray(temp_dir: str, num_cpus: Optional[int] = None, object_store_memory_mb: Optional[int] = None) -> str:
+    """Start a lean single-machine Ray (no dashboard, no usage stats, session files under `temp_dir`).
+
+    Ray's sockets live in its temp dir and a socket path may not exceed 107 bytes, so Ray is given
+    a short link in /tmp to `temp_dir`; returns the link's folder for `stop_local_ray`.
+    Set plait.backends.LEAN_RAY_ENV in os.environ before importing this module.
+    """
+    os.makedirs(temp_dir, exist_ok=True)
+    link_dir = tempfile.mkdtemp(prefix="plait-ray-")
+    link = os.path.join(link_dir, "t")
+    os.symlink(os.path.abspath(temp_dir), link)
+    store = None if object_store_memory_mb is None else object_store_memory_mb * 2**20
+    try:
+        ray.init(num_cpus=num_cpus, include_dashboard=False, object_store_memory=store, _temp_dir=link,
+                 configure_logging=False)
+    except BaseException:
+        shutil.rmtree(link_dir, ignore_errors=True)
+        raise
+    return link_dir
+
+
+def stop_local_ray(link_dir: str) -> None:
+    ray.shutdown()
+    shutil.rmtree(link_dir, ignore_errors=True)
+
+
+class RayBackend:
+    def __init__(self, cfg: PlaitConfig, roles_cfg: dict, device: str, address: Optional[str] = None):
+        self.cfg: RayConfig = cfg.trainer.ray
+        self.failed: Optional[WorkerError] = None
+        self.link_dir: Optional[str] = None  # set when plait started the Ray instance
+        self.connected = False  # plait called ray.init (started or joined), so it disconnects at the end
+        self.pgs: list = []
+        self.hosts: list = []  # every host, train pool first
+        self.pools: dict[str, list] = {}  # "train" and "rollout" -> their hosts
+        self.salvaged: list[dict] = []  # profiler records rescued from a failing group
+        self.profile_open = False
+        if not ray.is_initialized():
+            self.connected = True
+            if address is not None:
+                ray.init(address=address, configure_logging=False)
+            else:
+                self.link_dir = start_local_ray(os.path.join(cfg.output_dir, "ray"), self.cfg.num_cpus,
+                                                self.cfg.object_store_memory_mb)
+        atexit.register(self.shutdown)
+        try:
+            self._place(cfg, roles_cfg, device)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _place(self, cfg: PlaitConfig, roles_cfg: dict, device: str) -> None:
+        gpu = device.startswith("cuda")
+        t = cfg.trainer
+        world = t.nnodes * t.n_gpus_per_node if gpu else self.cfg.num_cpu_workers
+        separated = t.placement == "separated"
+        rollout_world = 1
+        for role, rc in roles_cfg.items():  # a rank no worker of the role has would silently profile nothing
+            n = world if role in DATA_PARALLEL_ROLES else rollout_world
+            if any(r >= n for r in rc.ranks):
+                raise ConfigError(f"{ROLE_KEYS.get(role, role)}.profiler.ranks", rc.ranks,
+                                  f"the Ray backend runs {n} {role} worker(s): ranks must be below {n}")
+        bundle = {"CPU": self.cfg.cpus_per_worker, **({"GPU": 1} if gpu else {})}
+        dp_roles = {r: c for r, c in roles_cfg.items() if r in DATA_PARALLEL_ROLES}
+        other_roles = {r: c for r, c in roles_cfg.items() if r not in DATA_PARALLEL_ROLES}
+        profiler_cfg = cfg.global_profiler
+        runtime_env = None
+        if profiler_cfg.tool == "nsys":  # each window is one capture range (cudaProfilerApi) in a per-process report
+            runtime_env = {"nsight": {"t": "cuda,nvtx,osrt", "capture-range": "cudaProfilerApi",
+                                      "capture-range-end": "repeat", "cuda-memory-usage": "true"}}
+        # Each host's profiler session knows the roles it hosts, so its artifacts are named after them.
+        train_roles = [roles_cfg if r == 0 and not separated else dp_roles for r in range(world)]
+        train = self._pool("train", train_roles, bundle, profiler_cfg, runtime_env)
+        rollout = self._pool("rollout", [other_roles], bundle, profiler_cfg, runtime_env) if separated else train[:1]
+        self.pools = {"train": train, "rollout": rollout}
+        [(host, port)] = self.gather([train[0].open_store.remote()], "worker process", "start")
+        self.gather([h.join_group.remote(host, port) for h in train], "worker process", "init_process_group")
+
+    def _pool(self, name: str, roles_per_rank: list[dict], bundle: dict, profiler_cfg, runtime_env) -> list:
+        size = len(roles_per_rank)
+        pg = placement_group([bundle] * size, strategy="PACK")
+        self.pgs.append(pg)
+        if not pg.wait(self.cfg.placement_timeout_s):
+            raise WorkerError(self._placement_message(name, size, bundle))
+        threads = max(1, int(self.cfg.cpus_per_worker))
+        hosts = [Host.options(num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0), runtime_env=runtime_env,
+                              scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i))
+                 .remote(i, size, os.getcwd(), threads, profiler_cfg, roles) for i, roles in enumerate(roles_per_rank)]
+        self.hosts += hosts
+        return hosts
+
+    def _placement_message(self, name: str, size: int, bundle: dict) -> str:
+        total, free = ray.cluster_resources(), ray.available_resources()
+        short = [f"{k}: needs {size * v:g}, {free.get(k, 0):g} free of {total.get(k, 0):g}"
+                 for k, v in bundle.items() if size * v > free.get(k, 0)]
+        return (f"Ray could not place the {name} pool within {self.cfg.placement_timeout_s:g} s: {size} worker "
+                f"process(es) of {bundle} each; {'; '.join(short) or 'resources are fragmented across nodes'}. "
+                "Lower trainer.ray.cpus_per_worker or trainer.ray.num_cpu_workers (with GPUs: trainer.nnodes x "
+                "trainer.n_gpus_per_node), or add resources to the cluster.")
+
+    # -- the backend interface ------------------------------------------------------------------
+
+    def spawn(self, role: str, cls: type, *args, **kwargs) -> "RayWorkerGroup":
+        self.check_up()
+        pool = "train" if role in DATA_PARALLEL_ROLES else "rollout"
+        hosts = self.pools[pool]
+        payload = ray.put((args, kwargs))
+        pids = self.gather([h.construct.remote(role, cls, payload) for h in hosts], f"{role} worker", f"{cls.__name__}()")
+        return RayWorkerGroup(self, role, hosts, pids)
+
+    def profile_targets(self) -> list["RayProfileTarget"]:
+        return [RayProfileTarget(self)]
+
+    def shutdown(self) -> None:
+        """Stop every worker process and, if plait started the Ray instance, Ray itself. Idempotent."""
+        atexit.unregister(self.shutdown)
+        if ray.is_initialized():
+            for h in self.hosts:
+                ray.kill(h, no_restart=True)
+            for pg in self.pgs:
+                remove_placement_group(pg)
+        self.hosts, self.pgs = [], []
+        if self.link_dir is not None:
+            stop_local_ray(self.link_dir)
+            self.link_dir = None
+        elif self.connected:  # joined a cluster: disconnect, the cluster stays up
+            ray.shutdown()
+        self.connected = False
+
+    # -- calls and failures ---------------------------------------------------------------------
+
+    def check_up(self) -> None:
+        """Refuse calls once down: a Ray API call after ray.shutdown() would start a fresh default Ray."""
+        if self.failed is not None:
+            raise WorkerError(f"the Ray backend was shut down after an earlier failure: {self.failed}")
+        if not self.hosts:
+            raise WorkerError("the Ray backend has been shut down")
+
+    def gather(self, refs: list, who: str, what: str) -> list:
+        """Results in rank order; the first failure (by time, not rank) fails the backend at once."""
+        rank_of = {ref: i for i, ref in enumerate(refs)}
+        out: list = [None] * len(refs)
+        pending = list(refs)
+        while pending:
+            [ready], pending = ray.wait(pending, num_returns=1)
+            try:
+                out[rank_of[ready]] = ray.get(ready)
+            except RayError as err:
+                raise self._fail(who, rank_of[ready], what, err) from None
+        return out
+
+    def _fail(self, who: str, rank: int, what: str, err: RayError) -> WorkerError:
+        if isinstance(err, RayTaskError):  # details: the remote traceback
+            summary = f"raised {type(err.cause).__name__}: {err.cause}"
+        elif isinstance(err, RayActorError):  # details: Ray's account of the death (killed, OOM, ...)
+            summary = "died"
+        else:
+            summary = f"failed ({type(err).__name__})"
+        if self.profile_open:  # survivors close their windows; a dead one's, or one stuck past 5 s, is lost
+            refs = [h.stop_profile.remote(False) for h in self.hosts]
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=5.0)
+            for ref in ready:
+                try:
+                    self.salvaged += ray.get(ref)
+                except RayError:
+                    pass
+        started = self.link_dir is not None
+        self.shutdown()
+        self.failed = WorkerError(
+            f"{who} rank {rank} {summary} during {what}; every Ray worker was stopped"
+            f"{' and the Ray instance plait started was shut down' if started else ''}.\n{err}")
+        return self.failed
+
+
+class RayWorkerGroup:
+    """One role's workers: `call` runs a method on every rank, `call_dp` gives each rank a shard."""
+
+    def __init__(self, backend: RayBackend, role: str, hosts: list, pids: list[int]):
+        self.backend, self.role, self.hosts, self.pids = backend, role, hosts, pids
+        self.world_size = len(hosts)
+
+    def call(self, method: Callable, *args, **kwargs) -> Any:
+        """Run `method` on every rank with the same arguments (stored once); return rank 0's result."""
+        self.backend.check_up()
+        payload = ray.put((args, kwargs))
+        refs = [h.run.remote(self.role, method, payload, rank == 0) for rank, h in enumerate(self.hosts)]
+        return self.backend.gather(refs, f"{self.role} worker", method.__qualname__)[0]
+
+    def call_dp(self, method: Callable, batch, *args, **kwargs) -> list[Any]:
+        """Split `batch` (a RolloutBatch) across the ranks; one result per rank, in rank order."""
+        self.backend.check_up()
+        refs = [h.run.remote(self.role, method, ray.put(((shard, *args), kwargs)), True)
+                for h, shard in zip(self.hosts, batch.split(self.world_size))]
+        return self.backend.gather(refs, f"{self.role} worker", method.__qualname__)
+
+
+class RayProfileTarget:
+    """The driver's ProfileTarget for every host: windows open and close on all of them together."""
+
+    def __init__(self, backend: RayBackend):
+        self.backend = backend
+
+    def start_profile(self, first_step: int, last_step: int, version: int) -> None:
+        b = self.backend
+        b.check_up()
+        b.gather([h.start_profile.remote(first_step, last_step, version) for h in b.hosts], "worker process", "start_profile")
+        b.profile_open = True
+
+    def stop_profile(self, complete: bool) -> list[dict]:
+        b = self.backend
+        b.profile_open = False
+        if b.failed is not None:  # the workers are gone; hand over what was rescued when they failed
+            records, b.salvaged = b.salvaged, []
+            return records
+        b.check_up()
+        per_host = b.gather([h.stop_profile.remote(complete) for h in b.hosts], "worker process", "stop_profile")
+        return [r for records in per_host for r in records]
+
+    def __repr__(self) -> str:
+        return f"RayProfileTarget({len(self.backend.hosts)} worker processes)"

@@ -72,15 +72,19 @@ def build(cfg: PlaitConfig, progress: bool = True) -> Lifecycle:
     t = cfg.trainer
     tracker = Tracker(cfg.output_dir, t.logger, t.project_name, t.experiment_name or t.mode, to_dict(cfg), progress=progress)
     backend = make_backend(cfg)
-    if t.mode == "diffusion":
-        from plait.trainers.diffusion import build_diffusion_trainer
-        trainer = build_diffusion_trainer(cfg, backend, resolve_device(cfg))
-    else:
-        trainer = build_lm_trainer(cfg, backend)
+    try:
+        if t.mode == "diffusion":
+            from plait.trainers.diffusion import build_diffusion_trainer
+            trainer = build_diffusion_trainer(cfg, backend, resolve_device(cfg))
+        else:
+            trainer = build_lm_trainer(cfg, backend)
+    except BaseException:
+        backend.shutdown()
+        raise
     lc = LifecycleConfig(output_dir=cfg.output_dir, test_freq=t.test_freq, save_freq=t.save_freq,
                          val_before_train=t.val_before_train, resume_mode=t.resume_mode,
                          resume_from_path=t.resume_from_path, max_ckpt_to_keep=t.max_ckpt_to_keep)
-    return Lifecycle(lc, trainer, cfg.global_profiler, tracker)
+    return Lifecycle(lc, trainer, cfg.global_profiler, tracker, shutdown=backend.shutdown)
 
 
 def role_profilers(cfg: PlaitConfig) -> dict:

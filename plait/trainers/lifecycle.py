@@ -26,7 +26,7 @@ import signal
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Optional, Protocol, Sequence
+from typing import Callable, Optional, Protocol, Sequence
 
 from plait.profiler import StepProfiler
 
@@ -81,8 +81,10 @@ class LifecycleConfig:
 
 
 class Lifecycle:
-    def __init__(self, cfg: LifecycleConfig, trainer: Trainer, profiler_cfg, tracker):
+    def __init__(self, cfg: LifecycleConfig, trainer: Trainer, profiler_cfg, tracker,
+                 shutdown: Callable[[], None] = lambda: None):
         self.cfg, self.trainer, self.profiler_cfg, self.tracker = cfg, trainer, profiler_cfg, tracker
+        self.shutdown = shutdown  # the backend's: worker processes and a Ray instance plait started
         self.ckpt_dir = os.path.join(cfg.output_dir, "checkpoints")
 
     def run(self) -> dict[str, float]:
@@ -108,6 +110,7 @@ class Lifecycle:
             profiler.close(error)
             self.trainer.close()
             self.tracker.close()
+            self.shutdown()
         return metrics
 
     def _step(self, step: int, last: int, profiler: StepProfiler) -> dict[str, float]:

@@ -1,0 +1,112 @@
+"""Prompt datasets: rows from parquet or JSONL files, tokenized once, served in seeded batches.
+
+Rows follow verl's format (see tasks.py); `prompt` is a list of chat messages (rendered with the
+tokenizer's chat template) or a plain string (used as is). Every prompt is tokenized when the
+dataset is built, so a prompt that is too long fails before training starts. Batches drop the
+incomplete last one, as verl does. Left out: multimodal inputs, tool schemas, streaming datasets
+too large for memory, and padding (the rollout pads).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow.parquet as pq
+from transformers import PreTrainedTokenizerBase
+
+from plait.configtree import check
+
+READERS = {".parquet": lambda path: pq.read_table(path).to_pylist(),
+           ".jsonl": lambda path: [json.loads(line) for line in path.read_text().splitlines()
+                                    if line.strip()]}
+
+
+def load_rows(path_or_paths: str | Path | Sequence[str | Path]) -> list[dict]:
+    """All rows of one file or several, concatenated in order; the extension picks the reader."""
+    paths = [path_or_paths] if isinstance(path_or_paths, (str, Path)) else list(path_or_paths)
+    rows = []
+    for path in map(Path, paths):
+        if path.suffix not in READERS:
+            raise ValueError(f"cannot read {str(path)!r}: supported extensions are "
+                             f"{', '.join(READERS)}")
+        if not path.is_file():
+            raise FileNotFoundError(f"no data file at {str(path)!r}")
+        rows += READERS[path.suffix](path)
+    return rows
+
+
+@dataclass(frozen=True)
+class PromptItem:
+    """One tokenized prompt and what its reward needs."""
+    prompt_ids: list[int]
+    prompt_text: str  # after the chat template, before any truncation
+    data_source: str
+    ground_truth: str
+    extra_info: dict
+    index: int
+
+
+class PromptDataset:
+    """Rows tokenized for generation. `truncation`: 'error' refuses a prompt over
+    `max_prompt_length` tokens; 'left' keeps its last tokens, 'right' its first."""
+
+    def __init__(self, rows: Sequence[dict], tokenizer: PreTrainedTokenizerBase,
+                 prompt_key: str = "prompt", max_prompt_length: int = 512,
+                 truncation: str = "error"):
+        check(max_prompt_length > 0, "max_prompt_length", max_prompt_length, "a positive integer")
+        check(truncation in ("error", "left", "right"), "truncation", truncation,
+              "one of 'error', 'left', 'right'")
+        self.items = [self._item(i, row, tokenizer, prompt_key, max_prompt_length, truncation)
+                      for i, row in enumerate(rows)]
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int) -> PromptItem:
+        return self.items[i]
+
+    @staticmethod
+    def _item(i: int, row: dict, tokenizer: PreTrainedTokenizerBase, prompt_key: str,
+              max_len: int, truncation: str) -> PromptItem:
+        missing = [k for k in (prompt_key, "data_source", "reward_model") if k not in row]
+        if missing:
+            raise KeyError(f"row {i} has no {', '.join(map(repr, missing))}; "
+                           f"its keys are {', '.join(map(repr, row))}")
+        prompt = row[prompt_key]
+        if isinstance(prompt, str):  # used as is, with the tokenizer's own specials (Llama's BOS)
+            text, ids = prompt, tokenizer(prompt)["input_ids"]
+        else:
+            if tokenizer.chat_template is None:
+                raise ValueError(f"row {i}: '{prompt_key}' is a list of messages but the "
+                                 "tokenizer has no chat template; give plain-string prompts")
+            text = tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True,
+                                                 tokenize=False)
+            # The template already wrote any special tokens the model expects.
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        if len(ids) > max_len:
+            if truncation == "error":
+                raise ValueError(f"row {i}: prompt is {len(ids)} tokens, longer than "
+                                 f"max_prompt_length={max_len}; raise data.max_prompt_length "
+                                 "or set data.truncation to 'left' or 'right'")
+            ids = ids[-max_len:] if truncation == "left" else ids[:max_len]
+        extra_info = dict(row.get("extra_info") or {})
+        return PromptItem(prompt_ids=ids, prompt_text=text, data_source=row["data_source"],
+                          ground_truth=str(row["reward_model"]["ground_truth"]),
+                          extra_info=extra_info, index=int(extra_info.get("index", i)))
+
+
+def iterate_batches(dataset: PromptDataset, batch_size: int, shuffle: bool = True,
+                    seed: int = 0, epoch: int = 0) -> Iterator[list[PromptItem]]:
+    """The full batches of one epoch; the order depends only on (seed, epoch)."""
+    if len(dataset) < batch_size:
+        raise ValueError(f"{len(dataset)} prompts make no full batch of {batch_size}; "
+                         "lower data.train_batch_size or add prompts")
+    order = list(range(len(dataset)))
+    if shuffle:
+        random.Random(f"{seed}/{epoch}").shuffle(order)
+    for start in range(0, len(order) - batch_size + 1, batch_size):
+        yield [dataset[i] for i in order[start:start + batch_size]]

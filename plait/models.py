@@ -1,0 +1,110 @@
+"""Models and tokenizers: the built-in tiny model and any Hugging Face causal LM, one code path.
+
+The built-in model is a small Qwen2 built from a config with a character-level tokenizer, so the
+demo and the tests run on a laptop CPU without downloading anything. Everything downstream loads
+it through `load_tokenizer` / `load_causal_lm`, which work on any local HF causal-LM directory.
+Loading is local-only: a path that is not a directory is an error, never a hub download.
+Left out: sharding, quantisation, LoRA, and remote code.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
+from transformers import (AutoModelForCausalLM, AutoTokenizer, PreTrainedModel,
+                          PreTrainedTokenizerBase, PreTrainedTokenizerFast, Qwen2Config,
+                          Qwen2ForCausalLM)
+
+SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>", "<unk>"]  # ids 0..3, in this order
+# One message per line, nothing around it: a char model reads every template character.
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
+MAX_LENGTH = 512
+
+
+def build_char_tokenizer() -> PreTrainedTokenizerFast:
+    """A character-level tokenizer: one token per byte (so per ASCII character), and decoding
+    returns the text exactly, whatever the text.
+
+    It is a byte-level BPE with no merges rather than a word-level vocabulary of characters:
+    transformers 5 loads any tokenizer saved beside a Qwen2 config as `Qwen2Tokenizer`, which
+    rebuilds the byte-level BPE pipeline from the vocabulary; this tokenizer is that pipeline, so
+    the tokenizer saved and the one loaded back encode identically.
+    """
+    byte_chars = sorted(pre_tokenizers.ByteLevel.alphabet())  # 256 bytes, each as one character
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + byte_chars)}
+    backend = Tokenizer(models.BPE(vocab, merges=[]))
+    backend.normalizer = normalizers.NFC()
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>",
+        unk_token="<unk>", padding_side="left", clean_up_tokenization_spaces=False,
+        model_max_length=MAX_LENGTH, chat_template=CHAT_TEMPLATE)
+
+
+TINY_SIZES = {
+    "xs": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+               intermediate_size=128),
+    "s": dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+              intermediate_size=256),
+    "m": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
+              intermediate_size=512),
+}
+
+
+def create_tiny_model(path: str | Path, size: str = "s", seed: int = 0) -> str:
+    """Build a tiny Qwen2 with the char tokenizer, initialised from `seed`; save both to `path`."""
+    if size not in TINY_SIZES:
+        raise ValueError(f"unknown tiny model size {size!r}; choose one of {', '.join(TINY_SIZES)}")
+    tokenizer = build_char_tokenizer()
+    config = Qwen2Config(
+        vocab_size=len(tokenizer), max_position_embeddings=MAX_LENGTH, tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id, dtype="float32", **TINY_SIZES[size])
+    # A private RNG stream: the same seed gives the same weights whatever ran before.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen2ForCausalLM(config)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
+    """Any local HF tokenizer, left-padded for generation; pad falls back to eos."""
+    tokenizer = AutoTokenizer.from_pretrained(_local_dir(path), local_files_only=True,
+                                              padding_side="left")
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_causal_lm(path: str | Path, dtype: torch.dtype = torch.float32,
+                   device: str | torch.device = "cpu") -> PreTrainedModel:
+    """Any local HF causal LM (safetensors or bin), in `dtype`, on `device`."""
+    model = AutoModelForCausalLM.from_pretrained(_local_dir(path), dtype=dtype,
+                                                 local_files_only=True)
+    return model.to(device)
+
+
+def eos_token_ids(tokenizer: PreTrainedTokenizerBase, model: PreTrainedModel) -> list[int]:
+    """Ids that end a response: the tokenizer's eos plus the model's generation-config eos ids.
+
+    Chat models often stop on an end-of-turn token that only the generation config names.
+    """
+    ids = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
+    extra = model.generation_config.eos_token_id  # None, an int or a list
+    ids += [extra] if isinstance(extra, int) else list(extra or [])
+    return list(dict.fromkeys(ids))
+
+
+def _local_dir(path: str | Path) -> str:
+    if not Path(path).is_dir():
+        raise FileNotFoundError(
+            f"no model directory at {str(path)!r}: plait loads local directories only and never "
+            "downloads; save the model there first (e.g. plait.models.create_tiny_model)")
+    return str(path)

@@ -31,7 +31,7 @@ class DataConfig:
     train_files: Optional[list[str]] = None  # null: the built-in task named by `task`
     val_files: Optional[list[str]] = None
     task: str = "arithmetic"                  # built-in task used when the files are null
-    train_size: int = 4096                    # rows generated for the built-in task
+    train_size: int = 2048                    # rows generated for the built-in task
     val_size: int = 128
     train_batch_size: int = 32                # prompts per step (each sampled rollout.n times)
     val_batch_size: Optional[int] = None      # null: the whole validation set in one batch
@@ -54,9 +54,9 @@ class DataConfig:
 class DemoConfig:
     """The built-in demo model, used when `actor_rollout_ref.model.path` is null."""
     model_size: Literal["xs", "s", "m"] = "s"
-    warmstart_steps: int = 300                # supervised warm start so RL has something to sharpen
-    warmstart_lr: float = 3e-3
-    warmstart_batch_size: int = 64
+    warmstart_steps: int = 250                # supervised warm start to ~5-20 % accuracy, so RL has room
+    warmstart_lr: float = 1e-3
+    warmstart_batch_size: int = 32
 
     def __post_init__(self):
         check(self.warmstart_steps >= 0, "warmstart_steps", self.warmstart_steps, "must be >= 0")
@@ -203,6 +203,27 @@ class KLCtrlConfig:
         check(self.horizon > 0, "horizon", self.horizon, "must be > 0")
 
 
+ROLLOUT_IS_LEVELS = ("token", "sequence")
+
+
+@dataclass
+class RolloutCorrectionConfig:
+    """`algorithm.rollout_correction`: truncated importance weights for off-policy rollouts.
+
+    w = min(pi_old / pi_rollout, rollout_is_threshold) per token ("token") or per sequence
+    ("sequence": the ratio of sequence probabilities), multiplying the PPO loss; pi_old is the
+    actor's log-prob before the update, pi_rollout the one the rollout sampled with.
+    """
+    rollout_is: Optional[str] = None          # token | sequence | null: token in one_step_off/fully_async, off in sync
+    rollout_is_threshold: float = 2.0         # the truncation C
+
+    def __post_init__(self):
+        check(self.rollout_is is None or self.rollout_is in ROLLOUT_IS_LEVELS, "rollout_is", self.rollout_is,
+              f"null or one of {', '.join(ROLLOUT_IS_LEVELS)}")
+        check(self.rollout_is_threshold >= 1, "rollout_is_threshold", self.rollout_is_threshold,
+              "must be >= 1 (weights are truncated at this value)")
+
+
 @dataclass
 class AlgorithmConfig:
     adv_estimator: str = "grpo"
@@ -212,6 +233,7 @@ class AlgorithmConfig:
     use_kl_in_reward: bool = False
     kl_penalty: str = "kl"
     kl_ctrl: KLCtrlConfig = field(default_factory=KLCtrlConfig)
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
 
     def __post_init__(self):
         check(self.adv_estimator in ADV_ESTIMATORS, "adv_estimator", self.adv_estimator, f"one of {', '.join(ADV_ESTIMATORS)}")
@@ -225,10 +247,10 @@ LOGGERS = ("console", "tensorboard", "wandb")
 
 @dataclass
 class TrainerConfig:
-    total_training_steps: Optional[int] = 40  # null: total_epochs over the training data
+    total_training_steps: Optional[int] = 150  # null: total_epochs over the training data
     total_epochs: int = 1
     save_freq: int = -1                       # steps between checkpoints; -1: only at the end
-    test_freq: int = 5                        # steps between validations; -1: never
+    test_freq: int = 10                       # steps between validations; -1: never
     val_before_train: bool = True
     default_local_dir: Optional[str] = None   # null: outputs/<project_name>/<experiment_name>
     resume_mode: Literal["auto", "disable", "resume_path"] = "auto"
@@ -238,11 +260,11 @@ class TrainerConfig:
     project_name: str = "plait"
     experiment_name: Optional[str] = None     # null: the mode's name, so demos of different modes don't share outputs
     seed: int = 1
-    mode: Literal["sync", "diffusion"] = "sync"
+    mode: Literal["sync", "one_step_off", "fully_async", "diffusion"] = "sync"
     placement: Literal["colocated", "separated"] = "colocated"
     backend: Literal["local", "ray"] = "local"
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    num_threads: int = 0                      # torch threads in the driver; 0: leave torch's default
+    num_threads: int = 1                      # torch threads in the driver; 0: torch's default (1 is steadier on shared CPUs)
     nnodes: int = 1
     n_gpus_per_node: int = 1
     ray: RayConfig = field(default_factory=RayConfig)  # trainer.backend=ray only; docs/ray.md
@@ -262,6 +284,33 @@ class TrainerConfig:
 
 
 @dataclass
+class AsyncTrainingConfig:
+    """`async_training`: the fully_async mode's knobs, with verl's names (docs/modes.md).
+
+    A step (one policy version) is `trigger_parameter_sync_step` local updates of
+    `require_batches` x `ppo_mini_batch_size` prompts each, then a weight sync. The rollouter
+    pauses while queued plus in-flight prompts counted since the last sync would pass
+    ppo_mini_batch_size x require_batches x (staleness_threshold + 1) x trigger_parameter_sync_step.
+    """
+    staleness_threshold: float = 0.0          # how far past one sync period the rollouter may run ahead
+    trigger_parameter_sync_step: int = 1      # local updates per weight sync (per step)
+    require_batches: int = 1                  # ppo mini-batches per local update
+    partial_rollout: bool = True              # a sync aborts generation; it resumes from the tokens so far
+    gen_batch_size: Optional[int] = None      # prompts per rollouter generate call; null: ppo_mini_batch_size
+
+    def __post_init__(self):
+        check(self.staleness_threshold >= 0, "staleness_threshold", self.staleness_threshold, "must be >= 0")
+        check(self.trigger_parameter_sync_step > 0, "trigger_parameter_sync_step", self.trigger_parameter_sync_step,
+              "must be > 0")
+        check(self.require_batches > 0, "require_batches", self.require_batches, "must be > 0")
+        check(self.gen_batch_size is None or self.gen_batch_size > 0, "gen_batch_size", self.gen_batch_size,
+              "must be > 0 or null")
+
+
+ASYNC_MODES = ("one_step_off", "fully_async")
+
+
+@dataclass
 class CustomRewardConfig:
     path: Optional[str] = None
     name: str = "compute_score"
@@ -278,6 +327,7 @@ class PlaitConfig:
     global_profiler: GlobalProfilerConfig = field(default_factory=GlobalProfilerConfig)
     demo: DemoConfig = field(default_factory=DemoConfig)
     diffusion: DiffusionConfig = field(default_factory=DiffusionConfig)
+    async_training: AsyncTrainingConfig = field(default_factory=AsyncTrainingConfig)
 
     def __post_init__(self):
         actor, n = self.actor_rollout_ref.actor, self.actor_rollout_ref.rollout.n
@@ -294,6 +344,31 @@ class PlaitConfig:
                   self.critic.ppo_mini_batch_size, f"must divide data.train_batch_size={self.data.train_batch_size}")
         if self.algorithm.adv_estimator in ("grpo", "rloo"):
             check(n > 1, "actor_rollout_ref.rollout.n", n, f"must be > 1 for {self.algorithm.adv_estimator} (group baseline)")
+        mode = self.trainer.mode
+        check(mode not in ASYNC_MODES or self.trainer.placement == "separated", "trainer.placement",
+              self.trainer.placement, f"must be separated with trainer.mode={mode}: the rollout generates "
+              "on its own workers while the actor trains")
+        if mode in ASYNC_MODES and self.trainer.backend == "local" and self.global_profiler.tool == "torch":
+            # The rollout generates in a thread of the driver there, and torch.profiler runs one
+            # collection per process: per-stage traces of concurrent stages cannot be taken.
+            roles = {"actor_rollout_ref.actor": self.actor_rollout_ref.actor, "actor_rollout_ref.rollout":
+                     self.actor_rollout_ref.rollout, "actor_rollout_ref.ref": self.actor_rollout_ref.ref,
+                     "critic": self.critic}
+            for key, node in roles.items():
+                check(not (node.profiler.enable and node.profiler.tool_config.torch.discrete),
+                      f"{key}.profiler.tool_config.torch.discrete", True,
+                      f"false with trainer.mode={mode} on the local backend (its rollout thread's stages overlap "
+                      "the trainer's, and torch profiles one collection per process); use trainer.backend=ray")
+        correction = self.algorithm.rollout_correction
+        if correction.rollout_is is None and mode in ASYNC_MODES:
+            correction.rollout_is = "token"
+        if mode == "fully_async":
+            a = self.async_training
+            required = actor.ppo_mini_batch_size * a.require_batches
+            a.gen_batch_size = a.gen_batch_size or actor.ppo_mini_batch_size
+            check(required % a.gen_batch_size == 0, "async_training.gen_batch_size", a.gen_batch_size,
+                  f"must divide ppo_mini_batch_size x require_batches = {required} (a local update takes whole "
+                  "generate calls)")
 
     @property
     def output_dir(self) -> str:

@@ -15,7 +15,8 @@ from typing import Iterable
 
 from plait.configtree import ConfigError
 
-CONSOLE_KEYS = ("critic/score/mean", "actor/pg_loss", "response_length/mean", "perf/time_per_step")
+CONSOLE_KEYS = {"critic/score/mean": "score", "actor/pg_loss": "pg_loss", "response_length/mean": "resp_len",
+                "perf/time_per_step": "s/step"}
 
 
 class Tracker:
@@ -77,9 +78,7 @@ class Tracker:
 
     def _print(self, record: dict) -> None:
         parts = [f"step {record['step']}"]
-        for k in CONSOLE_KEYS:
-            if k in record:
-                parts.append(f"{k.split('/')[-2] if k.count('/') > 1 else k.split('/')[-1]}={record[k]:.3g}")
+        parts += [f"{label}={record[k]:.3g}" for k, label in CONSOLE_KEYS.items() if k in record]
         parts += [f"{k}={v:.3g}" for k, v in record.items() if k.startswith("val-core/") and isinstance(v, float)]
         line = " | ".join(parts)
         if self._bar is not None:
@@ -99,8 +98,8 @@ class Tracker:
 
 
 def _plain(v):
-    if hasattr(v, "item"):
-        v = v.item()
-    if isinstance(v, float) and not math.isfinite(v):
-        return str(v)
-    return v
+    """JSON-safe scalars: ints and strings as they are, other numbers (numpy, 0-d tensors) as floats."""
+    if isinstance(v, (bool, int, str)):
+        return v
+    v = float(v)
+    return v if math.isfinite(v) else str(v)

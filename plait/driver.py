@@ -12,6 +12,7 @@ import os
 import sys
 
 import torch
+import transformers
 
 from plait.config import PlaitConfig
 from plait.configtree import ConfigError, to_dict
@@ -67,6 +68,7 @@ def resolve_reward(cfg: PlaitConfig):
 
 def build(cfg: PlaitConfig, progress: bool = True) -> Lifecycle:
     validate_environment(cfg.global_profiler, role_profilers(cfg))
+    transformers.utils.logging.disable_progress_bar()  # per-load weight bars drown the step lines
     if cfg.trainer.num_threads:
         torch.set_num_threads(cfg.trainer.num_threads)
     t = cfg.trainer

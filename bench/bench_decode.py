@@ -1,0 +1,177 @@
+"""Decode throughput: plait's TransformersEngine against HF `model.generate`, on CPU with 1 thread.
+
+Tiny Qwen2 models built from configs (s, m; vocab 128), prompts of 16 random tokens, sampled
+responses (temperature 1, no top-k/top-p). Fixed length (EOS off): batch 16 and 64 x response 32
+and 64. Long-tailed (EOS on): batch 64, up to 128 tokens, rows ending at any of 4 ids, counting
+real tokens only. Each config alternates HF and plait calls, a warm-up then --runs timed calls
+each, and reports the median new tokens/s by wall clock and by process CPU time (the CPU figure
+is the steadier one when other processes share the cores). A second part times one decode step:
+plait's forward, HF's forward with a DynamicCache, and the sampling; and splits the op time of
+plait's forward into matmuls, attention, KV-cache writes and everything else (torch.profiler).
+
+    python bench/bench_decode.py [--runs 5] [--out bench/results/decode.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import transformers
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from plait.workers.rollout_engine import (SamplingParams, TransformersEngine, _HFStepper, _LlamaStepper,
+                                          sample_tokens)
+
+SIZES = {
+    "s": dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+              intermediate_size=256),
+    "m": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
+              intermediate_size=512),
+}
+VOCAB, PROMPT_LEN, BATCHES, RESPONSES = 128, 16, (16, 64), (32, 64)
+OP_GROUPS = {"matmul": ["aten::mm", "aten::addmm"], "attention": ["aten::_scaled_dot_product_flash_attention_for_cpu"],
+             "cache_write": ["aten::copy_"]}
+EOS_IDS = [5, 6, 7, 8]  # ~3% a step on these near-uniform models: long-tailed lengths, as in RL
+
+
+def build(size: str) -> Qwen2ForCausalLM:
+    cfg = Qwen2Config(vocab_size=VOCAB, max_position_embeddings=512, tie_word_embeddings=True,
+                      bos_token_id=1, eos_token_id=2, pad_token_id=0, **SIZES[size])
+    torch.manual_seed(0)
+    return Qwen2ForCausalLM(cfg).eval()
+
+
+def timed(fn) -> tuple[float, float, int]:
+    """Wall seconds, process CPU seconds, and the new tokens fn() says it generated."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    tokens = fn()
+    return time.perf_counter() - wall, time.process_time() - cpu, tokens
+
+
+def throughput(model, batch: int, new: int, runs: int, eos: list[int]) -> dict:
+    """Median new tokens/s of HF generate and of plait, alternating calls. With `eos`, rows end at
+    those ids (HF keeps finished rows in the batch; plait drops them) and only real tokens count."""
+    prompts = torch.randint(3, VOCAB, (batch, PROMPT_LEN), generator=torch.Generator().manual_seed(1))
+    engine = TransformersEngine(model, pad_token_id=0, eos_token_ids=eos)
+    params = SamplingParams(max_new_tokens=new)
+    gen = torch.Generator().manual_seed(0)
+    eos_t = torch.tensor(eos, dtype=torch.long)
+
+    def hf():
+        out = model.generate(input_ids=prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=new,
+                             min_new_tokens=0 if eos else new, do_sample=True, top_k=0, top_p=1.0, temperature=1.0,
+                             pad_token_id=0, eos_token_id=eos or None, use_cache=True)[:, PROMPT_LEN:]
+        is_eos = torch.isin(out, eos_t)
+        return int(((is_eos.cumsum(1) - is_eos.long()) == 0).sum())  # up to and including the first EOS
+
+    def plait():
+        return int(engine.generate(prompts.tolist(), params, gen).response_mask.sum())
+
+    runs_of = {"hf": [], "plait": []}
+    for i in range(runs + 1):  # run 0 is the warm-up
+        for name, fn in (("hf", hf), ("plait", plait)):
+            wall, cpu, tokens = timed(fn)
+            if i:
+                runs_of[name].append((tokens / wall, tokens / cpu, tokens / batch))
+    row = {}
+    for name, rs in runs_of.items():
+        row[f"{name}_tok_s"] = round(statistics.median(r[0] for r in rs))
+        row[f"{name}_cpu_tok_s"] = round(statistics.median(r[1] for r in rs))
+        if eos:
+            row[f"{name}_mean_len"] = round(statistics.mean(r[2] for r in rs), 1)
+    row["ratio"] = round(row["plait_tok_s"] / row["hf_tok_s"], 2)
+    row["ratio_cpu"] = round(row["plait_cpu_tok_s"] / row["hf_cpu_tok_s"], 2)
+    return row
+
+
+def step_breakdown(model, batch: int, steps: int = 32, reps: int = 5) -> dict:
+    """CPU ms per decode step: plait's decode forward, HF's forward with a DynamicCache, sampling."""
+    ids = torch.randint(3, VOCAB, (batch, PROMPT_LEN), generator=torch.Generator().manual_seed(1))
+    real, pos = torch.ones_like(ids), torch.arange(PROMPT_LEN).expand(batch, -1)
+    params, gen = SamplingParams(max_new_tokens=steps), torch.Generator().manual_seed(0)
+    logits = torch.randn(batch, VOCAB)
+
+    def forward(stepper_cls):
+        stepper = stepper_cls(model, real, PROMPT_LEN + steps)
+        stepper.prefill(ids, pos)
+        return lambda s: stepper.decode(ids[:, -1], torch.full((batch,), PROMPT_LEN + s))
+
+    parts = {"plait_forward": lambda: forward(_LlamaStepper), "hf_forward": lambda: forward(_HFStepper),
+             "sampling": lambda: (lambda s: sample_tokens(logits, params, gen))}
+    out = {}
+    with torch.inference_mode():
+        for name, setup in parts.items():
+            cpu = []
+            for _ in range(reps):
+                step = setup()
+                t = time.process_time()
+                for s in range(steps - 1):
+                    step(s)
+                cpu.append((time.process_time() - t) / (steps - 1) * 1e3)
+            out[f"{name}_ms"] = round(min(cpu), 3)
+        # share of op time in plait's decode step, from torch.profiler (which inflates small ops)
+        step = parts["plait_forward"]()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            for s in range(steps - 1):
+                step(s)
+    ops = {e.key: e.self_cpu_time_total for e in prof.key_averages()}
+    total = sum(ops.values())
+    for part, names in OP_GROUPS.items():
+        out[f"share_{part}"] = round(sum(ops.get(n, 0) for n in names) / total, 3)
+    out["share_other_ops"] = round(1 - sum(out[f"share_{part}"] for part in OP_GROUPS), 3)
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "decode.json"))
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    result = {
+        "machine": {"platform": platform.platform(), "python": platform.python_version(),
+                    "cpu": _cpu_name(), "cpu_count": os.cpu_count(), "load_avg_start": os.getloadavg()},
+        "torch": torch.__version__, "transformers": transformers.__version__,
+        "threads": torch.get_num_threads(), "runs": args.runs, "prompt_len": PROMPT_LEN, "vocab": VOCAB,
+        "configs": [], "step_breakdown": [],
+    }
+    print(f"{'size':>4} {'batch':>5} {'resp':>4} {'eos':>4} | {'HF tok/s':>9} {'plait tok/s':>11} {'ratio':>5} | "
+          f"{'CPU-time ratio':>14}")
+    for size in SIZES:
+        model = build(size)
+        configs = [(b, n, []) for b in BATCHES for n in RESPONSES] + [(64, 128, EOS_IDS)]
+        for batch, new, eos in configs:
+            row = {"size": size, "batch": batch, "response_len": new, "eos": eos,
+                   **throughput(model, batch, new, args.runs, eos)}
+            result["configs"].append(row)
+            print(f"{size:>4} {batch:>5} {new:>4} {'on' if eos else 'off':>4} | {row['hf_tok_s']:>9} "
+                  f"{row['plait_tok_s']:>11} {row['ratio']:>5} | {row['ratio_cpu']:>14}", flush=True)
+        for batch in BATCHES:
+            result["step_breakdown"].append({"size": size, "batch": batch, **step_breakdown(model, batch)})
+    print("\nCPU ms per decode step (response 32), and where plait's forward spends its op time:")
+    for row in result["step_breakdown"]:
+        print(f"  {row['size']} b{row['batch']}: plait forward {row['plait_forward_ms']}, "
+              f"HF forward {row['hf_forward_ms']}, sampling {row['sampling_ms']} | "
+              + ", ".join(f"{k[6:]} {v:.0%}" for k, v in row.items() if k.startswith("share_")))
+    result["machine"]["load_avg_end"] = os.getloadavg()
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {args.out}")
+
+
+def _cpu_name() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []:
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor()
+
+
+if __name__ == "__main__":
+    main()

@@ -249,8 +249,8 @@ LOGGERS = ("console", "tensorboard", "wandb")
 class TrainerConfig:
     total_training_steps: Optional[int] = 150  # null: total_epochs over the training data
     total_epochs: int = 1
-    save_freq: int = -1                       # steps between checkpoints; -1: only at the end
-    test_freq: int = 10                       # steps between validations; -1: never
+    save_freq: int = 50                       # steps between checkpoints (and at the last step); -1: never
+    test_freq: int = 10                       # steps between validations (and at the last step); -1: never
     val_before_train: bool = True
     default_local_dir: Optional[str] = None   # null: outputs/<project_name>/<experiment_name>
     resume_mode: Literal["auto", "disable", "resume_path"] = "auto"

@@ -170,7 +170,8 @@ class Lifecycle:
 
 
 def _due(step: int, freq: int, last: int) -> bool:
-    return step == last if freq == -1 else (step % freq == 0 or step == last)
+    """verl's rule: every `freq` steps and at the last step; -1 never."""
+    return freq > 0 and (step % freq == 0 or step == last)
 
 
 def _checkpoint_steps(ckpt_dir: str) -> list[int]:

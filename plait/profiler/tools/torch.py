@@ -5,8 +5,12 @@ CUDA activity is added when CUDA is available, unless `contents` asks for cpu al
 memory / shapes / stack map to profile_memory / record_shapes / with_stack. With memory on, the
 trace also gets a counter track per device ("memory allocated (cpu)"), which Perfetto draws as a
 curve above the stages; torch.profiler itself writes only per-allocation instant events.
-Discrete stages assume one stage at a time per process; a stage nested in a discrete stage is a
-range inside its parent's trace.
+The collector records every thread of the process (an async mode's rollout runs its stages on
+a thread of its own), except with memory on: PyTorch then records allocations only with a
+collector limited to the thread that started it (the driver's, for a window). Discrete gives one
+trace per stage while stages run one at a time; a stage that starts inside a running discrete
+stage (nested in it, or on another thread) is a range in that stage's trace, and a discrete stage
+still running when its window closes is cut there.
 """
 
 from __future__ import annotations
@@ -16,11 +20,13 @@ import gzip
 import json
 import os
 import tempfile
+import threading
 import time
-from typing import Iterator
+from typing import Iterator, Optional
 
 import torch
 from torch._C._autograd import _profiler_enabled
+from torch._C._profiler import _ExperimentalConfig
 from torch.profiler import ProfilerActivity, record_function
 
 TRACE_EXT = "pt.trace.json.gz"
@@ -32,38 +38,43 @@ class TorchTool:
         self.options = dict(
             activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []),
             profile_memory="memory" in contents, record_shapes="shapes" in contents,
-            with_stack="stack" in contents)
+            with_stack="stack" in contents,
+            # Without this only the thread that starts the collector is recorded; with it PyTorch
+            # (2.13) records no allocation events at all, so memory traces keep to that thread.
+            experimental_config=_ExperimentalConfig(profile_all_threads="memory" not in contents))
         self._window = None
         self._prof: torch.profiler.profile | None = None  # the window's, or the running stage's
+        self._stage: Optional[tuple[str, str, float]] = None  # the running discrete stage: role, stage, start
+        self._lock = threading.Lock()  # stages on several threads start and stop the one collector
 
     def open(self, window) -> None:
-        self._window = window
-        if not self.discrete:
-            self._prof = self._start()
+        with self._lock:
+            self._window = window
+            if not self.discrete:
+                self._prof = self._start()
 
     @contextlib.contextmanager
     def stage(self, role: str, stage: str, own_file: bool) -> Iterator[None]:
         label = f"{role}/{stage}"
-        if self._prof is not None:  # the window's collector, or a discrete stage this one nests in
-            with record_function(label):
+        with self._lock:
+            collecting = self._prof is not None
+            own = not collecting and self.discrete and own_file and self._window is not None
+            if own:
+                self._prof = prof = self._start()
+                self._stage = (role, stage, time.time())
+        if not own:  # inside the window's collector or a running discrete stage, or nothing collects
+            with record_function(label) if collecting else contextlib.nullcontext():
                 yield
             return
-        if not own_file:  # discrete, and this role is not profiled here: nothing is collecting
-            yield
-            return
-        start = time.time()
-        self._prof = prof = self._start()
         try:
             with record_function(label):
                 yield
         finally:
-            self._prof = None
-            prof.stop()
-            self._window.save(role, TRACE_EXT, lambda path: self._export(prof, path), stage=stage,
-                              start_time=start)
+            self._stop(prof)
 
     def _start(self) -> torch.profiler.profile:
-        # Two profiler sessions at once crash the process (a segfault on torch 2.13): refuse.
+        # Two profiler sessions at once crash the process (a segfault on torch 2.13): refuse. This
+        # check sees only the calling thread's; self._prof under the lock guards this tool's own.
         if _profiler_enabled():
             raise RuntimeError("another torch profiler is already running in this process")
         prof = torch.profiler.profile(**self.options)
@@ -71,11 +82,24 @@ class TorchTool:
         return prof
 
     def close(self) -> None:
-        prof, self._prof = self._prof, None
-        if prof is not None:
-            prof.stop()
-            self._window.save(self._window.name, TRACE_EXT, lambda path: self._export(prof, path))
-        self._window = None
+        self._stop(self._prof)
+        with self._lock:
+            self._window = None
+
+    def _stop(self, prof: Optional[torch.profiler.profile]) -> None:
+        """Stop `prof` and save its trace, once: the window may close while a stage on another
+        thread still runs its discrete collector, and whichever comes first stops it."""
+        with self._lock:
+            if prof is None or prof is not self._prof:
+                return
+            self._prof = None
+            window, stage, self._stage = self._window, self._stage, None
+            prof.stop()  # under the lock: a stage entering meanwhile must not start a second one
+        if stage is None:
+            window.save(window.name, TRACE_EXT, lambda path: self._export(prof, path))
+        else:
+            role, name, start = stage
+            window.save(role, TRACE_EXT, lambda path: self._export(prof, path), stage=name, start_time=start)
 
     def _export(self, prof: torch.profiler.profile, path: str) -> None:
         if not self.options["profile_memory"]:

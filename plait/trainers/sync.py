@@ -5,8 +5,9 @@ One step, each stage one call (timed by the lifecycle, annotated in the workers)
     gen ─▶ reward ─▶ old_log_prob ─▶ ref ─▶ values ─▶ adv ─▶ update_critic ─▶ update_actor ─▶ update_weights
 
 `SyncTrainer.learn` is the shared language-model pipeline from reward to update; the other LM modes
-(one-step-off, fully async) change only where a batch comes from (`next_batch`) and what follows
-an update (`after_update`). Profiling, timing, checkpoints, validation and logging are not here:
+(one-step-off, fully async) change only where a batch comes from (`next_batch`), what follows
+an update (`after_update`, which returns the mode's metrics) and how many local updates make one
+step (`updates_per_step`). Profiling, timing, checkpoints, validation and logging are not here:
 they are the lifecycle's.
 """
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -26,7 +28,7 @@ from plait.data.dataset import PromptDataset, iterate_batches
 from plait.data.rewards import score_batch
 from plait.trainers.lifecycle import StageTimer, StepResult
 from plait.types import PromptBatch, RolloutBatch
-from plait.workers.actor import Actor
+from plait.workers.actor import Actor, truncated_is_weights
 from plait.workers.critic import Critic
 from plait.workers.ref import Ref
 from plait.workers.rollout import Rollout
@@ -79,6 +81,8 @@ class SyncTrainer:
         self.kl_ctrl = make_kl_controller(kl.type, kl.kl_coef, kl.target_kl, kl.horizon)
         r = cfg.actor_rollout_ref.rollout
         self.sampling = SamplingConfig(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, do_sample=r.do_sample)
+        self.correction = cfg.algorithm.rollout_correction
+        self.updates_per_step = 1  # fully async: several local updates per policy version
         self.version = 0
 
     # -- the Trainer protocol -------------------------------------------------------------------
@@ -91,9 +95,14 @@ class SyncTrainer:
         pass
 
     def train_step(self, step: int, timer: StageTimer) -> StepResult:
-        batch = self.next_batch(step, timer)
-        result = self.learn(batch, timer)
-        self.after_update(step, timer)
+        start, results, samples = time.perf_counter(), [], 0
+        for _ in range(self.updates_per_step):
+            batch = self.next_batch(step, timer)
+            results.append(self.learn(batch, timer))
+            samples += len(batch)
+        result = merge_results(results)
+        result.metrics.update(self.after_update(step, timer))
+        result.metrics["perf/samples_per_s"] = samples / (time.perf_counter() - start)
         return result
 
     def validate(self) -> dict[str, float]:
@@ -150,11 +159,12 @@ class SyncTrainer:
         with timer.stage("gen"):
             return self.roles.rollout.call(Rollout.generate, prompts, self.sampling, self.sample_seed(step))
 
-    def after_update(self, step: int, timer: StageTimer) -> None:
-        """Sync: push the new weights to the rollout; they are policy version `step`."""
+    def after_update(self, step: int, timer: StageTimer) -> dict[str, float]:
+        """Sync: push the new weights to the rollout; they are policy version `step`. Returns the mode's metrics."""
         with timer.stage("update_weights"):
             sync_weights(self.roles.actor, self.roles.rollout, step)
         self.version = step
+        return {}
 
     def sample_seed(self, step: int) -> int:
         return self.cfg.trainer.seed * 1_000_003 + step
@@ -184,6 +194,13 @@ class SyncTrainer:
             metrics["actor/entropy"] = masked_mean(entropy, batch.response_mask)
             metrics["training/rollout_probs_diff_mean"] = masked_mean((old_logp.exp() - batch.rollout_logprobs.exp()).abs(),
                                                                       batch.response_mask)
+            behind = (self.version - batch.versions).float()  # [batch] policy versions each sample is behind
+            metrics.update({"training/staleness/min": behind.min().item(), "training/staleness/mean": behind.mean().item(),
+                            "training/staleness/max": behind.max().item()})
+            if self.correction.rollout_is is not None:
+                weights = truncated_is_weights(old_logp, batch.rollout_logprobs, batch.response_mask,
+                                               self.correction.rollout_is, self.correction.rollout_is_threshold)
+                metrics["rollout_corr/is_weight_mean"] = masked_mean(weights, batch.response_mask)
         if roles.ref is not None:
             with timer.stage("ref"):
                 batch.ref_logprobs = roles.ref.call(Ref.compute_ref_log_prob, batch)
@@ -196,7 +213,7 @@ class SyncTrainer:
             with timer.stage("update_critic"):
                 metrics.update(roles.critic.call(Critic.update, batch))
         with timer.stage("update_actor"):
-            actor_metrics = roles.actor.call(Actor.update, batch)
+            actor_metrics = roles.actor.call(Actor.update, batch, self.correction)
             actor_metrics.pop("actor/entropy", None)  # the pre-update entropy above is verl's actor/entropy
             metrics.update(actor_metrics)
         metrics.update(data_metrics(batch))
@@ -218,6 +235,19 @@ class SyncTrainer:
             group_ids=batch.group_ids, values=batch.values, gamma=alg.gamma, lam=alg.lam,
             norm_by_std=alg.norm_adv_by_std_in_grpo)
         return metrics
+
+
+def merge_results(results: list[StepResult]) -> StepResult:
+    """Several local updates as one step: */max and */min metrics by max and min, others averaged; tokens summed."""
+    if len(results) == 1:
+        return results[0]
+    metrics = {}
+    for key in {k for r in results for k in r.metrics}:
+        values = [r.metrics[key] for r in results if key in r.metrics]
+        reduce = max if key.endswith("/max") else min if key.endswith("/min") else (lambda v: sum(v) / len(v))
+        metrics[key] = reduce(values)
+    return StepResult(metrics, num_tokens=sum(r.num_tokens for r in results),
+                      response_tokens=sum(r.response_tokens for r in results))
 
 
 def prompt_batch(items) -> PromptBatch:

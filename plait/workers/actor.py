@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor
 
 from plait.algorithms.kl import kl_estimate
 from plait.algorithms.losses import agg_loss, entropy_from_logits, ppo_policy_loss, token_logprobs
-from plait.config import ActorConfig, OptimConfig
+from plait.config import ActorConfig, OptimConfig, RolloutCorrectionConfig
 from plait.models import load_causal_lm
 from plait.types import RolloutBatch
 
@@ -53,6 +53,17 @@ def micro_forward(model, micro: RolloutBatch, temperature: float, with_entropy: 
     logp = token_logprobs(logits, input_ids[:, -resp_len:])      # [micro, resp_len]
     ent = entropy_from_logits(logits) if with_entropy else None  # [micro, resp_len]
     return logp, ent
+
+
+def truncated_is_weights(old_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor,
+                         level: str, threshold: float) -> torch.Tensor:
+    """Truncated importance weights [batch, resp_len] between the actor's old log-probs and the
+    rollout's: min(pi_old / pi_rollout, threshold) per token, or per sequence (the ratio of
+    sequence probabilities, broadcast over its tokens). Constants in the loss: no gradient."""
+    log_w = (old_logp - rollout_logp).detach() * mask                     # [batch, resp_len]
+    if level == "sequence":
+        log_w = log_w.sum(-1, keepdim=True).expand_as(log_w)              # [batch, resp_len]
+    return torch.exp(log_w.clamp(max=math.log(threshold))) * mask
 
 
 def make_optimizer(params, cfg: OptimConfig):
@@ -186,11 +197,12 @@ class Actor:
             logp, ent = response_forward(self.model, batch, self.temperature, micro_batch_size, with_entropy=True)
             return logp, ent
 
-    def update(self, batch: RolloutBatch) -> dict[str, float]:
+    def update(self, batch: RolloutBatch, correction: RolloutCorrectionConfig | None = None) -> dict[str, float]:
+        """PPO update; with `correction.rollout_is` set, off-policy rows are reweighted by truncated_is_weights."""
         with self.profiler.annotate("update_actor"):
-            return self._update(batch)
+            return self._update(batch, correction)
 
-    def _update(self, batch: RolloutBatch) -> dict[str, float]:
+    def _update(self, batch: RolloutBatch, correction: RolloutCorrectionConfig | None) -> dict[str, float]:
         cfg = self.cfg
         check_same_batch(batch, "Actor.update")
         mini = cfg.ppo_mini_batch_size * self.n
@@ -199,7 +211,7 @@ class Actor:
         for _ in range(cfg.ppo_epochs):
             order = torch.randperm(len(batch), generator=self.shuffle_gen) if cfg.shuffle else torch.arange(len(batch))
             for start in range(0, len(batch), mini):
-                stats = self._optimizer_step(batch.select(dp_share(order[start:start + mini])))
+                stats = self._optimizer_step(batch.select(dp_share(order[start:start + mini])), correction)
                 for k, v in stats.items():
                     sums[k] = sums.get(k, 0.0) + v
                 count += 1
@@ -207,7 +219,7 @@ class Actor:
         metrics["actor/lr"] = self.scheduler.get_last_lr()[0]
         return metrics
 
-    def _optimizer_step(self, mini: RolloutBatch) -> dict[str, float]:
+    def _optimizer_step(self, mini: RolloutBatch, correction: RolloutCorrectionConfig | None) -> dict[str, float]:
         cfg = self.cfg
         num_tokens, num_seqs = global_sum([mini.response_mask.sum().item(), float(len(mini))])
         norm = dict(num_tokens=max(num_tokens, 1.0), num_seqs=num_seqs)
@@ -221,10 +233,15 @@ class Actor:
             mask = micro.response_mask.to(device)
             weight = mask.sum().item() / norm["num_tokens"]   # share of this micro-batch in token means
             logp, ent = micro_forward(self.model, micro, self.temperature, with_entropy=True)
+            old_logp = micro.old_logprobs.to(device)
+            is_weights = None
+            if correction is not None and correction.rollout_is is not None:
+                is_weights = truncated_is_weights(old_logp, micro.rollout_logprobs.to(device), mask,
+                                                  correction.rollout_is, correction.rollout_is_threshold)
             pg_loss, pg_stats = ppo_policy_loss(
-                logp, micro.old_logprobs.to(device), micro.advantages.to(device), mask,
+                logp, old_logp, micro.advantages.to(device), mask,
                 clip_low=cfg.clip_ratio_low, clip_high=cfg.clip_ratio_high, clip_c=cfg.clip_ratio_c,
-                agg_mode=cfg.loss_agg_mode, **norm)
+                agg_mode=cfg.loss_agg_mode, is_weights=is_weights, **norm)
             loss = pg_loss
             entropy = agg_loss(ent, mask, "token-mean", num_tokens=norm["num_tokens"])
             if cfg.entropy_coeff != 0:

@@ -4,11 +4,19 @@ Generation itself is the engine's job (plait/workers/rollout_engine.py: a lean K
 loop over a transformers model; a vLLM or SGLang engine plugs in behind the same interface). This
 worker turns prompts into a `RolloutBatch`, keeps the policy version its weights belong to, and
 loads weights pushed by the trainer.
+
+Thread safety (async modes generate in one thread while the trainer syncs weights from another):
+`generate`, `resume` and `load_weights` hold one lock, so a weight load waits for a running
+generate instead of changing weights under it; `abort()` takes no lock and makes that generate
+return at its next token, its unfinished rows marked "aborted" for `resume` to finish.
 """
 
 from __future__ import annotations
 
+import threading
+
 import torch
+import torch.nn.functional as F
 
 from plait.config import SamplingConfig
 from plait.models import eos_token_ids, load_causal_lm
@@ -25,18 +33,55 @@ class Rollout:
         self.engine = TransformersEngine(self.model, pad_token_id=self.pad_token_id,
                                          eos_token_ids=eos_token_ids(tokenizer, self.model))
         self.version = 0
+        self._lock = threading.Lock()
 
     def generate(self, prompts: PromptBatch, sampling: SamplingConfig, seed: int) -> RolloutBatch:
-        with self.profiler.annotate("gen"):
+        with self._lock, self.profiler.annotate("gen"):
             return self._generate(prompts, sampling, seed)
+
+    def resume(self, batch: RolloutBatch, sampling: SamplingConfig, seed: int) -> RolloutBatch:
+        """Finish the rows of `batch` that an abort cut short, from their tokens so far, with the current
+        weights. Their earlier tokens keep the log-probs they were sampled with; a finished row takes
+        this worker's version (the version that finished it). Other rows are returned unchanged."""
+        with self._lock, self.profiler.annotate("gen"):
+            return self._resume(batch, sampling, seed)
+
+    def _params(self, sampling: SamplingConfig, max_new_tokens: int) -> SamplingParams:
+        greedy = not sampling.do_sample or sampling.temperature == 0
+        return SamplingParams(max_new_tokens=max_new_tokens,
+                              temperature=1.0 if sampling.temperature == 0 else sampling.temperature,
+                              top_p=sampling.top_p, top_k=sampling.top_k, do_sample=not greedy)
+
+    def _resume(self, batch: RolloutBatch, sampling: SamplingConfig, seed: int) -> RolloutBatch:
+        rows = [i for i, reason in enumerate(batch.stop_reasons) if reason == "aborted"]
+        if not rows:
+            return batch
+        lengths = batch.response_mask.sum(-1).long().tolist()                 # [batch]
+        ids = [batch.prompts[i][batch.prompt_mask[i].bool()].tolist() + batch.responses[i, :lengths[i]].tolist()
+               for i in rows]
+        budget = self.max_response_length - min(lengths[i] for i in rows)
+        out = self.engine.generate(ids, self._params(sampling, budget), generator=torch.Generator().manual_seed(seed))
+        grow = (0, self.max_response_length - batch.responses.shape[1])
+        responses = F.pad(batch.responses, grow, value=self.pad_token_id)    # [batch, max_response_length]
+        mask, logprobs = F.pad(batch.response_mask, grow), F.pad(batch.rollout_logprobs, grow)
+        versions, reasons = batch.versions.clone(), list(batch.stop_reasons)
+        new_lengths = out.response_mask.sum(-1).long().tolist()
+        for j, i in enumerate(rows):
+            start = lengths[i]
+            take = min(new_lengths[j], self.max_response_length - start)  # rows aborted earlier have less room
+            responses[i, start:start + take] = out.responses[j, :take].cpu()
+            mask[i, start:start + take] = 1.0
+            logprobs[i, start:start + take] = out.logprobs[j, :take].float().cpu()
+            reasons[i] = out.stop_reasons[j] if take == new_lengths[j] else "length"
+            versions[i] = self.version
+        width = int(mask.sum(-1).max())
+        return batch.replace(responses=responses[:, :width], response_mask=mask[:, :width],
+                             rollout_logprobs=logprobs[:, :width], versions=versions, stop_reasons=reasons)
 
     def _generate(self, prompts: PromptBatch, sampling: SamplingConfig, seed: int) -> RolloutBatch:
         n = sampling.n
         ids = [p for p in prompts.prompt_ids for _ in range(n)]   # each prompt n times, adjacent
-        greedy = not sampling.do_sample or sampling.temperature == 0
-        params = SamplingParams(max_new_tokens=self.max_response_length,
-                                temperature=1.0 if sampling.temperature == 0 else sampling.temperature,
-                                top_p=sampling.top_p, top_k=sampling.top_k, do_sample=not greedy)
+        params = self._params(sampling, self.max_response_length)
         out = self.engine.generate(ids, params, generator=torch.Generator().manual_seed(seed))
         width = max(len(p) for p in ids)
         prompt_t = torch.full((len(ids), width), self.pad_token_id, dtype=torch.long)
@@ -55,9 +100,10 @@ class Rollout:
             extra_infos=rep(prompts.extra_infos), stop_reasons=list(out.stop_reasons))
 
     def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
-        with self.profiler.annotate("update_weights"):
+        with self._lock, self.profiler.annotate("update_weights"):
             self.engine.load_weights(state_dict)
             self.version = version
 
     def abort(self) -> None:
+        """Cut a running generate or resume short (no lock: it must reach the call holding it)."""
         self.engine.abort()

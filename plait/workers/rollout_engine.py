@@ -182,14 +182,14 @@ class _HFStepper:
         """Run the prompts ([batch, width], left-padded); return the next-token logits [batch, vocab]."""
         self.seen = ids.shape[1]
         out = self.model(input_ids=ids, attention_mask=self.mask[:, :self.seen], position_ids=positions,
-                         cache=self.cache, use_cache=True, logits_to_keep=1)
+                         past_key_values=self.cache, use_cache=True, logits_to_keep=1)
         return out.logits[:, -1]
 
     def decode(self, tok: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Feed one token per row ([active]); return the next-token logits [active, vocab]."""
         self.seen += 1
         out = self.model(input_ids=tok[:, None], attention_mask=self.mask[:, :self.seen],
-                         position_ids=positions[:, None], cache=self.cache, use_cache=True)
+                         position_ids=positions[:, None], past_key_values=self.cache, use_cache=True)
         return out.logits[:, -1]
 
     def select(self, keep: torch.Tensor) -> None:
@@ -226,7 +226,7 @@ class _LlamaStepper:
 
     def prefill(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         cache, self.seen = DynamicCache(config=self.model.config), ids.shape[1]
-        out = self.model(input_ids=ids, attention_mask=self.real, position_ids=positions, cache=cache,
+        out = self.model(input_ids=ids, attention_mask=self.real, position_ids=positions, past_key_values=cache,
                          use_cache=True, logits_to_keep=1)
         for layer, keys, values in zip(cache.layers, self.keys, self.values):
             keys[:, :, :self.seen], values[:, :, :self.seen] = layer.keys, layer.values

@@ -1,0 +1,137 @@
+"""One-step-off-policy training: the rollout generates batch n+1 while the actor trains on batch n.
+
+    main thread (lifecycle step n, trainer)            generation thread (one call at a time)
+    next_batch:   take batch n (step 1: generate it now)
+                  submit gen(n+1) ───────────────────▶ Rollout.generate with version n-1
+    learn(n):     reward … update_actor                  (runs on the rollout's own model copy,
+                  (batch n was made with version n-2)     or its own Ray process)
+    after_update: wait for gen(n+1) ◀─────────────────  done
+                  param_sync: actor weights → rollout = version n
+
+Who blocks whom: the trainer blocks in `wait_rollout` when generating is slower than learning
+(trainer idle); the generation thread sits idle when learning is slower. Weights change only in
+param_sync, after gen(n+1) has returned, so a load never races a generate (and the Rollout
+worker's lock would make it wait if it did). Every sample is exactly one version behind the
+trainer that consumes it, except at step 1 and at the first step after a resume without a saved
+batch, which generate on-policy. The rollout's log-probs correct for that: truncated importance
+weights min(pi_old / pi_rollout, C) multiply the PPO loss, pi_old being the actor's recomputed
+log-prob before the update (`algorithm.rollout_correction`, token level by default).
+
+On the local backend the generation thread runs the decode itself (torch releases the GIL in its
+kernels, Python overhead does not); on Ray it only waits on the separated rollout process. The
+next batch, already generated when a checkpoint is written, is saved with it, so a resumed run
+continues exactly one step off. Profiling: the rollout's `gen` stage runs inside the trainer
+step's window (same process, same wall clock) and is recorded with the window's policy version,
+which is n-1 for step n, the version the rollout generates with during step n.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from plait.trainers.lifecycle import StageTimer
+from plait.trainers.sync import SyncTrainer
+from plait.types import PromptBatch, RolloutBatch
+from plait.workers.rollout import Rollout
+from plait.workers.weight_sync import sync_weights
+
+
+class RolloutError(RuntimeError):
+    """Generation running beside the trainer failed; the cause is chained."""
+
+
+class BusyClock:
+    """When one thread was busy, so its idle share of any later wall-clock window can be measured."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._spans: list[list] = []  # [start, end]; end None while busy
+
+    @contextlib.contextmanager
+    def busy(self):
+        span = [time.perf_counter(), None]
+        with self._lock:
+            self._spans.append(span)
+        try:
+            yield
+        finally:
+            span[1] = time.perf_counter()
+
+    def idle_ratio(self, start: float, end: float) -> float:
+        """Idle share of [start, end]; spans ending before `start` are dropped (windows move forward)."""
+        with self._lock:
+            self._spans = [s for s in self._spans if s[1] is None or s[1] > start]
+            busy = sum(max(0.0, min(end if e is None else e, end) - max(s, start)) for s, e in self._spans)
+        return max(0.0, 1.0 - busy / max(end - start, 1e-9))
+
+
+class OneStepOffTrainer(SyncTrainer):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.pool: ThreadPoolExecutor | None = None  # the generation thread, between start() and close()
+        self.pending: Future | None = None           # gen(n+1) while batch n trains
+        self.ready: RolloutBatch | None = None       # gen(n+1) once done, until next_batch takes it
+        self.gen_clock = BusyClock()
+        self.cycle_start = 0.0                       # wall time of the last param_sync's end
+
+    def start(self) -> None:
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="plait-one-step-off-gen")
+        self.cycle_start = time.perf_counter()
+
+    def next_batch(self, step: int, timer: StageTimer) -> RolloutBatch:
+        batch, self.ready = self.ready, None
+        if batch is None:  # step 1 (or a resume without a saved batch): nothing was generated ahead
+            with timer.stage("gen"):
+                batch = self._generate(self.cursor.next(), self.sample_seed(step))
+        if step < self.total_steps():
+            self.pending = self.pool.submit(self._generate, self.cursor.next(), self.sample_seed(step + 1))
+        return batch
+
+    def _generate(self, prompts: PromptBatch, seed: int) -> RolloutBatch:
+        with self.gen_clock.busy():
+            return self.roles.rollout.call(Rollout.generate, prompts, self.sampling, seed)
+
+    def after_update(self, step: int, timer: StageTimer) -> dict[str, float]:
+        if self.pending is not None:
+            with timer.stage("wait_rollout"):
+                pending, self.pending = self.pending, None
+                try:
+                    self.ready = pending.result()
+                except Exception as err:
+                    raise RolloutError(f"one_step_off: generating the batch for step {step + 1} failed in the "
+                                       f"generation thread: {type(err).__name__}: {err}") from err
+        with timer.stage("param_sync"):
+            sync_weights(self.roles.actor, self.roles.rollout, step)
+        self.version = step
+        start, self.cycle_start = self.cycle_start, time.perf_counter()
+        wall = self.cycle_start - start
+        waited = timer.times.get("gen", 0.0) + timer.times.get("wait_rollout", 0.0)
+        return {"trainer/idle_ratio": waited / wall, "rollouter/idle_ratio": self.gen_clock.idle_ratio(start, self.cycle_start)}
+
+    def save_checkpoint(self, path: str, step: int) -> None:
+        super().save_checkpoint(path, step)
+        if self.ready is not None:  # its prompts are already past the saved data cursor
+            torch.save(vars(self.ready), os.path.join(path, "next_batch.pt"))
+
+    def load_checkpoint(self, path: str, step: int) -> None:
+        super().load_checkpoint(path, step)
+        saved = os.path.join(path, "next_batch.pt")
+        self.ready = RolloutBatch(**torch.load(saved, weights_only=True)) if os.path.exists(saved) else None
+
+    def close(self) -> None:
+        """Stop the generation thread; a generation still running (the step raised) is aborted and discarded."""
+        if self.pool is None:
+            return
+        if self.pending is not None and not self.pending.done():
+            try:
+                self.roles.rollout.call(Rollout.abort)
+            except Exception:  # the backend may already be down after the failure that brought us here
+                pass
+        self.pool.shutdown(wait=True, cancel_futures=True)
+        self.pool, self.pending = None, None

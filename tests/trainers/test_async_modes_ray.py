@@ -1,0 +1,106 @@
+"""The async modes on the Ray backend: the rollout in its own process, the driver's threads waiting
+on it. Same checks as the local tests (staleness bound, every sample once, clean stop), plus a
+rollout process killed mid-run: one clear error on the driver within seconds, nothing left running.
+"""
+
+import os
+import signal
+import threading
+import time
+from collections import Counter
+
+import pytest
+import torch
+
+pytest.importorskip("ray")
+
+from plait import driver  # noqa: E402
+from plait.backends import LEAN_RAY_ENV  # noqa: E402
+from plait.trainers.lifecycle import read_metrics  # noqa: E402
+
+pytestmark = pytest.mark.ray
+torch.set_num_threads(1)
+os.environ.update(LEAN_RAY_ENV)  # before ray is imported by a test
+
+RAY = ["trainer.backend=ray", "trainer.placement=separated", "trainer.ray.num_cpu_workers=1",
+       "trainer.ray.cpus_per_worker=0.5", "trainer.test_freq=-1", "trainer.val_before_train=false"]
+MODES = {"one_step_off": ["trainer.mode=one_step_off"],
+         "fully_async": ["trainer.mode=fully_async", "async_training.trigger_parameter_sync_step=2",
+                         "async_training.staleness_threshold=1"]}
+
+
+@pytest.fixture(scope="module")
+def ray_up(tmp_path_factory):
+    """Reuse a Ray instance another test module started, else start one for this module."""
+    import ray
+    from plait.backends.ray import start_local_ray, stop_local_ray
+    if ray.is_initialized():
+        yield
+        return
+    link_dir = start_local_ray(str(tmp_path_factory.mktemp("ray")), num_cpus=4, object_store_memory_mb=128)
+    yield
+    stop_local_ray(link_dir)
+
+
+def build(tiny_config, out, *overrides):
+    lifecycle = driver.build(tiny_config(out, *RAY, *overrides), progress=False)
+    trainer, seen = lifecycle.trainer, []
+    learn = trainer.learn
+
+    def recording(batch, timer):
+        seen.append((trainer.version, batch.versions.tolist(), batch.group_ids.tolist()))
+        return learn(batch, timer)
+    trainer.learn = recording
+    return lifecycle, seen
+
+
+def gone(pid: int, within: float = 10.0) -> bool:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_async_mode_on_ray(ray_up, tmp_path, tiny_config, mode):
+    lifecycle, seen = build(tiny_config, tmp_path, *MODES[mode])
+    roles = lifecycle.trainer.roles
+    pids = roles.actor.pids + roles.rollout.pids
+    assert len({*pids, os.getpid()}) == 3  # trainer, rollout and driver: three processes
+    lifecycle.run()
+    behind = [v_trainer - v for v_trainer, versions, _ in seen for v in versions]
+    if mode == "one_step_off":
+        assert behind[:16] == [0] * 16 and set(behind[16:]) == {1}
+    else:
+        assert set(behind) <= {0, 1} and 1 in behind
+    counts = Counter(g for _, _, groups in seen for g in groups)
+    assert set(counts.values()) == {4} and sum(counts.values()) == 3 * 4 * 4
+    records = read_metrics(os.path.join(tmp_path, "metrics.jsonl"))
+    assert [r["step"] for r in records] == [1, 2, 3] and all("rollouter/idle_ratio" in r for r in records)
+    assert not [t for t in threading.enumerate() if t.name.startswith("plait-")]
+    assert all(gone(pid) for pid in pids)  # the lifecycle shut the backend down
+
+
+def test_killed_rollout_process_is_a_clear_error(ray_up, tmp_path, tiny_config):
+    """fully_async (the local tests inject failures into both modes' generation threads)."""
+    lifecycle, _ = build(tiny_config, tmp_path, *MODES["fully_async"], "trainer.total_training_steps=8")
+    trainer = lifecycle.trainer
+    rollout_pid = trainer.roles.rollout.pids[0]
+    learn = trainer.learn
+
+    def kill_at_step_2(batch, timer):
+        if trainer.version == 1:
+            os.kill(rollout_pid, signal.SIGKILL)
+        return learn(batch, timer)
+    trainer.learn = kill_at_step_2
+    start = time.perf_counter()
+    with pytest.raises(RuntimeError, match="died") as info:
+        lifecycle.run()
+    print(f"{type(info.value).__name__}: {info.value}")
+    assert time.perf_counter() - start < 60
+    assert not [t for t in threading.enumerate() if t.name.startswith("plait-")]
+    assert all(gone(pid) for pid in trainer.roles.actor.pids)

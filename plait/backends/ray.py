@@ -27,6 +27,7 @@ import atexit
 import os
 import shutil
 import tempfile
+import threading
 from typing import Any, Callable, Optional
 
 import ray
@@ -47,7 +48,7 @@ class WorkerError(RuntimeError):
     """A worker process died or raised; the Ray backend has been shut down."""
 
 
-@ray.remote
+@ray.remote(concurrency_groups={"control": 1})
 class Host:
     """One worker process: the role objects placed on it, its profiler session, its DP rank."""
 
@@ -87,6 +88,12 @@ class Host:
         args, kwargs = payload
         out = method(self.workers[role], *args, **kwargs)
         return to_cpu(out) if keep else None
+
+    @ray.method(concurrency_group="control")
+    def run_out_of_band(self, role: str, method: Callable, payload: tuple) -> None:
+        """A worker method marked `out_of_band` (an abort), on the control thread: it overtakes `run`."""
+        args, kwargs = payload
+        method(self.workers[role], *args, **kwargs)
 
     def start_profile(self, first_step: int, last_step: int, version: int) -> None:
         self.session.start(first_step, last_step, version)
@@ -137,6 +144,7 @@ class RayBackend:
     def __init__(self, cfg: PlaitConfig, roles_cfg: dict, device: str, address: Optional[str] = None):
         self.cfg: RayConfig = cfg.trainer.ray
         self.failed: Optional[WorkerError] = None
+        self.fail_lock = threading.Lock()
         self.link_dir: Optional[str] = None  # set when plait started the Ray instance
         self.connected = False  # plait called ray.init (started or joined), so it disconnects at the end
         self.pgs: list = []
@@ -259,6 +267,12 @@ class RayBackend:
         return out
 
     def _fail(self, who: str, rank: int, what: str, err: RayError) -> WorkerError:
+        with self.fail_lock:  # two driver threads (async modes) may see the failure; the first account wins
+            if self.failed is None:
+                self.failed = self._shut_down_after(who, rank, what, err)
+            return self.failed
+
+    def _shut_down_after(self, who: str, rank: int, what: str, err: RayError) -> WorkerError:
         if isinstance(err, RayTaskError):  # details: the remote traceback
             summary = f"raised {type(err.cause).__name__}: {err.cause}"
         elif isinstance(err, RayActorError):  # details: Ray's account of the death (killed, OOM, ...)
@@ -275,10 +289,9 @@ class RayBackend:
                     pass
         started = self.link_dir is not None
         self.shutdown()
-        self.failed = WorkerError(
+        return WorkerError(
             f"{who} rank {rank} {summary} during {what}; every Ray worker was stopped"
             f"{' and the Ray instance plait started was shut down' if started else ''}.\n{err}")
-        return self.failed
 
 
 class RayWorkerGroup:
@@ -292,7 +305,10 @@ class RayWorkerGroup:
         """Run `method` on every rank with the same arguments (stored once); return rank 0's result."""
         self.backend.check_up()
         payload = ray.put((args, kwargs))
-        refs = [h.run.remote(self.role, method, payload, rank == 0) for rank, h in enumerate(self.hosts)]
+        if getattr(method, "out_of_band", False):  # the marker is optional on worker methods
+            refs = [h.run_out_of_band.remote(self.role, method, payload) for h in self.hosts]
+        else:
+            refs = [h.run.remote(self.role, method, payload, rank == 0) for rank, h in enumerate(self.hosts)]
         return self.backend.gather(refs, f"{self.role} worker", method.__qualname__)[0]
 
     def call_dp(self, method: Callable, batch, *args, **kwargs) -> list[Any]:

@@ -33,8 +33,8 @@ Locks: one Condition guards the queue and the counts; the Rollout worker's own l
 weight load from racing a generate. The rollouter never holds the Condition while generating,
 and the trainer never holds it while learning or syncing, so neither can deadlock the other.
 On the local backend the rollouter thread runs the decode itself; on Ray it waits on the
-separated rollout process, where an abort cannot overtake the running call (one call at a time
-per worker process), so a sync there waits for the running chunk and no rollout is partial.
+separated rollout process, whose `abort` runs out of band (a control thread beside the one that
+runs calls), so a sync cuts the running chunk short there too.
 Profiling: the rollouter's `gen` stages fall into the trainer step's window and are recorded with
 its policy version, N-1 for step N, the version the rollout generates with during step N.
 """

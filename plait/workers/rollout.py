@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from plait.config import SamplingConfig
 from plait.models import eos_token_ids, load_causal_lm
+from plait.workers import out_of_band
 from plait.types import PromptBatch, RolloutBatch
 from plait.workers.rollout_engine import SamplingParams, TransformersEngine
 
@@ -104,6 +105,7 @@ class Rollout:
             self.engine.load_weights(state_dict)
             self.version = version
 
+    @out_of_band
     def abort(self) -> None:
         """Cut a running generate or resume short (no lock: it must reach the call holding it)."""
         self.engine.abort()

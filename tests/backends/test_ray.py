@@ -128,6 +128,7 @@ def test_sync_grpo_on_ray_is_the_local_run_with_per_rank_profiles(ray_instance, 
                       "actor_rollout_ref.actor.profiler.enable=true", "actor_rollout_ref.actor.profiler.ranks=[1]",
                       "actor_rollout_ref.rollout.profiler.enable=true")
     lifecycle = driver.build(cfg, progress=False)
+    lifecycle.shutdown = lambda: None  # keep the workers up to inspect them; `finally` shuts them down
     roles = lifecycle.trainer.roles
     try:
         assert len(set(roles.actor.pids + roles.rollout.pids)) == 3
@@ -209,3 +210,34 @@ def test_workers_that_cannot_be_placed_fail_naming_the_resources(ray_instance, t
     cfg = tiny_config(tmp_path, "trainer.ray.cpus_per_worker=3", "trainer.ray.placement_timeout_s=1")
     with pytest.raises(WorkerError, match=r"CPU: needs 6, [\d.]+ free of 4"):
         RayBackend(cfg, {"actor": RoleProfilerConfig()}, "cpu")
+
+
+def test_abort_overtakes_a_running_generate_on_ray(ray_instance, tmp_path):
+    """Rollout.abort is out-of-band: it reaches the rollout process while its generate runs, and the
+    generate returns early with the tokens so far (what partial rollout needs on Ray)."""
+    import threading
+
+    from plait import driver
+    from plait.config import SamplingConfig
+    from plait.types import PromptBatch
+    from plait.workers.rollout import Rollout
+    cfg = tiny_config(tmp_path, "trainer.placement=separated", "data.max_response_length=480")
+    lifecycle = driver.build(cfg, progress=False)
+    rollout = lifecycle.trainer.roles.rollout
+    prompts = PromptBatch(prompt_ids=[[5, 6, 7]] * 32, data_sources=["x"] * 32, ground_truths=["1"] * 32,
+                          extra_infos=[{}] * 32, indices=list(range(32)))
+    out = {}
+    try:
+        worker = threading.Thread(target=lambda: out.update(
+            batch=rollout.call(Rollout.generate, prompts, SamplingConfig(n=1), 0)))
+        worker.start()
+        deadline = time.monotonic() + 60
+        while worker.is_alive() and time.monotonic() < deadline:  # an abort with no generate running is a no-op
+            rollout.call(Rollout.abort)
+            time.sleep(0.05)
+        worker.join(timeout=5)
+        assert not worker.is_alive()
+        assert "aborted" in out["batch"].stop_reasons
+        assert out["batch"].response_mask.sum(-1).max() < 480
+    finally:
+        lifecycle.trainer.roles.actor.backend.shutdown()

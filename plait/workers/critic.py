@@ -48,8 +48,8 @@ class Critic:
     def compute_values(self, batch: RolloutBatch) -> torch.Tensor:
         with self.profiler.annotate("values"), torch.no_grad():
             mb = self.cfg.ppo_micro_batch_size_per_gpu
-            return torch.cat([self.model(batch.select(slice(s, s + mb))) * batch.response_mask[s:s + mb]
-                              for s in range(0, len(batch), mb)])  # [batch, resp_len]
+            values = torch.cat([self.model(batch.select(slice(s, s + mb))).cpu() for s in range(0, len(batch), mb)])
+            return values * batch.response_mask  # [batch, resp_len]
 
     def update(self, batch: RolloutBatch) -> dict[str, float]:
         with self.profiler.annotate("update_critic"):

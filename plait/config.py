@@ -26,6 +26,13 @@ KL_KINDS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
 ADV_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus", "gae")
 
 
+def positive(node, *names: str) -> None:
+    """Each named field of `node` must be > 0."""
+    for name in names:
+        value = getattr(node, name)
+        check(value > 0, name, value, "must be > 0")
+
+
 @dataclass
 class DataConfig:
     train_files: Optional[list[str]] = None  # null: the built-in task named by `task`
@@ -43,11 +50,8 @@ class DataConfig:
     seed: int = 1
 
     def __post_init__(self):
-        check(self.train_batch_size > 0, "train_batch_size", self.train_batch_size, "must be > 0")
+        positive(self, "train_batch_size", "max_prompt_length", "max_response_length", "train_size", "val_size")
         check(self.val_batch_size is None or self.val_batch_size > 0, "val_batch_size", self.val_batch_size, "must be > 0 or null")
-        check(self.max_prompt_length > 0, "max_prompt_length", self.max_prompt_length, "must be > 0")
-        check(self.max_response_length > 0, "max_response_length", self.max_response_length, "must be > 0")
-        check(self.train_size > 0 and self.val_size > 0, "train_size", self.train_size, "train_size and val_size must be > 0")
 
 
 @dataclass
@@ -102,10 +106,7 @@ class ActorConfig:
     profiler: RoleProfilerConfig = field(default_factory=RoleProfilerConfig)
 
     def __post_init__(self):
-        check(self.ppo_mini_batch_size > 0, "ppo_mini_batch_size", self.ppo_mini_batch_size, "must be > 0")
-        check(self.ppo_micro_batch_size_per_gpu > 0, "ppo_micro_batch_size_per_gpu", self.ppo_micro_batch_size_per_gpu, "must be > 0")
-        check(self.ppo_epochs > 0, "ppo_epochs", self.ppo_epochs, "must be > 0")
-        check(self.clip_ratio > 0, "clip_ratio", self.clip_ratio, "must be > 0")
+        positive(self, "ppo_mini_batch_size", "ppo_micro_batch_size_per_gpu", "ppo_epochs", "clip_ratio")
         check(self.clip_ratio_c > 1, "clip_ratio_c", self.clip_ratio_c, "must be > 1 (dual-clip bound)")
         check(self.loss_agg_mode in LOSS_AGG_MODES, "loss_agg_mode", self.loss_agg_mode, f"one of {', '.join(LOSS_AGG_MODES)}")
         check(self.kl_loss_type in KL_KINDS, "kl_loss_type", self.kl_loss_type, f"one of {', '.join(KL_KINDS)}")
@@ -184,10 +185,7 @@ class CriticConfig:
     profiler: RoleProfilerConfig = field(default_factory=RoleProfilerConfig)
 
     def __post_init__(self):
-        check(self.ppo_mini_batch_size > 0, "ppo_mini_batch_size", self.ppo_mini_batch_size, "must be > 0")
-        check(self.ppo_micro_batch_size_per_gpu > 0, "ppo_micro_batch_size_per_gpu", self.ppo_micro_batch_size_per_gpu, "must be > 0")
-        check(self.ppo_epochs > 0, "ppo_epochs", self.ppo_epochs, "must be > 0")
-        check(self.cliprange_value > 0, "cliprange_value", self.cliprange_value, "must be > 0")
+        positive(self, "ppo_mini_batch_size", "ppo_micro_batch_size_per_gpu", "ppo_epochs", "cliprange_value")
         check(self.loss_agg_mode in LOSS_AGG_MODES, "loss_agg_mode", self.loss_agg_mode, f"one of {', '.join(LOSS_AGG_MODES)}")
 
 

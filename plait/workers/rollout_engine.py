@@ -22,6 +22,8 @@ on GPUs.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import threading
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
@@ -182,20 +184,30 @@ class _HFStepper:
         """Run the prompts ([batch, width], left-padded); return the next-token logits [batch, vocab]."""
         self.seen = ids.shape[1]
         out = self.model(input_ids=ids, attention_mask=self.mask[:, :self.seen], position_ids=positions,
-                         past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+                         **cache_kwarg(self.model, self.cache), use_cache=True, logits_to_keep=1)
         return out.logits[:, -1]
 
     def decode(self, tok: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Feed one token per row ([active]); return the next-token logits [active, vocab]."""
         self.seen += 1
         out = self.model(input_ids=tok[:, None], attention_mask=self.mask[:, :self.seen],
-                         position_ids=positions[:, None], past_key_values=self.cache, use_cache=True)
+                         position_ids=positions[:, None], **cache_kwarg(self.model, self.cache), use_cache=True)
         return out.logits[:, -1]
 
     def select(self, keep: torch.Tensor) -> None:
         """Keep only these batch rows."""
         self.cache.batch_select_indices(keep)
         self.mask = self.mask[keep]
+
+
+def cache_kwarg(model: PreTrainedModel, cache: DynamicCache) -> dict:
+    """transformers renamed forward's `past_key_values` to `cache` (5.2x); pass it under the name this model takes."""
+    return {_cache_name(type(model)): cache}
+
+
+@functools.cache
+def _cache_name(cls: type) -> str:
+    return "cache" if "cache" in inspect.signature(cls.forward).parameters else "past_key_values"
 
 
 class _LlamaStepper:
@@ -226,7 +238,7 @@ class _LlamaStepper:
 
     def prefill(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         cache, self.seen = DynamicCache(config=self.model.config), ids.shape[1]
-        out = self.model(input_ids=ids, attention_mask=self.real, position_ids=positions, past_key_values=cache,
+        out = self.model(input_ids=ids, attention_mask=self.real, position_ids=positions, **cache_kwarg(self.model, cache),
                          use_cache=True, logits_to_keep=1)
         for layer, keys, values in zip(cache.layers, self.keys, self.values):
             keys[:, :, :self.seen], values[:, :, :self.seen] = layer.keys, layer.values

@@ -214,6 +214,10 @@ class RolloutCorrectionConfig:
     """
     rollout_is: Optional[str] = None          # token | sequence | null: token in one_step_off/fully_async, off in sync
     rollout_is_threshold: float = 2.0         # the truncation C
+    # verl's bypass mode: pi_old is the rollout's log-prob, so the old_log_prob forward is skipped.
+    # Exact in sync mode (the rollout samples with the actor's weights); in the async modes PPO's
+    # ratio is then taken against the stale rollout policy itself, with no importance weights.
+    bypass_mode: bool = False
 
     def __post_init__(self):
         check(self.rollout_is is None or self.rollout_is in ROLLOUT_IS_LEVELS, "rollout_is", self.rollout_is,
@@ -358,7 +362,9 @@ class PlaitConfig:
                       f"false with trainer.mode={mode} on the local backend (its rollout thread's stages overlap "
                       "the trainer's, and torch profiles one collection per process); use trainer.backend=ray")
         correction = self.algorithm.rollout_correction
-        if correction.rollout_is is None and mode in ASYNC_MODES:
+        check(not (correction.bypass_mode and correction.rollout_is), "algorithm.rollout_correction.rollout_is",
+              correction.rollout_is, "null with bypass_mode=true (pi_old is the rollout policy: the weights would all be 1)")
+        if correction.rollout_is is None and mode in ASYNC_MODES and not correction.bypass_mode:
             correction.rollout_is = "token"
         if mode == "fully_async":
             a = self.async_training

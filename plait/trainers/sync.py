@@ -4,6 +4,8 @@ One step, each stage one call (timed by the lifecycle, annotated in the workers)
 
     gen ─▶ reward ─▶ old_log_prob ─▶ ref ─▶ values ─▶ adv ─▶ update_critic ─▶ update_actor ─▶ update_weights
 
+(old_log_prob is skipped in verl's bypass mode: pi_old is then the rollout's own log-prob.)
+
 `SyncTrainer.learn` is the shared language-model pipeline from reward to update; the other LM modes
 (one-step-off, fully async) change only where a batch comes from (`next_batch`), what follows
 an update (`after_update`, which returns the mode's metrics) and how many local updates make one
@@ -187,20 +189,14 @@ class SyncTrainer:
                 finite = [v for v in values if v == v]
                 if finite:
                     metrics[f"reward_extra/{key}/mean"] = sum(finite) / len(finite)
-        with timer.stage("old_log_prob"):
-            old_logp, entropy = roles.actor.call(Actor.compute_log_prob, batch,
-                                                 cfg.actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu)
-            batch.old_logprobs = old_logp
-            metrics["actor/entropy"] = masked_mean(entropy, batch.response_mask)
-            metrics["training/rollout_probs_diff_mean"] = masked_mean((old_logp.exp() - batch.rollout_logprobs.exp()).abs(),
-                                                                      batch.response_mask)
-            behind = (self.version - batch.versions).float()  # [batch] policy versions each sample is behind
-            metrics.update({"training/staleness/min": behind.min().item(), "training/staleness/mean": behind.mean().item(),
-                            "training/staleness/max": behind.max().item()})
-            if self.correction.rollout_is is not None:
-                weights = truncated_is_weights(old_logp, batch.rollout_logprobs, batch.response_mask,
-                                               self.correction.rollout_is, self.correction.rollout_is_threshold)
-                metrics["rollout_corr/is_weight_mean"] = masked_mean(weights, batch.response_mask)
+        behind = (self.version - batch.versions).float()  # [batch] policy versions each sample is behind
+        metrics.update({"training/staleness/min": behind.min().item(), "training/staleness/mean": behind.mean().item(),
+                        "training/staleness/max": behind.max().item()})
+        if self.correction.bypass_mode:
+            batch.old_logprobs = batch.rollout_logprobs
+        else:
+            with timer.stage("old_log_prob"):
+                metrics.update(self.compute_old_log_prob(batch))
         if roles.ref is not None:
             with timer.stage("ref"):
                 batch.ref_logprobs = roles.ref.call(Ref.compute_ref_log_prob, batch)
@@ -214,11 +210,25 @@ class SyncTrainer:
                 metrics.update(roles.critic.call(Critic.update, batch))
         with timer.stage("update_actor"):
             actor_metrics = roles.actor.call(Actor.update, batch, self.correction)
-            actor_metrics.pop("actor/entropy", None)  # the pre-update entropy above is verl's actor/entropy
+            if "actor/entropy" in metrics:  # verl's actor/entropy is the pre-update one, when it was computed
+                actor_metrics.pop("actor/entropy")
             metrics.update(actor_metrics)
         metrics.update(data_metrics(batch))
         num_tokens = int(batch.attention_mask.sum())
         return StepResult(metrics, num_tokens=num_tokens, response_tokens=int(batch.response_mask.sum()))
+
+    def compute_old_log_prob(self, batch: RolloutBatch) -> dict[str, float]:
+        old_logp, entropy = self.roles.actor.call(Actor.compute_log_prob, batch,
+                                                  self.cfg.actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu)
+        batch.old_logprobs = old_logp
+        mask = batch.response_mask
+        metrics = {"actor/entropy": masked_mean(entropy, mask),
+                   "training/rollout_probs_diff_mean": masked_mean((old_logp.exp() - batch.rollout_logprobs.exp()).abs(), mask)}
+        if self.correction.rollout_is is not None:
+            weights = truncated_is_weights(old_logp, batch.rollout_logprobs, mask,
+                                           self.correction.rollout_is, self.correction.rollout_is_threshold)
+            metrics["rollout_corr/is_weight_mean"] = masked_mean(weights, mask)
+        return metrics
 
     def compute_advantage(self, batch: RolloutBatch) -> dict[str, float]:
         alg, metrics = self.cfg.algorithm, {}

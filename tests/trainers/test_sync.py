@@ -92,3 +92,16 @@ def test_user_parquet_and_custom_reward_function(tmp_path, tiny_config):
     assert "val-core/mine/reward/mean" in records[0]
     assert all(0.25 <= r["critic/score/mean"] <= 0.75 for r in records[1:])
     assert "reward_extra/length/mean" in records[1]
+
+
+def test_bypass_mode_skips_the_recompute_and_trains_the_same(tmp_path, tiny_config):
+    """In sync mode the rollout samples with the actor's weights, so its log-probs are pi_old: bypass
+    mode drops the old_log_prob forward and the first update is the recomputed one, to rounding."""
+    common = ("trainer.total_training_steps=1", "trainer.test_freq=-1", "trainer.save_freq=-1")
+    run(tiny_config(tmp_path / "recompute", *common))
+    run(tiny_config(tmp_path / "bypass", *common, "algorithm.rollout_correction.bypass_mode=true"))
+    [a] = read_metrics(os.path.join(tmp_path, "recompute", "metrics.jsonl"))
+    [b] = read_metrics(os.path.join(tmp_path, "bypass", "metrics.jsonl"))
+    assert "timing_s/old_log_prob" in a and "timing_s/old_log_prob" not in b
+    for key in ("critic/score/mean", "actor/pg_loss", "actor/grad_norm", "actor/ppo_kl"):
+        assert b[key] == pytest.approx(a[key], rel=1e-3, abs=1e-5), key

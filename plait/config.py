@@ -143,6 +143,7 @@ class RolloutConfig:
     top_k: int = -1
     do_sample: bool = True
     log_prob_micro_batch_size_per_gpu: int = 64
+    ignore_eos: bool = False                  # generate max_response_length tokens always (benchmarks)
     val_kwargs: SamplingConfig = field(default_factory=_val_sampling)
     profiler: RoleProfilerConfig = field(default_factory=RoleProfilerConfig)
 

@@ -123,7 +123,8 @@ def build_lm_trainer(cfg: PlaitConfig, backend):
     temp, n = arr.rollout.temperature or 1.0, arr.rollout.n
     roles = Roles(
         actor=backend.spawn("actor", Actor, model_path, arr.actor, n, temp, device=device, dtype=dtype, seed=cfg.trainer.seed),
-        rollout=backend.spawn("rollout", Rollout, model_path, d.max_response_length, tokenizer, device=device, dtype=dtype),
+        rollout=backend.spawn("rollout", Rollout, model_path, d.max_response_length, tokenizer, device=device, dtype=dtype,
+                              ignore_eos=arr.rollout.ignore_eos),
         ref=backend.spawn("ref", Ref, model_path, arr.ref, temp, device=device, dtype=dtype) if cfg.uses_ref else None,
         critic=(backend.spawn("critic", Critic, cfg.critic.model.path or model_path, cfg.critic, n, device=device, dtype=dtype)
                 if cfg.critic.enable else None))

@@ -27,12 +27,12 @@ from plait.workers.rollout_engine import SamplingParams, TransformersEngine
 
 class Rollout:
     def __init__(self, model_path: str, max_response_length: int, tokenizer, profiler,
-                 device: str = "cpu", dtype: torch.dtype = torch.float32):
+                 device: str = "cpu", dtype: torch.dtype = torch.float32, ignore_eos: bool = False):
         self.max_response_length, self.pad_token_id, self.profiler = max_response_length, tokenizer.pad_token_id, profiler
         self.model = load_causal_lm(model_path, dtype=dtype, device=device).eval()
         self.model.requires_grad_(False)
         self.engine = TransformersEngine(self.model, pad_token_id=self.pad_token_id,
-                                         eos_token_ids=eos_token_ids(tokenizer, self.model))
+                                         eos_token_ids=[] if ignore_eos else eos_token_ids(tokenizer, self.model))
         self.version = 0
         self._lock = threading.Lock()
 

@@ -34,7 +34,8 @@ from plait.configtree import ConfigError
 from plait.data.images import IMAGE_REWARDS, condition_split
 from plait.data.rewards import load_custom_reward
 from plait.trainers.lifecycle import StageTimer, StepResult
-from plait.workers.diffusion import DiffusionActor, DiffusionRef, flow_model_config, pretrain_flow_model
+from plait.workers.diffusers_policy import is_diffusers_policy
+from plait.workers.diffusion import DiffusionActor, DiffusionRef, policy_config, pretrain_flow_model
 
 
 class DiffusionTrainer:
@@ -131,10 +132,14 @@ class DiffusionTrainer:
 def resolve_flow_model(cfg: PlaitConfig) -> str:
     """The policy's starting weights: the user's folder, or the built-in model pre-trained once and cached."""
     d = cfg.diffusion
+    if d.model_path is not None and is_diffusers_policy(d.model_path):
+        return d.model_path
+    if d.lora.enable:
+        raise ConfigError("diffusion.lora.enable", True, "needs diffusion.model_path to be a diffusers policy folder")
     if d.model_path is not None:
         if not os.path.isfile(os.path.join(d.model_path, "settings.json")):
-            raise ConfigError("diffusion.model_path", d.model_path,
-                              "not a folder saved by pretrain_flow_model (settings.json, model.pt)")
+            raise ConfigError("diffusion.model_path", d.model_path, "not a folder saved by pretrain_flow_model "
+                              "(settings.json, model.pt) or a diffusers policy (plait_diffusers_policy.json)")
         return d.model_path
     out = os.path.join(cfg.output_dir, "demo_model", "flow")
     return str(pretrain_flow_model(d.model, d.pretrain_steps, d.pretrain_batch_size, d.pretrain_lr,
@@ -151,7 +156,7 @@ def build_diffusion_trainer(cfg: PlaitConfig, backend, device: str) -> Diffusion
     reward_name, reward_fn = d.reward, IMAGE_REWARDS[d.reward]
     if custom.path:
         reward_name, reward_fn = custom.name, load_custom_reward(custom.path, custom.name)
-    actor = backend.spawn("actor", DiffusionActor, model_path, d.actor, device=device)
+    actor = backend.spawn("actor", DiffusionActor, model_path, d.actor, device=device, lora=d.lora)
     ref = backend.spawn("ref", DiffusionRef, model_path, device=device) if d.actor.kl_loss_coef > 0 else None
-    return DiffusionTrainer(cfg, actor, ref, reward_name, reward_fn, flow_model_config(model_path).num_classes,
+    return DiffusionTrainer(cfg, actor, ref, reward_name, reward_fn, policy_config(model_path).num_classes,
                             backend.profile_targets())

@@ -21,11 +21,12 @@ Training window: only the steps [start, start + sde_window_size) are stochastic 
 others run as ODE. The window start is drawn per batch from `sde_window_range`, so early (coarse
 layout) and later steps both get trained while each update costs K << T model passes.
 
-Here: DiffusionModelConfig, FlowModel, pretrain_flow_model / load_flow_model, the sampler and
+Here: DiffusionModelConfig, FlowModel, pretrain_flow_model / load_flow_model, load_policy (a
+FlowModel folder or a diffusers one, plait/workers/diffusers_policy.py), the sampler and
 step_logprob, Trajectory, the workers DiffusionActor (rollout + update, colocated) and
 DiffusionRef (frozen means for the KL), and DiffusionConfig, the `diffusion` node of the config
 tree. Not here: the step loop (plait/trainers/diffusion.py), advantages and losses
-(plait/algorithms/flow_grpo.py), conditions and rewards (plait/data/images.py), diffusers.
+(plait/algorithms/flow_grpo.py), conditions and rewards (plait/data/images.py).
 """
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ from torch import Tensor, nn
 from plait.algorithms.flow_grpo import flow_grpo_loss, mean_kl
 from plait.configtree import check
 from plait.data.images import IMAGE_REWARDS, NUM_GLYPHS, render_glyphs
+from plait.workers.diffusers_policy import (DiffusersPolicyConfig, LoraConfig, diffusers_policy_config,
+                                            is_diffusers_policy, load_diffusers_policy)
 
 
 @dataclass
@@ -156,6 +159,20 @@ def load_flow_model(path: str | Path) -> FlowModel:
     return model
 
 
+def policy_config(path: str | Path) -> DiffusionModelConfig | DiffusersPolicyConfig:
+    """The image shape and number of classes (and more, per kind) recorded in a policy folder."""
+    return diffusers_policy_config(path) if is_diffusers_policy(path) else flow_model_config(path)
+
+
+def load_policy(path: str | Path, lora: LoraConfig | None = None) -> nn.Module:
+    """The velocity model in `path`: a diffusers folder (with LoRA if `lora.enable`) or plait's FlowModel."""
+    if is_diffusers_policy(path):
+        return load_diffusers_policy(path, lora)
+    if lora is not None and lora.enable:
+        raise ValueError(f"LoRA needs a diffusers policy folder; {path} holds a FlowModel")
+    return load_flow_model(path)
+
+
 # --- the SDE sampler -------------------------------------------------------------------------
 
 @dataclass
@@ -203,9 +220,12 @@ def _gaussian_logprob(x: Tensor, mean: Tensor, std: float) -> Tensor:
 
 
 @torch.no_grad()
-def sample_with_logprobs(model: FlowModel, cond: Tensor, num_steps: int, noise_level: float,
+def sample_with_logprobs(model: nn.Module, cond: Tensor, num_steps: int, noise_level: float,
                          generator: torch.Generator, window: tuple[int, int] | None = None) -> Trajectory:
     """Sample images for labels `cond` [B]; steps in `window` (all if None) are SDE steps.
+
+    `model` is any velocity module v(x, t, cond) with `.cfg.image_size` and `.cfg.channels`
+    (FlowModel, DiffusersVelocity).
 
     `generator` is a CPU generator; it draws the initial noise first, so ODE and SDE runs with
     equally seeded generators start from the same noise. noise_level = 0 samples the ODE.
@@ -232,7 +252,7 @@ def sample_with_logprobs(model: FlowModel, cond: Tensor, num_steps: int, noise_l
     return Trajectory(torch.stack(latents, dim=1), log_probs, timesteps, cond, (start, end), noise_level)
 
 
-def step_logprob(model: FlowModel, x_t: Tensor, x_prev: Tensor, t: float, t_prev: float, cond: Tensor,
+def step_logprob(model: nn.Module, x_t: Tensor, x_prev: Tensor, t: float, t_prev: float, cond: Tensor,
                  noise_level: float) -> tuple[Tensor, Tensor]:
     """Log-prob [B] of the recorded SDE transition x_t -> x_prev under `model`, and its mean.
 
@@ -293,10 +313,13 @@ class DiffusionActor:
     names (gen, old_log_prob, update_actor) on the `profiler` handle the session gives the role.
     """
 
-    def __init__(self, model_path: str | Path, cfg: DiffusionActorConfig, profiler, device: str = "cpu"):
-        self.model = load_flow_model(model_path).to(device)
+    def __init__(self, model_path: str | Path, cfg: DiffusionActorConfig, profiler, device: str = "cpu",
+                 lora: LoraConfig | None = None):
+        self.model = load_policy(model_path, lora).to(device)
         self.cfg, self.profiler = cfg, profiler
-        self.optim = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        # With LoRA only the adapters require grad; the optimizer holds nothing else.
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optim = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay)
 
     def generate(self, cond: Tensor, generator: torch.Generator, ode: bool = False) -> Trajectory:
         """SDE rollout with a window drawn from `generator`; `ode` samples deterministically (validation)."""
@@ -344,7 +367,7 @@ class DiffusionActor:
                     (loss / k_steps).backward()
                     for key, value in metrics.items():
                         totals[key] += value / (k_steps * cfg.ppo_epochs)
-                grad_norm = nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
+                grad_norm = nn.utils.clip_grad_norm_(self.params, cfg.grad_clip)
                 self.optim.step()
             out = {f"actor/{key}": value for key, value in totals.items()}
             return out | {"actor/grad_norm": grad_norm.item(), "actor/lr": self.optim.param_groups[0]["lr"]}
@@ -368,10 +391,14 @@ class DiffusionActor:
 
 
 class DiffusionRef:
-    """Frozen copy of the initial policy: its predicted means on recorded transitions, for the KL."""
+    """Frozen copy of the initial policy: its predicted means on recorded transitions, for the KL.
+
+    With LoRA on the actor this is the base model (no adapters), a second copy of the weights: the
+    ref is its own role, so it cannot share the actor's module and disable its adapters.
+    """
 
     def __init__(self, model_path: str | Path, profiler, device: str = "cpu"):
-        self.model = load_flow_model(model_path).to(device).requires_grad_(False)
+        self.model = load_policy(model_path).to(device).requires_grad_(False)
         self.profiler = profiler
 
     def compute_means(self, traj: Trajectory) -> Tensor:
@@ -380,7 +407,7 @@ class DiffusionRef:
             return torch.stack([mean for _, mean in _window_steps(self.model, traj)], dim=1)
 
 
-def _window_steps(model: FlowModel, traj: Trajectory):
+def _window_steps(model: nn.Module, traj: Trajectory):
     """(log-prob [B], mean [B, C, H, W]) of each window step of `traj` under `model`, in order."""
     for i in range(*traj.window):
         t, t_prev = traj.timesteps[i].item(), traj.timesteps[i + 1].item()
@@ -402,8 +429,9 @@ class DiffusionConfig:
     """
 
     model_path: Optional[str] = None
-    """A folder saved by pretrain_flow_model; null: the built-in glyph model, pre-trained once
-    and cached in <output_dir>/demo_model/flow."""
+    """A folder saved by pretrain_flow_model, or a diffusers policy folder
+    (plait/workers/diffusers_policy.py); null: the built-in glyph model, pre-trained once and
+    cached in <output_dir>/demo_model/flow."""
     model: DiffusionModelConfig = field(default_factory=DiffusionModelConfig)
     """The built-in model's architecture (a model_path folder records its own)."""
     pretrain_steps: int = 50
@@ -412,6 +440,8 @@ class DiffusionConfig:
     reward: str = "glyph_classifier"
     """A name in plait.data.images.IMAGE_REWARDS; custom_reward_function.path replaces it."""
     actor: DiffusionActorConfig = field(default_factory=DiffusionActorConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """LoRA on a diffusers model_path's transformer (enable: false trains every parameter)."""
 
     def __post_init__(self):
         check(self.pretrain_steps >= 0, "pretrain_steps", self.pretrain_steps, "an integer >= 0")

@@ -91,7 +91,7 @@ class Lifecycle:
         """Train to the last step; returns the last step's metrics."""
         last = self.trainer.total_steps()
         start = self._resume()
-        self.tracker.truncate_after(start - 1)
+        self.tracker.truncate_after(start - 1 if start > 1 else -1)  # a fresh start drops an old step 0 too
         profiler = StepProfiler(self.profiler_cfg, last, self.trainer.profile_targets())
         metrics: dict[str, float] = {}
         error: BaseException | None = None

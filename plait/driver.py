@@ -63,11 +63,27 @@ def resolve_data(cfg: PlaitConfig) -> tuple[list[str], list[str] | None]:
 
 def resolve_reward(cfg: PlaitConfig):
     custom = cfg.custom_reward_function
-    return load_custom_reward(custom.path, custom.name) if custom.path else default_compute_score
+    if not custom.path:
+        return default_compute_score
+    try:
+        return load_custom_reward(custom.path, custom.name)
+    except FileNotFoundError:
+        raise ConfigError("custom_reward_function.path", custom.path, "no such file") from None
+    except AttributeError as err:
+        raise ConfigError("custom_reward_function.name", custom.name, str(err)) from None
+
+
+def check_data_files(cfg: PlaitConfig) -> None:
+    for key, files in (("data.train_files", cfg.data.train_files), ("data.val_files", cfg.data.val_files)):
+        for path in files or []:
+            if not os.path.isfile(path):
+                raise ConfigError(key, path, "no such file (parquet or JSONL rows in verl's format)")
 
 
 def build(cfg: PlaitConfig, progress: bool = True) -> Lifecycle:
     validate_environment(cfg.global_profiler, role_profilers(cfg))
+    check_data_files(cfg)  # bad input is refused before any training work
+    reward_fn = resolve_reward(cfg)
     transformers.utils.logging.disable_progress_bar()  # per-load weight bars drown the step lines
     if cfg.trainer.num_threads:
         torch.set_num_threads(cfg.trainer.num_threads)
@@ -79,7 +95,7 @@ def build(cfg: PlaitConfig, progress: bool = True) -> Lifecycle:
             from plait.trainers.diffusion import build_diffusion_trainer
             trainer = build_diffusion_trainer(cfg, backend, resolve_device(cfg))
         else:
-            trainer = build_lm_trainer(cfg, backend)
+            trainer = build_lm_trainer(cfg, backend, reward_fn)
     except BaseException:
         backend.shutdown()
         raise
@@ -100,7 +116,7 @@ def make_backend(cfg: PlaitConfig):
     return backend_for(cfg, role_profilers(cfg), resolve_device(cfg))
 
 
-def build_lm_trainer(cfg: PlaitConfig, backend):
+def build_lm_trainer(cfg: PlaitConfig, backend, reward_fn):
     """Model, data, reward and the four language-model roles, handed to the trainer mode."""
     from plait.trainers import MODES
     from plait.trainers.sync import Roles
@@ -128,7 +144,7 @@ def build_lm_trainer(cfg: PlaitConfig, backend):
         ref=backend.spawn("ref", Ref, model_path, arr.ref, temp, device=device, dtype=dtype) if cfg.uses_ref else None,
         critic=(backend.spawn("critic", Critic, cfg.critic.model.path or model_path, cfg.critic, n, device=device, dtype=dtype)
                 if cfg.critic.enable else None))
-    return MODES[cfg.trainer.mode](cfg, roles, tokenizer, train_data, val_data, resolve_reward(cfg), backend.profile_targets())
+    return MODES[cfg.trainer.mode](cfg, roles, tokenizer, train_data, val_data, reward_fn, backend.profile_targets())
 
 
 def run(cfg: PlaitConfig, progress: bool = True) -> dict[str, float]:

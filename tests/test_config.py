@@ -75,3 +75,17 @@ def test_cli_config_show_prints_resolved_tree():
     tree = yaml.safe_load(proc.stdout)
     assert tree["data"]["train_batch_size"] == 8
     assert tree["actor_rollout_ref"]["actor"]["clip_ratio_low"] == 0.2
+
+
+@pytest.mark.parametrize("override, key", [
+    ("custom_reward_function.path=/no/such/reward.py", "custom_reward_function.path"),
+    ("data.train_files=[/no/such/train.parquet]", "data.train_files"),
+    ("actor_rollout_ref.model.path=/no/such/model", "actor_rollout_ref.model.path"),
+])
+def test_missing_inputs_exit_2_before_any_work(tmp_path, capsys, override, key):
+    from plait.cli import main
+    out = tmp_path / "run"
+    assert main(["train", "--no-progress", f"trainer.default_local_dir={out}", override]) == 2
+    err = capsys.readouterr().err
+    assert f"config error: {key}=" in err and "/no/such/" in err
+    assert not (out / "metrics.jsonl").exists() and not (out / "checkpoints").exists()

@@ -90,13 +90,13 @@ class Lifecycle:
     def run(self) -> dict[str, float]:
         """Train to the last step; returns the last step's metrics."""
         last = self.trainer.total_steps()
-        start = self._resume()
-        self.tracker.truncate_after(start - 1 if start > 1 else -1)  # a fresh start drops an old step 0 too
         profiler = StepProfiler(self.profiler_cfg, last, self.trainer.profile_targets())
         metrics: dict[str, float] = {}
         error: BaseException | None = None
         try:
             with _sigterm_as_interrupt():
+                start = self._resume()
+                self.tracker.truncate_after(start - 1 if start > 1 else -1)  # a fresh start drops an old step 0 too
                 self.trainer.start()
                 if self.cfg.val_before_train and start == 1 and self.cfg.test_freq != -1:
                     self.tracker.log(self.trainer.validate(), step=0)

@@ -16,14 +16,19 @@ from typing import Any, Literal, Optional
 
 import yaml
 
+from plait.algorithms.advantages import ESTIMATORS
+from plait.algorithms.kl import KL_ESTIMATORS
+from plait.algorithms.losses import LOSS_AGG_MODES
 from plait.backends import RayConfig
 from plait.configtree import ConfigError, build, check, to_dict
 from plait.profiler.config import GlobalProfilerConfig, RoleProfilerConfig
 from plait.workers.diffusion import DiffusionConfig
 
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
-KL_KINDS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
-ADV_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus", "gae")
+
+def one_of(node, name: str, options) -> None:
+    """Field `name` of `node` must be one of `options` (the algorithms' own name tables)."""
+    value = getattr(node, name)
+    check(value in options, name, value, f"one of {', '.join(options)}")
 
 
 def positive(node, *names: str) -> None:
@@ -108,8 +113,8 @@ class ActorConfig:
     def __post_init__(self):
         positive(self, "ppo_mini_batch_size", "ppo_micro_batch_size_per_gpu", "ppo_epochs", "clip_ratio")
         check(self.clip_ratio_c > 1, "clip_ratio_c", self.clip_ratio_c, "must be > 1 (dual-clip bound)")
-        check(self.loss_agg_mode in LOSS_AGG_MODES, "loss_agg_mode", self.loss_agg_mode, f"one of {', '.join(LOSS_AGG_MODES)}")
-        check(self.kl_loss_type in KL_KINDS, "kl_loss_type", self.kl_loss_type, f"one of {', '.join(KL_KINDS)}")
+        one_of(self, "loss_agg_mode", LOSS_AGG_MODES)
+        one_of(self, "kl_loss_type", KL_ESTIMATORS)
         check(self.grad_clip > 0, "grad_clip", self.grad_clip, "must be > 0")
         self.clip_ratio_low = self.clip_ratio if self.clip_ratio_low is None else self.clip_ratio_low
         self.clip_ratio_high = self.clip_ratio if self.clip_ratio_high is None else self.clip_ratio_high
@@ -187,7 +192,7 @@ class CriticConfig:
 
     def __post_init__(self):
         positive(self, "ppo_mini_batch_size", "ppo_micro_batch_size_per_gpu", "ppo_epochs", "cliprange_value")
-        check(self.loss_agg_mode in LOSS_AGG_MODES, "loss_agg_mode", self.loss_agg_mode, f"one of {', '.join(LOSS_AGG_MODES)}")
+        one_of(self, "loss_agg_mode", LOSS_AGG_MODES)
 
 
 @dataclass
@@ -239,10 +244,10 @@ class AlgorithmConfig:
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
 
     def __post_init__(self):
-        check(self.adv_estimator in ADV_ESTIMATORS, "adv_estimator", self.adv_estimator, f"one of {', '.join(ADV_ESTIMATORS)}")
+        one_of(self, "adv_estimator", ESTIMATORS)
         check(0 <= self.gamma <= 1, "gamma", self.gamma, "must be in [0, 1]")
         check(0 <= self.lam <= 1, "lam", self.lam, "must be in [0, 1]")
-        check(self.kl_penalty in KL_KINDS, "kl_penalty", self.kl_penalty, f"one of {', '.join(KL_KINDS)}")
+        one_of(self, "kl_penalty", KL_ESTIMATORS)
 
 
 LOGGERS = ("console", "tensorboard", "wandb")

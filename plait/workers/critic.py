@@ -14,8 +14,9 @@ from plait.algorithms.losses import value_loss
 from plait.config import CriticConfig
 from plait.models import load_causal_lm
 from plait.types import RolloutBatch
-from plait.workers.actor import (all_reduce_grads, check_same_batch, checkpoint_state, clip_grads, dp_rank_size,
-                                 dp_share, global_sum, load_checkpoint_state, make_optimizer, shard_model, use_fsdp)
+from plait.workers.actor import make_optimizer
+from plait.workers.parallel import (all_reduce_grads, check_same_batch, checkpoint_state, clip_grads, dp_rank_size,
+                                    dp_share, global_sum, load_checkpoint_state, shard_model, use_fsdp)
 
 
 class ValueModel(torch.nn.Module):

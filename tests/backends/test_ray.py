@@ -19,7 +19,8 @@ from plait.config import ActorConfig, CriticConfig, OptimConfig, load_config
 from plait.models import create_tiny_model
 from plait.profiler import GlobalProfilerConfig, ProfilerSession, RoleProfilerConfig, read_manifest
 from plait.types import RolloutBatch
-from plait.workers.actor import Actor, full_state_dict
+from plait.workers.actor import Actor
+from plait.workers.parallel import full_state_dict
 from plait.workers.critic import Critic
 
 pytestmark = pytest.mark.ray

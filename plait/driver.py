@@ -119,7 +119,7 @@ def make_backend(cfg: PlaitConfig):
 def build_lm_trainer(cfg: PlaitConfig, backend, reward_fn):
     """Model, data, reward and the four language-model roles, handed to the trainer mode."""
     from plait.trainers import MODES
-    from plait.trainers.sync import Roles
+    from plait.trainers.lm import Roles
     from plait.workers.actor import Actor
     from plait.workers.critic import Critic
     from plait.workers.ref import Ref

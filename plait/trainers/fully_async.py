@@ -51,7 +51,7 @@ import torch
 
 from plait.trainers.lifecycle import StageTimer
 from plait.trainers.one_step_off import BusyClock, RolloutError
-from plait.trainers.sync import DataCursor, SyncTrainer
+from plait.trainers.lm import DataCursor, LMTrainer
 from plait.types import RolloutBatch
 from plait.workers.rollout import Rollout
 from plait.workers.weight_sync import sync_weights
@@ -68,7 +68,7 @@ class Chunk:
     cursor_state: dict        # the data cursor just past these prompts (what a checkpoint records)
 
 
-class FullyAsyncTrainer(SyncTrainer):
+class FullyAsyncTrainer(LMTrainer):
     def __init__(self, cfg, roles, tokenizer, train_data, val_data, reward_fn, targets):
         super().__init__(cfg, roles, tokenizer, train_data, val_data, reward_fn, targets)
         a, mini = cfg.async_training, cfg.actor_rollout_ref.actor.ppo_mini_batch_size

@@ -36,7 +36,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from plait.trainers.lifecycle import StageTimer
-from plait.trainers.sync import SyncTrainer
+from plait.trainers.lm import LMTrainer
 from plait.types import PromptBatch, RolloutBatch
 from plait.workers.rollout import Rollout
 from plait.workers.weight_sync import sync_weights
@@ -71,7 +71,7 @@ class BusyClock:
         return max(0.0, 1.0 - busy / max(end - start, 1e-9))
 
 
-class OneStepOffTrainer(SyncTrainer):
+class OneStepOffTrainer(LMTrainer):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.pool: ThreadPoolExecutor | None = None  # the generation thread, between start() and close()

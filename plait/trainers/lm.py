@@ -1,0 +1,296 @@
+"""The language-model pipeline every LM mode shares: data cursor, reward, advantages, update, metrics.
+
+    reward ─▶ old_log_prob ─▶ ref ─▶ values ─▶ adv ─▶ update_critic ─▶ update_actor
+
+(old_log_prob is skipped in verl's bypass mode: pi_old is then the rollout's own log-prob.)
+
+`LMTrainer` implements the lifecycle's Trainer protocol around `learn`; a mode (sync.py,
+one_step_off.py, fully_async.py) subclasses it and supplies only where a batch comes from
+(`next_batch`), what follows an update (`after_update`, returning the mode's metrics) and how
+many local updates make one step (`updates_per_step`). Profiling, timing, checkpoints, validation
+and logging are not here: they are the lifecycle's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from plait.algorithms.advantages import compute_advantages
+from plait.algorithms.kl import apply_kl_penalty, make_kl_controller
+from plait.config import PlaitConfig, SamplingConfig
+from plait.data.dataset import PromptDataset, iterate_batches
+from plait.data.rewards import score_batch
+from plait.trainers.lifecycle import StageTimer, StepResult
+from plait.types import PromptBatch, RolloutBatch
+from plait.workers.actor import Actor, truncated_is_weights
+from plait.workers.critic import Critic
+from plait.workers.ref import Ref
+from plait.workers.rollout import Rollout
+from plait.workers.weight_sync import sync_weights
+
+
+@dataclass
+class Roles:
+    """The worker groups a language-model trainer drives; ref and critic are None when unused."""
+    actor: object
+    rollout: object
+    ref: object | None
+    critic: object | None
+
+
+class DataCursor:
+    """Where the trainer is in its data: epoch and batch index, all a resume needs."""
+
+    def __init__(self, dataset: PromptDataset, batch_size: int, shuffle: bool, seed: int):
+        self.dataset, self.batch_size, self.shuffle, self.seed = dataset, batch_size, shuffle, seed
+        self.epoch, self.index = 0, 0
+        self.batches_per_epoch = len(dataset) // batch_size
+        if self.batches_per_epoch == 0:
+            raise ValueError(f"data.train_batch_size={batch_size} is larger than the training set ({len(dataset)} rows)")
+        self._epoch_batches = None
+
+    def next(self) -> PromptBatch:
+        if self.index >= self.batches_per_epoch:
+            self.epoch, self.index = self.epoch + 1, 0
+        if self._epoch_batches is None or self._epoch_batches[0] != self.epoch:
+            self._epoch_batches = (self.epoch, list(iterate_batches(self.dataset, self.batch_size, self.shuffle, self.seed, self.epoch)))
+        items = self._epoch_batches[1][self.index]
+        self.index += 1
+        return prompt_batch(items)
+
+    def state(self) -> dict:
+        return {"epoch": self.epoch, "index": self.index}
+
+    def load_state(self, state: dict) -> None:
+        self.epoch, self.index = state["epoch"], state["index"]
+
+
+class LMTrainer:
+    """Everything an LM mode shares; subclasses define next_batch and after_update."""
+
+    def __init__(self, cfg: PlaitConfig, roles: Roles, tokenizer, train_data: PromptDataset,
+                 val_data: PromptDataset | None, reward_fn: Callable, targets):
+        self.cfg, self.roles, self.tokenizer, self.reward_fn = cfg, roles, tokenizer, reward_fn
+        self.val_data, self.targets = val_data, targets
+        self.cursor = DataCursor(train_data, cfg.data.train_batch_size, cfg.data.shuffle, cfg.data.seed)
+        kl = cfg.algorithm.kl_ctrl
+        self.kl_ctrl = make_kl_controller(kl.type, kl.kl_coef, kl.target_kl, kl.horizon)
+        r = cfg.actor_rollout_ref.rollout
+        self.sampling = SamplingConfig(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, do_sample=r.do_sample)
+        self.correction = cfg.algorithm.rollout_correction
+        self.updates_per_step = 1  # fully async: several local updates per policy version
+        self.version = 0
+
+    # -- the Trainer protocol -------------------------------------------------------------------
+
+    def total_steps(self) -> int:
+        t = self.cfg.trainer
+        return t.total_training_steps or t.total_epochs * self.cursor.batches_per_epoch
+
+    def start(self) -> None:
+        pass
+
+    def train_step(self, step: int, timer: StageTimer) -> StepResult:
+        start, results, samples = time.perf_counter(), [], 0
+        for _ in range(self.updates_per_step):
+            batch = self.next_batch(step, timer)
+            results.append(self.learn(batch, timer))
+            samples += len(batch)
+        result = merge_results(results)
+        result.metrics.update(self.after_update(step, timer))
+        result.metrics["perf/samples_per_s"] = samples / (time.perf_counter() - start)
+        return result
+
+    def validate(self) -> dict[str, float]:
+        if self.val_data is None:
+            return {}
+        val = self.cfg.actor_rollout_ref.rollout.val_kwargs
+        size = self.cfg.data.val_batch_size or len(self.val_data)
+        scores, sources, lengths = [], [], []
+        for start in range(0, len(self.val_data), size):
+            prompts = prompt_batch([self.val_data[i] for i in range(start, min(start + size, len(self.val_data)))])
+            batch = self.roles.rollout.call(Rollout.generate, prompts, val, self.cfg.trainer.seed)
+            scored, _ = self.score(batch)
+            scores += scored
+            sources += batch.data_sources
+            lengths += batch.response_mask.sum(-1).tolist()
+        out = {}
+        for source in sorted(set(sources)):
+            vals = [s for s, d in zip(scores, sources) if d == source]
+            out[f"val-core/{source}/reward/mean"] = sum(vals) / len(vals)
+        out["val-aux/response_length/mean"] = sum(lengths) / max(len(lengths), 1)
+        return out
+
+    def save_checkpoint(self, path: str, step: int) -> None:
+        os.makedirs(path, exist_ok=True)
+        self.roles.actor.call(Actor.save_checkpoint, os.path.join(path, "actor"))
+        if self.roles.critic is not None:
+            self.roles.critic.call(Critic.save_checkpoint, os.path.join(path, "critic"))
+        with open(os.path.join(path, "trainer_state.json"), "w") as f:
+            json.dump({"step": step, "version": self.version, "data": self.cursor.state(),
+                       "kl_coef": self.kl_ctrl.value}, f)
+
+    def load_checkpoint(self, path: str, step: int) -> None:
+        self.roles.actor.call(Actor.load_checkpoint, os.path.join(path, "actor"))
+        if self.roles.critic is not None:
+            self.roles.critic.call(Critic.load_checkpoint, os.path.join(path, "critic"))
+        with open(os.path.join(path, "trainer_state.json")) as f:
+            state = json.load(f)
+        self.cursor.load_state(state["data"])
+        self.kl_ctrl.value = state["kl_coef"]
+        self.version = state["version"]
+        sync_weights(self.roles.actor, self.roles.rollout, self.version)
+
+    def profile_targets(self):
+        return self.targets
+
+    def close(self) -> None:
+        pass
+
+    # -- what the modes change -----------------------------------------------------------------
+
+    def next_batch(self, step: int, timer: StageTimer) -> RolloutBatch:
+        raise NotImplementedError
+
+    def after_update(self, step: int, timer: StageTimer) -> dict[str, float]:
+        raise NotImplementedError
+
+    def sample_seed(self, step: int) -> int:
+        return self.cfg.trainer.seed * 1_000_003 + step
+
+    # -- the shared language-model pipeline -----------------------------------------------------
+
+    def score(self, batch: RolloutBatch) -> tuple[list[float], dict[str, list[float]]]:
+        texts = self.tokenizer.batch_decode(
+            [r[: int(m.sum())] for r, m in zip(batch.responses.tolist(), batch.response_mask)], skip_special_tokens=True)
+        return score_batch(self.reward_fn, batch.data_sources, texts, batch.ground_truths, batch.extra_infos)
+
+    def learn(self, batch: RolloutBatch, timer: StageTimer) -> StepResult:
+        cfg, roles = self.cfg, self.roles
+        metrics: dict[str, float] = {}
+        with timer.stage("reward"):
+            scores, extra = self.score(batch)
+            batch.scores = scores
+            batch.token_scores = last_token_scores(scores, batch.response_mask)
+            for key, values in extra.items():
+                finite = [v for v in values if v == v]
+                if finite:
+                    metrics[f"reward_extra/{key}/mean"] = sum(finite) / len(finite)
+        behind = (self.version - batch.versions).float()  # [batch] policy versions each sample is behind
+        metrics.update({"training/staleness/min": behind.min().item(), "training/staleness/mean": behind.mean().item(),
+                        "training/staleness/max": behind.max().item()})
+        if self.correction.bypass_mode:
+            batch.old_logprobs = batch.rollout_logprobs
+        else:
+            with timer.stage("old_log_prob"):
+                metrics.update(self.compute_old_log_prob(batch))
+        if roles.ref is not None:
+            with timer.stage("ref"):
+                batch.ref_logprobs = roles.ref.call(Ref.compute_ref_log_prob, batch)
+        if roles.critic is not None:
+            with timer.stage("values"):
+                batch.values = roles.critic.call(Critic.compute_values, batch)
+        with timer.stage("adv"):
+            metrics.update(self.compute_advantage(batch))
+        if roles.critic is not None:
+            with timer.stage("update_critic"):
+                metrics.update(roles.critic.call(Critic.update, batch))
+        with timer.stage("update_actor"):
+            actor_metrics = roles.actor.call(Actor.update, batch, self.correction)
+            if "actor/entropy" in metrics:  # verl's actor/entropy is the pre-update one, when it was computed
+                actor_metrics.pop("actor/entropy")
+            metrics.update(actor_metrics)
+        metrics.update(data_metrics(batch))
+        num_tokens = int(batch.attention_mask.sum())
+        return StepResult(metrics, num_tokens=num_tokens, response_tokens=int(batch.response_mask.sum()))
+
+    def compute_old_log_prob(self, batch: RolloutBatch) -> dict[str, float]:
+        old_logp, entropy = self.roles.actor.call(Actor.compute_log_prob, batch,
+                                                  self.cfg.actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu)
+        batch.old_logprobs = old_logp
+        mask = batch.response_mask
+        metrics = {"actor/entropy": masked_mean(entropy, mask),
+                   "training/rollout_probs_diff_mean": masked_mean((old_logp.exp() - batch.rollout_logprobs.exp()).abs(), mask)}
+        if self.correction.rollout_is is not None:
+            weights = truncated_is_weights(old_logp, batch.rollout_logprobs, mask,
+                                           self.correction.rollout_is, self.correction.rollout_is_threshold)
+            metrics["rollout_corr/is_weight_mean"] = masked_mean(weights, mask)
+        return metrics
+
+    def compute_advantage(self, batch: RolloutBatch) -> dict[str, float]:
+        alg, metrics = self.cfg.algorithm, {}
+        if alg.use_kl_in_reward:
+            batch.token_rewards, kl_metrics = apply_kl_penalty(
+                batch.token_scores, batch.old_logprobs, batch.ref_logprobs, batch.response_mask,
+                kl_coef=self.kl_ctrl.value, kind=alg.kl_penalty)
+            metrics.update(kl_metrics)
+            self.kl_ctrl.update(kl_metrics["actor/reward_kl_penalty"], n_steps=self.cfg.data.train_batch_size)
+        else:
+            batch.token_rewards = batch.token_scores
+        batch.advantages, batch.returns = compute_advantages(
+            alg.adv_estimator, token_rewards=batch.token_rewards, response_mask=batch.response_mask,
+            group_ids=batch.group_ids, values=batch.values, gamma=alg.gamma, lam=alg.lam,
+            norm_by_std=alg.norm_adv_by_std_in_grpo)
+        return metrics
+
+
+def merge_results(results: list[StepResult]) -> StepResult:
+    """Several local updates as one step: */max and */min metrics by max and min, others averaged; tokens summed."""
+    if len(results) == 1:
+        return results[0]
+    metrics = {}
+    for key in {k for r in results for k in r.metrics}:
+        values = [r.metrics[key] for r in results if key in r.metrics]
+        reduce = max if key.endswith("/max") else min if key.endswith("/min") else (lambda v: sum(v) / len(v))
+        metrics[key] = reduce(values)
+    return StepResult(metrics, num_tokens=sum(r.num_tokens for r in results),
+                      response_tokens=sum(r.response_tokens for r in results))
+
+
+def prompt_batch(items) -> PromptBatch:
+    return PromptBatch(prompt_ids=[it.prompt_ids for it in items], data_sources=[it.data_source for it in items],
+                       ground_truths=[it.ground_truth for it in items], extra_infos=[it.extra_info for it in items],
+                       indices=[it.index for it in items])
+
+
+def last_token_scores(scores: list[float], response_mask: torch.Tensor) -> torch.Tensor:
+    """Put each sequence's score on its last response token: [batch, resp_len]."""
+    out = torch.zeros_like(response_mask, dtype=torch.float32)
+    last = (response_mask.sum(-1).long() - 1).clamp(min=0)
+    out[torch.arange(len(scores)), last] = torch.tensor(scores, dtype=torch.float32)
+    return out * (response_mask.sum(-1, keepdim=True) > 0)
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
+    return ((x * mask).sum() / mask.sum().clamp(min=1)).item()
+
+
+def data_metrics(batch: RolloutBatch) -> dict[str, float]:
+    """verl's data metrics: critic/{score,rewards,advantages,returns,values}, lengths."""
+    mask = batch.response_mask.bool()
+    out = {}
+    seq_score = batch.token_scores.sum(-1)
+    seq_reward = batch.token_rewards.sum(-1)
+    for name, t in (("score", seq_score), ("rewards", seq_reward)):
+        out.update({f"critic/{name}/mean": t.mean().item(), f"critic/{name}/max": t.max().item(),
+                    f"critic/{name}/min": t.min().item()})
+    for name in ("advantages", "returns", "values"):
+        t = getattr(batch, name)
+        if t is not None and mask.any():
+            v = t[mask]
+            out.update({f"critic/{name}/mean": v.mean().item(), f"critic/{name}/max": v.max().item(),
+                        f"critic/{name}/min": v.min().item()})
+    resp_len = batch.response_mask.sum(-1).float()
+    prompt_len = batch.prompt_mask.sum(-1).float()
+    out.update({"response_length/mean": resp_len.mean().item(), "response_length/max": resp_len.max().item(),
+                "response_length/min": resp_len.min().item(),
+                "response_length/clip_ratio": sum(r == "length" for r in batch.stop_reasons) / len(batch),
+                "prompt_length/mean": prompt_len.mean().item(), "prompt_length/max": prompt_len.max().item(),
+                "prompt_length/min": prompt_len.min().item()})
+    return out

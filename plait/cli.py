@@ -12,7 +12,7 @@ import sys
 
 import yaml
 
-from plait.configtree import ConfigError, to_dict
+from plait.configtree import ConfigError, ConfigErrors, to_dict
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -39,7 +39,8 @@ def main(argv: list[str] | None = None) -> int:
         from plait.driver import run
         run(cfg, progress=not args.no_progress)
     except ConfigError as err:
-        print(f"plait: config error: {err}", file=sys.stderr)
+        for one in err.errors if isinstance(err, ConfigErrors) else [err]:
+            print(f"plait: config error: {one}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("plait: interrupted; the last checkpoint and closed artifacts are intact", file=sys.stderr)

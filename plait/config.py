@@ -10,6 +10,7 @@ Cross-node rules (batch sizes that must divide, modes that need a placement) liv
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 from dataclasses import dataclass, field
@@ -20,9 +21,8 @@ import yaml
 from plait.algorithms.advantages import ESTIMATORS
 from plait.algorithms.kl import KL_ESTIMATORS
 from plait.algorithms.losses import LOSS_AGG_MODES
-from plait.backends import RayConfig
-from plait.config_verl import NO_EFFECT
-from plait.configtree import ConfigError, build, check, raise_all
+from plait.config_verl import LOCAL_BACKEND_NO_EFFECT, NO_EFFECT, refusal
+from plait.configtree import ConfigError, build, check, raise_all, to_dict
 from plait.profiler.config import GlobalProfilerConfig, RoleProfilerConfig
 from plait.workers.diffusion import DiffusionConfig
 
@@ -120,10 +120,13 @@ class PolicyLossConfig:
     ppo_kl_coef: float = 0.1
 
 
+STRATEGIES = ("fsdp", "fsdp2")
+
+
 @dataclass
 class ActorConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
-    strategy: str = "fsdp"
+    strategy: str = "fsdp"                    # fsdp | fsdp2: how the Ray backend's data-parallel workers shard
     ppo_mini_batch_size: int = 256            # prompts per optimizer step (x rollout.n samples)
     ppo_micro_batch_size_per_gpu: Optional[int] = None  # samples per forward/backward; null: the whole mini-batch
     use_dynamic_bsz: bool = False
@@ -145,6 +148,7 @@ class ActorConfig:
 
     def __post_init__(self):
         positive(self, "ppo_mini_batch_size", "ppo_epochs", "clip_ratio")
+        one_of(self, "strategy", STRATEGIES)
         check(self.clip_ratio_c > 1, "clip_ratio_c", self.clip_ratio_c, "must be > 1 (dual-clip bound)")
         one_of(self, "loss_agg_mode", LOSS_AGG_MODES)
         one_of(self, "kl_loss_type", KL_ESTIMATORS)
@@ -172,6 +176,9 @@ def _val_sampling() -> SamplingConfig:
     return SamplingConfig(n=1, temperature=0.0, do_sample=False)
 
 
+ENGINES = ("hf", "vllm", "sglang")
+
+
 @dataclass
 class RolloutConfig:
     name: str = "hf"                          # hf: the built-in transformers engine; vLLM/SGLang plug in here on GPUs
@@ -190,6 +197,10 @@ class RolloutConfig:
 
     def __post_init__(self):
         SamplingConfig(self.n, self.temperature, self.top_p, self.top_k, self.do_sample)  # same checks
+        one_of(self, "name", ENGINES)
+        if self.name != "hf":
+            state = "installed but not wired into plait yet" if importlib.util.find_spec(self.name) else "not installed here"
+            check(False, "name", self.name, f"{self.name} is {state}; plait's engine is hf (transformers generate)")
         check(self.log_prob_micro_batch_size_per_gpu is None or self.log_prob_micro_batch_size_per_gpu > 0,
               "log_prob_micro_batch_size_per_gpu", self.log_prob_micro_batch_size_per_gpu, "must be > 0 or null")
 
@@ -298,6 +309,27 @@ class AlgorithmConfig:
 
 
 LOGGERS = ("console", "tensorboard", "wandb")
+
+
+@dataclass
+class RayConfig:
+    """`trainer.ray`: which Ray to use and what each worker process asks it for (trainer.backend=ray; docs/ray.md)."""
+
+    address: Optional[str] = None                 # a running cluster ("auto", "10.0.0.1:6379"); null: RAY_ADDRESS, else plait starts one
+    num_cpus: Optional[int] = None                # logical CPUs of a plait-started instance; null: the machine's count
+    object_store_memory_mb: Optional[int] = None  # object store of a plait-started instance; null: Ray's default (30% of RAM)
+    num_cpu_workers: int = 1                      # data-parallel trainer processes without GPUs (with GPUs: nnodes x n_gpus_per_node)
+    cpus_per_worker: float = 1.0                  # CPU request per worker process; fractions let a small machine host more processes
+    placement_timeout_s: float = 60.0             # fail, naming the missing resources, if workers cannot be placed in this time
+
+    def __post_init__(self):
+        check(self.address is None or self.address.strip() != "", "address", self.address, "null or a Ray address")
+        check(self.num_cpus is None or self.num_cpus > 0, "num_cpus", self.num_cpus, "null or > 0")
+        check(self.object_store_memory_mb is None or self.object_store_memory_mb >= 80, "object_store_memory_mb",
+              self.object_store_memory_mb, "null or >= 80 (Ray's minimum object store)")
+        check(self.num_cpu_workers > 0, "num_cpu_workers", self.num_cpu_workers, "must be > 0")
+        check(self.cpus_per_worker > 0, "cpus_per_worker", self.cpus_per_worker, "must be > 0 (fractions are fine)")
+        check(self.placement_timeout_s > 0, "placement_timeout_s", self.placement_timeout_s, "must be > 0 seconds")
 
 
 @dataclass
@@ -452,8 +484,9 @@ class PlaitConfig:
                       f"false with trainer.mode={mode} on the local backend (its rollout thread's stages overlap "
                       "the trainer's, and torch profiles one collection per process); use trainer.backend=ray")
         correction = self.algorithm.rollout_correction
-        check(not (correction.bypass_mode and correction.rollout_is), "algorithm.rollout_correction.rollout_is",
-              correction.rollout_is, "null with bypass_mode=true (pi_old is the rollout policy: the weights would all be 1)")
+        check(not (correction.bypass_mode and correction.rollout_is and correction.loss_type == "ppo_clip"),
+              "algorithm.rollout_correction.rollout_is", correction.rollout_is, "null with bypass_mode=true and "
+              "loss_type=ppo_clip (pi_old is the rollout policy: the weights would all be 1)")
         if correction.rollout_is is None and mode in ASYNC_MODES and not correction.bypass_mode:
             correction.rollout_is = "token"
         if mode == "fully_async":
@@ -553,9 +586,14 @@ def take_no_effect(tree: dict, prefix: str = "") -> list[str]:
 
 
 def _leaves(tree: dict, prefix: str) -> list[str]:
+    return [key for key, _ in _leaf_items(tree, prefix)]
+
+
+def _leaf_items(tree: dict, prefix: str) -> list[tuple[str, Any]]:
+    """(dotted key, value) for every leaf of a nested dict."""
     out = []
     for key, value in tree.items():
-        out += _leaves(value, f"{prefix}{key}.") if isinstance(value, dict) and value else [f"{prefix}{key}"]
+        out += _leaf_items(value, f"{prefix}{key}.") if isinstance(value, dict) and value else [(f"{prefix}{key}", value)]
     return out
 
 
@@ -563,7 +601,7 @@ def no_effect_notice(keys: list[str]) -> str:
     """The one warning block naming the no-effect keys a user set, grouped by reason."""
     by_reason: dict[str, list[str]] = {}
     for key in keys:
-        reason = next(NO_EFFECT[p] for p in _prefixes(key) if p in NO_EFFECT)
+        reason = LOCAL_BACKEND_NO_EFFECT.get(key) or next(NO_EFFECT[p] for p in _prefixes(key) if p in NO_EFFECT)
         by_reason.setdefault(reason, []).append(key)
     lines = ["plait: these verl keys are accepted but have no effect here:"]
     for reason, group in by_reason.items():
@@ -588,6 +626,14 @@ def load_config(path: str | None = None, overrides: list[str] = ()) -> PlaitConf
             apply_override(tree, text)
         except ConfigError as err:
             errors.append(err)
+    user = dict(_leaf_items(tree, ""))
+    refused = refusal(user)
+    if refused:
+        raise ConfigError(*refused)
+    mode, async_set = user.get("trainer.mode", "sync"), _changed(user, "async_training", AsyncTrainingConfig())
+    if async_set and mode not in ASYNC_MODES:
+        errors.append(ConfigError("trainer.mode", mode, f"one of {', '.join(ASYNC_MODES)} when async_training.* is "
+                                  f"set ({', '.join(async_set)})"))
     no_effect = take_no_effect(tree)
     demo = (tree.get("actor_rollout_ref") or {}).get("model", {}).get("path") is None
     if demo:
@@ -600,9 +646,17 @@ def load_config(path: str | None = None, overrides: list[str] = ()) -> PlaitConf
     if demo:
         print("plait: actor_rollout_ref.model.path is null: the demo model, with the demo preset "
               "(plait/configs/demo.yaml) under your settings", file=sys.stderr)
+    if cfg.trainer.backend == "local":
+        no_effect += [key for key in user if key in LOCAL_BACKEND_NO_EFFECT]
     if no_effect:
         print(no_effect_notice(no_effect), file=sys.stderr)
     return cfg
+
+
+def _changed(user: dict[str, Any], section: str, node: Any) -> list[str]:
+    """The keys under `section` that the user set to something other than `node`'s defaults."""
+    defaults, unset = dict(_leaf_items(to_dict(node), f"{section}.")), object()
+    return [key for key, value in user.items() if key.startswith(f"{section}.") and defaults.get(key, unset) != value]
 
 
 def _read_yaml(path: str | None, what: str) -> dict:

@@ -393,3 +393,21 @@ _GROUPS = {
 }
 
 NO_EFFECT: dict[str, str] = {key: reason for reason, keys in _GROUPS.items() for key in keys.split()}
+
+# Fields plait implements that only a multi-process backend uses.
+LOCAL_BACKEND_NO_EFFECT = {
+    key: "process counts of a cluster: the local backend runs every role in this process (trainer.backend=ray "
+         "starts nnodes x n_gpus_per_node workers on GPUs)"
+    for key in ("trainer.nnodes", "trainer.n_gpus_per_node")}
+
+
+def refusal(user: dict[str, object]) -> tuple[str, object, str] | None:
+    """(key, value, why) when plait cannot run a verl config at all, given the leaf keys the user set."""
+    for key, value in user.items():
+        if "megatron" in key.split(".") or (key.endswith(".strategy") and value == "megatron"):
+            return key, value, ("Megatron-LM is not supported: plait trains with PyTorch (strategy fsdp or fsdp2); "
+                                "drop the *.megatron.* keys and set actor_rollout_ref.actor.strategy=fsdp")
+        if key in ("global_profiler.tool", "trainer.device") and value == "npu":
+            return key, value, ("Ascend NPU is not supported: plait runs on CPU and CUDA (global_profiler.tool: "
+                                "torch, torch_memory, nsys; trainer.device: auto, cpu, cuda)")
+    return None

@@ -453,7 +453,7 @@ class PlaitConfig:
     async_training: AsyncTrainingConfig = field(default_factory=AsyncTrainingConfig)
 
     def __post_init__(self):
-        actor, n = self.actor_rollout_ref.actor, self.actor_rollout_ref.rollout.n
+        actor = self.actor_rollout_ref.actor
         self._inherit()
         # Diffusion mode has no critic and updates on the whole batch with diffusion.actor's settings.
         lm = self.trainer.mode != "diffusion"
@@ -466,8 +466,7 @@ class PlaitConfig:
         if self.critic.enable and lm:
             check(self.data.train_batch_size % self.critic.ppo_mini_batch_size == 0, "critic.ppo_mini_batch_size",
                   self.critic.ppo_mini_batch_size, f"must divide data.train_batch_size={self.data.train_batch_size}")
-        if self.algorithm.adv_estimator in ("grpo", "rloo"):
-            check(n > 1, "actor_rollout_ref.rollout.n", n, f"must be > 1 for {self.algorithm.adv_estimator} (group baseline)")
+        # grpo/rloo with rollout.n=1 run as in verl: a group of one has no baseline (algorithms/advantages.py).
         mode = self.trainer.mode
         check(mode not in ASYNC_MODES or self.trainer.placement == "separated", "trainer.placement",
               self.trainer.placement, f"must be separated with trainer.mode={mode}: the rollout generates "

@@ -1,11 +1,13 @@
-"""The config tree: one typed dataclass per node, verl's key names and nesting, plait's extras.
+"""The config tree: one typed dataclass per node, verl's key names, nesting and defaults, plait's extras.
 
-`load_config(path, overrides)` merges the defaults, an optional YAML file and `key=value`
-overrides, then builds the tree with `configtree.build`, so a wrong key, type or value is one
-`ConfigError` naming the key, the value and what would be valid. The defaults run the built-in
-demo on a laptop CPU. Nodes owned by a component (the profiler's) are imported from beside it.
-Cross-node rules (batch sizes that must divide, modes that need a placement) live in
-`PlaitConfig.__post_init__`, the one place that sees the whole tree.
+`load_config(path, overrides)` merges the defaults, the demo preset (configs/demo.yaml, when
+`actor_rollout_ref.model.path` is null), an optional YAML file and verl-style overrides, then
+builds the tree with `configtree.build`: every wrong key, type or value of one load is reported
+together, each naming the key, the value and what would be valid. verl keys with no effect here
+(config_verl.py) are taken out first and named once at start. Nodes owned by a component (the
+profiler's, diffusion's) are imported from beside it. Cross-node rules (batch sizes that must
+divide, modes that need a placement, verl's inherited defaults) live in `PlaitConfig.__post_init__`,
+the one place that sees the whole tree.
 """
 
 from __future__ import annotations

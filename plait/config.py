@@ -236,19 +236,20 @@ class CriticConfig:
     enable: Optional[bool] = None             # null: on exactly when the advantage estimator needs values (gae)
     model: CriticModelConfig = field(default_factory=CriticModelConfig)
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
-    ppo_mini_batch_size: Optional[int] = None           # null: the actor's
+    ppo_mini_batch_size: int = 256                      # unset: the actor's (load_config)
     ppo_micro_batch_size_per_gpu: Optional[int] = None  # null: the whole mini-batch
     use_dynamic_bsz: bool = False
     ppo_max_token_len_per_gpu: int = 32768
     forward_max_token_len_per_gpu: int = 32768
-    ppo_epochs: Optional[int] = None                    # null: the actor's
+    ppo_epochs: int = 1                                 # unset: the actor's (load_config)
     cliprange_value: float = 0.5
-    loss_agg_mode: Optional[str] = None                 # null: the actor's
+    loss_agg_mode: str = "token-mean"                   # unset: the actor's (load_config)
     grad_clip: float = 1.0
     profiler: RoleProfilerConfig = field(default_factory=RoleProfilerConfig)
 
     def __post_init__(self):
-        positive(self, "cliprange_value")
+        positive(self, "ppo_mini_batch_size", "ppo_epochs", "cliprange_value")
+        one_of(self, "loss_agg_mode", LOSS_AGG_MODES)
 
 
 @dataclass
@@ -499,15 +500,9 @@ class PlaitConfig:
                   "generate calls)")
 
     def _inherit(self) -> None:
-        """verl's interpolated defaults: a null key takes the value of the key it follows."""
+        """verl's null micro-batch and token-length keys: a null takes the whole (mini-)batch or the actor's value."""
         arr, critic = self.actor_rollout_ref, self.critic
         actor, n = arr.actor, arr.rollout.n
-        critic.ppo_mini_batch_size = critic.ppo_mini_batch_size or actor.ppo_mini_batch_size
-        critic.ppo_epochs = critic.ppo_epochs or actor.ppo_epochs
-        critic.loss_agg_mode = critic.loss_agg_mode or actor.loss_agg_mode
-        positive(critic, "ppo_mini_batch_size", "ppo_epochs")
-        one_of(critic, "loss_agg_mode", LOSS_AGG_MODES)
-        # A null micro-batch is the whole mini-batch (or batch) in one pass.
         actor.ppo_micro_batch_size_per_gpu = actor.ppo_micro_batch_size_per_gpu or actor.ppo_mini_batch_size * n
         critic.ppo_micro_batch_size_per_gpu = critic.ppo_micro_batch_size_per_gpu or critic.ppo_mini_batch_size * n
         for node in (arr.rollout, arr.ref):
@@ -636,6 +631,7 @@ def load_config(path: str | None = None, overrides: list[str] = ()) -> PlaitConf
         errors.append(ConfigError("trainer.mode", mode, f"one of {', '.join(ASYNC_MODES)} when async_training.* is "
                                   f"set ({', '.join(async_set)})"))
     no_effect = take_no_effect(tree)
+    _inherit_from_actor(tree)
     demo = (tree.get("actor_rollout_ref") or {}).get("model", {}).get("path") is None
     if demo:
         tree = _merge(_read_yaml(DEMO_PRESET, "preset"), tree)
@@ -652,6 +648,20 @@ def load_config(path: str | None = None, overrides: list[str] = ()) -> PlaitConf
     if no_effect:
         print(no_effect_notice(no_effect), file=sys.stderr)
     return cfg
+
+
+# Critic keys that default to the actor's value, as verl's ${oc.select:actor_rollout_ref.actor...} does.
+CRITIC_FROM_ACTOR = ("ppo_mini_batch_size", "ppo_epochs", "loss_agg_mode")
+
+
+def _inherit_from_actor(tree: dict) -> None:
+    """Give the critic the actor's CRITIC_FROM_ACTOR values that the user set for the actor only."""
+    actor, critic = (tree.get("actor_rollout_ref") or {}).get("actor") or {}, tree.get("critic") or {}
+    if not (isinstance(actor, dict) and isinstance(critic, dict)):
+        return  # reported by the tree builder
+    inherited = {key: actor[key] for key in CRITIC_FROM_ACTOR if key in actor and key not in critic}
+    if inherited:
+        tree["critic"] = {**critic, **inherited}
 
 
 def _changed(user: dict[str, Any], section: str, node: Any) -> list[str]:

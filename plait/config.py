@@ -632,7 +632,7 @@ def load_config(path: str | None = None, overrides: list[str] = ()) -> PlaitConf
                                   f"set ({', '.join(async_set)})"))
     no_effect = take_no_effect(tree)
     _inherit_from_actor(tree)
-    demo = (tree.get("actor_rollout_ref") or {}).get("model", {}).get("path") is None
+    demo = user.get("actor_rollout_ref.model.path") is None
     if demo:
         tree = _merge(_read_yaml(DEMO_PRESET, "preset"), tree)
     try:

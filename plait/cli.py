@@ -1,7 +1,8 @@
 """The `plait` command: `plait train [--config FILE] key=value ...`, `plait config show ...`.
 
-A bad config key, type or value exits with status 2 and one line naming the key, the value and
-what would be valid — no traceback.
+Overrides take verl's Hydra forms (`key=value`, `+key=value`, `~key`). Bad config keys, types or
+values exit with status 2 and one line each naming the key, the value and what would be valid,
+all errors of the command line at once, no traceback. `config show` checks what `train` checks.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import sys
 
 import yaml
 
-from plait.configtree import ConfigError, to_dict
+from plait.configtree import ConfigError, ConfigErrors, to_dict
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -22,29 +23,42 @@ def main(argv: list[str] | None = None) -> int:
     train.add_argument("--config", help="a YAML config file, or a built-in one by name (diffusion_demo); "
                                         "key=value overrides apply on top")
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
-    train.add_argument("overrides", nargs="*", metavar="key=value")
     config = sub.add_parser("config", help="inspect configuration")
     config_sub = config.add_subparsers(dest="action", required=True)
-    show = config_sub.add_parser("show", help="print the resolved config tree")
+    show = config_sub.add_parser("show", help="print the resolved config tree, after the checks train makes")
     show.add_argument("--config")
-    show.add_argument("overrides", nargs="*", metavar="key=value")
+    for p in (train, show):
+        p.add_argument("--config-name", help="verl's Hydra config name: ppo_trainer (plait's tree) is the only one")
+        p.add_argument("--config-path", help="accepted for verl command lines; plait's tree is built in")
+        p.add_argument("overrides", nargs="*", metavar="key=value")
     args = parser.parse_args(argv)
 
     from plait.config import load_config
+    from plait.driver import preflight, run
     try:
+        check_config_name(args.config_name)
         cfg = load_config(builtin_config(args.config), args.overrides)
+        preflight(cfg)
         if args.command == "config":
             yaml.safe_dump(to_dict(cfg), sys.stdout, sort_keys=False)
             return 0
-        from plait.driver import run
         run(cfg, progress=not args.no_progress)
     except ConfigError as err:
-        print(f"plait: config error: {err}", file=sys.stderr)
+        for one in err.errors if isinstance(err, ConfigErrors) else [err]:
+            print(f"plait: config error: {one}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("plait: interrupted; the last checkpoint and closed artifacts are intact", file=sys.stderr)
         return 130
     return 0
+
+
+def check_config_name(name: str | None) -> None:
+    """verl picks its Megatron tree with --config-name=ppo_megatron_trainer; plait has only the FSDP-style one."""
+    if name and name.removesuffix(".yaml") != "ppo_trainer":
+        why = ("Megatron-LM is not supported: plait trains with PyTorch (strategy fsdp or fsdp2)" if "megatron" in name
+               else "plait's config tree is verl's ppo_trainer; give a YAML file with --config")
+        raise ConfigError("--config-name", name, why)
 
 
 def builtin_config(name: str | None) -> str | None:

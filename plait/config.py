@@ -1,26 +1,30 @@
-"""The config tree: one typed dataclass per node, verl's key names and nesting, plait's extras.
+"""The config tree: one typed dataclass per node, verl's key names, nesting and defaults, plait's extras.
 
-`load_config(path, overrides)` merges the defaults, an optional YAML file and `key=value`
-overrides, then builds the tree with `configtree.build`, so a wrong key, type or value is one
-`ConfigError` naming the key, the value and what would be valid. The defaults run the built-in
-demo on a laptop CPU. Nodes owned by a component (the profiler's) are imported from beside it.
-Cross-node rules (batch sizes that must divide, modes that need a placement) live in
-`PlaitConfig.__post_init__`, the one place that sees the whole tree.
+`load_config(path, overrides)` merges the defaults, the demo preset (configs/demo.yaml, when
+`actor_rollout_ref.model.path` is null), an optional YAML file and verl-style overrides, then
+builds the tree with `configtree.build`: every wrong key, type or value of one load is reported
+together, each naming the key, the value and what would be valid. verl keys with no effect here
+(config_verl.py) are taken out first and named once at start. Nodes owned by a component (the
+profiler's, diffusion's) are imported from beside it. Cross-node rules (batch sizes that must
+divide, modes that need a placement, verl's inherited defaults) live in `PlaitConfig.__post_init__`,
+the one place that sees the whole tree.
 """
 
 from __future__ import annotations
 
-import difflib
+import importlib.util
+import os
+import sys
 from dataclasses import dataclass, field
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Union
 
 import yaml
 
 from plait.algorithms.advantages import ESTIMATORS
 from plait.algorithms.kl import KL_ESTIMATORS
 from plait.algorithms.losses import LOSS_AGG_MODES
-from plait.backends import RayConfig
-from plait.configtree import ConfigError, build, check, to_dict
+from plait.config_verl import LOCAL_BACKEND_NO_EFFECT, NO_EFFECT, refusal
+from plait.configtree import ConfigError, build, check, raise_all, to_dict
 from plait.profiler.config import GlobalProfilerConfig, RoleProfilerConfig
 from plait.workers.diffusion import DiffusionConfig
 
@@ -45,12 +49,15 @@ class DataConfig:
     task: str = "arithmetic"                  # built-in task used when the files are null
     train_size: int = 2048                    # rows generated for the built-in task
     val_size: int = 128
-    train_batch_size: int = 32                # prompts per step (each sampled rollout.n times)
+    train_batch_size: int = 1024              # prompts per step (each sampled rollout.n times)
     val_batch_size: Optional[int] = None      # null: the whole validation set in one batch
-    max_prompt_length: int = 32
-    max_response_length: int = 8
+    max_prompt_length: int = 512
+    max_response_length: int = 512
     prompt_key: str = "prompt"
-    truncation: Literal["error", "left"] = "error"
+    reward_fn_key: str = "data_source"        # the column that selects the rule reward
+    truncation: Literal["error", "left", "right", "middle"] = "error"
+    filter_overlong_prompts: bool = False
+    return_raw_chat: bool = True
     shuffle: bool = True
     seed: int = 1
 
@@ -73,8 +80,15 @@ class DemoConfig:
 
 @dataclass
 class ModelConfig:
-    path: Optional[str] = None                # a local Hugging Face causal LM directory; null: the demo model
+    path: Optional[str] = None                # a local Hugging Face causal LM directory; null: the demo model (configs/demo.yaml)
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    trust_remote_code: bool = False
+    enable_gradient_checkpointing: bool = True
+    use_remove_padding: bool = True
+    lora_rank: int = 0                        # 0: full fine-tuning
+    lora_alpha: int = 16
+    target_modules: Union[str, list[str]] = "all-linear"
+    lora_adapter_path: Optional[str] = None
 
 
 @dataclass
@@ -82,21 +96,45 @@ class OptimConfig:
     lr: float = 1e-6
     weight_decay: float = 0.01
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    lr_warmup_steps: int = 0
+    lr_warmup_steps: int = -1                 # -1: lr_warmup_steps_ratio x total_training_steps
+    lr_warmup_steps_ratio: float = 0.0
+    total_training_steps: int = -1            # -1: the trainer's step count
+    min_lr_ratio: float = 0.0
+    num_cycles: float = 0.5
+    lr_scheduler_type: Literal["constant", "cosine"] = "constant"
+    warmup_style: Optional[str] = None        # verl's older name for lr_scheduler_type
+    clip_grad: float = 1.0
 
     def __post_init__(self):
         check(self.lr > 0, "lr", self.lr, "must be > 0")
         check(self.weight_decay >= 0, "weight_decay", self.weight_decay, "must be >= 0")
         check(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "betas", self.betas, "two numbers in [0, 1)")
-        check(self.lr_warmup_steps >= 0, "lr_warmup_steps", self.lr_warmup_steps, "must be >= 0")
+        check(self.lr_warmup_steps >= -1, "lr_warmup_steps", self.lr_warmup_steps, "-1 (use the ratio) or >= 0")
+
+
+@dataclass
+class PolicyLossConfig:
+    loss_mode: str = "vanilla"
+    clip_cov_ratio: float = 0.0002
+    clip_cov_lb: float = 1.0
+    clip_cov_ub: float = 5.0
+    kl_cov_ratio: float = 0.0002
+    ppo_kl_coef: float = 0.1
+
+
+STRATEGIES = ("fsdp", "fsdp2")
 
 
 @dataclass
 class ActorConfig:
-    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=2e-4))
-    ppo_mini_batch_size: int = 16             # prompts per optimizer step (x rollout.n samples)
-    ppo_micro_batch_size_per_gpu: int = 64    # samples per forward/backward (gradient accumulation)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    strategy: str = "fsdp"                    # fsdp | fsdp2: how the Ray backend's data-parallel workers shard
+    ppo_mini_batch_size: int = 256            # prompts per optimizer step (x rollout.n samples)
+    ppo_micro_batch_size_per_gpu: Optional[int] = None  # samples per forward/backward; null: the whole mini-batch
+    use_dynamic_bsz: bool = False
+    ppo_max_token_len_per_gpu: int = 16384
     ppo_epochs: int = 1
+    policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
     shuffle: bool = False
     clip_ratio: float = 0.2
     clip_ratio_low: Optional[float] = None    # null: clip_ratio
@@ -111,7 +149,8 @@ class ActorConfig:
     profiler: RoleProfilerConfig = field(default_factory=RoleProfilerConfig)
 
     def __post_init__(self):
-        positive(self, "ppo_mini_batch_size", "ppo_micro_batch_size_per_gpu", "ppo_epochs", "clip_ratio")
+        positive(self, "ppo_mini_batch_size", "ppo_epochs", "clip_ratio")
+        one_of(self, "strategy", STRATEGIES)
         check(self.clip_ratio_c > 1, "clip_ratio_c", self.clip_ratio_c, "must be > 1 (dual-clip bound)")
         one_of(self, "loss_agg_mode", LOSS_AGG_MODES)
         one_of(self, "kl_loss_type", KL_ESTIMATORS)
@@ -136,31 +175,43 @@ class SamplingConfig:
 
 
 def _val_sampling() -> SamplingConfig:
-    return SamplingConfig(n=1, temperature=1.0, do_sample=False)
+    return SamplingConfig(n=1, temperature=0.0, do_sample=False)
+
+
+ENGINES = ("hf", "vllm", "sglang")
 
 
 @dataclass
 class RolloutConfig:
-    name: Literal["hf"] = "hf"                # the built-in transformers engine; vLLM/SGLang plug in here on GPUs
-    n: int = 8
+    name: str = "hf"                          # hf: the built-in transformers engine; vLLM/SGLang plug in here on GPUs
+    mode: Literal["sync", "async"] = "async"
+    n: int = 1
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
     do_sample: bool = True
-    log_prob_micro_batch_size_per_gpu: int = 64
+    log_prob_micro_batch_size_per_gpu: Optional[int] = None  # null: the whole batch in one forward
     ignore_eos: bool = False                  # generate max_response_length tokens always (benchmarks)
+    log_prob_use_dynamic_bsz: Optional[bool] = None      # null: actor.use_dynamic_bsz
+    log_prob_max_token_len_per_gpu: Optional[int] = None  # null: actor.ppo_max_token_len_per_gpu
     val_kwargs: SamplingConfig = field(default_factory=_val_sampling)
     profiler: RoleProfilerConfig = field(default_factory=RoleProfilerConfig)
 
     def __post_init__(self):
         SamplingConfig(self.n, self.temperature, self.top_p, self.top_k, self.do_sample)  # same checks
-        check(self.log_prob_micro_batch_size_per_gpu > 0, "log_prob_micro_batch_size_per_gpu",
-              self.log_prob_micro_batch_size_per_gpu, "must be > 0")
+        one_of(self, "name", ENGINES)
+        if self.name != "hf":
+            state = "installed but not wired into plait yet" if importlib.util.find_spec(self.name) else "not installed here"
+            check(False, "name", self.name, f"{self.name} is {state}; plait's engine is hf (transformers generate)")
+        check(self.log_prob_micro_batch_size_per_gpu is None or self.log_prob_micro_batch_size_per_gpu > 0,
+              "log_prob_micro_batch_size_per_gpu", self.log_prob_micro_batch_size_per_gpu, "must be > 0 or null")
 
 
 @dataclass
 class RefConfig:
-    log_prob_micro_batch_size_per_gpu: int = 64
+    log_prob_micro_batch_size_per_gpu: Optional[int] = None  # null: the whole batch in one forward
+    log_prob_use_dynamic_bsz: Optional[bool] = None          # null: actor.use_dynamic_bsz
+    log_prob_max_token_len_per_gpu: Optional[int] = None     # null: actor.ppo_max_token_len_per_gpu
     profiler: RoleProfilerConfig = field(default_factory=RoleProfilerConfig)
 
 
@@ -175,23 +226,29 @@ class ActorRolloutRefConfig:
 @dataclass
 class CriticModelConfig:
     path: Optional[str] = None                # null: the actor's model
+    enable_gradient_checkpointing: bool = True
+    use_remove_padding: bool = False
+    trust_remote_code: bool = False
 
 
 @dataclass
 class CriticConfig:
     enable: Optional[bool] = None             # null: on exactly when the advantage estimator needs values (gae)
     model: CriticModelConfig = field(default_factory=CriticModelConfig)
-    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-3))
-    ppo_mini_batch_size: int = 16
-    ppo_micro_batch_size_per_gpu: int = 64
-    ppo_epochs: int = 1
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
+    ppo_mini_batch_size: int = 256                      # unset: the actor's (load_config)
+    ppo_micro_batch_size_per_gpu: Optional[int] = None  # null: the whole mini-batch
+    use_dynamic_bsz: bool = False
+    ppo_max_token_len_per_gpu: int = 32768
+    forward_max_token_len_per_gpu: int = 32768
+    ppo_epochs: int = 1                                 # unset: the actor's (load_config)
     cliprange_value: float = 0.5
-    loss_agg_mode: str = "token-mean"
+    loss_agg_mode: str = "token-mean"                   # unset: the actor's (load_config)
     grad_clip: float = 1.0
     profiler: RoleProfilerConfig = field(default_factory=RoleProfilerConfig)
 
     def __post_init__(self):
-        positive(self, "ppo_mini_batch_size", "ppo_micro_batch_size_per_gpu", "ppo_epochs", "cliprange_value")
+        positive(self, "ppo_mini_batch_size", "ppo_epochs", "cliprange_value")
         one_of(self, "loss_agg_mode", LOSS_AGG_MODES)
 
 
@@ -224,6 +281,10 @@ class RolloutCorrectionConfig:
     # Exact in sync mode (the rollout samples with the actor's weights); in the async modes PPO's
     # ratio is then taken against the stale rollout policy itself, with no importance weights.
     bypass_mode: bool = False
+    rollout_rs: Optional[str] = None          # rejection sampling level; null: off
+    rollout_rs_threshold: Any = None          # a bound, or "lower_upper"
+    rollout_is_batch_normalize: bool = False
+    loss_type: str = "ppo_clip"
 
     def __post_init__(self):
         check(self.rollout_is is None or self.rollout_is in ROLLOUT_IS_LEVELS, "rollout_is", self.rollout_is,
@@ -234,7 +295,7 @@ class RolloutCorrectionConfig:
 
 @dataclass
 class AlgorithmConfig:
-    adv_estimator: str = "grpo"
+    adv_estimator: str = "gae"
     gamma: float = 1.0
     lam: float = 1.0
     norm_adv_by_std_in_grpo: bool = True
@@ -254,16 +315,41 @@ LOGGERS = ("console", "tensorboard", "wandb")
 
 
 @dataclass
+class RayConfig:
+    """`trainer.ray`: which Ray to use and what each worker process asks it for (trainer.backend=ray; docs/ray.md)."""
+
+    address: Optional[str] = None                 # a running cluster ("auto", "10.0.0.1:6379"); null: RAY_ADDRESS, else plait starts one
+    num_cpus: Optional[int] = None                # logical CPUs of a plait-started instance; null: the machine's count
+    object_store_memory_mb: Optional[int] = None  # object store of a plait-started instance; null: Ray's default (30% of RAM)
+    num_cpu_workers: int = 1                      # data-parallel trainer processes without GPUs (with GPUs: nnodes x n_gpus_per_node)
+    cpus_per_worker: float = 1.0                  # CPU request per worker process; fractions let a small machine host more processes
+    placement_timeout_s: float = 60.0             # fail, naming the missing resources, if workers cannot be placed in this time
+
+    def __post_init__(self):
+        check(self.address is None or self.address.strip() != "", "address", self.address, "null or a Ray address")
+        check(self.num_cpus is None or self.num_cpus > 0, "num_cpus", self.num_cpus, "null or > 0")
+        check(self.object_store_memory_mb is None or self.object_store_memory_mb >= 80, "object_store_memory_mb",
+              self.object_store_memory_mb, "null or >= 80 (Ray's minimum object store)")
+        check(self.num_cpu_workers > 0, "num_cpu_workers", self.num_cpu_workers, "must be > 0")
+        check(self.cpus_per_worker > 0, "cpus_per_worker", self.cpus_per_worker, "must be > 0 (fractions are fine)")
+        check(self.placement_timeout_s > 0, "placement_timeout_s", self.placement_timeout_s, "must be > 0 seconds")
+
+
+@dataclass
 class TrainerConfig:
-    total_training_steps: Optional[int] = 150  # null: total_epochs over the training data
-    total_epochs: int = 1
-    save_freq: int = 50                       # steps between checkpoints (and at the last step); -1: never
-    test_freq: int = 10                       # steps between validations (and at the last step); -1: never
+    total_training_steps: Optional[int] = None  # null: total_epochs over the training data
+    total_epochs: int = 30
+    save_freq: int = -1                       # steps between checkpoints (and at the last step); -1: never
+    test_freq: int = -1                       # steps between validations (and at the last step); -1: never
+    critic_warmup: int = 0                    # steps that train only the critic
+    log_val_generations: int = 0              # validation samples printed and logged per validation
     val_before_train: bool = True
     default_local_dir: Optional[str] = None   # null: outputs/<project_name>/<experiment_name>
     resume_mode: Literal["auto", "disable", "resume_path"] = "auto"
     resume_from_path: Optional[str] = None
     max_ckpt_to_keep: Optional[int] = 2
+    max_actor_ckpt_to_keep: Optional[int] = None
+    max_critic_ckpt_to_keep: Optional[int] = None
     logger: list[str] = field(default_factory=lambda: ["console"])
     project_name: str = "plait"
     experiment_name: Optional[str] = None     # null: the mode's name, so demos of different modes don't share outputs
@@ -274,7 +360,7 @@ class TrainerConfig:
     device: Literal["auto", "cpu", "cuda"] = "auto"
     num_threads: int = 1                      # torch threads in the driver; 0: torch's default (1 is steadier on shared CPUs)
     nnodes: int = 1
-    n_gpus_per_node: int = 1
+    n_gpus_per_node: int = 8
     ray: RayConfig = field(default_factory=RayConfig)  # trainer.backend=ray only; docs/ray.md
 
     def __post_init__(self):
@@ -322,6 +408,37 @@ ASYNC_MODES = ("one_step_off", "fully_async")
 class CustomRewardConfig:
     path: Optional[str] = None
     name: str = "compute_score"
+    reward_kwargs: dict = field(default_factory=dict)  # extra keyword arguments for the reward function
+
+
+@dataclass
+class OverlongBufferConfig:
+    """DAPO's soft penalty for responses in the last `len` tokens before max_response_length."""
+    enable: bool = False
+    len: int = 0
+    penalty_factor: float = 0.0
+    log: bool = False
+
+
+@dataclass
+class RewardModelModelConfig:
+    path: Optional[str] = None                # a local Hugging Face sequence-classification model
+    input_tokenizer: Optional[str] = None     # null: the actor's tokenizer
+    trust_remote_code: bool = False
+
+
+@dataclass
+class RewardModelConfig:
+    enable: bool = False
+    model: RewardModelModelConfig = field(default_factory=RewardModelModelConfig)
+    micro_batch_size_per_gpu: Optional[int] = None
+    max_length: Optional[int] = None
+    use_dynamic_bsz: bool = False
+    forward_max_token_len_per_gpu: int = 32768
+    reward_manager: str = "naive"
+    reward_kwargs: dict = field(default_factory=dict)
+    overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
+    profiler: RoleProfilerConfig = field(default_factory=RoleProfilerConfig)
 
 
 @dataclass
@@ -332,13 +449,15 @@ class PlaitConfig:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     custom_reward_function: CustomRewardConfig = field(default_factory=CustomRewardConfig)
+    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
     global_profiler: GlobalProfilerConfig = field(default_factory=GlobalProfilerConfig)
     demo: DemoConfig = field(default_factory=DemoConfig)
     diffusion: DiffusionConfig = field(default_factory=DiffusionConfig)
     async_training: AsyncTrainingConfig = field(default_factory=AsyncTrainingConfig)
 
     def __post_init__(self):
-        actor, n = self.actor_rollout_ref.actor, self.actor_rollout_ref.rollout.n
+        actor = self.actor_rollout_ref.actor
+        self._inherit()
         # Diffusion mode has no critic and updates on the whole batch with diffusion.actor's settings.
         lm = self.trainer.mode != "diffusion"
         check(not lm or self.data.train_batch_size % actor.ppo_mini_batch_size == 0, "actor_rollout_ref.actor.ppo_mini_batch_size",
@@ -350,8 +469,7 @@ class PlaitConfig:
         if self.critic.enable and lm:
             check(self.data.train_batch_size % self.critic.ppo_mini_batch_size == 0, "critic.ppo_mini_batch_size",
                   self.critic.ppo_mini_batch_size, f"must divide data.train_batch_size={self.data.train_batch_size}")
-        if self.algorithm.adv_estimator in ("grpo", "rloo"):
-            check(n > 1, "actor_rollout_ref.rollout.n", n, f"must be > 1 for {self.algorithm.adv_estimator} (group baseline)")
+        # grpo/rloo with rollout.n=1 run as in verl: a group of one has no baseline (algorithms/advantages.py).
         mode = self.trainer.mode
         check(mode not in ASYNC_MODES or self.trainer.placement == "separated", "trainer.placement",
               self.trainer.placement, f"must be separated with trainer.mode={mode}: the rollout generates "
@@ -368,8 +486,9 @@ class PlaitConfig:
                       f"false with trainer.mode={mode} on the local backend (its rollout thread's stages overlap "
                       "the trainer's, and torch profiles one collection per process); use trainer.backend=ray")
         correction = self.algorithm.rollout_correction
-        check(not (correction.bypass_mode and correction.rollout_is), "algorithm.rollout_correction.rollout_is",
-              correction.rollout_is, "null with bypass_mode=true (pi_old is the rollout policy: the weights would all be 1)")
+        check(not (correction.bypass_mode and correction.rollout_is and correction.loss_type == "ppo_clip"),
+              "algorithm.rollout_correction.rollout_is", correction.rollout_is, "null with bypass_mode=true and "
+              "loss_type=ppo_clip (pi_old is the rollout policy: the weights would all be 1)")
         if correction.rollout_is is None and mode in ASYNC_MODES and not correction.bypass_mode:
             correction.rollout_is = "token"
         if mode == "fully_async":
@@ -379,6 +498,21 @@ class PlaitConfig:
             check(required % a.gen_batch_size == 0, "async_training.gen_batch_size", a.gen_batch_size,
                   f"must divide ppo_mini_batch_size x require_batches = {required} (a local update takes whole "
                   "generate calls)")
+
+    def _inherit(self) -> None:
+        """verl's null micro-batch and token-length keys: a null takes the whole (mini-)batch or the actor's value."""
+        arr, critic = self.actor_rollout_ref, self.critic
+        actor, n = arr.actor, arr.rollout.n
+        actor.ppo_micro_batch_size_per_gpu = actor.ppo_micro_batch_size_per_gpu or actor.ppo_mini_batch_size * n
+        critic.ppo_micro_batch_size_per_gpu = critic.ppo_micro_batch_size_per_gpu or critic.ppo_mini_batch_size * n
+        for node in (arr.rollout, arr.ref):
+            node.log_prob_micro_batch_size_per_gpu = node.log_prob_micro_batch_size_per_gpu or self.data.train_batch_size * n
+            node.log_prob_use_dynamic_bsz = (actor.use_dynamic_bsz if node.log_prob_use_dynamic_bsz is None
+                                             else node.log_prob_use_dynamic_bsz)
+            node.log_prob_max_token_len_per_gpu = node.log_prob_max_token_len_per_gpu or actor.ppo_max_token_len_per_gpu
+        for key, node in (("actor_rollout_ref.actor", actor), ("critic", critic)):
+            check(node.ppo_micro_batch_size_per_gpu > 0, f"{key}.ppo_micro_batch_size_per_gpu",
+                  node.ppo_micro_batch_size_per_gpu, "must be > 0 or null")
 
     @property
     def output_dir(self) -> str:
@@ -390,57 +524,170 @@ class PlaitConfig:
         return self.actor_rollout_ref.actor.use_kl_loss or self.algorithm.use_kl_in_reward
 
 
-def parse_override(text: str) -> tuple[list[str], Any]:
-    """`a.b.c=value` -> (["a", "b", "c"], value); the value is parsed as YAML (numbers, bools, null, lists)."""
-    if "=" not in text:
-        raise ConfigError(text, None, "overrides are key=value, e.g. trainer.total_training_steps=10")
-    key, raw = text.split("=", 1)
+DEMO_PRESET = os.path.join(os.path.dirname(__file__), "configs", "demo.yaml")
+
+
+def parse_value(raw: str) -> Any:
+    """A command-line value as verl's Hydra reads it: YAML (numbers, bools, lists with or without
+    quotes), `null`/`None`/`~` for null, anything else a bare string."""
     try:
         value = yaml.safe_load(raw) if raw.strip() else ""
     except yaml.YAMLError:
-        value = raw
+        return raw
+    if value == "None":
+        return None
     if isinstance(value, str):  # YAML 1.1 reads 3e-4 as a string
         try:
-            value = float(value)
+            return float(value)
         except ValueError:
             pass
-    return key.strip().split("."), value
+    return value
+
+
+def apply_override(tree: dict, text: str) -> None:
+    """Apply one override to `tree`: `key=value` and `+key=value` set, `~key` drops a key set earlier."""
+    if text.startswith("~"):
+        keys = text[1:].split("=", 1)[0].strip().split(".")
+        node = tree
+        for key in keys[:-1]:
+            node = node.get(key) if isinstance(node, dict) else None
+        if isinstance(node, dict):
+            node.pop(keys[-1], None)
+        return
+    if "=" not in text:
+        raise ConfigError(text, None, "overrides are key=value, +key=value or ~key, e.g. trainer.total_training_steps=10")
+    key, raw = text.lstrip("+").split("=", 1)
+    keys, node = key.strip().split("."), tree
+    for i, part in enumerate(keys[:-1]):
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(".".join(keys[: i + 1]), node, "is a value, not a section")
+    node[keys[-1]] = parse_value(raw)
+
+
+def take_no_effect(tree: dict, prefix: str = "") -> list[str]:
+    """Remove from `tree` the verl keys that have no effect in plait (config_verl.NO_EFFECT); return them."""
+    taken = []
+    for key in list(tree):
+        path = f"{prefix}{key}"
+        value = tree[key]
+        if any(p in NO_EFFECT for p in _prefixes(path)):
+            taken += _leaves(value, f"{path}.") if isinstance(value, dict) and value else [path]
+            del tree[key]
+        elif isinstance(value, dict) and value:
+            taken += take_no_effect(value, f"{path}.")
+            if not value:  # a verl-only section, now empty
+                del tree[key]
+    return taken
+
+
+def _leaves(tree: dict, prefix: str) -> list[str]:
+    return [key for key, _ in _leaf_items(tree, prefix)]
+
+
+def _leaf_items(tree: dict, prefix: str) -> list[tuple[str, Any]]:
+    """(dotted key, value) for every leaf of a nested dict."""
+    out = []
+    for key, value in tree.items():
+        out += _leaf_items(value, f"{prefix}{key}.") if isinstance(value, dict) and value else [(f"{prefix}{key}", value)]
+    return out
+
+
+def no_effect_notice(keys: list[str]) -> str:
+    """The one warning block naming the no-effect keys a user set, grouped by reason."""
+    by_reason: dict[str, list[str]] = {}
+    for key in keys:
+        reason = LOCAL_BACKEND_NO_EFFECT.get(key) or next(NO_EFFECT[p] for p in _prefixes(key) if p in NO_EFFECT)
+        by_reason.setdefault(reason, []).append(key)
+    lines = ["plait: these verl keys are accepted but have no effect here:"]
+    for reason, group in by_reason.items():
+        lines += [f"  - {reason}:", *(f"      {key}" for key in group)]
+    return "\n".join(lines)
+
+
+def _prefixes(key: str) -> list[str]:
+    parts = key.split(".")
+    return [".".join(parts[:i]) for i in range(len(parts), 0, -1)]
 
 
 def load_config(path: str | None = None, overrides: list[str] = ()) -> PlaitConfig:
-    """Defaults <- YAML file <- overrides, built and validated as one tree."""
-    tree: dict = {}
-    if path:
-        try:
-            with open(path) as f:
-                tree = yaml.safe_load(f) or {}
-        except FileNotFoundError:
-            raise ConfigError("--config", path, "no such file") from None
-        except yaml.YAMLError as err:
-            raise ConfigError("--config", path, f"not valid YAML: {err}") from None
-        if not isinstance(tree, dict):
-            raise ConfigError("--config", path, "the YAML file must hold a mapping at the top level")
+    """Defaults <- demo preset <- YAML file <- overrides, built and validated as one tree.
+
+    The demo preset (configs/demo.yaml) applies when actor_rollout_ref.model.path is null.
+    Every error of the file and command line is raised at once (a ConfigErrors for several).
+    """
+    tree, errors = _read_yaml(path, "--config"), []
     for text in overrides:
-        keys, value = parse_override(text)
-        _set_path(tree, keys, value)
-    return build(PlaitConfig, tree)
+        try:
+            apply_override(tree, text)
+        except ConfigError as err:
+            errors.append(err)
+    user = dict(_leaf_items(tree, ""))
+    refused = refusal(user)
+    if refused:
+        raise ConfigError(*refused)
+    mode, async_set = user.get("trainer.mode", "sync"), _changed(user, "async_training", AsyncTrainingConfig())
+    if async_set and mode not in ASYNC_MODES:
+        errors.append(ConfigError("trainer.mode", mode, f"one of {', '.join(ASYNC_MODES)} when async_training.* is "
+                                  f"set ({', '.join(async_set)})"))
+    no_effect = take_no_effect(tree)
+    _inherit_from_actor(tree)
+    demo = user.get("actor_rollout_ref.model.path") is None
+    if demo:
+        tree = _merge(_read_yaml(DEMO_PRESET, "preset"), tree)
+    try:
+        cfg = build(PlaitConfig, tree)
+    except ConfigError as err:
+        errors.append(err)
+    raise_all(errors)
+    if demo:
+        print("plait: actor_rollout_ref.model.path is null: the demo model, with the demo preset "
+              "(plait/configs/demo.yaml) under your settings", file=sys.stderr)
+    if cfg.trainer.backend == "local":
+        no_effect += [key for key in user if key in LOCAL_BACKEND_NO_EFFECT]
+    if no_effect:
+        print(no_effect_notice(no_effect), file=sys.stderr)
+    return cfg
 
 
-def _set_path(tree: dict, keys: list[str], value: Any) -> None:
-    node, defaults = tree, to_dict(PlaitConfig())
-    for i, key in enumerate(keys[:-1]):
-        if isinstance(defaults, dict) and key not in defaults:
-            _unknown(keys[: i + 1], defaults)
-        defaults = defaults.get(key) if isinstance(defaults, dict) else None
-        node = node.setdefault(key, {})
-        if not isinstance(node, dict):
-            raise ConfigError(".".join(keys[: i + 1]), node, "is a value, not a section")
-    node[keys[-1]] = value
+# Critic keys that default to the actor's value, as verl's ${oc.select:actor_rollout_ref.actor...} does.
+CRITIC_FROM_ACTOR = ("ppo_mini_batch_size", "ppo_epochs", "loss_agg_mode")
 
 
-def _unknown(keys: list[str], options: dict) -> None:
-    close = difflib.get_close_matches(keys[-1], list(options), n=1, cutoff=0.5)
-    prefix = ".".join(keys[:-1])
-    hint = f"did you mean '{'.'.join([*keys[:-1], close[0]]) if prefix else close[0]}'?" if close else (
-        f"valid keys here: {', '.join(sorted(options))}")
-    raise ConfigError(".".join(keys), None, f"unknown key; {hint}")
+def _inherit_from_actor(tree: dict) -> None:
+    """Give the critic the actor's CRITIC_FROM_ACTOR values that the user set for the actor only."""
+    actor, critic = (tree.get("actor_rollout_ref") or {}).get("actor") or {}, tree.get("critic") or {}
+    if not (isinstance(actor, dict) and isinstance(critic, dict)):
+        return  # reported by the tree builder
+    inherited = {key: actor[key] for key in CRITIC_FROM_ACTOR if key in actor and key not in critic}
+    if inherited:
+        tree["critic"] = {**critic, **inherited}
+
+
+def _changed(user: dict[str, Any], section: str, node: Any) -> list[str]:
+    """The keys under `section` that the user set to something other than `node`'s defaults."""
+    defaults, unset = dict(_leaf_items(to_dict(node), f"{section}.")), object()
+    return [key for key, value in user.items() if key.startswith(f"{section}.") and defaults.get(key, unset) != value]
+
+
+def _read_yaml(path: str | None, what: str) -> dict:
+    if not path:
+        return {}
+    try:
+        with open(path) as f:
+            tree = yaml.safe_load(f) or {}
+    except FileNotFoundError:
+        raise ConfigError(what, path, "no such file") from None
+    except yaml.YAMLError as err:
+        raise ConfigError(what, path, f"not valid YAML: {err}") from None
+    if not isinstance(tree, dict):
+        raise ConfigError(what, path, "the YAML file must hold a mapping at the top level")
+    return tree
+
+
+def _merge(base: dict, top: dict) -> dict:
+    """`top` over `base`, section by section."""
+    out = dict(base)
+    for key, value in top.items():
+        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out

@@ -26,6 +26,25 @@ class ConfigError(ValueError):
         return ConfigError(f"{prefix}.{self.key}" if prefix else self.key, self.value, self.expected)
 
 
+class ConfigErrors(ConfigError):
+    """Several config errors found in one pass, reported together; `key`/`value`/`expected` are the first's."""
+
+    def __init__(self, errors: list[ConfigError]):
+        self.errors = [e for err in errors for e in (err.errors if isinstance(err, ConfigErrors) else [err])]
+        first = self.errors[0]
+        ValueError.__init__(self, "\n".join(str(e) for e in self.errors))
+        self.key, self.value, self.expected = first.key, first.value, first.expected
+
+    def under(self, prefix: str) -> "ConfigError":
+        return ConfigErrors([e.under(prefix) for e in self.errors])
+
+
+def raise_all(errors: list[ConfigError]) -> None:
+    """Raise the errors found, if any: one as itself, several as a ConfigErrors."""
+    if errors:
+        raise errors[0] if len(errors) == 1 else ConfigErrors(errors)
+
+
 def check(ok: bool, key: str, value: Any, expected: str) -> None:
     """Raise a ConfigError for field `key` unless `ok`; used in `__post_init__`."""
     if not ok:
@@ -36,22 +55,27 @@ def build(cls: type, data: dict | None, prefix: str = "") -> Any:
     """Build dataclass `cls` from `data`, recursing into nested dataclasses.
 
     Unknown keys name the closest valid key; values are checked against the field's type
-    annotation; `__post_init__` errors get the dotted path of their node.
+    annotation; all such errors of the tree are raised together. `__post_init__` errors get the
+    dotted path of their node.
     """
     data = {} if data is None else data
     if not isinstance(data, dict):
         raise ConfigError(prefix or "<root>", data, f"expected a mapping of {cls.__name__} keys")
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     hints = typing.get_type_hints(cls)
-    for key in data:
-        if key not in fields:
-            close = difflib.get_close_matches(str(key), list(fields), n=1, cutoff=0.5)
+    kwargs, errors = {}, []
+    for name, value in data.items():
+        if name not in fields:
+            close = difflib.get_close_matches(str(name), list(fields), n=1, cutoff=0.5)
             hint = f"unknown key; did you mean '{_join(prefix, close[0])}'?" if close else (
                 f"unknown key; valid keys here: {', '.join(sorted(fields))}")
-            raise ConfigError(_join(prefix, str(key)), data[key], hint)
-    kwargs = {}
-    for name, value in data.items():
-        kwargs[name] = _coerce(hints[name], value, _join(prefix, name))
+            errors.append(ConfigError(_join(prefix, str(name)), value, hint))
+            continue
+        try:
+            kwargs[name] = _coerce(hints[name], value, _join(prefix, name))
+        except ConfigError as err:
+            errors.append(err)
+    raise_all(errors)
     try:
         return cls(**kwargs)
     except ConfigError as err:
@@ -96,6 +120,8 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
             return value
         raise ConfigError(key, value, f"expected one of {', '.join(repr(a) for a in args)}")
     if origin in (list, tuple):
+        if isinstance(value, str) and args and args[0] is str:  # verl takes one string where a list goes
+            value = [value]
         if not isinstance(value, (list, tuple)):
             raise ConfigError(key, value, f"expected a list ({_name(tp)})")
         item = args[0] if args else Any

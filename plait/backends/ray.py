@@ -36,8 +36,7 @@ from ray.exceptions import RayActorError, RayError, RayTaskError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from plait.backends import RayConfig
-from plait.config import PlaitConfig
+from plait.config import PlaitConfig, RayConfig
 from plait.configtree import ConfigError
 from plait.profiler.config import ROLE_KEYS
 

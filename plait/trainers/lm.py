@@ -294,3 +294,66 @@ def data_metrics(batch: RolloutBatch) -> dict[str, float]:
                 "prompt_length/mean": prompt_len.mean().item(), "prompt_length/max": prompt_len.max().item(),
                 "prompt_length/min": prompt_len.min().item()})
     return out
+
+
+# Building the language-model modes (plait/trainers/diffusion.py builds the diffusion mode alike).
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_model(cfg: PlaitConfig) -> str:
+    """The policy's starting weights: the user's directory, or the demo model warm-started once and cached."""
+    from plait.data.warmstart import sft_warmstart
+    from plait.models import create_tiny_model
+    path = cfg.actor_rollout_ref.model.path
+    if path is not None:
+        return path  # checked by driver.preflight
+    demo = cfg.demo
+    cache = os.path.join(cfg.output_dir, "demo_model")
+    base = create_tiny_model(os.path.join(cache, f"init_{demo.model_size}"), size=demo.model_size, seed=cfg.trainer.seed)
+    if demo.warmstart_steps == 0:
+        return base
+    return sft_warmstart(base, cfg.data.task, os.path.join(cache, "warmstart"), steps=demo.warmstart_steps,
+                         batch_size=demo.warmstart_batch_size, lr=demo.warmstart_lr, seed=cfg.trainer.seed)
+
+
+def resolve_data(cfg: PlaitConfig) -> tuple[list[str], list[str] | None]:
+    from plait.data.tasks import write_task_files
+    d = cfg.data
+    if d.train_files is not None:
+        return d.train_files, d.val_files
+    train, val = write_task_files(d.task, os.path.join(cfg.output_dir, "data"), d.train_size, d.val_size, d.seed)
+    return [train], [val]
+
+
+def build_lm_trainer(cfg: PlaitConfig, backend, device: str):
+    """Model, data, reward and the four language-model roles, handed to the trainer mode."""
+    from plait.data.dataset import load_rows
+    from plait.driver import resolve_reward
+    from plait.models import load_tokenizer
+    from plait.trainers import MODES
+    from plait.workers.actor import Actor
+    from plait.workers.critic import Critic
+    from plait.workers.ref import Ref
+    from plait.workers.rollout import Rollout
+
+    reward_fn = resolve_reward(cfg)
+    dtype = DTYPES[cfg.actor_rollout_ref.model.dtype]
+    model_path = resolve_model(cfg)
+    tokenizer = load_tokenizer(model_path)
+    train_files, val_files = resolve_data(cfg)
+    d = cfg.data
+    make = lambda files: PromptDataset(load_rows(files), tokenizer, prompt_key=d.prompt_key,  # noqa: E731
+                                       max_prompt_length=d.max_prompt_length, truncation=d.truncation)
+    train_data = make(train_files)
+    val_data = make(val_files) if val_files else None
+    arr = cfg.actor_rollout_ref
+    temp, n = arr.rollout.temperature or 1.0, arr.rollout.n
+    roles = Roles(
+        actor=backend.spawn("actor", Actor, model_path, arr.actor, n, temp, device=device, dtype=dtype, seed=cfg.trainer.seed),
+        rollout=backend.spawn("rollout", Rollout, model_path, d.max_response_length, tokenizer, device=device, dtype=dtype,
+                              ignore_eos=arr.rollout.ignore_eos),
+        ref=backend.spawn("ref", Ref, model_path, arr.ref, temp, device=device, dtype=dtype) if cfg.uses_ref else None,
+        critic=(backend.spawn("critic", Critic, cfg.critic.model.path or model_path, cfg.critic, n, device=device, dtype=dtype)
+                if cfg.critic.enable else None))
+    return MODES[cfg.trainer.mode](cfg, roles, tokenizer, train_data, val_data, reward_fn, backend.profile_targets())

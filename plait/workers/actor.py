@@ -66,7 +66,7 @@ def truncated_is_weights(old_logp: torch.Tensor, rollout_logp: torch.Tensor, mas
 def make_optimizer(params, cfg: OptimConfig):
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
     warmup = cfg.lr_warmup_steps
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup) if warmup > 0 else 1.0)
     return opt, sched
 
 

@@ -343,8 +343,9 @@ class DiffusionActor:
         validation prompts repeat, and decoded by the VAE into `Trajectory.decoded`)."""
         with self.profiler.annotate("gen"):
             cfg, shift = self.cfg, 1.0
-            if self.pipeline is not None:
-                cond, shift = self.pipeline.encode(cond, cache=ode), self.pipeline.cfg.shift
+            if self.pipeline is not None:  # encode and decode get their own ranges: memory peaks show per part
+                with self.profiler.annotate("encode"):
+                    cond, shift = self.pipeline.encode(cond, cache=ode), self.pipeline.cfg.shift
             window, noise_level = None, cfg.noise_level
             if ode:
                 noise_level = 0.0

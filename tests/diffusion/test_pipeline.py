@@ -1,9 +1,11 @@
 """Flow-GRPO on a whole text-to-image pipeline: a tiny SD3 pipeline built from configs, saved with
 save_pretrained and loaded back from its folder as a user's would be (nothing downloaded)."""
 
+import gzip
 import json
 import math
 import os
+import pickle
 import shutil
 
 import pytest
@@ -19,6 +21,7 @@ from plait.config import load_config  # noqa: E402
 from plait.configtree import ConfigError  # noqa: E402
 from plait.data.images import clip_score, jpeg_compressibility, jpeg_incompressibility  # noqa: E402
 from plait.data.prompts import load_prompts  # noqa: E402
+from plait.profiler import read_manifest  # noqa: E402
 from plait.trainers.lifecycle import read_metrics  # noqa: E402
 from plait.workers.diffusers_policy import LoraConfig  # noqa: E402
 from plait.workers.diffusion import DiffusionActor, DiffusionActorConfig, sample_with_logprobs  # noqa: E402
@@ -212,3 +215,26 @@ def test_compressibility_reward_rises(tmp_path, pipeline_dir, prompt_file):
     before, after = records[0][key], records[-1][key]
     print(f"held-out jpeg_compressibility {before:.3f} -> {after:.3f} in 24 steps")
     assert after > before + 0.05, (before, after)
+
+
+@pytest.mark.parametrize("tool", ["torch", "torch_memory"])
+def test_profiling_step1_sees_every_pipeline_stage(tmp_path, pipeline_dir, prompt_file, tool):
+    """The profiler-matrix entry for the pipeline variant: step 1 of 2, LoRA with its adapter-off reference."""
+    save = tmp_path / "profile"
+    driver.build(tiny_config(tmp_path / "out", pipeline_dir, prompt_file, "trainer.total_training_steps=2",
+                             "diffusion.lora.enable=true", f"global_profiler.tool={tool}", "global_profiler.steps=[1]",
+                             f"global_profiler.save_path={save}", "actor_rollout_ref.actor.profiler.enable=true"),
+                 progress=False).run()
+    ext = "pickle" if tool == "torch_memory" and torch.cuda.is_available() else "pt.trace.json.gz"
+    [record] = read_manifest(str(save))
+    assert (record["steps"], record["role"], record["path"], record["complete"]) == (
+        [1, 1], "actor", f"step1/actor_rank0.{ext}", True)
+    assert sorted(os.listdir(save)) == ["manifest.jsonl", "step1"]
+    if ext == "pickle":
+        with open(save / record["path"], "rb") as f:
+            names = str(pickle.load(f)["external_annotations"])
+    else:
+        with gzip.open(save / record["path"]) as f:
+            names = {e.get("name") for e in json.load(f)["traceEvents"]}
+    for stage in ("gen", "encode", "decode", "old_log_prob", "ref", "update_actor"):
+        assert f"actor/{stage}" in names, stage

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Callable, Sequence
+from typing import Callable
 
 import torch
 from torch import Tensor
@@ -233,7 +233,7 @@ def resolve_image_reward(cfg: PlaitConfig, prompted: bool) -> tuple[str, Callabl
     d, custom = cfg.diffusion, cfg.custom_reward_function
     if custom.path:
         return custom.name, load_custom_reward(custom.path, custom.name)
-    builtins: Sequence[str] = [*PROMPT_IMAGE_REWARDS, "clip_score"] if prompted else list(IMAGE_REWARDS)
+    builtins = [*PROMPT_IMAGE_REWARDS, "clip_score"] if prompted else list(IMAGE_REWARDS)
     if d.reward not in builtins:
         kind = "a text-to-image pipeline" if prompted else "a class-conditioned model"
         raise ConfigError("diffusion.reward", d.reward, f"with {kind} one of {', '.join(builtins)}")

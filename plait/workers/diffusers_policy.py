@@ -17,9 +17,9 @@ A policy folder (`save_diffusers_policy`, `create_tiny_diffusers_policy`):
     plait_diffusers_policy.json   DiffusersPolicyConfig; written last, it marks the folder
     transformer/                  SD3Transformer2DModel.save_pretrained (config.json, safetensors)
     conditioning.pt               the class table's state dict
-Not here: VAEs, text encoders, classifier-free guidance, whole pipelines, other transformer
-classes (Flux's takes packed latents and image ids), and the step loop and sampler
-(plait/workers/diffusion.py). diffusers and peft are imported only when a folder is loaded or
+Not here: whole text-to-image pipelines with text encoders, VAE and classifier-free guidance
+(plait/workers/diffusion_pipeline.py), other transformer classes (Flux's takes packed latents and
+image ids), and the step loop and sampler (plait/workers/diffusion.py). diffusers and peft are imported only when a folder is loaded or
 created, so plait runs without them.
 """
 

@@ -22,9 +22,11 @@ others run as ODE. The window start is drawn per batch from `sde_window_range`, 
 layout) and later steps both get trained while each update costs K << T model passes.
 
 Here: DiffusionModelConfig, FlowModel, pretrain_flow_model / load_flow_model, load_policy (a
-FlowModel folder or a diffusers one, plait/workers/diffusers_policy.py), the sampler and
-step_logprob, Trajectory, the workers DiffusionActor (rollout + update, colocated) and
-DiffusionRef (frozen means for the KL), and DiffusionConfig, the `diffusion` node of the config
+FlowModel folder, a diffusers policy, plait/workers/diffusers_policy.py, or a text-to-image
+pipeline, plait/workers/diffusion_pipeline.py), the sampler and step_logprob, Trajectory, the
+workers DiffusionActor (rollout + update, colocated; with a pipeline it also encodes prompts and
+decodes images; with LoRA it is its own reference, adapters off) and DiffusionRef (a frozen copy's
+means for the KL of a full fine-tune), and DiffusionConfig, the `diffusion` node of the config
 tree. Not here: the step loop (plait/trainers/diffusion.py), advantages and losses
 (plait/algorithms/flow_grpo.py), conditions and rewards (plait/data/images.py).
 """

@@ -225,7 +225,8 @@ def load_pipeline_policy(path: str | Path, cfg: PipelineConfig, lora: LoraConfig
 
 
 def create_tiny_sd3_pipeline(path: str | Path, seed: int = 0, resolution: int = 32) -> Path:
-    """A random SD3 pipeline small enough for CPU tests (about 40k parameters), saved with save_pretrained.
+    """A random SD3 pipeline small enough for CPU tests (about 66k parameters, 23k in the transformer), saved
+    with save_pretrained.
 
     Two tiny CLIP text encoders whose tokenizer is byte-level with no merges (one token per
     character, built here), no T5 (text_encoder_3=None), a 2-level VAE (scale factor 2) and a

@@ -145,11 +145,11 @@ def test_prompt_rows_keep_metadata(prompt_file, tmp_path):
         load_prompts(bad)
 
 
-def test_lower_precision_frozen_parts_with_float32_adapters(pipeline_dir):
+def test_lower_precision_frozen_parts_with_float32_adapters(pipeline_dir, profiler):
     lora = LoraConfig(enable=True, r=4)
     actor = DiffusionActor(pipeline_dir, DiffusionActorConfig(num_inference_steps=3, sde_window_range=(0, 3),
                                                               sde_window_size=1),
-                           _NoProfiler(), lora=lora, pipeline=PipelineConfig(dtype="bfloat16"))
+                           profiler, lora=lora, pipeline=PipelineConfig(dtype="bfloat16"))
     pipe = actor.model.pipe
     assert pipe.vae.dtype == pipe.text_encoder.dtype == torch.bfloat16
     assert {p.dtype for p in actor.params} == {torch.float32}
@@ -157,12 +157,6 @@ def test_lower_precision_frozen_parts_with_float32_adapters(pipeline_dir):
     traj = actor.generate(["a cat", "a dog"], torch.Generator().manual_seed(0))
     assert traj.images.shape == (2, 3, 32, 32) and traj.images.dtype == torch.float32
     assert torch.isfinite(traj.window_log_probs).all()
-
-
-class _NoProfiler:
-    def annotate(self, stage):
-        import contextlib
-        return contextlib.nullcontext()
 
 
 def _trainable(lifecycle):
@@ -238,3 +232,29 @@ def test_profiling_step1_sees_every_pipeline_stage(tmp_path, pipeline_dir, promp
             names = {e.get("name") for e in json.load(f)["traceEvents"]}
     for stage in ("gen", "encode", "decode", "old_log_prob", "ref", "update_actor"):
         assert f"actor/{stage}" in names, stage
+
+
+def test_full_fine_tune_with_kl_uses_a_frozen_reference_copy(tmp_path, pipeline_dir, prompt_file):
+    lifecycle = driver.build(tiny_config(tmp_path, pipeline_dir, prompt_file, "trainer.total_training_steps=2",
+                                         "diffusion.actor.kl_loss_coef=0.01", "diffusion.actor.lr=1e-2"), progress=False)
+    assert lifecycle.trainer.ref is not None
+    lifecycle.run()
+    records = read_metrics(os.path.join(tmp_path, "metrics.jsonl"))
+    assert records[0]["actor/kl_loss"] == pytest.approx(0, abs=1e-9)  # step 1 starts at the reference
+    assert records[1]["actor/kl_loss"] > 0
+    state = lifecycle.trainer.actor.call(DiffusionActor.state_dict)["model"]
+    assert any(k.startswith("transformer.transformer_blocks") for k in state)  # every transformer weight trains
+
+
+@pytest.mark.gpu
+def test_cuda_bfloat16_offloaded_pipeline_trains(tmp_path, pipeline_dir, prompt_file):
+    lifecycle = driver.build(tiny_config(tmp_path, pipeline_dir, prompt_file, "trainer.device=cuda",
+                                         "trainer.total_training_steps=2", "diffusion.lora.enable=true",
+                                         "diffusion.pipeline.dtype=bfloat16", "diffusion.pipeline.offload=true"),
+                             progress=False)
+    lifecycle.run()
+    pipe = lifecycle.trainer.actor.call(lambda a: a.model.pipe)
+    assert pipe.text_encoder.device.type == "cpu" and pipe.vae.device.type == "cpu"  # parked between uses
+    assert pipe.transformer.device.type == "cuda"
+    last = read_metrics(os.path.join(tmp_path, "metrics.jsonl"))[-1]
+    assert last["perf/max_memory_allocated_gb"] > 0 and last["training/rollout_logprob_diff_mean"] < 1e-2

@@ -258,3 +258,23 @@ def test_cuda_bfloat16_offloaded_pipeline_trains(tmp_path, pipeline_dir, prompt_
     assert pipe.transformer.device.type == "cuda"
     last = read_metrics(os.path.join(tmp_path, "metrics.jsonl"))[-1]
     assert last["perf/max_memory_allocated_gb"] > 0 and last["training/rollout_logprob_diff_mean"] < 1e-2
+
+
+def test_user_reward_file_gets_images_prompts_and_metadata(tmp_path, pipeline_dir, prompt_file):
+    seen = tmp_path / "seen.jsonl"
+    reward = tmp_path / "reward.py"
+    reward.write_text(f'''import json
+def brightness(images, prompts, metadata):
+    with open({str(seen)!r}, "a") as f:
+        f.write(json.dumps({{"shape": list(images.shape), "prompts": prompts, "metadata": metadata}}) + "\\n")
+    return images.mean(dim=(1, 2, 3))
+''')
+    driver.build(tiny_config(tmp_path / "out", pipeline_dir, prompt_file, "trainer.total_training_steps=1",
+                             f"custom_reward_function.path={reward}", "custom_reward_function.name=brightness"),
+                 progress=False).run()
+    [call] = [json.loads(line) for line in seen.read_text().splitlines()]
+    assert call["shape"] == [8, 3, 32, 32]  # 2 prompts x rollout.n=4, decoded by the VAE
+    assert call["prompts"] == ["a red cat"] * 4 + ["a blue dog"] * 4
+    assert call["metadata"] == [{"tag": 0}] * 4 + [{"tag": 1}] * 4
+    record = read_metrics(os.path.join(tmp_path, "out", "metrics.jsonl"))[-1]
+    assert 0 < record["critic/score/mean"] < 1

@@ -156,7 +156,8 @@ class PipelinePolicy(nn.Module):
         if cache:
             self.cache |= fresh
         table = self.cache | fresh
-        index = [unique.index(p) for p in prompts]
+        position = {p: i for i, p in enumerate(unique)}
+        index = [position[p] for p in prompts]
         embeds = torch.stack([table[p][0] for p in unique])[index]  # [B, S, D]
         pooled = torch.stack([table[p][1] for p in unique])[index]  # [B, P]
         neg_embeds, neg_pooled = self.negative

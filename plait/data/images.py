@@ -8,13 +8,21 @@ Pixels live in [-1, 1] (background -1, ink up to +1); a condition is a class lab
 Rewards are plain callables `reward(images [B, C, H, W], cond [B]) -> [B]` float:
 `glyph_classifier` (verifiable: a small fixed classifier's probability of the requested class),
 `glyph_template` (verifiable: closeness to the class's clean glyph), `brightness` and `contrast`
-(rule rewards). Not here: the flow model and its pre-training (plait/workers/diffusion.py).
+(rule rewards).
+
+Rewards over a text-to-image pipeline's images take the prompts instead:
+`reward(images [B, C, H, W] in [0, 1], prompts: list[str], metadata: list[dict]) -> [B]`.
+Built in: `jpeg_compressibility` / `jpeg_incompressibility` (minus / plus the JPEG size in kB at
+quality 95, as in DDPO and Flow-GRPO's ablations; no model) and `clip_score(model_path)`, the
+cosine similarity of a local CLIP model's image and text embeddings. Not here: the flow model and
+its pre-training (plait/workers/diffusion.py).
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Literal
+import io
+from typing import Callable, Literal
 
 import torch
 from torch import Tensor, nn
@@ -123,3 +131,62 @@ IMAGE_REWARDS = {
     "brightness": brightness,
     "contrast": contrast,
 }
+
+
+# --- rewards over prompted images (text-to-image pipelines) ------------------------------------
+
+def jpeg_kb(images: Tensor) -> Tensor:
+    """Size in kB of each image [B, C, H, W] in [0, 1] saved as a quality-95 JPEG.  # [B]"""
+    from PIL import Image
+
+    pixels = (images.detach().float().clamp(0, 1) * 255).round().to(torch.uint8).cpu()  # [B, C, H, W]
+    sizes = []
+    for image in pixels:
+        buffer = io.BytesIO()
+        array = image[0].numpy() if image.shape[0] == 1 else image.permute(1, 2, 0).numpy()
+        Image.fromarray(array).save(buffer, format="JPEG", quality=95)
+        sizes.append(buffer.tell() / 1000)
+    return torch.tensor(sizes)
+
+
+def jpeg_compressibility(images: Tensor, prompts: list[str], metadata: list[dict]) -> Tensor:
+    """Minus the JPEG size in kB: smoother, simpler images score higher."""
+    return -jpeg_kb(images)
+
+
+def jpeg_incompressibility(images: Tensor, prompts: list[str], metadata: list[dict]) -> Tensor:
+    """The JPEG size in kB: busier, more detailed images score higher."""
+    return jpeg_kb(images)
+
+
+def clip_score(model_path: str) -> Callable[[Tensor, list[str], list[dict]], Tensor]:
+    """A reward: cosine similarity of image and prompt under the CLIP model in folder `model_path`
+    (CLIPModel, its tokenizer and image processor, loaded from local files only)."""
+    from transformers import AutoTokenizer, CLIPImageProcessor, CLIPModel
+
+    model = CLIPModel.from_pretrained(model_path, local_files_only=True).eval().requires_grad_(False)
+    tokenizer = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
+    processor = CLIPImageProcessor.from_pretrained(model_path, local_files_only=True)
+    size = model.config.vision_config.image_size
+    mean = torch.tensor(processor.image_mean)[:, None, None]  # [3, 1, 1]
+    std = torch.tensor(processor.image_std)[:, None, None]  # [3, 1, 1]
+
+    @torch.no_grad()
+    def score(images: Tensor, prompts: list[str], metadata: list[dict]) -> Tensor:
+        model.to(images.device)
+        pixels = nn.functional.interpolate(images.float(), size=(size, size), mode="bicubic", align_corners=False)
+        pixels = (pixels.clamp(0, 1).expand(-1, 3, -1, -1) - mean.to(images.device)) / std.to(images.device)
+        text = tokenizer(prompts, padding=True, truncation=True, return_tensors="pt").to(images.device)
+        # transformers 5 returns the projected embeddings as the outputs' pooler_output
+        image_emb = model.get_image_features(pixel_values=pixels).pooler_output  # [B, E]
+        text_emb = model.get_text_features(**text).pooler_output  # [B, E]
+        return nn.functional.cosine_similarity(image_emb, text_emb, dim=-1).cpu()
+
+    return score
+
+
+PROMPT_IMAGE_REWARDS = {
+    "jpeg_compressibility": jpeg_compressibility,
+    "jpeg_incompressibility": jpeg_incompressibility,
+}
+"""Prompt-image rewards that need no model; `clip_score` is built from diffusion.reward_model_path."""

@@ -17,9 +17,9 @@ A policy folder (`save_diffusers_policy`, `create_tiny_diffusers_policy`):
     plait_diffusers_policy.json   DiffusersPolicyConfig; written last, it marks the folder
     transformer/                  SD3Transformer2DModel.save_pretrained (config.json, safetensors)
     conditioning.pt               the class table's state dict
-Not here: VAEs, text encoders, classifier-free guidance, whole pipelines, other transformer
-classes (Flux's takes packed latents and image ids), and the step loop and sampler
-(plait/workers/diffusion.py). diffusers and peft are imported only when a folder is loaded or
+Not here: whole text-to-image pipelines with text encoders, VAE and classifier-free guidance
+(plait/workers/diffusion_pipeline.py), other transformer classes (Flux's takes packed latents and
+image ids), and the step loop and sampler (plait/workers/diffusion.py). diffusers and peft are imported only when a folder is loaded or
 created, so plait runs without them.
 """
 
@@ -123,15 +123,20 @@ def load_diffusers_policy(path: str | Path, lora: LoraConfig | None = None) -> D
     model.tokens.load_state_dict(table["tokens"])
     model.pooled.load_state_dict(table["pooled"])
     if lora is not None and lora.enable:
-        import peft  # optional dependency
-
         model.requires_grad_(False)
-        # lora_A starts random (lora_B at zero): seed it so that every load, e.g. a resumed run, starts alike.
-        with torch.random.fork_rng():
-            torch.manual_seed(0)
-            transformer.add_adapter(peft.LoraConfig(r=lora.r, lora_alpha=lora.alpha,
-                                                    target_modules=list(lora.target_modules)))
+        add_lora(transformer, lora)
     return model
+
+
+def add_lora(transformer: nn.Module, lora: LoraConfig) -> None:
+    """Trainable peft adapters on `lora.target_modules` of a diffusers transformer (its other weights
+    untouched). lora_B starts at zero, so the adapted model starts exactly at the base; lora_A is
+    random from a fixed seed, so every load (a resumed run's too) starts alike."""
+    import peft  # optional dependency
+
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        transformer.add_adapter(peft.LoraConfig(r=lora.r, lora_alpha=lora.alpha, target_modules=list(lora.target_modules)))
 
 
 def create_tiny_diffusers_policy(path: str | Path, seed: int = 0, num_classes: int = 10, image_size: int = 8,

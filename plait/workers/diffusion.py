@@ -22,9 +22,11 @@ others run as ODE. The window start is drawn per batch from `sde_window_range`, 
 layout) and later steps both get trained while each update costs K << T model passes.
 
 Here: DiffusionModelConfig, FlowModel, pretrain_flow_model / load_flow_model, load_policy (a
-FlowModel folder or a diffusers one, plait/workers/diffusers_policy.py), the sampler and
-step_logprob, Trajectory, the workers DiffusionActor (rollout + update, colocated) and
-DiffusionRef (frozen means for the KL), and DiffusionConfig, the `diffusion` node of the config
+FlowModel folder, a diffusers policy, plait/workers/diffusers_policy.py, or a text-to-image
+pipeline, plait/workers/diffusion_pipeline.py), the sampler and step_logprob, Trajectory, the
+workers DiffusionActor (rollout + update, colocated; with a pipeline it also encodes prompts and
+decodes images; with LoRA it is its own reference, adapters off) and DiffusionRef (a frozen copy's
+means for the KL of a full fine-tune), and DiffusionConfig, the `diffusion` node of the config
 tree. Not here: the step loop (plait/trainers/diffusion.py), advantages and losses
 (plait/algorithms/flow_grpo.py), conditions and rewards (plait/data/images.py).
 """
@@ -44,9 +46,11 @@ from torch import Tensor, nn
 
 from plait.algorithms.flow_grpo import flow_grpo_loss, mean_kl
 from plait.configtree import check
-from plait.data.images import IMAGE_REWARDS, NUM_GLYPHS, render_glyphs
+from plait.data.images import IMAGE_REWARDS, NUM_GLYPHS, PROMPT_IMAGE_REWARDS, render_glyphs
 from plait.workers.diffusers_policy import (DiffusersPolicyConfig, LoraConfig, diffusers_policy_config,
                                             is_diffusers_policy, load_diffusers_policy)
+from plait.workers.diffusion_pipeline import (PipelineConfig, PipelinePolicy, PromptEmbeds, load_pipeline_policy,
+                                              pipeline_class)
 
 
 @dataclass
@@ -164,8 +168,12 @@ def policy_config(path: str | Path) -> DiffusionModelConfig | DiffusersPolicyCon
     return diffusers_policy_config(path) if is_diffusers_policy(path) else flow_model_config(path)
 
 
-def load_policy(path: str | Path, lora: LoraConfig | None = None) -> nn.Module:
-    """The velocity model in `path`: a diffusers folder (with LoRA if `lora.enable`) or plait's FlowModel."""
+def load_policy(path: str | Path, lora: LoraConfig | None = None, pipeline: PipelineConfig | None = None,
+                device: str = "cpu") -> nn.Module:
+    """The velocity model in `path`: a diffusers pipeline folder (model_index.json), a diffusers policy
+    folder (with LoRA if `lora.enable`) or plait's FlowModel."""
+    if pipeline_class(path) is not None:
+        return load_pipeline_policy(path, pipeline or PipelineConfig(), lora, device)
     if is_diffusers_policy(path):
         return load_diffusers_policy(path, lora)
     if lora is not None and lora.enable:
@@ -182,12 +190,15 @@ class Trajectory:
     latents: Tensor  # [B, T+1, C, H, W]; latents[:, 0] is the noise at t = 1, latents[:, T] the image
     log_probs: Tensor  # [B, T]; log-prob of step i's transition, 0 where step i ran as ODE
     timesteps: Tensor  # [T+1]; from 1 down to 0
-    cond: Tensor  # [B]
+    cond: Tensor | PromptEmbeds  # [B] class ids, or a pipeline's prompt embeddings
     window: tuple[int, int]  # steps [start, end) that ran as SDE; (0, 0) for ODE sampling
     noise_level: float
+    decoded: Tensor | None = None  # [B, 3, H, W] in [0, 1]: a pipeline's VAE output; None: the latents are the images
 
     @property
     def images(self) -> Tensor:
+        if self.decoded is not None:
+            return self.decoded
         return self.latents[:, -1].clamp(-1, 1)  # [B, C, H, W]
 
     @property
@@ -198,7 +209,7 @@ class Trajectory:
 def sde_std(t: float, t_prev: float, noise_level: float) -> tuple[float, float]:
     """(sigma_t, transition std sigma_t * sqrt(-dt)) of the step from t to t_prev < t."""
     dt = t_prev - t
-    sigma = noise_level * math.sqrt(t / max(1 - t, -dt))  # 1 - t is 0 at t = 1: use -dt there
+    sigma = noise_level * math.sqrt(t / (1 - t if t < 1 else -dt))  # 1 - t is 0 at t = 1: use -dt there
     return sigma, sigma * math.sqrt(-dt)
 
 
@@ -220,22 +231,25 @@ def _gaussian_logprob(x: Tensor, mean: Tensor, std: float) -> Tensor:
 
 
 @torch.no_grad()
-def sample_with_logprobs(model: nn.Module, cond: Tensor, num_steps: int, noise_level: float,
-                         generator: torch.Generator, window: tuple[int, int] | None = None) -> Trajectory:
-    """Sample images for labels `cond` [B]; steps in `window` (all if None) are SDE steps.
+def sample_with_logprobs(model: nn.Module, cond: Tensor | PromptEmbeds, num_steps: int, noise_level: float,
+                         generator: torch.Generator, window: tuple[int, int] | None = None,
+                         shift: float = 1.0) -> Trajectory:
+    """Sample images for conditions `cond` (B of them); steps in `window` (all if None) are SDE steps.
 
     `model` is any velocity module v(x, t, cond) with `.cfg.image_size` and `.cfg.channels`
-    (FlowModel, DiffusersVelocity).
+    (FlowModel, DiffusersVelocity, PipelinePolicy). The time grid is uniform in s, mapped to
+    t = shift s / (1 + (shift - 1) s) (diffusers' time shift; 1 keeps it uniform).
 
     `generator` is a CPU generator; it draws the initial noise first, so ODE and SDE runs with
     equally seeded generators start from the same noise. noise_level = 0 samples the ODE.
     """
     cfg = model.cfg
     device = next(model.parameters()).device
-    shape = (cond.shape[0], cfg.channels, cfg.image_size, cfg.image_size)
+    shape = (len(cond), cfg.channels, cfg.image_size, cfg.image_size)
     cond = cond.to(device)
     x = torch.randn(shape, generator=generator).to(device)  # [B, C, H, W]
-    timesteps = torch.linspace(1, 0, num_steps + 1)  # [T+1]
+    s = torch.linspace(1, 0, num_steps + 1, dtype=torch.float64)  # [T+1]
+    timesteps = (shift * s / (1 + (shift - 1) * s)).float()  # [T+1]
     start, end = (0, num_steps) if window is None else window
     if noise_level == 0:
         start = end = 0
@@ -314,31 +328,54 @@ class DiffusionActor:
     """
 
     def __init__(self, model_path: str | Path, cfg: DiffusionActorConfig, profiler, device: str = "cpu",
-                 lora: LoraConfig | None = None):
-        self.model = load_policy(model_path, lora).to(device)
+                 lora: LoraConfig | None = None, pipeline: PipelineConfig | None = None):
+        self.model = load_policy(model_path, lora, pipeline, device).to(device)
+        # A pipeline encodes prompts and decodes latents around the sampler; None: conditions are class ids.
+        self.pipeline = self.model if isinstance(self.model, PipelinePolicy) else None
         self.cfg, self.profiler = cfg, profiler
-        # With LoRA only the adapters require grad; the optimizer holds nothing else.
+        # With LoRA only the adapters require grad; the optimizer (and a checkpoint) holds nothing else.
+        self.trainable = {name for name, p in self.model.named_parameters() if p.requires_grad}
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optim = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay)
 
-    def generate(self, cond: Tensor, generator: torch.Generator, ode: bool = False) -> Trajectory:
-        """SDE rollout with a window drawn from `generator`; `ode` samples deterministically (validation)."""
+    def generate(self, cond: Tensor | list[str], generator: torch.Generator, ode: bool = False) -> Trajectory:
+        """SDE rollout with a window drawn from `generator`; `ode` samples deterministically (validation).
+
+        `cond`: class ids [B], or B prompts for a pipeline (encoded here; cached when `ode`, since
+        validation prompts repeat, and decoded by the VAE into `Trajectory.decoded`)."""
         with self.profiler.annotate("gen"):
-            cfg = self.cfg
+            cfg, shift = self.cfg, 1.0
+            if self.pipeline is not None:  # encode and decode get their own ranges: memory peaks show per part
+                with self.profiler.annotate("encode"):
+                    cond, shift = self.pipeline.encode(cond, cache=ode), self.pipeline.cfg.shift
+            window, noise_level = None, cfg.noise_level
             if ode:
-                return sample_with_logprobs(self.model, cond, cfg.num_inference_steps, 0.0, generator)
-            window = None
-            if cfg.sde_window_size > 0:
+                noise_level = 0.0
+            elif cfg.sde_window_size > 0:
                 lo, hi = cfg.sde_window_range
                 start = lo + int(torch.randint(hi - lo - cfg.sde_window_size + 1, (1,), generator=generator))
                 window = (start, start + cfg.sde_window_size)
-            return sample_with_logprobs(self.model, cond, cfg.num_inference_steps, cfg.noise_level,
-                                        generator, window)
+            traj = sample_with_logprobs(self.model, cond, cfg.num_inference_steps, noise_level, generator, window,
+                                        shift)
+            if self.pipeline is not None:
+                with self.profiler.annotate("decode"):
+                    traj.decoded = self.pipeline.decode(traj.latents[:, -1])
+            return traj
 
     def compute_logprobs(self, traj: Trajectory) -> Tensor:
         """Log-probs [B, K] of the window's transitions under the current parameters."""
         with self.profiler.annotate("old_log_prob"), torch.no_grad():
             return torch.stack([logp for logp, _ in _window_steps(self.model, traj)], dim=1)
+
+    def compute_ref_means(self, traj: Trajectory) -> Tensor:
+        """With LoRA the reference is this model with its adapters off (no second copy): its means
+        [B, K, C, H, W] of the window's transitions, as DiffusionRef.compute_means."""
+        with self.profiler.annotate("ref"), torch.no_grad():
+            self.model.transformer.disable_adapters()
+            try:
+                return torch.stack([mean for _, mean in _window_steps(self.model, traj)], dim=1)
+            finally:
+                self.model.transformer.enable_adapters()
 
     def update(self, traj: Trajectory, advantages: Tensor, old_logp: Tensor,
                ref_mean: Tensor | None = None) -> dict[str, float]:
@@ -373,10 +410,16 @@ class DiffusionActor:
             return out | {"actor/grad_norm": grad_norm.item(), "actor/lr": self.optim.param_groups[0]["lr"]}
 
     def state_dict(self) -> dict:
-        return {"model": self.model.state_dict(), "optimizer": self.optim.state_dict()}
+        """What trains (the adapters under LoRA, else every parameter) and the optimizer; frozen weights
+        come from model_path again on load."""
+        model = {k: v for k, v in self.model.state_dict().items() if k in self.trainable}
+        return {"model": model, "optimizer": self.optim.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
-        self.model.load_state_dict(state["model"])
+        missing, unexpected = self.model.load_state_dict(state["model"], strict=False)
+        if unexpected or self.trainable & set(missing):
+            raise ValueError(f"checkpoint does not match the model: unexpected {unexpected[:5]}, "
+                             f"missing {sorted(self.trainable & set(missing))[:5]}")
         self.optim.load_state_dict(state["optimizer"])
 
     def save_checkpoint(self, path: str) -> None:
@@ -393,12 +436,12 @@ class DiffusionActor:
 class DiffusionRef:
     """Frozen copy of the initial policy: its predicted means on recorded transitions, for the KL.
 
-    With LoRA on the actor this is the base model (no adapters), a second copy of the weights: the
-    ref is its own role, so it cannot share the actor's module and disable its adapters.
+    Only for full fine-tuning, where a copy is the only way to keep the initial weights; with LoRA
+    the actor is its own reference (DiffusionActor.compute_ref_means, adapters off).
     """
 
-    def __init__(self, model_path: str | Path, profiler, device: str = "cpu"):
-        self.model = load_policy(model_path).to(device).requires_grad_(False)
+    def __init__(self, model_path: str | Path, profiler, device: str = "cpu", pipeline: PipelineConfig | None = None):
+        self.model = load_policy(model_path, None, pipeline, device).to(device).requires_grad_(False)
         self.profiler = profiler
 
     def compute_means(self, traj: Trajectory) -> Tensor:
@@ -438,13 +481,22 @@ class DiffusionConfig:
     pretrain_batch_size: int = 128
     pretrain_lr: float = 2e-3
     reward: str = "glyph_classifier"
-    """A name in plait.data.images.IMAGE_REWARDS; custom_reward_function.path replaces it."""
+    """A name in plait.data.images.IMAGE_REWARDS (class-conditioned models) or, for a pipeline,
+    PROMPT_IMAGE_REWARDS or clip_score; custom_reward_function.path replaces it."""
+    reward_model_path: Optional[str] = None
+    """The local CLIP folder reward=clip_score scores with."""
     actor: DiffusionActorConfig = field(default_factory=DiffusionActorConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
     """LoRA on a diffusers model_path's transformer (enable: false trains every parameter)."""
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    """Guidance, negative prompt, resolution, dtype and offload of a pipeline model_path
+    (plait/workers/diffusion_pipeline.py); prompts come from data.train_files / data.val_files."""
 
     def __post_init__(self):
         check(self.pretrain_steps >= 0, "pretrain_steps", self.pretrain_steps, "an integer >= 0")
         check(self.pretrain_batch_size >= 1, "pretrain_batch_size", self.pretrain_batch_size, "an integer >= 1")
         check(self.pretrain_lr > 0, "pretrain_lr", self.pretrain_lr, "a number > 0")
-        check(self.reward in IMAGE_REWARDS, "reward", self.reward, f"one of {', '.join(IMAGE_REWARDS)}")
+        names = [*IMAGE_REWARDS, *PROMPT_IMAGE_REWARDS, "clip_score"]
+        check(self.reward in names, "reward", self.reward, f"one of {', '.join(names)}")
+        check(self.reward != "clip_score" or self.reward_model_path is not None, "reward_model_path",
+              self.reward_model_path, "a local CLIP model folder (reward=clip_score)")

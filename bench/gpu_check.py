@@ -29,12 +29,12 @@ here) or reports a feature "absent" (not merged yet); a failing check never stop
                           subprocess): its update equals the unsharded actor's, a full-state
                           checkpoint saves and loads back into sharded and unsharded actors
     profile_report        `plait profile report` on mode_sync's artifacts ("absent" until merged)
-    gpu_tests             `pytest -m gpu` in a subprocess: the summary line and counts
-    bench_decode          plait's rollout engine vs HF generate, new tokens/s, and ms per decode step
-                          at batch 1 against the step's weight-read floor (is launch overhead dominant?)
     bench_vs_trl          plait vs TRL's GRPOTrainer (bench/bench_vs_trl.py's workers) on a
                           Qwen2-architecture model of about 0.5B parameters built from a config (random
                           weights, fixed response length), bf16: tokens/s, step breakdown, MFU
+    bench_decode          plait's rollout engine vs HF generate, new tokens/s, and ms per decode step
+                          at batch 1 against the step's weight-read floor (is launch overhead dominant?)
+    gpu_tests             `pytest -m gpu` in a subprocess: the summary line and counts
     nsys_cli              with the `nsys` CLI on PATH: a .nsys-rep whose NVTX summary names the stages
 
 Results go to ONE JSON file (GPU model, driver, versions, date, each check's status, numbers, and
@@ -679,7 +679,7 @@ def environment(device: str) -> dict:
     env = {"date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "device": device, "torch": torch.__version__, "cuda_version": torch.version.cuda,
            "transformers": transformers.__version__, "python": platform.python_version(),
-           "plait_commit": _git_commit(), "cpu_count": os.cpu_count(), "command": " ".join(sys.argv)}
+           "plait_commit": _git_commit() or os.environ.get("PLAIT_COMMIT"),  # the device copy has no .git "cpu_count": os.cpu_count(), "command": " ".join(sys.argv)}
     for package in ("trl", "datasets", "accelerate", "nvtx"):
         try:
             env[package] = importlib.metadata.version(package)

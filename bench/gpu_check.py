@@ -679,7 +679,8 @@ def environment(device: str) -> dict:
     env = {"date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "device": device, "torch": torch.__version__, "cuda_version": torch.version.cuda,
            "transformers": transformers.__version__, "python": platform.python_version(),
-           "plait_commit": _git_commit() or os.environ.get("PLAIT_COMMIT"),  # the device copy has no .git "cpu_count": os.cpu_count(), "command": " ".join(sys.argv)}
+           "plait_commit": _git_commit() or os.environ.get("PLAIT_COMMIT"),  # the device's copy has no .git
+           "cpu_count": os.cpu_count(), "command": " ".join(sys.argv)}
     for package in ("trl", "datasets", "accelerate", "nvtx"):
         try:
             env[package] = importlib.metadata.version(package)

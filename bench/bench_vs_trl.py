@@ -20,8 +20,7 @@ model.generate, _generate_and_score_completions and training_step.
 
     python bench/bench_vs_trl.py [--sizes s,m] [--runs 3] [--out bench/results/trl.json]
 
-Needs `pip install -e .[bench]` (trl==1.16.0). Left out here: GPUs (bench/gpu_check.py runs these
-workers on CUDA in bf16, Settings.device/dtype), vLLM, EOS-terminated lengths.
+Needs `pip install -e .[bench]` (trl==1.16.0). Left out: GPUs, vLLM, EOS-terminated lengths.
 """
 
 from __future__ import annotations
@@ -54,7 +53,7 @@ class Settings:
     seed: int = 1
     data_rows: int = 512
     plait_overrides: tuple[str, ...] = ()  # extra plait key=value settings, after the bench's own
-    device: str = "cpu"     # "cuda": bench/gpu_check.py's GPU benchmark
+    device: str = "cpu"     # "cuda": bench/gpu_check.py runs these workers on a GPU
     dtype: str = "float32"  # both frameworks hold the weights in it ("bfloat16" on the GPU)
 
     @property
@@ -169,8 +168,8 @@ def trl_worker(model_dir: str, data_file: str, s: Settings, out_dir: str) -> dic
             return out
 
     config = GRPOConfig(
-        output_dir=out_dir, use_cpu=s.device == "cpu", bf16=s.dtype == "bfloat16", gradient_checkpointing=False, report_to="none",
-        disable_tqdm=True, logging_steps=1, save_strategy="no", dataloader_num_workers=0, seed=s.seed,
+        output_dir=out_dir, use_cpu=s.device == "cpu", bf16=s.dtype == "bfloat16", gradient_checkpointing=False,
+        report_to="none", disable_tqdm=True, logging_steps=1, save_strategy="no", dataloader_num_workers=0, seed=s.seed,
         per_device_train_batch_size=s.prompts * s.n, num_generations=s.n, steps_per_generation=1,
         gradient_accumulation_steps=1, num_iterations=1, max_steps=s.warmup + s.steps + 1,
         max_completion_length=s.length, generation_kwargs={"min_new_tokens": s.length},
@@ -220,8 +219,7 @@ WORKERS = {"plait": plait_worker, "trl": trl_worker}
 # -- the driver --------------------------------------------------------------------------------
 
 
-def run_worker(framework: str, model_dir: str, data_file: str, s: Settings, scratch: str, tag: str,
-               timeout: float | None = None) -> dict:
+def run_worker(framework: str, model_dir: str, data_file: str, s: Settings, scratch: str, tag: str) -> dict:
     """One training run in a fresh process; returns its measurements."""
     out_dir, result = os.path.join(scratch, tag), os.path.join(scratch, f"{tag}.json")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
@@ -231,7 +229,7 @@ def run_worker(framework: str, model_dir: str, data_file: str, s: Settings, scra
     start = time.perf_counter()
     proc = subprocess.run([sys.executable, __file__, "--worker", framework, "--model", model_dir, "--data", data_file,
                            "--settings", json.dumps(asdict(s)), "--scratch", out_dir, "--result", result],
-                          env=env, capture_output=True, text=True, timeout=timeout)
+                          env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"{framework} worker failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
     out = json.loads(Path(result).read_text())

@@ -25,3 +25,4 @@ def test_a_spent_budget_starts_no_check(tmp_path):
     assert gpu_check.run_check(ctx, "mode_sync") == {
         "check": "mode_sync", "status": "not_run", "reason": "--budget-s spent before it could start"}
     assert not (tmp_path / "mode_sync").exists()
+    assert gpu_check.environment("cpu")["torch"]  # the results' header is built without a GPU too

@@ -567,10 +567,8 @@ def bench_decode(ctx: Ctx, work: Path, d: dict) -> None:
     dtype = BENCH_TRL[ctx.device]["dtype"]
     model = load_causal_lm(path, dtype=getattr(torch, dtype), device=ctx.device).eval()
     d.update(params=params, dtype=dtype, prompt_len=decode.PROMPT_LEN, configs=[])
-    # a decode step reads every weight once: below this it cannot go, so far above it is launch overhead
-    floor_ms = params * model.dtype.itemsize / (H200_HBM_TB_S * 1e12) * 1e3
-    if ctx.device == "cuda":
-        d["h200_weight_read_floor_ms"] = round(floor_ms, 3)
+    if ctx.device == "cuda":  # a decode step reads every weight once: far above this is launch overhead
+        d["h200_weight_read_floor_ms"] = round(params * model.dtype.itemsize / (H200_HBM_TB_S * 1e12) * 1e3, 3)
     for batch, new in BENCH_DECODE[ctx.device]["configs"]:
         if ctx.left() < 0:
             d["cut_by_budget"] = True

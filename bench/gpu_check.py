@@ -517,8 +517,10 @@ def profile_report(ctx: Ctx, work: Path, d: dict) -> None:
     d["returncode"] = proc.returncode
     d["output"] = (proc.stdout + proc.stderr)[-4000:]
     expect(proc.returncode == 0, "the report command failed")
-    expect("peak" in proc.stdout and "top site" in proc.stdout,  # the memory artifact parsed: peak, stage, sites
-           "the report names no memory peak or top allocation site")
+    # the memory artifact parsed: "memory <path>: peak <MiB> in <stage>; top site <file(line): function>"
+    d["memory_lines"] = [ln.strip() for ln in proc.stdout.splitlines() if ln.strip().startswith("memory ")]
+    expect(any(" peak " in ln and "top site" in ln and not ln.endswith("top site -") for ln in d["memory_lines"]),
+           "the report names no memory peak with its stage and top allocation site")
 
 
 def gpu_tests(ctx: Ctx, work: Path, d: dict) -> None:

@@ -33,8 +33,9 @@ here) or reports a feature "absent" (not merged yet); a failing check never stop
     bench_vs_trl          plait vs TRL's GRPOTrainer (bench/bench_vs_trl.py's workers) on a
                           Qwen2-architecture model of about 0.5B parameters built from a config (random
                           weights, fixed response length), bf16: tokens/s, step breakdown, MFU
-    bench_decode          plait's rollout engine vs HF generate, new tokens/s, and ms per decode step
-                          at batch 1 against the step's weight-read floor (is launch overhead dominant?)
+    bench_decode          plait's rollout engine vs HF generate, new tokens/s, ms per decode step (at
+                          batch 1 against the step's weight-read floor) and the share of a generate
+                          call the GPU is busy in kernels (is launch overhead dominant?)
     gpu_tests             `pytest -m gpu` in a subprocess: the summary line and counts
     nsys_cli              with the `nsys` CLI on PATH: a .nsys-rep whose NVTX summary names the stages
 
@@ -578,9 +579,31 @@ def bench_decode(ctx: Ctx, work: Path, d: dict) -> None:
         row = decode.throughput(model, batch, new, BENCH_DECODE[ctx.device]["runs"], eos=[])
         row.update(batch=batch, new_tokens=new, hf_ms_per_step=round(1e3 * batch / row["hf_tok_s"], 3),
                    plait_ms_per_step=round(1e3 * batch / row["plait_tok_s"], 3))
+        row["gpu_busy_share"] = gpu_busy_share(model, batch, min(new, 32))
         d["configs"].append(row)
     expect(bool(d["configs"]) and all(r["plait_tok_s"] > 0 and r["hf_tok_s"] > 0 for r in d["configs"]),
            "no decode measurement")
+
+
+def gpu_busy_share(model, batch: int, new: int) -> float:
+    """Share of one plait generate call's wall time that the device spends in kernels (torch.profiler).
+    Far below 1: the decode loop waits on kernel launches and the host, the case for CUDA graphs.
+    0 on CPU, where there are no device kernels (the rehearsal runs the code path only)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    from plait.workers.rollout_engine import SamplingParams, TransformersEngine
+    engine = TransformersEngine(model, pad_token_id=0, eos_token_ids=[])
+    prompts = torch.randint(3, 128, (batch, 16), generator=torch.Generator().manual_seed(1)).tolist()
+    params = SamplingParams(max_new_tokens=new)
+    engine.generate(prompts, params)  # warm-up
+    start = time.perf_counter()
+    engine.generate(prompts, params)  # ends in a host sync (the tokens it returns are read)
+    wall_us = (time.perf_counter() - start) * 1e6  # timed without the profiler, which slows the host
+    cuda = model.device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        engine.generate(prompts, params)
+    busy_us = sum(e.self_device_time_total for e in prof.key_averages())
+    return round(busy_us / wall_us, 3)
 
 
 def bench_vs_trl(ctx: Ctx, work: Path, d: dict) -> None:

@@ -65,9 +65,10 @@ def throughput(model, batch: int, new: int, runs: int, eos: list[int]) -> dict:
     eos_t = torch.tensor(eos, dtype=torch.long)
 
     def hf():
-        out = model.generate(input_ids=prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=new,
+        ids = prompts.to(model.device)  # the model may be on a GPU (bench/gpu_check.py)
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
                              min_new_tokens=0 if eos else new, do_sample=True, top_k=0, top_p=1.0, temperature=1.0,
-                             pad_token_id=0, eos_token_id=eos or None, use_cache=True)[:, PROMPT_LEN:]
+                             pad_token_id=0, eos_token_id=eos or None, use_cache=True)[:, PROMPT_LEN:].cpu()
         is_eos = torch.isin(out, eos_t)
         return int(((is_eos.cumsum(1) - is_eos.long()) == 0).sum())  # up to and including the first EOS
 

@@ -53,6 +53,8 @@ class Settings:
     seed: int = 1
     data_rows: int = 512
     plait_overrides: tuple[str, ...] = ()  # extra plait key=value settings, after the bench's own
+    device: str = "cpu"     # "cuda": bench/gpu_check.py runs these workers on a GPU
+    dtype: str = "float32"  # both frameworks hold the weights in it ("bfloat16" on the GPU)
 
     @property
     def tokens_per_step(self) -> int:
@@ -83,7 +85,8 @@ def plait_worker(model_dir: str, data_file: str, s: Settings, out_dir: str) -> d
         "actor_rollout_ref.actor.grad_clip=1.0",
         "algorithm.adv_estimator=grpo", "algorithm.norm_adv_by_std_in_grpo=true", "algorithm.use_kl_in_reward=false",
         f"trainer.total_training_steps={s.warmup + s.steps + 1}", "trainer.test_freq=-1",
-        "trainer.val_before_train=false", "trainer.logger=[]", "trainer.num_threads=1", "trainer.device=cpu",
+        "trainer.val_before_train=false", "trainer.logger=[]", "trainer.num_threads=1", f"trainer.device={s.device}",
+        f"actor_rollout_ref.model.dtype={s.dtype}",
         "trainer.resume_mode=disable", f"trainer.seed={s.seed}", f"trainer.default_local_dir={out_dir}",
         "actor_rollout_ref.rollout.ignore_eos=true",  # fixed length: exactly L tokens for every row
         *s.plait_overrides,
@@ -165,15 +168,15 @@ def trl_worker(model_dir: str, data_file: str, s: Settings, out_dir: str) -> dic
             return out
 
     config = GRPOConfig(
-        output_dir=out_dir, use_cpu=True, bf16=False, gradient_checkpointing=False, report_to="none",
-        disable_tqdm=True, logging_steps=1, save_strategy="no", dataloader_num_workers=0, seed=s.seed,
+        output_dir=out_dir, use_cpu=s.device == "cpu", bf16=s.dtype == "bfloat16", gradient_checkpointing=False,
+        report_to="none", disable_tqdm=True, logging_steps=1, save_strategy="no", dataloader_num_workers=0, seed=s.seed,
         per_device_train_batch_size=s.prompts * s.n, num_generations=s.n, steps_per_generation=1,
         gradient_accumulation_steps=1, num_iterations=1, max_steps=s.warmup + s.steps + 1,
         max_completion_length=s.length, generation_kwargs={"min_new_tokens": s.length},
         temperature=1.0, top_k=0, top_p=1.0,
         beta=0.0, epsilon=s.clip, loss_type="dapo", scale_rewards="group",
         learning_rate=s.lr, weight_decay=0.0, lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=1.0)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, s.dtype), local_files_only=True)
     trainer = TimedGRPOTrainer(model=model, processing_class=tokenizer, reward_funcs=arithmetic_reward, args=config,
                                train_dataset=data, callbacks=[Clock()])
     generate = trainer.model.generate

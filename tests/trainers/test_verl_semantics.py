@@ -43,8 +43,9 @@ def test_lr_factor_by_hand():
                                     "actor_rollout_ref.actor.optim.lr_warmup_steps_ratio=0.67"])
 def test_warmup_counts_training_steps_not_optimizer_steps(tmp_path, tiny_config, warmup):
     # 2 mini-batches (optimizer steps) per training step; warmup 2 (or int(0.67 * 3)) training steps
-    records = run(tiny_config(tmp_path, *QUICK, warmup), tmp_path)
+    records = run(tiny_config(tmp_path, *QUICK, warmup, "data.train_size=8"), tmp_path)
     assert [r["actor/lr"] for r in records] == pytest.approx([0.0, 5e-4, 1e-3])
+    assert [r["training/epoch"] for r in records] == [0, 0, 1]  # 8 rows: 2 batches of 4 per epoch
 
 
 def test_critic_warmup_trains_only_the_critic_first(tmp_path, tiny_config):
@@ -134,3 +135,16 @@ def test_memory_metrics_on_this_machine():
     assert m["perf/plait_peak_rss_gb"] > 0 and m["perf/cpu_memory_used_gb"] > 0
     if not torch.cuda.is_available():  # without CUDA the allocator peaks are the process's RSS peak
         assert m["perf/max_memory_allocated_gb"] == m["perf/max_memory_reserved_gb"] == m["perf/plait_peak_rss_gb"]
+
+
+def test_generations_go_to_jsonl_and_tensorboard_text(tmp_path):
+    from plait.trainers.tracking import Tracker
+    tracker = Tracker(str(tmp_path), ["tensorboard"], "p", "e", progress=False)
+    tracker.log_generations([("1+1=", "2", 1.0), ("a|b", "x\ny", 0.0)], step=3)
+    tracker.close()
+    lines = [json.loads(x) for x in open(tmp_path / "val_generations.jsonl")]
+    assert lines == [{"step": 3, "input": "1+1=", "output": "2", "score": 1.0},
+                     {"step": 3, "input": "a|b", "output": "x\ny", "score": 0.0}]
+    [events] = os.listdir(tmp_path / "tensorboard")
+    raw = (tmp_path / "tensorboard" / events).read_bytes()
+    assert b"val/generations" in raw and b"| 1 | a\\|b | x y | 0 |" in raw  # one markdown row per sample

@@ -353,7 +353,7 @@ class TrainerConfig:
     total_epochs: int = 30
     save_freq: int = -1                       # steps between checkpoints (and at the last step); -1: never
     test_freq: int = -1                       # steps between validations (and at the last step); -1: never
-    critic_warmup: int = 0                    # steps that train only the critic
+    critic_warmup: int = 0                    # the actor trains from this step on (earlier steps: critic only)
     log_val_generations: int = 0              # validation samples printed and logged per validation
     val_before_train: bool = True
     default_local_dir: Optional[str] = None   # null: outputs/<project_name>/<experiment_name>
@@ -497,6 +497,9 @@ class PlaitConfig:
                       f"{key}.profiler.tool_config.torch.discrete", True,
                       f"false with trainer.mode={mode} on the local backend (its rollout thread's stages overlap "
                       "the trainer's, and torch profiles one collection per process); use trainer.backend=ray")
+        check(self.algorithm.adv_estimator != "grpo_passk" or self.actor_rollout_ref.rollout.n >= 2,
+              "actor_rollout_ref.rollout.n", self.actor_rollout_ref.rollout.n,
+              ">= 2 with algorithm.adv_estimator=grpo_passk (best minus second best of each prompt's responses)")
         correction = self.algorithm.rollout_correction
         # bypass mode takes rollout_is too, as verl does: the actor weighs pi_current / pi_rollout with
         # loss_type=reinforce; with ppo_clip the clipped ratio is the correction and the weights are only reported

@@ -102,7 +102,8 @@ class LMTrainer:
 
     def train_step(self, step: int, timer: StageTimer) -> StepResult:
         start, results, samples = time.perf_counter(), [], 0
-        update_actor = step > self.cfg.trainer.critic_warmup  # the first critic_warmup steps train the critic only
+        # verl's rule: the actor trains from step critic_warmup on (steps 1..critic_warmup-1 train the critic only)
+        update_actor = step >= self.cfg.trainer.critic_warmup
         for _ in range(self.updates_per_step):
             batch = self.next_batch(step, timer)
             results.append(self.learn(batch, timer, update_actor))

@@ -49,7 +49,8 @@ def test_warmup_counts_training_steps_not_optimizer_steps(tmp_path, tiny_config,
 
 
 def test_critic_warmup_trains_only_the_critic_first(tmp_path, tiny_config):
-    records = run(tiny_config(tmp_path, *QUICK, "algorithm.adv_estimator=gae", "trainer.critic_warmup=1",
+    # verl's rule: the actor trains once step >= critic_warmup, so 2 leaves step 1 to the critic alone
+    records = run(tiny_config(tmp_path, *QUICK, "algorithm.adv_estimator=gae", "trainer.critic_warmup=2",
                               "trainer.total_training_steps=2"), tmp_path)
     assert "actor/pg_loss" not in records[0] and "timing_s/update_actor" not in records[0]
     assert "actor/pg_loss" in records[1]
@@ -148,3 +149,15 @@ def test_generations_go_to_jsonl_and_tensorboard_text(tmp_path):
     [events] = os.listdir(tmp_path / "tensorboard")
     raw = (tmp_path / "tensorboard" / events).read_bytes()
     assert b"val/generations" in raw and b"| 1 | a\\|b | x y | 0 |" in raw  # one markdown row per sample
+
+
+def test_config_refuses_bad_algorithm_settings(tmp_path, tiny_config):
+    from plait.configtree import ConfigError
+    bad = [("actor_rollout_ref.actor.policy_loss.loss_mode=sapo", "loss_mode"),
+           ("algorithm.rollout_correction.rollout_rs=seq_max_k1", "rollout_rs"),
+           ("algorithm.rollout_correction.loss_type=ppo", "loss_type")]
+    for override, key in bad:
+        with pytest.raises(ConfigError, match=key):
+            tiny_config(tmp_path, override)
+    with pytest.raises(ConfigError, match="rollout.n"):
+        tiny_config(tmp_path, "algorithm.adv_estimator=grpo_passk", "actor_rollout_ref.rollout.n=1")

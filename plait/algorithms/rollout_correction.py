@@ -43,7 +43,8 @@ def is_weights(log_ratio: Tensor, mask: Tensor, level: str, threshold: float,
     bounded = raw.clamp(1.0 / threshold, threshold)
     normalised = bounded / masked_mean(bounded, mask)
     metrics = {"rollout_is_mean": masked_mean(raw, mask).item(),
-               "rollout_is_max": raw[valid].max().item(), "rollout_is_min": raw[valid].min().item(),
+               "rollout_is_max": raw.masked_fill(~valid, -math.inf).max().item(),  # -inf/inf: no valid token
+               "rollout_is_min": raw.masked_fill(~valid, math.inf).min().item(),
                "rollout_is_ratio_fraction_high": masked_mean((raw > threshold).float(), mask).item(),
                "rollout_is_ratio_fraction_low": masked_mean((raw < 1.0 / threshold).float(), mask).item(),
                # effective sample size: 1 / E[(w / E w)^2], 1 when all weights are equal

@@ -161,3 +161,29 @@ def test_config_refuses_bad_algorithm_settings(tmp_path, tiny_config):
             tiny_config(tmp_path, override)
     with pytest.raises(ConfigError, match="rollout.n"):
         tiny_config(tmp_path, "algorithm.adv_estimator=grpo_passk", "actor_rollout_ref.rollout.n=1")
+
+
+def test_critic_reports_its_predictions_and_lr(tmp_path):
+    """critic/vpred_mean is the masked mean of the values it predicted in its (first) optimizer step:
+    with one mini-batch, those are the values before the update."""
+    from plait.config import CriticConfig, OptimConfig
+    from plait.models import create_tiny_model
+    from plait.profiler import GlobalProfilerConfig, ProfilerSession, RoleProfilerConfig
+    from plait.workers.critic import Critic
+    model = create_tiny_model(tmp_path / "m", size="xs", seed=0)
+    cfg = CriticConfig(optim=OptimConfig(lr=1e-3, total_training_steps=4, lr_warmup_steps=2), ppo_mini_batch_size=2,
+                       ppo_micro_batch_size_per_gpu=3, ppo_epochs=1, loss_agg_mode="token-mean")
+    session = ProfilerSession(GlobalProfilerConfig(), {"critic": RoleProfilerConfig()}, rank=0)
+    critic = Critic(model, cfg, 4, session.for_role("critic"))
+    g = torch.Generator().manual_seed(0)
+    mask = (torch.arange(4) < torch.tensor([4, 2, 1, 3, 4, 1, 2, 3])[:, None]).float()  # [8, 4]
+    batch = RolloutBatch(
+        prompts=torch.randint(4, 90, (8, 3), generator=g), prompt_mask=torch.ones(8, 3, dtype=torch.long),
+        responses=torch.randint(4, 90, (8, 4), generator=g), response_mask=mask, rollout_logprobs=torch.zeros(8, 4),
+        group_ids=torch.arange(8) // 4, versions=torch.zeros(8, dtype=torch.long), data_sources=["t"] * 8,
+        ground_truths=[""] * 8, extra_infos=[{}] * 8, stop_reasons=["eos"] * 8,
+        values=torch.zeros(8, 4), returns=torch.randn(8, 4, generator=g) * mask)
+    before = critic.compute_values(batch)
+    first = critic.update(batch)
+    assert first["critic/vpred_mean"] == pytest.approx(((before * mask).sum() / mask.sum()).item(), rel=1e-4)
+    assert first["critic/lr"] == 0.0 and critic.update(batch)["critic/lr"] == pytest.approx(5e-4)  # warmup 2 steps

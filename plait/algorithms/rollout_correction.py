@@ -14,7 +14,8 @@ the trainer's. With log_ratio = log pi_train - log pi_rollout per token:
   number u meaning [1/u, u]); the others keep the statistic <= threshold. verl's older names
   token / sequence / geometric are token_k1 / seq_sum_k1 / seq_mean_k1.
 
-Metrics carry verl's names under `rollout_corr/`. Not here: where the trainer or the actor
+Metrics carry verl's names under `rollout_corr/` (for each RS check its statistic's token-weighted
+mean, max and min, and the token and sequence shares it masked). Not here: where the trainer or the actor
 applies these (plait/trainers/lm.py, plait/workers/actor.py).
 """
 
@@ -112,6 +113,11 @@ def rejection_mask(log_ratio: Tensor, mask: Tensor, rollout_rs: str,
             keep = (stat >= math.log(lower)) & (stat <= math.log(upper))
         keep = keep.expand_as(mask).to(mask.dtype)  # [batch, resp_len]
         keep_all = keep_all * keep
+        per_row = stat.shape[-1] == 1  # a sequence statistic: max / min over non-empty sequences
+        values = stat[seq_valid, 0] if per_row else stat[valid]
+        metrics[f"rollout_rs_{option}_mean"] = masked_mean(stat.expand_as(mask), mask).item()
+        metrics[f"rollout_rs_{option}_max"] = values.max().item() if len(values) else 0.0
+        metrics[f"rollout_rs_{option}_min"] = values.min().item() if len(values) else 0.0
         metrics[f"rollout_rs_{option}_masked_fraction"] = masked_mean(1 - keep, mask).item()
         metrics[f"rollout_rs_{option}_seq_masked_fraction"] = _seq_fraction(keep, valid, seq_valid)
     metrics["rollout_rs_masked_fraction"] = masked_mean(1 - keep_all, mask).item()

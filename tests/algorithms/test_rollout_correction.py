@@ -58,6 +58,12 @@ def test_chained_token_and_sequence_checks():
     assert m["rollout_rs_token_k2_masked_fraction"] == pytest.approx(0.25)
     assert m["rollout_rs_seq_mean_k3_masked_fraction"] == pytest.approx(0.5)
     assert m["rollout_rs_seq_masked_fraction"] == pytest.approx(0.5)
+    k3_row0 = (math.exp(0.1) - 1.1 + math.exp(-0.1) - 0.9) / 2
+    k3_row1 = (math.exp(1.5) - 2.5) / 2
+    assert m["rollout_rs_seq_mean_k3_max"] == pytest.approx(k3_row1, rel=1e-5)
+    assert m["rollout_rs_seq_mean_k3_min"] == pytest.approx(k3_row0, rel=1e-5)
+    assert m["rollout_rs_seq_mean_k3_mean"] == pytest.approx((k3_row0 + k3_row1) / 2, rel=1e-5)  # both rows 2 tokens
+    assert m["rollout_rs_token_k2_max"] == pytest.approx(1.125)
 
 
 def test_rs_spec_errors():

@@ -148,6 +148,8 @@ class ActorConfig:
     clip_ratio_c: float = 3.0
     loss_agg_mode: str = "token-mean"
     loss_scale_factor: Optional[float] = None  # seq-mean-token-sum-norm's constant length; null: the padded response length
+    tau_pos: float = 1.0                      # SAPO's gate temperature for positive advantages
+    tau_neg: float = 1.05                     # ... and for the others
     entropy_coeff: float = 0.0
     use_kl_loss: bool = False
     kl_loss_coef: float = 0.001
@@ -156,7 +158,7 @@ class ActorConfig:
     profiler: RoleProfilerConfig = field(default_factory=RoleProfilerConfig)
 
     def __post_init__(self):
-        positive(self, "ppo_mini_batch_size", "ppo_epochs", "clip_ratio")
+        positive(self, "ppo_mini_batch_size", "ppo_epochs", "clip_ratio", "tau_pos", "tau_neg")
         one_of(self, "strategy", STRATEGIES)
         check(self.clip_ratio_c > 1, "clip_ratio_c", self.clip_ratio_c, "must be > 1 (dual-clip bound)")
         one_of(self, "loss_agg_mode", LOSS_AGG_MODES)

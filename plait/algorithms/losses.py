@@ -2,7 +2,7 @@
 
 Pure functions over [batch, resp_len] tensors: the policy losses verl's
 `actor.policy_loss.loss_mode` names (PPO clip with dual clip "vanilla", GSPO, GPG, Clip-Cov, KL-Cov,
-GMPO "geo_mean", and REINFORCE for bypass mode), the clipped value loss, and `agg_loss`, whose
+GMPO "geo_mean", SAPO, CISPO, and REINFORCE for bypass mode), the clipped value loss, and `agg_loss`, whose
 optional global normalisers make micro-batch gradient accumulation and data parallelism sum to the
 loss of one big batch. Not here: advantage estimation (advantages.py), KL terms (kl.py), rollout
 correction weights (rollout_correction.py), and anything about models or optimisers.
@@ -94,6 +94,8 @@ class PolicyLossKnobs:
     clip_cov_ub: float = 5.0
     kl_cov_ratio: float = 0.0002            # share of tokens KL-Cov penalises
     ppo_kl_coef: float = 0.1                # KL-Cov's |log ratio| coefficient
+    tau_pos: float = 1.0                    # SAPO's gate temperatures for A > 0 and A <= 0
+    tau_neg: float = 1.05
 
 
 def policy_loss(mode: str, logp: Tensor, old_logp: Tensor, advantages: Tensor, response_mask: Tensor,
@@ -220,6 +222,38 @@ def geo_mean_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, response_m
                   "ppo_kl": masked_mean((old_logp - logp).detach(), mask).item()}
 
 
+def sapo_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, response_mask: Tensor, tau_pos: float,
+              tau_neg: float, num_seqs: float | Tensor | None = None,
+              is_weights: Tensor | None = None) -> tuple[Tensor, dict[str, float]]:
+    """SAPO: a smooth gate instead of a clip, -A * (4 / tau) * sigmoid(tau (r - 1)), with tau_pos for
+    A > 0 and tau_neg otherwise (its gradient at r = 1 is PPO's, and fades as r leaves 1);
+    aggregated seq-mean-token-mean."""
+    mask = response_mask.to(logp.dtype)
+    ratio = torch.exp(torch.clamp(logp - old_logp, -20.0, 20.0))
+    tau = torch.where(advantages > 0, tau_pos, tau_neg)
+    loss_mat = -advantages * torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau)
+    if is_weights is not None:
+        loss_mat = loss_mat * is_weights
+    loss = agg_loss(loss_mat, mask, "seq-mean-token-mean", num_seqs=num_seqs)
+    return loss, {"pg_clipfrac": 0.0, "pg_clipfrac_lower": 0.0,
+                  "ppo_kl": masked_mean((old_logp - logp).detach(), mask).item()}
+
+
+def cispo_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, response_mask: Tensor, k: PolicyLossKnobs,
+               is_weights: Tensor | None = None, **agg) -> tuple[Tensor, dict[str, float]]:
+    """CISPO: -sg(clip(r, 1-clip_low, 1+clip_high)) * A * log pi. The clipped ratio only weighs the
+    token; every token keeps its log-prob's gradient. pg_clipfrac: the share of ratios clipped."""
+    mask = response_mask.to(logp.dtype)
+    ratio = torch.exp(torch.clamp(logp - old_logp, -20.0, 20.0))
+    clipped = torch.clamp(ratio, 1.0 - k.clip_low, 1.0 + k.clip_high)
+    loss_mat = -clipped.detach() * advantages * logp
+    if is_weights is not None:
+        loss_mat = loss_mat * is_weights
+    loss = agg_loss(loss_mat, mask, k.agg_mode, loss_scale_factor=k.loss_scale_factor, **agg)
+    return loss, {"pg_clipfrac": masked_mean((ratio != clipped).float(), mask).item(), "pg_clipfrac_lower": 0.0,
+                  "ppo_kl": masked_mean((old_logp - logp).detach(), mask).item()}
+
+
 def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, response_mask: Tensor,
                cliprange: float = 0.5, agg_mode: str = "token-mean",
                num_tokens: float | Tensor | None = None,
@@ -260,4 +294,6 @@ POLICY_LOSSES = {
     "clip_cov": lambda lp, old, a, m, k, agg, w: clip_cov_loss(lp, old, a, m, k, w, **agg),
     "kl_cov": lambda lp, old, a, m, k, agg, w: kl_cov_loss(lp, old, a, m, k, w, **agg),
     "geo_mean": lambda lp, old, a, m, k, agg, w: geo_mean_loss(lp, old, a, m, k.clip_low, k.clip_high, agg["num_seqs"], w),
+    "sapo": lambda lp, old, a, m, k, agg, w: sapo_loss(lp, old, a, m, k.tau_pos, k.tau_neg, agg["num_seqs"], w),
+    "cispo": lambda lp, old, a, m, k, agg, w: cispo_loss(lp, old, a, m, k, w, **agg),
 }

@@ -82,7 +82,25 @@ def test_geo_mean_clips_log_ratios_pessimistically():
     assert metrics["pg_clipfrac_lower"] == pytest.approx(0.25)
 
 
+def test_sapo_gates_the_ratio_smoothly():
+    # r = e^0.5 with A = +1 (tau_pos 1): -(4/1) sigmoid(e^0.5 - 1); r = 1 with A = -2 (tau_neg 2): 2 * (4/2) * 0.5
+    loss, metrics, grad = _run("sapo", [[0.5, 0.0]], [[0.0, 0.0]], [[1.0, -2.0]], [[1, 1]], tau_pos=1.0, tau_neg=2.0)
+    sig = 1 / (1 + math.exp(-(math.exp(0.5) - 1)))
+    assert loss == pytest.approx((-4 * sig + 2.0) / 2)  # seq-mean-token-mean over one sequence of 2 tokens
+    # at r = 1 the gate's slope is 1, so the gradient is PPO's: -A * r / 2 tokens = 1
+    assert grad[0, 1].item() == pytest.approx(1.0)
+    assert grad[0, 0].item() == pytest.approx(-4 * sig * (1 - sig) * math.exp(0.5) / 2)
+
+
+def test_cispo_weights_log_probs_by_the_clipped_ratio():
+    # r = e^0.5 (clipped to 1.2) with A = 1; r = 1 with A = 1: loss -(1.2 * logp0 + 1 * logp1) / 2
+    loss, metrics, grad = _run("cispo", [[-0.5, -1.0]], [[-1.0, -1.0]], [[1.0, 1.0]], [[1, 1]])
+    assert loss == pytest.approx(-(1.2 * -0.5 + 1.0 * -1.0) / 2)
+    assert_close(grad, T([[-0.6, -0.5]], dtype=torch.float64))  # the clipped token keeps its gradient
+    assert metrics["pg_clipfrac"] == pytest.approx(0.5)
+
+
 def test_unknown_mode_names_the_valid_ones():
-    assert set(POLICY_LOSSES) == {"vanilla", "gspo", "gpg", "clip_cov", "kl_cov", "geo_mean"}
-    with pytest.raises(ValueError, match="'sapo'.*vanilla, gspo"):
-        policy_loss("sapo", *[torch.zeros(1, 1)] * 4, PolicyLossKnobs())
+    assert set(POLICY_LOSSES) == {"vanilla", "gspo", "gpg", "clip_cov", "kl_cov", "geo_mean", "sapo", "cispo"}
+    with pytest.raises(ValueError, match="'ppo'.*vanilla, gspo"):
+        policy_loss("ppo", *[torch.zeros(1, 1)] * 4, PolicyLossKnobs())

@@ -64,7 +64,7 @@ def test_remax_generates_a_greedy_baseline(tmp_path, tiny_config):
     assert "timing_s/gen_max" in record and record["actor/grad_norm"] > 0
 
 
-@pytest.mark.parametrize("mode", ["gspo", "gpg", "clip_cov", "kl_cov", "geo_mean"])
+@pytest.mark.parametrize("mode", ["gspo", "gpg", "clip_cov", "kl_cov", "geo_mean", "sapo", "cispo"])
 def test_loss_modes_train(tmp_path, tiny_config, mode):
     [record] = run(tiny_config(tmp_path / "run", *QUICK, *dense_reward(tmp_path),
                                f"actor_rollout_ref.actor.policy_loss.loss_mode={mode}",
@@ -153,7 +153,7 @@ def test_generations_go_to_jsonl_and_tensorboard_text(tmp_path):
 
 def test_config_refuses_bad_algorithm_settings(tmp_path, tiny_config):
     from plait.configtree import ConfigError
-    bad = [("actor_rollout_ref.actor.policy_loss.loss_mode=sapo", "loss_mode"),
+    bad = [("actor_rollout_ref.actor.policy_loss.loss_mode=ppo", "loss_mode"),
            ("algorithm.rollout_correction.rollout_rs=seq_max_k1", "rollout_rs"),
            ("algorithm.rollout_correction.loss_type=ppo", "loss_type")]
     for override, key in bad:

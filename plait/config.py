@@ -147,7 +147,7 @@ class ActorConfig:
     clip_ratio_high: Optional[float] = None   # null: clip_ratio
     clip_ratio_c: float = 3.0
     loss_agg_mode: str = "token-mean"
-    loss_scale_factor: Optional[float] = None  # seq-mean-token-sum-norm's constant length; null: the padded response length
+    loss_scale_factor: Optional[float] = None  # seq-mean-token-sum-norm's constant length; null: data.max_response_length
     tau_pos: float = 1.0                      # SAPO's gate temperature for positive advantages
     tau_neg: float = 1.05                     # ... and for the others
     entropy_coeff: float = 0.0
@@ -521,6 +521,8 @@ class PlaitConfig:
         actor, n = arr.actor, arr.rollout.n
         actor.ppo_micro_batch_size_per_gpu = actor.ppo_micro_batch_size_per_gpu or actor.ppo_mini_batch_size * n
         critic.ppo_micro_batch_size_per_gpu = critic.ppo_micro_batch_size_per_gpu or critic.ppo_mini_batch_size * n
+        # seq-mean-token-sum-norm's constant: verl divides by the padded length, which is max_response_length there
+        actor.loss_scale_factor = actor.loss_scale_factor or self.data.max_response_length
         for node in (arr.rollout, arr.ref):
             node.log_prob_micro_batch_size_per_gpu = node.log_prob_micro_batch_size_per_gpu or self.data.train_batch_size * n
             node.log_prob_use_dynamic_bsz = (actor.use_dynamic_bsz if node.log_prob_use_dynamic_bsz is None

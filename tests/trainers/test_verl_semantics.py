@@ -187,3 +187,8 @@ def test_critic_reports_its_predictions_and_lr(tmp_path):
     first = critic.update(batch)
     assert first["critic/vpred_mean"] == pytest.approx(((before * mask).sum() / mask.sum()).item(), rel=1e-4)
     assert first["critic/lr"] == 0.0 and critic.update(batch)["critic/lr"] == pytest.approx(5e-4)  # warmup 2 steps
+
+
+def test_loss_scale_factor_defaults_to_the_max_response_length(tmp_path, tiny_config):
+    assert tiny_config(tmp_path).actor_rollout_ref.actor.loss_scale_factor == 6  # TINY's data.max_response_length
+    assert tiny_config(tmp_path, "actor_rollout_ref.actor.loss_scale_factor=100").actor_rollout_ref.actor.loss_scale_factor == 100

@@ -156,22 +156,12 @@ class Actor:
             loss_mask = mask if micro.loss_mask is None else micro.loss_mask.to(device)
             weight = loss_mask.sum().item() / norm["num_tokens"]   # share of this micro-batch in token means
             logp, ent = micro_forward(self.model, micro, self.temperature, with_entropy=True)
-            old_logp, adv = micro.old_logprobs.to(device), micro.advantages.to(device)
             if bypass:  # pi_old is the rollout's: weights and rejection from the current policy (verl's bypass)
-                is_w, loss_mask, corr = rollout_correction(
-                    logp.detach(), old_logp, mask, correction.rollout_is, correction.rollout_is_threshold,
-                    correction.rollout_is_batch_normalize, correction.rollout_rs, correction.rollout_rs_threshold)
-                for k, v in corr.items():
-                    stats[k] = stats.get(k, 0.0) + v * weight
-                if correction.loss_type == "reinforce":
-                    pg_loss, pg_stats = gpg_loss(logp, adv, loss_mask, cfg.loss_agg_mode, is_w,
-                                                 loss_scale_factor=cfg.loss_scale_factor, **norm)
-                else:  # ppo_clip: the ratio to pi_rollout is already the IS correction, clipped
-                    pg_loss, pg_stats = policy_loss("vanilla", logp, old_logp, adv, loss_mask, knobs, **norm)
+                pg_loss, pg_stats, loss_mask = self._bypass_loss(micro, logp, mask, knobs, norm, correction)
             else:
                 is_w = None if micro.rollout_is_weights is None else micro.rollout_is_weights.to(device)
-                pg_loss, pg_stats = policy_loss(cfg.policy_loss.loss_mode, logp, old_logp, adv, loss_mask, knobs,
-                                                is_weights=is_w, **norm)
+                pg_loss, pg_stats = policy_loss(cfg.policy_loss.loss_mode, logp, micro.old_logprobs.to(device),
+                                                micro.advantages.to(device), loss_mask, knobs, is_weights=is_w, **norm)
             loss = pg_loss
             entropy = agg_loss(ent, mask, "token-mean", num_tokens=max(resp_tokens, 1.0))
             if cfg.entropy_coeff != 0:
@@ -185,8 +175,8 @@ class Actor:
             loss.backward()
             stats["pg_loss"] += pg_loss.item()
             stats["entropy"] += entropy.item()
-            for k in ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl"):
-                stats[k] += pg_stats.get(k, 0.0) * weight
+            for k, v in pg_stats.items():  # per-token means (and rollout_corr/* in bypass mode): token-weighted
+                stats[k] = stats.get(k, 0.0) + v * weight
         all_reduce_grads(self.model)
         grad_norm = clip_grads(self.model, cfg.grad_clip)
         if math.isfinite(grad_norm):  # a non-finite norm would poison the weights: skip the step
@@ -194,6 +184,20 @@ class Actor:
         stats = dict(zip(stats, global_sum(list(stats.values()))))  # each rank summed its rows' parts
         stats["grad_norm"] = grad_norm
         return stats
+
+    def _bypass_loss(self, micro: RolloutBatch, logp: torch.Tensor, mask: torch.Tensor, knobs: PolicyLossKnobs,
+                     norm: dict, correction: RolloutCorrectionConfig) -> tuple[torch.Tensor, dict[str, float], torch.Tensor]:
+        """Bypass mode's loss, its metrics (rollout_corr/* included) and the loss mask after rejection."""
+        c, device = correction, logp.device
+        rollout_logp, adv = micro.old_logprobs.to(device), micro.advantages.to(device)  # old_logprobs = rollout's here
+        is_w, loss_mask, corr = rollout_correction(logp.detach(), rollout_logp, mask, c.rollout_is, c.rollout_is_threshold,
+                                                   c.rollout_is_batch_normalize, c.rollout_rs, c.rollout_rs_threshold)
+        if c.loss_type == "reinforce":  # -A log pi, weighted by pi / pi_rollout
+            loss, stats = gpg_loss(logp, adv, loss_mask, knobs.agg_mode, is_w, loss_scale_factor=knobs.loss_scale_factor,
+                                   **norm)
+        else:  # ppo_clip: the ratio to pi_rollout is already the IS correction, clipped
+            loss, stats = policy_loss("vanilla", logp, rollout_logp, adv, loss_mask, knobs, **norm)
+        return loss, {**stats, **corr}, loss_mask
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return full_state_dict(self.model)

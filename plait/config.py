@@ -22,7 +22,8 @@ import yaml
 
 from plait.algorithms.advantages import ESTIMATORS
 from plait.algorithms.kl import KL_ESTIMATORS
-from plait.algorithms.losses import LOSS_AGG_MODES
+from plait.algorithms.losses import LOSS_AGG_MODES, POLICY_LOSSES
+from plait.algorithms.rollout_correction import BYPASS_LOSS_TYPES, IS_LEVELS, parse_rs
 from plait.config_verl import LOCAL_BACKEND_NO_EFFECT, NO_EFFECT, refusal
 from plait.configtree import ConfigError, build, check, raise_all, to_dict
 from plait.profiler.config import GlobalProfilerConfig, RoleProfilerConfig
@@ -121,6 +122,11 @@ class PolicyLossConfig:
     kl_cov_ratio: float = 0.0002
     ppo_kl_coef: float = 0.1
 
+    def __post_init__(self):
+        one_of(self, "loss_mode", POLICY_LOSSES)
+        positive(self, "clip_cov_ratio", "kl_cov_ratio")
+        check(self.clip_cov_lb < self.clip_cov_ub, "clip_cov_ub", self.clip_cov_ub, f"must be > clip_cov_lb ({self.clip_cov_lb})")
+
 
 STRATEGIES = ("fsdp", "fsdp2")
 
@@ -141,6 +147,9 @@ class ActorConfig:
     clip_ratio_high: Optional[float] = None   # null: clip_ratio
     clip_ratio_c: float = 3.0
     loss_agg_mode: str = "token-mean"
+    loss_scale_factor: Optional[float] = None  # seq-mean-token-sum-norm's constant length; null: data.max_response_length
+    tau_pos: float = 1.0                      # SAPO's gate temperature for positive advantages
+    tau_neg: float = 1.05                     # ... and for the others
     entropy_coeff: float = 0.0
     use_kl_loss: bool = False
     kl_loss_coef: float = 0.001
@@ -149,7 +158,7 @@ class ActorConfig:
     profiler: RoleProfilerConfig = field(default_factory=RoleProfilerConfig)
 
     def __post_init__(self):
-        positive(self, "ppo_mini_batch_size", "ppo_epochs", "clip_ratio")
+        positive(self, "ppo_mini_batch_size", "ppo_epochs", "clip_ratio", "tau_pos", "tau_neg")
         one_of(self, "strategy", STRATEGIES)
         check(self.clip_ratio_c > 1, "clip_ratio_c", self.clip_ratio_c, "must be > 1 (dual-clip bound)")
         one_of(self, "loss_agg_mode", LOSS_AGG_MODES)
@@ -264,16 +273,15 @@ class KLCtrlConfig:
         check(self.horizon > 0, "horizon", self.horizon, "must be > 0")
 
 
-ROLLOUT_IS_LEVELS = ("token", "sequence")
-
-
 @dataclass
 class RolloutCorrectionConfig:
-    """`algorithm.rollout_correction`: truncated importance weights for off-policy rollouts.
+    """`algorithm.rollout_correction`: truncated importance weights and rejection sampling for
+    off-policy rollouts (plait/algorithms/rollout_correction.py has the math and the metrics).
 
     w = min(pi_old / pi_rollout, rollout_is_threshold) per token ("token") or per sequence
-    ("sequence": the ratio of sequence probabilities), multiplying the PPO loss; pi_old is the
-    actor's log-prob before the update, pi_rollout the one the rollout sampled with.
+    ("sequence": the ratio of sequence probabilities), multiplying the policy loss; pi_old is the
+    actor's log-prob before the update, pi_rollout the one the rollout sampled with. rollout_rs
+    drops tokens or sequences whose divergence passes rollout_rs_threshold from the loss.
     """
     rollout_is: Optional[str] = None          # token | sequence | null: token in one_step_off/fully_async, off in sync
     rollout_is_threshold: float = 2.0         # the truncation C
@@ -281,14 +289,20 @@ class RolloutCorrectionConfig:
     # Exact in sync mode (the rollout samples with the actor's weights); in the async modes PPO's
     # ratio is then taken against the stale rollout policy itself, with no importance weights.
     bypass_mode: bool = False
-    rollout_rs: Optional[str] = None          # rejection sampling level; null: off
-    rollout_rs_threshold: Any = None          # a bound, or "lower_upper"
-    rollout_is_batch_normalize: bool = False
-    loss_type: str = "ppo_clip"
+    rollout_rs: Optional[str] = None          # e.g. token_k1, seq_mean_k3 or "token_k2,seq_max_k3"; null: off
+    rollout_rs_threshold: Any = None          # a bound (k1: u means [1/u, u], or "lower_upper"); one per option
+    rollout_is_batch_normalize: bool = False  # divide the weights by their batch mean
+    loss_type: str = "ppo_clip"               # bypass mode's loss: ppo_clip | reinforce
 
     def __post_init__(self):
-        check(self.rollout_is is None or self.rollout_is in ROLLOUT_IS_LEVELS, "rollout_is", self.rollout_is,
-              f"null or one of {', '.join(ROLLOUT_IS_LEVELS)}")
+        check(self.rollout_is is None or self.rollout_is in IS_LEVELS, "rollout_is", self.rollout_is,
+              f"null or one of {', '.join(IS_LEVELS)}")
+        one_of(self, "loss_type", BYPASS_LOSS_TYPES)
+        if self.rollout_rs is not None:
+            try:
+                parse_rs(self.rollout_rs, self.rollout_rs_threshold)
+            except ValueError as err:
+                check(False, "rollout_rs", self.rollout_rs, str(err))
         check(self.rollout_is_threshold >= 1, "rollout_is_threshold", self.rollout_is_threshold,
               "must be >= 1 (weights are truncated at this value)")
 
@@ -341,7 +355,7 @@ class TrainerConfig:
     total_epochs: int = 30
     save_freq: int = -1                       # steps between checkpoints (and at the last step); -1: never
     test_freq: int = -1                       # steps between validations (and at the last step); -1: never
-    critic_warmup: int = 0                    # steps that train only the critic
+    critic_warmup: int = 0                    # the actor trains from this step on (earlier steps: critic only)
     log_val_generations: int = 0              # validation samples printed and logged per validation
     val_before_train: bool = True
     default_local_dir: Optional[str] = None   # null: outputs/<project_name>/<experiment_name>
@@ -485,10 +499,12 @@ class PlaitConfig:
                       f"{key}.profiler.tool_config.torch.discrete", True,
                       f"false with trainer.mode={mode} on the local backend (its rollout thread's stages overlap "
                       "the trainer's, and torch profiles one collection per process); use trainer.backend=ray")
+        check(self.algorithm.adv_estimator != "grpo_passk" or self.actor_rollout_ref.rollout.n >= 2,
+              "actor_rollout_ref.rollout.n", self.actor_rollout_ref.rollout.n,
+              ">= 2 with algorithm.adv_estimator=grpo_passk (best minus second best of each prompt's responses)")
         correction = self.algorithm.rollout_correction
-        check(not (correction.bypass_mode and correction.rollout_is and correction.loss_type == "ppo_clip"),
-              "algorithm.rollout_correction.rollout_is", correction.rollout_is, "null with bypass_mode=true and "
-              "loss_type=ppo_clip (pi_old is the rollout policy: the weights would all be 1)")
+        # bypass mode takes rollout_is too, as verl does: the actor weighs pi_current / pi_rollout with
+        # loss_type=reinforce; with ppo_clip the clipped ratio is the correction and the weights are only reported
         if correction.rollout_is is None and mode in ASYNC_MODES and not correction.bypass_mode:
             correction.rollout_is = "token"
         if mode == "fully_async":
@@ -505,6 +521,8 @@ class PlaitConfig:
         actor, n = arr.actor, arr.rollout.n
         actor.ppo_micro_batch_size_per_gpu = actor.ppo_micro_batch_size_per_gpu or actor.ppo_mini_batch_size * n
         critic.ppo_micro_batch_size_per_gpu = critic.ppo_micro_batch_size_per_gpu or critic.ppo_mini_batch_size * n
+        # seq-mean-token-sum-norm's constant: verl divides by the padded length, which is max_response_length there
+        actor.loss_scale_factor = actor.loss_scale_factor or self.data.max_response_length
         for node in (arr.rollout, arr.ref):
             node.log_prob_micro_batch_size_per_gpu = node.log_prob_micro_batch_size_per_gpu or self.data.train_batch_size * n
             node.log_prob_use_dynamic_bsz = (actor.use_dynamic_bsz if node.log_prob_use_dynamic_bsz is None

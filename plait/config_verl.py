@@ -358,9 +358,6 @@ _GROUPS = {
         critic.forward_micro_batch_size_per_gpu
     """,
     ("not implemented in plait yet (docs/verl.md lists them)"): """
-        actor_rollout_ref.actor.tau_pos
-        actor_rollout_ref.actor.tau_neg
-        actor_rollout_ref.actor.loss_scale_factor
         actor_rollout_ref.actor.calculate_entropy
         actor_rollout_ref.actor.checkpoint.save_contents
         actor_rollout_ref.actor.checkpoint.load_contents

@@ -82,6 +82,8 @@ def build(cfg: PlaitConfig, progress: bool = True) -> Lifecycle:
         else:
             from plait.trainers.lm import build_lm_trainer as build_trainer
         trainer = build_trainer(cfg, backend, resolve_device(cfg))
+        if t.mode != "diffusion":
+            trainer.tracker = tracker  # validation generations (trainer.log_val_generations) are logged there
     except BaseException:
         backend.shutdown()
         raise

@@ -28,7 +28,7 @@ class PromptBatch:
 
 
 _OPTIONAL_TENSORS = ("token_scores", "token_rewards", "old_logprobs", "ref_logprobs", "values",
-                     "advantages", "returns")
+                     "advantages", "returns", "rollout_is_weights", "loss_mask")
 
 
 @dataclass
@@ -51,6 +51,8 @@ class RolloutBatch:
     values: Optional[torch.Tensor] = None         # [batch, resp_len]
     advantages: Optional[torch.Tensor] = None     # [batch, resp_len]
     returns: Optional[torch.Tensor] = None        # [batch, resp_len]
+    rollout_is_weights: Optional[torch.Tensor] = None  # [batch, resp_len] truncated IS weights (rollout correction)
+    loss_mask: Optional[torch.Tensor] = None      # [batch, resp_len] response_mask less rejected samples; None: response_mask
     scores: list[float] = field(default_factory=list)
 
     def __len__(self) -> int:

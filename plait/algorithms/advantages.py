@@ -1,4 +1,8 @@
-"""Advantage estimators: GRPO (and Dr.GRPO), RLOO, REINFORCE++ and GAE, plus masked statistics.
+"""Advantage estimators under verl's `algorithm.adv_estimator` names, plus masked statistics.
+
+GRPO (and Dr.GRPO), GRPO pass@k, RLOO, REINFORCE++ (and its group-baseline variant), ReMax (a
+greedy response's score as the baseline: the trainer generates it), OPO (length-weighted group
+baseline), GPG and GAE.
 
 Every estimator is a pure function of per-token rewards and a response mask and returns
 `(advantages, returns)`, both [batch, resp_len] and zero at padding. Outcome rewards are per-token
@@ -8,6 +12,8 @@ advantages (losses.py).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -87,6 +93,66 @@ def reinforce_plus_plus(token_rewards: Tensor, response_mask: Tensor,
     return masked_whiten(returns, mask), returns
 
 
+def grpo_passk(token_rewards: Tensor, response_mask: Tensor, group_ids: Tensor,
+               norm_by_std: bool = True, eps: float = 1e-6) -> tuple[Tensor, Tensor]:
+    """Pass@k: only each group's best response learns, with advantage best - second best
+    (divided by the group's unbiased std + eps with `norm_by_std`); every other response gets 0."""
+    mask = response_mask.to(token_rewards.dtype)
+    scores = (token_rewards * mask).sum(-1)  # [batch]
+    adv = torch.zeros_like(scores)
+    for gid in torch.unique(group_ids):
+        rows = torch.nonzero(group_ids == gid).squeeze(-1)
+        if len(rows) < 2:
+            raise ValueError(f"grpo_passk needs at least 2 samples per prompt (rollout.n >= 2); group {gid.item()} has 1")
+        top, idx = torch.topk(scores[rows], 2)
+        gap = top[0] - top[1]
+        adv[rows[idx[0]]] = gap / (scores[rows].std() + eps) if norm_by_std else gap
+    adv = adv[:, None] * mask
+    return adv, adv
+
+
+def reinforce_plus_plus_baseline(token_rewards: Tensor, response_mask: Tensor,
+                                 group_ids: Tensor) -> tuple[Tensor, Tensor]:
+    """REINFORCE++ with a group baseline: s_i - mean of its group (0 alone), broadcast over the
+    response and whitened over all valid tokens of the batch."""
+    mask = response_mask.to(token_rewards.dtype)
+    scores = (token_rewards * mask).sum(-1)  # [batch]
+    size, mean, _ = _group_stats(scores, group_ids)
+    centred = scores - torch.where(size == 1, 0.0, mean)  # [batch]
+    adv = masked_whiten(centred[:, None] * mask, mask)  # [batch, resp_len]
+    return adv, adv
+
+
+def remax(token_rewards: Tensor, response_mask: Tensor, baselines: Tensor) -> tuple[Tensor, Tensor]:
+    """ReMax: return-to-go minus the greedy response's score (`baselines`, [batch])."""
+    mask = response_mask.to(token_rewards.dtype)
+    returns = (token_rewards * mask).flip(-1).cumsum(-1).flip(-1)  # [batch, resp_len]
+    return returns - baselines[:, None] * mask, returns
+
+
+def opo(token_rewards: Tensor, response_mask: Tensor, group_ids: Tensor) -> tuple[Tensor, Tensor]:
+    """OPO: s_i minus its group's length-weighted mean score sum(len*s)/sum(len) (0 alone)."""
+    mask = response_mask.to(token_rewards.dtype)
+    scores, lengths = (token_rewards * mask).sum(-1), mask.sum(-1)  # [batch] each
+    _, idx = torch.unique(group_ids, return_inverse=True)
+    weighted = torch.zeros(int(idx.max()) + 1, dtype=scores.dtype).index_add_(0, idx, lengths * scores)
+    total_len = torch.zeros_like(weighted).index_add_(0, idx, lengths)
+    size = torch.bincount(idx)[idx]
+    baseline = torch.where(size > 1, weighted[idx] / total_len[idx].clamp(min=1e-8), 0.0)
+    adv = (scores - baseline)[:, None] * mask
+    return adv, adv
+
+
+def gpg(token_rewards: Tensor, response_mask: Tensor, group_ids: Tensor) -> tuple[Tensor, Tensor]:
+    """GPG: (s_i - group mean) scaled by batch size / number of non-zero scores (no std)."""
+    mask = response_mask.to(token_rewards.dtype)
+    scores = (token_rewards * mask).sum(-1)  # [batch]
+    size, mean, _ = _group_stats(scores, group_ids)
+    alpha = len(scores) / torch.count_nonzero(scores).clamp(min=1)
+    adv = (alpha * (scores - torch.where(size == 1, 0.0, mean)))[:, None] * mask
+    return adv, adv
+
+
 def gae(token_rewards: Tensor, values: Tensor, response_mask: Tensor, gamma: float,
         lam: float) -> tuple[Tensor, Tensor]:
     """Generalised advantage estimation over valid tokens; advantages whitened, returns = A + V.
@@ -108,25 +174,46 @@ def gae(token_rewards: Tensor, values: Tensor, response_mask: Tensor, gamma: flo
     return masked_whiten(advantages, mask), returns
 
 
-def compute_advantages(estimator: str, *, token_rewards: Tensor, response_mask: Tensor,
-                       group_ids: Tensor, values: Tensor | None = None, gamma: float = 1.0,
-                       lam: float = 1.0, norm_by_std: bool = True) -> tuple[Tensor, Tensor]:
-    """Run the estimator named by `algorithm.adv_estimator`; returns (advantages, returns)."""
+@dataclass
+class AdvantageInputs:
+    """What estimators may read; each uses the fields its method needs."""
+    token_rewards: Tensor                 # [batch, resp_len]
+    response_mask: Tensor                 # [batch, resp_len]
+    group_ids: Tensor                     # [batch]
+    values: Tensor | None = None          # [batch, resp_len], from a critic (gae)
+    baselines: Tensor | None = None       # [batch], greedy responses' scores (remax)
+    gamma: float = 1.0
+    lam: float = 1.0
+    norm_by_std: bool = True
+
+
+def compute_advantages(estimator: str, **inputs) -> tuple[Tensor, Tensor]:
+    """Run the estimator named by `algorithm.adv_estimator` on AdvantageInputs' fields;
+    returns (advantages, returns)."""
     if estimator not in ESTIMATORS:
         raise ValueError(f"unknown advantage estimator {estimator!r}; "
                          f"valid: {', '.join(ESTIMATORS)}")
-    if estimator == "gae" and values is None:
+    a = AdvantageInputs(**inputs)
+    if estimator == "gae" and a.values is None:
         raise ValueError("the 'gae' estimator needs values from a critic: "
                          "pass values=[batch, resp_len]")
-    return ESTIMATORS[estimator](token_rewards, response_mask, group_ids, values, gamma, lam,
-                                 norm_by_std)
+    if estimator == "remax" and a.baselines is None:
+        raise ValueError("the 'remax' estimator needs the greedy responses' scores: pass baselines=[batch]")
+    return ESTIMATORS[estimator](a)
 
 
-# Each entry takes compute_advantages' inputs in this order and uses the ones its method needs:
-# (token_rewards, response_mask, group_ids, values, gamma, lam, norm_by_std).
+# Estimators that need the trainer to generate one greedy response per prompt first.
+NEEDS_GREEDY_BASELINE = ("remax",)
+
 ESTIMATORS = {
-    "grpo": lambda r, m, g, v, gamma, lam, by_std: grpo(r, m, g, norm_by_std=by_std),
-    "rloo": lambda r, m, g, v, gamma, lam, by_std: rloo(r, m, g),
-    "reinforce_plus_plus": lambda r, m, g, v, gamma, lam, by_std: reinforce_plus_plus(r, m, gamma),
-    "gae": lambda r, m, g, v, gamma, lam, by_std: gae(r, v, m, gamma, lam),
+    "grpo": lambda a: grpo(a.token_rewards, a.response_mask, a.group_ids, norm_by_std=a.norm_by_std),
+    "grpo_passk": lambda a: grpo_passk(a.token_rewards, a.response_mask, a.group_ids, norm_by_std=a.norm_by_std),
+    "rloo": lambda a: rloo(a.token_rewards, a.response_mask, a.group_ids),
+    "reinforce_plus_plus": lambda a: reinforce_plus_plus(a.token_rewards, a.response_mask, a.gamma),
+    "reinforce_plus_plus_baseline": lambda a: reinforce_plus_plus_baseline(a.token_rewards, a.response_mask,
+                                                                           a.group_ids),
+    "remax": lambda a: remax(a.token_rewards, a.response_mask, a.baselines),
+    "opo": lambda a: opo(a.token_rewards, a.response_mask, a.group_ids),
+    "gpg": lambda a: gpg(a.token_rewards, a.response_mask, a.group_ids),
+    "gae": lambda a: gae(a.token_rewards, a.values, a.response_mask, a.gamma, a.lam),
 }

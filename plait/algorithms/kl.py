@@ -1,8 +1,10 @@
 """KL estimators between the policy and a reference, KL coefficient controllers, KL reward penalty.
 
 Estimators work per token from log-probs of the sampled tokens only (no full distributions):
-k1 = log p - log q, |k1|, k2 = k1^2 / 2, and the low-variance, always non-negative k3. The
-controllers follow the fixed and adaptive (Ziegler et al. 2019) schedules. Not here: the KL loss
+k1 = log p - log q, |k1|, k2 = k1^2 / 2, and the low-variance, always non-negative k3; a name
+ending in "+" (verl's `k3+`, `low_var_kl+`, ...) keeps that estimate's value but takes k2's
+gradient, the one whose expectation is the true KL gradient. verl's "full" (needs whole
+distributions) is not offered: it is unimplemented in verl too. The controllers follow the fixed and adaptive (Ziegler et al. 2019) schedules. Not here: the KL loss
 term added to the actor loss, which is `agg_loss(kl_estimate(...), ...)` in the worker.
 """
 
@@ -30,6 +32,14 @@ def k3(logp: Tensor, ref_logp: Tensor) -> Tensor:
     """ratio - log ratio - 1 with ratio = q/p; unbiased for KL(p||q) under samples from p."""
     log_ratio = torch.clamp(ref_logp - logp, -20.0, 20.0)  # exp stays finite
     return torch.clamp(torch.exp(log_ratio) - log_ratio - 1, -10.0, 10.0)
+
+
+def straight_through(estimator):
+    """Value of `estimator`, gradient of k2: k2 - sg(k2) + sg(estimate)."""
+    def kl(logp: Tensor, ref_logp: Tensor) -> Tensor:
+        grad_path = k2(logp, ref_logp)
+        return grad_path - grad_path.detach() + estimator(logp, ref_logp).detach()
+    return kl
 
 
 def kl_estimate(logp: Tensor, ref_logp: Tensor, kind: str) -> Tensor:
@@ -97,4 +107,9 @@ KL_ESTIMATORS = {
     "mse": k2,
     "k3": k3,
     "low_var_kl": k3,
+    "k1+": straight_through(k1),
+    "kl+": straight_through(k1),
+    "abs+": straight_through(abs_k1),
+    "k3+": straight_through(k3),
+    "low_var_kl+": straight_through(k3),
 }

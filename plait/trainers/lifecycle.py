@@ -204,12 +204,18 @@ def timing_metrics(times: dict[str, float], result: StepResult, n_devices: int) 
 
 
 def memory_metrics() -> dict[str, float]:
-    """High-water marks: process RSS always, CUDA allocator when present."""
-    out = {"perf/cpu_memory_used_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+    """verl's memory names: perf/cpu_memory_used_gb is the host's memory in use (psutil), and
+    perf/max_memory_{allocated,reserved}_gb the CUDA allocator's high-water marks; without CUDA
+    both are this process's peak RSS. perf/plait_peak_rss_gb is always the driver process's peak RSS."""
+    import psutil
     import torch
+    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
+    out = {"perf/cpu_memory_used_gb": psutil.virtual_memory().used / 2**30, "perf/plait_peak_rss_gb": peak_rss}
     if torch.cuda.is_available():
         out["perf/max_memory_allocated_gb"] = torch.cuda.max_memory_allocated() / 2**30
         out["perf/max_memory_reserved_gb"] = torch.cuda.max_memory_reserved() / 2**30
+    else:
+        out["perf/max_memory_allocated_gb"] = out["perf/max_memory_reserved_gb"] = peak_rss
     return out
 
 

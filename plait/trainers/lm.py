@@ -1,8 +1,10 @@
 """The language-model pipeline every LM mode shares: data cursor, reward, advantages, update, metrics.
 
-    reward ─▶ old_log_prob ─▶ ref ─▶ values ─▶ adv ─▶ update_critic ─▶ update_actor
+    reward ─▶ [gen_max] ─▶ old_log_prob ─▶ ref ─▶ values ─▶ adv ─▶ update_critic ─▶ update_actor
 
-(old_log_prob is skipped in verl's bypass mode: pi_old is then the rollout's own log-prob.)
+(gen_max runs only for ReMax: a greedy response per prompt whose score is the baseline.
+old_log_prob is skipped in verl's bypass mode: pi_old is then the rollout's own log-prob, and
+rollout correction moves into the actor. update_actor waits out `trainer.critic_warmup` steps.)
 
 `LMTrainer` implements the lifecycle's Trainer protocol around `learn`; a mode (sync.py,
 one_step_off.py, fully_async.py) subclasses it and supplies only where a batch comes from
@@ -15,20 +17,22 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import time
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
-from plait.algorithms.advantages import compute_advantages
+from plait.algorithms.advantages import NEEDS_GREEDY_BASELINE, compute_advantages
 from plait.algorithms.kl import apply_kl_penalty, make_kl_controller
+from plait.algorithms.rollout_correction import rollout_correction
 from plait.config import PlaitConfig, SamplingConfig
 from plait.data.dataset import PromptDataset, iterate_batches
 from plait.data.rewards import score_batch
 from plait.trainers.lifecycle import StageTimer, StepResult
 from plait.types import PromptBatch, RolloutBatch
-from plait.workers.actor import Actor, truncated_is_weights
+from plait.workers.actor import Actor
 from plait.workers.critic import Critic
 from plait.workers.ref import Ref
 from plait.workers.rollout import Rollout
@@ -86,23 +90,26 @@ class LMTrainer:
         self.correction = cfg.algorithm.rollout_correction
         self.updates_per_step = 1  # fully async: several local updates per policy version
         self.version = 0
+        self.tracker = None  # the lifecycle's Tracker, set by the driver: validation generations go there
 
     # -- the Trainer protocol -------------------------------------------------------------------
 
     def total_steps(self) -> int:
-        t = self.cfg.trainer
-        return t.total_training_steps or t.total_epochs * self.cursor.batches_per_epoch
+        return total_training_steps(self.cfg, len(self.cursor.dataset))
 
     def start(self) -> None:
         pass
 
     def train_step(self, step: int, timer: StageTimer) -> StepResult:
         start, results, samples = time.perf_counter(), [], 0
+        # verl's rule: the actor trains from step critic_warmup on (steps 1..critic_warmup-1 train the critic only)
+        update_actor = step >= self.cfg.trainer.critic_warmup
         for _ in range(self.updates_per_step):
             batch = self.next_batch(step, timer)
-            results.append(self.learn(batch, timer))
+            results.append(self.learn(batch, timer, update_actor))
             samples += len(batch)
         result = merge_results(results)
+        result.metrics["training/epoch"] = self.cursor.epoch
         result.metrics.update(self.after_update(step, timer))
         result.metrics["perf/samples_per_s"] = samples / (time.perf_counter() - start)
         return result
@@ -112,20 +119,30 @@ class LMTrainer:
             return {}
         val = self.cfg.actor_rollout_ref.rollout.val_kwargs
         size = self.cfg.data.val_batch_size or len(self.val_data)
-        scores, sources, lengths = [], [], []
+        scores, sources, uids, lengths, samples = [], [], [], [], []
         for start in range(0, len(self.val_data), size):
             prompts = prompt_batch([self.val_data[i] for i in range(start, min(start + size, len(self.val_data)))])
             batch = self.roles.rollout.call(Rollout.generate, prompts, val, self.cfg.trainer.seed)
             scored, _ = self.score(batch)
             scores += scored
             sources += batch.data_sources
+            uids += batch.group_ids.tolist()
             lengths += batch.response_mask.sum(-1).tolist()
-        out = {}
-        for source in sorted(set(sources)):
-            vals = [s for s, d in zip(scores, sources) if d == source]
-            out[f"val-core/{source}/reward/mean"] = sum(vals) / len(vals)
+            if self.cfg.trainer.log_val_generations:
+                samples += zip(self.decode(batch.prompts, batch.prompt_mask), self.decode(batch.responses, batch.response_mask), scored)
+        out = validation_metrics(sources, uids, scores)
         out["val-aux/response_length/mean"] = sum(lengths) / max(len(lengths), 1)
+        if samples:
+            self.log_val_generations(samples)
         return out
+
+    def log_val_generations(self, samples: list[tuple[str, str, float]]) -> None:
+        """`trainer.log_val_generations` samples (input, output, score), picked as verl does (sorted,
+        then a fixed-seed shuffle), to the tracker's loggers and val_generations.jsonl."""
+        samples = sorted(samples, key=lambda s: s[0])
+        random.Random(42).shuffle(samples)
+        if self.tracker is not None:
+            self.tracker.log_generations(samples[:self.cfg.trainer.log_val_generations], step=self.version)
 
     def save_checkpoint(self, path: str, step: int) -> None:
         os.makedirs(path, exist_ok=True)
@@ -166,12 +183,29 @@ class LMTrainer:
 
     # -- the shared language-model pipeline -----------------------------------------------------
 
+    def decode(self, ids: torch.Tensor, mask: torch.Tensor) -> list[str]:
+        """Text of each row's masked tokens (responses are right-padded, prompts left-padded)."""
+        return self.tokenizer.batch_decode([row[m.bool()].tolist() for row, m in zip(ids, mask)], skip_special_tokens=True)
+
     def score(self, batch: RolloutBatch) -> tuple[list[float], dict[str, list[float]]]:
-        texts = self.tokenizer.batch_decode(
-            [r[: int(m.sum())] for r, m in zip(batch.responses.tolist(), batch.response_mask)], skip_special_tokens=True)
+        texts = self.decode(batch.responses, batch.response_mask)
         return score_batch(self.reward_fn, batch.data_sources, texts, batch.ground_truths, batch.extra_infos)
 
-    def learn(self, batch: RolloutBatch, timer: StageTimer) -> StepResult:
+    def greedy_baselines(self, batch: RolloutBatch) -> torch.Tensor:
+        """ReMax's baseline [batch]: the score of one greedy response per prompt, generated now."""
+        first = {g: i for i, g in reversed(list(enumerate(batch.group_ids.tolist())))}  # group id -> a row
+        rows = list(first.values())
+        prompts = PromptBatch(prompt_ids=[batch.prompts[i][batch.prompt_mask[i].bool()].tolist() for i in rows],
+                              data_sources=[batch.data_sources[i] for i in rows],
+                              ground_truths=[batch.ground_truths[i] for i in rows],
+                              extra_infos=[batch.extra_infos[i] for i in rows], indices=list(first))
+        greedy = self.roles.rollout.call(Rollout.generate, prompts, SamplingConfig(n=1, do_sample=False),
+                                         self.cfg.trainer.seed)
+        scores, _ = self.score(greedy)
+        by_group = dict(zip(greedy.group_ids.tolist(), scores))
+        return torch.tensor([by_group[g] for g in batch.group_ids.tolist()], dtype=torch.float32)
+
+    def learn(self, batch: RolloutBatch, timer: StageTimer, update_actor: bool = True) -> StepResult:
         cfg, roles = self.cfg, self.roles
         metrics: dict[str, float] = {}
         with timer.stage("reward"):
@@ -182,6 +216,10 @@ class LMTrainer:
                 finite = [v for v in values if v == v]
                 if finite:
                     metrics[f"reward_extra/{key}/mean"] = sum(finite) / len(finite)
+        baselines = None
+        if cfg.algorithm.adv_estimator in NEEDS_GREEDY_BASELINE:
+            with timer.stage("gen_max"):
+                baselines = self.greedy_baselines(batch)
         behind = (self.version - batch.versions).float()  # [batch] policy versions each sample is behind
         metrics.update({"training/staleness/min": behind.min().item(), "training/staleness/mean": behind.mean().item(),
                         "training/staleness/max": behind.max().item()})
@@ -197,16 +235,17 @@ class LMTrainer:
             with timer.stage("values"):
                 batch.values = roles.critic.call(Critic.compute_values, batch)
         with timer.stage("adv"):
-            metrics.update(self.compute_advantage(batch))
+            metrics.update(self.compute_advantage(batch, baselines))
         if roles.critic is not None:
             with timer.stage("update_critic"):
                 metrics.update(roles.critic.call(Critic.update, batch))
-        with timer.stage("update_actor"):
-            actor_metrics = roles.actor.call(Actor.update, batch, self.correction)
-            if "actor/entropy" in metrics:  # verl's actor/entropy is the pre-update one, when it was computed
-                actor_metrics.pop("actor/entropy")
-            metrics.update(actor_metrics)
-        metrics.update(data_metrics(batch))
+        if update_actor:
+            with timer.stage("update_actor"):
+                actor_metrics = roles.actor.call(Actor.update, batch, self.correction)
+                if "actor/entropy" in metrics:  # verl's actor/entropy is the pre-update one, when it was computed
+                    actor_metrics.pop("actor/entropy")
+                metrics.update(actor_metrics)
+        metrics.update(data_metrics(batch, cfg.data.max_prompt_length))
         num_tokens = int(batch.attention_mask.sum())
         return StepResult(metrics, num_tokens=num_tokens, response_tokens=int(batch.response_mask.sum()))
 
@@ -217,13 +256,15 @@ class LMTrainer:
         mask = batch.response_mask
         metrics = {"actor/entropy": masked_mean(entropy, mask),
                    "training/rollout_probs_diff_mean": masked_mean((old_logp.exp() - batch.rollout_logprobs.exp()).abs(), mask)}
-        if self.correction.rollout_is is not None:
-            weights = truncated_is_weights(old_logp, batch.rollout_logprobs, mask,
-                                           self.correction.rollout_is, self.correction.rollout_is_threshold)
-            metrics["rollout_corr/is_weight_mean"] = masked_mean(weights, mask)
+        c = self.correction  # decoupled mode: weights and rejection of pi_old vs pi_rollout, for the whole batch
+        batch.rollout_is_weights, loss_mask, corr_metrics = rollout_correction(
+            old_logp, batch.rollout_logprobs, mask, c.rollout_is, c.rollout_is_threshold,
+            c.rollout_is_batch_normalize, c.rollout_rs, c.rollout_rs_threshold)
+        batch.loss_mask = loss_mask if c.rollout_rs is not None else None
+        metrics.update(corr_metrics)
         return metrics
 
-    def compute_advantage(self, batch: RolloutBatch) -> dict[str, float]:
+    def compute_advantage(self, batch: RolloutBatch, baselines: torch.Tensor | None = None) -> dict[str, float]:
         alg, metrics = self.cfg.algorithm, {}
         if alg.use_kl_in_reward:
             batch.token_rewards, kl_metrics = apply_kl_penalty(
@@ -236,8 +277,35 @@ class LMTrainer:
         batch.advantages, batch.returns = compute_advantages(
             alg.adv_estimator, token_rewards=batch.token_rewards, response_mask=batch.response_mask,
             group_ids=batch.group_ids, values=batch.values, gamma=alg.gamma, lam=alg.lam,
-            norm_by_std=alg.norm_adv_by_std_in_grpo)
+            norm_by_std=alg.norm_adv_by_std_in_grpo, baselines=baselines)
         return metrics
+
+
+def total_training_steps(cfg: PlaitConfig, n_train_rows: int) -> int:
+    """verl's rule: trainer.total_training_steps when set, else total_epochs x batches per epoch."""
+    t = cfg.trainer
+    return t.total_training_steps or t.total_epochs * (n_train_rows // cfg.data.train_batch_size)
+
+
+def validation_metrics(sources: list[str], uids: list[int], scores: list[float]) -> dict[str, float]:
+    """verl's validation names per data source, over prompts (uids) with N responses each:
+    val-core/<source>/reward/mean@N, best@N/mean and worst@N/mean (the best / worst of a prompt's
+    N responses, exact rather than bootstrapped), val-aux/<source>/reward/std@N (population std)."""
+    groups: dict[str, dict[int, list[float]]] = {}
+    for source, uid, score in zip(sources, uids, scores):
+        groups.setdefault(source, {}).setdefault(uid, []).append(score)
+    out = {}
+    for source in sorted(groups):
+        per_prompt = list(groups[source].values())
+        n = max(len(v) for v in per_prompt)
+        mean = lambda f: sum(f(v) for v in per_prompt) / len(per_prompt)  # noqa: E731
+        out[f"val-core/{source}/reward/mean@{n}"] = mean(lambda v: sum(v) / len(v))
+        if n > 1:
+            out[f"val-aux/{source}/reward/std@{n}"] = mean(
+                lambda v: (sum((x - sum(v) / len(v)) ** 2 for x in v) / len(v)) ** 0.5)
+            out[f"val-core/{source}/reward/best@{n}/mean"] = mean(max)
+            out[f"val-aux/{source}/reward/worst@{n}/mean"] = mean(min)
+    return out
 
 
 def merge_results(results: list[StepResult]) -> StepResult:
@@ -271,8 +339,9 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
     return ((x * mask).sum() / mask.sum().clamp(min=1)).item()
 
 
-def data_metrics(batch: RolloutBatch) -> dict[str, float]:
-    """verl's data metrics: critic/{score,rewards,advantages,returns,values}, lengths."""
+def data_metrics(batch: RolloutBatch, max_prompt_length: int) -> dict[str, float]:
+    """verl's data metrics: critic/{score,rewards,advantages,returns,values}, critic/vf_explained_var,
+    lengths (all, and of non-aborted responses: an aborted response is an empty one, as in verl)."""
     mask = batch.response_mask.bool()
     out = {}
     seq_score = batch.token_scores.sum(-1)
@@ -286,8 +355,20 @@ def data_metrics(batch: RolloutBatch) -> dict[str, float]:
             v = t[mask]
             out.update({f"critic/{name}/mean": v.mean().item(), f"critic/{name}/max": v.max().item(),
                         f"critic/{name}/min": v.min().item()})
+    if batch.values is not None and mask.any():
+        # 1 - Var(returns - values) / Var(returns) over valid tokens: 1 is a perfect critic, 0 a constant one
+        ret, val = batch.returns[mask], batch.values[mask]
+        out["critic/vf_explained_var"] = (1.0 - (ret - val).var() / (ret.var() + 1e-5)).item()
     resp_len = batch.response_mask.sum(-1).float()
     prompt_len = batch.prompt_mask.sum(-1).float()
+    aborted = resp_len == 0
+    kept = resp_len[~aborted] if (~aborted).any() else resp_len.new_zeros(1)
+    out.update({"response_length_non_aborted/mean": kept.mean().item(), "response_length_non_aborted/max": kept.max().item(),
+                "response_length_non_aborted/min": kept.min().item(),
+                "response_length_non_aborted/clip_ratio": sum(r == "length" for r, a in zip(batch.stop_reasons, aborted) if not a)
+                / max(int((~aborted).sum()), 1),
+                "response/aborted_ratio": aborted.float().mean().item(),
+                "prompt_length/clip_ratio": (prompt_len >= max_prompt_length).float().mean().item()})
     out.update({"response_length/mean": resp_len.mean().item(), "response_length/max": resp_len.max().item(),
                 "response_length/min": resp_len.min().item(),
                 "response_length/clip_ratio": sum(r == "length" for r in batch.stop_reasons) / len(batch),
@@ -348,6 +429,9 @@ def build_lm_trainer(cfg: PlaitConfig, backend, device: str):
     train_data = make(train_files)
     val_data = make(val_files) if val_files else None
     arr = cfg.actor_rollout_ref
+    for optim in (arr.actor.optim, cfg.critic.optim):  # as verl: the lr schedule spans the trainer's steps
+        if optim.total_training_steps == -1:
+            optim.total_training_steps = total_training_steps(cfg, len(train_data))
     temp, n = arr.rollout.temperature or 1.0, arr.rollout.n
     roles = Roles(
         actor=backend.spawn("actor", Actor, model_path, arr.actor, n, temp, device=device, dtype=dtype, seed=cfg.trainer.seed),

@@ -76,6 +76,29 @@ class Tracker:
         if self.console:
             self._print(record)
 
+    def log_generations(self, samples: list[tuple[str, str, float]], step: int) -> None:
+        """Validation samples (input, output, score): val_generations.jsonl, the console, a TensorBoard
+        text table and a W&B table (`trainer.log_val_generations`)."""
+        with open(os.path.join(os.path.dirname(self.path), "val_generations.jsonl"), "a") as f:
+            for inp, out, score in samples:
+                f.write(json.dumps({"step": step, "input": inp, "output": out, "score": score}) + "\n")
+        for name, sink in list(self.sinks.items()):
+            try:
+                if name == "tensorboard":
+                    rows = [f"| {i} | {_cell(inp)} | {_cell(out)} | {score:.4g} |" for i, (inp, out, score) in enumerate(samples)]
+                    sink.add_text("val/generations", "\n".join(["| # | input | output | score |", "|---|---|---|---|", *rows]), step)
+                else:
+                    import wandb
+                    sink.log({"val/generations": wandb.Table(columns=["step", "input", "output", "score"],
+                                                             data=[[step, *s] for s in samples])}, step=step)
+            except Exception as err:  # noqa: BLE001 - a logger never kills training
+                print(f"plait: logger {name} failed ({err!r}); it is switched off for this run", file=sys.stderr)
+                del self.sinks[name]
+        if self.console:
+            for inp, out, score in samples:
+                line = f"[validation step {step}] score={score:.4g}\n  input:  {inp!r}\n  output: {out!r}"
+                self._bar.write(line, file=sys.stderr) if self._bar is not None else print(line, file=sys.stderr)
+
     def _print(self, record: dict) -> None:
         parts = [f"step {record['step']}"]
         parts += [f"{label}={record[k]:.3g}" for k, label in CONSOLE_KEYS.items() if k in record]
@@ -95,6 +118,11 @@ class Tracker:
             except Exception as err:  # noqa: BLE001
                 print(f"plait: closing logger {name} failed ({err!r})", file=sys.stderr)
         self.sinks = {}
+
+
+def _cell(text: str) -> str:
+    """One markdown table cell: no newlines or pipes."""
+    return text.replace("|", "\\|").replace("\n", " ")
 
 
 def _plain(v):

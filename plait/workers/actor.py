@@ -17,7 +17,9 @@ import os
 import torch
 
 from plait.algorithms.kl import kl_estimate
-from plait.algorithms.losses import agg_loss, entropy_from_logits, ppo_policy_loss, token_logprobs
+from plait.algorithms.losses import (PolicyLossKnobs, agg_loss, entropy_from_logits, gpg_loss, policy_loss,
+                                     token_logprobs)
+from plait.algorithms.rollout_correction import rollout_correction
 from plait.config import ActorConfig, OptimConfig, RolloutCorrectionConfig
 from plait.models import load_causal_lm
 from plait.types import RolloutBatch
@@ -52,21 +54,34 @@ def micro_forward(model, micro: RolloutBatch, temperature: float, with_entropy: 
     return logp, ent
 
 
-def truncated_is_weights(old_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor,
-                         level: str, threshold: float) -> torch.Tensor:
-    """Truncated importance weights [batch, resp_len] between the actor's old log-probs and the
-    rollout's: min(pi_old / pi_rollout, threshold) per token, or per sequence (the ratio of
-    sequence probabilities, broadcast over its tokens). Constants in the loss: no gradient."""
-    log_w = (old_logp - rollout_logp).detach() * mask                     # [batch, resp_len]
-    if level == "sequence":
-        log_w = log_w.sum(-1, keepdim=True).expand_as(log_w)              # [batch, resp_len]
-    return torch.exp(log_w.clamp(max=math.log(threshold))) * mask
+def lr_factor(step: int, total_steps: int, warmup_steps: int, kind: str = "constant",
+              min_lr_ratio: float = 0.0, num_cycles: float = 0.5) -> float:
+    """The lr multiplier at training step `step` (0-based), as verl schedules it.
+
+    constant: linear from 0 over `warmup_steps`, then 1. cosine: the same warmup, then a cosine of
+    `num_cycles` waves over the remaining steps, floored at `min_lr_ratio`.
+    """
+    if kind == "constant":
+        return step / max(1, warmup_steps) if step < warmup_steps else 1.0
+    if step < warmup_steps:
+        return step / max(1, warmup_steps)
+    progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+    wave = math.cos(math.pi * num_cycles * 2.0 * progress)
+    return max(min_lr_ratio, min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + wave))
 
 
 def make_optimizer(params, cfg: OptimConfig):
+    """AdamW and its schedule; the scheduler steps once per training step (`update` call), as in verl.
+
+    cfg.total_training_steps is the trainer's step count (the driver fills in -1);
+    lr_warmup_steps -1 means lr_warmup_steps_ratio x total steps.
+    """
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
-    warmup = cfg.lr_warmup_steps
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup) if warmup > 0 else 1.0)
+    total = max(cfg.total_training_steps, 1)
+    warmup = cfg.lr_warmup_steps if cfg.lr_warmup_steps >= 0 else int(cfg.lr_warmup_steps_ratio * total)
+    kind = cfg.warmup_style or cfg.lr_scheduler_type  # warmup_style: verl's older name
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: lr_factor(s, total, warmup, kind, cfg.min_lr_ratio, cfg.num_cycles))
     return opt, sched
 
 
@@ -90,9 +105,14 @@ class Actor:
             return logp, ent
 
     def update(self, batch: RolloutBatch, correction: RolloutCorrectionConfig | None = None) -> dict[str, float]:
-        """PPO update; with `correction.rollout_is` set, off-policy rows are reweighted by truncated_is_weights."""
+        """Policy update with `actor.policy_loss.loss_mode`. The batch's rollout_is_weights and loss_mask
+        (rollout correction, computed by the trainer) weight and mask the loss; in bypass mode
+        (`correction.bypass_mode`) they are computed here per micro-batch from the current log-probs."""
         with self.profiler.annotate("update_actor"):
-            return self._update(batch, correction)
+            metrics = self._update(batch, correction)
+        metrics["actor/lr"] = self.scheduler.get_last_lr()[0]  # the lr this step trained with
+        self.scheduler.step()
+        return metrics
 
     def _update(self, batch: RolloutBatch, correction: RolloutCorrectionConfig | None) -> dict[str, float]:
         cfg = self.cfg
@@ -107,14 +127,24 @@ class Actor:
                 for k, v in stats.items():
                     sums[k] = sums.get(k, 0.0) + v
                 count += 1
-        metrics = {f"actor/{k}": v / count for k, v in sums.items()}
-        metrics["actor/lr"] = self.scheduler.get_last_lr()[0]
+        metrics = {(k if "/" in k else f"actor/{k}"): v / count for k, v in sums.items()}
+        if cfg.use_kl_loss:
+            metrics["actor/kl_coef"] = cfg.kl_loss_coef
         return metrics
 
     def _optimizer_step(self, mini: RolloutBatch, correction: RolloutCorrectionConfig | None) -> dict[str, float]:
         cfg = self.cfg
-        num_tokens, num_seqs = global_sum([mini.response_mask.sum().item(), float(len(mini))])
+        bypass = correction is not None and correction.bypass_mode
+        loss_masks = mini.response_mask if mini.loss_mask is None else mini.loss_mask
+        num_tokens, num_seqs, resp_tokens = global_sum([loss_masks.sum().item(), float(len(mini)),
+                                                        mini.response_mask.sum().item()])
         norm = dict(num_tokens=max(num_tokens, 1.0), num_seqs=num_seqs)
+        p = cfg.policy_loss
+        knobs = PolicyLossKnobs(
+            clip_low=cfg.clip_ratio_low, clip_high=cfg.clip_ratio_high, clip_c=cfg.clip_ratio_c,
+            agg_mode=cfg.loss_agg_mode, loss_scale_factor=cfg.loss_scale_factor, clip_cov_ratio=p.clip_cov_ratio,
+            clip_cov_lb=p.clip_cov_lb, clip_cov_ub=p.clip_cov_ub, kl_cov_ratio=p.kl_cov_ratio, ppo_kl_coef=p.ppo_kl_coef,
+            tau_pos=cfg.tau_pos, tau_neg=cfg.tau_neg)
         stats = {"pg_loss": 0.0, "pg_clipfrac": 0.0, "pg_clipfrac_lower": 0.0, "ppo_kl": 0.0, "entropy": 0.0}
         if cfg.use_kl_loss:
             stats["kl_loss"] = 0.0
@@ -123,39 +153,51 @@ class Actor:
         for start in range(0, len(mini), cfg.ppo_micro_batch_size_per_gpu):
             micro = mini.select(slice(start, start + cfg.ppo_micro_batch_size_per_gpu))
             mask = micro.response_mask.to(device)
-            weight = mask.sum().item() / norm["num_tokens"]   # share of this micro-batch in token means
+            loss_mask = mask if micro.loss_mask is None else micro.loss_mask.to(device)
+            weight = loss_mask.sum().item() / norm["num_tokens"]   # share of this micro-batch in token means
             logp, ent = micro_forward(self.model, micro, self.temperature, with_entropy=True)
-            old_logp = micro.old_logprobs.to(device)
-            is_weights = None
-            if correction is not None and correction.rollout_is is not None:
-                is_weights = truncated_is_weights(old_logp, micro.rollout_logprobs.to(device), mask,
-                                                  correction.rollout_is, correction.rollout_is_threshold)
-            pg_loss, pg_stats = ppo_policy_loss(
-                logp, old_logp, micro.advantages.to(device), mask,
-                clip_low=cfg.clip_ratio_low, clip_high=cfg.clip_ratio_high, clip_c=cfg.clip_ratio_c,
-                agg_mode=cfg.loss_agg_mode, is_weights=is_weights, **norm)
+            if bypass:  # pi_old is the rollout's: weights and rejection from the current policy (verl's bypass)
+                pg_loss, pg_stats, loss_mask = self._bypass_loss(micro, logp, mask, knobs, norm, correction)
+            else:
+                is_w = None if micro.rollout_is_weights is None else micro.rollout_is_weights.to(device)
+                pg_loss, pg_stats = policy_loss(cfg.policy_loss.loss_mode, logp, micro.old_logprobs.to(device),
+                                                micro.advantages.to(device), loss_mask, knobs, is_weights=is_w, **norm)
             loss = pg_loss
-            entropy = agg_loss(ent, mask, "token-mean", num_tokens=norm["num_tokens"])
+            entropy = agg_loss(ent, mask, "token-mean", num_tokens=max(resp_tokens, 1.0))
             if cfg.entropy_coeff != 0:
-                loss = loss - cfg.entropy_coeff * agg_loss(ent, mask, cfg.loss_agg_mode, **norm)
+                loss = loss - cfg.entropy_coeff * agg_loss(ent, loss_mask, cfg.loss_agg_mode,
+                                                           loss_scale_factor=cfg.loss_scale_factor, **norm)
             if cfg.use_kl_loss:
                 kl = kl_estimate(logp, micro.ref_logprobs.to(device), cfg.kl_loss_type)
-                kl_loss = agg_loss(kl, mask, cfg.loss_agg_mode, **norm)
+                kl_loss = agg_loss(kl, loss_mask, cfg.loss_agg_mode, loss_scale_factor=cfg.loss_scale_factor, **norm)
                 loss = loss + cfg.kl_loss_coef * kl_loss
                 stats["kl_loss"] += kl_loss.item()
             loss.backward()
             stats["pg_loss"] += pg_loss.item()
             stats["entropy"] += entropy.item()
-            for k in ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl"):
-                stats[k] += pg_stats[k] * weight
+            for k, v in pg_stats.items():  # per-token means (and rollout_corr/* in bypass mode): token-weighted
+                stats[k] = stats.get(k, 0.0) + v * weight
         all_reduce_grads(self.model)
         grad_norm = clip_grads(self.model, cfg.grad_clip)
         if math.isfinite(grad_norm):  # a non-finite norm would poison the weights: skip the step
             self.optimizer.step()
-        self.scheduler.step()
         stats = dict(zip(stats, global_sum(list(stats.values()))))  # each rank summed its rows' parts
         stats["grad_norm"] = grad_norm
         return stats
+
+    def _bypass_loss(self, micro: RolloutBatch, logp: torch.Tensor, mask: torch.Tensor, knobs: PolicyLossKnobs,
+                     norm: dict, correction: RolloutCorrectionConfig) -> tuple[torch.Tensor, dict[str, float], torch.Tensor]:
+        """Bypass mode's loss, its metrics (rollout_corr/* included) and the loss mask after rejection."""
+        c, device = correction, logp.device
+        rollout_logp, adv = micro.old_logprobs.to(device), micro.advantages.to(device)  # old_logprobs = rollout's here
+        is_w, loss_mask, corr = rollout_correction(logp.detach(), rollout_logp, mask, c.rollout_is, c.rollout_is_threshold,
+                                                   c.rollout_is_batch_normalize, c.rollout_rs, c.rollout_rs_threshold)
+        if c.loss_type == "reinforce":  # -A log pi, weighted by pi / pi_rollout
+            loss, stats = gpg_loss(logp, adv, loss_mask, knobs.agg_mode, is_w, loss_scale_factor=knobs.loss_scale_factor,
+                                   **norm)
+        else:  # ppo_clip: the ratio to pi_rollout is already the IS correction, clipped
+            loss, stats = policy_loss("vanilla", logp, rollout_logp, adv, loss_mask, knobs, **norm)
+        return loss, {**stats, **corr}, loss_mask
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return full_state_dict(self.model)

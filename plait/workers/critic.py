@@ -56,7 +56,7 @@ class Critic:
         with self.profiler.annotate("update_critic"):
             cfg, mini = self.cfg, self.cfg.ppo_mini_batch_size * self.n
             check_same_batch(batch, "Critic.update")
-            sums, count = {"vf_loss": 0.0, "vf_clipfrac": 0.0, "grad_norm": 0.0}, 0
+            sums, count = {"vf_loss": 0.0, "vf_clipfrac": 0.0, "vpred_mean": 0.0, "grad_norm": 0.0}, 0
             rows = torch.arange(len(batch))
             for _ in range(cfg.ppo_epochs):
                 for start in range(0, len(batch), mini):
@@ -64,7 +64,10 @@ class Critic:
                     for k in sums:
                         sums[k] += stats[k]
                     count += 1
-            return {f"critic/{k}": v / count for k, v in sums.items()}
+            metrics = {f"critic/{k}": v / count for k, v in sums.items()}
+            metrics["critic/lr"] = self.scheduler.get_last_lr()[0]  # the lr this step trained with
+            self.scheduler.step()  # once per training step, as verl schedules
+            return metrics
 
     def _optimizer_step(self, mini: RolloutBatch) -> dict[str, float]:
         cfg = self.cfg
@@ -72,19 +75,21 @@ class Critic:
         norm = dict(num_tokens=max(num_tokens, 1.0), num_seqs=num_seqs)
         device = self.model.head.weight.device
         self.optimizer.zero_grad(set_to_none=True)
-        stats = {"vf_loss": 0.0, "vf_clipfrac": 0.0}
+        stats = {"vf_loss": 0.0, "vf_clipfrac": 0.0, "vpred_mean": 0.0}
         for start in range(0, len(mini), cfg.ppo_micro_batch_size_per_gpu):
             micro = mini.select(slice(start, start + cfg.ppo_micro_batch_size_per_gpu))
             mask = micro.response_mask.to(device)
-            loss, m = value_loss(self.model(micro), micro.values.to(device), micro.returns.to(device), mask,
+            vpreds = self.model(micro)  # [micro, resp_len]
+            loss, m = value_loss(vpreds, micro.values.to(device), micro.returns.to(device), mask,
                                  cliprange=cfg.cliprange_value, agg_mode=cfg.loss_agg_mode, **norm)
             loss.backward()
+            share = mask.sum().item() / norm["num_tokens"]
             stats["vf_loss"] += loss.item()
-            stats["vf_clipfrac"] += m["vf_clipfrac"] * mask.sum().item() / norm["num_tokens"]
+            stats["vf_clipfrac"] += m["vf_clipfrac"] * share
+            stats["vpred_mean"] += (vpreds.detach() * mask).sum().item() / norm["num_tokens"]
         all_reduce_grads(self.model)
         grad_norm = clip_grads(self.model, cfg.grad_clip)
         self.optimizer.step()
-        self.scheduler.step()
         stats = dict(zip(stats, global_sum(list(stats.values()))))  # each rank summed its rows' parts
         stats["grad_norm"] = grad_norm
         return stats

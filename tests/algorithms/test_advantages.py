@@ -6,8 +6,9 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from plait.algorithms.advantages import (ESTIMATORS, compute_advantages, gae, grpo, masked_mean,
-                                         masked_whiten, reinforce_plus_plus, rloo)
+from plait.algorithms.advantages import (ESTIMATORS, compute_advantages, gae, gpg, grpo, grpo_passk,
+                                         masked_mean, masked_whiten, opo, reinforce_plus_plus,
+                                         reinforce_plus_plus_baseline, remax, rloo)
 
 torch.set_num_threads(1)
 T = torch.tensor
@@ -129,24 +130,79 @@ def test_gae_with_gamma_lam_one_is_return_minus_value():
 
 def test_compute_advantages_dispatches_to_each_estimator():
     values = torch.rand(4, 3)
-    kw = dict(token_rewards=REWARDS, response_mask=MASK, group_ids=GROUPS)
+    baselines = torch.rand(4)
+    PAIRS = T([7, 3, 7, 3])  # grpo_passk needs two samples per group
+    kw = dict(token_rewards=REWARDS, response_mask=MASK, group_ids=PAIRS)
     direct = {
-        "grpo": grpo(REWARDS, MASK, GROUPS, norm_by_std=False),
-        "rloo": rloo(REWARDS, MASK, GROUPS),
+        "grpo": grpo(REWARDS, MASK, PAIRS, norm_by_std=False),
+        "rloo": rloo(REWARDS, MASK, PAIRS),
         "reinforce_plus_plus": reinforce_plus_plus(REWARDS, MASK, gamma=0.9),
         "gae": gae(REWARDS, values, MASK, gamma=0.9, lam=0.8),
+        "grpo_passk": grpo_passk(REWARDS, MASK, PAIRS, norm_by_std=False),
+        "reinforce_plus_plus_baseline": reinforce_plus_plus_baseline(REWARDS, MASK, PAIRS),
+        "remax": remax(REWARDS, MASK, baselines),
+        "opo": opo(REWARDS, MASK, PAIRS),
+        "gpg": gpg(REWARDS, MASK, PAIRS),
     }
     assert set(direct) == set(ESTIMATORS)
     for name, (adv, ret) in direct.items():
         got_adv, got_ret = compute_advantages(name, **kw, values=values, gamma=0.9, lam=0.8,
-                                              norm_by_std=False)
+                                              norm_by_std=False, baselines=baselines)
         assert_close(got_adv, adv)
         assert_close(got_ret, ret)
 
 
 def test_compute_advantages_errors():
     kw = dict(token_rewards=REWARDS, response_mask=MASK, group_ids=GROUPS)
-    with pytest.raises(ValueError, match="'ppo'.*grpo, rloo, reinforce_plus_plus, gae"):
+    with pytest.raises(ValueError, match="'ppo'.*grpo, grpo_passk, rloo, reinforce_plus_plus"):
         compute_advantages("ppo", **kw)
     with pytest.raises(ValueError, match="gae.*values"):
         compute_advantages("gae", **kw)
+    with pytest.raises(ValueError, match="remax.*greedy"):
+        compute_advantages("remax", **kw)
+
+
+def test_grpo_passk_only_the_best_learns():
+    # group 0 scores 1, 0, 0.5: best minus second best 0.5; unbiased std 0.5 -> 1
+    rewards, mask, groups = T([[1.0], [0.0], [0.5], [0.0], [2.0]]), torch.ones(5, 1), T([0, 0, 0, 1, 1])
+    adv, _ = grpo_passk(rewards, mask, groups, norm_by_std=False)
+    assert_close(adv, T([[0.5], [0.0], [0.0], [0.0], [2.0]]))
+    adv, _ = grpo_passk(rewards, mask, groups)
+    assert adv[0, 0].item() == pytest.approx(1.0, rel=1e-5)
+    assert adv[4, 0].item() == pytest.approx(2.0 / math.sqrt(2.0), rel=1e-5)  # std of 0, 2 is sqrt(2)
+    with pytest.raises(ValueError, match="at least 2"):
+        grpo_passk(T([[1.0]]), torch.ones(1, 1), T([7]))
+
+
+def test_reinforce_plus_plus_baseline_by_hand():
+    # group A scores 1, 0 (mean .5) -> .5, -.5; group B alone -> its score 1.
+    # valid tokens .5 .5 | -.5 | 1 1: whitened with mean .5, unbiased std sqrt(.375)
+    rewards = T([[0.0, 1.0], [1.0, 0.0], [0.0, 0.0]])
+    rewards[1, 0] = 0.0
+    rewards[2, 1] = 1.0
+    mask = T([[1.0, 1.0], [1.0, 0.0], [1.0, 1.0]])
+    adv, _ = reinforce_plus_plus_baseline(rewards, mask, T([0, 0, 1]))
+    s = math.sqrt(0.375)
+    assert_close(adv, T([[0.0, 0.0], [-1 / s, 0.0], [0.5 / s, 0.5 / s]]))
+
+
+def test_remax_subtracts_the_greedy_score():
+    rewards = T([[0.0, 0.0, 1.0], [0.0, 1.0, 0.0]])
+    mask = T([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    adv, ret = remax(rewards, mask, baselines=T([0.4, 1.0]))
+    assert_close(ret, T([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]]))
+    assert_close(adv, T([[0.6, 0.6, 0.6], [0.0, 0.0, 0.0]]))
+
+
+def test_opo_length_weighted_baseline():
+    # group scores 1 (length 1) and 0 (length 3): baseline (1*1 + 3*0) / 4 = .25; alone: its score
+    rewards = T([[1.0, 0.0, 0.0], [0.0, 0.0, 0.0], [0.0, 2.0, 0.0]])
+    mask = T([[1.0, 0.0, 0.0], [1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    adv, _ = opo(rewards, mask, T([0, 0, 1]))
+    assert_close(adv, T([[0.75, 0.0, 0.0], [-0.25, -0.25, -0.25], [2.0, 2.0, 0.0]]))
+
+
+def test_gpg_scales_by_the_share_of_nonzero_scores():
+    # scores 1 0 | 1 1: 3 of 4 non-zero -> alpha 4/3; group means .5 and 1
+    adv, _ = gpg(T([[1.0], [0.0], [1.0], [1.0]]), torch.ones(4, 1), T([0, 0, 1, 1]))
+    assert_close(adv, T([[2 / 3], [-2 / 3], [0.0], [0.0]]))

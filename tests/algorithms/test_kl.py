@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from plait.algorithms.kl import (KL_ESTIMATORS, AdaptiveKLController, FixedKLController,
-                                 apply_kl_penalty, kl_estimate, make_kl_controller)
+from plait.algorithms.kl import (KL_ESTIMATORS, AdaptiveKLController, FixedKLController, abs_k1,
+                                 apply_kl_penalty, k1, k3, kl_estimate, make_kl_controller)
 
 torch.set_num_threads(1)
 T = torch.tensor
@@ -42,7 +42,8 @@ def test_k3_clamps_and_stays_non_negative():
 def test_kl_estimate_unknown():
     with pytest.raises(ValueError, match="'k4'.*k1, kl, abs, k2, mse, k3, low_var_kl"):
         kl_estimate(LOGP, REF, "k4")
-    assert set(KL_ESTIMATORS) == {"k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl"}
+    assert set(KL_ESTIMATORS) == {"k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl",
+                                  "k1+", "kl+", "abs+", "k3+", "low_var_kl+"}
 
 
 def test_fixed_controller_never_moves():
@@ -81,3 +82,13 @@ def test_apply_kl_penalty_by_hand():
     # per-sequence masked means 0.5/3 and -2/2, then their mean
     assert metrics["actor/reward_kl_penalty"] == pytest.approx((0.5 / 3 - 1.0) / 2)
     assert metrics["actor/reward_kl_penalty_coeff"] == 0.1
+
+
+@pytest.mark.parametrize("name,base", [("k3+", k3), ("low_var_kl+", k3), ("k1+", k1), ("abs+", abs_k1)])
+def test_straight_through_keeps_the_value_and_takes_k2_gradient(name, base):
+    logp = torch.tensor([-1.0, -0.2, -3.0], requires_grad=True)
+    ref = torch.tensor([-1.5, -0.2, -1.0])
+    value = kl_estimate(logp, ref, name)
+    assert torch.allclose(value, base(logp, ref))
+    value.sum().backward()
+    assert torch.allclose(logp.grad, torch.tensor([0.5, 0.0, -2.0]))  # d/dlogp k2 = logp - ref

@@ -25,7 +25,7 @@ from plait.profiler import GlobalProfilerConfig, ProfilerSession, RoleProfilerCo
 from plait.trainers.lifecycle import read_metrics
 from plait.trainers.one_step_off import RolloutError
 from plait.types import PromptBatch
-from plait.workers.actor import Actor, truncated_is_weights
+from plait.workers.actor import Actor
 from plait.workers.rollout import Rollout
 
 torch.set_num_threads(1)
@@ -48,9 +48,9 @@ def build(tiny_config, out, *overrides):
     trainer, seen = lifecycle.trainer, []
     learn = trainer.learn
 
-    def recording(batch, timer):
+    def recording(batch, timer, *rest):
         seen.append(Consumed(trainer.version, batch.versions.tolist(), batch.group_ids.tolist()))
-        return learn(batch, timer)
+        return learn(batch, timer, *rest)
     trainer.learn = recording
     return lifecycle, seen
 
@@ -84,7 +84,7 @@ def test_mode_trains_with_bounded_staleness_and_every_sample_once(tmp_path, tiny
     for key in ("training/staleness/min", "training/staleness/mean", "training/staleness/max", "perf/samples_per_s"):
         assert all(key in r for r in records[1:]), key
     if mode != "sync":
-        for key in ("trainer/idle_ratio", "rollouter/idle_ratio", "timing_s/param_sync", "rollout_corr/is_weight_mean"):
+        for key in ("trainer/idle_ratio", "rollouter/idle_ratio", "timing_s/param_sync", "rollout_corr/rollout_is_mean"):
             assert all(key in r for r in records[1:]), key
         assert all(0 <= r["trainer/idle_ratio"] <= 1 and 0 <= r["rollouter/idle_ratio"] <= 1 for r in records[1:])
         assert max(r["training/staleness/max"] for r in records[1:]) == max(max(row) for row in behind)
@@ -212,17 +212,6 @@ def test_rollout_resume_continues_a_cut_generation(tmp_path):
         assert torch.allclose(done.rollout_logprobs[i, 2:n], whole.rollout_logprobs[i, 2:n], atol=1e-4)
     assert done.versions.tolist() == [7, 0, 7, 7]
     assert done.stop_reasons[1] == "eos" and int(done.response_mask[1].sum()) == 1
-
-
-def test_truncated_is_weights_by_hand():
-    old = torch.tensor([[0.0, -1.0, -2.0], [-1.0, -1.0, 0.0]])
-    rollout = torch.tensor([[-1.0, -1.0, -1.0], [0.0, -3.0, 0.0]])
-    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
-    e = torch.e
-    token = truncated_is_weights(old, rollout, mask, "token", 2.0)
-    assert torch.allclose(token, torch.tensor([[2.0, 1.0, 1 / e], [1 / e, 2.0, 0.0]]))
-    seq = truncated_is_weights(old, rollout, mask, "sequence", 2.0)  # log ratios sum to 0 and 1
-    assert torch.allclose(seq, torch.tensor([[1.0, 1.0, 1.0], [2.0, 2.0, 0.0]]))
 
 
 def test_config_rules(tmp_path):

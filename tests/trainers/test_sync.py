@@ -15,7 +15,10 @@ from plait.workers.actor import Actor
 STEP_KEYS = ["critic/score/mean", "critic/rewards/mean", "critic/advantages/mean", "response_length/mean",
              "actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/entropy", "actor/grad_norm",
              "perf/throughput", "perf/time_per_step", "timing_s/gen", "timing_s/reward", "timing_s/old_log_prob",
-             "timing_s/adv", "timing_s/update_actor", "timing_s/update_weights", "timing_s/step"]
+             "timing_s/adv", "timing_s/update_actor", "timing_s/update_weights", "timing_s/step",
+             "training/epoch", "actor/lr", "prompt_length/clip_ratio", "response/aborted_ratio",
+             "response_length_non_aborted/mean", "perf/max_memory_allocated_gb", "perf/max_memory_reserved_gb",
+             "perf/cpu_memory_used_gb", "perf/plait_peak_rss_gb", "rollout_corr/kl"]
 
 
 def run(cfg):
@@ -35,7 +38,7 @@ def test_grpo_changes_parameters_and_logs_verl_metrics(tmp_path, tiny_config):
     assert [r["step"] for r in records] == [0, 1, 2, 3]  # step 0: validation before training
     for key in STEP_KEYS:
         assert all(key in r for r in records[1:]), key
-    assert "val-core/arithmetic/reward/mean" in records[0] and "val-core/arithmetic/reward/mean" in records[2]
+    assert "val-core/arithmetic/reward/mean@1" in records[0] and "val-core/arithmetic/reward/mean@1" in records[2]
     assert "timing_s/testing" in records[2] and "timing_s/save_checkpoint" in records[3]
     assert os.path.isfile(tmp_path / "checkpoints" / "global_step_3" / "actor" / "model.pt")
     assert (tmp_path / "checkpoints" / "latest_checkpointed_iteration.txt").read_text() == "3"
@@ -89,7 +92,7 @@ def test_user_parquet_and_custom_reward_function(tmp_path, tiny_config):
                       "trainer.total_training_steps=2")
     run(cfg)
     records = read_metrics(os.path.join(out, "metrics.jsonl"))
-    assert "val-core/mine/reward/mean" in records[0]
+    assert "val-core/mine/reward/mean@1" in records[0]
     assert all(0.25 <= r["critic/score/mean"] <= 0.75 for r in records[1:])
     assert "reward_extra/length/mean" in records[1]
 

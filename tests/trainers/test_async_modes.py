@@ -103,7 +103,17 @@ def test_partial_rollouts_resume_with_the_new_weights(tmp_path, tiny_config):
     """Long responses, so syncs land while the rollouter is generating: those samples are aborted,
     finished with the new weights, tagged with that version, and still within the staleness bound."""
     lifecycle, seen = build(tiny_config, tmp_path, "trainer.mode=fully_async", "async_training.staleness_threshold=1",
-                            "data.max_response_length=40", "trainer.total_training_steps=5", "trainer.test_freq=-1")
+                            "data.max_response_length=40", "actor_rollout_ref.rollout.ignore_eos=true",
+                            "trainer.total_training_steps=5", "trainer.test_freq=-1")
+    trainer, learn = lifecycle.trainer, lifecycle.trainer.learn
+
+    def after_the_rollouter_started(batch, timer, *rest):
+        # Timing alone decided whether a sync met a running generate; wait until one is in flight.
+        deadline = time.monotonic() + 10
+        while trainer.in_flight == 0 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        return learn(batch, timer, *rest)
+    trainer.learn = after_the_rollouter_started
     lifecycle.run()
     records = read_metrics(os.path.join(tmp_path, "metrics.jsonl"))
     assert sum(r["fully_async/partial/partial_ratio"] for r in records) > 0

@@ -59,7 +59,7 @@ class DataConfig:
     filter_overlong_prompts: bool = False
     return_raw_chat: bool = True
     shuffle: bool = True
-    seed: int = 1
+    seed: Optional[int] = None                # null: trainer.seed
 
     def __post_init__(self):
         positive(self, "train_batch_size", "max_prompt_length", "max_response_length", "train_size", "val_size")
@@ -500,9 +500,10 @@ class PlaitConfig:
                   "generate calls)")
 
     def _inherit(self) -> None:
-        """verl's null micro-batch and token-length keys: a null takes the whole (mini-)batch or the actor's value."""
+        """verl's null keys: a micro-batch takes the whole (mini-)batch, a token length or seed the key it follows."""
         arr, critic = self.actor_rollout_ref, self.critic
         actor, n = arr.actor, arr.rollout.n
+        self.data.seed = self.trainer.seed if self.data.seed is None else self.data.seed
         actor.ppo_micro_batch_size_per_gpu = actor.ppo_micro_batch_size_per_gpu or actor.ppo_mini_batch_size * n
         critic.ppo_micro_batch_size_per_gpu = critic.ppo_micro_batch_size_per_gpu or critic.ppo_mini_batch_size * n
         for node in (arr.rollout, arr.ref):

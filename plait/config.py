@@ -573,17 +573,13 @@ def take_no_effect(tree: dict, prefix: str = "") -> list[str]:
         path = f"{prefix}{key}"
         value = tree[key]
         if any(p in NO_EFFECT for p in _prefixes(path)):
-            taken += _leaves(value, f"{path}.") if isinstance(value, dict) and value else [path]
+            taken += [k for k, _ in _leaf_items(value, f"{path}.")] if isinstance(value, dict) and value else [path]
             del tree[key]
         elif isinstance(value, dict) and value:
             taken += take_no_effect(value, f"{path}.")
             if not value:  # a verl-only section, now empty
                 del tree[key]
     return taken
-
-
-def _leaves(tree: dict, prefix: str) -> list[str]:
-    return [key for key, _ in _leaf_items(tree, prefix)]
 
 
 def _leaf_items(tree: dict, prefix: str) -> list[tuple[str, Any]]:
@@ -642,8 +638,8 @@ def load_config(path: str | None = None, overrides: list[str] = ()) -> PlaitConf
         errors.append(err)
     raise_all(errors)
     if demo:
-        print("plait: actor_rollout_ref.model.path is null: the demo model, with the demo preset "
-              "(plait/configs/demo.yaml) under your settings", file=sys.stderr)
+        print("plait: actor_rollout_ref.model.path is null: the demo preset "
+              "(plait/configs/demo.yaml) applies under your settings", file=sys.stderr)
     if cfg.trainer.backend == "local":
         no_effect += [key for key in user if key in LOCAL_BACKEND_NO_EFFECT]
     if no_effect:

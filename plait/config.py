@@ -128,7 +128,7 @@ STRATEGIES = ("fsdp", "fsdp2")
 @dataclass
 class ActorConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
-    strategy: str = "fsdp"                    # fsdp | fsdp2: how the Ray backend's data-parallel workers shard
+    strategy: str = "fsdp"                    # fsdp | fsdp2, both accepted: plait shards with FSDP2 on CUDA with >1 rank
     ppo_mini_batch_size: int = 256            # prompts per optimizer step (x rollout.n samples)
     ppo_micro_batch_size_per_gpu: Optional[int] = None  # samples per forward/backward; null: the whole mini-batch
     use_dynamic_bsz: bool = False

@@ -60,7 +60,7 @@ class DataConfig:
     filter_overlong_prompts: bool = False
     return_raw_chat: bool = True
     shuffle: bool = True
-    seed: int = 1
+    seed: Optional[int] = None                # null: trainer.seed
 
     def __post_init__(self):
         positive(self, "train_batch_size", "max_prompt_length", "max_response_length", "train_size", "val_size")
@@ -134,7 +134,7 @@ STRATEGIES = ("fsdp", "fsdp2")
 @dataclass
 class ActorConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
-    strategy: str = "fsdp"                    # fsdp | fsdp2: how the Ray backend's data-parallel workers shard
+    strategy: str = "fsdp"                    # fsdp | fsdp2, both accepted: plait shards with FSDP2 on CUDA with >1 rank
     ppo_mini_batch_size: int = 256            # prompts per optimizer step (x rollout.n samples)
     ppo_micro_batch_size_per_gpu: Optional[int] = None  # samples per forward/backward; null: the whole mini-batch
     use_dynamic_bsz: bool = False
@@ -516,9 +516,10 @@ class PlaitConfig:
                   "generate calls)")
 
     def _inherit(self) -> None:
-        """verl's null micro-batch and token-length keys: a null takes the whole (mini-)batch or the actor's value."""
+        """verl's null keys: a micro-batch takes the whole (mini-)batch, a token length or seed the key it follows."""
         arr, critic = self.actor_rollout_ref, self.critic
         actor, n = arr.actor, arr.rollout.n
+        self.data.seed = self.trainer.seed if self.data.seed is None else self.data.seed
         actor.ppo_micro_batch_size_per_gpu = actor.ppo_micro_batch_size_per_gpu or actor.ppo_mini_batch_size * n
         critic.ppo_micro_batch_size_per_gpu = critic.ppo_micro_batch_size_per_gpu or critic.ppo_mini_batch_size * n
         # seq-mean-token-sum-norm's constant: verl divides by the padded length, which is max_response_length there
@@ -590,17 +591,13 @@ def take_no_effect(tree: dict, prefix: str = "") -> list[str]:
         path = f"{prefix}{key}"
         value = tree[key]
         if any(p in NO_EFFECT for p in _prefixes(path)):
-            taken += _leaves(value, f"{path}.") if isinstance(value, dict) and value else [path]
+            taken += [k for k, _ in _leaf_items(value, f"{path}.")] if isinstance(value, dict) and value else [path]
             del tree[key]
         elif isinstance(value, dict) and value:
             taken += take_no_effect(value, f"{path}.")
             if not value:  # a verl-only section, now empty
                 del tree[key]
     return taken
-
-
-def _leaves(tree: dict, prefix: str) -> list[str]:
-    return [key for key, _ in _leaf_items(tree, prefix)]
 
 
 def _leaf_items(tree: dict, prefix: str) -> list[tuple[str, Any]]:
@@ -659,8 +656,8 @@ def load_config(path: str | None = None, overrides: list[str] = ()) -> PlaitConf
         errors.append(err)
     raise_all(errors)
     if demo:
-        print("plait: actor_rollout_ref.model.path is null: the demo model, with the demo preset "
-              "(plait/configs/demo.yaml) under your settings", file=sys.stderr)
+        print("plait: actor_rollout_ref.model.path is null: the demo preset "
+              "(plait/configs/demo.yaml) applies under your settings", file=sys.stderr)
     if cfg.trainer.backend == "local":
         no_effect += [key for key in user if key in LOCAL_BACKEND_NO_EFFECT]
     if no_effect:

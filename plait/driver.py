@@ -60,7 +60,7 @@ def preflight(cfg: PlaitConfig) -> None:
     """Everything refused before any training work, all errors together."""
     errors = []
     for rule in (lambda: validate_environment(cfg.global_profiler, role_profilers(cfg)), lambda: check_data_files(cfg),
-                 lambda: check_model_path(cfg), lambda: resolve_reward(cfg)):
+                 lambda: check_model_path(cfg), lambda: resolve_reward(cfg), lambda: resolve_device(cfg)):
         try:
             rule()
         except ConfigError as err:

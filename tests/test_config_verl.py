@@ -158,3 +158,12 @@ def test_config_show_checks_what_train_checks():
                            "actor_rollout_ref.model.path=/no/such/model"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "data.train_files" in proc.stderr and "actor_rollout_ref.model.path" in proc.stderr
+
+
+def test_no_key_is_both_a_field_and_in_the_no_effect_table():
+    from plait.config import PlaitConfig, _leaf_items
+    from plait.config_verl import NO_EFFECT
+    from plait.configtree import to_dict
+    fields = {key for key, _ in _leaf_items(to_dict(PlaitConfig()), "")}
+    sections = {key.rsplit(".", i)[0] for key in fields for i in range(1, key.count(".") + 1)}
+    assert not set(NO_EFFECT) & (fields | sections)

@@ -49,9 +49,10 @@ WORKLOAD = ["demo.model_size=s", "demo.warmstart_steps=0", "data.train_size=512"
 # Generation >= 60 % of a sync step: long responses from few rows (decode runs one token at a time,
 # so its per-step cost barely shrinks with the batch) and one optimizer step per batch (pi_old fused).
 ROLLOUT_HEAVY = [*WORKLOAD, "data.train_batch_size=4", "data.max_response_length=320", "actor_rollout_ref.rollout.n=2",
-                 "actor_rollout_ref.actor.ppo_mini_batch_size=4", "async_training.require_batches=1",
-                 "async_training.gen_batch_size=4"]
-WORKLOADS = {"balanced": (WORKLOAD, 8 * 8), "rollout_heavy": (ROLLOUT_HEAVY, 4 * 2)}  # name: (overrides, samples/step)
+                 "actor_rollout_ref.actor.ppo_mini_batch_size=4"]
+# name: (overrides, samples/step, fully_async's overrides on top of MODES: one local update = one step's batch)
+WORKLOADS = {"balanced": (WORKLOAD, 8 * 8, []),
+             "rollout_heavy": (ROLLOUT_HEAVY, 4 * 2, ["async_training.require_batches=1", "async_training.gen_batch_size=4"])}
 
 
 def run_once(workload: str, mode: str, steps: int, threads: int, backend: str, device: str, out_dir: str) -> dict:
@@ -59,8 +60,8 @@ def run_once(workload: str, mode: str, steps: int, threads: int, backend: str, d
     from plait.config import load_config
     from plait.trainers.lifecycle import read_metrics
     extra = ["trainer.ray.num_cpu_workers=1", "trainer.ray.cpus_per_worker=1"] if backend == "ray" else []
-    overrides, samples_per_step = WORKLOADS[workload]
-    cfg = load_config(None, [*MODES[mode], *overrides, f"trainer.total_training_steps={steps}",
+    overrides, samples_per_step, async_overrides = WORKLOADS[workload]
+    cfg = load_config(None, [*overrides, *MODES[mode], *(async_overrides if mode == "fully_async" else []), f"trainer.total_training_steps={steps}",
                              f"trainer.num_threads={threads}", f"trainer.backend={backend}", f"trainer.device={device}", *extra,
                              f"trainer.default_local_dir={out_dir}"])
     _, load = measured(driver.build(cfg, progress=False).run, threads=threads * (1 if mode == "sync" else 2))

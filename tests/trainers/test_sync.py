@@ -123,6 +123,10 @@ def test_one_optimizer_step_per_batch_fuses_pi_old_and_trains_the_same(tmp_path,
     assert "timing_s/old_log_prob" not in b and b["actor/old_log_prob_fused"] == 1.0
     for key in ("critic/score/mean", "training/rollout_probs_diff_mean", "global_seqlen/real_tokens"):
         assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
+    run(tiny_config(tmp_path / "corrected", *common, "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+                    "algorithm.rollout_correction.rollout_is=token"))
+    [c] = read_metrics(os.path.join(tmp_path, "corrected", "metrics.jsonl"))
+    assert "timing_s/old_log_prob" in c  # rollout correction needs the whole batch's pi_old first
     assert 0 < b["perf/mfu/actor"] < 1 and 0 < b["perf/mfu/gen"] < 1 and b["global_seqlen/padding_ratio"] >= 0
 
 

@@ -8,6 +8,9 @@ each, and reports the median new tokens/s by wall clock and by process CPU time 
 is the steadier one when other processes share the cores). A second part times one decode step:
 plait's forward, HF's forward with a DynamicCache, and the sampling; and splits the op time of
 plait's forward into matmuls, attention, KV-cache writes and everything else (torch.profiler).
+Each config also gives plait's tokens/s as a share of the FLOP bound (plait/workers/flops.py: the
+machine's measured matmul peak over the model's FLOPs per token) and its load-average record
+(bench/machine.py; a busy run marks the result `valid: false`).
 
     python bench/bench_decode.py [--runs 5] [--out bench/results/decode.json]
 """
@@ -26,6 +29,8 @@ import torch
 import transformers
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
+from machine import measured, verdict
+from plait.workers.flops import ModelFlops, device_peak_flops
 from plait.workers.rollout_engine import (SamplingParams, TransformersEngine, _HFStepper, _LlamaStepper,
                                           sample_tokens)
 
@@ -147,13 +152,18 @@ def main():
           f"{'CPU-time ratio':>14}")
     for size in SIZES:
         model = build(size)
+        flops = ModelFlops.of(model)
         configs = [(b, n, []) for b in BATCHES for n in RESPONSES] + [(64, 128, EOS_IDS)]
         for batch, new, eos in configs:
-            row = {"size": size, "batch": batch, "response_len": new, "eos": eos,
-                   **throughput(model, batch, new, args.runs, eos)}
+            measures, load = measured(throughput, model, batch, new, args.runs, eos)
+            row = {"size": size, "batch": batch, "response_len": new, "eos": eos, **measures, "load": load}
+            # tokens/s if every decode step ran at the measured matmul peak (prompt + response context)
+            row["flop_bound_tok_s"] = round(flops.peak / (flops.forward([PROMPT_LEN + new]) / (PROMPT_LEN + new)))
+            row["share_of_flop_bound"] = round(row["plait_tok_s"] / row["flop_bound_tok_s"], 3)
             result["configs"].append(row)
             print(f"{size:>4} {batch:>5} {new:>4} {'on' if eos else 'off':>4} | {row['hf_tok_s']:>9} "
-                  f"{row['plait_tok_s']:>11} {row['ratio']:>5} | {row['ratio_cpu']:>14}", flush=True)
+                  f"{row['plait_tok_s']:>11} {row['ratio']:>5} | {row['ratio_cpu']:>14} | "
+                  f"{row['share_of_flop_bound']:.1%} of the FLOP bound", flush=True)
         for batch in BATCHES:
             result["step_breakdown"].append({"size": size, "batch": batch, **step_breakdown(model, batch)})
     print("\nCPU ms per decode step (response 32), and where plait's forward spends its op time:")
@@ -162,6 +172,8 @@ def main():
               f"HF forward {row['hf_forward_ms']}, sampling {row['sampling_ms']} | "
               + ", ".join(f"{k[6:]} {v:.0%}" for k, v in row.items() if k.startswith("share_")))
     result["machine"]["load_avg_end"] = os.getloadavg()
+    result["machine"]["matmul_peak_flops"] = device_peak_flops("cpu", torch.float32)
+    result.update(verdict([row["load"] for row in result["configs"]]))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {args.out}")

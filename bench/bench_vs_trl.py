@@ -1,6 +1,7 @@
 """plait vs TRL's GRPOTrainer: generated tokens per second of GRPO training, side by side on CPU.
 
-Both frameworks train the same saved tiny Qwen2 (plait.models.create_tiny_model, sizes s and m)
+Both frameworks train the same saved model: plait's tiny Qwen2s (plait.models.create_tiny_model,
+sizes s and m) or a ~46M-parameter Llama (size l, bench/llama_model.py), each
 with the same char tokenizer, on the same built-in arithmetic prompts (rendered with the same chat
 template: TRL gets plait's rendered prompt text in its prompt-only format), the same reward
 (plait's default_compute_score wrapped into TRL's signature), the same prompts x n per step, the
@@ -18,7 +19,11 @@ time per step is recorded too: it is steadier when other processes share the cor
 framework's time is split into stages: plait's timing_s/*, TRL's by timers the bench wraps around
 model.generate, _generate_and_score_completions and training_step.
 
-    python bench/bench_vs_trl.py [--sizes s,m] [--runs 3] [--out bench/results/trl.json]
+    python bench/bench_vs_trl.py [--sizes s,m,l] [--runs 3] [--out bench/results/trl.json]
+
+Each run records the load average before and after it (bench/machine.py); a result with a run
+started on a busy machine says `"valid": false` and prints why. plait's runs also record its MFU
+(perf/mfu/actor, perf/mfu/gen: model FLOPs over this machine's measured matmul peak).
 
 Needs `pip install -e .[bench]` (trl==1.16.0). Left out: GPUs, vLLM, EOS-terminated lengths.
 """
@@ -36,6 +41,8 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from machine import measured, verdict
 
 PLAIT_STAGES = ("gen", "reward", "old_log_prob", "adv", "update_actor", "update_weights")
 TRL_STAGES = ("gen", "prepare_other", "loss_fwd_bwd", "optimizer_other", "between_steps")
@@ -89,6 +96,7 @@ def plait_worker(model_dir: str, data_file: str, s: Settings, out_dir: str) -> d
         f"actor_rollout_ref.model.dtype={s.dtype}",
         "trainer.resume_mode=disable", f"trainer.seed={s.seed}", f"trainer.default_local_dir={out_dir}",
         "actor_rollout_ref.rollout.ignore_eos=true",  # fixed length: exactly L tokens for every row
+        "actor_rollout_ref.model.enable_gradient_checkpointing=false",  # as TRL here (verl's default is on)
         *s.plait_overrides,
     ])
     lifecycle = build(cfg, progress=False)
@@ -107,6 +115,8 @@ def plait_worker(model_dir: str, data_file: str, s: Settings, out_dir: str) -> d
         "setup_s": round(start - T0, 2),
         "response_length_mean": [r["response_length/mean"] for r in timed],
         "breakdown_s": {k: _median(r.get(f"timing_s/{k}", 0.0) for r in timed) for k in (*PLAIT_STAGES, "step")},
+        "mfu": {k: _median(r[f"perf/mfu/{k}"] for r in timed) for k in ("actor", "gen")},
+        "old_log_prob_fused": all(r.get("actor/old_log_prob_fused") == 1.0 for r in timed),
         **_step_times(ends, s),
     }
 
@@ -225,11 +235,10 @@ def run_worker(framework: str, model_dir: str, data_file: str, s: Settings, scra
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
            "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error",
            "PYTHONWARNINGS": "ignore"}
-    load = os.getloadavg()
     start = time.perf_counter()
-    proc = subprocess.run([sys.executable, __file__, "--worker", framework, "--model", model_dir, "--data", data_file,
+    proc, load = measured(subprocess.run, [sys.executable, __file__, "--worker", framework, "--model", model_dir, "--data", data_file,
                            "--settings", json.dumps(asdict(s)), "--scratch", out_dir, "--result", result],
-                          env=env, capture_output=True, text=True)
+                          env=env, capture_output=True, text=True, threads=1)
     if proc.returncode != 0:
         raise RuntimeError(f"{framework} worker failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
     out = json.loads(Path(result).read_text())
@@ -238,8 +247,7 @@ def run_worker(framework: str, model_dir: str, data_file: str, s: Settings, scra
         raise RuntimeError(f"{framework}: responses were not all {s.length} tokens: {out['response_length_mean']}")
     if out["threads_seen"] != 1:
         raise RuntimeError(f"{framework} ran with {out['threads_seen']} torch threads, not 1")
-    return {"framework": framework, "load_1min_before": round(load[0], 2), "process_s": round(time.perf_counter() - start, 1),
-            **out}
+    return {"framework": framework, "load": load, "process_s": round(time.perf_counter() - start, 1), **out}
 
 
 def summarize(size: str, runs: list[dict]) -> dict:
@@ -255,12 +263,13 @@ def summarize(size: str, runs: list[dict]) -> dict:
     # per-run pairs (adjacent processes): the spread of the ratio under the machine's load
     pairs = [p["tokens_per_s"] / t["tokens_per_s"] for p, t in zip(by["plait"], by["trl"])]
     row["ratio_per_run"] = [round(x, 2) for x in pairs]
+    row["plait_mfu"] = {k: _median(r["mfu"][k] for r in by["plait"]) for k in ("actor", "gen")}
     return row
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--sizes", default="s,m")
+    ap.add_argument("--sizes", default="s,m,l")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--prompts", type=int, default=Settings.prompts)
     ap.add_argument("--n", type=int, default=Settings.n)
@@ -290,7 +299,7 @@ def main():
     import trl
 
     from plait.data.tasks import make_task_rows
-    from plait.models import create_tiny_model
+    from llama_model import create_model
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -309,7 +318,7 @@ def main():
     with tempfile.TemporaryDirectory(prefix="plait_bench_trl_") as scratch:
         data_file = os.path.join(scratch, "arithmetic_train.parquet")
         pq.write_table(pa.Table.from_pylist(make_task_rows("arithmetic", "train", s.data_rows, seed=0)), data_file)
-        models = {size: create_tiny_model(os.path.join(scratch, f"model_{size}"), size, seed=0) for size in sizes}
+        models = {size: create_model(os.path.join(scratch, f"model_{size}"), size, seed=0) for size in sizes}
         for i in range(args.runs):
             for size in sizes:
                 order = ("plait", "trl") if i % 2 == 0 else ("trl", "plait")
@@ -317,9 +326,11 @@ def main():
                     run = run_worker(framework, models[size], data_file, s, scratch, f"{framework}_{size}_{i}")
                     result["runs"].append({"size": size, "run": i, **run})
                     print(f"run {i} {size} {framework:>5}: {run['tokens_per_s']:>8.0f} tok/s  "
-                          f"step {run['median_step_s']:.3f} s  (load {run['load_1min_before']})", flush=True)
+                          f"step {run['median_step_s']:.3f} s  (load {run['load']['load_before']} -> "
+                          f"{run['load']['load_after']}{'' if run['load']['valid'] else ', BUSY'})", flush=True)
     result["summary"] = [summarize(size, [r for r in result["runs"] if r["size"] == size]) for size in sizes]
     result["machine"]["load_avg_after"] = [round(x, 2) for x in os.getloadavg()]
+    result.update(verdict([r["load"] for r in result["runs"]]))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     print_table(result)
@@ -346,6 +357,7 @@ def print_table(result: dict) -> None:
         print(f"{row['size']:>4} | {row['plait_tokens_per_s']:>11.0f} {row['trl_tokens_per_s']:>9.0f} {row['ratio']:>5} | "
               f"{row['plait_step_s']:>12.3f} {row['trl_step_s']:>10.3f} | {row['ratio_cpu']:>14}")
     for row in result["summary"]:
+        print(f"  {row['size']} plait MFU: update_actor {row['plait_mfu']['actor']:.1%}, gen {row['plait_mfu']['gen']:.1%}")
         for f in WORKERS:
             parts = ", ".join(f"{k} {v:.3f}" for k, v in row[f"{f}_breakdown_s"].items())
             print(f"  {row['size']} {f} s/step: {parts}")

@@ -4,7 +4,8 @@
 
 (gen_max runs only for ReMax: a greedy response per prompt whose score is the baseline.
 old_log_prob is skipped in verl's bypass mode: pi_old is then the rollout's own log-prob, and
-rollout correction moves into the actor. update_actor waits out `trainer.critic_warmup` steps.)
+rollout correction moves into the actor; and when the batch feeds exactly one optimizer step:
+the update's own forward then gives pi_old. update_actor waits out `trainer.critic_warmup` steps.)
 
 `LMTrainer` implements the lifecycle's Trainer protocol around `learn`; a mode (sync.py,
 one_step_off.py, fully_async.py) subclasses it and supplies only where a batch comes from
@@ -34,6 +35,7 @@ from plait.trainers.lifecycle import StageTimer, StepResult
 from plait.types import PromptBatch, RolloutBatch
 from plait.workers.actor import Actor
 from plait.workers.critic import Critic
+from plait.workers.packing import seqlen_metrics
 from plait.workers.ref import Ref
 from plait.workers.rollout import Rollout
 from plait.workers.weight_sync import sync_weights
@@ -91,6 +93,7 @@ class LMTrainer:
         self.updates_per_step = 1  # fully async: several local updates per policy version
         self.version = 0
         self.tracker = None  # the lifecycle's Tracker, set by the driver: validation generations go there
+        self.model_flops = None  # the policy's FLOPs per token (asked of the actor at the first step)
 
     # -- the Trainer protocol -------------------------------------------------------------------
 
@@ -101,16 +104,21 @@ class LMTrainer:
         pass
 
     def train_step(self, step: int, timer: StageTimer) -> StepResult:
-        start, results, samples = time.perf_counter(), [], 0
+        start, results, samples, lengths = time.perf_counter(), [], 0, []
         # verl's rule: the actor trains from step critic_warmup on (steps 1..critic_warmup-1 train the critic only)
         update_actor = step >= self.cfg.trainer.critic_warmup
         for _ in range(self.updates_per_step):
             batch = self.next_batch(step, timer)
             results.append(self.learn(batch, timer, update_actor))
             samples += len(batch)
+            lengths += batch.attention_mask.sum(-1).tolist()
         result = merge_results(results)
         result.metrics["training/epoch"] = self.cursor.epoch
         result.metrics.update(self.after_update(step, timer))
+        if "gen" in timer.times:  # generated in this step (sync); prefill + decode cost one forward's FLOPs
+            if self.model_flops is None:
+                self.model_flops = self.roles.actor.call(Actor.model_flops)
+            result.metrics["perf/mfu/gen"] = self.model_flops.mfu(self.model_flops.forward(lengths), timer.times["gen"])
         result.metrics["perf/samples_per_s"] = samples / (time.perf_counter() - start)
         return result
 
@@ -225,6 +233,8 @@ class LMTrainer:
                         "training/staleness/max": behind.max().item()})
         if self.correction.bypass_mode:
             batch.old_logprobs = batch.rollout_logprobs
+        elif self.fuses_old_log_prob(batch):
+            metrics["actor/old_log_prob_fused"] = 1.0  # pi_old comes from the update's own forward
         else:
             with timer.stage("old_log_prob"):
                 metrics.update(self.compute_old_log_prob(batch))
@@ -246,12 +256,24 @@ class LMTrainer:
                     actor_metrics.pop("actor/entropy")
                 metrics.update(actor_metrics)
         metrics.update(data_metrics(batch, cfg.data.max_prompt_length))
+        metrics.update(seqlen_metrics(batch.attention_mask))
         num_tokens = int(batch.attention_mask.sum())
         return StepResult(metrics, num_tokens=num_tokens, response_tokens=int(batch.response_mask.sum()))
 
+    def fuses_old_log_prob(self, batch: RolloutBatch) -> bool:
+        """True when the batch feeds exactly one optimizer step (one mini-batch, one epoch) and nothing
+        before the update reads pi_old: pi_old is then the policy about to be updated, so the update's
+        own forward gives it (detached) and the separate old_log_prob pass is skipped. Rollout
+        correction (IS weights, rejection) works on the whole batch's pi_old, so it keeps the pass."""
+        actor, c = self.cfg.actor_rollout_ref.actor, self.correction
+        return (actor.ppo_epochs == 1 and actor.ppo_mini_batch_size * self.sampling.n >= len(batch)
+                and not self.cfg.algorithm.use_kl_in_reward and c.rollout_is is None and c.rollout_rs is None)
+
     def compute_old_log_prob(self, batch: RolloutBatch) -> dict[str, float]:
-        old_logp, entropy = self.roles.actor.call(Actor.compute_log_prob, batch,
-                                                  self.cfg.actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu)
+        r = self.cfg.actor_rollout_ref.rollout
+        old_logp, entropy = self.roles.actor.call(
+            Actor.compute_log_prob, batch, r.log_prob_micro_batch_size_per_gpu,
+            r.log_prob_max_token_len_per_gpu if r.log_prob_use_dynamic_bsz else None)
         batch.old_logprobs = old_logp
         mask = batch.response_mask
         metrics = {"actor/entropy": masked_mean(entropy, mask),
@@ -433,11 +455,23 @@ def build_lm_trainer(cfg: PlaitConfig, backend, device: str):
         if optim.total_training_steps == -1:
             optim.total_training_steps = total_training_steps(cfg, len(train_data))
     temp, n = arr.rollout.temperature or 1.0, arr.rollout.n
+    model, critic = arr.model, cfg.critic
+    budget = lambda dynamic, tokens: tokens if dynamic else None  # noqa: E731  use_dynamic_bsz: a token budget
     roles = Roles(
-        actor=backend.spawn("actor", Actor, model_path, arr.actor, n, temp, device=device, dtype=dtype, seed=cfg.trainer.seed),
+        actor=backend.spawn("actor", Actor, model_path, arr.actor, n, temp, device=device, dtype=dtype, seed=cfg.trainer.seed,
+                            remove_padding=model.use_remove_padding,
+                            max_token_len=budget(arr.actor.use_dynamic_bsz, arr.actor.ppo_max_token_len_per_gpu),
+                            gradient_checkpointing=model.enable_gradient_checkpointing),
         rollout=backend.spawn("rollout", Rollout, model_path, d.max_response_length, tokenizer, device=device, dtype=dtype,
                               ignore_eos=arr.rollout.ignore_eos),
-        ref=backend.spawn("ref", Ref, model_path, arr.ref, temp, device=device, dtype=dtype) if cfg.uses_ref else None,
-        critic=(backend.spawn("critic", Critic, cfg.critic.model.path or model_path, cfg.critic, n, device=device, dtype=dtype)
-                if cfg.critic.enable else None))
+        ref=backend.spawn("ref", Ref, model_path, arr.ref, temp, device=device, dtype=dtype,
+                          remove_padding=model.use_remove_padding,
+                          max_token_len=budget(arr.ref.log_prob_use_dynamic_bsz, arr.ref.log_prob_max_token_len_per_gpu))
+        if cfg.uses_ref else None,
+        critic=(backend.spawn("critic", Critic, critic.model.path or model_path, critic, n, device=device, dtype=dtype,
+                              remove_padding=critic.model.use_remove_padding,
+                              max_token_len=budget(critic.use_dynamic_bsz, critic.ppo_max_token_len_per_gpu),
+                              forward_max_token_len=budget(critic.use_dynamic_bsz, critic.forward_max_token_len_per_gpu),
+                              gradient_checkpointing=critic.model.enable_gradient_checkpointing)
+                if critic.enable else None))
     return MODES[cfg.trainer.mode](cfg, roles, tokenizer, train_data, val_data, reward_fn, backend.profile_targets())

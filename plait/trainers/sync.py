@@ -28,6 +28,7 @@ class SyncTrainer(LMTrainer):
     def after_update(self, step: int, timer: StageTimer) -> dict[str, float]:
         """Sync: push the new weights to the rollout; they are policy version `step`. Returns the mode's metrics."""
         with timer.stage("update_weights"):
-            sync_weights(self.roles.actor, self.roles.rollout, step)
+            # Nothing generates until the next step's gen: the rollout may read the actor's own tensors.
+            sync_weights(self.roles.actor, self.roles.rollout, step, share=True)
         self.version = step
         return {}

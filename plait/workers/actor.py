@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import math
 import os
+import time
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from plait.algorithms.kl import kl_estimate
 from plait.algorithms.losses import (PolicyLossKnobs, agg_loss, entropy_from_logits, gpg_loss, policy_loss,
@@ -23,29 +25,44 @@ from plait.algorithms.rollout_correction import rollout_correction
 from plait.config import ActorConfig, OptimConfig, RolloutCorrectionConfig
 from plait.models import load_causal_lm
 from plait.types import RolloutBatch
+from plait.workers.flops import ModelFlops
+from plait.workers.packing import MicroBatching, checked_remove_padding, pack, unpack
 from plait.workers.parallel import (all_reduce_grads, check_same_batch, checkpoint_state, clip_grads, dp_rank_size,
                                     dp_share, full_state_dict, global_sum, load_checkpoint_state, shard_model, use_fsdp)
 
 
-def response_forward(model, batch: RolloutBatch, temperature: float, micro_batch_size: int,
+def response_forward(model, batch: RolloutBatch, temperature: float, layout: MicroBatching,
                      with_entropy: bool, grad: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs [batch, resp_len] (and entropy) of the batch's responses under `model`."""
-    logps, ents = [], []
-    for start in range(0, len(batch), micro_batch_size):
-        micro = batch.select(slice(start, start + micro_batch_size))
+    device = next(model.parameters()).device
+    logp = torch.zeros(batch.responses.shape, device=device)               # [batch, resp_len]
+    ent = torch.zeros(batch.responses.shape, device=device) if with_entropy else None
+    for rows in layout.split(batch):
         with torch.set_grad_enabled(grad):
-            logp, ent = micro_forward(model, micro, temperature, with_entropy)
-        logps.append(logp)
-        ents.append(ent)
-    return torch.cat(logps), (torch.cat(ents) if with_entropy else None)
+            logp[rows], micro_ent = micro_forward(model, batch.select(rows), temperature, with_entropy,
+                                                  layout.remove_padding)
+        if with_entropy:
+            ent[rows] = micro_ent
+    return logp, ent
 
 
-def micro_forward(model, micro: RolloutBatch, temperature: float, with_entropy: bool):
+def micro_forward(model, micro: RolloutBatch, temperature: float, with_entropy: bool, remove_padding: bool = False):
+    """Log-probs (and entropy) [micro, resp_len]; packed: only the real tokens go through the model."""
     device = next(model.parameters()).device
     input_ids = micro.input_ids.to(device)                      # [micro, prompt_len + resp_len]
     mask = micro.attention_mask.to(device)
-    position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
     resp_len = micro.responses.shape[1]
+    if remove_padding:
+        packed = pack(input_ids, mask)                          # rows of [row_len]
+        logits = model(input_ids=packed.input_ids, position_ids=packed.position_ids,
+                       use_cache=False).logits.float() / temperature  # [rows, row_len, vocab]
+        # At each packed token, the log-prob of the next one: its sequence's next token, except at a
+        # sequence's last token, which lands on padding or past the response slice below.
+        logp = token_logprobs(logits, packed.input_ids.roll(-1, dims=1))
+        logp = unpack(logp, packed, mask.shape)[:, -resp_len - 1:-1]
+        ent = unpack(entropy_from_logits(logits), packed, mask.shape)[:, -resp_len - 1:-1] if with_entropy else None
+        return logp, ent                                        # [micro, resp_len]
+    position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
     logits = model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids,
                    use_cache=False).logits[:, -resp_len - 1:-1]  # [micro, resp_len, vocab]
     logits = logits.float() / temperature
@@ -76,7 +93,11 @@ def make_optimizer(params, cfg: OptimConfig):
     cfg.total_training_steps is the trainer's step count (the driver fills in -1);
     lr_warmup_steps -1 means lr_warmup_steps_ratio x total steps.
     """
-    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
+    params = list(params)
+    # The fused kernel (CPU and CUDA) updates all tensors in one pass: ~4x faster than the per-tensor
+    # loop on a 46M model on CPU. FSDP2's sharded parameters keep the default implementation.
+    fused = not any(isinstance(p, DTensor) for p in params)
+    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay, fused=fused)
     total = max(cfg.total_training_steps, 1)
     warmup = cfg.lr_warmup_steps if cfg.lr_warmup_steps >= 0 else int(cfg.lr_warmup_steps_ratio * total)
     kind = cfg.warmup_style or cfg.lr_scheduler_type  # warmup_style: verl's older name
@@ -88,28 +109,46 @@ def make_optimizer(params, cfg: OptimConfig):
 class Actor:
     def __init__(self, model_path: str, cfg: ActorConfig, n: int, temperature: float, profiler,
                  device: str = "cpu", dtype: torch.dtype = torch.float32, seed: int = 1,
-                 fsdp: bool | None = None):
+                 fsdp: bool | None = None, remove_padding: bool = False, max_token_len: int | None = None,
+                 gradient_checkpointing: bool = False):
+        """`remove_padding`: packed forwards; `max_token_len`: token-budget micro-batches (use_dynamic_bsz)."""
         self.cfg, self.n, self.temperature, self.profiler = cfg, n, temperature, profiler
         torch.manual_seed(seed)
         self.model = load_causal_lm(model_path, dtype=dtype, device=device)
         self.model.train()
+        remove_padding = checked_remove_padding(self.model, remove_padding)
+        self.layout = MicroBatching(cfg.ppo_micro_batch_size_per_gpu, max_token_len, remove_padding)
+        if gradient_checkpointing:  # recompute each block's activations in backward: memory for time
+            self.model.activation_checkpointing_enable({"use_reentrant": False})
+        self.flops = ModelFlops.of(self.model)
         if use_fsdp(fsdp, device):
             shard_model(self.model, self.model._no_split_modules or [])
         self.optimizer, self.scheduler = make_optimizer(self.model.parameters(), cfg.optim)
         self.shuffle_gen = torch.Generator().manual_seed(seed)
 
-    def compute_log_prob(self, batch: RolloutBatch, micro_batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def compute_log_prob(self, batch: RolloutBatch, micro_batch_size: int,
+                         max_token_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Old log-probs and entropy [batch, resp_len] before the update."""
         with self.profiler.annotate("old_log_prob"):
-            logp, ent = response_forward(self.model, batch, self.temperature, micro_batch_size, with_entropy=True)
-            return logp, ent
+            layout = MicroBatching(micro_batch_size, max_token_len, self.layout.remove_padding)
+            logp, ent = response_forward(self.model, batch, self.temperature, layout, with_entropy=True)
+            return logp.cpu(), ent.cpu()
+
+    def model_flops(self) -> ModelFlops:
+        return self.flops
 
     def update(self, batch: RolloutBatch, correction: RolloutCorrectionConfig | None = None) -> dict[str, float]:
         """Policy update with `actor.policy_loss.loss_mode`. The batch's rollout_is_weights and loss_mask
         (rollout correction, computed by the trainer) weight and mask the loss; in bypass mode
-        (`correction.bypass_mode`) they are computed here per micro-batch from the current log-probs."""
+        (`correction.bypass_mode`) they are computed here per micro-batch from the current log-probs.
+
+        A batch without old_logprobs feeds exactly one optimizer step (the trainer decided, rollout
+        correction off): pi_old is then the policy being updated, taken detached from the update's own forward."""
         with self.profiler.annotate("update_actor"):
+            start = time.perf_counter()
             metrics = self._update(batch, correction)
+            flops = self.cfg.ppo_epochs * self.flops.training(batch.attention_mask.sum(-1).tolist())
+            metrics["perf/mfu/actor"] = self.flops.mfu(flops / dp_rank_size()[1], time.perf_counter() - start)  # this rank's share
         metrics["actor/lr"] = self.scheduler.get_last_lr()[0]  # the lr this step trained with
         self.scheduler.step()
         return metrics
@@ -150,13 +189,16 @@ class Actor:
             stats["kl_loss"] = 0.0
         self.optimizer.zero_grad(set_to_none=True)
         device = next(self.model.parameters()).device
-        for start in range(0, len(mini), cfg.ppo_micro_batch_size_per_gpu):
-            micro = mini.select(slice(start, start + cfg.ppo_micro_batch_size_per_gpu))
+        fused = mini.old_logprobs is None
+        for rows in self.layout.split(mini):
+            micro = mini.select(rows)
             mask = micro.response_mask.to(device)
             loss_mask = mask if micro.loss_mask is None else micro.loss_mask.to(device)
             weight = loss_mask.sum().item() / norm["num_tokens"]   # share of this micro-batch in token means
-            logp, ent = micro_forward(self.model, micro, self.temperature, with_entropy=True)
-            if bypass:  # pi_old is the rollout's: weights and rejection from the current policy (verl's bypass)
+            logp, ent = micro_forward(self.model, micro, self.temperature, True, self.layout.remove_padding)
+            if fused:  # pi_old = this forward's policy, detached; the skipped old_log_prob pass's metrics
+                pg_loss, pg_stats = self._fused_loss(micro, logp, mask, knobs, norm)
+            elif bypass:  # pi_old is the rollout's: weights and rejection from the current policy (verl's bypass)
                 pg_loss, pg_stats, loss_mask = self._bypass_loss(micro, logp, mask, knobs, norm, correction)
             else:
                 is_w = None if micro.rollout_is_weights is None else micro.rollout_is_weights.to(device)
@@ -184,6 +226,17 @@ class Actor:
         stats = dict(zip(stats, global_sum(list(stats.values()))))  # each rank summed its rows' parts
         stats["grad_norm"] = grad_norm
         return stats
+
+    def _fused_loss(self, micro: RolloutBatch, logp: torch.Tensor, mask: torch.Tensor, knobs: PolicyLossKnobs,
+                    norm: dict) -> tuple[torch.Tensor, dict[str, float]]:
+        """The loss with pi_old = logp.detach(), and the off-policy metrics the old_log_prob pass gives."""
+        rollout_logp = micro.rollout_logprobs.to(logp.device)
+        _, _, corr = rollout_correction(logp.detach(), rollout_logp, mask, None, 1.0, False, None, None)
+        diff = (logp.detach().exp() - rollout_logp.exp()).abs() * mask
+        corr["training/rollout_probs_diff_mean"] = (diff.sum() / mask.sum().clamp(min=1)).item()
+        loss, stats = policy_loss(self.cfg.policy_loss.loss_mode, logp, logp.detach(), micro.advantages.to(logp.device),
+                                  mask, knobs, **norm)
+        return loss, {**stats, **corr}
 
     def _bypass_loss(self, micro: RolloutBatch, logp: torch.Tensor, mask: torch.Tensor, knobs: PolicyLossKnobs,
                      norm: dict, correction: RolloutCorrectionConfig) -> tuple[torch.Tensor, dict[str, float], torch.Tensor]:

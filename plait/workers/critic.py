@@ -15,14 +15,15 @@ from plait.config import CriticConfig
 from plait.models import load_causal_lm
 from plait.types import RolloutBatch
 from plait.workers.actor import make_optimizer
+from plait.workers.packing import MicroBatching, checked_remove_padding, pack, unpack
 from plait.workers.parallel import (all_reduce_grads, check_same_batch, checkpoint_state, clip_grads, dp_rank_size,
                                     dp_share, global_sum, load_checkpoint_state, shard_model, use_fsdp)
 
 
 class ValueModel(torch.nn.Module):
-    def __init__(self, lm):
+    def __init__(self, lm, remove_padding: bool = False):
         super().__init__()
-        self.lm = lm
+        self.lm, self.remove_padding = lm, remove_padding
         self.head = torch.nn.Linear(lm.config.hidden_size, 1)
         torch.nn.init.zeros_(self.head.weight)
         torch.nn.init.zeros_(self.head.bias)
@@ -30,27 +31,42 @@ class ValueModel(torch.nn.Module):
     def forward(self, micro: RolloutBatch) -> torch.Tensor:
         device = self.head.weight.device
         input_ids, mask = micro.input_ids.to(device), micro.attention_mask.to(device)
-        position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
-        out = self.lm.base_model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, use_cache=False)
         resp_len = micro.responses.shape[1]
-        hidden = out.last_hidden_state[:, -resp_len - 1:-1]   # [micro, resp_len, hidden]: state before each token
+        if self.remove_padding:  # the real tokens packed into rows (plait/workers/packing.py)
+            packed = pack(input_ids, mask)
+            out = self.lm.base_model(input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False)
+            hidden = unpack(out.last_hidden_state, packed, mask.shape)[:, -resp_len - 1:-1]  # [micro, resp_len, hidden]
+        else:
+            position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+            out = self.lm.base_model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, use_cache=False)
+            hidden = out.last_hidden_state[:, -resp_len - 1:-1]   # [micro, resp_len, hidden]: state before each token
         return self.head(hidden.float()).squeeze(-1)           # [micro, resp_len]
 
 
 class Critic:
     def __init__(self, model_path: str, cfg: CriticConfig, n: int, profiler,
-                 device: str = "cpu", dtype: torch.dtype = torch.float32, fsdp: bool | None = None):
+                 device: str = "cpu", dtype: torch.dtype = torch.float32, fsdp: bool | None = None,
+                 remove_padding: bool = False, max_token_len: int | None = None,
+                 forward_max_token_len: int | None = None, gradient_checkpointing: bool = False):
+        """`max_token_len` / `forward_max_token_len`: token-budget micro-batches for update / values."""
         self.cfg, self.n, self.profiler = cfg, n, profiler
-        self.model = ValueModel(load_causal_lm(model_path, dtype=dtype, device=device)).to(device)
+        self.layout = MicroBatching(cfg.ppo_micro_batch_size_per_gpu, max_token_len)
+        self.forward_layout = MicroBatching(cfg.ppo_micro_batch_size_per_gpu, forward_max_token_len)
+        lm = load_causal_lm(model_path, dtype=dtype, device=device)
+        self.model = ValueModel(lm, checked_remove_padding(lm, remove_padding)).to(device)
+        if gradient_checkpointing:  # HF checkpoints only in training mode (no dropout in these models)
+            self.model.train()
+            self.model.lm.activation_checkpointing_enable({"use_reentrant": False})
         if use_fsdp(fsdp, device):  # data parallelism as in the actor (plait/workers/actor.py)
             shard_model(self.model, self.model.lm._no_split_modules or [])
         self.optimizer, self.scheduler = make_optimizer(self.model.parameters(), cfg.optim)
 
     def compute_values(self, batch: RolloutBatch) -> torch.Tensor:
         with self.profiler.annotate("values"), torch.no_grad():
-            mb = self.cfg.ppo_micro_batch_size_per_gpu
-            values = torch.cat([self.model(batch.select(slice(s, s + mb))).cpu() for s in range(0, len(batch), mb)])
-            return values * batch.response_mask  # [batch, resp_len]
+            values = torch.zeros(batch.responses.shape)                       # [batch, resp_len]
+            for rows in self.forward_layout.split(batch):
+                values[rows] = self.model(batch.select(rows)).cpu()
+            return values * batch.response_mask
 
     def update(self, batch: RolloutBatch) -> dict[str, float]:
         with self.profiler.annotate("update_critic"):
@@ -76,8 +92,8 @@ class Critic:
         device = self.model.head.weight.device
         self.optimizer.zero_grad(set_to_none=True)
         stats = {"vf_loss": 0.0, "vf_clipfrac": 0.0, "vpred_mean": 0.0}
-        for start in range(0, len(mini), cfg.ppo_micro_batch_size_per_gpu):
-            micro = mini.select(slice(start, start + cfg.ppo_micro_batch_size_per_gpu))
+        for rows in self.layout.split(mini):
+            micro = mini.select(rows)
             mask = micro.response_mask.to(device)
             vpreds = self.model(micro)  # [micro, resp_len]
             loss, m = value_loss(vpreds, micro.values.to(device), micro.returns.to(device), mask,

@@ -100,9 +100,10 @@ class Rollout:
             data_sources=rep(prompts.data_sources), ground_truths=rep(prompts.ground_truths),
             extra_infos=rep(prompts.extra_infos), stop_reasons=list(out.stop_reasons))
 
-    def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+    def load_weights(self, state_dict: dict[str, torch.Tensor], version: int, share: bool = False) -> None:
+        """`share`: alias tensors of the engine's dtype and device instead of copying (see weight_sync)."""
         with self._lock, self.profiler.annotate("update_weights"):
-            self.engine.load_weights(state_dict)
+            self.engine.load_weights(state_dict, share)
             self.version = version
 
     @out_of_band

@@ -118,10 +118,13 @@ class TransformersEngine:
         return Generation(responses=tokens.clone(), response_mask=mask.float(), logprobs=logprobs.clone(),
                           stop_reasons=stop_reasons)
 
-    def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
+    def load_weights(self, state_dict: dict[str, torch.Tensor], share: bool = False) -> None:
         """Copy tensors into the model in place; names as in model.state_dict(). Tied weights share
-        storage, so either name updates both."""
+        storage, so either name updates both. `share`: a parameter whose new value already has its
+        dtype and device takes that tensor as its storage instead (zero copies; the model then reads
+        the caller's tensor, so the caller must not change it during a generate)."""
         own = self.model.state_dict()
+        params = dict(self.model.named_parameters(remove_duplicate=False))
         with torch.no_grad():
             for name, value in state_dict.items():
                 if name not in own:
@@ -129,7 +132,10 @@ class TransformersEngine:
                 if value.shape != own[name].shape:
                     raise ValueError(f"load_weights: {name!r} has shape {tuple(value.shape)}, "
                                      f"the model's has {tuple(own[name].shape)}")
-                own[name].copy_(value)
+                if share and name in params and (value.dtype, value.device) == (own[name].dtype, own[name].device):
+                    params[name].data = value
+                else:
+                    own[name].copy_(value)
 
     def abort(self) -> None:
         """Thread-safe: a running generate returns at its next decode step; unfinished rows say "aborted"."""
@@ -213,7 +219,7 @@ def _cache_name(cls: type) -> str:
 class _LlamaStepper:
     """Llama-layout decoders: the prompt goes through the HF forward once, then each decode step runs
     layer by layer on [batch, hidden] tensors, using the model's own parameter tensors (the ones
-    load_weights updates in place) and its own MLP module (any activation)."""
+    load_weights updates; q, k and v stacked into one per call) and its own MLP module (any activation)."""
 
     def __init__(self, model: PreTrainedModel, real: torch.Tensor, total_len: int):
         self.model, self.real, self.seen = model, real, 0
@@ -254,10 +260,11 @@ class _LlamaStepper:
         for p, keys, values in zip(self.layers, self.keys, self.values):
             x = F.rms_norm(h, hidden, *p.norm1)
             # one query per row: group the query heads under their kv head instead of repeating the cache
-            q = F.linear(x, *p.q).view(batch, -1, group, d)                  # [batch, kv_heads, group, head_dim]
-            k = F.linear(x, *p.k).view(batch, -1, 1, d)                      # [batch, kv_heads, 1, head_dim]
+            q, k, v = F.linear(x, *p.qkv).split(p.qkv_sizes, -1)
+            q = q.view(batch, -1, group, d)                                  # [batch, kv_heads, group, head_dim]
+            k = k.view(batch, -1, 1, d)                                      # [batch, kv_heads, 1, head_dim]
             keys.narrow(2, slot, 1).copy_(torch.addcmul(k * cos, k.roll(d // 2, -1), sin))
-            values.narrow(2, slot, 1).copy_(F.linear(x, *p.v).view(batch, -1, 1, d))
+            values.narrow(2, slot, 1).copy_(v.view(batch, -1, 1, d))
             q = torch.addcmul(q * cos, q.roll(d // 2, -1), sin)
             o = F.scaled_dot_product_attention(q, keys.narrow(2, 0, self.seen), values.narrow(2, 0, self.seen),
                                                attn_mask=mask, scale=p.scale)  # [batch, kv_heads, group, head_dim]
@@ -273,9 +280,8 @@ class _LlamaStepper:
 
 class _LayerRefs(NamedTuple):
     """One Llama-layout decoder layer's parameters, as F.linear / F.rms_norm arguments."""
-    q: tuple[torch.Tensor, torch.Tensor | None]  # (weight, bias)
-    k: tuple[torch.Tensor, torch.Tensor | None]
-    v: tuple[torch.Tensor, torch.Tensor | None]
+    qkv: tuple[torch.Tensor, torch.Tensor | None]  # (weight, bias) of q, k, v stacked: one matmul a step
+    qkv_sizes: tuple[int, int, int]
     o: tuple[torch.Tensor, torch.Tensor | None]
     norm1: tuple[torch.Tensor, float]            # (weight, eps)
     norm2: tuple[torch.Tensor, float]
@@ -285,7 +291,11 @@ class _LayerRefs(NamedTuple):
     @classmethod
     def of(cls, layer: torch.nn.Module) -> _LayerRefs:
         a = layer.self_attn
-        return cls(*[(lin.weight, lin.bias) for lin in (a.q_proj, a.k_proj, a.v_proj, a.o_proj)],
+        projections = (a.q_proj, a.k_proj, a.v_proj)
+        # Stacked once per generate call (weights never change during one: Rollout holds its lock).
+        weight = torch.cat([lin.weight for lin in projections])
+        bias = None if a.q_proj.bias is None else torch.cat([lin.bias for lin in projections])
+        return cls((weight, bias), tuple(lin.weight.shape[0] for lin in projections), (a.o_proj.weight, a.o_proj.bias),
                    _norm_refs(layer.input_layernorm), _norm_refs(layer.post_attention_layernorm), layer.mlp, a.scaling)
 
 

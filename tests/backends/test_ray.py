@@ -91,7 +91,8 @@ def test_two_ranks_update_exactly_like_one_worker(ray_instance, tmp_path):
         metrics = actor.call(Actor.update, batch)
         assert close(actor.call(Actor.state_dict), one_actor.state_dict())
         for k, v in one_metrics.items():  # summed over ranks, the metrics are the one worker's too
-            assert metrics[k] == pytest.approx(v, rel=1e-4, abs=1e-6), k
+            if not k.startswith("perf/"):  # timings (MFU) are not
+                assert metrics[k] == pytest.approx(v, rel=1e-4, abs=1e-6), k
         critic_metrics = critic.call(Critic.update, batch)
         assert close(critic.call(lambda c: full_state_dict(c.model)), full_state_dict(one_critic.model))
         for k in ("critic/vf_loss", "critic/grad_norm"):  # vf_clipfrac counts float ties, so it is left out

@@ -88,11 +88,12 @@ def train_glyph_classifier():
 
 
 MODES = [
-    # One optimizer step and one forward per stage keeps the CPU memory traces small (half the events).
+    # One optimizer step and one forward per stage keeps the CPU memory traces small (half the events);
+    # with one optimizer step per batch the actor takes pi_old from the update (no old_log_prob stage).
     Mode("sync", ("trainer.mode=sync", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
                   "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16",
                   "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=16"),
-         stages={"actor": ("old_log_prob", "update_actor"), "rollout": ("gen", "update_weights")},
+         stages={"actor": ("update_actor",), "rollout": ("gen", "update_weights")},
          pair=("actor", "rollout"), reward_raising_in_step_2=LM_REWARD_RAISES_IN_STEP_2,
          before_reward={"rollout": ("gen",)}),
     # The async modes place the rollout apart (a thread on the local backend); in step 2 no stage
@@ -101,13 +102,13 @@ MODES = [
     Mode("one_step_off", ("trainer.mode=one_step_off", "trainer.placement=separated",
                           "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16",
                           "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=16"),
-         stages={"actor": ("old_log_prob", "update_actor"), "rollout": ("gen", "update_weights")},
+         stages={"actor": ("update_actor",), "rollout": ("gen", "update_weights")},
          pair=("actor", "rollout"), reward_raising_in_step_2=LM_REWARD_RAISES_IN_STEP_2,
          before_reward={"actor": ()}, refused=("2_discrete",)),
     Mode("fully_async", ("trainer.mode=fully_async", "trainer.placement=separated", "async_training.gen_batch_size=1",
                          "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16",
                          "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=16"),
-         stages={"actor": ("old_log_prob", "update_actor"), "rollout": ("gen", "update_weights")},
+         stages={"actor": ("update_actor",), "rollout": ("gen", "update_weights")},
          pair=("actor", "rollout"), reward_raising_in_step_2=LM_REWARD_RAISES_IN_STEP_2,
          before_reward={"actor": ()}, refused=("2_discrete",)),
     Mode("diffusion", ("trainer.mode=diffusion", "diffusion.model.width=16", "diffusion.model.depth=1",

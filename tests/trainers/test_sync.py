@@ -108,3 +108,44 @@ def test_bypass_mode_skips_the_recompute_and_trains_the_same(tmp_path, tiny_conf
     assert "timing_s/old_log_prob" in a and "timing_s/old_log_prob" not in b
     for key in ("critic/score/mean", "actor/pg_loss", "actor/grad_norm", "actor/ppo_kl"):
         assert b[key] == pytest.approx(a[key], rel=1e-3, abs=1e-5), key
+
+
+def test_one_optimizer_step_per_batch_fuses_pi_old_and_trains_the_same(tmp_path, tiny_config):
+    """One mini-batch x one epoch: pi_old comes from the update's own forward (flagged, no
+    old_log_prob stage) and the step equals the one with the separate pass, to rounding."""
+    common = ("trainer.total_training_steps=1", "trainer.test_freq=-1", "trainer.save_freq=-1")
+    run(tiny_config(tmp_path / "recompute", *common))
+    run(tiny_config(tmp_path / "fused", *common, "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+                    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2"))
+    [a] = read_metrics(os.path.join(tmp_path, "recompute", "metrics.jsonl"))
+    [b] = read_metrics(os.path.join(tmp_path, "fused", "metrics.jsonl"))
+    assert "timing_s/old_log_prob" in a and "actor/old_log_prob_fused" not in a
+    assert "timing_s/old_log_prob" not in b and b["actor/old_log_prob_fused"] == 1.0
+    for key in ("critic/score/mean", "training/rollout_probs_diff_mean", "global_seqlen/real_tokens"):
+        assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
+    run(tiny_config(tmp_path / "corrected", *common, "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+                    "algorithm.rollout_correction.rollout_is=token"))
+    [c] = read_metrics(os.path.join(tmp_path, "corrected", "metrics.jsonl"))
+    assert "timing_s/old_log_prob" in c  # rollout correction needs the whole batch's pi_old first
+    assert 0 < b["perf/mfu/actor"] < 1 and 0 < b["perf/mfu/gen"] < 1 and b["global_seqlen/padding_ratio"] >= 0
+
+
+def test_packing_dynamic_batches_and_checkpointing_keys_train_the_same(tmp_path, tiny_config):
+    """verl's use_remove_padding / use_dynamic_bsz / *_max_token_len_per_gpu /
+    enable_gradient_checkpointing reach the workers and leave the step's numbers unchanged."""
+    common = ("trainer.total_training_steps=1", "trainer.test_freq=-1", "trainer.save_freq=-1", "algorithm.adv_estimator=gae")
+    run(tiny_config(tmp_path / "plain", *common, "actor_rollout_ref.model.use_remove_padding=false"))
+    fast = driver.build(tiny_config(
+        tmp_path / "fast", *common, "actor_rollout_ref.model.use_remove_padding=true",
+        "actor_rollout_ref.model.enable_gradient_checkpointing=true", "actor_rollout_ref.actor.use_dynamic_bsz=true",
+        "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=40", "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=30",
+        "critic.model.use_remove_padding=true", "critic.use_dynamic_bsz=true", "critic.ppo_max_token_len_per_gpu=40"),
+        progress=False)
+    layout = fast.trainer.roles.actor.call(lambda actor: actor.layout)
+    assert layout.remove_padding and layout.max_token_len == 40
+    assert fast.trainer.roles.critic.call(lambda critic: critic.model.remove_padding)
+    fast.run()
+    [a] = read_metrics(os.path.join(tmp_path, "plain", "metrics.jsonl"))
+    [b] = read_metrics(os.path.join(tmp_path, "fast", "metrics.jsonl"))
+    for key in ("actor/entropy", "actor/pg_loss", "actor/grad_norm", "critic/vf_loss", "critic/grad_norm"):
+        assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key

@@ -222,3 +222,24 @@ def test_runs_where_the_model_is(device):
     for gen in (torch.Generator().manual_seed(0), torch.Generator(device).manual_seed(0)):  # CPU or model device
         out = engine.generate(PROMPTS, params, gen)
         torch.testing.assert_close(out.logprobs, teacher_forced_logprobs(m, PROMPTS, out, 0.7), atol=1e-4, rtol=0)
+
+
+def test_load_weights_shared_reads_the_source_tensors_without_copies():
+    """share=True: same dtype and device alias the source (later in-place changes show up in the
+    engine); another dtype is still copied."""
+    a, b = qwen(seed=1), qwen(seed=2)
+    greedy = SamplingParams(max_new_tokens=10, do_sample=False)
+    engine = TransformersEngine(a, PAD, [])
+    source = {k: v.detach() for k, v in b.state_dict().items()}
+    engine.load_weights(source, share=True)
+    assert all(p.data_ptr() == source[k].data_ptr() for k, p in a.named_parameters())
+    with torch.no_grad():  # an optimizer step on the source model...
+        for p in b.parameters():
+            p.mul_(1.5)
+    expected = TransformersEngine(b, PAD, []).generate(PROMPTS, greedy)
+    assert torch.equal(engine.generate(PROMPTS, greedy).responses, expected.responses)  # ...is seen
+    half = qwen(seed=3).to(torch.bfloat16)
+    before = {k: p.data_ptr() for k, p in half.named_parameters()}
+    TransformersEngine(half, PAD, []).load_weights(source, share=True)
+    assert {k: p.data_ptr() for k, p in half.named_parameters()} == before  # bf16 <- fp32: copied
+    assert torch.equal(half.lm_head.weight, source["lm_head.weight"].to(torch.bfloat16))

@@ -25,9 +25,12 @@ import numbers
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from plait.data.math_rewards import MATH_SOURCES, dapo_score, gsm8k_score, math_score
+
+if TYPE_CHECKING:  # plait.config imports this module for MANAGERS
+    from plait.config import OverlongBufferConfig
 
 ANSWER = {"arithmetic": re.compile(r"-?\d+"), "reverse": re.compile(r"[a-z]+")}
 
@@ -122,23 +125,14 @@ def batch_manager(fn: Callable, req: ScoreRequest) -> Scores:
     return collect_results(list(results), req.data_sources)
 
 
-@dataclass
-class OverlongBuffer:
-    """DAPO's soft overlong punishment: the last `len` tokens before `max_resp_len` cost up to
-    `penalty_factor`, linearly (`reward_model.overlong_buffer`, verl's keys)."""
-    enable: bool = False
-    len: int = 0
-    penalty_factor: float = 1.0
-    log: bool = False
-
-
 def overlong_penalty(length: int, max_resp_len: int, buffer_len: int, factor: float) -> float:
-    """0 up to max_resp_len - buffer_len tokens, then -factor * (tokens past it) / buffer_len."""
+    """DAPO's soft overlong punishment (`reward_model.overlong_buffer`): the last `buffer_len`
+    tokens before `max_resp_len` cost up to `factor`, linearly. 0 up to max_resp_len - buffer_len tokens, then -factor * (tokens past it) / buffer_len."""
     exceed = length - (max_resp_len - buffer_len)
     return min(-exceed / buffer_len * factor, 0.0)
 
 
-def dapo_manager(fn: Callable, req: ScoreRequest, overlong: OverlongBuffer | None = None,
+def dapo_manager(fn: Callable, req: ScoreRequest, overlong: OverlongBufferConfig | None = None,
                  max_resp_len: int | None = None) -> Scores:
     """`naive` plus, with the overlong buffer on, DAPO's length penalty added to each score."""
     scores, extras = naive_manager(fn, req)
@@ -180,16 +174,11 @@ def _await_all(awaitables: list) -> list:
     return asyncio.run(gather())
 
 
-def make_reward(fn: Callable, manager: str = "naive", overlong: OverlongBuffer | None = None,
+def make_reward(fn: Callable, manager: str = "naive", overlong: OverlongBufferConfig | None = None,
                 max_resp_len: int | None = None) -> Callable[[ScoreRequest], Scores]:
-    """The batch scorer a trainer calls: `fn` under the manager `manager` names."""
-    if manager not in MANAGERS:
-        raise ValueError(f"reward_manager {manager!r}: expected one of {', '.join(MANAGERS)}")
-    if overlong is not None and overlong.enable:
-        if manager != "dapo":
-            raise ValueError("the overlong buffer is the dapo reward manager's; set reward_manager=dapo")
-        if overlong.len <= 0 or max_resp_len is None:
-            raise ValueError("the overlong buffer needs len > 0 and the maximum response length")
+    """The batch scorer a trainer calls: `fn` under the manager `manager` names (the config checks
+    the names and that the overlong buffer goes with dapo)."""
+    if manager == "dapo":
         return functools.partial(dapo_manager, fn, overlong=overlong, max_resp_len=max_resp_len)
     return functools.partial(MANAGERS[manager], fn)
 

@@ -2,7 +2,8 @@ import math
 
 import pytest
 
-from plait.data.rewards import (OverlongBuffer, ScoreRequest, batch_manager, default_compute_score,
+from plait.config import OverlongBufferConfig
+from plait.data.rewards import (ScoreRequest, batch_manager, default_compute_score,
                                 exact_match_score, load_custom_reward, make_reward, naive_manager,
                                 overlong_penalty)
 from plait.data.tasks import TASKS, make_task_rows
@@ -113,7 +114,7 @@ def test_overlong_penalty_by_hand():
 
 
 def test_dapo_manager_adds_the_overlong_penalty():
-    score = make_reward(default_compute_score, "dapo", OverlongBuffer(True, 4, 1.0, log=True), 20)
+    score = make_reward(default_compute_score, "dapo", OverlongBufferConfig(True, 4, 1.0, log=True), 20)
     scores, extras = score(request(["math_dapo"] * 3, ["Answer: 3", "Answer: 3", "Answer: 2"], ["3"] * 3,
                                    lengths=[12, 18, 20]))
     assert scores == [1.0, 0.5, -2.0]  # +1, +1 - 2/4, -1 - 4/4
@@ -121,10 +122,24 @@ def test_dapo_manager_adds_the_overlong_penalty():
     assert extras["acc"] == [1.0, 1.0, 0.0]
     plain = make_reward(default_compute_score, "dapo")  # buffer off: the rule score alone
     assert plain(request(["math_dapo"], ["Answer: 3"], ["3"], lengths=[20]))[0] == [1.0]
-    with pytest.raises(ValueError, match="reward_manager=dapo"):
-        make_reward(default_compute_score, "naive", OverlongBuffer(True, 4), 20)
-    with pytest.raises(ValueError, match="one of naive, batch, dapo"):
-        make_reward(default_compute_score, "prime")
+
+
+def test_reward_model_config_checks_the_manager_and_reads_dapo_kwargs():
+    from plait.config import RewardModelConfig
+    from plait.configtree import ConfigError, build
+    with pytest.raises(ConfigError, match="reward_manager='prime'.*naive, batch, dapo"):
+        build(RewardModelConfig, {"reward_manager": "prime"})
+    with pytest.raises(ConfigError, match="dapo with the overlong buffer"):
+        build(RewardModelConfig, {"overlong_buffer": {"enable": True, "len": 4}})
+    with pytest.raises(ConfigError, match="overlong_buffer.len"):
+        build(RewardModelConfig, {"reward_manager": "dapo", "overlong_buffer": {"enable": True}})
+    recipe = build(RewardModelConfig, {"reward_manager": "dapo", "reward_kwargs": {
+        "overlong_buffer_cfg": {"enable": True, "len": 4, "penalty_factor": 1.0, "log": False}, "max_resp_len": 20}})
+    assert recipe.overlong_buffer == OverlongBufferConfig(True, 4, 1.0, False)
+    with pytest.raises(ConfigError, match="unknown: foo"):
+        build(RewardModelConfig, {"reward_kwargs": {"foo": 1}})
+    with pytest.raises(ConfigError, match="model.path"):
+        build(RewardModelConfig, {"enable": True})
 
 
 def test_bad_results_are_refused():

@@ -133,6 +133,9 @@ class Actor:
             self.model.activation_checkpointing_enable({"use_reentrant": False})
         self.flops = ModelFlops.of(self.model)
         if use_fsdp(fsdp, device):
+            if self.lora:  # merged_state_dict and the adapter checkpoint assume whole, unsharded tensors
+                raise ValueError("actor_rollout_ref.model.lora_rank > 0 with FSDP2 sharding (several CUDA ranks) "
+                                 "is not supported yet; train LoRA on one GPU per actor or without LoRA")
             shard_model(self.model, self.model._no_split_modules or [])
         trainable = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer, self.scheduler = make_optimizer(trainable, cfg.optim)

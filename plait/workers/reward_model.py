@@ -1,9 +1,9 @@
 """The reward-model role: a Hugging Face sequence-classification model (one label) scores each
 prompt + response, as verl's `reward_model.enable=true` does.
 
-The rollout's token ids are decoded with the policy's tokenizer and encoded again with the reward
-model's own (`reward_model.model.input_tokenizer`, default: the reward model's directory), since
-the two rarely share a vocabulary. When the row's chat messages travel in `extra_info["raw_prompt"]`
+The rollout's token ids are decoded with the policy's tokenizer (`reward_model.model.input_tokenizer`
+when set, as in verl) and encoded again with the reward model's own, from its directory, since the
+two rarely share a vocabulary. When the row's chat messages travel in `extra_info["raw_prompt"]`
 (`data.return_raw_chat`) and the reward model's tokenizer has a chat template, the conversation
 with the response as the assistant's turn is rendered with that template; otherwise the prompt
 text and the response text are joined. The score is the model's logit at the last token.
@@ -21,9 +21,9 @@ class RewardModel:
     def __init__(self, model_path: str, policy_tokenizer, profiler, micro_batch_size: int | None = None,
                  max_length: int | None = None, input_tokenizer: str | None = None,
                  device: str = "cpu", dtype: torch.dtype = torch.float32):
-        self.policy_tokenizer, self.profiler = policy_tokenizer, profiler
-        self.micro_batch_size, self.max_length = micro_batch_size, max_length
-        self.tokenizer = load_tokenizer(input_tokenizer or model_path)
+        self.profiler, self.micro_batch_size, self.max_length = profiler, micro_batch_size, max_length
+        self.input_tokenizer = load_tokenizer(input_tokenizer) if input_tokenizer else policy_tokenizer
+        self.tokenizer = load_tokenizer(model_path)
         self.tokenizer.padding_side = "right"
         self.tokenizer.truncation_side = "left"  # the score is read at the last token: keep the end
         self.model = load_reward_model(model_path, dtype=dtype, device=device)
@@ -42,7 +42,7 @@ class RewardModel:
 
     def texts(self, batch: RolloutBatch) -> list[str]:
         """Each prompt + response as text for the reward model's tokenizer."""
-        decode = lambda ids: self.policy_tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+        decode = lambda ids: self.input_tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
         out = []
         for i in range(len(batch)):
             response = decode(batch.responses[i][batch.response_mask[i].bool()].tolist())

@@ -153,3 +153,14 @@ def test_bad_results_are_refused():
     scores, _ = naive_manager(default_compute_score, request(["arithmetic", "reverse"], ["12", "olleh"],
                                                              ["12", "hello"]))
     assert scores == [1.0, 0.0]
+
+
+def test_driver_builds_the_configured_manager():
+    from plait.config import load_config
+    from plait.driver import resolve_reward
+    cfg = load_config(None, ["reward_model.reward_manager=dapo", "data.max_response_length=8",
+                             "reward_model.overlong_buffer.enable=true", "reward_model.overlong_buffer.len=4",
+                             "reward_model.overlong_buffer.penalty_factor=2.0"])
+    score = resolve_reward(cfg)
+    scores, _ = score(request(["math_dapo"] * 2, ["Answer: 3", "Answer: 3"], ["3", "3"], lengths=[4, 7]))
+    assert scores == [1.0, -0.5]  # 7 tokens: 3 past 8 - 4, so 1 - 2.0 * 3/4

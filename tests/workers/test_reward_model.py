@@ -71,14 +71,18 @@ def test_reward_model_trains_two_steps_and_is_profiled(tmp_path, tiny_config, rm
     cfg = tiny_config(tmp_path / "run", "reward_model.enable=true", f"reward_model.model.path={rm_dir}",
                       "reward_model.micro_batch_size_per_gpu=4", "trainer.total_training_steps=2",
                       "trainer.val_before_train=false", "global_profiler.tool=torch", "global_profiler.steps=[1]",
-                      f"global_profiler.save_path={save}", "reward_model.profiler.enable=true")
+                      f"global_profiler.save_path={save}", "reward_model.profiler.enable=true",
+                      "data.max_prompt_length=6", "data.filter_overlong_prompts=true")  # drops "12+34=\n"
     lifecycle = driver.build(cfg, progress=False)
     rm = lifecycle.trainer.roles.reward_model.worker
+    dataset = lifecycle.trainer.cursor.dataset
+    assert dataset.filtered > 0 and len(dataset) >= 4 and all(len(it.prompt_ids) <= 6 for it in dataset)
     lifecycle.run()
     records = read_metrics(os.path.join(tmp_path, "run", "metrics.jsonl"))
     assert [r["step"] for r in records] == [1, 2]
     # the classifier's logits, not the rule's 0/1: a score that is no 0/1 mean of 16 responses
     assert all(r["critic/score/mean"] * 16 % 1 != 0 for r in records)
+    assert all(r["data/filtered_overlong_prompts"] == dataset.filtered for r in records)
     assert "timing_s/reward" in records[0] and "val-core/arithmetic/reward/mean" in records[-1]
     assert [(r["role"], r["rank"], r["complete"]) for r in read_manifest(str(save))] == [("reward_model", 0, True)]
     assert rm.model.config.pad_token_id == rm.tokenizer.pad_token_id

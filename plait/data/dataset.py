@@ -47,7 +47,7 @@ class PromptItem:
     """One tokenized prompt and what its reward needs."""
     prompt_ids: list[int]
     prompt_text: str  # after the chat template, before any truncation
-    data_source: str
+    data_source: str   # the row's `reward_fn_key` column (verl's data.reward_fn_key): picks the reward
     ground_truth: Any  # as the row stores it: a string, a list, a dict
     extra_info: dict   # the row's, plus "raw_prompt" (its messages) with return_raw_chat
     index: int
@@ -75,10 +75,11 @@ class PromptDataset:
     def __init__(self, rows: Sequence[dict], tokenizer: PreTrainedTokenizerBase,
                  prompt_key: str = "prompt", max_prompt_length: int = 512,
                  truncation: str = "error", filter_overlong_prompts: bool = False,
-                 return_raw_chat: bool = False):
+                 return_raw_chat: bool = False, reward_fn_key: str = "data_source"):
         check(max_prompt_length > 0, "max_prompt_length", max_prompt_length, "a positive integer")
         check(truncation in TRUNCATIONS, "truncation", truncation, f"one of {', '.join(TRUNCATIONS)}")
-        items = [self._item(i, row, tokenizer, prompt_key, return_raw_chat) for i, row in enumerate(rows)]
+        items = [self._item(i, row, tokenizer, prompt_key, return_raw_chat, reward_fn_key)
+                 for i, row in enumerate(rows)]
         if filter_overlong_prompts:
             kept = [it for it in items if len(it.prompt_ids) <= max_prompt_length]
             self.filtered, items = len(items) - len(kept), kept
@@ -94,8 +95,8 @@ class PromptDataset:
 
     @staticmethod
     def _item(i: int, row: dict, tokenizer: PreTrainedTokenizerBase, prompt_key: str,
-              return_raw_chat: bool) -> PromptItem:
-        missing = [k for k in (prompt_key, "data_source", "reward_model") if k not in row]
+              return_raw_chat: bool, reward_fn_key: str) -> PromptItem:
+        missing = [k for k in (prompt_key, reward_fn_key, "reward_model") if k not in row]
         if missing:
             raise KeyError(f"row {i} has no {', '.join(map(repr, missing))}; "
                            f"its keys are {', '.join(map(repr, row))}")
@@ -113,7 +114,7 @@ class PromptDataset:
         extra_info = dict(row.get("extra_info") or {})
         if return_raw_chat:
             extra_info["raw_prompt"] = prompt if isinstance(prompt, str) else list(prompt)
-        return PromptItem(prompt_ids=ids, prompt_text=text, data_source=row["data_source"],
+        return PromptItem(prompt_ids=ids, prompt_text=text, data_source=row[reward_fn_key],
                           ground_truth=row["reward_model"]["ground_truth"],
                           extra_info=extra_info, index=int(extra_info.get("index", i)))
 

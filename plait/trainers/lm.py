@@ -465,7 +465,7 @@ def build_lm_trainer(cfg: PlaitConfig, backend, device: str):
     make = lambda files: PromptDataset(load_rows(files), tokenizer, prompt_key=d.prompt_key,  # noqa: E731
                                        max_prompt_length=d.max_prompt_length, truncation=d.truncation,
                                        filter_overlong_prompts=d.filter_overlong_prompts,
-                                       return_raw_chat=d.return_raw_chat)
+                                       return_raw_chat=d.return_raw_chat, reward_fn_key=d.reward_fn_key)
     train_data = make(train_files)
     val_data = make(val_files) if val_files else None
     if d.filter_overlong_prompts:

@@ -100,3 +100,10 @@ def test_return_raw_chat_keeps_the_messages_in_extra_info(tok):
     raw = PromptDataset(rows, tok, return_raw_chat=True)
     assert raw[0].extra_info == {"split": "test", "index": 0, "raw_prompt": rows[0]["prompt"]}
     assert "raw_prompt" not in PromptDataset(rows, tok)[0].extra_info
+
+
+def test_reward_fn_key_names_the_data_source_column(tok):
+    rows = [{"source": "reverse", "prompt": "rev ab=", "reward_model": {"ground_truth": "ba"}}]
+    assert PromptDataset(rows, tok, reward_fn_key="source")[0].data_source == "reverse"
+    with pytest.raises(KeyError, match="row 0 has no 'data_source'"):
+        PromptDataset(rows, tok)

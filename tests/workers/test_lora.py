@@ -7,7 +7,7 @@ import torch
 
 from plait import driver
 from plait.models import load_causal_lm
-from plait.trainers.lm import prompt_batch
+from plait.trainers.lm import prompt_batch, resolve_model
 from plait.workers.actor import Actor, response_forward
 from plait.workers.rollout import Rollout
 
@@ -26,7 +26,7 @@ def test_lora_trains_adapters_only_with_the_base_as_reference(tmp_path, tiny_con
     trainer = lifecycle.trainer
     assert trainer.roles.ref is None  # no second model copy
     actor: Actor = trainer.roles.actor.worker
-    model_path = driver.resolve_model(cfg)
+    model_path = resolve_model(cfg)
     base = load_causal_lm(model_path).eval()
     trainable = {n for n, p in actor.model.named_parameters() if p.requires_grad}
     assert trainable and all("lora_" in n for n in trainable)

@@ -9,9 +9,10 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForSequenceClassification
 
 from plait import driver
+from plait.models import load_tokenizer
 from plait.profiler import read_manifest
 from plait.trainers.lifecycle import read_metrics
-from plait.trainers.lm import prompt_batch
+from plait.trainers.lm import prompt_batch, resolve_model
 from plait.workers.reward_model import RewardModel
 from plait.workers.rollout import Rollout
 
@@ -42,7 +43,7 @@ def rm_dir(tmp_path):
 
 def test_scores_are_the_classifier_on_retokenised_text(tmp_path, tiny_config, rm_dir):
     cfg = tiny_config(tmp_path)
-    policy_tok = driver.load_tokenizer(driver.resolve_model(cfg))
+    policy_tok = load_tokenizer(resolve_model(cfg))
     lifecycle = driver.build(cfg, progress=False)
     trainer = lifecycle.trainer
     items = [trainer.cursor.dataset[i] for i in range(3)]

@@ -57,9 +57,12 @@ def check_data_files(cfg: PlaitConfig) -> None:
 
 
 def check_model_path(cfg: PlaitConfig) -> None:
-    path = cfg.actor_rollout_ref.model.path
-    if path is not None and not os.path.isdir(path):
-        raise ConfigError("actor_rollout_ref.model.path", path, "not a directory; give a local Hugging Face model directory")
+    model, rm = cfg.actor_rollout_ref.model, cfg.reward_model
+    for key, path in (("actor_rollout_ref.model.path", model.path),
+                      ("actor_rollout_ref.model.lora_adapter_path", model.lora_adapter_path if model.lora_rank else None),
+                      ("reward_model.model.path", rm.model.path if rm.enable else None)):
+        if path is not None and not os.path.isdir(path):
+            raise ConfigError(key, path, "not a directory; give a local Hugging Face model directory")
 
 
 def preflight(cfg: PlaitConfig) -> None:

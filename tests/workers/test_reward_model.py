@@ -87,3 +87,10 @@ def test_reward_model_trains_two_steps_and_is_profiled(tmp_path, tiny_config, rm
     assert "timing_s/reward" in records[0] and "val-core/arithmetic/reward/mean" in records[-1]
     assert [(r["role"], r["rank"], r["complete"]) for r in read_manifest(str(save))] == [("reward_model", 0, True)]
     assert rm.model.config.pad_token_id == rm.tokenizer.pad_token_id
+
+
+def test_a_missing_reward_model_directory_is_refused_before_any_work(tmp_path, tiny_config):
+    from plait.configtree import ConfigError
+    cfg = tiny_config(tmp_path, "reward_model.enable=true", f"reward_model.model.path={tmp_path / 'nope'}")
+    with pytest.raises(ConfigError, match="reward_model.model.path"):
+        driver.preflight(cfg)

@@ -101,6 +101,10 @@ def test_batch_manager_makes_one_call_with_lists():
 
     scores, extras = batch_manager(fn, request(["s"] * 3, ["a", "b", "a"], ["a"] * 3))
     assert calls == [3] and scores == [1.0, 0.0, 1.0] and extras == {"n": [1.0, 1.0, 1.0]}
+
+    async def judge(data_sources, solution_strs, ground_truths, extra_infos):  # one awaited call
+        return [len(s) for s in solution_strs]
+    assert batch_manager(judge, request(["s"] * 2, ["a", "bcd"], ["", ""]))[0] == [1.0, 3.0]
     with pytest.raises(ValueError, match="returned 1 results for 3 responses"):
         batch_manager(lambda **kw: [0.0], request(["s"] * 3, ["a"] * 3, ["a"] * 3))
 

@@ -84,7 +84,7 @@ def test_reward_model_trains_two_steps_and_is_profiled(tmp_path, tiny_config, rm
     # the classifier's logits, not the rule's 0/1: a score that is no 0/1 mean of 16 responses
     assert all(r["critic/score/mean"] * 16 % 1 != 0 for r in records)
     assert all(r["data/filtered_overlong_prompts"] == dataset.filtered for r in records)
-    assert "timing_s/reward" in records[0] and "val-core/arithmetic/reward/mean" in records[-1]
+    assert "timing_s/reward" in records[0] and "val-core/arithmetic/reward/mean@1" in records[-1]
     assert [(r["role"], r["rank"], r["complete"]) for r in read_manifest(str(save))] == [("reward_model", 0, True)]
     assert rm.model.config.pad_token_id == rm.tokenizer.pad_token_id
 

@@ -126,8 +126,9 @@ def batch_manager(fn: Callable, req: ScoreRequest) -> Scores:
 
 
 def overlong_penalty(length: int, max_resp_len: int, buffer_len: int, factor: float) -> float:
-    """DAPO's soft overlong punishment (`reward_model.overlong_buffer`): the last `buffer_len`
-    tokens before `max_resp_len` cost up to `factor`, linearly. 0 up to max_resp_len - buffer_len tokens, then -factor * (tokens past it) / buffer_len."""
+    """DAPO's soft overlong punishment (`reward_model.overlong_buffer`): 0 up to
+    max_resp_len - buffer_len tokens, then -factor * (tokens past that) / buffer_len, reaching
+    -factor at max_resp_len."""
     exceed = length - (max_resp_len - buffer_len)
     return min(-exceed / buffer_len * factor, 0.0)
 

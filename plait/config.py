@@ -451,8 +451,6 @@ class RewardModelConfig:
     model: RewardModelModelConfig = field(default_factory=RewardModelModelConfig)
     micro_batch_size_per_gpu: Optional[int] = None
     max_length: Optional[int] = None
-    use_dynamic_bsz: bool = False
-    forward_max_token_len_per_gpu: int = 32768
     reward_manager: str = "naive"
     # The manager's arguments, as verl's DAPO recipe gives them: overlong_buffer_cfg (read into
     # overlong_buffer) and max_resp_len (default: data.max_response_length).

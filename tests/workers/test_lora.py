@@ -9,6 +9,7 @@ from plait import driver
 from plait.models import load_causal_lm
 from plait.trainers.lm import prompt_batch, resolve_model
 from plait.workers.actor import Actor, response_forward
+from plait.workers.packing import MicroBatching
 from plait.workers.rollout import Rollout
 
 LORA = ["actor_rollout_ref.model.lora_rank=4", "actor_rollout_ref.model.lora_alpha=8",
@@ -49,7 +50,7 @@ def test_lora_trains_adapters_only_with_the_base_as_reference(tmp_path, tiny_con
     items = [trainer.cursor.dataset[i] for i in range(2)]
     batch = trainer.roles.rollout.call(Rollout.generate, prompt_batch(items), trainer.sampling, 0)
     ref = actor.compute_ref_log_prob(batch, 8)
-    expected, _ = response_forward(base, batch, 1.0, 8, with_entropy=False)
+    expected, _ = response_forward(base, batch, 1.0, MicroBatching(8), with_entropy=False)
     torch.testing.assert_close(ref, expected)                             # ref == base
     policy, _ = actor.compute_log_prob(batch, 8)
     assert not torch.allclose(policy, ref)                                # and the policy is not

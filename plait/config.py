@@ -26,6 +26,7 @@ from plait.algorithms.losses import LOSS_AGG_MODES, POLICY_LOSSES
 from plait.algorithms.rollout_correction import BYPASS_LOSS_TYPES, IS_LEVELS, parse_rs
 from plait.config_verl import LOCAL_BACKEND_NO_EFFECT, NO_EFFECT, refusal
 from plait.configtree import ConfigError, build, check, raise_all, to_dict
+from plait.data.rewards import MANAGERS
 from plait.profiler.config import GlobalProfilerConfig, RoleProfilerConfig
 from plait.workers.diffusion import DiffusionConfig
 
@@ -89,7 +90,10 @@ class ModelConfig:
     lora_rank: int = 0                        # 0: full fine-tuning
     lora_alpha: int = 16
     target_modules: Union[str, list[str]] = "all-linear"
-    lora_adapter_path: Optional[str] = None
+    lora_adapter_path: Optional[str] = None   # a saved peft adapter to start from (with lora_rank > 0)
+
+    def __post_init__(self):
+        check(self.lora_rank >= 0, "lora_rank", self.lora_rank, "0 (off) or the LoRA rank")
 
 
 @dataclass
@@ -447,12 +451,30 @@ class RewardModelConfig:
     model: RewardModelModelConfig = field(default_factory=RewardModelModelConfig)
     micro_batch_size_per_gpu: Optional[int] = None
     max_length: Optional[int] = None
-    use_dynamic_bsz: bool = False
-    forward_max_token_len_per_gpu: int = 32768
     reward_manager: str = "naive"
+    # The manager's arguments, as verl's DAPO recipe gives them: overlong_buffer_cfg (read into
+    # overlong_buffer) and max_resp_len (default: data.max_response_length).
     reward_kwargs: dict = field(default_factory=dict)
     overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
     profiler: RoleProfilerConfig = field(default_factory=RoleProfilerConfig)
+
+    def __post_init__(self):
+        one_of(self, "reward_manager", MANAGERS)
+        unknown = set(self.reward_kwargs) - {"overlong_buffer_cfg", "max_resp_len"}
+        check(not unknown, "reward_kwargs", self.reward_kwargs,
+              f"only overlong_buffer_cfg and max_resp_len (unknown: {', '.join(sorted(unknown))})")
+        if "overlong_buffer_cfg" in self.reward_kwargs:
+            self.overlong_buffer = build(OverlongBufferConfig, dict(self.reward_kwargs["overlong_buffer_cfg"]),
+                                         "reward_kwargs.overlong_buffer_cfg")
+        if self.overlong_buffer.enable:
+            check(self.reward_manager == "dapo", "reward_manager", self.reward_manager,
+                  "dapo with the overlong buffer enabled (it is the dapo manager's penalty)")
+            check(self.overlong_buffer.len > 0, "overlong_buffer.len", self.overlong_buffer.len,
+                  "> 0 with the overlong buffer enabled")
+        check(not self.enable or bool(self.model.path), "model.path", self.model.path,
+              "a local sequence-classification model directory with enable=true")
+        check(self.micro_batch_size_per_gpu is None or self.micro_batch_size_per_gpu > 0,
+              "micro_batch_size_per_gpu", self.micro_batch_size_per_gpu, "> 0 or null (the whole batch)")
 
 
 @dataclass

@@ -380,6 +380,8 @@ _GROUPS = {
         critic.checkpoint.save_contents
         critic.checkpoint.load_contents
         reward_model.model.use_remove_padding
+        reward_model.use_dynamic_bsz
+        reward_model.forward_max_token_len_per_gpu
         algorithm.use_pf_ppo
         algorithm.pf_ppo.reweight_method
         algorithm.pf_ppo.weight_pow

@@ -16,7 +16,7 @@ import transformers
 
 from plait.config import PlaitConfig
 from plait.configtree import ConfigError, raise_all, to_dict
-from plait.data.rewards import default_compute_score, load_custom_reward
+from plait.data.rewards import default_compute_score, load_custom_reward, make_reward
 from plait.profiler import validate_environment
 from plait.trainers.lifecycle import Lifecycle, LifecycleConfig
 from plait.trainers.tracking import Tracker
@@ -31,12 +31,18 @@ def resolve_device(cfg: PlaitConfig) -> str:
 
 
 def resolve_reward(cfg: PlaitConfig):
-    """The language-model reward function: the user's (custom_reward_function) or the built-in rule rewards."""
+    """The batch scorer: the reward function (custom or built-in) under `reward_model.reward_manager`."""
+    rm = cfg.reward_model
+    max_resp_len = rm.reward_kwargs.get("max_resp_len", cfg.data.max_response_length)
+    return make_reward(resolve_reward_fn(cfg), rm.reward_manager, rm.overlong_buffer, max_resp_len)
+
+
+def resolve_reward_fn(cfg: PlaitConfig):
     custom = cfg.custom_reward_function
     if not custom.path:
         return default_compute_score
     try:
-        return load_custom_reward(custom.path, custom.name)
+        return load_custom_reward(custom.path, custom.name, custom.reward_kwargs)
     except FileNotFoundError:
         raise ConfigError("custom_reward_function.path", custom.path, "no such file") from None
     except AttributeError as err:
@@ -51,9 +57,12 @@ def check_data_files(cfg: PlaitConfig) -> None:
 
 
 def check_model_path(cfg: PlaitConfig) -> None:
-    path = cfg.actor_rollout_ref.model.path
-    if path is not None and not os.path.isdir(path):
-        raise ConfigError("actor_rollout_ref.model.path", path, "not a directory; give a local Hugging Face model directory")
+    model, rm = cfg.actor_rollout_ref.model, cfg.reward_model
+    for key, path in (("actor_rollout_ref.model.path", model.path),
+                      ("actor_rollout_ref.model.lora_adapter_path", model.lora_adapter_path if model.lora_rank else None),
+                      ("reward_model.model.path", rm.model.path if rm.enable else None)):
+        if path is not None and not os.path.isdir(path):
+            raise ConfigError(key, path, "not a directory; give a local Hugging Face model directory")
 
 
 def preflight(cfg: PlaitConfig) -> None:
@@ -96,7 +105,7 @@ def build(cfg: PlaitConfig, progress: bool = True) -> Lifecycle:
 def role_profilers(cfg: PlaitConfig) -> dict:
     arr = cfg.actor_rollout_ref
     return {"actor": arr.actor.profiler, "rollout": arr.rollout.profiler, "ref": arr.ref.profiler,
-            "critic": cfg.critic.profiler}
+            "critic": cfg.critic.profiler, "reward_model": cfg.reward_model.profiler}
 
 
 def make_backend(cfg: PlaitConfig):

@@ -4,7 +4,9 @@ The built-in model is a small Qwen2 built from a config with a character-level t
 demo and the tests run on a laptop CPU without downloading anything. Everything downstream loads
 it through `load_tokenizer` / `load_causal_lm`, which work on any local HF causal-LM directory.
 Loading is local-only: a path that is not a directory is an error, never a hub download.
-Left out: sharding, quantisation, LoRA, and remote code.
+LoRA (`add_lora`, `merged_state_dict`) wraps a causal LM with peft adapters: only the adapters
+train, the base weights stay as loaded, and the rollout receives base + adapter merged.
+Left out: sharding, quantisation, and remote code.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
-from transformers import (AutoModelForCausalLM, AutoTokenizer, PreTrainedModel,
+from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, PreTrainedModel,
                           PreTrainedTokenizerBase, PreTrainedTokenizerFast, Qwen2Config,
                           Qwen2ForCausalLM)
 
@@ -91,6 +93,14 @@ def load_causal_lm(path: str | Path, dtype: torch.dtype = torch.float32,
     return model.to(device)
 
 
+def load_reward_model(path: str | Path, dtype: torch.dtype = torch.float32,
+                      device: str | torch.device = "cpu") -> PreTrainedModel:
+    """A local HF sequence-classification model with one label (a reward model), frozen, in eval mode."""
+    model = AutoModelForSequenceClassification.from_pretrained(_local_dir(path), num_labels=1, dtype=dtype,
+                                                               local_files_only=True)
+    return model.to(device).eval().requires_grad_(False)
+
+
 def eos_token_ids(tokenizer: PreTrainedTokenizerBase, model: PreTrainedModel) -> list[int]:
     """Ids that end a response: the tokenizer's eos plus the model's generation-config eos ids.
 
@@ -108,3 +118,34 @@ def _local_dir(path: str | Path) -> str:
             f"no model directory at {str(path)!r}: plait loads local directories only and never "
             "downloads; save the model there first (e.g. plait.models.create_tiny_model)")
     return str(path)
+
+
+def add_lora(model: PreTrainedModel, rank: int, alpha: float, target_modules: str | list[str],
+             adapter_path: str | None = None):
+    """`model` wrapped with trainable LoRA adapters (peft), every other weight frozen: fresh
+    adapters of `rank` on `target_modules` ("all-linear": every linear layer but the output
+    head), or the adapter saved at `adapter_path` to train further."""
+    try:
+        from peft import LoraConfig, PeftModel, get_peft_model
+    except ImportError:
+        raise ImportError("LoRA (actor_rollout_ref.model.lora_rank > 0) needs peft: pip install 'plait[lora]'") from None
+    if adapter_path is not None:
+        return PeftModel.from_pretrained(model, _local_dir(adapter_path), is_trainable=True)
+    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=target_modules, lora_dropout=0.0,
+                        bias="none", task_type="CAUSAL_LM")
+    return get_peft_model(model, config)
+
+
+def merged_state_dict(peft_model) -> dict[str, torch.Tensor]:
+    """The base model's state dict with each adapter's delta added, under the base model's own
+    names: what a plain copy of the model (the rollout's) loads. The model itself is untouched
+    (merging in place and back would round the base weights a little at every sync)."""
+    from peft.tuners.lora import LoraLayer
+    base = peft_model.get_base_model()
+    state = {k.replace(".base_layer", ""): v.detach() for k, v in base.state_dict().items() if "lora_" not in k}
+    with torch.no_grad():
+        for name, module in base.named_modules():
+            if isinstance(module, LoraLayer) and module.active_adapters:
+                key = f"{name}.weight"
+                state[key] = state[key] + module.get_delta_weight(module.active_adapters[0])
+    return state

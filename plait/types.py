@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -19,7 +19,7 @@ class PromptBatch:
     """Prompts for one generation call (before the rollout repeats each one n times)."""
     prompt_ids: list[list[int]]
     data_sources: list[str]
-    ground_truths: list[str]
+    ground_truths: list[Any]               # as each row stores it: str, list or dict
     extra_infos: list[dict]
     indices: list[int]                     # row index in the dataset; stable ids for groups and logs
 
@@ -41,7 +41,7 @@ class RolloutBatch:
     group_ids: torch.Tensor                # [batch] long; samples of one prompt share an id
     versions: torch.Tensor                 # [batch] long; policy version each sample was generated with
     data_sources: list[str]
-    ground_truths: list[str]
+    ground_truths: list[Any]               # as each row stores it: str, list or dict
     extra_infos: list[dict]
     stop_reasons: list[str]
     token_scores: Optional[torch.Tensor] = None   # [batch, resp_len] reward at the last token

@@ -60,7 +60,8 @@ def test_megatron_and_npu_scripts_are_refused_with_one_line(name, tiny_paths, ca
     assert err.count("\n") == 0 and REFUSED[name] in err
 
 
-@pytest.mark.parametrize("name", ["grpo_qwen2_7b", "ppo_deepseek7b", "one_step_off_grpo"])
+@pytest.mark.parametrize("name", ["grpo_qwen2_7b", "ppo_deepseek7b", "one_step_off_grpo", "ppo_reward_model",
+                                  "grpo_lora_qwen2_5_3b"])
 def test_recorded_scripts_train_two_steps(name, tiny_paths, tmp_path):
     # What a user without wandb appends, as verl's scripts pass on "$@".
     extra = ["trainer.total_training_steps=2", "trainer.logger=console", f"trainer.default_local_dir={tmp_path}"]

@@ -2,18 +2,21 @@
 
 Rows follow verl's format (see tasks.py); `prompt` is a list of chat messages (rendered with the
 tokenizer's chat template) or a plain string (used as is). Every prompt is tokenized when the
-dataset is built, so a prompt that is too long fails before training starts. Batches drop the
-incomplete last one, as verl does. Left out: multimodal inputs, tool schemas, streaming datasets
+dataset is built, so a prompt that is too long fails (or is truncated, or filtered out, as
+`data.truncation` and `data.filter_overlong_prompts` say) before training starts. Batches drop
+the incomplete last one, as verl does. Left out: multimodal inputs, tool schemas, streaming datasets
 too large for memory, and padding (the rollout pads).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pyarrow.parquet as pq
 from transformers import PreTrainedTokenizerBase
@@ -44,24 +47,45 @@ class PromptItem:
     """One tokenized prompt and what its reward needs."""
     prompt_ids: list[int]
     prompt_text: str  # after the chat template, before any truncation
-    data_source: str
-    ground_truth: str
-    extra_info: dict
+    data_source: str   # the row's `reward_fn_key` column (verl's data.reward_fn_key): picks the reward
+    ground_truth: Any  # as the row stores it: a string, a list, a dict
+    extra_info: dict   # the row's, plus "raw_prompt" (its messages) with return_raw_chat
     index: int
 
 
+TRUNCATIONS = ("error", "left", "right", "middle")
+
+
+def truncate(ids: list[int], max_len: int, side: str) -> list[int]:
+    """Keep `max_len` tokens: the last ones ('left' cuts the start), the first ones ('right'), or
+    the first and last halves ('middle', the extra token going to the end)."""
+    if side == "left":
+        return ids[-max_len:]
+    if side == "right":
+        return ids[:max_len]
+    head = max_len // 2
+    return ids[:head] + ids[len(ids) - (max_len - head):]
+
+
 class PromptDataset:
-    """Rows tokenized for generation. `truncation`: 'error' refuses a prompt over
-    `max_prompt_length` tokens; 'left' keeps its last tokens, 'right' its first."""
+    """Rows tokenized for generation. A prompt over `max_prompt_length` tokens is dropped with
+    `filter_overlong_prompts` (`self.filtered` counts them), else `truncation` decides: 'error'
+    refuses it, 'left', 'right' and 'middle' cut it (see `truncate`)."""
 
     def __init__(self, rows: Sequence[dict], tokenizer: PreTrainedTokenizerBase,
                  prompt_key: str = "prompt", max_prompt_length: int = 512,
-                 truncation: str = "error"):
+                 truncation: str = "error", filter_overlong_prompts: bool = False,
+                 return_raw_chat: bool = False, reward_fn_key: str = "data_source"):
         check(max_prompt_length > 0, "max_prompt_length", max_prompt_length, "a positive integer")
-        check(truncation in ("error", "left", "right"), "truncation", truncation,
-              "one of 'error', 'left', 'right'")
-        self.items = [self._item(i, row, tokenizer, prompt_key, max_prompt_length, truncation)
-                      for i, row in enumerate(rows)]
+        check(truncation in TRUNCATIONS, "truncation", truncation, f"one of {', '.join(TRUNCATIONS)}")
+        items = [self._item(i, row, tokenizer, prompt_key, return_raw_chat, reward_fn_key)
+                 for i, row in enumerate(rows)]
+        if filter_overlong_prompts:
+            kept = [it for it in items if len(it.prompt_ids) <= max_prompt_length]
+            self.filtered, items = len(items) - len(kept), kept
+        else:
+            self.filtered = 0
+        self.items = [self._fit(it, max_prompt_length, truncation) for it in items]
 
     def __len__(self) -> int:
         return len(self.items)
@@ -71,8 +95,8 @@ class PromptDataset:
 
     @staticmethod
     def _item(i: int, row: dict, tokenizer: PreTrainedTokenizerBase, prompt_key: str,
-              max_len: int, truncation: str) -> PromptItem:
-        missing = [k for k in (prompt_key, "data_source", "reward_model") if k not in row]
+              return_raw_chat: bool, reward_fn_key: str) -> PromptItem:
+        missing = [k for k in (prompt_key, reward_fn_key, "reward_model") if k not in row]
         if missing:
             raise KeyError(f"row {i} has no {', '.join(map(repr, missing))}; "
                            f"its keys are {', '.join(map(repr, row))}")
@@ -87,16 +111,22 @@ class PromptDataset:
                                                  tokenize=False)
             # The template already wrote any special tokens the model expects.
             ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-        if len(ids) > max_len:
-            if truncation == "error":
-                raise ValueError(f"row {i}: prompt is {len(ids)} tokens, longer than "
-                                 f"max_prompt_length={max_len}; raise data.max_prompt_length "
-                                 "or set data.truncation to 'left' or 'right'")
-            ids = ids[-max_len:] if truncation == "left" else ids[:max_len]
         extra_info = dict(row.get("extra_info") or {})
-        return PromptItem(prompt_ids=ids, prompt_text=text, data_source=row["data_source"],
-                          ground_truth=str(row["reward_model"]["ground_truth"]),
+        if return_raw_chat:
+            extra_info["raw_prompt"] = prompt if isinstance(prompt, str) else list(prompt)
+        return PromptItem(prompt_ids=ids, prompt_text=text, data_source=row[reward_fn_key],
+                          ground_truth=row["reward_model"]["ground_truth"],
                           extra_info=extra_info, index=int(extra_info.get("index", i)))
+
+    @staticmethod
+    def _fit(item: PromptItem, max_len: int, truncation: str) -> PromptItem:
+        if len(item.prompt_ids) <= max_len:
+            return item
+        if truncation == "error":
+            raise ValueError(f"row {item.index}: prompt is {len(item.prompt_ids)} tokens, longer than "
+                             f"max_prompt_length={max_len}; raise data.max_prompt_length, set "
+                             "data.truncation to left, right or middle, or data.filter_overlong_prompts=true")
+        return dataclasses.replace(item, prompt_ids=truncate(item.prompt_ids, max_len, truncation))
 
 
 def iterate_batches(dataset: PromptDataset, batch_size: int, shuffle: bool = True,

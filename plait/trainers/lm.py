@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import sys
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -30,24 +31,27 @@ from plait.algorithms.kl import apply_kl_penalty, make_kl_controller
 from plait.algorithms.rollout_correction import rollout_correction
 from plait.config import PlaitConfig, SamplingConfig
 from plait.data.dataset import PromptDataset, iterate_batches
-from plait.data.rewards import score_batch
+from plait.data.rewards import ScoreRequest, Scores
 from plait.trainers.lifecycle import StageTimer, StepResult
 from plait.types import PromptBatch, RolloutBatch
 from plait.workers.actor import Actor
 from plait.workers.critic import Critic
 from plait.workers.packing import seqlen_metrics
 from plait.workers.ref import Ref
+from plait.workers.reward_model import RewardModel
 from plait.workers.rollout import Rollout
 from plait.workers.weight_sync import sync_weights
 
 
 @dataclass
 class Roles:
-    """The worker groups a language-model trainer drives; ref and critic are None when unused."""
+    """The worker groups a language-model trainer drives; ref, critic and reward_model are None when
+    unused (ref also with LoRA: the actor computes reference log-probs with its adapters off)."""
     actor: object
     rollout: object
     ref: object | None
     critic: object | None
+    reward_model: object | None = None
 
 
 class DataCursor:
@@ -120,6 +124,8 @@ class LMTrainer:
                 self.model_flops = self.roles.actor.call(Actor.model_flops)
             result.metrics["perf/mfu/gen"] = self.model_flops.mfu(self.model_flops.forward(lengths), timer.times["gen"])
         result.metrics["perf/samples_per_s"] = samples / (time.perf_counter() - start)
+        if self.cfg.data.filter_overlong_prompts:
+            result.metrics["data/filtered_overlong_prompts"] = self.cursor.dataset.filtered
         return result
 
     def validate(self) -> dict[str, float]:
@@ -195,9 +201,12 @@ class LMTrainer:
         """Text of each row's masked tokens (responses are right-padded, prompts left-padded)."""
         return self.tokenizer.batch_decode([row[m.bool()].tolist() for row, m in zip(ids, mask)], skip_special_tokens=True)
 
-    def score(self, batch: RolloutBatch) -> tuple[list[float], dict[str, list[float]]]:
+    def score(self, batch: RolloutBatch) -> Scores:
+        if self.roles.reward_model is not None:  # as in verl, a reward model's score replaces the rule reward
+            return self.roles.reward_model.call(RewardModel.compute_rm_score, batch), {}
         texts = self.decode(batch.responses, batch.response_mask)
-        return score_batch(self.reward_fn, batch.data_sources, texts, batch.ground_truths, batch.extra_infos)
+        lengths = batch.response_mask.sum(-1).long().tolist()
+        return self.reward_fn(ScoreRequest(batch.data_sources, texts, batch.ground_truths, batch.extra_infos, lengths))
 
     def greedy_baselines(self, batch: RolloutBatch) -> torch.Tensor:
         """ReMax's baseline [batch]: the score of one greedy response per prompt, generated now."""
@@ -238,9 +247,9 @@ class LMTrainer:
         else:
             with timer.stage("old_log_prob"):
                 metrics.update(self.compute_old_log_prob(batch))
-        if roles.ref is not None:
+        if cfg.uses_ref:
             with timer.stage("ref"):
-                batch.ref_logprobs = roles.ref.call(Ref.compute_ref_log_prob, batch)
+                batch.ref_logprobs = self.compute_ref_log_prob(batch)
         if roles.critic is not None:
             with timer.stage("values"):
                 batch.values = roles.critic.call(Critic.compute_values, batch)
@@ -285,6 +294,13 @@ class LMTrainer:
         batch.loss_mask = loss_mask if c.rollout_rs is not None else None
         metrics.update(corr_metrics)
         return metrics
+
+    def compute_ref_log_prob(self, batch: RolloutBatch) -> torch.Tensor:
+        if self.roles.ref is None:  # LoRA: the reference is the actor's base model, adapters off
+            ref = self.cfg.actor_rollout_ref.ref
+            return self.roles.actor.call(Actor.compute_ref_log_prob, batch, ref.log_prob_micro_batch_size_per_gpu,
+                                         ref.log_prob_max_token_len_per_gpu if ref.log_prob_use_dynamic_bsz else None)
+        return self.roles.ref.call(Ref.compute_ref_log_prob, batch)
 
     def compute_advantage(self, batch: RolloutBatch, baselines: torch.Tensor | None = None) -> dict[str, float]:
         alg, metrics = self.cfg.algorithm, {}
@@ -447,31 +463,41 @@ def build_lm_trainer(cfg: PlaitConfig, backend, device: str):
     train_files, val_files = resolve_data(cfg)
     d = cfg.data
     make = lambda files: PromptDataset(load_rows(files), tokenizer, prompt_key=d.prompt_key,  # noqa: E731
-                                       max_prompt_length=d.max_prompt_length, truncation=d.truncation)
+                                       max_prompt_length=d.max_prompt_length, truncation=d.truncation,
+                                       filter_overlong_prompts=d.filter_overlong_prompts,
+                                       return_raw_chat=d.return_raw_chat, reward_fn_key=d.reward_fn_key)
     train_data = make(train_files)
     val_data = make(val_files) if val_files else None
+    if d.filter_overlong_prompts:
+        print(f"plait: data.filter_overlong_prompts dropped {train_data.filtered} training and "
+              f"{val_data.filtered if val_data else 0} validation prompts longer than "
+              f"max_prompt_length={d.max_prompt_length}", file=sys.stderr)
     arr = cfg.actor_rollout_ref
     for optim in (arr.actor.optim, cfg.critic.optim):  # as verl: the lr schedule spans the trainer's steps
         if optim.total_training_steps == -1:
             optim.total_training_steps = total_training_steps(cfg, len(train_data))
     temp, n = arr.rollout.temperature or 1.0, arr.rollout.n
-    model, critic = arr.model, cfg.critic
+    model, critic, rm = arr.model, cfg.critic, cfg.reward_model
+    lora = model.lora_rank > 0  # the actor's base model with adapters off is the reference: no Ref role
     budget = lambda dynamic, tokens: tokens if dynamic else None  # noqa: E731  use_dynamic_bsz: a token budget
     roles = Roles(
         actor=backend.spawn("actor", Actor, model_path, arr.actor, n, temp, device=device, dtype=dtype, seed=cfg.trainer.seed,
                             remove_padding=model.use_remove_padding,
                             max_token_len=budget(arr.actor.use_dynamic_bsz, arr.actor.ppo_max_token_len_per_gpu),
-                            gradient_checkpointing=model.enable_gradient_checkpointing),
+                            gradient_checkpointing=model.enable_gradient_checkpointing, model_cfg=model),
         rollout=backend.spawn("rollout", Rollout, model_path, d.max_response_length, tokenizer, device=device, dtype=dtype,
                               ignore_eos=arr.rollout.ignore_eos),
         ref=backend.spawn("ref", Ref, model_path, arr.ref, temp, device=device, dtype=dtype,
                           remove_padding=model.use_remove_padding,
                           max_token_len=budget(arr.ref.log_prob_use_dynamic_bsz, arr.ref.log_prob_max_token_len_per_gpu))
-        if cfg.uses_ref else None,
+        if cfg.uses_ref and not lora else None,
         critic=(backend.spawn("critic", Critic, critic.model.path or model_path, critic, n, device=device, dtype=dtype,
                               remove_padding=critic.model.use_remove_padding,
                               max_token_len=budget(critic.use_dynamic_bsz, critic.ppo_max_token_len_per_gpu),
                               forward_max_token_len=budget(critic.use_dynamic_bsz, critic.forward_max_token_len_per_gpu),
                               gradient_checkpointing=critic.model.enable_gradient_checkpointing)
-                if critic.enable else None))
+                if critic.enable else None),
+        reward_model=(backend.spawn("reward_model", RewardModel, rm.model.path, tokenizer, micro_batch_size=rm.micro_batch_size_per_gpu,
+                                    max_length=rm.max_length, input_tokenizer=rm.model.input_tokenizer, device=device, dtype=dtype)
+                      if rm.enable else None))
     return MODES[cfg.trainer.mode](cfg, roles, tokenizer, train_data, val_data, reward_fn, backend.profile_targets())

@@ -7,6 +7,9 @@ and data parallelism give the same update as one big batch. Where the batch come
 what happens to the weights afterwards, is the trainer's business.
 
 Data parallelism (the Ray backend initialises torch.distributed) is plait/workers/parallel.py.
+With LoRA (`model.lora_rank > 0`) only the adapters train; the reference policy is this same model
+with its adapters switched off (`compute_ref_log_prob`), so no second copy is loaded; checkpoints
+hold the adapter alone, and the rollout gets base + adapter merged (`state_dict`).
 """
 
 from __future__ import annotations
@@ -22,8 +25,8 @@ from plait.algorithms.kl import kl_estimate
 from plait.algorithms.losses import (PolicyLossKnobs, agg_loss, entropy_from_logits, gpg_loss, policy_loss,
                                      token_logprobs)
 from plait.algorithms.rollout_correction import rollout_correction
-from plait.config import ActorConfig, OptimConfig, RolloutCorrectionConfig
-from plait.models import load_causal_lm
+from plait.config import ActorConfig, ModelConfig, OptimConfig, RolloutCorrectionConfig
+from plait.models import add_lora, load_causal_lm, merged_state_dict
 from plait.types import RolloutBatch
 from plait.workers.flops import ModelFlops
 from plait.workers.packing import MicroBatching, checked_remove_padding, pack, unpack
@@ -106,15 +109,23 @@ def make_optimizer(params, cfg: OptimConfig):
     return opt, sched
 
 
+LORA_DIR = "lora_adapter"  # the adapter's folder in an actor checkpoint
+
+
 class Actor:
     def __init__(self, model_path: str, cfg: ActorConfig, n: int, temperature: float, profiler,
                  device: str = "cpu", dtype: torch.dtype = torch.float32, seed: int = 1,
                  fsdp: bool | None = None, remove_padding: bool = False, max_token_len: int | None = None,
-                 gradient_checkpointing: bool = False):
-        """`remove_padding`: packed forwards; `max_token_len`: token-budget micro-batches (use_dynamic_bsz)."""
+                 gradient_checkpointing: bool = False, model_cfg: ModelConfig | None = None):
+        """`remove_padding`: packed forwards; `max_token_len`: token-budget micro-batches (use_dynamic_bsz);
+        `model_cfg.lora_rank > 0`: LoRA adapters."""
         self.cfg, self.n, self.temperature, self.profiler = cfg, n, temperature, profiler
-        torch.manual_seed(seed)
+        torch.manual_seed(seed)  # also seeds the LoRA A matrices
         self.model = load_causal_lm(model_path, dtype=dtype, device=device)
+        self.lora = model_cfg is not None and model_cfg.lora_rank > 0
+        if self.lora:
+            self.model = add_lora(self.model, model_cfg.lora_rank, model_cfg.lora_alpha,
+                                  model_cfg.target_modules, model_cfg.lora_adapter_path)
         self.model.train()
         remove_padding = checked_remove_padding(self.model, remove_padding)
         self.layout = MicroBatching(cfg.ppo_micro_batch_size_per_gpu, max_token_len, remove_padding)
@@ -122,8 +133,12 @@ class Actor:
             self.model.activation_checkpointing_enable({"use_reentrant": False})
         self.flops = ModelFlops.of(self.model)
         if use_fsdp(fsdp, device):
+            if self.lora:  # merged_state_dict and the adapter checkpoint assume whole, unsharded tensors
+                raise ValueError("actor_rollout_ref.model.lora_rank > 0 with FSDP2 sharding (several CUDA ranks) "
+                                 "is not supported yet; train LoRA on one GPU per actor or without LoRA")
             shard_model(self.model, self.model._no_split_modules or [])
-        self.optimizer, self.scheduler = make_optimizer(self.model.parameters(), cfg.optim)
+        trainable = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer, self.scheduler = make_optimizer(trainable, cfg.optim)
         self.shuffle_gen = torch.Generator().manual_seed(seed)
 
     def compute_log_prob(self, batch: RolloutBatch, micro_batch_size: int,
@@ -136,6 +151,14 @@ class Actor:
 
     def model_flops(self) -> ModelFlops:
         return self.flops
+
+    def compute_ref_log_prob(self, batch: RolloutBatch, micro_batch_size: int,
+                             max_token_len: int | None = None) -> torch.Tensor:
+        """LoRA only: log-probs [batch, resp_len] of the base model (adapters off), the reference."""
+        with self.profiler.annotate("ref"), self.model.disable_adapter():
+            layout = MicroBatching(micro_batch_size, max_token_len, self.layout.remove_padding)
+            logp, _ = response_forward(self.model, batch, self.temperature, layout, with_entropy=False)
+            return logp.cpu()
 
     def update(self, batch: RolloutBatch, correction: RolloutCorrectionConfig | None = None) -> dict[str, float]:
         """Policy update with `actor.policy_loss.loss_mode`. The batch's rollout_is_weights and loss_mask
@@ -253,21 +276,33 @@ class Actor:
         return loss, {**stats, **corr}, loss_mask
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        return full_state_dict(self.model)
+        """The policy's weights under the plain model's names (LoRA: merged), for the rollout."""
+        return merged_state_dict(self.model) if self.lora else full_state_dict(self.model)
 
     def save_checkpoint(self, path: str) -> None:
         model_state, optim_state = checkpoint_state(self.model, self.optimizer)
         if dp_rank_size()[0] != 0:  # ranks hold the same weights (or rank 0 gathered them): one writer
             return
         os.makedirs(path, exist_ok=True)
-        torch.save(model_state, os.path.join(path, "model.pt"))
+        if self.lora:  # the adapter alone, in peft's format (loadable with PeftModel.from_pretrained)
+            self.model.save_pretrained(os.path.join(path, LORA_DIR))
+        else:
+            torch.save(model_state, os.path.join(path, "model.pt"))
         torch.save({"optimizer": optim_state, "scheduler": self.scheduler.state_dict(),
                     "shuffle_gen": self.shuffle_gen.get_state()}, os.path.join(path, "optim.pt"))
 
     def load_checkpoint(self, path: str) -> None:
         state = torch.load(os.path.join(path, "optim.pt"), weights_only=True)
-        load_checkpoint_state(self.model, self.optimizer,
-                              torch.load(os.path.join(path, "model.pt"), weights_only=True), state["optimizer"])
+        if self.lora:
+            from peft import set_peft_model_state_dict
+            from safetensors.torch import load_file
+            adapter = load_file(os.path.join(path, LORA_DIR, "adapter_model.safetensors"))
+            if set_peft_model_state_dict(self.model, adapter).unexpected_keys:
+                raise ValueError(f"{path}: the saved adapter does not fit this model's LoRA settings")
+            self.optimizer.load_state_dict(state["optimizer"])
+        else:
+            load_checkpoint_state(self.model, self.optimizer,
+                                  torch.load(os.path.join(path, "model.pt"), weights_only=True), state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.shuffle_gen.set_state(state["shuffle_gen"])
 

@@ -3,7 +3,7 @@ import json
 import pytest
 
 from plait.configtree import ConfigError
-from plait.data.dataset import PromptDataset, iterate_batches, load_rows
+from plait.data.dataset import PromptDataset, iterate_batches, load_rows, truncate
 from plait.data.tasks import make_task_rows, write_task_files
 from plait.models import build_char_tokenizer
 
@@ -56,8 +56,10 @@ def test_over_long_prompt_errors_or_truncates(tok):
     left = PromptDataset(rows, tok, max_prompt_length=5, truncation="left")[0]
     right = PromptDataset(rows, tok, max_prompt_length=5, truncation="right")[0]
     assert tok.decode(left.prompt_ids) == "def=\n" and tok.decode(right.prompt_ids) == "rev a"
-    with pytest.raises(ConfigError, match="truncation='middle'"):
-        PromptDataset(rows, tok, truncation="middle")
+    middle = PromptDataset(rows, tok, max_prompt_length=5, truncation="middle")[0]
+    assert tok.decode(middle.prompt_ids) == "ref=\n"  # the 2 first and 3 last tokens
+    with pytest.raises(ConfigError, match="truncation='center'"):
+        PromptDataset(rows, tok, truncation="center")
     with pytest.raises(KeyError, match="row 0 has no 'reward_model'"):
         PromptDataset([{"data_source": "x", "prompt": "hi"}], tok)
 
@@ -74,3 +76,34 @@ def test_batches_are_seeded_full_and_cover_each_item_once(tok):
     assert ordered == [[0, 1, 2, 3], [4, 5, 6, 7]]
     with pytest.raises(ValueError, match="10 prompts make no full batch of 11"):
         next(iterate_batches(ds, 11))
+
+
+def test_truncate_by_hand():
+    ids = list(range(10))
+    assert truncate(ids, 4, "left") == [6, 7, 8, 9]
+    assert truncate(ids, 4, "right") == [0, 1, 2, 3]
+    assert truncate(ids, 4, "middle") == [0, 1, 8, 9]
+    assert truncate(ids, 5, "middle") == [0, 1, 7, 8, 9]
+
+
+def test_filter_overlong_prompts_drops_and_counts(tok):
+    rows = [{"data_source": "reverse", "prompt": [{"role": "user", "content": c}],
+             "reward_model": {"ground_truth": ["a", "b"]}} for c in ("ab", "abcdefgh", "abc", "abcdefghij")]
+    ds = PromptDataset(rows, tok, max_prompt_length=4, filter_overlong_prompts=True)
+    assert ds.filtered == 2 and [it.index for it in ds] == [0, 2]
+    assert ds[0].ground_truth == ["a", "b"]  # as stored, not a string
+    assert PromptDataset(rows, tok, max_prompt_length=20, filter_overlong_prompts=True).filtered == 0
+
+
+def test_return_raw_chat_keeps_the_messages_in_extra_info(tok):
+    rows = make_task_rows("arithmetic", "test", 2, 0)
+    raw = PromptDataset(rows, tok, return_raw_chat=True)
+    assert raw[0].extra_info == {"split": "test", "index": 0, "raw_prompt": rows[0]["prompt"]}
+    assert "raw_prompt" not in PromptDataset(rows, tok)[0].extra_info
+
+
+def test_reward_fn_key_names_the_data_source_column(tok):
+    rows = [{"source": "reverse", "prompt": "rev ab=", "reward_model": {"ground_truth": "ba"}}]
+    assert PromptDataset(rows, tok, reward_fn_key="source")[0].data_source == "reverse"
+    with pytest.raises(KeyError, match="row 0 has no 'data_source'"):
+        PromptDataset(rows, tok)

@@ -1,0 +1,161 @@
+"""Rule rewards for the math data sets verl's preprocessing scripts produce: GSM8K, MATH, DAPO.
+
+Each scorer takes the response text and the ground truth as stored in the row and returns a
+number (or a dict with "score"), the way verl scores these sources, so a verl user's GSM8K or
+MATH parquet trains against the same targets here:
+
+- GSM8K (`openai/gsm8k`): the answer is the number after the last `####`; "flexible" takes the
+  last number anywhere instead. 1.0 when right, `format_score` when an answer was found but is wrong.
+- MATH (`lighteval/MATH`, ...): the answer is the last `\\boxed{...}`; both sides are normalised
+  (Hendrycks et al.'s MATH rules: `\\dfrac` -> `\\frac`, units and spaces dropped, `0.5` ->
+  `\\frac{1}{2}`, ...) and compared as strings. 1.0 or 0.0.
+- DAPO (`math_dapo`, `aime*`): the answer follows the last `Answer:`; both sides normalised with
+  Minerva's rules (Lewkowycz et al. 2022); +1 when right, -1 otherwise, with "acc" and "pred".
+
+Left out: symbolic equivalence (math-verify, sympy), code execution, and the other sources verl
+routes (numina, code contests, geometry3k): score those with a custom reward function.
+"""
+
+from __future__ import annotations
+
+import re
+
+TAIL_CHARS = 300  # answers sit at the end; regexes over a whole long response are slow
+
+
+# -- GSM8K ---------------------------------------------------------------------------------------
+
+def gsm8k_answer(response: str, method: str = "strict") -> str | None:
+    """The final answer of a GSM8K response, commas and dollar signs dropped; None if there is none."""
+    tail = response[-TAIL_CHARS:]
+    if method == "strict":
+        found = re.findall(r"#### (-?[0-9.,$]+)", tail)
+    elif method == "flexible":
+        found = [s for s in re.findall(r"-?[0-9.,]+", tail) if s not in (".", ",")]
+    else:
+        raise ValueError(f"gsm8k method must be 'strict' or 'flexible', not {method!r}")
+    return found[-1].replace(",", "").replace("$", "") if found else None
+
+
+def gsm8k_score(solution_str: str, ground_truth: str, method: str = "strict",
+                format_score: float = 0.0, score: float = 1.0) -> float:
+    answer = gsm8k_answer(solution_str, method)
+    if answer is None:
+        return 0.0
+    return score if answer == str(ground_truth) else format_score
+
+
+# -- MATH ----------------------------------------------------------------------------------------
+
+def last_boxed(text: str) -> str | None:
+    """The content of the last `\\boxed{...}` (braces balanced) or `\\boxed x`; None if none closes."""
+    start = text.rfind("\\boxed")
+    if start < 0:
+        return None
+    rest = text[start + len("\\boxed"):]
+    if rest.startswith(" "):  # "\boxed 5$": the answer runs to the next dollar sign
+        return rest[1:].split("$")[0]
+    if not rest.startswith("{"):
+        return None
+    depth = 0
+    for i, ch in enumerate(rest):
+        depth += (ch == "{") - (ch == "}")
+        if depth == 0:
+            return rest[1:i]
+    return None
+
+
+def _braced_fracs(s: str) -> str:
+    r"""\frac12 -> \frac{1}{2}, \frac1{2} -> \frac{1}{2}: single-character arguments get braces."""
+    out, parts = [], s.split("\\frac")
+    out.append(parts[0])
+    for part in parts[1:]:
+        if part.startswith("{") or len(part) < 2:
+            out.append("\\frac" + part)
+            continue
+        num, rest = part[0], part[1:]
+        den, rest = (rest, "") if rest.startswith("{") else (f"{{{rest[0]}}}", rest[1:])
+        out.append(f"\\frac{{{num}}}{den}{rest}")
+    return "".join(out)
+
+
+def _braced_sqrt(s: str) -> str:
+    r"""\sqrt3 -> \sqrt{3}."""
+    return re.sub(r"\\sqrt(?!\{)(\w)", r"\\sqrt{\1}", s)
+
+
+def normalize_math_answer(s: str) -> str:
+    """MATH's answer normalisation: the same number or expression written two common ways maps
+    to one string."""
+    s = s.replace("\n", "").replace("\\!", "").replace("\\\\", "\\")
+    s = s.replace("tfrac", "frac").replace("dfrac", "frac")
+    s = s.replace("\\left", "").replace("\\right", "")
+    s = s.replace("^{\\circ}", "").replace("^\\circ", "")
+    s = s.replace("\\$", "")
+    s = re.sub(r"\\text\{\s[^}]*\}$", "", s)  # a trailing unit: "5\text{ cm}" -> "5"
+    s = s.replace("\\%", "").replace("%", "")
+    s = s.replace(" .", " 0.").replace("{.", "{0.")
+    if s.startswith("."):
+        s = "0" + s
+    lhs, eq, rhs = s.partition("=")
+    if eq and len(lhs) <= 2 and "=" not in rhs:  # "x = 3" -> "3"
+        s = rhs
+    s = _braced_sqrt(s).replace(" ", "")
+    s = _braced_fracs(s)
+    if s == "0.5":
+        s = "\\frac{1}{2}"
+    m = re.fullmatch(r"(-?\d+)/(\d+)", s)
+    if m:
+        s = f"\\frac{{{m.group(1)}}}{{{m.group(2)}}}"
+    return s
+
+
+def math_score(solution_str: str, ground_truth: str) -> float:
+    answer = last_boxed(solution_str)
+    if answer is None:
+        return 0.0
+    return float(normalize_math_answer(answer) == normalize_math_answer(str(ground_truth)))
+
+
+# -- DAPO (Minerva normalisation) ----------------------------------------------------------------
+
+MINERVA_REPLACE = [("an ", ""), ("a ", ""), (".$", "$"), ("\\$", ""), ("\\ ", ""), (" ", ""),
+                   ("mbox", "text"), (",\\text{and}", ","), ("\\text{and}", ","),
+                   ("\\text{m}", "\\text{}")]
+MINERVA_DROP = ["square", "ways", "integers", "dollars", "mph", "inches", "hours", "km", "units",
+                "\\ldots", "sue", "points", "feet", "minutes", "digits", "cents", "degrees", "cm",
+                "gm", "pounds", "meters", "meals", "edges", "students", "childrentickets",
+                "multiples", "\\text{s}", "\\text{.}", "\\text{\ns}", "\\text{}^2", "\\text{}^3",
+                "\\text{\n}", "\\text{}", "\\mathrm{th}", "^\\circ", "^{\\circ}", "\\;", ",\\!",
+                "{,}", '"', "\\dots"]
+
+
+def normalize_final_answer(answer: str) -> str:
+    """Minerva's normalisation of a final answer: the right side of the last '=', units and
+    filler words dropped, `\\text{}`/`\\boxed{}` wrappers removed, shorthand TeX braced."""
+    s = answer.split("=")[-1]
+    for old, new in MINERVA_REPLACE:
+        s = s.replace(old, new)
+    for word in MINERVA_DROP:
+        s = s.replace(word, "")
+    s = re.sub(r"^.*?\$(.*?)\$.*$", r"$\1$", s)  # keep the first inline-math span
+    for wrapper in ("text", "textbf", "overline"):
+        s = re.sub(rf"\\{wrapper}\{{(.*?)\}}", r"\1", s)
+    s = re.sub(r"\\boxed\{(.*)\}", r"\1", s)
+    s = re.sub(r"frac([^{])(.)", r"frac{\1}{\2}", s)
+    s = re.sub(r"sqrt([^{])", r"sqrt{\1}", s)
+    s = s.replace("$", "")
+    if s.replace(",", "").isdigit():
+        s = s.replace(",", "")
+    return s.strip()
+
+
+def dapo_score(solution_str: str, ground_truth: str) -> dict:
+    """+1 when the text after the last 'Answer:' matches the ground truth after normalisation, else -1."""
+    found = re.findall(r"(?i)Answer\s*:\s*([^\n]+)", solution_str[-TAIL_CHARS:])
+    pred = normalize_final_answer(found[-1]) if found else "[INVALID]"
+    correct = bool(found) and pred == normalize_final_answer(str(ground_truth))
+    return {"score": 1.0 if correct else -1.0, "acc": correct, "pred": pred}
+
+
+MATH_SOURCES = ("lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500")  # verl's names

@@ -47,9 +47,9 @@ def build(tiny_config, out, *overrides):
     trainer, seen = lifecycle.trainer, []
     learn = trainer.learn
 
-    def recording(batch, timer):
+    def recording(batch, timer, *rest):
         seen.append((trainer.version, batch.versions.tolist(), batch.group_ids.tolist()))
-        return learn(batch, timer)
+        return learn(batch, timer, *rest)
     trainer.learn = recording
     return lifecycle, seen
 
@@ -92,10 +92,10 @@ def test_killed_rollout_process_is_a_clear_error(ray_up, tmp_path, tiny_config):
     rollout_pid = trainer.roles.rollout.pids[0]
     learn = trainer.learn
 
-    def kill_at_step_2(batch, timer):
+    def kill_at_step_2(batch, timer, *rest):
         if trainer.version == 1:
             os.kill(rollout_pid, signal.SIGKILL)
-        return learn(batch, timer)
+        return learn(batch, timer, *rest)
     trainer.learn = kill_at_step_2
     start = time.perf_counter()
     with pytest.raises(RuntimeError, match="died") as info:

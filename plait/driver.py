@@ -18,7 +18,7 @@ from plait.config import PlaitConfig
 from plait.configtree import ConfigError, raise_all, to_dict
 from plait.data.rewards import default_compute_score, load_custom_reward
 from plait.profiler import validate_environment
-from plait.trainers.lifecycle import Lifecycle, LifecycleConfig
+from plait.trainers.lifecycle import Lifecycle, LifecycleConfig, output_dir_lock
 from plait.trainers.tracking import Tracker
 
 def resolve_device(cfg: PlaitConfig) -> str:
@@ -105,6 +105,6 @@ def make_backend(cfg: PlaitConfig):
 
 
 def run(cfg: PlaitConfig, progress: bool = True) -> dict[str, float]:
-    os.makedirs(cfg.output_dir, exist_ok=True)
-    print(f"plait: outputs in {cfg.output_dir}", file=sys.stderr)
-    return build(cfg, progress=progress).run()
+    with output_dir_lock(cfg.output_dir):  # before build: it writes data and the demo model there
+        print(f"plait: outputs in {cfg.output_dir}", file=sys.stderr)
+        return build(cfg, progress=progress).run()

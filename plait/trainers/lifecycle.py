@@ -159,7 +159,7 @@ class Lifecycle:
         except BaseException as err:
             shutil.rmtree(tmp, ignore_errors=True)  # nothing partial, whatever stopped the save
             if isinstance(err, (OSError, RuntimeError)):
-                raise RunError(f"checkpoint of step {step} not written to {tmp}: {_cause(err)}; "
+                raise RunError(f"checkpoint of step {step} not written to {tmp}: {_cause(err, tmp)}; "
                                f"the previous checkpoint stays latest") from err
             raise
         if os.path.exists(final):
@@ -278,10 +278,17 @@ def _crc32(path: str, sync: bool = False) -> int:
     return crc
 
 
-def _cause(err: BaseException) -> str:
-    """The one-line cause of a failed write: the OS error's text, else the first line of the message."""
+def _cause(err: BaseException, path: str) -> str:
+    """The one-line cause of a failed write. torch.save reports one without its errno
+    ("enforce fail at inline_container.cc"), so the usual suspects are checked by name."""
     if isinstance(err, OSError) and err.strerror:
         return err.strerror
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    if limit != resource.RLIM_INFINITY:
+        return f"File too large? (the file-size limit, ulimit -f, is {limit} bytes)"
+    free = shutil.disk_usage(os.path.dirname(path)).free
+    if free < 2**28:
+        return f"No space left on device? ({free // 2**20} MiB free)"
     return str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
 
 

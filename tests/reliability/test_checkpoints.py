@@ -135,3 +135,27 @@ def _fork(child, kill_after):
     if kill_after is None:
         assert os.waitstatus_to_exitcode(status) == 0
     return os.WIFSIGNALED(status)
+
+
+def test_a_failed_write_is_one_line_and_leaves_the_previous_checkpoint_latest(tmp_path, walk):
+    """A file-size limit (EFBIG, as a full disk gives ENOSPC) makes the save of step 3 fail."""
+    walk(tmp_path, steps=2).run()
+    read, write = os.pipe()
+
+    def child():
+        import resource
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG instead of death by signal
+        resource.setrlimit(resource.RLIMIT_FSIZE, (8000, resource.RLIM_INFINITY))  # model.pt is 16 KB
+        try:
+            walk(tmp_path, steps=3).run()
+        except Exception as err:  # noqa: BLE001 - reported to the parent
+            os.write(write, f"{type(err).__name__}: {err}".encode())
+        os._exit(0)
+    _fork(child, kill_after=None)
+    os.close(write)
+    message = os.read(read, 4096).decode()
+    assert message.startswith("RunError: checkpoint of step 3 not written to ")
+    assert "\n" not in message and "the previous checkpoint stays latest" in message
+    assert "File too large" in message
+    assert (tmp_path / "checkpoints" / "latest_checkpointed_iteration.txt").read_text() == "2"
+    assert sorted(p for p in os.listdir(tmp_path / "checkpoints") if p.startswith("global")) == ["global_step_1", "global_step_2"]

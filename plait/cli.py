@@ -17,8 +17,7 @@ import sys
 import yaml
 
 from plait.configtree import ConfigError, ConfigErrors, to_dict
-from plait.errors import RunError
-from plait.trainers.lifecycle import Interrupted
+from plait.errors import Interrupted, RunError
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -423,6 +423,10 @@ class CustomRewardConfig:
     path: Optional[str] = None
     name: str = "compute_score"
     reward_kwargs: dict = field(default_factory=dict)  # extra keyword arguments for the reward function
+    timeout: Optional[float] = None           # plait's own: seconds one call may take; null: no limit
+
+    def __post_init__(self):
+        check(self.timeout is None or self.timeout > 0, "timeout", self.timeout, "seconds > 0, or null for no limit")
 
 
 @dataclass

@@ -16,7 +16,7 @@ import transformers
 
 from plait.config import PlaitConfig
 from plait.configtree import ConfigError, raise_all, to_dict
-from plait.data.rewards import default_compute_score, load_custom_reward
+from plait.data.rewards import default_compute_score, guard_reward, load_custom_reward
 from plait.profiler import validate_environment
 from plait.trainers.lifecycle import Lifecycle, LifecycleConfig, output_dir_lock
 from plait.trainers.tracking import Tracker
@@ -34,9 +34,9 @@ def resolve_reward(cfg: PlaitConfig):
     """The language-model reward function: the user's (custom_reward_function) or the built-in rule rewards."""
     custom = cfg.custom_reward_function
     if not custom.path:
-        return default_compute_score
+        return guard_reward(default_compute_score, "default_compute_score")
     try:
-        return load_custom_reward(custom.path, custom.name)
+        return guard_reward(load_custom_reward(custom.path, custom.name), custom.name, custom.timeout)
     except FileNotFoundError:
         raise ConfigError("custom_reward_function.path", custom.path, "no such file") from None
     except AttributeError as err:

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional, Protocol, Sequence
 
 from plait.configtree import ConfigError
-from plait.errors import RunError
+from plait.errors import Interrupted, RunError
 from plait.profiler import StepProfiler
 
 
@@ -350,14 +350,6 @@ def memory_metrics() -> dict[str, float]:
     else:
         out["perf/max_memory_allocated_gb"] = out["perf/max_memory_reserved_gb"] = peak_rss
     return out
-
-
-class Interrupted(KeyboardInterrupt):
-    """SIGTERM or SIGINT arrived; `signum` gives the exit status 128 + signum."""
-
-    def __init__(self, signum: int):
-        super().__init__(f"signal {signum}")
-        self.signum = signum
 
 
 @contextlib.contextmanager

@@ -17,6 +17,7 @@ import transformers
 from plait.config import PlaitConfig
 from plait.configtree import ConfigError, raise_all, to_dict
 from plait.data.rewards import default_compute_score, guard_reward, load_custom_reward
+from plait.models import check_model_dir
 from plait.profiler import validate_environment
 from plait.trainers.lifecycle import Lifecycle, LifecycleConfig, output_dir_lock
 from plait.trainers.tracking import Tracker
@@ -51,9 +52,12 @@ def check_data_files(cfg: PlaitConfig) -> None:
 
 
 def check_model_path(cfg: PlaitConfig) -> None:
+    """A model dir without config, weights or tokenizer, or not a causal LM, is refused before any work."""
     path = cfg.actor_rollout_ref.model.path
-    if path is not None and not os.path.isdir(path):
-        raise ConfigError("actor_rollout_ref.model.path", path, "not a directory; give a local Hugging Face model directory")
+    if path is not None and cfg.trainer.mode != "diffusion":
+        check_model_dir("actor_rollout_ref.model.path", path)
+    if cfg.critic.enable and cfg.critic.model.path:
+        check_model_dir("critic.model.path", cfg.critic.model.path, tokenizer=False)
 
 
 def preflight(cfg: PlaitConfig) -> None:

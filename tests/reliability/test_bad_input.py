@@ -129,3 +129,12 @@ def test_the_cli_reports_a_broken_model_in_one_line_with_exit_2(tmp_path, model_
     assert cli.main(["train", f"actor_rollout_ref.model.path={path}", f"trainer.default_local_dir={tmp_path / 'out'}"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith(f"plait: config error: {KEY}=") and len([l for l in err if "Traceback" in l]) == 0
+
+
+def test_config_show_refuses_what_train_refuses(tmp_path, model_dir, capsys):
+    from plait import cli
+    path = broken(tmp_path, model_dir, "no_weights")
+    for command in ("train", "config show"):
+        assert cli.main([*command.split(), f"actor_rollout_ref.model.path={path}",
+                         f"trainer.default_local_dir={tmp_path / 'out'}"]) == 2
+        assert "no weights" in capsys.readouterr().err.strip().splitlines()[-1]

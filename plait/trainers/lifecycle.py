@@ -38,6 +38,7 @@ from typing import Callable, Optional, Protocol, Sequence
 from plait.configtree import ConfigError
 from plait.errors import Interrupted, RunError
 from plait.profiler import StepProfiler
+from plait.trainers.tracking import as_record
 
 
 class StageTimer:
@@ -154,7 +155,7 @@ class Lifecycle:
         try:
             shutil.rmtree(tmp, ignore_errors=True)
             self.trainer.save_checkpoint(tmp, step)
-            _write_atomic(os.path.join(tmp, STEP_METRICS), json.dumps(metrics))  # the step's line, durable with it
+            _write_atomic(os.path.join(tmp, STEP_METRICS), json.dumps(as_record(metrics, step)))  # durable with it
             write_manifest(tmp, step)
         except BaseException as err:
             shutil.rmtree(tmp, ignore_errors=True)  # nothing partial, whatever stopped the save

@@ -2,7 +2,8 @@
 
 A logger that fails while training (disk full, a W&B hiccup) is reported once and switched off;
 it never stops the run. Asking for a logger whose package is missing fails at start instead,
-before any training work.
+before any training work. Each metrics.jsonl line is fsync'd when written; on resume the file is
+cut back to the checkpoint's step (`keep_until`), a torn line dropped with a warning.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ class Tracker:
         keep = [r for r in records if r.get("step", 0) <= step]
         if record_path and step not in {r.get("step") for r in keep} and os.path.exists(record_path):
             with open(record_path) as f:
-                keep.append({"step": step, **json.load(f)})
+                keep.append(json.load(f))
         if not records and not keep:
             return
         tmp = f"{self.path}.tmp-{os.getpid()}"
@@ -67,7 +68,7 @@ class Tracker:
         os.replace(tmp, self.path)
 
     def log(self, metrics: dict[str, float], step: int) -> None:
-        record = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
+        record = as_record(metrics, step)
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
             f.flush()
@@ -149,6 +150,11 @@ def read_records(path: str) -> list[dict]:
             except ValueError:
                 print(f"plait: warning: {path} line {n} is torn (a crash mid-write); dropped", file=sys.stderr)
     return records
+
+
+def as_record(metrics: dict, step: int) -> dict:
+    """The JSON line of one step, as metrics.jsonl and a checkpoint's step_metrics.json hold it."""
+    return {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
 
 
 def _plain(v):

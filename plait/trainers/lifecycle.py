@@ -107,9 +107,10 @@ class Lifecycle:
             with signals_as_interrupt():
                 start, path = self._resume()
                 self._set_aside(start)
-                # metrics.jsonl ends at the checkpoint's step (its record restored if the line was lost);
-                # a fresh start drops an old step 0 too
-                self.tracker.keep_until(start - 1 if start > 1 else -1, path and os.path.join(path, STEP_METRICS))
+                # metrics.jsonl ends at the checkpoint's step (its record restored if this run's line was
+                # lost; not for a checkpoint of another output dir); a fresh start drops an old step 0 too
+                own = path and os.path.dirname(os.path.abspath(path)) == os.path.abspath(self.ckpt_dir)
+                self.tracker.keep_until(start - 1 if start > 1 else -1, os.path.join(path, STEP_METRICS) if own else "")
                 self.trainer.start()
                 if self.cfg.val_before_train and start == 1 and self.cfg.test_freq != -1:
                     self.tracker.log(self.trainer.validate(), step=0)

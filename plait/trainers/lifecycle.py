@@ -160,7 +160,7 @@ class Lifecycle:
             write_manifest(tmp, step)
         except BaseException as err:
             shutil.rmtree(tmp, ignore_errors=True)  # nothing partial, whatever stopped the save
-            if isinstance(err, (OSError, RuntimeError)):
+            if isinstance(err, (OSError, RuntimeError)) and not isinstance(err, RunError):  # a worker's failure says itself
                 raise RunError(f"checkpoint of step {step} not written to {tmp}: {_cause(err, tmp)}; "
                                f"the previous checkpoint stays latest") from err
             raise
@@ -216,7 +216,7 @@ class Lifecycle:
         later = [s for s in _checkpoint_steps(self.ckpt_dir) if s >= start]
         if not later:
             return
-        dest = os.path.join(self.cfg.output_dir, "previous_runs", time.strftime("%Y%m%d-%H%M%S"))
+        dest = os.path.join(self.cfg.output_dir, "previous_runs", f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
         os.makedirs(os.path.join(dest, "checkpoints"), exist_ok=True)
         for s in later:
             os.replace(os.path.join(self.ckpt_dir, f"global_step_{s}"), os.path.join(dest, "checkpoints", f"global_step_{s}"))

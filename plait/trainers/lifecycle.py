@@ -210,9 +210,10 @@ class Lifecycle:
         previous_runs/<time>/, so step numbers of two runs never mix and nothing is deleted."""
         if not os.path.isdir(self.ckpt_dir):
             return
-        for name in os.listdir(self.ckpt_dir):
+        for name in os.listdir(self.ckpt_dir):  # a save's folder, or `latest` mid-rewrite
             if ".tmp-" in name:
-                shutil.rmtree(os.path.join(self.ckpt_dir, name), ignore_errors=True)
+                stale = os.path.join(self.ckpt_dir, name)
+                shutil.rmtree(stale) if os.path.isdir(stale) else os.remove(stale)
         later = [s for s in _checkpoint_steps(self.ckpt_dir) if s >= start]
         if not later:
             return

@@ -92,8 +92,10 @@ def test_stale_temp_dirs_are_removed_at_start(tmp_path, walk):
     stale = tmp_path / "checkpoints" / "global_step_2.tmp-99999"
     stale.mkdir()
     (stale / "model.pt").write_bytes(b"half")
+    stale_latest = tmp_path / "checkpoints" / "latest_checkpointed_iteration.txt.tmp-99999"
+    stale_latest.write_text("2")
     walk(tmp_path, steps=1).run()
-    assert not stale.exists()
+    assert not stale.exists() and not stale_latest.exists()
 
 
 def test_kill_9_loop_during_saves_and_steps_loses_and_repeats_no_step(tmp_path, walk):

@@ -93,8 +93,16 @@ def build(cfg: PlaitConfig, progress: bool = True) -> Lifecycle:
         raise
     lc = LifecycleConfig(output_dir=cfg.output_dir, test_freq=t.test_freq, save_freq=t.save_freq,
                          val_before_train=t.val_before_train, resume_mode=t.resume_mode,
-                         resume_from_path=t.resume_from_path, max_ckpt_to_keep=t.max_ckpt_to_keep)
+                         resume_from_path=t.resume_from_path, max_ckpt_to_keep=checkpoints_to_keep(cfg))
     return Lifecycle(lc, trainer, cfg.global_profiler, tracker, shutdown=backend.shutdown)
+
+
+def checkpoints_to_keep(cfg: PlaitConfig) -> int | None:
+    """A checkpoint holds the actor and the critic together (a resume needs both), so the tightest of
+    max_ckpt_to_keep, max_actor_ckpt_to_keep and (with a critic) max_critic_ckpt_to_keep applies."""
+    t = cfg.trainer
+    limits = [t.max_ckpt_to_keep, t.max_actor_ckpt_to_keep, t.max_critic_ckpt_to_keep if cfg.critic.enable else None]
+    return min((n for n in limits if n is not None), default=None)
 
 
 def role_profilers(cfg: PlaitConfig) -> dict:

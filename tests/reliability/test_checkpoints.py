@@ -161,3 +161,12 @@ def test_a_failed_write_is_one_line_and_leaves_the_previous_checkpoint_latest(tm
     assert "File too large" in message
     assert (tmp_path / "checkpoints" / "latest_checkpointed_iteration.txt").read_text() == "2"
     assert sorted(p for p in os.listdir(tmp_path / "checkpoints") if p.startswith("global")) == ["global_step_1", "global_step_2"]
+
+
+def test_verls_per_role_limits_keep_whole_checkpoints(tmp_path, walk, tiny_config):
+    from plait.driver import checkpoints_to_keep
+    assert checkpoints_to_keep(tiny_config(tmp_path, "trainer.max_actor_ckpt_to_keep=1")) == 1
+    assert checkpoints_to_keep(tiny_config(tmp_path, "trainer.max_critic_ckpt_to_keep=1")) == 2  # no critic
+    assert checkpoints_to_keep(tiny_config(tmp_path, "trainer.max_ckpt_to_keep=null")) is None
+    walk(tmp_path, steps=3, max_ckpt_to_keep=1).run()
+    assert sorted(p for p in os.listdir(tmp_path / "checkpoints") if p.startswith("global")) == ["global_step_3"]

@@ -3,7 +3,7 @@ naming the function, the data_source and the sample; never a silent skip or a cl
 
 import math
 import sys
-import time
+import threading
 
 import pytest
 
@@ -28,8 +28,11 @@ def interrupts(data_source, solution_str, ground_truth, extra_info=None):
     raise KeyboardInterrupt
 
 
+RELEASE = threading.Event()
+
+
 def hangs(data_source, solution_str, ground_truth, extra_info=None):
-    time.sleep(30)
+    RELEASE.wait(30)
 
 
 def score(fn, name, timeout=None):
@@ -48,6 +51,10 @@ def test_a_hanging_call_times_out_with_a_named_error():
     with pytest.raises(RunError, match=r"hangs \(data_source 'mine', response 'a'\) did not return within "
                                        r"custom_reward_function.timeout=0.2 s"):
         score(hangs, "hangs", timeout=0.2)
+    RELEASE.set()  # the abandoned call ends, so no thread outlives the test
+    for thread in threading.enumerate():
+        if thread.name == "plait-reward":
+            thread.join()
 
 
 def test_a_real_signal_during_a_call_still_interrupts():

@@ -4,8 +4,6 @@ row, and what was expected — raised before any training work."""
 import json
 import shutil
 
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 from transformers import BertConfig, BertForMaskedLM
 

@@ -1,7 +1,6 @@
 """Checkpoints you can trust and crash-consistent metrics, on the real lifecycle with a small real
 trainer (conftest.WalkTrainer): each test reproduces a failure seen on the pre-manifest lifecycle."""
 
-import json
 import os
 import random
 import signal

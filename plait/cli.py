@@ -3,17 +3,21 @@
 Overrides take verl's Hydra forms (`key=value`, `+key=value`, `~key`). Bad config keys, types or
 values exit with status 2 and one line each naming the key, the value and what would be valid,
 all errors of the command line at once, no traceback. `config show` checks what `train` checks.
+Bad data or a bad model dir also exit 2 with one line naming the file. A failure while running
+that one line explains (RunError) exits 1; SIGTERM 143 and SIGINT 130.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 
 import yaml
 
 from plait.configtree import ConfigError, ConfigErrors, to_dict
+from plait.errors import Interrupted, RunError
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -47,9 +51,12 @@ def main(argv: list[str] | None = None) -> int:
         for one in err.errors if isinstance(err, ConfigErrors) else [err]:
             print(f"plait: config error: {one}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
+    except RunError as err:
+        print(f"plait: error: {err}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt as err:  # 143 for SIGTERM, 130 for SIGINT: the shells' convention
         print("plait: interrupted; the last checkpoint and closed artifacts are intact", file=sys.stderr)
-        return 130
+        return 128 + (err.signum if isinstance(err, Interrupted) else signal.SIGINT)
     return 0
 
 

@@ -78,6 +78,7 @@ class DemoConfig:
 
     def __post_init__(self):
         check(self.warmstart_steps >= 0, "warmstart_steps", self.warmstart_steps, "must be >= 0")
+        positive(self, "warmstart_lr", "warmstart_batch_size")
 
 
 @dataclass
@@ -115,6 +116,9 @@ class OptimConfig:
         check(self.weight_decay >= 0, "weight_decay", self.weight_decay, "must be >= 0")
         check(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "betas", self.betas, "two numbers in [0, 1)")
         check(self.lr_warmup_steps >= -1, "lr_warmup_steps", self.lr_warmup_steps, "-1 (use the ratio) or >= 0")
+        for name in ("lr_warmup_steps_ratio", "min_lr_ratio"):
+            check(0 <= getattr(self, name) <= 1, name, getattr(self, name), "must be in [0, 1]")
+        check(self.clip_grad > 0, "clip_grad", self.clip_grad, "must be > 0")
 
 
 @dataclass
@@ -170,6 +174,15 @@ class ActorConfig:
         check(self.grad_clip > 0, "grad_clip", self.grad_clip, "must be > 0")
         self.clip_ratio_low = self.clip_ratio if self.clip_ratio_low is None else self.clip_ratio_low
         self.clip_ratio_high = self.clip_ratio if self.clip_ratio_high is None else self.clip_ratio_high
+        # the ratio is clipped to [1 - low, 1 + high]: a negative bound flips it, low >= 1 removes the floor
+        check(self.clip_ratio <= 1, "clip_ratio", self.clip_ratio, "must be in (0, 1]")
+        check(0 <= self.clip_ratio_low < 1, "clip_ratio_low", self.clip_ratio_low, "must be in [0, 1)")
+        check(self.clip_ratio_high >= 0, "clip_ratio_high", self.clip_ratio_high, "must be >= 0")
+        check(self.ppo_micro_batch_size_per_gpu is None or self.ppo_micro_batch_size_per_gpu > 0,
+              "ppo_micro_batch_size_per_gpu", self.ppo_micro_batch_size_per_gpu, "must be > 0 or null")
+        positive(self, "ppo_max_token_len_per_gpu")
+        check(self.entropy_coeff >= 0, "entropy_coeff", self.entropy_coeff, "must be >= 0 (an entropy bonus)")
+        check(self.kl_loss_coef >= 0, "kl_loss_coef", self.kl_loss_coef, "must be >= 0")
 
 
 @dataclass
@@ -227,6 +240,10 @@ class RefConfig:
     log_prob_max_token_len_per_gpu: Optional[int] = None     # null: actor.ppo_max_token_len_per_gpu
     profiler: RoleProfilerConfig = field(default_factory=RoleProfilerConfig)
 
+    def __post_init__(self):
+        check(self.log_prob_micro_batch_size_per_gpu is None or self.log_prob_micro_batch_size_per_gpu > 0,
+              "log_prob_micro_batch_size_per_gpu", self.log_prob_micro_batch_size_per_gpu, "must be > 0 or null")
+
 
 @dataclass
 class ActorRolloutRefConfig:
@@ -263,6 +280,10 @@ class CriticConfig:
     def __post_init__(self):
         positive(self, "ppo_mini_batch_size", "ppo_epochs", "cliprange_value")
         one_of(self, "loss_agg_mode", LOSS_AGG_MODES)
+        check(self.grad_clip > 0, "grad_clip", self.grad_clip, "must be > 0")
+        check(self.ppo_micro_batch_size_per_gpu is None or self.ppo_micro_batch_size_per_gpu > 0,
+              "ppo_micro_batch_size_per_gpu", self.ppo_micro_batch_size_per_gpu, "must be > 0 or null")
+        positive(self, "ppo_max_token_len_per_gpu", "forward_max_token_len_per_gpu")
 
 
 @dataclass
@@ -275,6 +296,7 @@ class KLCtrlConfig:
     def __post_init__(self):
         check(self.kl_coef >= 0, "kl_coef", self.kl_coef, "must be >= 0")
         check(self.horizon > 0, "horizon", self.horizon, "must be > 0")
+        check(self.target_kl > 0, "target_kl", self.target_kl, "must be > 0")
 
 
 @dataclass
@@ -393,6 +415,15 @@ class TrainerConfig:
         check(self.resume_mode != "resume_path" or bool(self.resume_from_path), "resume_from_path",
               self.resume_from_path, "a global_step_N checkpoint directory when resume_mode=resume_path")
         check(self.num_threads >= 0, "num_threads", self.num_threads, "must be >= 0")
+        for name in ("max_actor_ckpt_to_keep", "max_critic_ckpt_to_keep"):
+            check(getattr(self, name) is None or getattr(self, name) > 0, name, getattr(self, name), "must be > 0 or null")
+        check(self.resume_from_path is None or self.resume_mode == "resume_path", "resume_from_path", self.resume_from_path,
+              f"is read only with resume_mode=resume_path (it is {self.resume_mode}); set that, or drop the path")
+        for name in ("project_name", "experiment_name"):  # each is one folder of outputs/<project>/<experiment>
+            value = getattr(self, name)
+            check(value is None or (value not in ("", ".", "..") and "/" not in value and "\0" not in value
+                                    and os.sep not in value), name, value, "a folder name: not empty, '.' or '..', no '/'")
+        positive(self, "nnodes", "n_gpus_per_node")
 
 
 @dataclass
@@ -427,6 +458,10 @@ class CustomRewardConfig:
     path: Optional[str] = None
     name: str = "compute_score"
     reward_kwargs: dict = field(default_factory=dict)  # extra keyword arguments for the reward function
+    timeout: Optional[float] = None           # plait's own: seconds one call may take; null: no limit
+
+    def __post_init__(self):
+        check(self.timeout is None or self.timeout > 0, "timeout", self.timeout, "seconds > 0, or null for no limit")
 
 
 @dataclass

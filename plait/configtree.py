@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from typing import Any, Literal, Union, get_args, get_origin
@@ -126,7 +127,7 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
             raise ConfigError(key, value, f"expected a list ({_name(tp)})")
         item = args[0] if args else Any
         return [_coerce(item, v, f"{key}[{i}]") for i, v in enumerate(value)]
-    if origin is dict:
+    if origin is dict or tp is dict:
         if not isinstance(value, dict):
             raise ConfigError(key, value, f"expected a mapping ({_name(tp)})")
         return dict(value)
@@ -143,14 +144,17 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
             return int(value)
         raise ConfigError(key, value, "expected an integer")
     if tp is float:
+        number = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # YAML 1.1 reads 1e-6 (no dot) as a string
+            number = float(value)
+        elif isinstance(value, str):  # YAML 1.1 reads 1e-6 (no dot) as a string
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
                 pass
-        raise ConfigError(key, value, "expected a number")
+        if number is not None and math.isfinite(number):  # inf or nan is never a setting
+            return number
+        raise ConfigError(key, value, "expected a finite number")
     if tp is str:
         if isinstance(value, str):
             return value

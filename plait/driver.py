@@ -16,9 +16,10 @@ import transformers
 
 from plait.config import PlaitConfig
 from plait.configtree import ConfigError, raise_all, to_dict
-from plait.data.rewards import default_compute_score, load_custom_reward, make_reward
+from plait.data.rewards import default_compute_score, guard_reward, load_custom_reward, make_reward
+from plait.models import check_model_dir
 from plait.profiler import validate_environment
-from plait.trainers.lifecycle import Lifecycle, LifecycleConfig
+from plait.trainers.lifecycle import Lifecycle, LifecycleConfig, output_dir_lock
 from plait.trainers.tracking import Tracker
 
 def resolve_device(cfg: PlaitConfig) -> str:
@@ -40,9 +41,10 @@ def resolve_reward(cfg: PlaitConfig):
 def resolve_reward_fn(cfg: PlaitConfig):
     custom = cfg.custom_reward_function
     if not custom.path:
-        return default_compute_score
+        return guard_reward(default_compute_score, "default_compute_score")
     try:
-        return load_custom_reward(custom.path, custom.name, custom.reward_kwargs)
+        return guard_reward(load_custom_reward(custom.path, custom.name, custom.reward_kwargs),
+                            custom.name, custom.timeout)
     except FileNotFoundError:
         raise ConfigError("custom_reward_function.path", custom.path, "no such file") from None
     except AttributeError as err:
@@ -57,9 +59,13 @@ def check_data_files(cfg: PlaitConfig) -> None:
 
 
 def check_model_path(cfg: PlaitConfig) -> None:
+    """A model dir without config, weights or tokenizer, or not a causal LM, is refused before any work."""
     model, rm = cfg.actor_rollout_ref.model, cfg.reward_model
-    for key, path in (("actor_rollout_ref.model.path", model.path),
-                      ("actor_rollout_ref.model.lora_adapter_path", model.lora_adapter_path if model.lora_rank else None),
+    if model.path is not None and cfg.trainer.mode != "diffusion":
+        check_model_dir("actor_rollout_ref.model.path", model.path)
+    if cfg.critic.enable and cfg.critic.model.path:
+        check_model_dir("critic.model.path", cfg.critic.model.path, tokenizer=False)
+    for key, path in (("actor_rollout_ref.model.lora_adapter_path", model.lora_adapter_path if model.lora_rank else None),
                       ("reward_model.model.path", rm.model.path if rm.enable else None)):
         if path is not None and not os.path.isdir(path):
             raise ConfigError(key, path, "not a directory; give a local Hugging Face model directory")
@@ -98,8 +104,16 @@ def build(cfg: PlaitConfig, progress: bool = True) -> Lifecycle:
         raise
     lc = LifecycleConfig(output_dir=cfg.output_dir, test_freq=t.test_freq, save_freq=t.save_freq,
                          val_before_train=t.val_before_train, resume_mode=t.resume_mode,
-                         resume_from_path=t.resume_from_path, max_ckpt_to_keep=t.max_ckpt_to_keep)
+                         resume_from_path=t.resume_from_path, max_ckpt_to_keep=checkpoints_to_keep(cfg))
     return Lifecycle(lc, trainer, cfg.global_profiler, tracker, shutdown=backend.shutdown)
+
+
+def checkpoints_to_keep(cfg: PlaitConfig) -> int | None:
+    """A checkpoint holds the actor and the critic together (a resume needs both), so the tightest of
+    max_ckpt_to_keep, max_actor_ckpt_to_keep and (with a critic) max_critic_ckpt_to_keep applies."""
+    t = cfg.trainer
+    limits = [t.max_ckpt_to_keep, t.max_actor_ckpt_to_keep, t.max_critic_ckpt_to_keep if cfg.critic.enable else None]
+    return min((n for n in limits if n is not None), default=None)
 
 
 def role_profilers(cfg: PlaitConfig) -> dict:
@@ -114,6 +128,6 @@ def make_backend(cfg: PlaitConfig):
 
 
 def run(cfg: PlaitConfig, progress: bool = True) -> dict[str, float]:
-    os.makedirs(cfg.output_dir, exist_ok=True)
-    print(f"plait: outputs in {cfg.output_dir}", file=sys.stderr)
-    return build(cfg, progress=progress).run()
+    with output_dir_lock(cfg.output_dir):  # before build: it writes data and the demo model there
+        print(f"plait: outputs in {cfg.output_dir}", file=sys.stderr)
+        return build(cfg, progress=progress).run()

@@ -11,6 +11,7 @@ Left out: sharding, quantisation, and remote code.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -18,6 +19,9 @@ from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
 from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, PreTrainedModel,
                           PreTrainedTokenizerBase, PreTrainedTokenizerFast, Qwen2Config,
                           Qwen2ForCausalLM)
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+from plait.configtree import ConfigError
 
 SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>", "<unk>"]  # ids 0..3, in this order
 # One message per line, nothing around it: a char model reads every template character.
@@ -110,6 +114,35 @@ def eos_token_ids(tokenizer: PreTrainedTokenizerBase, model: PreTrainedModel) ->
     extra = model.generation_config.eos_token_id  # None, an int or a list
     ids += [extra] if isinstance(extra, int) else list(extra or [])
     return list(dict.fromkeys(ids))
+
+
+WEIGHTS = ("*.safetensors", "*.bin", "*.safetensors.index.json", "*.bin.index.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+
+
+def check_model_dir(key: str, path: str | Path, tokenizer: bool = True) -> None:
+    """A ConfigError naming `key` and what is missing, before any loading: no config.json, one
+    that is not JSON, an architecture that is not a causal LM, no weights, no tokenizer."""
+    p = Path(path)
+    if not p.is_dir():
+        raise ConfigError(key, str(path), "not a directory; give a local Hugging Face model directory")
+    try:
+        config = json.loads((p / "config.json").read_text())
+    except FileNotFoundError:
+        raise ConfigError(key, str(path), "no config.json: not a Hugging Face model directory") from None
+    except (ValueError, OSError) as err:
+        raise ConfigError(key, str(path), f"config.json is unreadable ({type(err).__name__}: {err})") from None
+    if not isinstance(config, dict):
+        raise ConfigError(key, str(path), "config.json holds no JSON object")
+    arch = config.get("architectures") or []
+    if config.get("model_type") not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or (
+            arch and not any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in arch)):
+        raise ConfigError(key, str(path), f"a {', '.join(arch) or config.get('model_type')} model is not a causal "
+                                          "language model (plait trains *ForCausalLM models)")
+    if not any(next(p.glob(pattern), None) for pattern in WEIGHTS):
+        raise ConfigError(key, str(path), "no weights (*.safetensors or *.bin)")
+    if tokenizer and not any((p / name).is_file() for name in TOKENIZER_FILES):
+        raise ConfigError(key, str(path), f"no tokenizer (none of {', '.join(TOKENIZER_FILES)})")
 
 
 def _local_dir(path: str | Path) -> str:

@@ -26,8 +26,11 @@ from __future__ import annotations
 import atexit
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 import threading
+import time
 from typing import Any, Callable, Optional
 
 import ray
@@ -38,13 +41,15 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from plait.config import PlaitConfig, RayConfig
 from plait.configtree import ConfigError
+from plait.errors import RunError
 from plait.profiler.config import ROLE_KEYS
 
 DATA_PARALLEL_ROLES = ("actor", "critic", "ref")
 
 
-class WorkerError(RuntimeError):
-    """A worker process died or raised; the Ray backend has been shut down."""
+class WorkerError(RunError):
+    """A worker process died or raised; the Ray backend has been shut down. One line; the remote
+    traceback (or Ray's account of the death) goes to `<output_dir>/worker_errors.log`."""
 
 
 @ray.remote(concurrency_groups={"control": 1})
@@ -117,7 +122,8 @@ def start_local_ray(temp_dir: str, num_cpus: Optional[int] = None, object_store_
     """Start a lean single-machine Ray (no dashboard, no usage stats, session files under `temp_dir`).
 
     Ray's sockets live in its temp dir and a socket path may not exceed 107 bytes, so Ray is given
-    a short link in /tmp to `temp_dir`; returns the link's folder for `stop_local_ray`.
+    a short link in /tmp to `temp_dir`; returns the link's folder for `stop_local_ray`. A watchdog
+    process kills this Ray's processes if the driver dies without stopping it (kill -9).
     Set plait.backends.LEAN_RAY_ENV in os.environ before importing this module.
     """
     os.makedirs(temp_dir, exist_ok=True)
@@ -131,17 +137,66 @@ def start_local_ray(temp_dir: str, num_cpus: Optional[int] = None, object_store_
     except BaseException:
         shutil.rmtree(link_dir, ignore_errors=True)
         raise
+    # Ray's own list of the processes it started for this instance (gcs, raylet, agents): private API.
+    pids = [str(p.pid) for _, p in ray._private.worker._global_node.live_processes()]
+    _WATCHDOGS[link_dir] = subprocess.Popen([sys.executable, "-c", WATCHDOG, str(os.getpid()), link_dir, *pids],
+                                            start_new_session=True, stdin=subprocess.DEVNULL)
     return link_dir
 
 
 def stop_local_ray(link_dir: str) -> None:
     ray.shutdown()
+    watchdog = _WATCHDOGS.pop(link_dir, None)
+    if watchdog is not None:
+        watchdog.kill()
+        watchdog.wait()
     shutil.rmtree(link_dir, ignore_errors=True)
+
+
+_WATCHDOGS: dict[str, subprocess.Popen] = {}
+
+# Waits for the driver (argv[1]) to die, then SIGKILLs the Ray processes (argv[3:]) and everything
+# they started (workers), and removes the socket link folder (argv[2]). Linux /proc; stdlib only.
+WATCHDOG = r"""
+import os, shutil, signal, sys, time
+driver, link_dir, roots = int(sys.argv[1]), sys.argv[2], {int(p) for p in sys.argv[3:]}
+
+def stat(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()  # [state, ppid, ...]
+    except OSError:
+        return None
+
+def alive(pid):
+    s = stat(pid)
+    return s is not None and s[0] != "Z"
+
+while alive(driver):
+    time.sleep(0.5)
+parents = {}
+for name in os.listdir("/proc"):
+    if name.isdigit() and (s := stat(int(name))):
+        parents.setdefault(int(s[1]), []).append(int(name))
+doomed, todo = set(), list(roots)
+while todo:
+    pid = todo.pop()
+    if pid not in doomed:
+        doomed.add(pid)
+        todo += parents.get(pid, [])
+for pid in doomed:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except OSError:
+        pass
+shutil.rmtree(link_dir, ignore_errors=True)
+"""
 
 
 class RayBackend:
     def __init__(self, cfg: PlaitConfig, roles_cfg: dict, device: str, address: Optional[str] = None):
         self.cfg: RayConfig = cfg.trainer.ray
+        self.error_log = os.path.join(cfg.output_dir, "worker_errors.log")
         self.failed: Optional[WorkerError] = None
         self.fail_lock = threading.Lock()
         self.link_dir: Optional[str] = None  # set when plait started the Ray instance
@@ -273,7 +328,8 @@ class RayBackend:
 
     def _shut_down_after(self, who: str, rank: int, what: str, err: RayError) -> WorkerError:
         if isinstance(err, RayTaskError):  # details: the remote traceback
-            summary = f"raised {type(err.cause).__name__}: {err.cause}"
+            first = (str(err.cause).strip().splitlines() or [""])[0][:200]
+            summary = f"raised {type(err.cause).__name__}: {first}"
         elif isinstance(err, RayActorError):  # details: Ray's account of the death (killed, OOM, ...)
             summary = "died"
         else:
@@ -288,9 +344,13 @@ class RayBackend:
                     pass
         started = self.link_dir is not None
         self.shutdown()
+        os.makedirs(os.path.dirname(self.error_log) or ".", exist_ok=True)
+        with open(self.error_log, "a") as f:
+            f.write(f"== {time.strftime('%Y-%m-%d %H:%M:%S')} {who} rank {rank} during {what}\n{err}\n")
         return WorkerError(
             f"{who} rank {rank} {summary} during {what}; every Ray worker was stopped"
-            f"{' and the Ray instance plait started was shut down' if started else ''}.\n{err}")
+            f"{' and the Ray instance plait started was shut down' if started else ''}; "
+            f"details in {self.error_log}")
 
 
 class RayWorkerGroup:

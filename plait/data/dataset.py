@@ -21,25 +21,80 @@ from typing import Any
 import pyarrow.parquet as pq
 from transformers import PreTrainedTokenizerBase
 
-from plait.configtree import check
+from plait.configtree import ConfigError, check
 
-READERS = {".parquet": lambda path: pq.read_table(path).to_pylist(),
-           ".jsonl": lambda path: [json.loads(line) for line in path.read_text().splitlines()
-                                    if line.strip()]}
+def read_parquet(path: Path) -> list[dict]:
+    try:
+        return pq.read_table(path).to_pylist()
+    except (OSError, ValueError) as err:  # pyarrow's ArrowInvalid is a ValueError
+        raise ValueError(f"not a readable parquet file ({str(err).splitlines()[0]})") from None
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """One JSON object per non-blank line; a problem names its line number."""
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = data[:err.start].count(b"\n") + 1
+        raise ValueError(f"line {line} is not UTF-8 text "
+                         f"(byte {data[err.start]:#x}); JSONL files must be UTF-8") from None
+    rows = []
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError as err:
+            raise ValueError(f"line {n} is not valid JSON ({err.msg} at column {err.colno})") from None
+        if not isinstance(row, dict):
+            raise ValueError(f"line {n} is a JSON {type(row).__name__}, expected an object (a row)")
+        rows.append(row)
+    return rows
+
+
+READERS = {".parquet": read_parquet, ".jsonl": read_jsonl}
 
 
 def load_rows(path_or_paths: str | Path | Sequence[str | Path]) -> list[dict]:
     """All rows of one file or several, concatenated in order; the extension picks the reader."""
     paths = [path_or_paths] if isinstance(path_or_paths, (str, Path)) else list(path_or_paths)
     rows = []
-    for path in map(Path, paths):
-        if path.suffix not in READERS:
-            raise ValueError(f"cannot read {str(path)!r}: supported extensions are "
-                             f"{', '.join(READERS)}")
-        if not path.is_file():
-            raise FileNotFoundError(f"no data file at {str(path)!r}")
-        rows += READERS[path.suffix](path)
+    for path in paths:
+        try:
+            rows += read_rows(path)
+        except ValueError as err:
+            raise ValueError(f"{str(path)!r}: {err}") from None
     return rows
+
+
+def read_rows(path: str | Path) -> list[dict]:
+    """The rows of one file; a problem is a ValueError naming the line (JSONL) but not the file."""
+    path = Path(path)
+    if path.suffix not in READERS:
+        raise ValueError(f"cannot read it: supported extensions are {', '.join(READERS)}")
+    if not path.is_file():
+        raise FileNotFoundError(f"no data file at {str(path)!r}")
+    return READERS[path.suffix](path)
+
+
+def load_dataset(key: str, paths: Sequence[str], tokenizer: PreTrainedTokenizerBase, **options) -> "PromptDataset":
+    """One dataset over the files of config key `key`; any problem with a file (unreadable, empty,
+    a bad row) is a ConfigError naming the file and its line or row, before training starts."""
+    items: list[PromptItem] = []
+    filtered = 0
+    for path in paths:
+        try:
+            rows = read_rows(path)
+            if not rows:
+                raise ValueError("the file holds no rows")
+            part = PromptDataset(rows, tokenizer, first_index=len(items) + filtered, **options)
+            items, filtered = items + part.items, filtered + part.filtered
+        except (KeyError, ValueError) as err:
+            raise ConfigError(key, path, err.args[0]) from None
+    dataset = PromptDataset([], tokenizer, **options)
+    dataset.items, dataset.filtered = items, filtered
+    return dataset
 
 
 @dataclass(frozen=True)
@@ -75,10 +130,10 @@ class PromptDataset:
     def __init__(self, rows: Sequence[dict], tokenizer: PreTrainedTokenizerBase,
                  prompt_key: str = "prompt", max_prompt_length: int = 512,
                  truncation: str = "error", filter_overlong_prompts: bool = False,
-                 return_raw_chat: bool = False, reward_fn_key: str = "data_source"):
+                 return_raw_chat: bool = False, reward_fn_key: str = "data_source", first_index: int = 0):
         check(max_prompt_length > 0, "max_prompt_length", max_prompt_length, "a positive integer")
         check(truncation in TRUNCATIONS, "truncation", truncation, f"one of {', '.join(TRUNCATIONS)}")
-        items = [self._item(i, row, tokenizer, prompt_key, return_raw_chat, reward_fn_key)
+        items = [self._item(i, row, tokenizer, prompt_key, return_raw_chat, reward_fn_key, first_index)
                  for i, row in enumerate(rows)]
         if filter_overlong_prompts:
             kept = [it for it in items if len(it.prompt_ids) <= max_prompt_length]
@@ -95,11 +150,15 @@ class PromptDataset:
 
     @staticmethod
     def _item(i: int, row: dict, tokenizer: PreTrainedTokenizerBase, prompt_key: str,
-              return_raw_chat: bool, reward_fn_key: str) -> PromptItem:
+              return_raw_chat: bool, reward_fn_key: str, first_index: int) -> PromptItem:
         missing = [k for k in (prompt_key, reward_fn_key, "reward_model") if k not in row]
         if missing:
             raise KeyError(f"row {i} has no {', '.join(map(repr, missing))}; "
                            f"its keys are {', '.join(map(repr, row))}")
+        reward_model = row["reward_model"]
+        if not isinstance(reward_model, dict) or reward_model.get("ground_truth") is None:
+            raise ValueError(f"row {i}: reward_model.ground_truth is missing or null; every row needs "
+                             f"the answer its reward is scored against (reward_model: {reward_model!r})")
         prompt = row[prompt_key]
         if isinstance(prompt, str):  # used as is, with the tokenizer's own specials (Llama's BOS)
             text, ids = prompt, tokenizer(prompt)["input_ids"]
@@ -115,8 +174,8 @@ class PromptDataset:
         if return_raw_chat:
             extra_info["raw_prompt"] = prompt if isinstance(prompt, str) else list(prompt)
         return PromptItem(prompt_ids=ids, prompt_text=text, data_source=row[reward_fn_key],
-                          ground_truth=row["reward_model"]["ground_truth"],
-                          extra_info=extra_info, index=int(extra_info.get("index", i)))
+                          ground_truth=reward_model["ground_truth"],
+                          extra_info=extra_info, index=int(extra_info.get("index", first_index + i)))
 
     @staticmethod
     def _fit(item: PromptItem, max_len: int, truncation: str) -> PromptItem:
@@ -124,8 +183,8 @@ class PromptDataset:
             return item
         if truncation == "error":
             raise ValueError(f"row {item.index}: prompt is {len(item.prompt_ids)} tokens, longer than "
-                             f"max_prompt_length={max_len}; raise data.max_prompt_length, set "
-                             "data.truncation to left, right or middle, or data.filter_overlong_prompts=true")
+                             f"max_prompt_length={max_len}; set data.max_prompt_length={len(item.prompt_ids)} or "
+                             "data.truncation=left (or right, middle) or data.filter_overlong_prompts=true")
         return dataclasses.replace(item, prompt_ids=truncate(item.prompt_ids, max_len, truncation))
 
 

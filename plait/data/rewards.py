@@ -23,6 +23,7 @@ import inspect
 import math
 import numbers
 import re
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
@@ -31,6 +32,8 @@ from plait.data.math_rewards import MATH_SOURCES, dapo_score, gsm8k_score, math_
 
 if TYPE_CHECKING:  # plait.config imports this module for MANAGERS
     from plait.config import OverlongBufferConfig
+
+from plait.errors import Interrupted, RunError
 
 ANSWER = {"arithmetic": re.compile(r"-?\d+"), "reverse": re.compile(r"[a-z]+")}
 
@@ -182,6 +185,61 @@ def make_reward(fn: Callable, manager: str = "naive", overlong: OverlongBufferCo
     if manager == "dapo":
         return functools.partial(dapo_manager, fn, overlong=overlong, max_resp_len=max_resp_len)
     return functools.partial(MANAGERS[manager], fn)
+
+
+def guard_reward(fn: Callable, name: str, timeout: float | None = None) -> Callable:
+    """`fn` made safe to call from training: a NaN or infinite score, a `SystemExit` or
+    `KeyboardInterrupt` raised by user code, or (with `timeout` seconds) a call that hangs, is a
+    RunError naming the function, the data_source and the sample. The wrapper keeps `fn`'s
+    signature for callers (positional and keyword arguments pass through)."""
+    def where(args, kwargs) -> str:
+        data_source = kwargs.get("data_source", args[0] if args else None)
+        solution = kwargs.get("solution_str", args[1] if len(args) > 1 else None)
+        return f"reward function {name} (data_source {data_source!r}, response {str(solution)[:80]!r})"
+
+    def finite(result, args, kwargs):
+        score = result.get("score") if isinstance(result, dict) else result
+        if isinstance(score, numbers.Real) and not math.isfinite(score):
+            raise RunError(f"{where(args, kwargs)} returned {score}; rewards must be finite numbers")
+        return result
+
+    def guarded(*args, **kwargs):
+        result = _call(fn, args, kwargs, timeout, lambda: where(args, kwargs))
+        if inspect.isawaitable(result):  # an `async def` reward: checked once awaited
+            async def checked():
+                return finite(await result, args, kwargs)
+            return checked()
+        return finite(result, args, kwargs)
+    return guarded
+
+
+def _call(fn: Callable, args: tuple, kwargs: dict, timeout: float | None, where: Callable[[], str]):
+    def call():
+        try:
+            return fn(*args, **kwargs)
+        except Interrupted:  # a real SIGINT/SIGTERM arriving during the call
+            raise
+        except (SystemExit, KeyboardInterrupt) as err:
+            raise RunError(f"{where()} raised {type(err).__name__}({err}); a reward function must "
+                           "return a score, not end the process") from None
+    if timeout is None:
+        return call()
+    box: dict = {}
+
+    def worker():
+        try:
+            box["result"] = call()
+        except BaseException as err:  # noqa: BLE001 - handed to the caller's thread
+            box["error"] = err
+    # A daemon thread: a hung call cannot be killed from Python, but it no longer holds up the run.
+    thread = threading.Thread(target=worker, daemon=True, name="plait-reward")
+    thread.start()
+    thread.join(timeout)
+    if thread.is_alive():
+        raise RunError(f"{where()} did not return within custom_reward_function.timeout={timeout} s")
+    if "error" in box:
+        raise box["error"]
+    return box["result"]
 
 
 SCORERS = {

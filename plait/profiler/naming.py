@@ -40,22 +40,48 @@ def artifact_path(save_path: str, first_step: int, last_step: int, role: str, ra
 
 
 def append_manifest(save_path: str, records: Sequence[dict]) -> None:
-    """Append one JSON line per record to `<save_path>/manifest.jsonl`."""
+    """Add one JSON line per record to `<save_path>/manifest.jsonl`, one record per path: a record
+    for a path already listed (a resumed run rewrote an interrupted window's artifact) replaces
+    the old one and carries "resumed": true. A rewrite goes through a temp file and a rename."""
     if not records:
         return
     os.makedirs(save_path, exist_ok=True)
-    lines = []
     for record in records:
         if set(record) != set(RECORD_KEYS):
             raise ValueError(f"manifest record keys {sorted(record)} != {sorted(RECORD_KEYS)}")
-        lines.append(json.dumps({k: record[k] for k in RECORD_KEYS}) + "\n")
-    with open(os.path.join(save_path, MANIFEST), "a") as f:
-        f.writelines(lines)
+    new = [{k: record[k] for k in RECORD_KEYS} for record in records]
+    paths = {r["path"] for r in new if r["path"] is not None}
+    old = read_manifest(save_path)
+    path = os.path.join(save_path, MANIFEST)
+    if not any(r["path"] in paths for r in old):
+        with open(path, "a") as f:
+            f.writelines(json.dumps(r) + "\n" for r in new)
+        return
+    for r in new:
+        r["resumed"] = r["path"] in {o["path"] for o in old}
+    kept = [r for r in old if r["path"] not in paths]
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in kept + new)
+    os.replace(tmp, path)
+
+
+def temp_name(path: str) -> str:
+    """Where an artifact is written before its rename to `path`: same folder and extension
+    (tools pick their format from it), a hidden name a reader skips."""
+    folder, name = os.path.split(path)
+    return os.path.join(folder, f".tmp-{os.getpid()}-{name}")
 
 
 def read_manifest(save_path: str) -> list[dict]:
     path = os.path.join(save_path, MANIFEST)
     if not os.path.exists(path):
         return []
+    records = []
     with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        for line in f:
+            try:
+                records.append(json.loads(line))
+            except ValueError:  # a line torn by a kill mid-append
+                continue
+    return records

@@ -24,7 +24,7 @@ from typing import Callable, Mapping, Optional
 
 from plait.configtree import ConfigError
 from plait.profiler.config import ROLE_KEYS, ROLE_ORDER, GlobalProfilerConfig, RoleProfilerConfig
-from plait.profiler.naming import artifact_path
+from plait.profiler.naming import artifact_path, temp_name
 from plait.profiler.tools import make_tool
 
 log = logging.getLogger("plait.profiler")
@@ -61,13 +61,15 @@ class OpenWindow:
             n = self._stage_counts[(role, stage)] = self._stage_counts.get((role, stage), 0) + 1
             stage = stage if n == 1 else f"{stage}-{n}"
         path = artifact_path(self.save_path, self.first, self.last, role, self.rank, ext=ext, stage=stage)
+        tmp = temp_name(path)  # a kill mid-write leaves no unreadable file under the artifact's name
         try:
             os.makedirs(os.path.dirname(path), exist_ok=True)
-            write(path)
+            write(tmp)
+            os.replace(tmp, path)
         except Exception as err:
             self.on_error("writing an artifact", err)
-            if os.path.exists(path):
-                os.remove(path)
+            if os.path.exists(tmp):
+                os.remove(tmp)
             self.add(role, stage, None, start_time, complete=False)
             return
         self.add(role, stage, path, start_time)

@@ -13,11 +13,17 @@ Everything step-keyed — profiler windows, timing metrics, checkpoints, validat
 here and nowhere else, so every mode gets it identically from step 1. A trainer mode supplies
 only the `Trainer` protocol below: what one step does, how to validate, what its state is.
 Step N produces policy version N; steps are numbered from 1.
+
+Crash consistency (docs/reliability.md): a checkpoint is written to a temp dir with the step's
+metrics record and a manifest (sizes, CRC-32) last, then renamed; resume takes the newest one that
+verifies, and metrics.jsonl is cut back to (or restored up to) that step, so a kill at any point
+neither loses nor repeats a step. One run holds an output dir at a time (`output_dir_lock`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import resource
@@ -25,10 +31,14 @@ import shutil
 import signal
 import sys
 import time
+import zlib
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Protocol, Sequence
 
+from plait.configtree import ConfigError
+from plait.errors import Interrupted, RunError
 from plait.profiler import StepProfiler
+from plait.trainers.tracking import as_record
 
 
 class StageTimer:
@@ -94,9 +104,13 @@ class Lifecycle:
         metrics: dict[str, float] = {}
         error: BaseException | None = None
         try:
-            with _sigterm_as_interrupt():
-                start = self._resume()
-                self.tracker.truncate_after(start - 1 if start > 1 else -1)  # a fresh start drops an old step 0 too
+            with signals_as_interrupt():
+                start, path = self._resume()
+                self._set_aside(start)
+                # metrics.jsonl ends at the checkpoint's step (its record restored if this run's line was
+                # lost; not for a checkpoint of another output dir); a fresh start drops an old step 0 too
+                own = path and os.path.dirname(os.path.abspath(path)) == os.path.abspath(self.ckpt_dir)
+                self.tracker.keep_until(start - 1 if start > 1 else -1, os.path.join(path, STEP_METRICS) if own else "")
                 self.trainer.start()
                 if self.cfg.val_before_train and start == 1 and self.cfg.test_freq != -1:
                     self.tracker.log(self.trainer.validate(), step=0)
@@ -124,49 +138,161 @@ class Lifecycle:
                     metrics.update(self.trainer.validate())
             if _due(step, self.cfg.save_freq, last):
                 with timer.stage("save_checkpoint"):
-                    self._save(step)
+                    self._save(step, self._record(step, metrics, timer, result))
         profiler.end_step(step)
-        metrics.update(timing_metrics(timer.times, result, self.cfg.n_devices))
-        metrics["training/global_step"] = step
-        metrics["training/policy_version"] = self.trainer.version
-        return metrics
+        return self._record(step, metrics, timer, result)
 
-    # -- checkpoints: global_step_N/ written atomically, tracker file last --------------------------
+    def _record(self, step: int, metrics: dict, timer: StageTimer, result: StepResult) -> dict[str, float]:
+        out = {**metrics, **timing_metrics(timer.times, result, self.cfg.n_devices)}
+        out["training/global_step"] = step
+        out["training/policy_version"] = self.trainer.version
+        return out
 
-    def _save(self, step: int) -> None:
+    # -- checkpoints: global_step_N/ written to a temp dir, manifest last, renamed; `latest` a hint --
+
+    def _save(self, step: int, metrics: dict) -> None:
         final = os.path.join(self.ckpt_dir, f"global_step_{step}")
         tmp = f"{final}.tmp-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        self.trainer.save_checkpoint(tmp, step)
+        try:
+            shutil.rmtree(tmp, ignore_errors=True)
+            self.trainer.save_checkpoint(tmp, step)
+            _write_atomic(os.path.join(tmp, STEP_METRICS), json.dumps(as_record(metrics, step)))  # durable with it
+            write_manifest(tmp, step)
+        except BaseException as err:
+            shutil.rmtree(tmp, ignore_errors=True)  # nothing partial, whatever stopped the save
+            if isinstance(err, (OSError, RuntimeError)) and not isinstance(err, RunError):  # a worker's failure says itself
+                raise RunError(f"checkpoint of step {step} not written to {tmp}: {_cause(err, tmp)}; "
+                               f"the previous checkpoint stays latest") from err
+            raise
         if os.path.exists(final):
             shutil.rmtree(final)
         os.replace(tmp, final)
-        _write_atomic(os.path.join(self.ckpt_dir, "latest_checkpointed_iteration.txt"), str(step))
-        keep = self.cfg.max_ckpt_to_keep
-        if keep:
-            for old in sorted(_checkpoint_steps(self.ckpt_dir))[:-keep]:
-                shutil.rmtree(os.path.join(self.ckpt_dir, f"global_step_{old}"), ignore_errors=True)
+        _fsync_dir(self.ckpt_dir)
+        _write_atomic(os.path.join(self.ckpt_dir, LATEST), str(step))
+        for old in retired(_checkpoint_steps(self.ckpt_dir), step, self.cfg.max_ckpt_to_keep):
+            shutil.rmtree(os.path.join(self.ckpt_dir, f"global_step_{old}"), ignore_errors=True)
 
-    def _resume(self) -> int:
-        """Load the checkpoint the resume mode names; returns the first step to run."""
+    def _resume(self) -> tuple[int, str]:
+        """Load the checkpoint the resume mode names; returns the first step to run and its path."""
         mode = self.cfg.resume_mode
         if mode == "disable":
-            return 1
+            return 1, ""
         if mode == "resume_path":
             path = self.cfg.resume_from_path
             name = os.path.basename(os.path.normpath(path))
             if not name.startswith("global_step_") or not os.path.isdir(path):
-                raise FileNotFoundError(f"trainer.resume_from_path={path!r}: expected an existing global_step_N directory")
+                raise ConfigError("trainer.resume_from_path", path, "expected an existing global_step_N directory")
+            problem = verify_checkpoint(path)
+            if problem:
+                raise ConfigError("trainer.resume_from_path", path, problem)
             step = int(name.removeprefix("global_step_"))
         else:
-            tracker = os.path.join(self.ckpt_dir, "latest_checkpointed_iteration.txt")
-            if not os.path.exists(tracker):
-                return 1
-            step = int(open(tracker).read().strip())
-            path = os.path.join(self.ckpt_dir, f"global_step_{step}")
+            step, path = self._newest_verified()
+            if step == 0:
+                return 1, ""
         self.trainer.load_checkpoint(path, step)
         print(f"plait: resumed from {path} (next step {step + 1})", file=sys.stderr)
-        return step + 1
+        return step + 1, path
+
+    def _newest_verified(self) -> tuple[int, str]:
+        """The newest checkpoint whose manifest verifies, warning about each newer one skipped."""
+        for step in sorted(_checkpoint_steps(self.ckpt_dir), reverse=True):
+            path = os.path.join(self.ckpt_dir, f"global_step_{step}")
+            problem = verify_checkpoint(path)
+            if problem is None:
+                return step, path
+            print(f"plait: warning: skipping checkpoint {path}: {problem}", file=sys.stderr)
+        return 0, ""
+
+    def _set_aside(self, start: int) -> None:
+        """Before the first step: remove crashed saves' temp dirs, and move checkpoints at or after
+        `start` (another run's, or a newer broken one) with a fresh start's old metrics into
+        previous_runs/<time>/, so step numbers of two runs never mix and nothing is deleted."""
+        if not os.path.isdir(self.ckpt_dir):
+            return
+        for name in os.listdir(self.ckpt_dir):  # a save's folder, or `latest` mid-rewrite
+            if ".tmp-" in name:
+                stale = os.path.join(self.ckpt_dir, name)
+                shutil.rmtree(stale) if os.path.isdir(stale) else os.remove(stale)
+        later = [s for s in _checkpoint_steps(self.ckpt_dir) if s >= start]
+        if not later:
+            return
+        dest = os.path.join(self.cfg.output_dir, "previous_runs", f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
+        os.makedirs(os.path.join(dest, "checkpoints"), exist_ok=True)
+        for s in later:
+            os.replace(os.path.join(self.ckpt_dir, f"global_step_{s}"), os.path.join(dest, "checkpoints", f"global_step_{s}"))
+        if start == 1 and os.path.exists(self.tracker.path):
+            shutil.copy2(self.tracker.path, os.path.join(dest, "metrics.jsonl"))
+        print(f"plait: moved checkpoints of steps {sorted(later)} (not part of this run) to {dest}", file=sys.stderr)
+        if start == 1:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(self.ckpt_dir, LATEST))
+
+
+STEP_METRICS = "step_metrics.json"   # inside global_step_N: that step's metrics record
+MANIFEST = "manifest.json"           # inside global_step_N, written last: every file, its size and CRC-32
+LATEST = "latest_checkpointed_iteration.txt"
+
+
+def write_manifest(path: str, step: int) -> None:
+    """List every file under `path` with its size and CRC-32, each fsync'd first, then the manifest."""
+    files = {}
+    for root, _, names in os.walk(path):
+        for name in sorted(names):
+            full = os.path.join(root, name)
+            files[os.path.relpath(full, path)] = {"size": os.path.getsize(full), "crc32": _crc32(full, sync=True)}
+    _write_atomic(os.path.join(path, MANIFEST), json.dumps({"step": step, "files": files}))
+
+
+def verify_checkpoint(path: str) -> str | None:
+    """None when every file the manifest lists is there with its size and CRC-32; else what is wrong."""
+    try:
+        with open(os.path.join(path, MANIFEST)) as f:
+            files = json.load(f)["files"]
+    except (OSError, ValueError, KeyError) as err:
+        return f"no readable {MANIFEST} ({type(err).__name__}); the save did not finish"
+    for rel, want in files.items():
+        full = os.path.join(path, rel)
+        if not os.path.isfile(full):
+            return f"{rel} is missing"
+        if os.path.getsize(full) != want["size"]:
+            return f"{rel} is {os.path.getsize(full)} bytes, the manifest says {want['size']}"
+        if _crc32(full) != want["crc32"]:
+            return f"{rel} does not match its checksum"
+    return None
+
+
+def retired(steps: list[int], just_saved: int, keep: Optional[int]) -> list[int]:
+    """Checkpoints to delete after saving `just_saved`: all but the newest `keep` at or before it
+    (it among them, whatever the numbers of the others). None or 0 keeps all."""
+    if not keep:
+        return []
+    older = sorted(s for s in steps if s < just_saved)
+    return older[:max(len(older) - (keep - 1), 0)]
+
+
+def _crc32(path: str, sync: bool = False) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            crc = zlib.crc32(chunk, crc)
+        if sync:
+            os.fsync(f.fileno())
+    return crc
+
+
+def _cause(err: BaseException, path: str) -> str:
+    """The one-line cause of a failed write. torch.save reports one without its errno
+    ("enforce fail at inline_container.cc"), so the usual suspects are checked by name."""
+    if isinstance(err, OSError) and err.strerror:
+        return err.strerror
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    if limit != resource.RLIM_INFINITY:
+        return f"File too large? (the file-size limit, ulimit -f, is {limit} bytes)"
+    free = shutil.disk_usage(os.path.dirname(path)).free
+    if free < 2**28:
+        return f"No space left on device? ({free // 2**20} MiB free)"
+    return str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
 
 
 def _due(step: int, freq: int, last: int) -> bool:
@@ -185,7 +311,17 @@ def _write_atomic(path: str, text: str) -> None:
     tmp = f"{path}.tmp-{os.getpid()}"
     with open(tmp, "w") as f:
         f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def timing_metrics(times: dict[str, float], result: StepResult, n_devices: int) -> dict[str, float]:
@@ -220,19 +356,43 @@ def memory_metrics() -> dict[str, float]:
 
 
 @contextlib.contextmanager
-def _sigterm_as_interrupt():
-    """SIGTERM raises KeyboardInterrupt in the main thread, so windows close and checkpoints stay whole."""
+def signals_as_interrupt():
+    """SIGTERM and SIGINT raise Interrupted in the main thread, so windows close, no partial
+    checkpoint stays and the exit status says which signal it was (143, 130)."""
     def handler(signum, frame):
-        raise KeyboardInterrupt(f"signal {signum}")
+        raise Interrupted(signum)
     try:
-        previous = signal.signal(signal.SIGTERM, handler)
+        previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
     except ValueError:  # not the main thread: leave signals alone
         yield
         return
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+@contextlib.contextmanager
+def output_dir_lock(output_dir: str):
+    """One run per output dir: an exclusive flock on <output_dir>/.plait.lock, which the OS
+    releases on any exit, kill -9 included. A second run is refused naming the holder's pid."""
+    os.makedirs(output_dir, exist_ok=True)
+    path = os.path.join(output_dir, ".plait.lock")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            raise ConfigError("trainer.default_local_dir", output_dir,
+                              f"in use by another plait run (pid {holder}); wait for it to end or "
+                              "choose another directory") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def read_metrics(path: str) -> list[dict]:

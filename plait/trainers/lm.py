@@ -30,6 +30,7 @@ from plait.algorithms.advantages import NEEDS_GREEDY_BASELINE, compute_advantage
 from plait.algorithms.kl import apply_kl_penalty, make_kl_controller
 from plait.algorithms.rollout_correction import rollout_correction
 from plait.config import PlaitConfig, SamplingConfig
+from plait.configtree import ConfigError
 from plait.data.dataset import PromptDataset, iterate_batches
 from plait.data.rewards import ScoreRequest, Scores
 from plait.trainers.lifecycle import StageTimer, StepResult
@@ -447,7 +448,7 @@ def resolve_data(cfg: PlaitConfig) -> tuple[list[str], list[str] | None]:
 
 def build_lm_trainer(cfg: PlaitConfig, backend, device: str):
     """Model, data, reward and the four language-model roles, handed to the trainer mode."""
-    from plait.data.dataset import load_rows
+    from plait.data.dataset import load_dataset
     from plait.driver import resolve_reward
     from plait.models import load_tokenizer
     from plait.trainers import MODES
@@ -459,15 +460,18 @@ def build_lm_trainer(cfg: PlaitConfig, backend, device: str):
     reward_fn = resolve_reward(cfg)
     dtype = DTYPES[cfg.actor_rollout_ref.model.dtype]
     model_path = resolve_model(cfg)
-    tokenizer = load_tokenizer(model_path)
+    try:
+        tokenizer = load_tokenizer(model_path)
+    except (OSError, ValueError) as err:  # the files exist (preflight) but do not load
+        raise ConfigError("actor_rollout_ref.model.path", model_path,
+                          f"its tokenizer does not load ({type(err).__name__}: {str(err).splitlines()[0]})") from None
     train_files, val_files = resolve_data(cfg)
     d = cfg.data
-    make = lambda files: PromptDataset(load_rows(files), tokenizer, prompt_key=d.prompt_key,  # noqa: E731
-                                       max_prompt_length=d.max_prompt_length, truncation=d.truncation,
-                                       filter_overlong_prompts=d.filter_overlong_prompts,
-                                       return_raw_chat=d.return_raw_chat, reward_fn_key=d.reward_fn_key)
-    train_data = make(train_files)
-    val_data = make(val_files) if val_files else None
+    options = dict(prompt_key=d.prompt_key, max_prompt_length=d.max_prompt_length, truncation=d.truncation,
+                   filter_overlong_prompts=d.filter_overlong_prompts, return_raw_chat=d.return_raw_chat,
+                   reward_fn_key=d.reward_fn_key)
+    train_data = load_dataset("data.train_files", train_files, tokenizer, **options)
+    val_data = load_dataset("data.val_files", val_files, tokenizer, **options) if val_files else None
     if d.filter_overlong_prompts:
         print(f"plait: data.filter_overlong_prompts dropped {train_data.filtered} training and "
               f"{val_data.filtered if val_data else 0} validation prompts longer than "

@@ -2,7 +2,8 @@
 
 A logger that fails while training (disk full, a W&B hiccup) is reported once and switched off;
 it never stops the run. Asking for a logger whose package is missing fails at start instead,
-before any training work.
+before any training work. Each metrics.jsonl line is fsync'd when written; on resume the file is
+cut back to the checkpoint's step (`keep_until`), a torn line dropped with a warning.
 """
 
 from __future__ import annotations
@@ -48,19 +49,30 @@ class Tracker:
         self._bar = tqdm(steps, total=total, initial=initial, desc="plait", unit="step", dynamic_ncols=True, file=sys.stderr)
         return self._bar
 
-    def truncate_after(self, step: int) -> None:
-        """Drop records of steps after `step` (a resumed run rewrites them)."""
-        if not os.path.exists(self.path):
+    def keep_until(self, step: int, record_path: str = "") -> None:
+        """Keep the records of steps up to `step` (a resumed run rewrites later ones). When the
+        line of `step` itself was lost (a kill between checkpoint and line), it is restored from
+        the checkpoint's copy at `record_path`. A torn line is dropped with a warning."""
+        records = read_records(self.path) if os.path.exists(self.path) else []
+        keep = [r for r in records if r.get("step", 0) <= step]
+        if record_path and step not in {r.get("step") for r in keep} and os.path.exists(record_path):
+            with open(record_path) as f:
+                keep.append(json.load(f))
+        if not records and not keep:
             return
-        with open(self.path) as f:
-            keep = [line for line in f if line.strip() and json.loads(line).get("step", 0) <= step]
-        with open(self.path, "w") as f:
-            f.writelines(keep)
+        tmp = f"{self.path}.tmp-{os.getpid()}"
+        with open(tmp, "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in keep)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path)
 
     def log(self, metrics: dict[str, float], step: int) -> None:
-        record = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
+        record = as_record(metrics, step)
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
+            f.flush()
+            os.fsync(f.fileno())  # durable before the next step's checkpoint can cover it
         for name, sink in list(self.sinks.items()):
             try:
                 if name == "tensorboard":
@@ -101,7 +113,8 @@ class Tracker:
 
     def _print(self, record: dict) -> None:
         parts = [f"step {record['step']}"]
-        parts += [f"{label}={record[k]:.3g}" for k, label in CONSOLE_KEYS.items() if k in record]
+        parts += [f"{label}={record[k]:.3g}" for k, label in CONSOLE_KEYS.items()
+                  if isinstance(record.get(k), (int, float))]  # "nan" is stored as a string
         parts += [f"{k}={v:.3g}" for k, v in record.items() if k.startswith("val-core/") and isinstance(v, float)]
         line = " | ".join(parts)
         if self._bar is not None:
@@ -123,6 +136,25 @@ class Tracker:
 def _cell(text: str) -> str:
     """One markdown table cell: no newlines or pipes."""
     return text.replace("|", "\\|").replace("\n", " ")
+
+
+def read_records(path: str) -> list[dict]:
+    """The records of a metrics.jsonl; an unreadable (torn) line is dropped with a warning naming the file."""
+    records = []
+    with open(path, errors="replace") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                records.append(json.loads(line))
+            except ValueError:
+                print(f"plait: warning: {path} line {n} is torn (a crash mid-write); dropped", file=sys.stderr)
+    return records
+
+
+def as_record(metrics: dict, step: int) -> dict:
+    """The JSON line of one step, as metrics.jsonl and a checkpoint's step_metrics.json hold it."""
+    return {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
 
 
 def _plain(v):

@@ -180,6 +180,8 @@ def test_killed_worker_is_one_clear_error_within_seconds(ray_instance, tmp_path)
         lifecycle.run()
     assert time.monotonic() - killed[0] < 15
     assert "every Ray worker was stopped" in str(err.value)
+    assert "\n" not in str(err.value) and str(err.value).endswith(f"details in {tmp_path / 'worker_errors.log'}")
+    assert "actor worker rank 1 during" in (tmp_path / "worker_errors.log").read_text()  # Ray's account, not the console
     assert actor.backend.hosts == []
     with pytest.raises(WorkerError, match="earlier failure"):
         actor.call(Actor.state_dict)

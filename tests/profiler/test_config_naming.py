@@ -126,8 +126,11 @@ def test_manifest_appends_lines_with_fixed_keys(tmp_path):
               "policy_version": 1, "complete": True}
     append_manifest(str(tmp_path), [record])
     append_manifest(str(tmp_path), [])
-    append_manifest(str(tmp_path), [dict(record, complete=False)])
-    assert read_manifest(str(tmp_path)) == [record, dict(record, complete=False)]
+    other = dict(record, path="step4/actor_rank0.pt.trace.json.gz")
+    append_manifest(str(tmp_path), [other])
+    assert read_manifest(str(tmp_path)) == [record, other]
+    append_manifest(str(tmp_path), [dict(record, complete=False)])  # one record per path: the newer wins
+    assert read_manifest(str(tmp_path)) == [other, dict(record, complete=False, resumed=True)]
     with pytest.raises(ValueError, match="keys"):
         append_manifest(str(tmp_path), [{"steps": [1, 1]}])
 

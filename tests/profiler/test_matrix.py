@@ -271,6 +271,6 @@ def test_nsys_is_refused_before_any_training_work(mode, tmp_path, tiny_config):
                       "actor_rollout_ref.actor.profiler.enable=true")
     with pytest.raises(ConfigError, match=r"global_profiler\.tool.*nsys needs CUDA"):
         driver.run(cfg, progress=False)
-    # driver.run makes the output folder; nothing was built, trained, logged or profiled in it.
-    assert os.listdir(out) == []
+    # driver.run makes the output folder and locks it; nothing was built, trained, logged or profiled in it.
+    assert os.listdir(out) == [".plait.lock"]
     assert not save.exists() and not (tmp_path / "hook_ran").exists()

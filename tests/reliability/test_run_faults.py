@@ -1,0 +1,74 @@
+"""The `plait` command under faults: a busy output dir, SIGTERM and SIGINT (exit 143 and 130, no
+partial checkpoint). Runs are forked children of the test process (torch already imported)."""
+
+import os
+import signal
+import time
+
+import pytest
+import yaml
+
+from plait import cli
+from plait.configtree import ConfigError, to_dict
+from plait.trainers.lifecycle import output_dir_lock, read_metrics, verify_checkpoint
+
+
+def config_file(tmp_path, tiny_config, *overrides):
+    """The tiny config as a YAML file for `plait train --config`."""
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(to_dict(tiny_config(tmp_path / "out", *overrides))))
+    return str(path)
+
+
+def fork(child):
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            code = child()
+        finally:
+            os._exit(code)
+    return pid
+
+
+def test_a_second_run_on_a_busy_output_dir_is_refused_naming_the_holder(tmp_path, tiny_config, capsys):
+    out = tmp_path / "out"
+    ready_r, ready_w = os.pipe()
+    holder = fork(lambda: _hold(out, ready_w))
+    os.read(ready_r, 1)
+    try:
+        with pytest.raises(ConfigError, match=f"in use by another plait run \\(pid {holder}\\)"):
+            with output_dir_lock(str(out)):
+                pass
+        assert cli.main(["train", "--config", config_file(tmp_path, tiny_config)]) == 2
+        (line,) = capsys.readouterr().err.strip().splitlines()[-1:]
+        assert line.startswith("plait: config error: trainer.default_local_dir=") and str(holder) in line
+    finally:
+        os.kill(holder, signal.SIGKILL)  # kill -9 releases the lock: the next run may go
+        os.waitpid(holder, 0)
+    with output_dir_lock(str(out)):
+        pass
+
+
+def _hold(out, ready_w):
+    with output_dir_lock(str(out)):
+        os.write(ready_w, b"1")
+        time.sleep(60)
+    return 0
+
+
+@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_a_signal_mid_run_exits_128_plus_signum_and_leaves_nothing_partial(tmp_path, tiny_config, sig, code):
+    config = config_file(tmp_path, tiny_config, "trainer.total_training_steps=200", "trainer.save_freq=1",
+                         "trainer.test_freq=-1")
+    pid = fork(lambda: cli.main(["train", "--no-progress", "--config", config]))
+    metrics = tmp_path / "out" / "metrics.jsonl"
+    while not (metrics.exists() and len(read_metrics(metrics)) >= 2):
+        time.sleep(0.05)
+    os.kill(pid, sig)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == code
+    ckpts = os.listdir(tmp_path / "out" / "checkpoints")
+    assert not [p for p in ckpts if ".tmp-" in p]
+    latest = (tmp_path / "out" / "checkpoints" / "latest_checkpointed_iteration.txt").read_text()
+    assert verify_checkpoint(str(tmp_path / "out" / "checkpoints" / f"global_step_{latest}")) is None

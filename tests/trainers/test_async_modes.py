@@ -105,15 +105,25 @@ def test_partial_rollouts_resume_with_the_new_weights(tmp_path, tiny_config):
     lifecycle, seen = build(tiny_config, tmp_path, "trainer.mode=fully_async", "async_training.staleness_threshold=1",
                             "data.max_response_length=40", "actor_rollout_ref.rollout.ignore_eos=true",
                             "trainer.total_training_steps=5", "trainer.test_freq=-1")
-    trainer, learn = lifecycle.trainer, lifecycle.trainer.learn
+    trainer, engine = lifecycle.trainer, lifecycle.trainer.roles.rollout.worker.engine
+    decoding, generate, sync = threading.Event(), engine.generate, trainer.after_update
 
-    def after_the_rollouter_started(batch, timer, *rest):
-        # Timing alone decided whether a sync met a running generate; wait until one is in flight.
-        deadline = time.monotonic() + 10
-        while trainer.in_flight == 0 and time.monotonic() < deadline:
-            time.sleep(0.005)
-        return learn(batch, timer, *rest)
-    trainer.learn = after_the_rollouter_started
+    class Armed(threading.Event):
+        def clear(self):  # the engine clears a stale abort as it starts: from here on an abort counts
+            super().clear()
+            decoding.set()
+
+    def generate_flagged(*args, **kwargs):
+        try:
+            return generate(*args, **kwargs)
+        finally:
+            decoding.clear()
+
+    def sync_mid_generate(step, timer):
+        # Timing alone decided whether a sync met a running generate (40 tokens, no EOS): meet one.
+        decoding.wait(timeout=5)
+        return sync(step, timer)
+    engine._abort, engine.generate, trainer.after_update = Armed(), generate_flagged, sync_mid_generate
     lifecycle.run()
     records = read_metrics(os.path.join(tmp_path, "metrics.jsonl"))
     assert sum(r["fully_async/partial/partial_ratio"] for r in records) > 0

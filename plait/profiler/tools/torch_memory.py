@@ -9,7 +9,7 @@ out-of-memory error inside a window dumps `<name>_oom.pickle` before the error p
 Stage ranges are recorded as annotations in the snapshot.
 
 Without CUDA there is no allocator history; the window instead gets a torch.profiler trace with
-profile_memory and record_shapes (see tools/torch.py): every CPU allocation and free with its
+profile_memory, record_shapes and with_stack (see tools/torch.py): every CPU allocation and free with its
 size and running total, a "memory allocated (cpu)" counter track, and the stage ranges. The
 CUDA-only knobs then do nothing, which `validate_environment` says in one line.
 """
@@ -32,7 +32,8 @@ log = logging.getLogger("plait.profiler")
 def torch_memory_tool(cfg: TorchMemoryToolConfig):
     if torch.cuda.is_available():
         return CudaMemoryHistory(cfg)
-    return TorchTool({"memory", "shapes"}, discrete=False, cuda=False)
+    # Stacks too: the report charges each allocation to the innermost frame outside torch.
+    return TorchTool({"memory", "shapes", "stack"}, discrete=False, cuda=False)
 
 
 class CudaMemoryHistory:

@@ -1,0 +1,174 @@
+"""Always-on recording: the stage timeline (timeline.jsonl) and per-stage peak memory.
+
+    any thread:  TIMELINE.add(role, stage, start, end, version)     one tuple appended under a lock
+                 with TIMELINE.span("rollout", "gen", version): ...  the same, as a context manager
+    lifecycle:   TIMELINE.open(<output_dir>/timeline.jsonl)          at run start
+                 TIMELINE.flush(step)                                 once per step: ONE file append
+                 TIMELINE.close()                                     at run end (flushes what is left)
+
+One record per span: {"step", "role", "stage", "pid", "thread", "start", "end", "version"}, start
+and end in wall-clock seconds (perf_counter anchored once to time.time(), so spans of one process
+never go backwards). A span belongs to the step during whose flush it was written, so a rollouter
+span that ends during step N is a step-N record. TIMELINE is per process, like a logger: a
+rollouter thread records without being handed anything, and no span is kept while no file is open.
+
+StagePeaks gives the peak memory of each stage, nested stages included: the peak counters are reset
+at every stage entry and read in a finally, and an enclosing stage folds in its inner stages'
+peaks. On CUDA: the allocator's peak allocated and reserved bytes of the current device. On CPU
+(Linux): the process's peak RSS (VmHWM), reset by writing "5" to /proc/self/clear_refs; where that
+is refused, the peak RSS since process start (ru_maxrss), which only says when a new high was set. Both counters are per process (CUDA: per device), so a stage's
+peak includes whatever other threads allocated meanwhile (an async mode's rollouter thread on the
+local backend), and `ru_maxrss`/`max_memory_allocated` read elsewhere become "since the last stage
+entry" rather than "since process start".
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import os
+import resource
+import threading
+import time
+from typing import Optional
+
+import torch
+
+WALL0 = time.time() - time.perf_counter()  # perf_counter + WALL0 = wall clock, monotonic in-process
+TIMELINE_FILE = "timeline.jsonl"
+
+
+def wall(perf: float) -> float:
+    return WALL0 + perf
+
+
+class Timeline:
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._spans: list[tuple] = []
+        self.path: Optional[str] = None
+
+    def open(self, path: str) -> None:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        with self._lock:
+            self.path, self._spans = path, []
+
+    def add(self, role: str, stage: str, start: float, end: float, version: Optional[int]) -> None:
+        """A span from perf_counter start/end; dropped while no file is open."""
+        if self.path is None:
+            return
+        name = threading.current_thread().name
+        with self._lock:
+            self._spans.append((role, stage, name, start, end, version))
+
+    @contextlib.contextmanager
+    def span(self, role: str, stage: str, version: Optional[int] = None):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.add(role, stage, start, time.perf_counter(), version)
+
+    def flush(self, step: int) -> None:
+        with self._lock:
+            spans, self._spans, path = self._spans, [], self.path
+        if path is None or not spans:
+            return
+        pid = os.getpid()
+        lines = [json.dumps({"step": step, "role": role, "stage": stage, "pid": pid, "thread": thread,
+                             "start": round(WALL0 + start, 6), "end": round(WALL0 + end, 6), "version": version})
+                 for role, stage, thread, start, end, version in spans]
+        with open(path, "a") as f:
+            f.write("\n".join(lines) + "\n")
+
+    def truncate_after(self, step: int) -> None:
+        """Drop records of steps after `step` (a resumed run rewrites them; a fresh start, all)."""
+        if self.path is None or not os.path.exists(self.path):
+            return
+        keep = [r for r in read_timeline(self.path) if r["step"] <= step]
+        with open(self.path, "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in keep)
+
+    def close(self, step: int) -> None:
+        self.flush(step)
+        with self._lock:
+            self.path = None
+
+
+TIMELINE = Timeline()
+
+
+def read_timeline(path: str) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+class StagePeaks:
+    """Peak memory (bytes) per stage of one thread's nested stages; see the module docstring."""
+
+    def __init__(self):
+        self.cuda = torch.cuda.is_available()
+        self._stack: list[dict[str, int]] = []  # running peaks of the open stages, outermost first
+        self._clear_refs = self.cuda or _can_reset_rss()
+
+    def enter(self) -> None:
+        if self._stack:  # what the enclosing stage reached before this one starts
+            fold_peaks(self._stack[-1], self._read())
+        self._stack.append({})
+        self._reset()
+
+    def exit(self) -> dict[str, int]:
+        """The closing stage's peaks; folded into the enclosing stage."""
+        peaks = fold_peaks(self._stack.pop(), self._read())
+        if self._stack:
+            fold_peaks(self._stack[-1], peaks)
+        return peaks
+
+    def _read(self) -> dict[str, int]:
+        if self.cuda:
+            return {"peak_allocated": torch.cuda.max_memory_allocated(),
+                    "peak_reserved": torch.cuda.max_memory_reserved()}
+        if self._clear_refs:
+            return {"peak_rss": _status_kb("VmHWM") * 1024}
+        return {"peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}  # since start (Linux units)
+
+    def _reset(self) -> None:
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats()
+        elif self._clear_refs:
+            _reset_rss()
+
+
+def fold_peaks(into: dict[str, int], peaks: dict[str, int]) -> dict[str, int]:
+    for k, v in peaks.items():
+        into[k] = max(into.get(k, 0), v)
+    return into
+
+
+def stage_memory_metrics(peaks: dict[str, dict[str, int]]) -> dict[str, float]:
+    """memory/<stage>/<counter>_gb from StageTimer's per-stage peaks."""
+    return {f"memory/{stage}/{k}_gb": v / 2**30 for stage, p in peaks.items() for k, v in p.items()}
+
+
+def _status_kb(field: str) -> int:
+    with open("/proc/self/status", "rb") as f:
+        for line in f:
+            if line.startswith(field.encode()):
+                return int(line.split()[1])
+    return 0
+
+
+def _reset_rss() -> None:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+@functools.cache
+def _can_reset_rss() -> bool:
+    """Linux lets a process reset its own VmHWM; elsewhere (or when refused) RSS at exit is read."""
+    try:
+        _reset_rss()
+        return _status_kb("VmHWM") > 0
+    except OSError:
+        return False

@@ -159,7 +159,7 @@ def stage_at(stages: list[dict], t: float) -> str:
 
 def growth_per_stage(series: list[tuple[float, int]], stages: list[dict]) -> dict[str, int]:
     """Bytes allocated at each stage's exit minus at its entry, summed per stage name, for the
-    stage spans inside the series' time range."""
+    stage spans that overlap the series' time range (before its first event: the baseline)."""
     if not series:
         return {}
     times = [t for t, _ in series]
@@ -168,6 +168,6 @@ def growth_per_stage(series: list[tuple[float, int]], stages: list[dict]) -> dic
         return series[max(i, 0)][1]
     out: dict[str, int] = defaultdict(int)
     for s in stages:
-        if s["stage"] != "step" and times[0] <= s["start"] and s["end"] <= times[-1]:
+        if s["stage"] != "step" and s["start"] <= times[-1] and times[0] <= s["end"]:
             out[s["stage"]] += at(s["end"]) - at(s["start"])
     return dict(out)

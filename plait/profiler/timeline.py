@@ -15,11 +15,13 @@ rollouter thread records without being handed anything, and no span is kept whil
 StagePeaks gives the peak memory of each stage, nested stages included: the peak counters are reset
 at every stage entry and read in a finally, and an enclosing stage folds in its inner stages'
 peaks. On CUDA: the allocator's peak allocated and reserved bytes of the current device. On CPU
-(Linux): the process's peak RSS (VmHWM), reset by writing "5" to /proc/self/clear_refs; where that
-is refused, the peak RSS since process start (ru_maxrss), which only says when a new high was set. Both counters are per process (CUDA: per device), so a stage's
-peak includes whatever other threads allocated meanwhile (an async mode's rollouter thread on the
-local backend), and `ru_maxrss`/`max_memory_allocated` read elsewhere become "since the last stage
-entry" rather than "since process start".
+(Linux): the process's peak RSS (ru_maxrss, the kernel's hiwater_rss), reset by writing "5" to
+/proc/self/clear_refs (checked on Linux 6.x: ru_maxrss follows the reset, also after threads exit);
+where that is refused, the peak since process start, which only shows new highs.
+Both counters are per process (CUDA: per device), so a stage's peak includes whatever other threads
+allocated meanwhile (an async mode's rollouter thread on the local backend), and
+`ru_maxrss`/`max_memory_allocated` read elsewhere become "since the last stage entry" rather than
+"since process start".
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import functools
 import json
 import os
 import resource
+import sys
 import threading
 import time
 from typing import Optional
@@ -48,11 +51,15 @@ class Timeline:
         self._lock = threading.Lock()
         self._spans: list[tuple] = []
         self.path: Optional[str] = None
+        self._file = None  # kept open for appending: an open per step costs more than the write
 
     def open(self, path: str) -> None:
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         with self._lock:
+            if self._file is not None:  # a run that never closed its timeline
+                self._file.close()
             self.path, self._spans = path, []
+            self._file = open(path, "a")
 
     def add(self, role: str, stage: str, start: float, end: float, version: Optional[int]) -> None:
         """A span from perf_counter start/end; dropped while no file is open."""
@@ -75,28 +82,39 @@ class Timeline:
             spans, self._spans, path = self._spans, [], self.path
         if path is None or not spans:
             return
-        pid = os.getpid()
-        lines = [json.dumps({"step": step, "role": role, "stage": stage, "pid": pid, "thread": thread,
-                             "start": round(WALL0 + start, 6), "end": round(WALL0 + end, 6), "version": version})
-                 for role, stage, thread, start, end, version in spans]
-        with open(path, "a") as f:
-            f.write("\n".join(lines) + "\n")
+        head = f'{{"step": {step}, "pid": {os.getpid()}, '
+        lines = [f'{head}"role": {_enc(role)}, "stage": {_enc(stage)}, "thread": {_enc(thread)}, '
+                 f'"start": {WALL0 + start:.6f}, "end": {WALL0 + end:.6f}, "version": {_enc(version)}}}'
+                 for role, stage, thread, start, end, version in spans]  # json.dumps per record costs 10x
+        self._file.write("\n".join(lines) + "\n")
+        self._file.flush()
 
     def truncate_after(self, step: int) -> None:
         """Drop records of steps after `step` (a resumed run rewrites them; a fresh start, all)."""
         if self.path is None or not os.path.exists(self.path):
             return
         keep = [r for r in read_timeline(self.path) if r["step"] <= step]
-        with open(self.path, "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in keep)
+        self._file.seek(0)
+        self._file.truncate()
+        self._file.writelines(json.dumps(r) + "\n" for r in keep)
+        self._file.flush()
 
     def close(self, step: int) -> None:
         self.flush(step)
         with self._lock:
             self.path = None
+            if self._file is not None:
+                self._file.close()
+                self._file = None
 
 
 TIMELINE = Timeline()
+
+
+@functools.lru_cache(maxsize=1024)
+def _enc(value) -> str:
+    """JSON of a name or version; there are few distinct ones, so each is encoded once."""
+    return json.dumps(value)
 
 
 def read_timeline(path: str) -> list[dict]:
@@ -110,13 +128,15 @@ class StagePeaks:
     def __init__(self):
         self.cuda = torch.cuda.is_available()
         self._stack: list[dict[str, int]] = []  # running peaks of the open stages, outermost first
-        self._clear_refs = self.cuda or _can_reset_rss()
 
     def enter(self) -> None:
         if self._stack:  # what the enclosing stage reached before this one starts
             fold_peaks(self._stack[-1], self._read())
         self._stack.append({})
-        self._reset()
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats()
+        else:
+            _RSS.reset()
 
     def exit(self) -> dict[str, int]:
         """The closing stage's peaks; folded into the enclosing stage."""
@@ -129,15 +149,30 @@ class StagePeaks:
         if self.cuda:
             return {"peak_allocated": torch.cuda.max_memory_allocated(),
                     "peak_reserved": torch.cuda.max_memory_reserved()}
-        if self._clear_refs:
-            return {"peak_rss": _status_kb("VmHWM") * 1024}
-        return {"peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}  # since start (Linux units)
+        return {"peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * RU_MAXRSS_UNIT}
 
-    def _reset(self) -> None:
-        if self.cuda:
-            torch.cuda.reset_peak_memory_stats()
-        elif self._clear_refs:
-            _reset_rss()
+
+class _PeakRss:
+    """Resets the process's peak RSS through a kept-open /proc/self/clear_refs (an open costs more
+    than the write); reopened after a fork, since /proc/self is resolved at open time. Without it
+    (not Linux, or refused) nothing is reset and ru_maxrss is the peak since process start."""
+
+    def __init__(self):
+        self.pid, self.fd = -1, None
+
+    def reset(self) -> None:
+        if self.pid != os.getpid():
+            self.pid = os.getpid()
+            try:
+                self.fd = os.open("/proc/self/clear_refs", os.O_WRONLY)
+            except OSError:
+                self.fd = None
+        if self.fd is not None:
+            os.write(self.fd, b"5")
+
+
+RU_MAXRSS_UNIT = 1 if sys.platform == "darwin" else 1024  # bytes on macOS, KiB on Linux
+_RSS = _PeakRss()
 
 
 def fold_peaks(into: dict[str, int], peaks: dict[str, int]) -> dict[str, int]:
@@ -149,26 +184,3 @@ def fold_peaks(into: dict[str, int], peaks: dict[str, int]) -> dict[str, int]:
 def stage_memory_metrics(peaks: dict[str, dict[str, int]]) -> dict[str, float]:
     """memory/<stage>/<counter>_gb from StageTimer's per-stage peaks."""
     return {f"memory/{stage}/{k}_gb": v / 2**30 for stage, p in peaks.items() for k, v in p.items()}
-
-
-def _status_kb(field: str) -> int:
-    with open("/proc/self/status", "rb") as f:
-        for line in f:
-            if line.startswith(field.encode()):
-                return int(line.split()[1])
-    return 0
-
-
-def _reset_rss() -> None:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-
-
-@functools.cache
-def _can_reset_rss() -> bool:
-    """Linux lets a process reset its own VmHWM; elsewhere (or when refused) RSS at exit is read."""
-    try:
-        _reset_rss()
-        return _status_kb("VmHWM") > 0
-    except OSError:
-        return False

@@ -11,15 +11,18 @@ Each returns an <svg> string; colours are stable per name, with a legend where t
 from __future__ import annotations
 
 import html
-import zlib
 
 PALETTE = ["#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f", "#edc948", "#b07aa1", "#ff9da7",
-           "#9c755f", "#bab0ac", "#1f77b4", "#8c564b"]
+           "#9c755f", "#bab0ac", "#1f3b73", "#a0cbe8", "#ffbe7d", "#8cd17d", "#b6992d", "#499894",
+           "#86bcb6", "#d37295", "#fabfd2", "#79706e"]
 W = 900
+_ASSIGNED: dict[str, str] = {}  # name -> colour, in order of first use: one colour per stage on a page
 
 
 def colour(name: str) -> str:
-    return PALETTE[zlib.crc32(name.encode()) % len(PALETTE)]
+    if name not in _ASSIGNED:
+        _ASSIGNED[name] = PALETTE[len(_ASSIGNED) % len(PALETTE)]
+    return _ASSIGNED[name]
 
 
 def _esc(text) -> str:

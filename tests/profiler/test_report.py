@@ -214,3 +214,14 @@ def test_the_page_renders_in_a_headless_browser(planted_run, tmp_path):
     subprocess.run([CHROMIUM, *flags, f"--screenshot={shot}", "--window-size=1400,2000", page],
                    capture_output=True, timeout=120)
     assert shot.stat().st_size > 20_000  # a rendered page, not a blank one
+
+
+def test_top_ops_self_time_per_stage_on_hand_made_events():
+    from plait.profiler.analysis.traces import Trace, top_ops
+    x = lambda cat, name, ts, dur, tid=1: {"ph": "X", "cat": cat, "name": name, "pid": 7, "tid": tid, "ts": ts, "dur": dur}  # noqa: E731
+    events = [x("user_annotation", "actor/update_actor", 0, 100), x("cpu_op", "aten::linear", 10, 50),
+              x("cpu_op", "aten::mm", 20, 20), x("cpu_op", "aten::mm", 70, 5), x("cpu_op", "aten::add", 200, 5),
+              x("kernel", "gemm", 30, 15, tid=99)]
+    ops = top_ops(Trace({"role": "actor", "rank": 0}, events, "actor rank 0"))
+    assert ops["actor/update_actor"] == [("aten::linear", 30, 1), ("aten::mm", 25, 2), ("[gpu] gemm", 15, 1)]
+    assert ops["(no stage)"] == [("aten::add", 5, 1)]

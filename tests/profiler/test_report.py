@@ -225,3 +225,20 @@ def test_top_ops_self_time_per_stage_on_hand_made_events():
     ops = top_ops(Trace({"role": "actor", "rank": 0}, events, "actor rank 0"))
     assert ops["actor/update_actor"] == [("aten::linear", 30, 1), ("aten::mm", 25, 2), ("[gpu] gemm", 15, 1)]
     assert ops["(no stage)"] == [("aten::add", 5, 1)]
+
+
+def test_gpu_rows_of_two_ranks_stay_apart_in_the_merged_trace():
+    from plait.profiler.analysis.traces import Trace, merged_trace
+
+    def trace(host, rank):
+        events = [{"ph": "M", "name": "process_name", "pid": 0, "tid": 0, "args": {"name": "GPU 0"}},
+                  {"ph": "X", "cat": "kernel", "name": "gemm", "pid": 0, "tid": 7, "ts": 1e15 + rank, "dur": 5},
+                  {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "pid": host, "tid": host, "ts": 1e15, "dur": 9}]
+        record = {"role": "actor", "rank": rank, "pid": host, "policy_version": 3, "steps": [1, 1]}
+        return Trace(record, events, f"actor rank {rank}")
+    merged = merged_trace([], [trace(10, 0), trace(11, 1)], {})["traceEvents"]
+    kernels = [e for e in merged if e.get("name") == "gemm"]
+    procs = {e["pid"]: e["args"]["name"] for e in merged if e.get("name") == "process_name"}
+    assert len({k["pid"] for k in kernels}) == 2
+    assert sorted(procs[k["pid"]] for k in kernels) == ["actor rank 0 (GPU 0)", "actor rank 1 (GPU 0)"]
+    assert procs[10] == "actor rank 0" and procs[11] == "actor rank 1"

@@ -4,7 +4,9 @@
                                  (the trace's baseTimeNanoseconds + each event's ts)
     merged_trace(spans, traces)  ONE Chrome/Perfetto trace: every timeline span (its own thread per
                                  role and thread) and every trace's events, processes and threads
-                                 named "<role> rank <r>", the policy version in each stage's args
+                                 named "<role> rank <r>", the policy version in each stage's args;
+                                 each process's GPU rows (Kineto uses the device index as their
+                                 pid) get a pid of their own, so ranks' "GPU 0" rows stay apart
     top_ops(trace)               self time per operator per stage of one window
 
 Times in a merged trace are µs since its `origin` (the earliest event), kept in
@@ -21,6 +23,7 @@ from dataclasses import dataclass
 
 STAGE_CAT = "plait.stage"
 TIMELINE_TID0 = 1 << 30  # timeline lanes get tids above any OS thread id
+DEVICE_PID0 = 1 << 30    # GPU rows of torch traces get pids above any OS process id
 
 
 @dataclass
@@ -67,15 +70,23 @@ def merged_trace(spans: list[dict], traces: list[Trace], pid_labels: dict[int, s
                     "ts": s["start"] * 1e6 - origin, "dur": (s["end"] - s["start"]) * 1e6,
                     "args": {"step": s["step"], "role": s["role"], "policy_version": s["version"]}})
     procs = dict(pid_labels)
+    devices: dict[tuple, int] = {}  # (host pid, trace pid) -> a pid of its own for each GPU row
     for t in traces:
-        procs[t.record["pid"]] = t.label
+        host = t.record["pid"]
+        procs[host] = t.label
         version = t.record["policy_version"]
+        # Kineto gives GPU rows the device index as pid: every rank's "GPU 0" would be one row.
+        pid_of = lambda pid: pid if pid == host else devices.setdefault((host, pid), DEVICE_PID0 + len(devices))  # noqa: E731
         for e in t.events:
             if e.get("ph") == "M":
                 if e.get("name") == "thread_name":
-                    names[(e["pid"], e["tid"])] = f"{t.label} ({e['args']['name']})"
-                continue  # process names and sort keys are rewritten below
+                    names[(pid_of(e["pid"]), e["tid"])] = f"{t.label} ({e['args']['name']})"
+                elif e.get("name") == "process_name" and e["pid"] != host:
+                    procs[pid_of(e["pid"])] = f"{t.label} ({e['args']['name']})"
+                continue  # the host's name and sort keys are rewritten below
             e = {**e, "ts": e["ts"] - origin} if "ts" in e else dict(e)
+            if "pid" in e:
+                e["pid"] = pid_of(e["pid"])
             if e.get("cat") == "user_annotation":
                 e["args"] = {**e.get("args", {}), "policy_version": version, "steps": t.record["steps"]}
             out.append(e)

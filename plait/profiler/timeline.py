@@ -17,7 +17,11 @@ at every stage entry and read in a finally, and an enclosing stage folds in its 
 peaks. On CUDA: the allocator's peak allocated and reserved bytes of the current device. On CPU
 (Linux): the process's peak RSS (ru_maxrss, the kernel's hiwater_rss), reset by writing "5" to
 /proc/self/clear_refs (checked on Linux 6.x: ru_maxrss follows the reset, also after threads exit);
-where that is refused, the peak since process start, which only shows new highs.
+where that is refused, the peak since process start, which only shows new highs. The reset takes
+the process's memory-map lock, and done at every stage boundary it measurably slowed a concurrent
+rollouter thread (fully_async on the local backend made fewer partial rollouts), so once another
+thread records spans (an async rollouter in this process) CPU peaks are no longer reset: they
+then show only new highs since the last reset.
 Both counters are per process (CUDA: per device), so a stage's peak includes whatever other threads
 allocated meanwhile (an async mode's rollouter thread on the local backend), and
 `ru_maxrss`/`max_memory_allocated` read elsewhere become "since the last stage entry" rather than
@@ -52,20 +56,24 @@ class Timeline:
         self._spans: list[tuple] = []
         self.path: Optional[str] = None
         self._file = None  # kept open for appending: an open per step costs more than the write
+        self.concurrent = False  # a thread other than the main one recorded a span (an async rollouter)
 
     def open(self, path: str) -> None:
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         with self._lock:
             if self._file is not None:  # a run that never closed its timeline
                 self._file.close()
-            self.path, self._spans = path, []
+            self.path, self._spans, self.concurrent = path, [], False
             self._file = open(path, "a")
 
     def add(self, role: str, stage: str, start: float, end: float, version: Optional[int]) -> None:
         """A span from perf_counter start/end; dropped while no file is open."""
         if self.path is None:
             return
-        name = threading.current_thread().name
+        thread = threading.current_thread()
+        name = thread.name
+        if thread is not threading.main_thread():
+            self.concurrent = True
         with self._lock:
             self._spans.append((role, stage, name, start, end, version))
 
@@ -102,7 +110,7 @@ class Timeline:
     def close(self, step: int) -> None:
         self.flush(step)
         with self._lock:
-            self.path = None
+            self.path, self.concurrent = None, False
             if self._file is not None:
                 self._file.close()
                 self._file = None
@@ -135,7 +143,7 @@ class StagePeaks:
         self._stack.append({})
         if self.cuda:
             torch.cuda.reset_peak_memory_stats()
-        else:
+        elif not TIMELINE.concurrent:
             _RSS.reset()
 
     def exit(self) -> dict[str, int]:

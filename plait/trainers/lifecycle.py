@@ -6,6 +6,7 @@
                                        validate every test_freq      (inside the step window)
                                        checkpoint every save_freq    (inside the step window)
                                        profiler.end_step(N)          window closes if scheduled
+                                       TIMELINE.flush(N)             the step's stage spans: timeline.jsonl
                                        log metrics (console, metrics.jsonl, TensorBoard, W&B)
              finally ─▶ profiler.close(error) ─▶ trainer.close() ─▶ loggers closed
 

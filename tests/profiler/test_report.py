@@ -75,7 +75,9 @@ def test_report_of_a_fully_async_run_on_ray(tmp_path, tiny_config, ray_up):
     overrides = ["trainer.backend=ray", "trainer.placement=separated", "trainer.ray.num_cpu_workers=1",
                  "trainer.ray.cpus_per_worker=0.5", "trainer.mode=fully_async",
                  "async_training.trigger_parameter_sync_step=2", "async_training.staleness_threshold=1",
-                 "trainer.total_training_steps=2", *PROFILE_BOTH, f"global_profiler.save_path={tmp_path}/profile"]
+                 # 3 steps: the queue bound (2 steps' samples) makes the rollouter generate step 3's
+                 # samples while step 2 trains.
+                 "trainer.total_training_steps=3", *PROFILE_BOTH, f"global_profiler.save_path={tmp_path}/profile"]
     lifecycle = driver.build(tiny_config(tmp_path, *overrides), progress=False)
     roles = lifecycle.trainer.roles
     actor_pid, rollout_pid = roles.actor.pids[0], roles.rollout.pids[0]

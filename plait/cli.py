@@ -1,4 +1,5 @@
-"""The `plait` command: `plait train [--config FILE] key=value ...`, `plait config show ...`.
+"""The `plait` command: `plait train [--config FILE] key=value ...`, `plait config show ...`,
+`plait profile report DIR`.
 
 Overrides take verl's Hydra forms (`key=value`, `+key=value`, `~key`). Bad config keys, types or
 values exit with status 2 and one line each naming the key, the value and what would be valid,
@@ -35,7 +36,21 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--config-name", help="verl's Hydra config name: ppo_trainer (plait's tree) is the only one")
         p.add_argument("--config-path", help="accepted for verl command lines; plait's tree is built in")
         p.add_argument("overrides", nargs="*", metavar="key=value")
+    profile = sub.add_parser("profile", help="read what the profiler and the stage timeline recorded")
+    profile_sub = profile.add_subparsers(dest="action", required=True)
+    report = profile_sub.add_parser("report", help="write DIR/report/index.html and DIR/report/timeline.json.gz")
+    report.add_argument("dir", help="a run's output dir or a profiler save_path")
+    report.add_argument("--profile", help="the profiler save_path, when it is not DIR or DIR/profile")
+    report.add_argument("--run", help="the run's output dir (timeline.jsonl, metrics.jsonl), when it is not DIR")
     args = parser.parse_args(argv)
+    if args.command == "profile":
+        from plait.profiler.analysis import build_report
+        try:
+            print(build_report(args.dir, profile=args.profile, run=args.run))
+        except FileNotFoundError as err:
+            print(f"plait: profile report: {err}", file=sys.stderr)
+            return 2
+        return 0
 
     from plait.config import load_config
     from plait.driver import preflight, run

@@ -8,6 +8,7 @@ language-model modes, plait/trainers/diffusion.py for diffusion) and hands it to
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 
@@ -18,9 +19,13 @@ from plait.config import PlaitConfig
 from plait.configtree import ConfigError, raise_all, to_dict
 from plait.data.rewards import default_compute_score, guard_reward, load_custom_reward, make_reward
 from plait.models import check_model_dir
-from plait.profiler import validate_environment
+from plait.profiler import RoleProfilerConfig, validate_environment
+from plait.profiler.config import ROLE_KEYS
 from plait.trainers.lifecycle import Lifecycle, LifecycleConfig, output_dir_lock
 from plait.trainers.tracking import Tracker
+
+log = logging.getLogger("plait")
+
 
 def resolve_device(cfg: PlaitConfig) -> str:
     device = cfg.trainer.device
@@ -74,8 +79,13 @@ def check_model_path(cfg: PlaitConfig) -> None:
 def preflight(cfg: PlaitConfig) -> None:
     """Everything refused before any training work, all errors together."""
     errors = []
-    for rule in (lambda: validate_environment(cfg.global_profiler, role_profilers(cfg)), lambda: check_data_files(cfg),
-                 lambda: check_model_path(cfg), lambda: resolve_reward(cfg), lambda: resolve_device(cfg)):
+    for role in absent_profiled_roles(cfg):
+        log.warning("profiler: %s.profiler.enable is true but this run has no %s role (%s); it is not profiled",
+                    ROLE_KEYS[role], role, ABSENT_WHY[role])
+    roles_cfg = role_profilers(cfg)
+    for rule in (lambda: validate_environment(cfg.global_profiler, roles_cfg), lambda: check_memory_profiling(cfg, roles_cfg),
+                 lambda: check_data_files(cfg), lambda: check_model_path(cfg), lambda: resolve_reward(cfg),
+                 lambda: resolve_device(cfg)):
         try:
             rule()
         except ConfigError as err:
@@ -117,9 +127,48 @@ def checkpoints_to_keep(cfg: PlaitConfig) -> int | None:
 
 
 def role_profilers(cfg: PlaitConfig) -> dict:
+    """Each role's profiler node; a role this run does not have is profiled nothing (preflight
+    warns): its name would otherwise label an artifact that holds other roles' stages."""
+    absent = absent_profiled_roles(cfg)
+    return {role: RoleProfilerConfig() if role in absent else node for role, node in _profiler_nodes(cfg).items()}
+
+
+def absent_profiled_roles(cfg: PlaitConfig) -> list[str]:
+    present = run_roles(cfg)
+    return [role for role, node in _profiler_nodes(cfg).items() if node.enable and role not in present]
+
+
+def _profiler_nodes(cfg: PlaitConfig) -> dict:
     arr = cfg.actor_rollout_ref
     return {"actor": arr.actor.profiler, "rollout": arr.rollout.profiler, "ref": arr.ref.profiler,
             "critic": cfg.critic.profiler, "reward_model": cfg.reward_model.profiler}
+
+
+ABSENT_WHY = {"rollout": "trainer.mode=diffusion samples inside the actor",
+              "ref": "no KL term uses a reference policy, or with LoRA the actor computes it",
+              "critic": "critic.enable is false (no GAE)", "reward_model": "reward_model.enable is false",
+              "actor": ""}
+
+
+def run_roles(cfg: PlaitConfig) -> set[str]:
+    """The roles build() spawns for this config."""
+    if cfg.trainer.mode == "diffusion":
+        return {"actor"} | ({"ref"} if cfg.diffusion.actor.kl_loss_coef > 0 else set())
+    lora = cfg.actor_rollout_ref.model.lora_rank > 0  # the actor's base model is the reference
+    return ({"actor", "rollout"} | ({"ref"} if cfg.uses_ref and not lora else set())
+            | ({"critic"} if cfg.critic.enable else set()) | ({"reward_model"} if cfg.reward_model.enable else set()))
+
+
+def check_memory_profiling(cfg: PlaitConfig, roles_cfg: dict) -> None:
+    """torch_memory on CPU records allocations only on the collector's thread (the driver's main
+    thread): an async mode's rollout thread on the local backend would be missing from it."""
+    t, g = cfg.trainer, cfg.global_profiler
+    if (g.tool == "torch_memory" and g.steps and t.mode in ("one_step_off", "fully_async") and t.backend == "local"
+            and roles_cfg["rollout"].enable and not torch.cuda.is_available()):
+        raise ConfigError("global_profiler.tool", g.tool,
+                          f"without CUDA it records only the driver's main thread, and trainer.mode={t.mode} on the "
+                          "local backend generates on another thread: use trainer.backend=ray (the rollout gets its "
+                          "own process and artifact), or profile the rollout with tool=torch")
 
 
 def make_backend(cfg: PlaitConfig):

@@ -206,6 +206,7 @@ class RayBackend:
         self.pools: dict[str, list] = {}  # "train" and "rollout" -> their hosts
         self.salvaged: list[dict] = []  # profiler records rescued from a failing group
         self.profile_open = False
+        self.profiler_tool = cfg.global_profiler.tool
         if not ray.is_initialized():
             self.connected = True
             if address is not None:
@@ -334,7 +335,9 @@ class RayBackend:
             summary = "died"
         else:
             summary = f"failed ({type(err).__name__})"
-        if self.profile_open:  # survivors close their windows; a dead one's, or one stuck past 5 s, is lost
+        # Survivors close their windows (and hand over torch_memory's OOM dumps); a dead one's, or
+        # one stuck past 5 s, is lost.
+        if self.profile_open or self.profiler_tool == "torch_memory":
             refs = [h.stop_profile.remote(False) for h in self.hosts]
             ready, _ = ray.wait(refs, num_returns=len(refs), timeout=5.0)
             for ref in ready:

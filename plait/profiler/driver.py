@@ -65,8 +65,8 @@ class StepProfiler:
         A window still open here did not reach its last step, so it is incomplete whether or not
         `error` is set; the lifecycle re-raises the error itself.
         """
-        if self.open is not None:
-            self._stop(complete=False)  # the run ended before the window's last step
+        if self.open is not None or self.cfg.tool == "torch_memory":
+            self._stop(complete=False)  # the run ended before the window's last step; or OOM dumps
         self._finish()
 
     def _stop(self, complete: bool) -> None:

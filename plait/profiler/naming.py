@@ -1,6 +1,7 @@
 """Where profiler artifacts go and how they are listed: one naming function, one manifest writer.
 
     <save_path>/step<N>[-<M>]/<role>_rank<r>[_<stage>].<ext>
+    <save_path>/oom/<role>_rank<r>_oom-<n>.{pickle,txt}   torch_memory: a CUDA OOM outside any window
     <save_path>/manifest.jsonl     one JSON line per artifact
 
 Role and stage names are sanitised so a stage called "gen/vllm" or "../x" cannot leave the step
@@ -37,6 +38,11 @@ def artifact_path(save_path: str, first_step: int, last_step: int, role: str, ra
                   ext: str, stage: Optional[str] = None) -> str:
     name = f"{sanitise(role)}_rank{rank}" + (f"_{sanitise(stage)}" if stage is not None else "")
     return os.path.join(step_dir(save_path, first_step, last_step), f"{name}.{ext}")
+
+
+def oom_path(save_path: str, name: str, rank: int, n: int, *, ext: str) -> str:
+    """An out-of-memory dump taken outside any window: <save_path>/oom/<name>_rank<r>_oom-<n>.<ext>."""
+    return os.path.join(save_path, "oom", f"{sanitise(name)}_rank{rank}_oom-{n}.{ext}")
 
 
 def append_manifest(save_path: str, records: Sequence[dict]) -> None:

@@ -22,9 +22,11 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Mapping, Optional
 
+import torch
+
 from plait.configtree import ConfigError
 from plait.profiler.config import ROLE_KEYS, ROLE_ORDER, GlobalProfilerConfig, RoleProfilerConfig
-from plait.profiler.naming import artifact_path, temp_name
+from plait.profiler.naming import artifact_path, oom_path, temp_name
 from plait.profiler.tools import make_tool
 
 log = logging.getLogger("plait.profiler")
@@ -96,6 +98,12 @@ class ProfilerSession:
         self._window: Optional[OpenWindow] = None
         self._recording = False  # window open and tool collecting: the one flag annotate reads
         self._warned: set[str] = set()
+        self._pending: list[dict] = []  # records of OOM dumps taken outside windows, until stop()
+        if cfg.tool == "torch_memory" and self.tool is not None:
+            from plait.profiler.tools.torch_memory import _OomObserver
+            if torch.cuda.is_available():
+                _OomObserver.attach()
+            _OomObserver.outside = self.dump_oom
 
     def for_role(self, role: str) -> "RoleProfiler":
         if role not in self._handles:
@@ -123,11 +131,34 @@ class ProfilerSession:
             self._fail("starting", err)
             self._window.add(self.name, complete=False)
 
+    def dump_oom(self) -> None:
+        """A CUDA out-of-memory error outside any window: snapshot + allocator summary, recorded."""
+        from plait.profiler.tools.torch_memory import write_oom_dump
+        if self._window is not None:
+            return  # the window's own dump covers it
+        n = len(self._pending) + 1
+        snapshot = oom_path(self.cfg.save_path, self.name, self.rank, n, ext="pickle")
+        summary = oom_path(self.cfg.save_path, self.name, self.rank, n, ext="txt")
+        now = time.time()
+        try:
+            os.makedirs(os.path.dirname(snapshot), exist_ok=True)
+            write_oom_dump(snapshot, summary, self.cfg.global_tool_config.torch_memory.stack_depth)
+            paths, complete = [snapshot, summary], True
+        except Exception as err:
+            self._fail("dumping at out-of-memory", err)
+            paths, complete = [None], False
+        self._pending += [{"steps": None, "role": self.name, "stage": "oom", "rank": self.rank, "pid": os.getpid(),
+                           "tool": self.cfg.tool, "path": p and os.path.relpath(p, self.cfg.save_path),
+                           "start_time": now, "end_time": time.time(), "policy_version": None,
+                           "complete": complete} for p in paths]
+
     def stop(self, complete: bool = True) -> list[dict]:
-        """Close the window, write its artifacts and return their manifest records."""
+        """Close the window, write its artifacts and return their manifest records (and those of
+        out-of-memory dumps taken since the last stop)."""
         window, self._window = self._window, None
+        pending, self._pending = self._pending, []
         if window is None:
-            return []
+            return pending
         if self._recording:
             self._recording = False
             try:
@@ -139,7 +170,7 @@ class ProfilerSession:
                  "rank": self.rank, "pid": os.getpid(), "tool": self.cfg.tool, "path": a.path,
                  "start_time": a.start_time, "end_time": a.end_time,
                  "policy_version": window.version, "complete": complete and a.complete}
-                for a in window.artifacts]
+                for a in window.artifacts] + pending
 
     # ProfileTarget: the local backend hands the session itself to the driver.
     start_profile = start

@@ -35,6 +35,8 @@ and the trainer never holds it while learning or syncing, so neither can deadloc
 On the local backend the rollouter thread runs the decode itself; on Ray it waits on the
 separated rollout process, whose `abort` runs out of band (a control thread beside the one that
 runs calls), so a sync cuts the running chunk short there too.
+Timeline (timeline.jsonl): the rollouter's generate/resume calls and its waits (wait_capacity: the
+queue bound; wait_sync: a sync under way) are spans of role "rollout" with the version it holds.
 Profiling: the rollouter's `gen` stages fall into the trainer step's window and are recorded with
 its policy version, N-1 for step N, the version the rollout generates with during step N.
 """
@@ -49,6 +51,7 @@ from dataclasses import dataclass
 
 import torch
 
+from plait.profiler.timeline import TIMELINE
 from plait.trainers.lifecycle import StageTimer
 from plait.trainers.one_step_off import BusyClock, RolloutError
 from plait.trainers.lm import DataCursor, LMTrainer
@@ -109,7 +112,7 @@ class FullyAsyncTrainer(LMTrainer):
     def _rollouter(self, feed: DataCursor, chunks: range) -> None:
         try:
             for i in chunks:
-                with self.cond:
+                with self.cond, TIMELINE.span("rollout", "wait_capacity", self.version):
                     self.cond.wait_for(lambda: self.stop or (not self.syncing and self.counted + self.chunk <= self.max_samples))
                     if self.stop:
                         return
@@ -120,7 +123,7 @@ class FullyAsyncTrainer(LMTrainer):
                 batch = self._call(Rollout.generate, prompts, self.sampling, seed)
                 partial = torch.zeros(len(batch), dtype=torch.bool)
                 while "aborted" in batch.stop_reasons:  # a sync cut it short: finish with the new weights
-                    with self.cond:
+                    with self.cond, TIMELINE.span("rollout", "wait_sync", self.version):
                         self.cond.wait_for(lambda: self.stop or not self.syncing)
                         if self.stop:
                             return
@@ -141,7 +144,7 @@ class FullyAsyncTrainer(LMTrainer):
                 self.cond.notify_all()
 
     def _call(self, method, *args) -> RolloutBatch:
-        with self.gen_clock.busy():
+        with self.gen_clock.busy(), TIMELINE.span("rollout", method.__name__, self.version):
             return self.roles.rollout.call(method, *args)
 
     # -- the trainer side -----------------------------------------------------------------------

@@ -6,6 +6,7 @@
                                        validate every test_freq      (inside the step window)
                                        checkpoint every save_freq    (inside the step window)
                                        profiler.end_step(N)          window closes if scheduled
+                                       TIMELINE.flush(N)             the step's stage spans: timeline.jsonl
                                        log metrics (console, metrics.jsonl, TensorBoard, W&B)
              finally ─▶ profiler.close(error) ─▶ trainer.close() ─▶ loggers closed
 
@@ -38,22 +39,31 @@ from typing import Callable, Optional, Protocol, Sequence
 from plait.configtree import ConfigError
 from plait.errors import Interrupted, RunError
 from plait.profiler import StepProfiler
+from plait.profiler.timeline import TIMELINE, TIMELINE_FILE, StagePeaks, fold_peaks, stage_memory_metrics
 from plait.trainers.tracking import as_record
 
 
 class StageTimer:
-    """Wall time per named stage of one step (`timing_s/<stage>`)."""
+    """Wall time (`timing_s/<stage>`) and peak memory (`memory/<stage>/*`) per named stage of one
+    step, each stage also a span of the timeline (role "trainer", the step's policy version)."""
 
-    def __init__(self):
+    def __init__(self, version: int = 0):
         self.times: dict[str, float] = {}
+        self.peaks: dict[str, dict[str, int]] = {}
+        self.version = version
+        self._memory = StagePeaks()
 
     @contextlib.contextmanager
     def stage(self, name: str):
         start = time.perf_counter()
+        self._memory.enter()
         try:
             yield
         finally:
-            self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - start
+            end = time.perf_counter()
+            self.times[name] = self.times.get(name, 0.0) + end - start
+            fold_peaks(self.peaks.setdefault(name, {}), self._memory.exit())
+            TIMELINE.add("trainer", name, start, end, self.version)
 
 
 @dataclass
@@ -103,6 +113,8 @@ class Lifecycle:
         profiler = StepProfiler(self.profiler_cfg, last, self.trainer.profile_targets())
         metrics: dict[str, float] = {}
         error: BaseException | None = None
+        step = 0
+        TIMELINE.open(os.path.join(self.cfg.output_dir, TIMELINE_FILE))
         try:
             with signals_as_interrupt():
                 start, path = self._resume()
@@ -111,6 +123,7 @@ class Lifecycle:
                 # lost; not for a checkpoint of another output dir); a fresh start drops an old step 0 too
                 own = path and os.path.dirname(os.path.abspath(path)) == os.path.abspath(self.ckpt_dir)
                 self.tracker.keep_until(start - 1 if start > 1 else -1, os.path.join(path, STEP_METRICS) if own else "")
+                TIMELINE.truncate_after(start - 1)
                 self.trainer.start()
                 if self.cfg.val_before_train and start == 1 and self.cfg.test_freq != -1:
                     self.tracker.log(self.trainer.validate(), step=0)
@@ -123,12 +136,13 @@ class Lifecycle:
         finally:
             profiler.close(error)
             self.trainer.close()
+            TIMELINE.close(step)  # the rollouter's last spans, after it stopped
             self.tracker.close()
             self.shutdown()
         return metrics
 
     def _step(self, step: int, last: int, profiler: StepProfiler) -> dict[str, float]:
-        timer = StageTimer()
+        timer = StageTimer(self.trainer.version)
         profiler.begin_step(step, version=self.trainer.version)
         with timer.stage("step"):
             result = self.trainer.train_step(step, timer)
@@ -140,10 +154,11 @@ class Lifecycle:
                 with timer.stage("save_checkpoint"):
                     self._save(step, self._record(step, metrics, timer, result))
         profiler.end_step(step)
+        TIMELINE.flush(step)
         return self._record(step, metrics, timer, result)
 
     def _record(self, step: int, metrics: dict, timer: StageTimer, result: StepResult) -> dict[str, float]:
-        out = {**metrics, **timing_metrics(timer.times, result, self.cfg.n_devices)}
+        out = {**metrics, **timing_metrics(timer.times, result, self.cfg.n_devices), **stage_memory_metrics(timer.peaks)}
         out["training/global_step"] = step
         out["training/policy_version"] = self.trainer.version
         return out

@@ -35,6 +35,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from plait.profiler.timeline import TIMELINE
 from plait.trainers.lifecycle import StageTimer
 from plait.trainers.lm import LMTrainer
 from plait.types import PromptBatch, RolloutBatch
@@ -94,7 +95,7 @@ class OneStepOffTrainer(LMTrainer):
         return batch
 
     def _generate(self, prompts: PromptBatch, seed: int) -> RolloutBatch:
-        with self.gen_clock.busy():
+        with self.gen_clock.busy(), TIMELINE.span("rollout", "generate", self.version):
             return self.roles.rollout.call(Rollout.generate, prompts, self.sampling, seed)
 
     def after_update(self, step: int, timer: StageTimer) -> dict[str, float]:

@@ -69,7 +69,7 @@ def test_trainer_raises_the_heldout_reward(tmp_path, pretrained_dir):
 
 
 def _strip(record):
-    return {k: v for k, v in record.items() if not k.startswith(("timing", "perf/"))}
+    return {k: v for k, v in record.items() if not k.startswith(("timing", "perf/", "memory/"))}
 
 
 def test_resume_reproduces_the_next_step_of_an_uninterrupted_run(tmp_path, pretrained_dir):

@@ -163,7 +163,7 @@ def test_resume_continues_exactly(tmp_path, tiny_config):
         resumed.run()
         if mode == "one_step_off":
             assert {seen[0].trainer_version - v for v in seen[0].versions} == {1}  # still one step off
-        strip = lambda r: {k: v for k, v in r.items() if not k.startswith(("timing", "perf/", "trainer/", "rollouter/"))}  # noqa: E731
+        strip = lambda r: {k: v for k, v in r.items() if not k.startswith(("timing", "perf/", "memory/", "trainer/", "rollouter/"))}  # noqa: E731
         a, b = (read_metrics(os.path.join(d, "metrics.jsonl")) for d in (full, part))
         assert [r["step"] for r in b] == [3, 4]
         for x, y in zip(a[2:], b):

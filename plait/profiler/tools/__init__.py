@@ -37,6 +37,13 @@ def validate_environment(cfg: GlobalProfilerConfig,
     if cfg.tool and cfg.steps and roles is not None and not any(rc.enable for rc in roles.values()):
         log.warning("profiler: global_profiler.tool is %s but no role has profiler.enable: true; "
                     "nothing will be profiled", cfg.tool)
+    if cfg.tool and not cfg.steps:
+        log.warning("profiler: global_profiler.tool is %s but global_profiler.steps is %s; nothing will be "
+                    "profiled (list the 1-based steps to profile)", cfg.tool, cfg.steps)
+    enabled = [ROLE_KEYS.get(role, role) for role, rc in (roles or {}).items() if rc.enable]
+    if cfg.tool is None and enabled:
+        log.warning("profiler: %s.profiler.enable is true but global_profiler.tool is null; nothing will be "
+                    "profiled (set global_profiler.tool)", " and ".join(enabled))
     if cfg.tool == "torch_memory" and not cuda_available():
         log.warning("profiler: torch_memory without CUDA writes a torch.profiler trace with CPU "
                     "memory events per window; trace_alloc_max_entries and stack_depth apply to "
@@ -61,6 +68,16 @@ def check_environment(cfg: GlobalProfilerConfig, roles: Mapping[str, RoleProfile
                   "lists cuda, but torch.cuda.is_available() is False on this machine")
     check(not os.path.isfile(cfg.save_path), "global_profiler.save_path", cfg.save_path,
           "is an existing file; expected a folder")
+    check(_writable(cfg.save_path), "global_profiler.save_path", cfg.save_path,
+          "cannot be written by this process (its nearest existing folder is not writable)")
+
+
+def _writable(path: str) -> bool:
+    """Whether `path` exists as a writable folder or could be created under its nearest existing ancestor."""
+    path = os.path.abspath(path)
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    return os.path.isdir(path) and os.access(path, os.W_OK | os.X_OK)
 
 
 def make_tool(cfg: GlobalProfilerConfig, roles: Mapping[str, RoleProfilerConfig]):
@@ -69,7 +86,7 @@ def make_tool(cfg: GlobalProfilerConfig, roles: Mapping[str, RoleProfilerConfig]
     if cfg.tool == "torch":
         contents = set().union(*(rc.tool_config.torch.contents for rc in roles.values()))
         discrete = {rc.tool_config.torch.discrete for rc in roles.values()}
-        check(len(discrete) == 1, "profiler.tool_config.torch.discrete",
+        check(len(discrete) == 1, " / ".join(f"{ROLE_KEYS.get(r, r)}.profiler.tool_config.torch.discrete" for r in roles),
               {role: rc.tool_config.torch.discrete for role, rc in roles.items()},
               "roles profiled in one process share one collection; give them the same value")
         # "cpu" without "cuda" keeps CUDA kernels out; CPU is always on for the stage ranges.

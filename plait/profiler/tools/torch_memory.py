@@ -5,11 +5,13 @@ On CUDA: the caching allocator's history is recorded only while a window is open
 snapshot pickle at window end for pytorch.org/memory_viz, then switched off, which also clears
 it, so each snapshot covers exactly one window. PyTorch has no stack-depth option, so
 `stack_depth` is applied when writing: each event keeps its innermost `stack_depth` frames. An
-out-of-memory error inside a window dumps `<name>_oom.pickle` before the error propagates.
+out-of-memory error inside a window dumps `<name>_oom.pickle` before the error propagates; one
+outside any window (on a rank that profiles) dumps the allocator's snapshot and memory_summary()
+under `<save_path>/oom/`, listed in the manifest when the run closes its profiler.
 Stage ranges are recorded as annotations in the snapshot.
 
 Without CUDA there is no allocator history; the window instead gets a torch.profiler trace with
-profile_memory and record_shapes (see tools/torch.py): every CPU allocation and free with its
+profile_memory, record_shapes and with_stack (see tools/torch.py): every CPU allocation and free with its
 size and running total, a "memory allocated (cpu)" counter track, and the stage ranges. The
 CUDA-only knobs then do nothing, which `validate_environment` says in one line.
 """
@@ -32,7 +34,8 @@ log = logging.getLogger("plait.profiler")
 def torch_memory_tool(cfg: TorchMemoryToolConfig):
     if torch.cuda.is_available():
         return CudaMemoryHistory(cfg)
-    return TorchTool({"memory", "shapes"}, discrete=False, cuda=False)
+    # Stacks too: the report charges each allocation to the innermost frame outside torch.
+    return TorchTool({"memory", "shapes", "stack"}, discrete=False, cuda=False)
 
 
 class CudaMemoryHistory:
@@ -77,14 +80,25 @@ def trim_frames(snapshot: dict, depth: int) -> dict:
     return snapshot
 
 
+def write_oom_dump(snapshot_path: str, summary_path: str, depth: int) -> None:
+    """The allocator's state at an out-of-memory error: its snapshot (segments and blocks; history
+    only inside a window) and the text of torch.cuda.memory_summary()."""
+    snapshot = trim_frames(torch.cuda.memory._snapshot(), depth)
+    with open(snapshot_path, "wb") as f:
+        pickle.dump(snapshot, f)
+    with open(summary_path, "w") as f:
+        f.write(torch.cuda.memory_summary())
+
+
 class _OomObserver:
-    """Forwards CUDA out-of-memory to the open window's dump.
+    """Forwards CUDA out-of-memory to the open window's dump, or outside windows to the session's.
 
     Process-wide on purpose: the allocator's observer cannot be detached, so it is attached once
-    per process and does nothing while no torch_memory window is open.
+    per process and does nothing while neither is set.
     """
 
-    dump: Optional[Callable[[], None]] = None
+    dump: Optional[Callable[[], None]] = None      # the open window's
+    outside: Optional[Callable[[], None]] = None   # the session's, for an OOM between windows
     attached = False
 
     @classmethod
@@ -104,3 +118,5 @@ class _OomObserver:
     def _on_oom(cls, device: int, alloc: int, device_allocated: int, device_free: int) -> None:
         if cls.dump is not None:
             cls.dump()
+        elif cls.outside is not None:
+            cls.outside()

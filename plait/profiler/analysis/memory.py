@@ -1,0 +1,173 @@
+"""What held memory: peak, when, in which stage, by which allocation sites, and growth per stage.
+
+Two sources give the same answer (`MemoryReport`):
+
+    cuda_snapshot(snapshot)   a torch_memory CUDA snapshot (the dict of torch.cuda.memory._snapshot():
+                              device_traces replayed alloc/free; blocks still active at the dump and
+                              never allocated in the trace count as live from the start)
+    cpu_trace(events)         a torch_memory CPU trace (torch.profiler with profile_memory): the
+                              "[memory]" events replayed by address; a site is the innermost Python
+                              frame (with_stack) enclosing the allocation on its thread
+
+A site is the innermost frame outside torch ("file.py(line): function"), so an allocation made by
+aten for a user's line is charged to that line. Stages come from the run's timeline (wall clock),
+the innermost stage span containing the moment; without a timeline, from the trace's own ranges.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+FREES = ("free_requested",)  # free_completed follows it for the same block: counted once
+
+
+@dataclass
+class MemoryReport:
+    device: str
+    peak_bytes: int
+    peak_time: float                       # wall-clock seconds
+    peak_stage: str
+    top_sites: list[tuple[str, int]]       # (site, bytes live at the peak), largest first
+    series: list[tuple[float, int]]        # (wall-clock seconds, bytes allocated)
+    growth: dict[str, int] = field(default_factory=dict)  # stage -> bytes at exit minus entry, summed
+
+
+def site_of(frames: list[str]) -> str:
+    """The innermost frame outside torch and Python built-ins; frames innermost first."""
+    for f in frames:
+        if not _internal(f):
+            return f
+    return frames[0] if frames else "(unknown)"
+
+
+def _internal(frame: str) -> bool:
+    return ("torch/" in frame or frame.startswith("<built-in") or frame.startswith("nn.Module:")
+            or "/plait/profiler/" in frame or frame.startswith("plait/profiler/"))
+
+
+def replay(events: list[tuple[float, int, int, str]], live: dict[int, tuple[int, str]]) -> tuple:
+    """events: (time, addr, +bytes | -bytes, site) in time order; `live` starts with what was there.
+
+    Returns (series, peak index, live at peak)."""
+    total = sum(size for size, _ in live.values())
+    series = [(events[0][0], total)] if events else []
+    peak, peak_i, at_peak = total, 0, dict(live)
+    for t, addr, delta, site in events:
+        if delta > 0:
+            live[addr] = (delta, site)
+            total += delta
+        elif addr in live:
+            total -= live.pop(addr)[0]
+        else:
+            continue  # freed, but allocated before the recording began
+        series.append((t, total))
+        if total > peak:
+            peak, peak_i, at_peak = total, len(series) - 1, dict(live)
+    return series, peak_i, at_peak
+
+
+def _report(device: str, series, peak_i, at_peak, stages, n_sites: int) -> MemoryReport:
+    by_site: dict[str, int] = defaultdict(int)
+    for size, site in at_peak.values():
+        by_site[site] += size
+    t, peak = series[peak_i] if series else (0.0, 0)
+    return MemoryReport(device, peak, t, stage_at(stages, t),
+                        sorted(by_site.items(), key=lambda x: -x[1])[:n_sites], series,
+                        growth_per_stage(series, stages))
+
+
+def cuda_snapshot(snapshot: dict, stages: list[dict], device: int = 0, n_sites: int = 10) -> MemoryReport:
+    trace = snapshot["device_traces"][device] if snapshot["device_traces"] else []
+    events, allocated = [], set()
+    for e in trace:
+        site = site_of([_frame(f) for f in e.get("frames", [])])
+        if e["action"] == "alloc":
+            allocated.add(e["addr"])
+            events.append((e["time_us"] / 1e6, e["addr"], e["size"], site))
+        elif e["action"] in FREES:
+            events.append((e["time_us"] / 1e6, e["addr"], -e["size"], site))
+    live = {b["address"]: (b["size"], site_of([_frame(f) for f in b.get("frames", [])]))
+            for seg in snapshot["segments"] if seg.get("device", device) == device
+            for b in seg["blocks"] if b["state"] == "active_allocated" and b["address"] not in allocated}
+    series, peak_i, at_peak = replay(events, live)
+    return _report(f"cuda:{device}", series, peak_i, at_peak, stages, n_sites)
+
+
+def _frame(f: dict) -> str:
+    return f"{f['filename']}({f['line']}): {f['name']}"
+
+
+def snapshot_stages(snapshot: dict) -> list[dict]:
+    """Stage ranges recorded in a snapshot (global_record_annotations), as timeline-like spans."""
+    open_at: dict[str, float] = {}
+    spans = []
+    for a in snapshot.get("external_annotations", []):  # absent from snapshots of older PyTorch
+        if a["stage"] == "START":
+            open_at[a["name"]] = a["time_us"] / 1e6
+        elif a["name"] in open_at:
+            spans.append({"stage": a["name"], "role": "snapshot", "start": open_at.pop(a["name"]),
+                          "end": a["time_us"] / 1e6})
+    return spans
+
+
+def cpu_trace(events: list[dict], stages: list[dict], n_sites: int = 10) -> MemoryReport:
+    """From a torch.profiler trace (ts in wall-clock µs) with "[memory]" events of CPU memory."""
+    frames: dict[tuple, list[dict]] = defaultdict(list)
+    mems = []
+    for e in events:
+        if e.get("cat") == "python_function" and e.get("ph") == "X":
+            frames[(e["pid"], e["tid"])].append(e)
+        elif e.get("name") == "[memory]" and e["args"].get("Device Type") == 0:
+            mems.append(e)
+    mems.sort(key=lambda e: e["ts"])
+    sites = {}
+    for key, fs in frames.items():
+        sites.update(_sites(fs, [m for m in mems if (m["pid"], m["tid"]) == key]))
+    replayed = [(m["ts"] / 1e6, m["args"]["Addr"], m["args"]["Bytes"], sites.get(id(m), "(no stack)"))
+                for m in mems]
+    series, peak_i, at_peak = replay(replayed, {})
+    return _report("cpu", series, peak_i, at_peak, stages, n_sites)
+
+
+def _sites(frames: list[dict], mems: list[dict]) -> dict[int, str]:
+    """id(memory event) -> site, by one sweep over this thread's frames (they nest properly)."""
+    frames.sort(key=lambda e: (e["ts"], -e["dur"]))
+    out, stack, i = {}, [], 0
+    for m in mems:
+        while i < len(frames) and frames[i]["ts"] <= m["ts"]:
+            f = frames[i]
+            while stack and stack[-1]["ts"] + stack[-1]["dur"] <= f["ts"]:
+                stack.pop()
+            stack.append(f)
+            i += 1
+        while stack and stack[-1]["ts"] + stack[-1]["dur"] < m["ts"]:
+            stack.pop()
+        out[id(m)] = site_of([f["name"] for f in reversed(stack)])
+    return out
+
+
+def stage_at(stages: list[dict], t: float) -> str:
+    """The innermost (shortest) stage span containing wall time t; "step" only if nothing else."""
+    inside = [s for s in stages if s["start"] <= t <= s["end"]]
+    if not inside:
+        return "(between stages)"
+    inner = [s for s in inside if s["stage"] != "step"] or inside
+    return min(inner, key=lambda s: s["end"] - s["start"])["stage"]
+
+
+def growth_per_stage(series: list[tuple[float, int]], stages: list[dict]) -> dict[str, int]:
+    """Bytes allocated at each stage's exit minus at its entry, summed per stage name, for the
+    stage spans that overlap the series' time range (before its first event: the baseline)."""
+    if not series:
+        return {}
+    times = [t for t, _ in series]
+    def at(t: float) -> int:
+        i = bisect.bisect_right(times, t) - 1
+        return series[max(i, 0)][1]
+    out: dict[str, int] = defaultdict(int)
+    for s in stages:
+        if s["stage"] != "step" and s["start"] <= times[-1] and times[0] <= s["end"]:
+            out[s["stage"]] += at(s["end"]) - at(s["start"])
+    return dict(out)

@@ -1,0 +1,246 @@
+"""`plait profile report`: the merged trace, the page and the memory analysis, from real tiny runs.
+
+- a sync run with torch windows on actor and rollout (local backend, one process);
+- a fully_async run on Ray (driver, actor and rollout processes) with torch windows on both:
+  every process's events on one clock, the rollouter's generate spans overlapping updates;
+- a torch_memory window on CPU whose reward plants a known allocation: peak, stage and site found;
+- a CUDA snapshot in torch's own format (checked by torch's memory viewer), and a real one on a GPU;
+- the page in a real headless Chromium when one is installed.
+"""
+
+import gzip
+import json
+import os
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+from plait import cli, driver
+from plait.profiler.analysis import memory as mem
+from plait.profiler.analysis import build_report
+
+torch.set_num_threads(1)
+PROFILE_BOTH = ["trainer.test_freq=-1", "trainer.val_before_train=false", "global_profiler.tool=torch",
+                "global_profiler.steps=[2]", "actor_rollout_ref.actor.profiler.enable=true",
+                "actor_rollout_ref.rollout.profiler.enable=true"]
+SECTIONS = ("id='gantt'", "id='breakdown'", "id='windows'", "id='memory'")
+PLANTED_MIB = 8
+PLANTED_REWARD = f'''
+import torch
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    planted = torch.ones({PLANTED_MIB} * 2**20 // 4)  # freed on return: the window's peak
+    return float(planted[0]) - 1.0
+'''
+
+
+def load_merged(out) -> list[dict]:
+    with gzip.open(os.path.join(out, "report", "timeline.json.gz")) as f:
+        return json.loads(f.read())["traceEvents"]
+
+
+def names(events, kind) -> dict[int, str]:
+    return {e["pid"] if kind == "process_name" else (e["pid"], e["tid"]): e["args"]["name"]
+            for e in events if e.get("ph") == "M" and e["name"] == kind}
+
+
+def inside(inner: dict, outer: dict, slack_us: float = 2000) -> bool:
+    return outer["ts"] - slack_us <= inner["ts"] and inner["ts"] + inner["dur"] <= outer["ts"] + outer["dur"] + slack_us
+
+
+def test_report_of_a_sync_run(tmp_path, tiny_config, capsys):
+    cfg = tiny_config(tmp_path, *PROFILE_BOTH, f"global_profiler.save_path={tmp_path}/profile")
+    driver.build(cfg, progress=False).run()
+    assert cli.main(["profile", "report", str(tmp_path)]) == 0  # finds tmp_path/profile itself
+    assert "time by stage" in capsys.readouterr().out
+    events = load_merged(tmp_path)
+    assert set(names(events, "process_name").values()) == {"actor-rollout rank 0"}  # one process, torch named it
+    lanes = names(events, "thread_name")
+    assert "trainer stages (MainThread)" in lanes.values()
+    stages = [e for e in events if e.get("cat") == "plait.stage"]
+    step2 = next(e for e in stages if e["name"] == "step" and e["args"]["step"] == 2)
+    assert step2["args"]["policy_version"] == 1
+    # The window's worker ranges (torch's clock) sit inside the timeline's step 2 (plait's clock).
+    ranges = [e for e in events if e.get("cat") == "user_annotation" and e["name"].startswith(("actor/", "rollout/"))]
+    assert {"actor/update_actor", "rollout/gen"} <= {e["name"] for e in ranges}
+    assert all(inside(e, step2) and e["args"]["policy_version"] == 1 for e in ranges)
+    page = open(tmp_path / "report" / "index.html").read()
+    assert all(s in page for s in SECTIONS) and "<svg" in page and "aten::" in page
+    assert "http" not in page.replace("http://www.w3.org/2000/svg", "")  # offline: nothing fetched
+
+
+@pytest.mark.ray
+def test_report_of_a_fully_async_run_on_ray(tmp_path, tiny_config, ray_up):
+    overrides = ["trainer.backend=ray", "trainer.placement=separated", "trainer.ray.num_cpu_workers=1",
+                 "trainer.ray.cpus_per_worker=0.5", "trainer.mode=fully_async",
+                 "async_training.trigger_parameter_sync_step=2", "async_training.staleness_threshold=1",
+                 # 3 steps: the queue bound (2 steps' samples) makes the rollouter generate step 3's
+                 # samples while step 2 trains.
+                 "trainer.total_training_steps=3", *PROFILE_BOTH, f"global_profiler.save_path={tmp_path}/profile"]
+    lifecycle = driver.build(tiny_config(tmp_path, *overrides), progress=False)
+    roles = lifecycle.trainer.roles
+    actor_pid, rollout_pid = roles.actor.pids[0], roles.rollout.pids[0]
+    lifecycle.run()
+    build_report(str(tmp_path))
+    events = load_merged(tmp_path)
+    procs = names(events, "process_name")
+    assert procs[actor_pid] == "actor rank 0" and procs[rollout_pid] == "rollout rank 0"
+    assert procs[os.getpid()] == "driver"
+    assert {"trainer stages (MainThread)", "rollout stages (plait-rollouter)"} <= set(names(events, "thread_name").values())
+    stages = [e for e in events if e.get("cat") == "plait.stage"]
+    updates = [e for e in stages if e["name"] == "update_actor"]
+    generates = [e for e in stages if e["name"] == "generate" and e["args"]["role"] == "rollout"]
+    assert any(g["ts"] < u["ts"] + u["dur"] and u["ts"] < g["ts"] + g["dur"] for g in generates for u in updates)
+    # The actor process's ranges, on its own clock, fall inside the driver's update spans.
+    actor_updates = [e for e in events if e["pid"] == actor_pid and e.get("name") == "actor/update_actor"]
+    assert actor_updates and all(any(inside(a, u) for u in updates) for a in actor_updates)
+    assert any(e["pid"] == rollout_pid and e.get("ph") == "X" for e in events)
+    page = open(tmp_path / "report" / "index.html").read()
+    assert all(s in page for s in SECTIONS) and "rollout (plait-rollouter)" in page and "rollouter/idle_ratio" in page
+
+
+@pytest.fixture(scope="module")
+def ray_up(tmp_path_factory):
+    pytest.importorskip("ray")
+    import ray
+    from plait.backends import LEAN_RAY_ENV
+    from plait.backends.ray import start_local_ray, stop_local_ray
+    os.environ.update(LEAN_RAY_ENV)
+    if ray.is_initialized():
+        yield
+        return
+    link_dir = start_local_ray(str(tmp_path_factory.mktemp("ray")), num_cpus=4, object_store_memory_mb=128)
+    yield
+    stop_local_ray(link_dir)
+
+
+@pytest.fixture(scope="module")
+def planted_run(tmp_path_factory):
+    """A 2-step run with a torch_memory window on step 2 whose reward allocates PLANTED_MIB."""
+    from tests.conftest import TINY
+    from plait.config import load_config
+    out = tmp_path_factory.mktemp("planted")
+    (out / "planted.py").write_text(PLANTED_REWARD)
+    cfg = load_config(None, [*TINY, f"trainer.default_local_dir={out}", "trainer.total_training_steps=2",
+                             "trainer.test_freq=-1", "global_profiler.tool=torch_memory", "global_profiler.steps=[2]",
+                             f"global_profiler.save_path={out}/profile", "actor_rollout_ref.actor.profiler.enable=true",
+                             f"custom_reward_function.path={out}/planted.py"])
+    driver.build(cfg, progress=False).run()
+    return out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on CUDA torch_memory writes snapshots (tested below)")
+def test_memory_report_finds_a_planted_allocation(planted_run):
+    text = build_report(str(planted_run))
+    page = open(planted_run / "report" / "index.html").read()
+    assert "peak" in text and "in reward" in text and "planted.py" in text
+    assert "id='memory'" in page and "class=\"memory\"" in page and "compute_score" in page
+    from plait.profiler import read_manifest
+    from plait.profiler.analysis.traces import load_trace
+    from plait.profiler.timeline import read_timeline
+    record = read_manifest(str(planted_run / "profile"))[0]
+    trace = load_trace(str(planted_run / "profile" / record["path"]), record)
+    stages = [s for s in read_timeline(str(planted_run / "timeline.jsonl")) if s["role"] == "trainer"]
+    r = mem.cpu_trace(trace.events, stages)
+    site, size = r.top_sites[0]
+    assert r.peak_stage == "reward" and "planted.py" in site and "compute_score" in site
+    assert size >= PLANTED_MIB * 2**20 and r.peak_bytes >= size
+    assert r.growth["reward"] < PLANTED_MIB * 2**20  # freed before the stage ended
+
+
+def snapshot_fixture(t0_us: int) -> dict:
+    """A snapshot in the format of torch.cuda.memory._snapshot() (its documented TypedDicts):
+    a 1 MiB block alive from before the history began, 4 MiB allocated and freed in "actor/update_actor",
+    2 MiB allocated in "rollout/gen" and still alive at the dump."""
+    def frames(name):
+        return [{"filename": "/x/torch/nn/functional.py", "line": 10, "name": "linear"},
+                {"filename": "/x/plait/workers/actor.py", "line": 42, "name": name}]
+    mib = 2**20
+    trace = [
+        {"action": "segment_alloc", "addr": 0x1000000, "size": 20 * mib, "stream": 0, "time_us": t0_us + 100, "frames": frames("update")},
+        {"action": "alloc", "addr": 0x1100000, "size": 4 * mib, "stream": 0, "time_us": t0_us + 200, "frames": frames("update")},
+        {"action": "free_requested", "addr": 0x1100000, "size": 4 * mib, "stream": 0, "time_us": t0_us + 400, "frames": frames("update")},
+        {"action": "free_completed", "addr": 0x1100000, "size": 4 * mib, "stream": 0, "time_us": t0_us + 401, "frames": frames("update")},
+        {"action": "alloc", "addr": 0x1600000, "size": 2 * mib, "stream": 0, "time_us": t0_us + 700, "frames": frames("generate")},
+    ]
+    blocks = [{"address": 0x1000000, "size": mib, "requested_size": mib, "state": "active_allocated", "frames": frames("init")},
+              {"address": 0x1600000, "size": 2 * mib, "requested_size": 2 * mib, "state": "active_allocated", "frames": frames("generate")},
+              {"address": 0x1800000, "size": 17 * mib, "requested_size": 17 * mib, "state": "inactive", "frames": []}]
+    segment = {"device": 0, "address": 0x1000000, "total_size": 20 * mib, "stream": 0, "segment_type": "large",
+               "segment_pool_id": (0, 0), "allocated_size": 3 * mib, "active_size": 3 * mib, "blocks": blocks}
+    annotations = [{"device": 0, "stage": "START", "name": "actor/update_actor", "time_us": t0_us + 150},
+                   {"device": 0, "stage": "END", "name": "actor/update_actor", "time_us": t0_us + 500},
+                   {"device": 0, "stage": "START", "name": "rollout/gen", "time_us": t0_us + 600},
+                   {"device": 0, "stage": "END", "name": "rollout/gen", "time_us": t0_us + 800}]
+    return {"segments": [segment], "device_traces": [trace], "external_annotations": annotations}
+
+
+def test_cuda_snapshot_analysis_on_a_fixture_in_torchs_format():
+    from torch.cuda import _memory_viz
+    snapshot = snapshot_fixture(t0_us=1_700_000_000_000_000)
+    assert "<html" in _memory_viz.trace_plot(snapshot).lower()  # torch's own viewer reads the fixture
+    r = mem.cuda_snapshot(snapshot, mem.snapshot_stages(snapshot))
+    mib = 2**20
+    assert r.peak_bytes == 5 * mib and r.peak_stage == "actor/update_actor"
+    assert r.top_sites == [("/x/plait/workers/actor.py(42): update", 4 * mib), ("/x/plait/workers/actor.py(42): init", mib)]
+    assert r.growth == {"actor/update_actor": 0, "rollout/gen": 2 * mib}
+    assert r.series[-1][1] == 3 * mib
+
+
+@pytest.mark.gpu
+def test_cuda_snapshot_analysis_on_a_real_snapshot():
+    torch.cuda.memory._record_memory_history(enabled="all", context="all", stacks="python")
+    try:
+        with torch.profiler.record_function("actor/planted"):
+            planted = torch.ones(16 * 2**20 // 4, device="cuda")
+        snapshot = torch.cuda.memory._snapshot()
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    r = mem.cuda_snapshot(snapshot, mem.snapshot_stages(snapshot), device=torch.cuda.current_device())
+    assert r.peak_bytes >= planted.numel() * 4
+    assert any("test_report.py" in site and size >= 16 * 2**20 for site, size in r.top_sites)
+
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="no chromium installed (apt-get install chromium)")
+def test_the_page_renders_in_a_headless_browser(planted_run, tmp_path):
+    build_report(str(planted_run))
+    page = f"file://{planted_run}/report/index.html"
+    flags = ["--headless", "--no-sandbox", "--disable-gpu", f"--user-data-dir={tmp_path}/profile"]
+    dom = subprocess.run([CHROMIUM, *flags, "--dump-dom", page], capture_output=True, text=True, timeout=120).stdout
+    assert dom.count("<svg") >= 4 and "id=\"gantt\"" in dom and "id=\"memory\"" in dom  # parsed by the browser
+    shot = tmp_path / "page.png"
+    subprocess.run([CHROMIUM, *flags, f"--screenshot={shot}", "--window-size=1400,2000", page],
+                   capture_output=True, timeout=120)
+    assert shot.stat().st_size > 20_000  # a rendered page, not a blank one
+
+
+def test_top_ops_self_time_per_stage_on_hand_made_events():
+    from plait.profiler.analysis.traces import Trace, top_ops
+    x = lambda cat, name, ts, dur, tid=1: {"ph": "X", "cat": cat, "name": name, "pid": 7, "tid": tid, "ts": ts, "dur": dur}  # noqa: E731
+    events = [x("user_annotation", "actor/update_actor", 0, 100), x("cpu_op", "aten::linear", 10, 50),
+              x("cpu_op", "aten::mm", 20, 20), x("cpu_op", "aten::mm", 70, 5), x("cpu_op", "aten::add", 200, 5),
+              x("kernel", "gemm", 30, 15, tid=99)]
+    ops = top_ops(Trace({"role": "actor", "rank": 0}, events, "actor rank 0"))
+    assert ops["actor/update_actor"] == [("aten::linear", 30, 1), ("aten::mm", 25, 2), ("[gpu] gemm", 15, 1)]
+    assert ops["(no stage)"] == [("aten::add", 5, 1)]
+
+
+def test_gpu_rows_of_two_ranks_stay_apart_in_the_merged_trace():
+    from plait.profiler.analysis.traces import Trace, merged_trace
+
+    def trace(host, rank):
+        events = [{"ph": "M", "name": "process_name", "pid": 0, "tid": 0, "args": {"name": "GPU 0"}},
+                  {"ph": "X", "cat": "kernel", "name": "gemm", "pid": 0, "tid": 7, "ts": 1e15 + rank, "dur": 5},
+                  {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "pid": host, "tid": host, "ts": 1e15, "dur": 9}]
+        record = {"role": "actor", "rank": rank, "pid": host, "policy_version": 3, "steps": [1, 1]}
+        return Trace(record, events, f"actor rank {rank}")
+    merged = merged_trace([], [trace(10, 0), trace(11, 1)], {})["traceEvents"]
+    kernels = [e for e in merged if e.get("name") == "gemm"]
+    procs = {e["pid"]: e["args"]["name"] for e in merged if e.get("name") == "process_name"}
+    assert len({k["pid"] for k in kernels}) == 2
+    assert sorted(procs[k["pid"]] for k in kernels) == ["actor rank 0 (GPU 0)", "actor rank 1 (GPU 0)"]
+    assert procs[10] == "actor rank 0" and procs[11] == "actor rank 1"

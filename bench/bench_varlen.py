@@ -94,7 +94,7 @@ def main() -> None:
                       "update_s": statistics.median(r["seconds"] for r in rs),
                       "mfu": statistics.median(r["mfu"] for r in rs)} for name, rs in runs.items()}
     summary["ratio"] = summary["packed"]["tokens_per_s"] / summary["padded"]["tokens_per_s"]
-    result = {"settings": vars(args), "platform": platform.platform(), "torch": torch.__version__, "cpus": os.cpu_count(),
+    result = {"settings": {k: v for k, v in vars(args).items() if k != "out"}, "platform": platform.platform(), "torch": torch.__version__, "cpus": os.cpu_count(),
               "batch": {**seqlen_metrics(batch.attention_mask),
                         "response_length_mean": batch.response_mask.sum(-1).mean().item(),
                         "response_length_max": batch.response_mask.sum(-1).max().item()},

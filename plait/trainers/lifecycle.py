@@ -117,13 +117,7 @@ class Lifecycle:
         TIMELINE.open(os.path.join(self.cfg.output_dir, TIMELINE_FILE))
         try:
             with signals_as_interrupt():
-                start, path = self._resume()
-                self._set_aside(start)
-                # metrics.jsonl ends at the checkpoint's step (its record restored if this run's line was
-                # lost; not for a checkpoint of another output dir); a fresh start drops an old step 0 too
-                own = path and os.path.dirname(os.path.abspath(path)) == os.path.abspath(self.ckpt_dir)
-                self.tracker.keep_until(start - 1 if start > 1 else -1, os.path.join(path, STEP_METRICS) if own else "")
-                TIMELINE.truncate_after(start - 1)
+                start = self._restart()
                 self.trainer.start()
                 if self.cfg.val_before_train and start == 1 and self.cfg.test_freq != -1:
                     self.tracker.log(self.trainer.validate(), step=0)
@@ -140,6 +134,17 @@ class Lifecycle:
             self.tracker.close()
             self.shutdown()
         return metrics
+
+    def _restart(self) -> int:
+        """Resume (or start fresh) and bring the run's logs to the step before the first one to run."""
+        start, path = self._resume()
+        self._set_aside(start)
+        # metrics.jsonl ends at the checkpoint's step (its record restored if this run's line was
+        # lost; not for a checkpoint of another output dir); a fresh start drops an old step 0 too
+        own = path and os.path.dirname(os.path.abspath(path)) == os.path.abspath(self.ckpt_dir)
+        self.tracker.keep_until(start - 1 if start > 1 else -1, os.path.join(path, STEP_METRICS) if own else "")
+        TIMELINE.truncate_after(start - 1)
+        return start
 
     def _step(self, step: int, last: int, profiler: StepProfiler) -> dict[str, float]:
         timer = StageTimer(self.trainer.version)

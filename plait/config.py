@@ -599,6 +599,12 @@ class PlaitConfig:
     def uses_ref(self) -> bool:
         return self.actor_rollout_ref.actor.use_kl_loss or self.algorithm.use_kl_in_reward
 
+    def total_steps(self, batches_per_epoch: int) -> int:
+        """verl's rule, for every mode: trainer.total_training_steps when set, else total_epochs x
+        batches per epoch."""
+        t = self.trainer
+        return t.total_training_steps or t.total_epochs * batches_per_epoch
+
 
 DEMO_PRESET = os.path.join(os.path.dirname(__file__), "configs", "demo.yaml")
 

@@ -64,15 +64,21 @@ def create_tiny_model(path: str | Path, size: str = "s", seed: int = 0) -> str:
     """Build a tiny Qwen2 with the char tokenizer, initialised from `seed`; save both to `path`."""
     if size not in TINY_SIZES:
         raise ValueError(f"unknown tiny model size {size!r}; choose one of {', '.join(TINY_SIZES)}")
+    return save_char_model(path, Qwen2Config, Qwen2ForCausalLM, TINY_SIZES[size], seed)
+
+
+def save_char_model(path: str | Path, config_cls, model_cls, widths: dict, seed: int = 0) -> str:
+    """A causal LM of architecture `model_cls` with `widths` over the char tokenizer, initialised from
+    `seed`; saved with the tokenizer to `path` (the benchmarks build their Llama with it too)."""
     tokenizer = build_char_tokenizer()
-    config = Qwen2Config(
+    config = config_cls(
         vocab_size=len(tokenizer), max_position_embeddings=MAX_LENGTH, tie_word_embeddings=True,
         pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id, dtype="float32", **TINY_SIZES[size])
+        eos_token_id=tokenizer.eos_token_id, dtype="float32", **widths)
     # A private RNG stream: the same seed gives the same weights whatever ran before.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = Qwen2ForCausalLM(config)
+        model = model_cls(config)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.save_pretrained(path)

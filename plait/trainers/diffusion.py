@@ -67,8 +67,7 @@ class DiffusionTrainer:
     # -- the Trainer protocol -------------------------------------------------------------------
 
     def total_steps(self) -> int:
-        t = self.cfg.trainer
-        return t.total_training_steps or t.total_epochs * self.batches_per_epoch
+        return self.cfg.total_steps(self.batches_per_epoch)
 
     def start(self) -> None:
         pass

@@ -103,7 +103,7 @@ class LMTrainer:
     # -- the Trainer protocol -------------------------------------------------------------------
 
     def total_steps(self) -> int:
-        return total_training_steps(self.cfg, len(self.cursor.dataset))
+        return self.cfg.total_steps(self.cursor.batches_per_epoch)
 
     def start(self) -> None:
         pass
@@ -320,12 +320,6 @@ class LMTrainer:
         return metrics
 
 
-def total_training_steps(cfg: PlaitConfig, n_train_rows: int) -> int:
-    """verl's rule: trainer.total_training_steps when set, else total_epochs x batches per epoch."""
-    t = cfg.trainer
-    return t.total_training_steps or t.total_epochs * (n_train_rows // cfg.data.train_batch_size)
-
-
 def validation_metrics(sources: list[str], uids: list[int], scores: list[float]) -> dict[str, float]:
     """verl's validation names per data source, over prompts (uids) with N responses each:
     val-core/<source>/reward/mean@N, best@N/mean and worst@N/mean (the best / worst of a prompt's
@@ -479,7 +473,7 @@ def build_lm_trainer(cfg: PlaitConfig, backend, device: str):
     arr = cfg.actor_rollout_ref
     for optim in (arr.actor.optim, cfg.critic.optim):  # as verl: the lr schedule spans the trainer's steps
         if optim.total_training_steps == -1:
-            optim.total_training_steps = total_training_steps(cfg, len(train_data))
+            optim.total_training_steps = cfg.total_steps(len(train_data) // cfg.data.train_batch_size)
     temp, n = arr.rollout.temperature or 1.0, arr.rollout.n
     model, critic, rm = arr.model, cfg.critic, cfg.reward_model
     lora = model.lora_rank > 0  # the actor's base model with adapters off is the reference: no Ref role

@@ -24,9 +24,9 @@ from plait.algorithms.advantages import ESTIMATORS
 from plait.algorithms.kl import KL_ESTIMATORS
 from plait.algorithms.losses import LOSS_AGG_MODES, POLICY_LOSSES
 from plait.algorithms.rollout_correction import BYPASS_LOSS_TYPES, IS_LEVELS, parse_rs
-from plait.config_verl import LOCAL_BACKEND_NO_EFFECT, NO_EFFECT, refusal
+from plait.config_verl import LEGACY_REWARD, LOCAL_BACKEND_NO_EFFECT, NO_EFFECT, refusal
 from plait.configtree import ConfigError, build, check, raise_all, to_dict
-from plait.data.rewards import MANAGERS
+from plait.data.rewards import RewardConfig
 from plait.profiler.config import GlobalProfilerConfig, RoleProfilerConfig
 from plait.workers.diffusion import DiffusionConfig
 
@@ -110,6 +110,7 @@ class OptimConfig:
     lr_scheduler_type: Literal["constant", "cosine"] = "constant"
     warmup_style: Optional[str] = None        # verl's older name for lr_scheduler_type
     clip_grad: float = 1.0
+    zero_indexed_step: bool = True            # false: the schedule's first step is step 1 (warmup starts above 0)
 
     def __post_init__(self):
         check(self.lr > 0, "lr", self.lr, "must be > 0")
@@ -274,6 +275,7 @@ class CriticConfig:
     ppo_epochs: int = 1                                 # unset: the actor's (load_config)
     cliprange_value: float = 0.5
     loss_agg_mode: str = "token-mean"                   # unset: the actor's (load_config)
+    loss_scale_factor: Optional[float] = None           # seq-mean-token-sum-norm's constant; unset: the actor's
     grad_clip: float = 1.0
     profiler: RoleProfilerConfig = field(default_factory=RoleProfilerConfig)
 
@@ -454,73 +456,13 @@ ASYNC_MODES = ("one_step_off", "fully_async")
 
 
 @dataclass
-class CustomRewardConfig:
-    path: Optional[str] = None
-    name: str = "compute_score"
-    reward_kwargs: dict = field(default_factory=dict)  # extra keyword arguments for the reward function
-    timeout: Optional[float] = None           # plait's own: seconds one call may take; null: no limit
-
-    def __post_init__(self):
-        check(self.timeout is None or self.timeout > 0, "timeout", self.timeout, "seconds > 0, or null for no limit")
-
-
-@dataclass
-class OverlongBufferConfig:
-    """DAPO's soft penalty for responses in the last `len` tokens before max_response_length."""
-    enable: bool = False
-    len: int = 0
-    penalty_factor: float = 0.0
-    log: bool = False
-
-
-@dataclass
-class RewardModelModelConfig:
-    path: Optional[str] = None                # a local Hugging Face sequence-classification model
-    input_tokenizer: Optional[str] = None     # null: the actor's tokenizer
-    trust_remote_code: bool = False
-
-
-@dataclass
-class RewardModelConfig:
-    enable: bool = False
-    model: RewardModelModelConfig = field(default_factory=RewardModelModelConfig)
-    micro_batch_size_per_gpu: Optional[int] = None
-    max_length: Optional[int] = None
-    reward_manager: str = "naive"
-    # The manager's arguments, as verl's DAPO recipe gives them: overlong_buffer_cfg (read into
-    # overlong_buffer) and max_resp_len (default: data.max_response_length).
-    reward_kwargs: dict = field(default_factory=dict)
-    overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
-    profiler: RoleProfilerConfig = field(default_factory=RoleProfilerConfig)
-
-    def __post_init__(self):
-        one_of(self, "reward_manager", MANAGERS)
-        unknown = set(self.reward_kwargs) - {"overlong_buffer_cfg", "max_resp_len"}
-        check(not unknown, "reward_kwargs", self.reward_kwargs,
-              f"only overlong_buffer_cfg and max_resp_len (unknown: {', '.join(sorted(unknown))})")
-        if "overlong_buffer_cfg" in self.reward_kwargs:
-            self.overlong_buffer = build(OverlongBufferConfig, dict(self.reward_kwargs["overlong_buffer_cfg"]),
-                                         "reward_kwargs.overlong_buffer_cfg")
-        if self.overlong_buffer.enable:
-            check(self.reward_manager == "dapo", "reward_manager", self.reward_manager,
-                  "dapo with the overlong buffer enabled (it is the dapo manager's penalty)")
-            check(self.overlong_buffer.len > 0, "overlong_buffer.len", self.overlong_buffer.len,
-                  "> 0 with the overlong buffer enabled")
-        check(not self.enable or bool(self.model.path), "model.path", self.model.path,
-              "a local sequence-classification model directory with enable=true")
-        check(self.micro_batch_size_per_gpu is None or self.micro_batch_size_per_gpu > 0,
-              "micro_batch_size_per_gpu", self.micro_batch_size_per_gpu, "> 0 or null (the whole batch)")
-
-
-@dataclass
 class PlaitConfig:
     data: DataConfig = field(default_factory=DataConfig)
     actor_rollout_ref: ActorRolloutRefConfig = field(default_factory=ActorRolloutRefConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
-    custom_reward_function: CustomRewardConfig = field(default_factory=CustomRewardConfig)
-    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
     global_profiler: GlobalProfilerConfig = field(default_factory=GlobalProfilerConfig)
     demo: DemoConfig = field(default_factory=DemoConfig)
     diffusion: DiffusionConfig = field(default_factory=DiffusionConfig)
@@ -581,6 +523,7 @@ class PlaitConfig:
         critic.ppo_micro_batch_size_per_gpu = critic.ppo_micro_batch_size_per_gpu or critic.ppo_mini_batch_size * n
         # seq-mean-token-sum-norm's constant: verl divides by the padded length, which is max_response_length there
         actor.loss_scale_factor = actor.loss_scale_factor or self.data.max_response_length
+        critic.loss_scale_factor = critic.loss_scale_factor or self.data.max_response_length
         for node in (arr.rollout, arr.ref):
             node.log_prob_micro_batch_size_per_gpu = node.log_prob_micro_batch_size_per_gpu or self.data.train_batch_size * n
             node.log_prob_use_dynamic_bsz = (actor.use_dynamic_bsz if node.log_prob_use_dynamic_bsz is None
@@ -700,6 +643,7 @@ def load_config(path: str | None = None, overrides: list[str] = ()) -> PlaitConf
             apply_override(tree, text)
         except ConfigError as err:
             errors.append(err)
+    moved = map_legacy_reward(tree)
     user = dict(_leaf_items(tree, ""))
     refused = refusal(user)
     if refused:
@@ -725,11 +669,46 @@ def load_config(path: str | None = None, overrides: list[str] = ()) -> PlaitConf
         no_effect += [key for key in user if key in LOCAL_BACKEND_NO_EFFECT]
     if no_effect:
         print(no_effect_notice(no_effect), file=sys.stderr)
+    if moved:
+        print("plait: verl 0.8 reward keys mapped onto verl 0.9's reward tree: " + ", ".join(moved), file=sys.stderr)
     return cfg
 
 
+def map_legacy_reward(tree: dict) -> list[str]:
+    """Move verl 0.8's top-level reward keys (config_verl.LEGACY_REWARD) onto the `reward.*` tree,
+    in place, as verl 0.9 does: a legacy key set to null means unset and is dropped. Returns
+    "old -> new" for each key moved."""
+    moved = []
+    for section in ("custom_reward_function", "reward_model", "sandbox_fusion"):
+        node = tree.pop(section, None)
+        if not isinstance(node, dict):
+            if node is not None:
+                tree[section] = node  # reported by the tree builder
+            continue
+        kept: dict = {}
+        for key, value in _leaf_items(node, f"{section}."):
+            prefix = next((p for p in _prefixes(key) if p in LEGACY_REWARD), None)
+            if prefix is None:
+                _set(kept, key, value)
+            elif value is not None:
+                new = LEGACY_REWARD[prefix] + key[len(prefix):]
+                _set(tree, new, value)
+                moved.append(f"{key} -> {new}")
+        tree.update(kept)
+    return moved
+
+
+def _set(tree: dict, key: str, value: Any) -> None:
+    *parents, last = key.split(".")
+    for part in parents:
+        if not isinstance(tree.get(part), dict):
+            tree[part] = {}
+        tree = tree[part]
+    tree[last] = value
+
+
 # Critic keys that default to the actor's value, as verl's ${oc.select:actor_rollout_ref.actor...} does.
-CRITIC_FROM_ACTOR = ("ppo_mini_batch_size", "ppo_epochs", "loss_agg_mode")
+CRITIC_FROM_ACTOR = ("ppo_mini_batch_size", "ppo_epochs", "loss_agg_mode", "loss_scale_factor")
 
 
 def _inherit_from_actor(tree: dict) -> None:

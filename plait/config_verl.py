@@ -182,27 +182,7 @@ _GROUPS = {
         actor_rollout_ref.rollout.prometheus.served_model_name
         actor_rollout_ref.rollout.quantization
         actor_rollout_ref.rollout.quantization_config_file
-        reward_model.rollout.name
-        reward_model.rollout.dtype
-        reward_model.rollout.gpu_memory_utilization
-        reward_model.rollout.enforce_eager
-        reward_model.rollout.cudagraph_capture_sizes
-        reward_model.rollout.free_cache_engine
-        reward_model.rollout.data_parallel_size
-        reward_model.rollout.expert_parallel_size
-        reward_model.rollout.tensor_model_parallel_size
-        reward_model.rollout.max_num_batched_tokens
-        reward_model.rollout.max_model_len
-        reward_model.rollout.max_num_seqs
-        reward_model.rollout.load_format
-        reward_model.rollout.engine_kwargs
-        reward_model.rollout.limit_images
-        reward_model.rollout.enable_chunked_prefill
-        reward_model.rollout.enable_prefix_caching
-        reward_model.rollout.disable_log_stats
-        reward_model.rollout.skip_tokenizer_init
-        reward_model.rollout.prompt_length
-        reward_model.rollout.response_length
+        reward.reward_model.rollout
     """,
     ("agent loops, multi-turn chat and tool calling: plait's rollout is single-turn generation"): """
         actor_rollout_ref.rollout.multi_turn.enable
@@ -265,8 +245,8 @@ _GROUPS = {
         critic.profiler.tool_config.npu.discrete
         critic.profiler.tool_config.torch_memory.trace_alloc_max_entries
         critic.profiler.tool_config.torch_memory.stack_depth
-        reward_model.profiler.tool
-        reward_model.profiler.save_path
+        reward.reward_model.profiler.tool
+        reward.reward_model.profiler.save_path
         global_profiler.global_tool_config.nsys.discrete
         global_profiler.global_tool_config.nsys.controller_nsight_options.trace
         global_profiler.global_tool_config.nsys.controller_nsight_options.cuda-memory-usage
@@ -298,10 +278,6 @@ _GROUPS = {
         data.sampler.class_name
         data.datagen.path
         data.datagen.name
-        reward_manager.source
-        reward_manager.name
-        reward_manager.module.path
-        reward_manager.module.name
         critic.optim.optimizer
         critic.optim.optimizer_impl
         critic.optim.override_optimizer_config
@@ -309,12 +285,9 @@ _GROUPS = {
         critic.model.external_lib
         reward_model.model.external_lib
         reward_model.model.override_config
-        reward_model.reward_loop_source
-        reward_model.reward_loop_module_path
-        reward_model.reward_loop_class_name
-        reward_model.sandbox_fusion.url
-        reward_model.sandbox_fusion.max_concurrent
-        reward_model.sandbox_fusion.memory_limit_mb
+        reward.sandbox_fusion.url
+        reward.sandbox_fusion.max_concurrent
+        reward.sandbox_fusion.memory_limit_mb
         reward_model.use_reward_loop
     """,
     ("cluster, storage and Ray plumbing of verl's single controller (HDFS, ESI, register timeouts, "
@@ -328,12 +301,11 @@ _GROUPS = {
         critic.rollout_n
         critic.data_loader_seed
         critic.checkpoint.async_save
-        reward_model.enable_resource_pool
-        reward_model.n_gpus_per_node
-        reward_model.nnodes
+        reward.reward_model.enable_resource_pool
+        reward.reward_model.n_gpus_per_node
+        reward.reward_model.nnodes
         reward_model.micro_batch_size
         reward_model.launch_reward_fn_async
-        reward_model.num_workers
         trainer.balance_batch
         trainer.esi_redundant_time
         trainer.default_hdfs_dir
@@ -389,6 +361,67 @@ _GROUPS = {
         trainer.validation_data_dir
         trainer.val_only
     """,
+    # verl 0.9's new keys (its generated ppo_trainer config; tests/fixtures/verl091_ppo_trainer_keys.txt)
+    ("verl 0.9 kernel, padding and quantization switches (QAT, Megatron-style LoRA, fused kernels, chunked "
+     "entropy, MTP): plait computes in plain PyTorch; its LoRA is actor_rollout_ref.model.lora_rank (peft)"): """
+        actor_rollout_ref.actor.qat
+        actor_rollout_ref.rollout.qat
+        actor_rollout_ref.model.lora
+        actor_rollout_ref.actor.entropy_from_logits_chunk_size
+        actor_rollout_ref.actor.pad_to_length
+        actor_rollout_ref.ref.entropy_from_logits_chunk_size
+        actor_rollout_ref.ref.pad_to_length
+        actor_rollout_ref.model.torch_dtype
+        critic.model.lora
+        critic.model.mtp
+        critic.model.use_liger
+        critic.model.use_fused_kernels
+        critic.model.fused_kernel_options.impl_backend
+    """,
+    ("verl 0.9 serving, routing and agent machinery (prefill/decode disaggregation, routers, MoE load metrics, "
+     "tool functions, rollout traces, custom checkpoint-engine backends): plait's rollout is single-turn "
+     "generation in its own engine"): """
+        actor_rollout_ref.rollout.disaggregation
+        actor_rollout_ref.rollout.router_config_path
+        actor_rollout_ref.rollout.moe_load_balance_metrics_interval
+        actor_rollout_ref.rollout.full_determinism
+        actor_rollout_ref.rollout.multi_turn.function_tool_path
+        actor_rollout_ref.rollout.trace.project_name
+        actor_rollout_ref.rollout.trace.experiment_name
+        actor_rollout_ref.rollout.checkpoint_engine.custom_backend_module
+        data.function_tool_path
+    """,
+    ("verl 0.9 multimodal inputs (audio, processor arguments, images per prompt): plait's LM trainers take "
+     "text prompts"): """
+        data.audio_key
+        data.mm_processor_kwargs
+        actor_rollout_ref.actor.num_images_in_input
+    """,
+    ("verl 0.9 subsystems plait does not have (on-policy distillation, the transfer queue, the v1 trainer's "
+     "own modes and sampler, rollout skipping/caching, checkpoint callbacks); each refuses to be enabled"): """
+        distillation
+        transfer_queue
+        trainer.use_v1
+        trainer.v1
+        trainer.checkpoint_callback_class
+        skip
+        ray_kwargs.ray_init.runtime_env.py_executable
+    """,
+    ("verl options plait does not implement (docs/verl.md lists them): critic adapters and tokenizer, DRO's "
+     "beta, strict checkpoint loading (plait always loads strictly), logging cadence and debug switches, "
+     "older rollout-correction spellings"): """
+        critic.model.hf_config_path
+        critic.model.custom_chat_template
+        critic.model.exclude_modules
+        critic.model.lora_adapter_path
+        actor_rollout_ref.actor.policy_loss.dro_beta
+        actor_rollout_ref.actor.checkpoint.strict
+        trainer.tensorboard_dir
+        trainer.log_freq
+        trainer.debug
+        algorithm.rollout_correction.rollout_rs_threshold_lower
+        algorithm.rollout_correction.rollout_token_veto_threshold
+    """,
 }
 
 NO_EFFECT: dict[str, str] = {key: reason for reason, keys in _GROUPS.items() for key in keys.split()}
@@ -400,13 +433,50 @@ LOCAL_BACKEND_NO_EFFECT = {
     for key in ("trainer.nnodes", "trainer.n_gpus_per_node")}
 
 
+# verl 0.9 switches of subsystems whose other keys have no effect here: turning one on is refused.
+ENABLES = {"distillation.enabled": "on-policy distillation (distillation.*)",
+           "transfer_queue.enable": "verl's transfer queue (its main_ppo recipe)",
+           "trainer.v1.trainer_mode": "verl's v1 trainer modes (plait's modes: trainer.mode=sync, one_step_off, fully_async)",
+           **{f"skip.{part}.enable": "skipping rollouts from a dump (skip.*)" for part in ("rollout", "rollout_tq", "async_rollout")}}
+
+
 def refusal(user: dict[str, object]) -> tuple[str, object, str] | None:
     """(key, value, why) when plait cannot run a verl config at all, given the leaf keys the user set."""
     for key, value in user.items():
         if "megatron" in key.split(".") or (key.endswith(".strategy") and value == "megatron"):
             return key, value, ("Megatron-LM is not supported: plait trains with PyTorch (strategy fsdp or fsdp2); "
                                 "drop the *.megatron.* keys and set actor_rollout_ref.actor.strategy=fsdp")
+        if key in ENABLES and value not in (None, False, "sync"):
+            return key, value, f"{ENABLES[key]} is not supported in plait (docs/verl.md); drop the key or set it off"
         if key in ("global_profiler.tool", "trainer.device") and value == "npu":
             return key, value, ("Ascend NPU is not supported: plait runs on CPU and CUDA (global_profiler.tool: "
                                 "torch, torch_memory, nsys; trainer.device: auto, cpu, cuda)")
     return None
+
+
+# verl 0.8's reward keys and where verl 0.9 moved them (verl maps a legacy key that is not null
+# onto the new tree, as load_config does here, naming each once at start). Longest prefix wins;
+# legacy keys not listed (reward_model.strategy, ...) stay in the no-effect table under their old names.
+LEGACY_REWARD = {
+    "custom_reward_function": "reward.custom_reward_function",
+    "sandbox_fusion": "reward.sandbox_fusion",
+    "reward_model.sandbox_fusion": "reward.sandbox_fusion",
+    "reward_model.num_workers": "reward.num_workers",
+    "reward_model.reward_manager": "reward.reward_manager.name",
+    "reward_model.reward_loop_source": "reward.reward_manager.source",
+    "reward_model.reward_loop_module_path": "reward.reward_manager.module.path",
+    "reward_model.reward_loop_class_name": "reward.reward_manager.module.name",
+    "reward_model.reward_kwargs": "reward.reward_kwargs",
+    "reward_model.overlong_buffer": "reward.overlong_buffer",
+    "reward_model.enable": "reward.reward_model.enable",
+    "reward_model.enable_resource_pool": "reward.reward_model.enable_resource_pool",
+    "reward_model.n_gpus_per_node": "reward.reward_model.n_gpus_per_node",
+    "reward_model.nnodes": "reward.reward_model.nnodes",
+    "reward_model.model.path": "reward.reward_model.model_path",
+    "reward_model.model.input_tokenizer": "reward.reward_model.input_tokenizer",
+    "reward_model.model.trust_remote_code": "reward.reward_model.trust_remote_code",
+    "reward_model.micro_batch_size_per_gpu": "reward.reward_model.micro_batch_size_per_gpu",
+    "reward_model.max_length": "reward.reward_model.max_length",
+    "reward_model.profiler": "reward.reward_model.profiler",
+    "reward_model.rollout": "reward.reward_model.rollout",
+}

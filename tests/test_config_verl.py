@@ -108,7 +108,7 @@ def test_override_prefixes_and_bare_strings_for_lists():
     assert cfg.data.train_files == ["/p/train.parquet"]
     assert cfg.trainer.test_freq == 10  # ~key dropped the override: the demo preset's value
     assert cfg.actor_rollout_ref.actor.ppo_epochs == 2 and cfg.critic.ppo_epochs == 2  # the critic inherits
-    assert cfg.reward_model.reward_kwargs == {"overlong_buffer_cfg": {"len": 4}}
+    assert cfg.reward.reward_kwargs == {"overlong_buffer_cfg": {"len": 4}}  # verl 0.8 spelling, mapped
 
 
 def test_defaults_are_verls_once_a_model_path_is_given(tmp_path):

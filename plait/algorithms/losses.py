@@ -257,13 +257,14 @@ def cispo_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, response_mask
 def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, response_mask: Tensor,
                cliprange: float = 0.5, agg_mode: str = "token-mean",
                num_tokens: float | Tensor | None = None,
-               num_seqs: float | Tensor | None = None) -> tuple[Tensor, dict[str, float]]:
+               num_seqs: float | Tensor | None = None,
+               loss_scale_factor: float | None = None) -> tuple[Tensor, dict[str, float]]:
     """Clipped value loss 0.5 * agg(max((V-R)^2, (clip(V, V_old +- cliprange) - R)^2))."""
     clipped_values = old_values + torch.clamp(values - old_values, -cliprange, cliprange)
     unclipped_err = (values - returns) ** 2  # [batch, resp_len]
     clipped_err = (clipped_values - returns) ** 2
     loss = 0.5 * agg_loss(torch.maximum(unclipped_err, clipped_err), response_mask, agg_mode,
-                          num_tokens, num_seqs)
+                          num_tokens, num_seqs, loss_scale_factor)
     clipfrac = masked_mean((clipped_err > unclipped_err).float(), response_mask)
     return loss, {"vf_clipfrac": clipfrac.item()}
 

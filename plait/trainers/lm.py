@@ -32,7 +32,7 @@ from plait.algorithms.rollout_correction import rollout_correction
 from plait.config import PlaitConfig, SamplingConfig
 from plait.configtree import ConfigError
 from plait.data.dataset import PromptDataset, iterate_batches
-from plait.data.rewards import ScoreRequest, Scores
+from plait.data.rewards import ScoreRequest, Scores, resolve_reward
 from plait.trainers.lifecycle import StageTimer, StepResult
 from plait.types import PromptBatch, RolloutBatch
 from plait.workers.actor import Actor
@@ -443,7 +443,6 @@ def resolve_data(cfg: PlaitConfig) -> tuple[list[str], list[str] | None]:
 def build_lm_trainer(cfg: PlaitConfig, backend, device: str):
     """Model, data, reward and the four language-model roles, handed to the trainer mode."""
     from plait.data.dataset import load_dataset
-    from plait.driver import resolve_reward
     from plait.models import load_tokenizer
     from plait.trainers import MODES
     from plait.workers.actor import Actor
@@ -451,7 +450,7 @@ def build_lm_trainer(cfg: PlaitConfig, backend, device: str):
     from plait.workers.ref import Ref
     from plait.workers.rollout import Rollout
 
-    reward_fn = resolve_reward(cfg)
+    reward_fn = resolve_reward(cfg.reward, cfg.data.max_response_length)
     dtype = DTYPES[cfg.actor_rollout_ref.model.dtype]
     model_path = resolve_model(cfg)
     try:
@@ -475,7 +474,7 @@ def build_lm_trainer(cfg: PlaitConfig, backend, device: str):
         if optim.total_training_steps == -1:
             optim.total_training_steps = cfg.total_steps(len(train_data) // cfg.data.train_batch_size)
     temp, n = arr.rollout.temperature or 1.0, arr.rollout.n
-    model, critic, rm = arr.model, cfg.critic, cfg.reward_model
+    model, critic, rm = arr.model, cfg.critic, cfg.reward.reward_model
     lora = model.lora_rank > 0  # the actor's base model with adapters off is the reference: no Ref role
     budget = lambda dynamic, tokens: tokens if dynamic else None  # noqa: E731  use_dynamic_bsz: a token budget
     roles = Roles(
@@ -495,7 +494,7 @@ def build_lm_trainer(cfg: PlaitConfig, backend, device: str):
                               forward_max_token_len=budget(critic.use_dynamic_bsz, critic.forward_max_token_len_per_gpu),
                               gradient_checkpointing=critic.model.enable_gradient_checkpointing)
                 if critic.enable else None),
-        reward_model=(backend.spawn("reward_model", RewardModel, rm.model.path, tokenizer, micro_batch_size=rm.micro_batch_size_per_gpu,
-                                    max_length=rm.max_length, input_tokenizer=rm.model.input_tokenizer, device=device, dtype=dtype)
+        reward_model=(backend.spawn("reward_model", RewardModel, rm.model_path, tokenizer, micro_batch_size=rm.micro_batch_size_per_gpu,
+                                    max_length=rm.max_length, input_tokenizer=rm.input_tokenizer, device=device, dtype=dtype)
                       if rm.enable else None))
     return MODES[cfg.trainer.mode](cfg, roles, tokenizer, train_data, val_data, reward_fn, backend.profile_targets())

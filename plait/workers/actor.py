@@ -104,8 +104,9 @@ def make_optimizer(params, cfg: OptimConfig):
     total = max(cfg.total_training_steps, 1)
     warmup = cfg.lr_warmup_steps if cfg.lr_warmup_steps >= 0 else int(cfg.lr_warmup_steps_ratio * total)
     kind = cfg.warmup_style or cfg.lr_scheduler_type  # warmup_style: verl's older name
+    first = 0 if cfg.zero_indexed_step else 1  # verl's zero_indexed_step=false counts the schedule from 1
     sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: lr_factor(s, total, warmup, kind, cfg.min_lr_ratio, cfg.num_cycles))
+        opt, lambda s: lr_factor(s + first, total, warmup, kind, cfg.min_lr_ratio, cfg.num_cycles))
     return opt, sched
 
 

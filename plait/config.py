@@ -336,6 +336,23 @@ class RolloutCorrectionConfig:
 
 
 @dataclass
+class FilterGroupsConfig:
+    """`algorithm.filter_groups`: DAPO's dynamic sampling. A prompt group whose responses all share one
+    value of `metric` carries no signal under group advantages and is dropped; the mode keeps
+    generating batches until as many groups as one batch holds have signal, at most
+    `max_num_gen_batches` batches per step (0: no limit)."""
+    enable: bool = False
+    metric: Optional[str] = "reward"          # reward / score / seq_reward: the sequence score; else a key the reward function returns (acc)
+    max_num_gen_batches: int = 0
+    max_inflight_gen_batches: int = 1         # verl's concurrent generate calls while filling; plait generates one at a time
+
+    def __post_init__(self):
+        check(not self.enable or bool(self.metric), "metric", self.metric, "a metric name with enable=true (reward, acc, ...)")
+        check(self.max_num_gen_batches >= 0, "max_num_gen_batches", self.max_num_gen_batches, "0 (no limit) or > 0")
+        check(self.max_inflight_gen_batches > 0, "max_inflight_gen_batches", self.max_inflight_gen_batches, "must be > 0")
+
+
+@dataclass
 class AlgorithmConfig:
     adv_estimator: str = "gae"
     gamma: float = 1.0
@@ -345,9 +362,13 @@ class AlgorithmConfig:
     kl_penalty: str = "kl"
     kl_ctrl: KLCtrlConfig = field(default_factory=KLCtrlConfig)
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
 
     def __post_init__(self):
         one_of(self, "adv_estimator", ESTIMATORS)
+        check(not (self.filter_groups.enable and self.use_kl_in_reward and self.filter_groups.metric == "seq_final_reward"),
+              "filter_groups.metric", self.filter_groups.metric, "reward, score, seq_reward or a reward key with "
+              "use_kl_in_reward=true: groups are filtered before the in-reward KL is computed")
         check(0 <= self.gamma <= 1, "gamma", self.gamma, "must be in [0, 1]")
         check(0 <= self.lam <= 1, "lam", self.lam, "must be in [0, 1]")
         one_of(self, "kl_penalty", KL_ESTIMATORS)

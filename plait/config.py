@@ -64,7 +64,9 @@ class DataConfig:
     seed: Optional[int] = None                # null: trainer.seed
 
     def __post_init__(self):
-        positive(self, "train_batch_size", "max_prompt_length", "max_response_length", "train_size", "val_size")
+        # 0 is verl's fully-async setting (the rollouter streams); PlaitConfig checks the mode and sizes it
+        check(self.train_batch_size >= 0, "train_batch_size", self.train_batch_size, "must be > 0 (or 0 with trainer.mode=fully_async)")
+        positive(self, "max_prompt_length", "max_response_length", "train_size", "val_size")
         check(self.val_batch_size is None or self.val_batch_size > 0, "val_batch_size", self.val_batch_size, "must be > 0 or null")
 
 
@@ -177,7 +179,10 @@ class ActorConfig:
         self.clip_ratio_high = self.clip_ratio if self.clip_ratio_high is None else self.clip_ratio_high
         # the ratio is clipped to [1 - low, 1 + high]: a negative bound flips it, low >= 1 removes the floor
         check(self.clip_ratio <= 1, "clip_ratio", self.clip_ratio, "must be in (0, 1]")
-        check(0 <= self.clip_ratio_low < 1, "clip_ratio_low", self.clip_ratio_low, "must be in [0, 1)")
+        # CISPO's documented setting is clip_ratio_low=10: no floor on the ratio that weighs its gradient
+        no_floor = self.policy_loss.loss_mode in ("cispo", "clip_cov")
+        check(self.clip_ratio_low >= 0 and (no_floor or self.clip_ratio_low < 1), "clip_ratio_low", self.clip_ratio_low,
+              "must be in [0, 1) (>= 1, no floor, with policy_loss.loss_mode cispo or clip_cov)")
         check(self.clip_ratio_high >= 0, "clip_ratio_high", self.clip_ratio_high, "must be >= 0")
         check(self.ppo_micro_batch_size_per_gpu is None or self.ppo_micro_batch_size_per_gpu > 0,
               "ppo_micro_batch_size_per_gpu", self.ppo_micro_batch_size_per_gpu, "must be > 0 or null")
@@ -312,7 +317,7 @@ class RolloutCorrectionConfig:
     drops tokens or sequences whose divergence passes rollout_rs_threshold from the loss.
     """
     rollout_is: Optional[str] = None          # token | sequence | null: token in one_step_off/fully_async, off in sync
-    rollout_is_threshold: float = 2.0         # the truncation C
+    rollout_is_threshold: Optional[float] = 2.0  # the truncation C; null only with rollout_is null
     # verl's bypass mode: pi_old is the rollout's log-prob, so the old_log_prob forward is skipped.
     # Exact in sync mode (the rollout samples with the actor's weights); in the async modes PPO's
     # ratio is then taken against the stale rollout policy itself, with no importance weights.
@@ -331,8 +336,10 @@ class RolloutCorrectionConfig:
                 parse_rs(self.rollout_rs, self.rollout_rs_threshold)
             except ValueError as err:
                 check(False, "rollout_rs", self.rollout_rs, str(err))
-        check(self.rollout_is_threshold >= 1, "rollout_is_threshold", self.rollout_is_threshold,
-              "must be >= 1 (weights are truncated at this value)")
+        check(self.rollout_is_threshold is None or self.rollout_is_threshold >= 1, "rollout_is_threshold",
+              self.rollout_is_threshold, "must be >= 1 (weights are truncated at this value)")
+        check(self.rollout_is_threshold is not None or self.rollout_is is None, "rollout_is_threshold", None,
+              f"a number >= 1 with rollout_is={self.rollout_is}")
 
 
 @dataclass
@@ -374,7 +381,7 @@ class AlgorithmConfig:
         one_of(self, "kl_penalty", KL_ESTIMATORS)
 
 
-LOGGERS = ("console", "tensorboard", "wandb")
+LOGGERS = ("console", "tensorboard", "wandb", "mlflow", "swanlab", "file", "json_eval")  # verl's, less clearml/trackio/vemlp_wandb
 
 
 @dataclass
@@ -440,8 +447,10 @@ class TrainerConfig:
         check(self.num_threads >= 0, "num_threads", self.num_threads, "must be >= 0")
         for name in ("max_actor_ckpt_to_keep", "max_critic_ckpt_to_keep"):
             check(getattr(self, name) is None or getattr(self, name) > 0, name, getattr(self, name), "must be > 0 or null")
-        check(self.resume_from_path is None or self.resume_mode == "resume_path", "resume_from_path", self.resume_from_path,
-              f"is read only with resume_mode=resume_path (it is {self.resume_mode}); set that, or drop the path")
+        check(self.resume_from_path is None or self.resume_mode != "disable", "resume_from_path", self.resume_from_path,
+              "is not read with resume_mode=disable; set auto or resume_path, or drop the path")
+        if self.resume_from_path and self.resume_mode == "auto":  # verl 0.9.1: auto resumes from a path given
+            self.resume_mode = "resume_path"
         for name in ("project_name", "experiment_name"):  # each is one folder of outputs/<project>/<experiment>
             value = getattr(self, name)
             check(value is None or (value not in ("", ".", "..") and "/" not in value and "\0" not in value
@@ -491,6 +500,11 @@ class PlaitConfig:
 
     def __post_init__(self):
         actor = self.actor_rollout_ref.actor
+        if self.data.train_batch_size == 0:  # verl's fully-async scripts: a trainer batch is one local update's prompts
+            check(self.trainer.mode == "fully_async", "data.train_batch_size", 0,
+                  "> 0 (0 only with trainer.mode=fully_async: the trainer's batch is then ppo_mini_batch_size x "
+                  "async_training.require_batches)")
+            self.data.train_batch_size = actor.ppo_mini_batch_size * self.async_training.require_batches
         self._inherit()
         # Diffusion mode has no critic and updates on the whole batch with diffusion.actor's settings.
         lm = self.trainer.mode != "diffusion"
@@ -527,6 +541,7 @@ class PlaitConfig:
         # loss_type=reinforce; with ppo_clip the clipped ratio is the correction and the weights are only reported
         if correction.rollout_is is None and mode in ASYNC_MODES and not correction.bypass_mode:
             correction.rollout_is = "token"
+            correction.rollout_is_threshold = correction.rollout_is_threshold or 2.0  # verl's default C
         if mode == "fully_async":
             a = self.async_training
             required = actor.ppo_mini_batch_size * a.require_batches

@@ -22,7 +22,7 @@ from plait.models import check_model_dir
 from plait.profiler import RoleProfilerConfig, validate_environment
 from plait.profiler.config import ROLE_KEYS
 from plait.trainers.lifecycle import Lifecycle, LifecycleConfig, output_dir_lock
-from plait.trainers.tracking import Tracker
+from plait.trainers.tracking import Tracker, check_loggers
 
 log = logging.getLogger("plait")
 
@@ -65,7 +65,7 @@ def preflight(cfg: PlaitConfig) -> None:
     roles_cfg = role_profilers(cfg)
     for rule in (lambda: validate_environment(cfg.global_profiler, roles_cfg), lambda: check_memory_profiling(cfg, roles_cfg),
                  lambda: check_data_files(cfg), lambda: check_model_path(cfg), lambda: resolve_reward(cfg.reward, cfg.data.max_response_length),
-                 lambda: resolve_device(cfg)):
+                 lambda: resolve_device(cfg), lambda: check_loggers(cfg.trainer.logger)):
         try:
             rule()
         except ConfigError as err:

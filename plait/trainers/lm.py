@@ -68,7 +68,7 @@ class DataCursor:
         self.epoch, self.index = 0, 0
         self.batches_per_epoch = len(dataset) // batch_size
         if self.batches_per_epoch == 0:
-            raise ValueError(f"data.train_batch_size={batch_size} is larger than the training set ({len(dataset)} rows)")
+            raise ConfigError("data.train_batch_size", batch_size, f"larger than the training set ({len(dataset)} rows)")
         self._epoch_batches = None
 
     def next(self) -> PromptBatch:
@@ -352,7 +352,8 @@ class LMTrainer:
                 batch.token_scores, batch.old_logprobs, batch.ref_logprobs, batch.response_mask,
                 kl_coef=self.kl_ctrl.value, kind=alg.kl_penalty)
             metrics.update(kl_metrics)
-            self.kl_ctrl.update(kl_metrics["actor/reward_kl_penalty"], n_steps=self.cfg.data.train_batch_size)
+            # verl 0.9.1 advances the adaptive controller by the batch's responses (prompts x n), not prompts
+            self.kl_ctrl.update(kl_metrics["actor/reward_kl_penalty"], n_steps=len(batch))
         else:
             batch.token_rewards = batch.token_scores
         batch.advantages, batch.returns = compute_advantages(

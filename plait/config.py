@@ -24,7 +24,8 @@ from plait.algorithms.advantages import ESTIMATORS
 from plait.algorithms.kl import KL_ESTIMATORS
 from plait.algorithms.losses import LOSS_AGG_MODES, POLICY_LOSSES
 from plait.algorithms.rollout_correction import BYPASS_LOSS_TYPES, IS_LEVELS, parse_rs
-from plait.config_verl import LEGACY_REWARD, LOCAL_BACKEND_NO_EFFECT, NO_EFFECT, refusal
+from plait.config_verl import (LEGACY_REWARD, LOCAL_BACKEND_NO_EFFECT, NO_EFFECT, compose_yaml, refusal,
+                               resolve_interpolations)
 from plait.configtree import ConfigError, build, check, raise_all, to_dict
 from plait.data.rewards import RewardConfig
 from plait.profiler.config import GlobalProfilerConfig, RoleProfilerConfig
@@ -667,18 +668,24 @@ def _prefixes(key: str) -> list[str]:
     return [".".join(parts[:i]) for i in range(len(parts), 0, -1)]
 
 
-def load_config(path: str | None = None, overrides: list[str] = ()) -> PlaitConfig:
+def load_config(path: str | None = None, overrides: list[str] = (), search: list[str] = ()) -> PlaitConfig:
     """Defaults <- demo preset <- YAML file <- overrides, built and validated as one tree.
 
     The demo preset (configs/demo.yaml) applies when actor_rollout_ref.model.path is null.
-    Every error of the file and command line is raised at once (a ConfigErrors for several).
+    Every error of the file and command line is raised at once (a ConfigErrors for several). A
+    verl YAML's `defaults:` list is composed (files found beside it or in `search`), `hydra:` and
+    `_target_` dropped and `${...}` resolved (config_verl.compose_yaml).
     """
-    tree, errors = _read_yaml(path, "--config"), []
+    tree, errors = read_config_file(path, search), []
     for text in overrides:
         try:
             apply_override(tree, text)
         except ConfigError as err:
             errors.append(err)
+    try:
+        tree = resolve_interpolations(tree, to_dict(PlaitConfig()))
+    except ConfigError as err:
+        raise_all([*errors, err])
     moved = map_legacy_reward(tree)
     user = dict(_leaf_items(tree, ""))
     refused = refusal(user)
@@ -761,6 +768,15 @@ def _changed(user: dict[str, Any], section: str, node: Any) -> list[str]:
     """The keys under `section` that the user set to something other than `node`'s defaults."""
     defaults, unset = dict(_leaf_items(to_dict(node), f"{section}.")), object()
     return [key for key, value in user.items() if key.startswith(f"{section}.") and defaults.get(key, unset) != value]
+
+
+def read_config_file(path: str | None, search: list[str] = ()) -> dict:
+    """A YAML config file as a plain tree, its defaults list composed (load_config resolves `${...}`
+    once the overrides are in, as Hydra does)."""
+    if not path:
+        return {}
+    return compose_yaml(_read_yaml(path, "--config"), path, [os.path.dirname(path) or ".", *search],
+                        lambda p: _read_yaml(p, "defaults"))
 
 
 def _read_yaml(path: str | None, what: str) -> dict:

@@ -9,6 +9,11 @@ Every other verl key is a field of the config tree (plait/config.py) with verl's
 
 from __future__ import annotations
 
+import os
+import re
+
+import yaml
+
 _GROUPS = {
     ("FSDP/Megatron sharding, offload, sequence parallelism and fused-kernel switches: each plait "
      "worker holds a whole model (data parallel across processes with trainer.backend=ray)"): """
@@ -446,6 +451,9 @@ def refusal(user: dict[str, object]) -> tuple[str, object, str] | None:
         if "megatron" in key.split(".") or (key.endswith(".strategy") and value == "megatron"):
             return key, value, ("Megatron-LM is not supported: plait trains with PyTorch (strategy fsdp or fsdp2); "
                                 "drop the *.megatron.* keys and set actor_rollout_ref.actor.strategy=fsdp")
+        if key in RECIPE_KEYS:
+            return key, value, (f"a key of verl's {RECIPE_KEYS[key]} recipe, which plait does not implement "
+                                "(docs/verl.md lists the recipes it runs)")
         if key in ENABLES and value not in (None, False, "sync"):
             return key, value, f"{ENABLES[key]} is not supported in plait (docs/verl.md); drop the key or set it off"
         if key in ("global_profiler.tool", "trainer.device") and value == "npu":
@@ -480,3 +488,182 @@ LEGACY_REWARD = {
     "reward_model.profiler": "reward.reward_model.profiler",
     "reward_model.rollout": "reward.reward_model.rollout",
 }
+
+
+# verl's and verl-recipe's entry points (`plait train --entry-point MODULE`, the module verl's script
+# ran with python -m): those plait runs, as the overrides that select the mode, and those it refuses.
+ENTRY_POINTS: dict[str, list[str]] = {
+    "verl.trainer.main_ppo": [],
+    "recipe.dapo.main_dapo": [],              # DAPO: algorithm.filter_groups plus reward_manager dapo
+    "recipe.entropy.main_entropy": [],        # clip_cov / kl_cov losses and filter_groups
+    "verl.experimental.one_step_off_policy.main_ppo": ["trainer.mode=one_step_off", "trainer.placement=separated"],
+    "recipe.one_step_off_policy.main_ppo": ["trainer.mode=one_step_off", "trainer.placement=separated"],
+    "verl.experimental.fully_async_policy.fully_async_main": ["trainer.mode=fully_async", "trainer.placement=separated"],
+    "recipe.fully_async_policy.fully_async_main": ["trainer.mode=fully_async", "trainer.placement=separated"],
+}
+REFUSED_RECIPES = {
+    "recipe.sppo.main_sppo": "SPPO (self-play preference optimisation)",
+    "recipe.flowrl.main_flowrl": "FlowRL",
+    "recipe.prime.main_prime": "PRIME (implicit process rewards)",
+    "recipe.spin.main_spin": "SPIN (self-play fine-tuning)",
+    "recipe.gvpo.main_gvpo": "GVPO",
+    "recipe.spo.main_spo": "SPO (single-stream policy optimisation)",
+    "verl.trainer.main_ppo_split": "split placement (main_ppo_split.py)",
+    "recipe.split_placement.main_ppo_split": "split placement (main_ppo_split.py)",
+    "verl.experimental.transfer_queue.main_ppo": "the transfer-queue trainer",
+    "recipe.transfer_queue.main_ppo": "the transfer-queue trainer",
+}
+# Keys only a refused recipe reads: named with the recipe instead of as unknown.
+RECIPE_KEYS = {"data.filter_accuracy": "PRIME", "data.accuracy_lower_bound": "PRIME", "data.accuracy_upper_bound": "PRIME",
+               "data.oversample_factor": "PRIME", "algorithm.sppo_eta": "SPPO", "algorithm.tb_coef": "FlowRL"}
+
+
+def entry_point_overrides(module: str | None) -> list[str]:
+    """The overrides verl's entry point `module` implies; a recipe plait does not run is refused in one line."""
+    if module is None:
+        return []
+    module = module.removesuffix(".py").replace("/", ".")
+    if module in REFUSED_RECIPES:
+        raise_entry(module, f"verl's recipe {REFUSED_RECIPES[module]} is not implemented in plait; "
+                            "it would otherwise run as plain PPO/GRPO")
+    if module not in ENTRY_POINTS:
+        raise_entry(module, f"not an entry point plait knows; it runs {', '.join(ENTRY_POINTS)}")
+    return ENTRY_POINTS[module]
+
+
+def raise_entry(module: str, why: str) -> None:
+    from plait.configtree import ConfigError
+    raise ConfigError("--entry-point", module, why)
+
+
+# -- verl's YAML files: Hydra's defaults list, `hydra:` and `_target_` ------------------------------
+#
+# A verl YAML (a recipe's config, or a user's copy of one) composes verl's own config groups through
+# `defaults:`. plait's tree already holds verl's defaults, so an entry naming verl's own configs or
+# groups composes to nothing; an entry naming a YAML file beside the file (or under --config-path)
+# is read and merged as Hydra does (the file's own keys last unless `_self_` says otherwise).
+# `hydra:` and every `_target_` are dropped; `${...}` interpolations are resolved against the file,
+# then plait's defaults; `???` (a value verl requires) is left to plait's default.
+
+VERL_CONFIGS = ("ppo_trainer", "_generated_ppo_trainer", "legacy_reward_impl", "evaluation")
+VERL_GROUPS = ("actor", "critic", "data", "model", "ref", "reward", "rollout", "algorithm", "distillation",
+               "transfer_queue", "model_engine", "engine", "optim", "profiler", "npu_profile", "reward_model")
+
+
+def compose_yaml(tree: dict, where: str, search: list[str], read) -> dict:
+    """`tree` (read from `where`) with its defaults list composed; `read(path)` reads one YAML file."""
+    from plait.configtree import ConfigError
+    tree = dict(tree)
+    tree.pop("hydra", None)
+    defaults = tree.pop("defaults", None) or []
+    if not isinstance(defaults, list):
+        raise ConfigError("defaults", defaults, f"{where}: Hydra's defaults list is a list")
+    before, after, own_placed = [], [], False
+    for entry in defaults:
+        if entry == "_self_":
+            own_placed = True
+            continue
+        (after if own_placed else before).append(_default_entry(entry, where, search, read))
+    out: dict = {}
+    for part in [*before, _drop_targets(tree), *after]:
+        out = merge(out, part)
+    return out
+
+
+def _default_entry(entry, where: str, search: list[str], read) -> dict:
+    from plait.configtree import ConfigError
+    if isinstance(entry, dict) and len(entry) == 1:
+        (key, option), = entry.items()
+        group, _, package = str(key).removeprefix("override ").strip().partition("@")
+        name, package = f"{group}/{option}", package or group
+    elif isinstance(entry, str):
+        name, _, package = entry.removeprefix("override ").strip().partition("@")  # "file" or "file@package"
+        option, group = entry, name.split("/")[0]
+    else:
+        raise ConfigError("defaults", entry, f"{where}: a defaults entry is a name or a one-key mapping")
+    if option is None:
+        return {}
+    if "megatron" in str(option) or "megatron" in name:
+        raise ConfigError("defaults", entry, "Megatron-LM is not supported: plait trains with PyTorch (fsdp or fsdp2)")
+    if name.removesuffix(".yaml") in VERL_CONFIGS or group in VERL_GROUPS:
+        return {}  # verl's own config: plait's tree holds its defaults
+    for folder in search:
+        path = os.path.join(folder, f"{name.removesuffix('.yaml')}.yaml")
+        if os.path.isfile(path):
+            part = compose_yaml(read(path), path, [os.path.dirname(path), *search], read)
+            for key in reversed(package.split(".") if package else []):
+                part = {key: part}
+            return part
+    raise ConfigError("defaults", entry, f"{where}: names neither one of verl's config groups nor a YAML file in "
+                                         f"{', '.join(dict.fromkeys(search))}")
+
+
+def _drop_targets(tree):
+    if isinstance(tree, dict):
+        return {k: _drop_targets(v) for k, v in tree.items() if k != "_target_"}
+    return tree
+
+
+def merge(base: dict, top: dict) -> dict:
+    """`top` over `base`, section by section."""
+    out = dict(base)
+    for key, value in top.items():
+        out[key] = merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+INTERPOLATION = re.compile(r"\$\{([^${}]*)\}")
+
+
+def resolve_interpolations(tree: dict, defaults: dict) -> dict:
+    """Replace verl's `${key}`, `${.key}`, `${oc.select:key,default}` and `${oc.env:VAR,default}` with
+    their values (the tree's own, else plait's default for that key); drop `???` values."""
+    def lookup(key: str, here: str):
+        if key.startswith("."):
+            key = here.rsplit(".", 1)[0] + key if "." in here else key[1:]
+        for source in (tree, defaults):
+            node = source
+            for part in key.split("."):
+                node = node.get(part, _MISSING) if isinstance(node, dict) else _MISSING
+            if node is not _MISSING:
+                return resolve(node, key, 0)
+        return _MISSING
+
+    def one(expr: str, here: str, depth: int):
+        from plait.configtree import ConfigError
+        kind, _, rest = expr.partition(":") if expr.startswith("oc.") else ("", "", expr)
+        key, _, fallback = rest.partition(",")
+        if kind == "oc.env":
+            return os.environ.get(key.strip(), yaml.safe_load(fallback) if fallback else None)
+        value = lookup(key.strip(), here)
+        if value is _MISSING:
+            if kind == "oc.select":
+                return resolve(yaml.safe_load(fallback), here, depth + 1) if fallback.strip() else None
+            raise ConfigError(here, "${" + expr + "}", f"refers to {key.strip()}, which neither the file nor plait's tree has")
+        return value
+
+    def resolve(value, here: str, depth: int):
+        match = INTERPOLATION.search(value) if isinstance(value, str) and depth <= 20 else None
+        if match is None:  # innermost first: ${oc.select:a,${oc.select:b,null}} resolves b, then a
+            return value
+        got = one(match.group(1), here, depth)
+        if match.span() == (0, len(value)):  # the whole value: keep the type (a number, a list)
+            return resolve(got, here, depth + 1)
+        text = value[:match.start()] + ("null" if got is None else str(got)) + value[match.end():]
+        return resolve(text, here, depth + 1)
+
+    def walk(node, prefix: str):
+        out = {}
+        for key, value in node.items():
+            here = f"{prefix}{key}"
+            if isinstance(value, dict):
+                out[key] = walk(value, f"{here}.")
+            else:
+                resolved = resolve(value, here, 0)
+                if resolved != "???":
+                    out[key] = resolved
+        return out
+    return walk(tree, "")
+
+
+_MISSING = object()

@@ -66,12 +66,12 @@ def grpo(token_rewards: Tensor, response_mask: Tensor, group_ids: Tensor,
 
 
 def rloo(token_rewards: Tensor, response_mask: Tensor, group_ids: Tensor) -> tuple[Tensor, Tensor]:
-    """Leave-one-out baseline: s_i minus the mean of the other samples of its group (0 if alone)."""
+    """Leave-one-out baseline: s_i minus the mean of the other samples of its group (alone: s_i, as verl 0.9.1)."""
     mask = response_mask.to(token_rewards.dtype)
     scores = (token_rewards * mask).sum(-1)  # [batch]
     size, mean, _ = _group_stats(scores, group_ids)
     # s_i - (n*mean - s_i)/(n-1) = n/(n-1) * (s_i - mean)
-    adv = torch.where(size > 1, size / (size - 1).clamp(min=1) * (scores - mean), 0.0)  # [batch]
+    adv = torch.where(size > 1, size / (size - 1).clamp(min=1) * (scores - mean), scores)  # [batch]
     adv = adv[:, None] * mask  # [batch, resp_len]
     return adv, adv
 

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from plait.algorithms.advantages import masked_mean
 
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 
 def agg_loss(loss_mat: Tensor, mask: Tensor, mode: str, num_tokens: float | Tensor | None = None,
@@ -25,6 +25,7 @@ def agg_loss(loss_mat: Tensor, mask: Tensor, mode: str, num_tokens: float | Tens
     """Reduce a per-token loss [batch, resp_len] to a scalar.
 
     token-mean: sum of valid-token losses / num_tokens (default: valid tokens here).
+    token-sum: sum of valid-token losses (no normalisation; summed over micro-batches and ranks).
     seq-mean-token-sum: sum over sequences of token sums / num_seqs (default: batch size).
     seq-mean-token-mean: sum over sequences of per-sequence token means / num_seqs.
     seq-mean-token-sum-norm (Dr.GRPO): seq-mean-token-sum divided by a constant length,
@@ -39,6 +40,8 @@ def agg_loss(loss_mat: Tensor, mask: Tensor, mode: str, num_tokens: float | Tens
     token_sums = (loss_mat * mask).sum(-1)  # [batch]
     if mode == "token-mean":
         return token_sums.sum() / (mask.sum().clamp(min=1) if num_tokens is None else num_tokens)
+    if mode == "token-sum":
+        return token_sums.sum()
     if mode == "seq-mean-token-mean":
         token_sums = token_sums / mask.sum(-1).clamp(min=1)  # an all-padding row adds 0
     if mode == "seq-mean-token-sum-norm":
@@ -116,11 +119,14 @@ def _vanilla(logp, old_logp, adv, mask, k: PolicyLossKnobs, agg, is_weights):
 
 def gspo_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, response_mask: Tensor,
               clip_low: float, clip_high: float, num_seqs: float | Tensor | None = None,
-              is_weights: Tensor | None = None) -> tuple[Tensor, dict[str, float]]:
+              is_weights: Tensor | None = None, agg_mode: str = "seq-mean-token-mean",
+              num_tokens: float | Tensor | None = None,
+              loss_scale_factor: float | None = None) -> tuple[Tensor, dict[str, float]]:
     """GSPO: PPO clipping on the sequence ratio s = exp(mean_t log(pi/pi_old)), one per response.
 
     Each token carries s in value but its own log-prob's gradient: log s_t = sg(log s) + logp -
-    sg(logp). Always aggregated seq-mean-token-mean, as GSPO defines it.
+    sg(logp). Aggregated with actor.loss_agg_mode, as verl 0.9.1 does (the paper's is
+    seq-mean-token-mean).
     """
     mask = response_mask.to(logp.dtype)
     seq_log_ratio = ((logp - old_logp) * mask).sum(-1) / mask.sum(-1).clamp(min=1)  # [batch]
@@ -131,7 +137,7 @@ def gspo_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, response_mask:
     loss_mat = torch.maximum(unclipped, clipped)
     if is_weights is not None:
         loss_mat = loss_mat * is_weights
-    loss = agg_loss(loss_mat, mask, "seq-mean-token-mean", num_seqs=num_seqs)
+    loss = agg_loss(loss_mat, mask, agg_mode, num_tokens, num_seqs, loss_scale_factor)
     return loss, {"pg_clipfrac": masked_mean((clipped > unclipped).float(), mask).item(),
                   "pg_clipfrac_lower": 0.0,
                   "ppo_kl": masked_mean((old_logp - logp).detach(), mask).item()}
@@ -290,7 +296,8 @@ def token_logprobs(logits: Tensor, tokens: Tensor) -> Tensor:
 # loss_mode name -> fn(logp, old_logp, advantages, mask, knobs, {num_tokens, num_seqs}, is_weights)
 POLICY_LOSSES = {
     "vanilla": _vanilla,
-    "gspo": lambda lp, old, a, m, k, agg, w: gspo_loss(lp, old, a, m, k.clip_low, k.clip_high, agg["num_seqs"], w),
+    "gspo": lambda lp, old, a, m, k, agg, w: gspo_loss(lp, old, a, m, k.clip_low, k.clip_high, agg["num_seqs"], w,
+                                                       k.agg_mode, agg["num_tokens"], k.loss_scale_factor),
     "gpg": lambda lp, old, a, m, k, agg, w: gpg_loss(lp, a, m, k.agg_mode, w, loss_scale_factor=k.loss_scale_factor, **agg),
     "clip_cov": lambda lp, old, a, m, k, agg, w: clip_cov_loss(lp, old, a, m, k, w, **agg),
     "kl_cov": lambda lp, old, a, m, k, agg, w: kl_cov_loss(lp, old, a, m, k, w, **agg),

@@ -73,8 +73,9 @@ def test_grpo_pair_group_and_identical_scores():
 
 def test_rloo_by_hand():
     adv, returns = rloo(REWARDS, MASK, GROUPS)
-    # group 7: 1 - (3+5)/2 = -3, 3 - (1+5)/2 = 0, 5 - (1+3)/2 = 3; the lone sample gets 0
-    expected = T([[-3.0, -3, -3], [0, 0, 0], [0, 0, 0], [3, 3, 3]])
+    # group 7: 1 - (3+5)/2 = -3, 3 - (1+5)/2 = 0, 5 - (1+3)/2 = 3; the lone sample keeps its score 2
+    # (verl 0.9.1: no baseline for a group of one, the raw score is the advantage)
+    expected = T([[-3.0, -3, -3], [2, 0, 0], [0, 0, 0], [3, 3, 3]])
     assert_close(adv, expected)
     assert_close(returns, expected)
 

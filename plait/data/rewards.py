@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from plait.configtree import ConfigError, build, check
-from plait.data.math_rewards import MATH_SOURCES, dapo_score, gsm8k_score, math_score
+from plait.data.math_rewards import DAPO_SOURCES, MATH_SOURCES, dapo_score, gsm8k_score, math_score
 from plait.errors import Interrupted, RunError
 from plait.profiler.config import RoleProfilerConfig
 
@@ -370,7 +370,7 @@ SCORERS = {
     "reverse": functools.partial(exact_match_score, "reverse"),
     "openai/gsm8k": gsm8k_score,
     **{source: math_score for source in MATH_SOURCES},
-    "math_dapo": dapo_score,
+    **{source: dapo_score for source in DAPO_SOURCES},
 }
 
 MANAGERS = {"naive": naive_manager, "batch": batch_manager, "dapo": dapo_manager}

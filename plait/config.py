@@ -13,6 +13,7 @@ the one place that sees the whole tree.
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 import sys
 from dataclasses import dataclass, field
@@ -133,9 +134,11 @@ class PolicyLossConfig:
     clip_cov_ub: float = 5.0
     kl_cov_ratio: float = 0.0002
     ppo_kl_coef: float = 0.1
+    dro_beta: Optional[float] = None          # DRO's quadratic penalty; needed with loss_mode=dro
 
     def __post_init__(self):
-        one_of(self, "loss_mode", POLICY_LOSSES)
+        one_of(self, "loss_mode", (*POLICY_LOSSES, "bypass_mode"))  # bypass_mode: PlaitConfig maps it
+        check(self.loss_mode != "dro" or (self.dro_beta or 0) > 0, "dro_beta", self.dro_beta, "> 0 with loss_mode=dro")
         positive(self, "clip_cov_ratio", "kl_cov_ratio")
         check(self.clip_cov_lb < self.clip_cov_ub, "clip_cov_ub", self.clip_cov_ub, f"must be > clip_cov_lb ({self.clip_cov_lb})")
 
@@ -332,6 +335,8 @@ class RolloutCorrectionConfig:
         check(self.rollout_is is None or self.rollout_is in IS_LEVELS, "rollout_is", self.rollout_is,
               f"null or one of {', '.join(IS_LEVELS)}")
         one_of(self, "loss_type", BYPASS_LOSS_TYPES)
+        t = self.rollout_rs_threshold
+        check(not isinstance(t, float) or math.isfinite(t), "rollout_rs_threshold", t, "a finite bound, a string or null")
         if self.rollout_rs is not None:
             try:
                 parse_rs(self.rollout_rs, self.rollout_rs_threshold)
@@ -538,6 +543,8 @@ class PlaitConfig:
               "actor_rollout_ref.rollout.n", self.actor_rollout_ref.rollout.n,
               ">= 2 with algorithm.adv_estimator=grpo_passk (best minus second best of each prompt's responses)")
         correction = self.algorithm.rollout_correction
+        if actor.policy_loss.loss_mode == "bypass_mode":  # verl's name for the loss its bypass mode selects
+            actor.policy_loss.loss_mode, correction.bypass_mode = "vanilla", True
         # bypass mode takes rollout_is too, as verl does: the actor weighs pi_current / pi_rollout with
         # loss_type=reinforce; with ppo_clip the clipped ratio is the correction and the weights are only reported
         if correction.rollout_is is None and mode in ASYNC_MODES and not correction.bypass_mode:

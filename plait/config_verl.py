@@ -412,14 +412,13 @@ _GROUPS = {
         skip
         ray_kwargs.ray_init.runtime_env.py_executable
     """,
-    ("verl options plait does not implement (docs/verl.md lists them): critic adapters and tokenizer, DRO's "
-     "beta, strict checkpoint loading (plait always loads strictly), logging cadence and debug switches, "
+    ("verl options plait does not implement (docs/verl.md lists them): critic adapters and tokenizer, "
+     "strict checkpoint loading (plait always loads strictly), logging cadence and debug switches, "
      "older rollout-correction spellings"): """
         critic.model.hf_config_path
         critic.model.custom_chat_template
         critic.model.exclude_modules
         critic.model.lora_adapter_path
-        actor_rollout_ref.actor.policy_loss.dro_beta
         actor_rollout_ref.actor.checkpoint.strict
         trainer.tensorboard_dir
         trainer.log_freq

@@ -65,13 +65,16 @@ def grpo(token_rewards: Tensor, response_mask: Tensor, group_ids: Tensor,
     return adv, adv
 
 
-def rloo(token_rewards: Tensor, response_mask: Tensor, group_ids: Tensor) -> tuple[Tensor, Tensor]:
-    """Leave-one-out baseline: s_i minus the mean of the other samples of its group (alone: s_i, as verl 0.9.1)."""
+def rloo(token_rewards: Tensor, response_mask: Tensor, group_ids: Tensor,
+         lone_keeps_score: bool = True) -> tuple[Tensor, Tensor]:
+    """Leave-one-out baseline: s_i minus the mean of the other samples of its group. Alone, verl 0.9.1's
+    rloo keeps s_i and its rloo_vectorized gives 0 (`lone_keeps_score`)."""
     mask = response_mask.to(token_rewards.dtype)
     scores = (token_rewards * mask).sum(-1)  # [batch]
     size, mean, _ = _group_stats(scores, group_ids)
     # s_i - (n*mean - s_i)/(n-1) = n/(n-1) * (s_i - mean)
-    adv = torch.where(size > 1, size / (size - 1).clamp(min=1) * (scores - mean), scores)  # [batch]
+    adv = torch.where(size > 1, size / (size - 1).clamp(min=1) * (scores - mean),
+                      scores if lone_keeps_score else 0.0)  # [batch]
     adv = adv[:, None] * mask  # [batch, resp_len]
     return adv, adv
 
@@ -209,6 +212,9 @@ ESTIMATORS = {
     "grpo": lambda a: grpo(a.token_rewards, a.response_mask, a.group_ids, norm_by_std=a.norm_by_std),
     "grpo_passk": lambda a: grpo_passk(a.token_rewards, a.response_mask, a.group_ids, norm_by_std=a.norm_by_std),
     "rloo": lambda a: rloo(a.token_rewards, a.response_mask, a.group_ids),
+    # verl's vectorized twins: the same numbers (rloo_vectorized gives a lone sample 0)
+    "grpo_vectorized": lambda a: grpo(a.token_rewards, a.response_mask, a.group_ids, norm_by_std=a.norm_by_std),
+    "rloo_vectorized": lambda a: rloo(a.token_rewards, a.response_mask, a.group_ids, lone_keeps_score=False),
     "reinforce_plus_plus": lambda a: reinforce_plus_plus(a.token_rewards, a.response_mask, a.gamma),
     "reinforce_plus_plus_baseline": lambda a: reinforce_plus_plus_baseline(a.token_rewards, a.response_mask,
                                                                            a.group_ids),

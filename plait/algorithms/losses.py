@@ -99,6 +99,7 @@ class PolicyLossKnobs:
     ppo_kl_coef: float = 0.1                # KL-Cov's |log ratio| coefficient
     tau_pos: float = 1.0                    # SAPO's gate temperatures for A > 0 and A <= 0
     tau_neg: float = 1.05
+    dro_beta: float | None = None           # DRO's quadratic log-ratio penalty
 
 
 def policy_loss(mode: str, logp: Tensor, old_logp: Tensor, advantages: Tensor, response_mask: Tensor,
@@ -260,6 +261,46 @@ def cispo_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, response_mask
                   "ppo_kl": masked_mean((old_logp - logp).detach(), mask).item()}
 
 
+def dppo_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, response_mask: Tensor, k: PolicyLossKnobs,
+              divergence: str, is_weights: Tensor | None = None, **agg) -> tuple[Tensor, dict[str, float]]:
+    """DPPO (binary TV or binary KL): -A * sg(min(r, clip_c)) * log pi on the tokens whose probability
+    moved less than the bound in the direction A pushes; the others carry no gradient. clip_low and
+    clip_high bound the divergence: tv is p - p_old; kl is the KL between the two Bernoullis
+    (p_old, p) of the sampled token, checked only when p moved the way A pushes."""
+    mask = response_mask.to(logp.dtype)
+    log_ratio = torch.clamp(logp - old_logp, -20.0, 20.0)
+    ratio = torch.exp(log_ratio)
+    truncated = torch.clamp(ratio, max=k.clip_c).detach()
+    prob, old_prob = torch.exp(logp), torch.exp(old_logp)
+    if divergence == "tv":
+        up_ok, down_ok = prob - old_prob <= k.clip_high, prob - old_prob >= -k.clip_low
+    else:
+        bkl = old_prob * (old_logp - logp) + (1 - old_prob) * torch.log((1.0 - old_prob + 1e-8) / (1.0 - prob + 1e-8))
+        up_ok, down_ok = (bkl <= k.clip_high) | (prob <= old_prob), (bkl <= k.clip_low) | (prob >= old_prob)
+    kept = torch.where(advantages > 0, up_ok, down_ok).detach().to(logp.dtype)  # [batch, resp_len]
+    loss_mat = -advantages * truncated * logp * kept
+    if is_weights is not None:
+        loss_mat = loss_mat * is_weights
+    loss = agg_loss(loss_mat, mask, k.agg_mode, loss_scale_factor=k.loss_scale_factor, **agg)
+    return loss, {"pg_clipfrac": masked_mean(1.0 - kept, mask).item(),
+                  "pg_clipfrac_lower": masked_mean((ratio > k.clip_c).to(logp.dtype) * kept, mask).item(),
+                  "ppo_kl": masked_mean(-log_ratio.detach(), mask).item()}
+
+
+def dro_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, response_mask: Tensor, k: PolicyLossKnobs,
+             is_weights: Tensor | None = None, **agg) -> tuple[Tensor, dict[str, float]]:
+    """DRO: -(A * log pi - beta/2 * (log pi - log pi_old)^2) per token (policy_loss.dro_beta)."""
+    if k.dro_beta is None or k.dro_beta <= 0:
+        raise ValueError("policy_loss.dro_beta must be > 0 with loss_mode=dro")
+    log_ratio = logp - old_logp
+    loss_mat = -(logp * advantages - 0.5 * k.dro_beta * log_ratio ** 2)
+    if is_weights is not None:
+        loss_mat = loss_mat * is_weights
+    loss = agg_loss(loss_mat, response_mask, k.agg_mode, loss_scale_factor=k.loss_scale_factor, **agg)
+    return loss, {"pg_clipfrac": 0.0, "pg_clipfrac_lower": 0.0,
+                  "ppo_kl": masked_mean(-log_ratio.detach(), response_mask).item()}
+
+
 def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, response_mask: Tensor,
                cliprange: float = 0.5, agg_mode: str = "token-mean",
                num_tokens: float | Tensor | None = None,
@@ -304,4 +345,7 @@ POLICY_LOSSES = {
     "geo_mean": lambda lp, old, a, m, k, agg, w: geo_mean_loss(lp, old, a, m, k.clip_low, k.clip_high, agg["num_seqs"], w),
     "sapo": lambda lp, old, a, m, k, agg, w: sapo_loss(lp, old, a, m, k.tau_pos, k.tau_neg, agg["num_seqs"], w),
     "cispo": lambda lp, old, a, m, k, agg, w: cispo_loss(lp, old, a, m, k, w, **agg),
+    "dppo_tv": lambda lp, old, a, m, k, agg, w: dppo_loss(lp, old, a, m, k, "tv", w, **agg),
+    "dppo_kl": lambda lp, old, a, m, k, agg, w: dppo_loss(lp, old, a, m, k, "kl", w, **agg),
+    "dro": lambda lp, old, a, m, k, agg, w: dro_loss(lp, old, a, m, k, w, **agg),
 }

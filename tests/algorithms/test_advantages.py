@@ -144,6 +144,8 @@ def test_compute_advantages_dispatches_to_each_estimator():
         "remax": remax(REWARDS, MASK, baselines),
         "opo": opo(REWARDS, MASK, PAIRS),
         "gpg": gpg(REWARDS, MASK, PAIRS),
+        "grpo_vectorized": grpo(REWARDS, MASK, PAIRS, norm_by_std=False),
+        "rloo_vectorized": rloo(REWARDS, MASK, PAIRS, lone_keeps_score=False),
     }
     assert set(direct) == set(ESTIMATORS)
     for name, (adv, ret) in direct.items():
@@ -155,7 +157,7 @@ def test_compute_advantages_dispatches_to_each_estimator():
 
 def test_compute_advantages_errors():
     kw = dict(token_rewards=REWARDS, response_mask=MASK, group_ids=GROUPS)
-    with pytest.raises(ValueError, match="'ppo'.*grpo, grpo_passk, rloo, reinforce_plus_plus"):
+    with pytest.raises(ValueError, match="'ppo'.*grpo, grpo_passk, rloo, grpo_vectorized, rloo_vectorized, reinforce_plus_plus"):
         compute_advantages("ppo", **kw)
     with pytest.raises(ValueError, match="gae.*values"):
         compute_advantages("gae", **kw)

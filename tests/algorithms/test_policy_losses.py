@@ -107,6 +107,7 @@ def test_cispo_weights_log_probs_by_the_clipped_ratio():
 
 
 def test_unknown_mode_names_the_valid_ones():
-    assert set(POLICY_LOSSES) == {"vanilla", "gspo", "gpg", "clip_cov", "kl_cov", "geo_mean", "sapo", "cispo"}
+    assert set(POLICY_LOSSES) == {"vanilla", "gspo", "gpg", "clip_cov", "kl_cov", "geo_mean", "sapo", "cispo",
+                                 "dppo_tv", "dppo_kl", "dro"}
     with pytest.raises(ValueError, match="'ppo'.*vanilla, gspo"):
         policy_loss("ppo", *[torch.zeros(1, 1)] * 4, PolicyLossKnobs())

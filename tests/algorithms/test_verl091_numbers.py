@@ -43,3 +43,46 @@ def test_adaptive_kl_controller_advances_by_responses(tmp_path, tiny_config):
     # or positive after the first update (error +0.2, since target 1e-9): 16 responses per step
     error = -0.2 if first["actor/reward_kl_penalty"] == 0 else 0.2
     assert second["actor/reward_kl_penalty_coeff"] == pytest.approx(0.1 * (1 + error * 16 / 100))
+
+
+def _loss(mode, logp, old, adv, mask, **knobs):
+    from plait.algorithms.losses import PolicyLossKnobs, policy_loss
+    logp = T(logp, dtype=torch.float64).requires_grad_()
+    loss, metrics = policy_loss(mode, logp, T(old, dtype=torch.float64), T(adv, dtype=torch.float64),
+                                T(mask, dtype=torch.float64), PolicyLossKnobs(**knobs))
+    loss.backward()
+    return loss.item(), metrics, logp.grad
+
+
+def test_dppo_tv_drops_tokens_whose_probability_moved_past_the_bound():
+    import math
+    # token 0: p 0.5 -> 0.7 with A=+1 moved up by 0.2 > 0.1: dropped. token 1: p 0.5 -> 0.55 (+0.05): kept,
+    # ratio 1.1, loss -1 * 1.1 * log 0.55; token-mean over 2 tokens
+    logp, old = [[math.log(0.7), math.log(0.55)]], [[math.log(0.5), math.log(0.5)]]
+    loss, metrics, grad = _loss("dppo_tv", logp, old, [[1.0, 1.0]], [[1, 1]], clip_low=0.1, clip_high=0.1)
+    assert loss == pytest.approx(-1.1 * math.log(0.55) / 2)
+    assert metrics["pg_clipfrac"] == pytest.approx(0.5)
+    assert_close(grad, T([[0.0, -1.1 / 2]], dtype=torch.float64))
+
+
+def test_dro_is_reward_minus_a_quadratic_log_ratio_penalty():
+    # -(A logp - beta/2 (logp - old)^2) = -(2 * -1 - 0.5/2 * 0.25) = 2.0625 for one token
+    loss, _, grad = _loss("dro", [[-1.0]], [[-1.5]], [[2.0]], [[1]], dro_beta=0.5)
+    assert loss == pytest.approx(2.0625)
+    assert_close(grad, T([[-2.0 + 0.5 * 0.5]], dtype=torch.float64))  # -A + beta (logp - old)
+
+
+def test_vectorized_estimators_are_verls_twins():
+    from plait.algorithms.advantages import compute_advantages
+    rewards, mask, ids = T([[1.0], [3.0], [2.0]]), torch.ones(3, 1), T([0, 0, 1])
+    run = lambda name: compute_advantages(name, token_rewards=rewards, response_mask=mask, group_ids=ids,  # noqa: E731
+                                          values=None, gamma=1.0, lam=1.0, norm_by_std=True, baselines=None)[0]
+    assert_close(run("grpo_vectorized"), run("grpo"))
+    assert_close(run("rloo_vectorized"), T([[-2.0], [2.0], [0.0]]))  # 1 - 3, 3 - 1; alone: 0 (rloo keeps 2)
+    assert_close(run("rloo"), T([[-2.0], [2.0], [2.0]]))
+
+
+def test_loss_mode_bypass_mode_selects_verls_bypass():
+    from plait.config import load_config
+    cfg = load_config(None, ["actor_rollout_ref.actor.policy_loss.loss_mode=bypass_mode"])
+    assert cfg.algorithm.rollout_correction.bypass_mode and cfg.actor_rollout_ref.actor.policy_loss.loss_mode == "vanilla"

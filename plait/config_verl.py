@@ -383,6 +383,12 @@ _GROUPS = {
         critic.model.use_fused_kernels
         critic.model.fused_kernel_options.impl_backend
     """,
+    ("FSDP mixed-precision policies: plait's workers compute in actor_rollout_ref.model.dtype (the FSDP2 "
+     "work implements these)"): """
+        actor_rollout_ref.actor.fsdp_config.mixed_precision
+        actor_rollout_ref.ref.fsdp_config.mixed_precision
+        critic.model.fsdp_config.mixed_precision
+    """,
     ("verl 0.9 serving, routing and agent machinery (prefill/decode disaggregation, routers, MoE load metrics, "
      "tool functions, rollout traces, custom checkpoint-engine backends): plait's rollout is single-turn "
      "generation in its own engine"): """

@@ -134,3 +134,11 @@ def test_no_legacy_key_maps_onto_a_key_plait_does_not_have():
     for new in LEGACY_REWARD.values():
         assert new in fields | sections or any(new == k or new.startswith(k + ".") or k.startswith(new + ".")
                                                for k in NO_EFFECT), new
+
+
+def test_the_rewards_and_the_lm_pipeline_import_without_circles():
+    # config.py <-> data/rewards.py (MANAGERS, OverlongBufferConfig) and driver.py <-> trainers/lm.py
+    # (resolve_reward) were circles: the rewards now own their config node and their resolver
+    code = ("import sys; import plait.data.rewards; assert 'plait.config' not in sys.modules; "
+            "import plait.trainers.lm; assert 'plait.driver' not in sys.modules")
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=120).returncode == 0

@@ -42,7 +42,8 @@ def one_line_exit_2(argv, capsys, *words):
     (["actor_rollout_ref.model.torch_dtype=bfloat16", "trainer.log_freq=10", "trainer.debug=false",
       "trainer.tensorboard_dir=/tb", "actor_rollout_ref.actor.num_images_in_input=2",
       "algorithm.rollout_correction.rollout_token_veto_threshold=1e-4",
-      "algorithm.rollout_correction.rollout_rs_threshold_lower=0.5"], lambda c: True),
+      "algorithm.rollout_correction.rollout_rs_threshold_lower=0.5",
+      "actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=bf16"], lambda c: True),
 ])
 def test_values_and_keys_verl_accepts_load(overrides, check, capsys):
     assert check(load_config(None, overrides))
@@ -61,7 +62,7 @@ def test_values_plait_cannot_run_are_one_line(overrides, words):
         load_config(None, overrides)
 
 
-@pytest.mark.parametrize("logger", ["mlflow", "swanlab"])
+@pytest.mark.parametrize("logger", ["mlflow", "swanlab", "wandb"])
 def test_config_show_and_train_agree_on_a_missing_logger_package(logger, capsys, tmp_path):
     pytest.importorskip("sys")
     import importlib.util

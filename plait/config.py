@@ -542,6 +542,8 @@ class PlaitConfig:
         check(self.algorithm.adv_estimator != "grpo_passk" or self.actor_rollout_ref.rollout.n >= 2,
               "actor_rollout_ref.rollout.n", self.actor_rollout_ref.rollout.n,
               ">= 2 with algorithm.adv_estimator=grpo_passk (best minus second best of each prompt's responses)")
+        check(lm or not self.algorithm.filter_groups.enable, "algorithm.filter_groups.enable", True,
+              "false with trainer.mode=diffusion (DAPO's dynamic sampling runs in the language-model modes)")
         correction = self.algorithm.rollout_correction
         if actor.policy_loss.loss_mode == "bypass_mode":  # verl's name for the loss its bypass mode selects
             actor.policy_loss.loss_mode, correction.bypass_mode = "vanilla", True

@@ -69,3 +69,12 @@ def test_filter_groups_trains_and_logs_verls_metrics(tmp_path, tiny_config):
 def test_filter_groups_off_is_verls_default_and_plain_scripts_set_it(tiny_config, tmp_path):
     cfg = tiny_config(tmp_path, "algorithm.filter_groups.enable=False")
     assert cfg.algorithm.filter_groups.metric == "reward" and not cfg.algorithm.filter_groups.enable
+
+
+def test_filter_groups_is_refused_where_it_cannot_apply():
+    from plait.config import load_config
+    from plait.configtree import ConfigError
+    with pytest.raises(ConfigError, match="filter_groups.enable=True: false with trainer.mode=diffusion"):
+        load_config(None, ["trainer.mode=diffusion", "algorithm.filter_groups.enable=true"])
+    with pytest.raises(ConfigError, match="filter_groups.metric=None: a metric name"):
+        load_config(None, ["algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=null"])

@@ -89,7 +89,8 @@ DAPO_REWARD = ("def compute_score(data_source, solution_str, ground_truth, extra
 
 
 @pytest.mark.parametrize("name", ["grpo_qwen2_7b", "ppo_deepseek7b", "one_step_off_grpo", "ppo_reward_model",
-                                  "grpo_lora_qwen2_5_3b", "dapo_qwen2_5_7b", "main_ppo_verl091_cispo"])
+                                  "grpo_lora_qwen2_5_3b", "dapo_qwen2_5_7b", "main_ppo_verl091_cispo",
+                                  "fully_async_train_batch_0"])
 def test_recorded_scripts_train_two_steps(name, tiny_paths, tmp_path):
     # What a user without wandb appends, as verl's scripts pass on "$@".
     extra = ["trainer.total_training_steps=2", "trainer.logger=console", f"trainer.default_local_dir={tmp_path}"]

@@ -376,9 +376,15 @@ class AlgorithmConfig:
     kl_ctrl: KLCtrlConfig = field(default_factory=KLCtrlConfig)
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
+    gdpo_reward_keys: Optional[list[str]] = None       # gdpo: the reward function's result keys to normalise apart
+    gdpo_reward_weights: Optional[list[float]] = None  # gdpo: one weight per key; null: 1 each
 
     def __post_init__(self):
         one_of(self, "adv_estimator", ESTIMATORS)
+        check(self.adv_estimator != "gdpo" or bool(self.gdpo_reward_keys), "gdpo_reward_keys", self.gdpo_reward_keys,
+              "the reward components' keys with adv_estimator=gdpo (e.g. [format_reward,accuracy_reward])")
+        check(self.gdpo_reward_weights is None or len(self.gdpo_reward_weights) == len(self.gdpo_reward_keys or []),
+              "gdpo_reward_weights", self.gdpo_reward_weights, "one weight per gdpo_reward_keys entry")
         check(not (self.filter_groups.enable and self.use_kl_in_reward and self.filter_groups.metric == "seq_final_reward"),
               "filter_groups.metric", self.filter_groups.metric, "reward, score, seq_reward or a reward key with "
               "use_kl_in_reward=true: groups are filtered before the in-reward KL is computed")

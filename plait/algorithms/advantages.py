@@ -96,6 +96,20 @@ def reinforce_plus_plus(token_rewards: Tensor, response_mask: Tensor,
     return masked_whiten(returns, mask), returns
 
 
+def gdpo(components: Tensor, weights: Tensor, response_mask: Tensor, group_ids: Tensor,
+         norm_by_std: bool = True) -> tuple[Tensor, Tensor]:
+    """GDPO: each reward component [k, batch] normalised within its groups as GRPO does, summed with
+    `weights` [k], then whitened over the batch's valid tokens (so no one component drowns the others)."""
+    mask = response_mask.to(components.dtype)
+    total = torch.zeros_like(mask)
+    for comp, w in zip(components, weights):
+        tokens = torch.zeros_like(mask)
+        tokens[:, 0] = comp * mask[:, 0]  # a sequence's score, summed over its tokens by grpo
+        total = total + w * grpo(tokens, mask, group_ids, norm_by_std)[0]
+    adv = masked_whiten(total, mask)  # [batch, resp_len]
+    return adv, adv
+
+
 def grpo_passk(token_rewards: Tensor, response_mask: Tensor, group_ids: Tensor,
                norm_by_std: bool = True, eps: float = 1e-6) -> tuple[Tensor, Tensor]:
     """Pass@k: only each group's best response learns, with advantage best - second best
@@ -185,6 +199,8 @@ class AdvantageInputs:
     group_ids: Tensor                     # [batch]
     values: Tensor | None = None          # [batch, resp_len], from a critic (gae)
     baselines: Tensor | None = None       # [batch], greedy responses' scores (remax)
+    components: Tensor | None = None      # [k, batch] reward components (gdpo: algorithm.gdpo_reward_keys)
+    component_weights: Tensor | None = None  # [k]; null: 1 each
     gamma: float = 1.0
     lam: float = 1.0
     norm_by_std: bool = True
@@ -197,6 +213,8 @@ def compute_advantages(estimator: str, **inputs) -> tuple[Tensor, Tensor]:
         raise ValueError(f"unknown advantage estimator {estimator!r}; "
                          f"valid: {', '.join(ESTIMATORS)}")
     a = AdvantageInputs(**inputs)
+    if estimator == "gdpo" and a.components is None:
+        raise ValueError("the 'gdpo' estimator needs the reward components: pass components=[k, batch]")
     if estimator == "gae" and a.values is None:
         raise ValueError("the 'gae' estimator needs values from a critic: "
                          "pass values=[batch, resp_len]")
@@ -222,4 +240,6 @@ ESTIMATORS = {
     "opo": lambda a: opo(a.token_rewards, a.response_mask, a.group_ids),
     "gpg": lambda a: gpg(a.token_rewards, a.response_mask, a.group_ids),
     "gae": lambda a: gae(a.token_rewards, a.values, a.response_mask, a.gamma, a.lam),
+    "gdpo": lambda a: gdpo(a.components, torch.ones(len(a.components)) if a.component_weights is None
+                           else a.component_weights, a.response_mask, a.group_ids, a.norm_by_std),
 }

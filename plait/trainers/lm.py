@@ -297,7 +297,7 @@ class LMTrainer:
             with timer.stage("values"):
                 batch.values = roles.critic.call(Critic.compute_values, batch)
         with timer.stage("adv"):
-            metrics.update(self.compute_advantage(batch, baselines))
+            metrics.update(self.compute_advantage(batch, baselines, extra))
         if roles.critic is not None:
             with timer.stage("update_critic"):
                 metrics.update(roles.critic.call(Critic.update, batch))
@@ -345,8 +345,17 @@ class LMTrainer:
                                          ref.log_prob_max_token_len_per_gpu if ref.log_prob_use_dynamic_bsz else None)
         return self.roles.ref.call(Ref.compute_ref_log_prob, batch)
 
-    def compute_advantage(self, batch: RolloutBatch, baselines: torch.Tensor | None = None) -> dict[str, float]:
+    def compute_advantage(self, batch: RolloutBatch, baselines: torch.Tensor | None = None,
+                          extra: dict[str, list[float]] | None = None) -> dict[str, float]:
         alg, metrics = self.cfg.algorithm, {}
+        components = weights = None
+        if alg.adv_estimator == "gdpo":  # the reward's result keys, each normalised within groups
+            missing = [k for k in alg.gdpo_reward_keys if k not in (extra or {})]
+            if missing:
+                raise RunError(f"algorithm.gdpo_reward_keys: the reward function returned no {', '.join(missing)} "
+                               f"(it returned: {', '.join(['score', *(extra or {})])})")
+            components = torch.tensor([extra[k] for k in alg.gdpo_reward_keys], dtype=torch.float32)  # [k, batch]
+            weights = None if alg.gdpo_reward_weights is None else torch.tensor(alg.gdpo_reward_weights)
         if alg.use_kl_in_reward:
             batch.token_rewards, kl_metrics = apply_kl_penalty(
                 batch.token_scores, batch.old_logprobs, batch.ref_logprobs, batch.response_mask,
@@ -359,7 +368,8 @@ class LMTrainer:
         batch.advantages, batch.returns = compute_advantages(
             alg.adv_estimator, token_rewards=batch.token_rewards, response_mask=batch.response_mask,
             group_ids=batch.group_ids, values=batch.values, gamma=alg.gamma, lam=alg.lam,
-            norm_by_std=alg.norm_adv_by_std_in_grpo, baselines=baselines)
+            norm_by_std=alg.norm_adv_by_std_in_grpo, baselines=baselines, components=components,
+            component_weights=weights)
         return metrics
 
 

@@ -8,7 +8,7 @@ from torch.testing import assert_close
 
 from plait.algorithms.advantages import (ESTIMATORS, compute_advantages, gae, gpg, grpo, grpo_passk,
                                          masked_mean, masked_whiten, opo, reinforce_plus_plus,
-                                         reinforce_plus_plus_baseline, remax, rloo)
+                                         reinforce_plus_plus_baseline, remax, rloo, gdpo)
 
 torch.set_num_threads(1)
 T = torch.tensor
@@ -133,8 +133,10 @@ def test_compute_advantages_dispatches_to_each_estimator():
     values = torch.rand(4, 3)
     baselines = torch.rand(4)
     PAIRS = T([7, 3, 7, 3])  # grpo_passk needs two samples per group
-    kw = dict(token_rewards=REWARDS, response_mask=MASK, group_ids=PAIRS)
+    components = torch.rand(2, 4)
+    kw = dict(token_rewards=REWARDS, response_mask=MASK, group_ids=PAIRS, components=components)
     direct = {
+        "gdpo": gdpo(components, torch.ones(2), MASK, PAIRS, norm_by_std=False),
         "grpo": grpo(REWARDS, MASK, PAIRS, norm_by_std=False),
         "rloo": rloo(REWARDS, MASK, PAIRS),
         "reinforce_plus_plus": reinforce_plus_plus(REWARDS, MASK, gamma=0.9),

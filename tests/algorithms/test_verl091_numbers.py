@@ -86,3 +86,38 @@ def test_loss_mode_bypass_mode_selects_verls_bypass():
     from plait.config import load_config
     cfg = load_config(None, ["actor_rollout_ref.actor.policy_loss.loss_mode=bypass_mode"])
     assert cfg.algorithm.rollout_correction.bypass_mode and cfg.actor_rollout_ref.actor.policy_loss.loss_mode == "vanilla"
+
+
+def test_gdpo_normalises_each_reward_component_within_groups_then_whitens():
+    import math
+    from plait.algorithms.advantages import gdpo
+    # component a varies only in group 0 (1, 3), b only in group 1 (2, 4): each gives -+1/sqrt(2) there
+    comps = T([[1.0, 3.0, 0.0, 0.0], [0.0, 0.0, 2.0, 4.0]])
+    adv, _ = gdpo(comps, T([1.0, 1.0]), torch.ones(4, 1), T([0, 0, 1, 1]))
+    # summed: [-r, r, -r, r]; whitened over 4 tokens (unbiased var 2/3): +-sqrt(3)/2
+    s = math.sqrt(3) / 2
+    assert_close(adv, T([[-s], [s], [-s], [s]]), atol=1e-4, rtol=1e-4)
+
+
+def test_gdpo_needs_its_reward_keys():
+    from plait.config import load_config
+    from plait.configtree import ConfigError
+    with pytest.raises(ConfigError, match="gdpo_reward_keys=None: the reward components' keys"):
+        load_config(None, ["algorithm.adv_estimator=gdpo"])
+    cfg = load_config(None, ["algorithm.adv_estimator=gdpo", "+algorithm.gdpo_reward_keys=[format,acc]",
+                             "+algorithm.gdpo_reward_weights=[1,2]"])
+    assert cfg.algorithm.gdpo_reward_keys == ["format", "acc"] and cfg.algorithm.gdpo_reward_weights == [1.0, 2.0]
+
+
+def test_gdpo_trains_on_the_reward_functions_components(tmp_path, tiny_config):
+    (tmp_path / "reward.py").write_text(
+        "def parts(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    code = sum(map(ord, solution_str))\n"
+        "    fmt, acc = float(code % 2), float(code % 3 == 0)\n"
+        "    return {'score': fmt + acc, 'fmt': fmt, 'acc': acc}\n")
+    cfg = tiny_config(tmp_path, f"reward.custom_reward_function.path={tmp_path / 'reward.py'}",
+                      "reward.custom_reward_function.name=parts", "algorithm.adv_estimator=gdpo",
+                      "+algorithm.gdpo_reward_keys=[fmt,acc]", "trainer.total_training_steps=1", "trainer.test_freq=-1")
+    driver.build(cfg, progress=False).run()
+    record, = read_metrics(os.path.join(tmp_path, "metrics.jsonl"))
+    assert "actor/pg_loss" in record and record["critic/advantages/max"] != 0

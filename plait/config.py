@@ -25,7 +25,7 @@ from plait.algorithms.advantages import ESTIMATORS
 from plait.algorithms.kl import KL_ESTIMATORS
 from plait.algorithms.losses import LOSS_AGG_MODES, POLICY_LOSSES
 from plait.algorithms.rollout_correction import BYPASS_LOSS_TYPES, IS_LEVELS, parse_rs
-from plait.config_verl import (LEGACY_REWARD, LOCAL_BACKEND_NO_EFFECT, NO_EFFECT, compose_yaml, refusal,
+from plait.config_verl import (LEGACY_REWARD, LOCAL_BACKEND_NO_EFFECT, NO_EFFECT, compose_yaml, merge, refusal,
                                resolve_interpolations)
 from plait.configtree import ConfigError, build, check, raise_all, to_dict
 from plait.data.rewards import RewardConfig
@@ -714,7 +714,7 @@ def load_config(path: str | None = None, overrides: list[str] = (), search: list
     _inherit_from_actor(tree)
     demo = user.get("actor_rollout_ref.model.path") is None
     if demo:
-        tree = _merge(_read_yaml(DEMO_PRESET, "preset"), tree)
+        tree = merge(_read_yaml(DEMO_PRESET, "preset"), tree)
     try:
         cfg = build(PlaitConfig, tree)
     except ConfigError as err:
@@ -808,10 +808,3 @@ def _read_yaml(path: str | None, what: str) -> dict:
         raise ConfigError(what, path, "the YAML file must hold a mapping at the top level")
     return tree
 
-
-def _merge(base: dict, top: dict) -> dict:
-    """`top` over `base`, section by section."""
-    out = dict(base)
-    for key, value in top.items():
-        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
-    return out

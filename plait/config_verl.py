@@ -1,10 +1,13 @@
-"""verl keys plait accepts but that have no effect here, grouped by the reason.
+"""verl's interface beyond the tree's fields: keys with no effect here, refusals, verl 0.8's reward
+spellings, verl's entry points, and verl's YAML files (Hydra's defaults list and interpolations).
 
-verl's trainer tree (its ppo_trainer config and the one-step-off / fully-async recipe configs) has
-keys for machinery plait does not have: FSDP/Megatron sharding, vLLM/SGLang engine tuning, agent
-loops, extension classes. A verl script that sets them still loads; `load_config` takes them out of
-the tree and `no_effect_notice` names the ones the user set, once, at start, grouped by reason.
-Every other verl key is a field of the config tree (plait/config.py) with verl's default.
+verl's trainer tree (verl 0.9.1's generated ppo_trainer config, and the one-step-off / fully-async
+recipe configs) has keys for machinery plait does not have: FSDP/Megatron sharding, vLLM/SGLang
+engine tuning, agent loops, extension classes. A verl script that sets them still loads;
+`load_config` takes them out of the tree and `no_effect_notice` names the ones the user set, once,
+at start, grouped by reason. Every other verl key is a field of the config tree (plait/config.py)
+with verl's default. Left out: OmegaConf itself (`compose_yaml` and `resolve_interpolations` cover
+the forms verl's YAMLs use: defaults entries, `${key}`, `${.key}`, `oc.select`, `oc.env`).
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ import os
 import re
 
 import yaml
+
+from plait.configtree import ConfigError
 
 _GROUPS = {
     ("FSDP/Megatron sharding, offload, sequence parallelism and fused-kernel switches: each plait "
@@ -529,16 +534,11 @@ def entry_point_overrides(module: str | None) -> list[str]:
         return []
     module = module.removesuffix(".py").replace("/", ".")
     if module in REFUSED_RECIPES:
-        raise_entry(module, f"verl's recipe {REFUSED_RECIPES[module]} is not implemented in plait; "
-                            "it would otherwise run as plain PPO/GRPO")
+        raise ConfigError("--entry-point", module, f"verl's recipe {REFUSED_RECIPES[module]} is not implemented in "
+                                                   "plait; it would otherwise run as plain PPO/GRPO")
     if module not in ENTRY_POINTS:
-        raise_entry(module, f"not an entry point plait knows; it runs {', '.join(ENTRY_POINTS)}")
+        raise ConfigError("--entry-point", module, f"not an entry point plait knows; it runs {', '.join(ENTRY_POINTS)}")
     return ENTRY_POINTS[module]
-
-
-def raise_entry(module: str, why: str) -> None:
-    from plait.configtree import ConfigError
-    raise ConfigError("--entry-point", module, why)
 
 
 # -- verl's YAML files: Hydra's defaults list, `hydra:` and `_target_` ------------------------------
@@ -557,7 +557,6 @@ VERL_GROUPS = ("actor", "critic", "data", "model", "ref", "reward", "rollout", "
 
 def compose_yaml(tree: dict, where: str, search: list[str], read) -> dict:
     """`tree` (read from `where`) with its defaults list composed; `read(path)` reads one YAML file."""
-    from plait.configtree import ConfigError
     tree = dict(tree)
     tree.pop("hydra", None)
     defaults = tree.pop("defaults", None) or []
@@ -576,7 +575,6 @@ def compose_yaml(tree: dict, where: str, search: list[str], read) -> dict:
 
 
 def _default_entry(entry, where: str, search: list[str], read) -> dict:
-    from plait.configtree import ConfigError
     if isinstance(entry, dict) and len(entry) == 1:
         (key, option), = entry.items()
         group, _, package = str(key).removeprefix("override ").strip().partition("@")
@@ -635,7 +633,6 @@ def resolve_interpolations(tree: dict, defaults: dict) -> dict:
         return _MISSING
 
     def one(expr: str, here: str, depth: int):
-        from plait.configtree import ConfigError
         kind, _, rest = expr.partition(":") if expr.startswith("oc.") else ("", "", expr)
         key, _, fallback = rest.partition(",")
         if kind == "oc.env":

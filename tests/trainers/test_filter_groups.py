@@ -78,3 +78,12 @@ def test_filter_groups_is_refused_where_it_cannot_apply():
         load_config(None, ["trainer.mode=diffusion", "algorithm.filter_groups.enable=true"])
     with pytest.raises(ConfigError, match="filter_groups.metric=None: a metric name"):
         load_config(None, ["algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=null"])
+
+
+def test_filter_groups_in_one_step_off_takes_the_batch_in_flight(tmp_path, tiny_config):
+    cfg = tiny_config(tmp_path, *reward(tmp_path, "parity"), "algorithm.filter_groups.enable=true",
+                      "algorithm.adv_estimator=grpo", "trainer.mode=one_step_off", "trainer.placement=separated",
+                      "trainer.total_training_steps=2", "trainer.test_freq=-1")
+    driver.build(cfg, progress=False).run()
+    records = read_metrics(os.path.join(tmp_path, "metrics.jsonl"))
+    assert len(records) == 2 and all(r["train/num_gen_batches"] >= 1 for r in records)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 
 import torch
 import transformers
@@ -94,6 +95,7 @@ def preflight(cfg: PlaitConfig) -> None:
 
 
 def build(cfg: PlaitConfig, progress: bool = True) -> Lifecycle:
+    started = time.perf_counter()  # the run summary's start-up time counts model and worker set-up
     preflight(cfg)
     transformers.utils.logging.disable_progress_bar()  # per-load weight bars drown the step lines
     if cfg.trainer.num_threads:
@@ -115,7 +117,7 @@ def build(cfg: PlaitConfig, progress: bool = True) -> Lifecycle:
     lc = LifecycleConfig(output_dir=cfg.output_dir, test_freq=t.test_freq, save_freq=t.save_freq,
                          val_before_train=t.val_before_train, resume_mode=t.resume_mode,
                          resume_from_path=t.resume_from_path, max_ckpt_to_keep=checkpoints_to_keep(cfg))
-    return Lifecycle(lc, trainer, cfg.global_profiler, tracker, shutdown=backend.shutdown)
+    return Lifecycle(lc, trainer, cfg.global_profiler, tracker, shutdown=backend.shutdown, started=started)
 
 
 def checkpoints_to_keep(cfg: PlaitConfig) -> int | None:

@@ -48,7 +48,7 @@ class GlobalProfilerConfig:
     tool: Optional[str] = None              # None (off) | torch | torch_memory | nsys
     steps: Optional[list[int]] = None       # 1-based steps to profile; None or [] profiles none
     profile_continuous_steps: bool = False  # consecutive listed steps share one window
-    save_path: str = "outputs/profile"
+    save_path: Optional[str] = None         # null: <run output dir>/profile, so each run keeps its own
     finish_hook_cmd: Optional[str] = None   # shell command run once after the last window
     global_tool_config: GlobalToolConfig = field(default_factory=GlobalToolConfig)
 
@@ -59,8 +59,8 @@ class GlobalProfilerConfig:
               "expected null or a list of 1-based step numbers")
         for i, step in enumerate(self.steps or []):
             check(_positive_int(step), f"steps[{i}]", step, "expected an integer step >= 1 (steps are 1-based)")
-        check(isinstance(self.save_path, str) and self.save_path != "", "save_path", self.save_path,
-              "expected a non-empty path")
+        check(self.save_path is None or (isinstance(self.save_path, str) and self.save_path != ""), "save_path",
+              self.save_path, "expected null (the run's output dir/profile) or a non-empty path")
         check(self.finish_hook_cmd is None or (isinstance(self.finish_hook_cmd, str)
                                                and self.finish_hook_cmd.strip() != ""),
               "finish_hook_cmd", self.finish_hook_cmd, "expected null or a non-empty shell command")

@@ -24,7 +24,7 @@ from typing import Optional
 from plait.profiler.analysis import memory as mem
 from plait.profiler.analysis import svg
 from plait.profiler.analysis.traces import Trace, load_trace, merged_trace, top_ops, write_trace
-from plait.profiler.naming import read_manifest
+from plait.profiler.naming import MANIFEST, read_location, read_manifest
 from plait.profiler.timeline import TIMELINE_FILE, read_timeline
 
 MAX_GANTT_STEPS = 16
@@ -37,6 +37,7 @@ class Inputs:
     spans: list[dict]
     metrics: list[dict]
     manifest: list[dict]
+    looked: list[str]          # where a manifest was looked for (said when none was found)
 
 
 def locate(path: str, profile: Optional[str] = None, run: Optional[str] = None) -> Inputs:
@@ -44,14 +45,17 @@ def locate(path: str, profile: Optional[str] = None, run: Optional[str] = None) 
         raise FileNotFoundError(f"{path}: not a directory")
     has = lambda d, f: d is not None and os.path.exists(os.path.join(d, f))  # noqa: E731
     run = run or (path if has(path, TIMELINE_FILE) or has(path, "metrics.jsonl") else None)
-    profile = profile or next((d for d in (path, os.path.join(path, "profile")) if has(d, "manifest.jsonl")), None)
+    # the save_path the run recorded wins: it may point anywhere
+    looked = [profile] if profile else list(dict.fromkeys(
+        d for d in (run and read_location(run), path, os.path.join(path, "profile")) if d))
+    profile = next((d for d in looked if has(d, MANIFEST)), None)
     if run is None and profile is None:
-        raise FileNotFoundError(f"{path}: no timeline.jsonl, metrics.jsonl or manifest.jsonl here "
-                                "(give a run's output dir or a profiler save_path)")
+        raise FileNotFoundError(f"{path}: no timeline.jsonl, metrics.jsonl or manifest.jsonl here, nor a "
+                                f"manifest in {', '.join(looked)} (give a run's output dir or a profiler save_path)")
     spans = read_timeline(os.path.join(run, TIMELINE_FILE)) if has(run, TIMELINE_FILE) else []
     metrics = _read_jsonl(os.path.join(run, "metrics.jsonl")) if has(run, "metrics.jsonl") else []
     return Inputs(run, profile, spans, [m for m in metrics if m.get("step", 0) >= 1],
-                  read_manifest(profile) if profile else [])
+                  read_manifest(profile) if profile else [], looked)
 
 
 def _read_jsonl(path: str) -> list[dict]:
@@ -112,7 +116,8 @@ def summary(inp: Inputs, traces: list[Trace], memories: list, out_dir: str) -> s
             vals = [m[key] for m in inp.metrics if key in m]
             if vals:
                 lines.append(f"  {key}: mean {sum(vals) / len(vals):.2f}")
-    lines.append(f"  profiled artifacts: {len(inp.manifest)} ({len(traces)} torch traces)")
+    where = inp.profile_dir or "no manifest.jsonl in " + ", ".join(inp.looked)
+    lines.append(f"  profiled artifacts: {len(inp.manifest)} ({len(traces)} torch traces; {where})")
     for rec, file, r in memories:
         site = r.top_sites[0][0] if r.top_sites else "-"
         lines.append(f"  memory {rec['path']}: peak {r.peak_bytes / 2**20:.1f} MiB in {r.peak_stage}; top site {site}")

@@ -66,6 +66,8 @@ def check_environment(cfg: GlobalProfilerConfig, roles: Mapping[str, RoleProfile
                   f"{ROLE_KEYS.get(role, role)}.profiler.tool_config.torch.contents",
                   rc.tool_config.torch.contents,
                   "lists cuda, but torch.cuda.is_available() is False on this machine")
+    if cfg.save_path is None:  # resolved by PlaitConfig; a bare GlobalProfilerConfig writes nowhere yet
+        return
     check(not os.path.isfile(cfg.save_path), "global_profiler.save_path", cfg.save_path,
           "is an existing file; expected a folder")
     check(_writable(cfg.save_path), "global_profiler.save_path", cfg.save_path,

@@ -35,7 +35,8 @@ class ProfileTarget(Protocol):
 class StepProfiler:
     def __init__(self, cfg: GlobalProfilerConfig, last_step: int, targets: Sequence[ProfileTarget]):
         self.cfg = cfg
-        self.plan = plan((cfg.steps or []) if cfg.tool else [], last_step, cfg.profile_continuous_steps)
+        per_window = cfg.global_tool_config.torch_memory.memory_snapshot_num_steps if cfg.tool == "torch_memory" else 1
+        self.plan = plan((cfg.steps or []) if cfg.tool else [], last_step, cfg.profile_continuous_steps, per_window)
         if self.plan.warning:
             log.warning("profiler: %s", self.plan.warning)
         self.targets = list(targets)

@@ -144,7 +144,7 @@ def planted_run(tmp_path_factory):
 def test_memory_report_finds_a_planted_allocation(planted_run):
     text = build_report(str(planted_run))
     page = open(planted_run / "report" / "index.html").read()
-    assert "window peak" in text and "in reward at" in text and "s into step 1 (" in text and "planted.py" in text
+    assert "window peak" in text and "in reward at" in text and "s into step 2 (" in text and "planted.py" in text
     assert "Counts CPU tensor allocations made inside the window" in page
     assert "The process&#x27;s own peak in these steps" in page
     assert "id='memory'" in page and "class=\"memory\"" in page and "compute_score" in page

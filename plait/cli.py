@@ -22,6 +22,10 @@ from plait.errors import Interrupted, RunError
 
 
 def main(argv: list[str] | None = None) -> int:
+    # PyTorch's C++ warnings (CPUAllocator's "Memory block of unknown size was allocated before the
+    # profiling started" at every memory window) are read from this once, at torch's import; set it to
+    # WARNING to see them. Worker processes of a Ray instance plait starts inherit it.
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     parser = argparse.ArgumentParser(prog="plait", description="RL post-training: one step lifecycle for every trainer mode.")
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="train (the built-in demo when no config is given)")

@@ -17,6 +17,7 @@ import html
 import json
 import os
 import pickle
+import statistics
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Optional
@@ -237,7 +238,13 @@ def _breakdown_section(inp: Inputs) -> str:
         out.append("<p class='note'>From metrics.jsonl: the whole process's peak while the stage ran, with "
                    "everything already live (weights, optimizer state): peak RSS on CPU, the allocator's "
                    "peak on CUDA.</p>")
-        out.append(_table(["metric", "GB", "at step"], [[k, v, _argmax_step(inp.metrics, k)] for k, v in sorted(peaks.items())]))
+        if len(set(peaks.values())) == 1:  # every stage hit the same high: peaks without a per-stage reset
+            k = next(iter(peaks))
+            out.append(f"<p class='note'>every stage: {_fmt(peaks[k])} GB (first at step {_argmax_step(inp.metrics, k)}); "
+                       "the same value everywhere means the counter was not reset per stage (an async rollouter "
+                       "thread in the process), so it shows the process's high-water mark.</p>")
+        else:
+            out.append(_table(["metric", "GB", "at step"], [[k, v, _argmax_step(inp.metrics, k)] for k, v in sorted(peaks.items())]))
     return "".join(out)
 
 
@@ -392,6 +399,9 @@ def _run_summary(run_dir: Optional[str]) -> Optional[dict]:
 
 
 def _quantile(xs: list[float], q: float) -> float:
+    """The median for q=0.5 (as summary.json gives it); else the value at rank q (nearest rank)."""
+    if q == 0.5:
+        return statistics.median(xs)
     xs = sorted(xs)
     return xs[min(int(q * len(xs)), len(xs) - 1)]
 

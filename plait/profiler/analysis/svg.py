@@ -65,8 +65,8 @@ def x_ticks(left: float, right: float, y: float, t0: float, t1: float, unit: str
     for i in range(n + 1):
         x = left + (right - left) * i / n
         out.append(f'<line x1="{x:.1f}" y1="{y}" x2="{x:.1f}" y2="{y + 4}" stroke="#999"/>'
-                   f'<text x="{x:.1f}" y="{y + 14}" font-size="10" text-anchor="middle">'
-                   f'{(t1 - t0) * i / n:.3g}{" " + _esc(unit) if i == n else ""}</text>')
+                   f'<text x="{x:.1f}" y="{y + 14}" font-size="10" text-anchor="middle">{(t1 - t0) * i / n:.3g}</text>')
+    out.append(f'<text x="{right:.1f}" y="{y + 26}" font-size="10" text-anchor="end">{_esc(unit)}</text>')
     return "".join(out)
 
 
@@ -79,7 +79,7 @@ def gantt(lanes: list[str], spans: list[tuple[str, str, float, float, str]], t0:
     """spans: (lane, stage, start, end, tooltip) in seconds; drawn over [t0, t1]."""
     left, row, width = 170, 22, W - 190
     scale = width / max(t1 - t0, 1e-9)
-    height = row * len(lanes) + 30
+    height = row * len(lanes) + 42
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{height}" class="gantt">']
     for i, lane in enumerate(lanes):
         y = 4 + i * row
@@ -155,7 +155,7 @@ def area(series: list[tuple[float, int]], bands: list[tuple[str, float, float]],
     top = nice_top(max(b for _, b in series) / 2**20) * 2**20
     sx = lambda t: left + (t - t0) / (t1 - t0) * (W - left - 20)  # noqa: E731
     sy = lambda b: 10 + (1 - b / top) * (height - 30 - band_h)  # noqa: E731
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{height + 28}" class="memory">']
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{height + 40}" class="memory">']
     for name, s, e in bands:
         s, e = max(s, t0), min(e, t1)
         if e > s:
@@ -167,5 +167,5 @@ def area(series: list[tuple[float, int]], bands: list[tuple[str, float, float]],
     out.append(f'<polyline fill="none" stroke="#222" stroke-width="1.5" points="{pts}"/>')
     out.append(y_axis(left, sy(0), sy(top), 0.0, top / 2**20, "MiB"))
     out.append(x_ticks(left, W - 20, height - 20 + 6 + band_h - 4, t0, t1, "s from the window's first event"))
-    out.append(legend(sorted({b[0] for b in bands}), height + 12))
+    out.append(legend(sorted({b[0] for b in bands}), height + 24))
     return "".join(out) + "</svg>"

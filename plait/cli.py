@@ -57,10 +57,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     from plait.config import load_config
-    from plait.driver import preflight, run
     try:
         check_config_name(args.config_name)
         cfg = load_config(builtin_config(args.config), args.overrides)
+        from plait.driver import preflight, run  # transformers and the trainers: after the config's own errors
         preflight(cfg)
         if args.command == "config":
             yaml.safe_dump(to_dict(cfg), sys.stdout, sort_keys=False)

@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "config":
             yaml.safe_dump(to_dict(cfg), sys.stdout, sort_keys=False)
             return 0
-        run(cfg, progress=not args.no_progress)
+        run(cfg, progress=not args.no_progress, checked=True)
     except ConfigError as err:
         for one in err.errors if isinstance(err, ConfigErrors) else [err]:
             print(f"plait: config error: {one}", file=sys.stderr)

@@ -94,9 +94,10 @@ def preflight(cfg: PlaitConfig) -> None:
     raise_all(errors)
 
 
-def build(cfg: PlaitConfig, progress: bool = True) -> Lifecycle:
+def build(cfg: PlaitConfig, progress: bool = True, checked: bool = False) -> Lifecycle:
     started = time.perf_counter()  # the run summary's start-up time counts model and worker set-up
-    preflight(cfg)
+    if not checked:  # the CLI has run preflight already: its warnings are said once
+        preflight(cfg)
     transformers.utils.logging.disable_progress_bar()  # per-load weight bars drown the step lines
     if cfg.trainer.num_threads:
         torch.set_num_threads(cfg.trainer.num_threads)
@@ -178,7 +179,7 @@ def make_backend(cfg: PlaitConfig):
     return backend_for(cfg, role_profilers(cfg), resolve_device(cfg))
 
 
-def run(cfg: PlaitConfig, progress: bool = True) -> dict[str, float]:
+def run(cfg: PlaitConfig, progress: bool = True, checked: bool = False) -> dict[str, float]:
     with output_dir_lock(cfg.output_dir):  # before build: it writes data and the demo model there
         print(f"plait: outputs in {cfg.output_dir}", file=sys.stderr)
-        return build(cfg, progress=progress).run()
+        return build(cfg, progress=progress, checked=checked).run()

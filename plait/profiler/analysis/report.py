@@ -150,10 +150,10 @@ def _esc(x) -> str:
 
 
 def _table(header: list[str], rows: list[list]) -> str:
-    head = "".join(f"<th>{_esc(h)}</th>" for h in header)
+    head = "".join(f"<th>{_esc(h)}</th>" for h in header) if any(header) else ""
     body = "".join("<tr>" + "".join(f'<td class="n">{_fmt(c)}</td>' if isinstance(c, (int, float)) else
                                     f"<td>{_esc(c)}</td>" for c in row) + "</tr>" for row in rows)
-    return f"<table><tr>{head}</tr>{body}</table>"
+    return f"<table>{'<tr>' + head + '</tr>' if head else ''}{body}</table>"
 
 
 def _fmt(x) -> str:

@@ -140,9 +140,30 @@ STRATEGIES = ("fsdp", "fsdp2")
 
 
 @dataclass
+class WrapPolicyConfig:
+    min_num_params: int = 0                   # a transformer block is sharded on its own only with this many parameters
+
+
+@dataclass
+class FsdpConfig:
+    """`*.fsdp_config`: the FSDP2 knobs (plait/workers/parallel.py shard_model); sharding itself is `strategy`."""
+    param_offload: bool = False               # CUDA: parameters, gradients and the optimizer step on CPU (CPUOffloadPolicy)
+    optimizer_offload: bool = False           # the same offload: FSDP2 has one for parameters and optimizer together
+    offload_policy: bool = False              # verl's FSDP2 name for that offload
+    reshard_after_forward: bool = True        # free the gathered weights after each block's forward
+    forward_prefetch: bool = False            # gather the next block's weights during this block's forward
+    wrap_policy: WrapPolicyConfig = field(default_factory=WrapPolicyConfig)
+
+    def __post_init__(self):
+        check(self.wrap_policy.min_num_params >= 0, "wrap_policy.min_num_params", self.wrap_policy.min_num_params,
+              "must be >= 0")
+
+
+@dataclass
 class ActorConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
-    strategy: str = "fsdp"                    # fsdp | fsdp2, both accepted: plait shards with FSDP2 on CUDA with >1 rank
+    strategy: str = "fsdp"                    # fsdp2: FSDP2 with >1 rank on any device; fsdp: FSDP2 on CUDA, whole replicas on CPU
+    fsdp_config: FsdpConfig = field(default_factory=FsdpConfig)
     ppo_mini_batch_size: int = 256            # prompts per optimizer step (x rollout.n samples)
     ppo_micro_batch_size_per_gpu: Optional[int] = None  # samples per forward/backward; null: the whole mini-batch
     use_dynamic_bsz: bool = False
@@ -235,12 +256,16 @@ class RolloutConfig:
 
 @dataclass
 class RefConfig:
+    strategy: Optional[str] = None            # null: the actor's (as verl's ${actor_rollout_ref.actor.strategy})
+    fsdp_config: FsdpConfig = field(default_factory=FsdpConfig)
     log_prob_micro_batch_size_per_gpu: Optional[int] = None  # null: the whole batch in one forward
     log_prob_use_dynamic_bsz: Optional[bool] = None          # null: actor.use_dynamic_bsz
     log_prob_max_token_len_per_gpu: Optional[int] = None     # null: actor.ppo_max_token_len_per_gpu
     profiler: RoleProfilerConfig = field(default_factory=RoleProfilerConfig)
 
     def __post_init__(self):
+        check(self.strategy is None or self.strategy in STRATEGIES, "strategy", self.strategy,
+              f"null (the actor's) or one of {', '.join(STRATEGIES)}")
         check(self.log_prob_micro_batch_size_per_gpu is None or self.log_prob_micro_batch_size_per_gpu > 0,
               "log_prob_micro_batch_size_per_gpu", self.log_prob_micro_batch_size_per_gpu, "must be > 0 or null")
 
@@ -259,11 +284,13 @@ class CriticModelConfig:
     enable_gradient_checkpointing: bool = True
     use_remove_padding: bool = False
     trust_remote_code: bool = False
+    fsdp_config: FsdpConfig = field(default_factory=FsdpConfig)
 
 
 @dataclass
 class CriticConfig:
     enable: Optional[bool] = None             # null: on exactly when the advantage estimator needs values (gae)
+    strategy: str = "fsdp"                    # as actor_rollout_ref.actor.strategy
     model: CriticModelConfig = field(default_factory=CriticModelConfig)
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
     ppo_mini_batch_size: int = 256                      # unset: the actor's (load_config)
@@ -279,6 +306,7 @@ class CriticConfig:
 
     def __post_init__(self):
         positive(self, "ppo_mini_batch_size", "ppo_epochs", "cliprange_value")
+        one_of(self, "strategy", STRATEGIES)
         one_of(self, "loss_agg_mode", LOSS_AGG_MODES)
         check(self.grad_clip > 0, "grad_clip", self.grad_clip, "must be > 0")
         check(self.ppo_micro_batch_size_per_gpu is None or self.ppo_micro_batch_size_per_gpu > 0,
@@ -354,6 +382,9 @@ class AlgorithmConfig:
 LOGGERS = ("console", "tensorboard", "wandb")
 
 
+PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+
+
 @dataclass
 class RayConfig:
     """`trainer.ray`: which Ray to use and what each worker process asks it for (trainer.backend=ray; docs/ray.md)."""
@@ -364,6 +395,10 @@ class RayConfig:
     num_cpu_workers: int = 1                      # data-parallel trainer processes without GPUs (with GPUs: nnodes x n_gpus_per_node)
     cpus_per_worker: float = 1.0                  # CPU request per worker process; fractions let a small machine host more processes
     placement_timeout_s: float = 60.0             # fail, naming the missing resources, if workers cannot be placed in this time
+    placement_strategy: str = "PACK"              # each pool's placement group: PACK (few nodes), SPREAD, STRICT_PACK, STRICT_SPREAD
+    # Custom Ray resources each worker of a pool (train, rollout) asks for, e.g. {rollout: {gen_node: 1}}:
+    # a pool lands on the nodes started with them (ray start --resources='{"gen_node": 4}').
+    pool_resources: dict = field(default_factory=dict)
 
     def __post_init__(self):
         check(self.address is None or self.address.strip() != "", "address", self.address, "null or a Ray address")
@@ -373,6 +408,11 @@ class RayConfig:
         check(self.num_cpu_workers > 0, "num_cpu_workers", self.num_cpu_workers, "must be > 0")
         check(self.cpus_per_worker > 0, "cpus_per_worker", self.cpus_per_worker, "must be > 0 (fractions are fine)")
         check(self.placement_timeout_s > 0, "placement_timeout_s", self.placement_timeout_s, "must be > 0 seconds")
+        one_of(self, "placement_strategy", PLACEMENT_STRATEGIES)
+        for pool, resources in self.pool_resources.items():
+            check(pool in ("train", "rollout"), f"pool_resources.{pool}", resources, "pools are train and rollout")
+            check(isinstance(resources, dict) and all(isinstance(v, (int, float)) and v > 0 for v in resources.values()),
+                  f"pool_resources.{pool}", resources, "a mapping of Ray resource name to a positive amount per worker")
 
 
 @dataclass
@@ -478,11 +518,13 @@ class RewardModelModelConfig:
     path: Optional[str] = None                # a local Hugging Face sequence-classification model
     input_tokenizer: Optional[str] = None     # null: the actor's tokenizer
     trust_remote_code: bool = False
+    fsdp_config: FsdpConfig = field(default_factory=FsdpConfig)
 
 
 @dataclass
 class RewardModelConfig:
     enable: bool = False
+    strategy: str = "fsdp"                    # as actor_rollout_ref.actor.strategy
     model: RewardModelModelConfig = field(default_factory=RewardModelModelConfig)
     micro_batch_size_per_gpu: Optional[int] = None
     max_length: Optional[int] = None
@@ -494,6 +536,7 @@ class RewardModelConfig:
     profiler: RoleProfilerConfig = field(default_factory=RoleProfilerConfig)
 
     def __post_init__(self):
+        one_of(self, "strategy", STRATEGIES)
         one_of(self, "reward_manager", MANAGERS)
         unknown = set(self.reward_kwargs) - {"overlong_buffer_cfg", "max_resp_len"}
         check(not unknown, "reward_kwargs", self.reward_kwargs,
@@ -577,6 +620,7 @@ class PlaitConfig:
         arr, critic = self.actor_rollout_ref, self.critic
         actor, n = arr.actor, arr.rollout.n
         self.data.seed = self.trainer.seed if self.data.seed is None else self.data.seed
+        arr.ref.strategy = arr.ref.strategy or actor.strategy
         actor.ppo_micro_batch_size_per_gpu = actor.ppo_micro_batch_size_per_gpu or actor.ppo_mini_batch_size * n
         critic.ppo_micro_batch_size_per_gpu = critic.ppo_micro_batch_size_per_gpu or critic.ppo_mini_batch_size * n
         # seq-mean-token-sum-norm's constant: verl divides by the padded length, which is max_response_length there

@@ -10,15 +10,10 @@ Every other verl key is a field of the config tree (plait/config.py) with verl's
 from __future__ import annotations
 
 _GROUPS = {
-    ("FSDP/Megatron sharding, offload, sequence parallelism and fused-kernel switches: each plait "
-     "worker holds a whole model (data parallel across processes with trainer.backend=ray)"): """
-        actor_rollout_ref.actor.fsdp_config.wrap_policy.min_num_params
-        actor_rollout_ref.actor.fsdp_config.param_offload
-        actor_rollout_ref.actor.fsdp_config.optimizer_offload
-        actor_rollout_ref.actor.fsdp_config.offload_policy
-        actor_rollout_ref.actor.fsdp_config.reshard_after_forward
+    ("FSDP/Megatron knobs plait's FSDP2 sharding does not have (mesh size, sequence parallelism, fused-kernel "
+     "and compile switches; plait implements strategy and fsdp_config's offload, reshard_after_forward, "
+     "forward_prefetch and wrap_policy.min_num_params)"): """
         actor_rollout_ref.actor.fsdp_config.fsdp_size
-        actor_rollout_ref.actor.fsdp_config.forward_prefetch
         actor_rollout_ref.actor.fsdp_config.model_dtype
         actor_rollout_ref.actor.fsdp_config.use_orig_params
         actor_rollout_ref.actor.fsdp_config.seed
@@ -41,18 +36,11 @@ _GROUPS = {
         actor_rollout_ref.actor.entropy_checkpointing
         actor_rollout_ref.actor.calculate_sum_pi_squared
         actor_rollout_ref.actor.sum_pi_squared_checkpointing
-        actor_rollout_ref.ref.strategy
         actor_rollout_ref.ref.use_torch_compile
         actor_rollout_ref.ref.router_replay.mode
         actor_rollout_ref.ref.router_replay.record_file
         actor_rollout_ref.ref.router_replay.replay_file
-        actor_rollout_ref.ref.fsdp_config.wrap_policy.min_num_params
-        actor_rollout_ref.ref.fsdp_config.param_offload
-        actor_rollout_ref.ref.fsdp_config.optimizer_offload
-        actor_rollout_ref.ref.fsdp_config.offload_policy
-        actor_rollout_ref.ref.fsdp_config.reshard_after_forward
         actor_rollout_ref.ref.fsdp_config.fsdp_size
-        actor_rollout_ref.ref.fsdp_config.forward_prefetch
         actor_rollout_ref.ref.fsdp_config.model_dtype
         actor_rollout_ref.ref.fsdp_config.use_orig_params
         actor_rollout_ref.ref.fsdp_config.seed
@@ -90,13 +78,7 @@ _GROUPS = {
         actor_rollout_ref.hybrid_engine
         actor_rollout_ref.nccl_timeout
         data.use_shm
-        critic.model.fsdp_config.wrap_policy.min_num_params
-        critic.model.fsdp_config.param_offload
-        critic.model.fsdp_config.optimizer_offload
-        critic.model.fsdp_config.offload_policy
-        critic.model.fsdp_config.reshard_after_forward
         critic.model.fsdp_config.fsdp_size
-        critic.model.fsdp_config.forward_prefetch
         critic.model.fsdp_config.model_dtype
         critic.model.fsdp_config.use_orig_params
         critic.model.fsdp_config.seed
@@ -112,16 +94,10 @@ _GROUPS = {
         critic.model.enable_activation_offload
         critic.model.tiled_mlp.enabled
         critic.model.tiled_mlp.num_shards
-        critic.strategy
         critic.ulysses_sequence_parallel_size
-        reward_model.strategy
         reward_model.model.use_shm
         reward_model.model.use_fused_kernels
-        reward_model.model.fsdp_config.wrap_policy.min_num_params
-        reward_model.model.fsdp_config.param_offload
-        reward_model.model.fsdp_config.reshard_after_forward
         reward_model.model.fsdp_config.fsdp_size
-        reward_model.model.fsdp_config.forward_prefetch
         reward_model.ulysses_sequence_parallel_size
     """,
     ("fully-async / one-step-off recipe knobs for verl's rollouter processes and weight transfer: "

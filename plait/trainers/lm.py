@@ -496,6 +496,7 @@ def build_lm_trainer(cfg: PlaitConfig, backend, device: str):
                               gradient_checkpointing=critic.model.enable_gradient_checkpointing)
                 if critic.enable else None),
         reward_model=(backend.spawn("reward_model", RewardModel, rm.model.path, tokenizer, micro_batch_size=rm.micro_batch_size_per_gpu,
-                                    max_length=rm.max_length, input_tokenizer=rm.model.input_tokenizer, device=device, dtype=dtype)
+                                    max_length=rm.max_length, input_tokenizer=rm.model.input_tokenizer, device=device, dtype=dtype,
+                                    strategy=rm.strategy, fsdp_config=rm.model.fsdp_config)
                       if rm.enable else None))
     return MODES[cfg.trainer.mode](cfg, roles, tokenizer, train_data, val_data, reward_fn, backend.profile_targets())

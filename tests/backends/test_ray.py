@@ -81,7 +81,7 @@ def test_two_ranks_update_exactly_like_one_worker(ray_instance, tmp_path):
     backend = RayBackend(tiny_config(tmp_path), {r: RoleProfilerConfig() for r in DATA_PARALLEL_ROLES}, "cpu")
     try:
         actor = backend.spawn("actor", Actor, model, actor_cfg, 4, 1.0, seed=3)
-        critic = backend.spawn("critic", Critic, model, critic_cfg, 4, fsdp=True)
+        critic = backend.spawn("critic", Critic, model, CriticConfig(**{**vars(critic_cfg), "strategy": "fsdp2"}), 4)
         assert actor.world_size == 2 and len(set(actor.pids)) == 2
         # Forward passes may be pre-split: the shards' results concatenate to the whole.
         parts = actor.call_dp(Actor.compute_log_prob, batch, 5)
@@ -201,7 +201,7 @@ def test_fsdp2_actor_on_gpus_updates_like_one_worker(ray_instance, tmp_path):
     world = torch.cuda.device_count()
     backend = RayBackend(tiny_config(tmp_path, f"trainer.n_gpus_per_node={world}"), {"actor": RoleProfilerConfig()}, "cuda")
     try:
-        actor = backend.spawn("actor", Actor, model, cfg, 4, 1.0, device="cuda", seed=3, fsdp=True)
+        actor = backend.spawn("actor", Actor, model, cfg, 4, 1.0, device="cuda", seed=3)
         actor.call(Actor.update, batch)
         assert close(actor.call(Actor.state_dict), {k: v.cpu() for k, v in one.state_dict().items()}, tol=1e-4)
         actor.call(Actor.save_checkpoint, str(tmp_path / "ckpt"))

@@ -10,7 +10,7 @@ Every other verl key is a field of the config tree (plait/config.py) with verl's
 from __future__ import annotations
 
 _GROUPS = {
-    ("FSDP/Megatron knobs plait's FSDP2 sharding does not have (mesh size, sequence parallelism, fused-kernel "
+    ("FSDP/Megatron knobs plait's sharding does not have (mesh size, sequence parallelism, fused-kernel "
      "and compile switches; plait implements strategy and fsdp_config's offload, reshard_after_forward, "
      "forward_prefetch and wrap_policy.min_num_params)"): """
         actor_rollout_ref.actor.fsdp_config.fsdp_size

@@ -24,7 +24,7 @@ from plait.algorithms.advantages import ESTIMATORS
 from plait.algorithms.kl import KL_ESTIMATORS
 from plait.algorithms.losses import LOSS_AGG_MODES, POLICY_LOSSES
 from plait.algorithms.rollout_correction import BYPASS_LOSS_TYPES, IS_LEVELS, parse_rs
-from plait.config_verl import LOCAL_BACKEND_NO_EFFECT, NO_EFFECT, refusal
+from plait.config_verl import CPU_RAY_NO_EFFECT, LOCAL_BACKEND_NO_EFFECT, NO_EFFECT, refusal
 from plait.configtree import ConfigError, build, check, raise_all, to_dict
 from plait.data.rewards import MANAGERS
 from plait.profiler.config import GlobalProfilerConfig, RoleProfilerConfig
@@ -576,6 +576,10 @@ class PlaitConfig:
         lm = self.trainer.mode != "diffusion"
         check(not lm or self.data.train_batch_size % actor.ppo_mini_batch_size == 0, "actor_rollout_ref.actor.ppo_mini_batch_size",
               actor.ppo_mini_batch_size, f"must divide data.train_batch_size={self.data.train_batch_size}")
+        # merged_state_dict and the adapter checkpoint need whole tensors (plait/workers/actor.py)
+        check(not (self.actor_rollout_ref.model.lora_rank > 0 and actor.strategy == "fsdp2"),
+              "actor_rollout_ref.actor.strategy", actor.strategy, "fsdp with actor_rollout_ref.model.lora_rank > 0: "
+              "LoRA trains on whole replicas, FSDP2 sharding of adapters is not supported yet")
         if self.critic.enable is None:
             self.critic.enable = self.algorithm.adv_estimator == "gae"
         check(self.algorithm.adv_estimator != "gae" or self.critic.enable, "critic.enable", self.critic.enable,
@@ -715,16 +719,21 @@ def _leaf_items(tree: dict, prefix: str) -> list[tuple[str, Any]]:
     return out
 
 
-def no_effect_notice(keys: list[str]) -> str:
+def no_effect_notice(keys: list[str], cluster: dict[str, str] = LOCAL_BACKEND_NO_EFFECT) -> str:
     """The one warning block naming the no-effect keys a user set, grouped by reason."""
     by_reason: dict[str, list[str]] = {}
     for key in keys:
-        reason = LOCAL_BACKEND_NO_EFFECT.get(key) or next(NO_EFFECT[p] for p in _prefixes(key) if p in NO_EFFECT)
+        reason = cluster.get(key) or next(NO_EFFECT[p] for p in _prefixes(key) if p in NO_EFFECT)
         by_reason.setdefault(reason, []).append(key)
     lines = ["plait: these verl keys are accepted but have no effect here:"]
     for reason, group in by_reason.items():
         lines += [f"  - {reason}:", *(f"      {key}" for key in group)]
     return "\n".join(lines)
+
+
+def _cuda_available() -> bool:
+    import torch
+    return torch.cuda.is_available()
 
 
 def _prefixes(key: str) -> list[str]:
@@ -765,10 +774,14 @@ def load_config(path: str | None = None, overrides: list[str] = ()) -> PlaitConf
     if demo:
         print("plait: actor_rollout_ref.model.path is null: the demo preset "
               "(plait/configs/demo.yaml) applies under your settings", file=sys.stderr)
+    cluster = {}  # the process-count keys this backend and device do not read
     if cfg.trainer.backend == "local":
-        no_effect += [key for key in user if key in LOCAL_BACKEND_NO_EFFECT]
+        cluster = LOCAL_BACKEND_NO_EFFECT
+    elif cfg.trainer.device == "cpu" or (cfg.trainer.device == "auto" and not _cuda_available()):
+        cluster = CPU_RAY_NO_EFFECT
+    no_effect += [key for key in user if key in cluster]
     if no_effect:
-        print(no_effect_notice(no_effect), file=sys.stderr)
+        print(no_effect_notice(no_effect, cluster), file=sys.stderr)
     return cfg
 
 

@@ -375,6 +375,11 @@ LOCAL_BACKEND_NO_EFFECT = {
          "starts nnodes x n_gpus_per_node workers on GPUs)"
     for key in ("trainer.nnodes", "trainer.n_gpus_per_node")}
 
+# ... and that the Ray backend reads only with CUDA.
+CPU_RAY_NO_EFFECT = {
+    key: "GPU counts: without CUDA the Ray backend starts trainer.ray.num_cpu_workers trainer processes"
+    for key in ("trainer.nnodes", "trainer.n_gpus_per_node")}
+
 
 def refusal(user: dict[str, object]) -> tuple[str, object, str] | None:
     """(key, value, why) when plait cannot run a verl config at all, given the leaf keys the user set."""

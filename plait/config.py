@@ -399,6 +399,9 @@ class RayConfig:
     # Custom Ray resources each worker of a pool (train, rollout) asks for, e.g. {rollout: {gen_node: 1}}:
     # a pool lands on the nodes started with them (ray start --resources='{"gen_node": 4}').
     pool_resources: dict = field(default_factory=dict)
+    # actor -> separated rollout: process_group (a gloo/NCCL broadcast from actor rank 0, not via the
+    # driver) or object_store (through the driver, the older path, kept for comparison)
+    weight_sync: Literal["process_group", "object_store"] = "process_group"
 
     def __post_init__(self):
         check(self.address is None or self.address.strip() != "", "address", self.address, "null or a Ray address")

@@ -30,6 +30,7 @@ and actor restarts.
 from __future__ import annotations
 
 import atexit
+import math
 import os
 import shutil
 import subprocess
@@ -72,23 +73,85 @@ class Host:
         self.session = ProfilerSession(profiler_cfg, roles_cfg, rank=rank, world_size=world_size)
         self.workers: dict[str, Any] = {}
         self.store = self.listener = None
+        self.channel = self.channel_store = self.channel_listener = None  # the weight channel (join_channel)
+        self.channel_syncs = 0
 
     def where(self) -> tuple[str, str, list[int]]:
         """(node id, node address, GPU ids) of this process."""
         ctx = ray.get_runtime_context()
         return ctx.get_node_id(), ray.util.get_node_ip_address(), [int(g) for g in ray.get_gpu_ids()]
 
-    def open_store(self, one_node: bool) -> tuple[str, int]:
-        """Rank 0: a TCP store on a free port for the process group to meet at, bound to loopback when
-        the pool is on one node, else to this node's cluster address (torch alone would bind `*`)."""
+    def open_store(self, one_node: bool, size: Optional[int] = None) -> tuple[str, int]:
+        """Rank 0: a TCP store on a free port for a process group of `size` (the pool's) to meet at,
+        bound to loopback when the group is on one node, else to this node's cluster address
+        (torch alone would bind `*`). The weight channel's store is a second one."""
         import socket
         import torch.distributed as dist
         host = LOOPBACK if one_node else ray.util.get_node_ip_address()
-        self.listener = socket.create_server((host, 0))  # kept open: the store serves on its descriptor
-        port = self.listener.getsockname()[1]
-        self.store = dist.TCPStore(host, port, self.world_size, is_master=True, wait_for_workers=False,
-                                   master_listen_fd=self.listener.fileno())
+        listener = socket.create_server((host, 0))  # kept open: the store serves on its descriptor
+        port = listener.getsockname()[1]
+        store = dist.TCPStore(host, port, size or self.world_size, is_master=True, wait_for_workers=False,
+                              master_listen_fd=listener.fileno())
+        if size is None:
+            self.store, self.listener = store, listener
+        else:
+            self.channel_store, self.channel_listener = store, listener
         return host, port
+
+    def join_channel(self, host: str, port: int, rank: int) -> None:
+        """The weight channel: a 2-process group of train rank 0 (0) and the rollout (1), gloo on CPU,
+        NCCL on GPU, outside the train pool's group."""
+        import datetime
+        import torch.distributed as dist
+        if host == LOOPBACK:
+            os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+        if rank == 1:
+            self.channel_store = dist.TCPStore(host, port, 2, is_master=False)
+        store = dist.PrefixStore("weights", self.channel_store)
+        if torch.cuda.is_available():
+            torch.cuda.set_device(0)  # Ray sets CUDA_VISIBLE_DEVICES to this process's GPU
+            self.channel = dist.ProcessGroupNCCL(store, rank, 2)
+        else:
+            self.channel = dist.ProcessGroupGloo(store, rank, 2, datetime.timedelta(minutes=30))
+
+    def send(self, role: str, method: Callable, root: bool) -> None:
+        """`method(worker)` (a state dict) on every rank; rank 0 broadcasts it over the weight channel:
+        names, shapes and dtypes through the channel's store, then one flat buffer per dtype."""
+        import json
+        state = method(self.workers[role])
+        if not root:
+            return
+        names = list(state)
+        meta = [(k, list(state[k].shape), str(state[k].dtype).removeprefix("torch.")) for k in names]
+        self.channel_syncs += 1
+        self.channel_store.set(f"meta{self.channel_syncs}", json.dumps(meta))
+        for dtype in sorted({m[2] for m in meta}):
+            flat = torch.cat([state[k].reshape(-1) for k, _, d in meta if d == dtype])
+            self.channel.broadcast([flat.cuda() if torch.cuda.is_available() else flat]).wait()
+
+    def receive(self, role: str, method: Callable, payload: tuple) -> None:
+        """The other end of `send`: rebuild the state dict, then `method(worker, state, *args)`."""
+        import json
+        self.channel_syncs += 1
+        meta = json.loads(self.channel_store.get(f"meta{self.channel_syncs}"))
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        state = {}
+        for dtype in sorted({m[2] for m in meta}):
+            group = [m for m in meta if m[2] == dtype]
+            flat = torch.empty(sum(math.prod(shape) for _, shape, _ in group), dtype=getattr(torch, dtype), device=device)
+            self.channel.broadcast([flat]).wait()
+            for (name, shape, _), part in zip(group, flat.split([math.prod(shape) for _, shape, _ in group])):
+                state[name] = part.view(shape)
+        args, kwargs = payload
+        method(self.workers[role], state, *args, **kwargs)
+
+    def pipe(self, src: str, get: Callable, dst: Optional[str], put: Callable, payload: tuple) -> None:
+        """In one process: `put(dst worker, get(src worker), *args)`; without `dst` here, only `get`
+        (its collectives with the other ranks)."""
+        out = get(self.workers[src])
+        if dst is not None:
+            args, kwargs = payload
+            put(self.workers[dst], out, *args, **kwargs)
 
     def join_group(self, host: str, port: int) -> None:
         import torch.distributed as dist
@@ -223,6 +286,7 @@ class RayBackend:
         self.pgs: list = []
         self.hosts: list = []  # every host, train pool first
         self.locations: dict = {}  # host -> (node id, node address, GPU ids)
+        self.channel: Optional[tuple] = None  # (sender, receiver) hosts of the weight channel, once opened
         self.pools: dict[str, list] = {}  # "train" and "rollout" -> their hosts
         self.salvaged: list[dict] = []  # profiler records rescued from a failing group
         self.profile_open = False
@@ -316,6 +380,16 @@ class RayBackend:
             devices = f"GPUs {','.join(map(str, gpus))}" if gpus else f"{len(ranks)} CPU process(es)"
             parts.append(f"{node}: rank{'s' if len(ranks) > 1 else ''} {','.join(map(str, ranks))}, {devices}")
         return f"{role} runs on {'; '.join(parts)}"
+
+    def open_channel(self, sender, receiver) -> None:
+        """The weight channel between `sender` and `receiver` hosts, once."""
+        if self.channel is not None:
+            return
+        one_node = self.locations[sender][0] == self.locations[receiver][0]
+        [(host, port)] = self.gather([sender.open_store.remote(one_node, 2)], "worker process", "weight channel")
+        self.gather([sender.join_channel.remote(host, port, 0), receiver.join_channel.remote(host, port, 1)],
+                    "worker process", "weight channel")
+        self.channel = (sender, receiver)
 
     def profile_targets(self) -> list["RayProfileTarget"]:
         return [RayProfileTarget(self)]
@@ -416,6 +490,27 @@ class RayWorkerGroup:
         refs = [h.run.remote(self.role, method, ray.put(((shard, *args), kwargs)), True)
                 for h, shard in zip(self.hosts, batch.split(self.world_size))]
         return self.backend.gather(refs, f"{self.role} worker", method.__qualname__)
+
+    def pipe(self, get: Callable, dst: "RayWorkerGroup", put: Callable, *args, **kwargs) -> None:
+        """`put(dst's worker, get(rank 0's worker), *args)` with every rank running `get`, and the
+        result never on the driver: in-process where dst lives on rank 0's host (colocated), else
+        over the weight channel (`trainer.ray.weight_sync=process_group`); `object_store` sends it
+        through the driver as `call` would."""
+        b = self.backend
+        b.check_up()
+        what = f"{get.__qualname__} -> {put.__qualname__}"
+        if b.cfg.weight_sync == "object_store" or len(dst.hosts) != 1:
+            dst.call(put, self.call(get), *args, **kwargs)
+            return
+        payload = ray.put((args, kwargs))
+        if dst.hosts[0] is self.hosts[0]:
+            refs = [h.pipe.remote(self.role, get, dst.role if r == 0 else None, put, payload)
+                    for r, h in enumerate(self.hosts)]
+        else:
+            b.open_channel(self.hosts[0], dst.hosts[0])
+            refs = [h.send.remote(self.role, get, r == 0) for r, h in enumerate(self.hosts)]
+            refs.append(dst.hosts[0].receive.remote(dst.role, put, payload))
+        b.gather(refs, f"{self.role} worker", what)
 
 
 class RayProfileTarget:

@@ -108,3 +108,28 @@ def test_fsdp2_roles_on_two_cpu_ranks_equal_one_worker(ray_instance, tmp_path):
         assert close(critic.call(lambda c: full_state_dict(c.model)), full_state_dict(critic_at_one.model))
     finally:
         backend.shutdown()
+
+
+def test_weights_reach_a_separated_rollout_over_the_channel(ray_instance, tmp_path):
+    """Separated placement: the FSDP2 actor's 2 ranks gather, rank 0 broadcasts over the weight channel
+    (gloo, not the driver) and the rollout loads exactly the actor's weights, versioned; twice, so the
+    channel is reused; then once by the old path through the driver (object_store), the same result."""
+    from plait.workers.rollout import Rollout
+    from plait.workers.weight_sync import sync_weights
+    model = create_tiny_model(tmp_path / "m", size="xs", seed=0)
+    cfg = ActorConfig(optim=OptimConfig(lr=1e-2), ppo_mini_batch_size=2, ppo_micro_batch_size_per_gpu=4, strategy="fsdp2")
+    backend = RayBackend(tiny_config(tmp_path, "trainer.placement=separated"),
+                         {r: RoleProfilerConfig() for r in ("actor", "rollout")}, "cpu")
+    try:
+        actor = backend.spawn("actor", Actor, model, cfg, 4, 1.0, seed=3)
+        rollout = backend.spawn("rollout", Rollout, model, 6, build_char_tokenizer())
+        assert rollout.hosts[0] not in actor.hosts
+        for version, path in ((1, "process_group"), (2, "process_group"), (3, "object_store")):
+            backend.cfg.weight_sync = path
+            actor.call(Actor.update, make_batch(8, seed=version))
+            sync_weights(actor, rollout, version)
+            assert rollout.call(lambda r: r.version) == version
+            assert close(rollout.call(lambda r: r.engine.model.state_dict()), actor.call(Actor.state_dict), tol=1e-9)
+            assert backend.channel is not None
+    finally:
+        backend.shutdown()

@@ -135,12 +135,13 @@ def is_sharded(model) -> bool:
 
 
 def use_fsdp(strategy: str, device: str) -> bool:
-    """Shard with FSDP2 when there is more than one data-parallel rank and `strategy` (verl's key) asks:
-    fsdp2 on any device (gloo on CPU, NCCL on CUDA); fsdp (verl's default, FSDP1 there) on CUDA only,
-    so that CPU ranks stay whole replicas with one flat gradient all-reduce, the faster path there."""
-    if dp_rank_size()[1] == 1:
+    """Shard with FSDP2 as `strategy` (verl's key) asks: fsdp2 whenever torch.distributed runs (gloo on
+    CPU, NCCL on CUDA; one rank too, as verl wraps one GPU); fsdp (verl's default, FSDP1 there) on CUDA
+    with more than one rank, so that CPU ranks stay whole replicas with one flat gradient all-reduce,
+    the faster path there. The local backend (no torch.distributed) never shards."""
+    if not (dist.is_available() and dist.is_initialized()):
         return False
-    return strategy == "fsdp2" or device.startswith("cuda")
+    return strategy == "fsdp2" or (device.startswith("cuda") and dp_rank_size()[1] > 1)
 
 
 def shard_model(model, block_names: list[str], cfg: FsdpConfig, device: str) -> None:

@@ -133,3 +133,22 @@ def test_weights_reach_a_separated_rollout_over_the_channel(ray_instance, tmp_pa
             assert backend.channel is not None
     finally:
         backend.shutdown()
+
+
+def test_trainer_checkpoint_at_two_sharded_ranks_resumes_in_one_process(ray_instance, tmp_path):
+    """GAE (actor and critic, both strategy=fsdp2) on 2 Ray ranks writes a sharded checkpoint at step 2;
+    the same run resumed on the local backend (one unsharded process) verifies the manifest, loads
+    it and trains step 3."""
+    from plait import driver
+    from plait.trainers.lifecycle import read_metrics
+    fsdp2 = ["actor_rollout_ref.actor.strategy=fsdp2", "critic.strategy=fsdp2", "algorithm.adv_estimator=gae",
+             "critic.ppo_micro_batch_size_per_gpu=4", "trainer.save_freq=2"]
+    driver.build(tiny_config(tmp_path, *fsdp2, "trainer.total_training_steps=2"), progress=False).run()
+    step2 = tmp_path / "checkpoints" / "global_step_2"
+    assert (step2 / "actor" / SHARDED_DIR / "__1_0.distcp").is_file()
+    assert (step2 / "critic" / SHARDED_DIR / "__1_0.distcp").is_file()
+    local = tiny_config(tmp_path, *fsdp2, "trainer.total_training_steps=3", "trainer.backend=local")
+    driver.build(local, progress=False).run()
+    steps = [r["step"] for r in read_metrics(str(tmp_path / "metrics.jsonl"))]
+    assert steps == [1, 2, 3]
+    assert (tmp_path / "checkpoints" / "global_step_3" / "actor" / "model.pt").is_file()  # one process: whole

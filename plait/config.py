@@ -144,6 +144,22 @@ class WrapPolicyConfig:
     min_num_params: int = 0                   # a transformer block is sharded on its own only with this many parameters
 
 
+# verl's names for FSDP2's mixed-precision dtypes, and torch's
+MP_DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
+             "fp32": "float32", "float32": "float32"}
+
+
+@dataclass
+class MixedPrecisionConfig:
+    param_dtype: Optional[str] = None         # compute dtype of the gathered weights; null: the weights' own
+    reduce_dtype: Optional[str] = None        # gradient reduce-scatter dtype; null: param_dtype
+
+    def __post_init__(self):
+        for name in ("param_dtype", "reduce_dtype"):
+            value = getattr(self, name)
+            check(value is None or value in MP_DTYPES, name, value, f"null or one of {', '.join(MP_DTYPES)}")
+
+
 @dataclass
 class FsdpConfig:
     """`*.fsdp_config`: the FSDP2 knobs (plait/workers/parallel.py shard_model); sharding itself is `strategy`."""
@@ -153,6 +169,7 @@ class FsdpConfig:
     reshard_after_forward: bool = True        # free the gathered weights after each block's forward
     forward_prefetch: bool = False            # gather the next block's weights during this block's forward
     wrap_policy: WrapPolicyConfig = field(default_factory=WrapPolicyConfig)
+    mixed_precision: MixedPrecisionConfig = field(default_factory=MixedPrecisionConfig)  # FSDP2's MixedPrecisionPolicy
 
     def __post_init__(self):
         check(self.wrap_policy.min_num_params >= 0, "wrap_policy.min_num_params", self.wrap_policy.min_num_params,

@@ -41,7 +41,8 @@ class ValueModel(torch.nn.Module):
             position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
             out = self.lm.base_model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, use_cache=False)
             hidden = out.last_hidden_state[:, -resp_len - 1:-1]   # [micro, resp_len, hidden]: state before each token
-        return self.head(hidden.float()).squeeze(-1)           # [micro, resp_len]
+        # fp32 head unless FSDP2 mixed precision casts its weight (then hidden takes that dtype)
+        return self.head(hidden.to(self.head.weight.dtype)).float().squeeze(-1)  # [micro, resp_len]
 
 
 class Critic:

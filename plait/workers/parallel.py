@@ -150,11 +150,15 @@ def shard_model(model, block_names: list[str], cfg: FsdpConfig, device: str) -> 
     Gradients are reduced as plain sums, not averages: the losses are already normalised by global
     token counts. (A plain SUM also works on gloo, which lacks NCCL's pre-multiplied sum.)
     """
-    from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+    from plait.config import MP_DTYPES
     # FSDP2 has one offload: parameters (and with them gradients and the optimizer step) live on CPU.
     offload = device.startswith("cuda") and (cfg.param_offload or cfg.optimizer_offload or cfg.offload_policy)
+    mp = cfg.mixed_precision
+    dtype = lambda name: None if name is None else getattr(torch, MP_DTYPES[name])  # noqa: E731
     kw = dict(reshard_after_forward=cfg.reshard_after_forward,
-              offload_policy=CPUOffloadPolicy() if offload else OffloadPolicy())
+              offload_policy=CPUOffloadPolicy() if offload else OffloadPolicy(),
+              mp_policy=MixedPrecisionPolicy(param_dtype=dtype(mp.param_dtype), reduce_dtype=dtype(mp.reduce_dtype)))
     blocks = [m for m in model.modules() if type(m).__name__ in block_names
               and sum(p.numel() for p in m.parameters()) >= cfg.wrap_policy.min_num_params]
     for block in blocks:

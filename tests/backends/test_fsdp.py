@@ -116,14 +116,23 @@ def test_weights_reach_a_separated_rollout_over_the_channel(ray_instance, tmp_pa
     channel is reused; then once by the old path through the driver (object_store), the same result."""
     from plait.workers.rollout import Rollout
     from plait.workers.weight_sync import sync_weights
+    from plait.config import CriticModelConfig, FsdpConfig, MixedPrecisionConfig
     model = create_tiny_model(tmp_path / "m", size="xs", seed=0)
-    cfg = ActorConfig(optim=OptimConfig(lr=1e-2), ppo_mini_batch_size=2, ppo_micro_batch_size_per_gpu=4, strategy="fsdp2")
+    # bf16 compute with fp32 reduction (FSDP2 mixed precision): the sharded fp32 weights are what syncs
+    fsdp = FsdpConfig(mixed_precision=MixedPrecisionConfig(param_dtype="bf16", reduce_dtype="fp32"), forward_prefetch=True)
+    cfg = ActorConfig(optim=OptimConfig(lr=1e-2), ppo_mini_batch_size=2, ppo_micro_batch_size_per_gpu=4, strategy="fsdp2",
+                      fsdp_config=fsdp)
+    critic_cfg = CriticConfig(optim=OptimConfig(lr=1e-2), ppo_mini_batch_size=2, ppo_micro_batch_size_per_gpu=4,
+                              strategy="fsdp2", model=CriticModelConfig(fsdp_config=fsdp))
     backend = RayBackend(tiny_config(tmp_path, "trainer.placement=separated"),
-                         {r: RoleProfilerConfig() for r in ("actor", "rollout")}, "cpu")
+                         {r: RoleProfilerConfig() for r in ("actor", "critic", "rollout")}, "cpu")
     try:
         actor = backend.spawn("actor", Actor, model, cfg, 4, 1.0, seed=3)
+        critic = backend.spawn("critic", Critic, model, critic_cfg, 4)
         rollout = backend.spawn("rollout", Rollout, model, 6, build_char_tokenizer())
         assert rollout.hosts[0] not in actor.hosts
+        assert critic.call(Critic.update, make_batch(8))["critic/vf_loss"] > 0
+        assert critic.call(lambda c: c.model.head.weight.dtype) == torch.float32  # sharded weights stay fp32
         for version, path in ((1, "process_group"), (2, "process_group"), (3, "object_store")):
             backend.cfg.weight_sync = path
             actor.call(Actor.update, make_batch(8, seed=version))

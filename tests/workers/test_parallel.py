@@ -30,6 +30,8 @@ def test_strategies_per_role_and_the_fsdp_config_keys_build():
     ("critic.strategy=ddp", "critic.strategy", "one of fsdp, fsdp2"),
     ("actor_rollout_ref.ref.strategy=fsdp3", "actor_rollout_ref.ref.strategy", "the actor's"),
     ("trainer.ray.placement_strategy=RANDOM", "trainer.ray.placement_strategy", "SPREAD"),
+    ("critic.model.fsdp_config.mixed_precision.param_dtype=int8", "critic.model.fsdp_config.mixed_precision.param_dtype",
+     "bf16"),
     ("trainer.ray.pool_resources={critic: {a: 1}}", "trainer.ray.pool_resources.critic", "train and rollout"),
     ("trainer.ray.pool_resources={rollout: {a: -1}}", "trainer.ray.pool_resources.rollout", "positive amount"),
 ])

@@ -105,6 +105,8 @@ class Host:
         import torch.distributed as dist
         if host == LOOPBACK:
             os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+        else:  # across nodes: the hostname's interface (the train pool may have set lo in this process)
+            os.environ.pop("GLOO_SOCKET_IFNAME", None)
         if rank == 1:
             self.channel_store = dist.TCPStore(host, port, 2, is_master=False)
         store = dist.PrefixStore("weights", self.channel_store)

@@ -26,9 +26,10 @@ here) or reports a feature "absent" (not merged yet); a failing check never stop
                           ("absent" until merged)
     oom_outside_window    torch_memory configured for step 1, the reward runs out of memory in step 2
                           (outside any window): an OOM snapshot is dumped ("absent" until merged)
-    fsdp2_world1          FSDP2 on one rank (NCCL on CUDA, gloo on CPU; torch.distributed in a
-                          subprocess): its update equals the unsharded actor's, a full-state
-                          checkpoint saves and loads back into sharded and unsharded actors
+    fsdp2_world           FSDP2 (strategy=fsdp2) at world size W: 2 gloo ranks on CPU, the visible GPUs
+                          up to 2 with NCCL (one GPU: W=1, still sharded); the update equals one
+                          unsharded worker's, the sharded checkpoint loads back at W and at 1, and
+                          the next update from each agrees
     profile_report        `plait profile report` on mode_sync's artifacts ("absent" until merged)
     bench_vs_trl          plait vs TRL's GRPOTrainer (bench/bench_vs_trl.py's workers) on a
                           Qwen2-architecture model of about 0.5B parameters built from a config (random
@@ -407,26 +408,35 @@ def oom_outside_window(ctx: Ctx, work: Path, d: dict) -> None:
     d["oom_segments"] = [len(s["segments"]) for s in snapshots]  # outside a window there is no history
 
 
-def fsdp2_world1(ctx: Ctx, work: Path, d: dict) -> None:
-    """torch.distributed as a launcher would start it (env vars), in a fresh process: see fsdp_worker."""
+def fsdp2_world(ctx: Ctx, work: Path, d: dict) -> None:
+    """torch.distributed as a launcher would start it (env vars), W fresh processes: see fsdp_worker.
+    W = 2 with gloo on CPU; on CUDA the visible GPUs up to 2 (NCCL puts one rank on each GPU)."""
+    import torch
+    world = min(2, torch.cuda.device_count()) if ctx.device == "cuda" else 2
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0", "WORLD_SIZE": "1",
-           "LOCAL_RANK": "0", "OMP_NUM_THREADS": "1"}
+    procs = []
+    for rank in range(world):
+        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+               "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "OMP_NUM_THREADS": "1",
+               **({"CUDA_VISIBLE_DEVICES": str(rank)} if ctx.device == "cuda" else {})}
+        procs.append(subprocess.Popen([sys.executable, __file__, "--fsdp-worker", str(work), "--device", ctx.device],
+                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outputs = [p.communicate(timeout=max(60, ctx.left() + 60))[0] for p in procs]
     result = work / "fsdp.json"
-    proc = subprocess.run([sys.executable, __file__, "--fsdp-worker", str(work), "--device", ctx.device],
-                          env=env, capture_output=True, text=True, timeout=max(60, ctx.left() + 60))
-    d["returncode"] = proc.returncode
-    if proc.returncode != 0:
-        d["output_tail"] = (proc.stdout + proc.stderr)[-3000:]
-    expect(proc.returncode == 0 and result.exists(), "the FSDP2 worker failed")
+    d["world_size"], d["returncodes"] = world, [p.returncode for p in procs]
+    if any(p.returncode != 0 for p in procs):
+        d["output_tail"] = "\n".join(o[-1500:] for o in outputs)
+    expect(all(p.returncode == 0 for p in procs) and result.exists(), "an FSDP2 worker failed")
     d.update(json.loads(result.read_text()))
 
 
 def fsdp_worker(work: Path, device: str) -> None:
-    """One rank: an FSDP2 actor's update equals the unsharded actor's; its full-state checkpoint
-    (gathered to rank 0) loads back into a sharded and an unsharded actor."""
+    """One rank of W: the FSDP2 actor's update (strategy=fsdp2) equals one unsharded worker's (rank 0
+    computes it before joining the group); its sharded checkpoint (torch.distributed.checkpoint,
+    each rank its shards) loads back at world size W and, after the group is gone, into one
+    unsharded actor at world size 1, and the next update from each agrees."""
     import torch
     import torch.distributed as dist
     from plait.config import ActorConfig, OptimConfig
@@ -435,50 +445,61 @@ def fsdp_worker(work: Path, device: str) -> None:
     from plait.workers.actor import Actor
     from plait.workers.parallel import is_sharded
     torch.set_num_threads(1)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if device == "cuda":
         torch.cuda.set_device(0)
+    model = create_tiny_model(work / f"m{rank}", size="xs", seed=0)
+    profiler = ProfilerSession(GlobalProfilerConfig(), {"actor": RoleProfilerConfig()}, rank=rank).for_role("actor")
+
+    def actor(strategy: str) -> Actor:
+        cfg = ActorConfig(optim=OptimConfig(lr=1e-3), ppo_mini_batch_size=2, ppo_micro_batch_size_per_gpu=3,
+                          ppo_epochs=2, shuffle=True, strategy=strategy)
+        return Actor(model, cfg, 4, 1.0, profiler, device=device, seed=3)
+
+    def diff(a: dict, b: dict) -> float:
+        return max((a[k].float().cpu() - b[k].float().cpu()).abs().max().item() for k in a)
+
+    batch, ckpt = tiny_batch(16), str(work / "ckpt")
+    if rank == 0:  # one worker, before torch.distributed runs: the reference
+        plain = actor("fsdp")
+        before = {k: v.clone() for k, v in plain.state_dict().items()}  # state_dict() shares the weights' storage
+        plain_metrics = plain.update(batch)
+        reference = {k: v.clone() for k, v in plain.state_dict().items()}
     dist.init_process_group("nccl" if device == "cuda" else "gloo")
     try:
-        model = create_tiny_model(work / "m", size="xs", seed=0)
-        cfg = ActorConfig(optim=OptimConfig(lr=1e-3), ppo_mini_batch_size=2, ppo_micro_batch_size_per_gpu=3,
-                          ppo_epochs=2, shuffle=True)
-        profiler = ProfilerSession(GlobalProfilerConfig(), {"actor": RoleProfilerConfig()}, rank=0).for_role("actor")
-
-        def actor(fsdp: bool) -> Actor:
-            return Actor(model, cfg, 4, 1.0, profiler, device=device, seed=3, fsdp=fsdp)
-
-        def diff(a: dict, b: dict) -> float:
-            return max((a[k].float().cpu() - b[k].float().cpu()).abs().max().item() for k in a)
-
-        batch = tiny_batch(16)
-        sharded, plain = actor(True), actor(False)
-        before = {k: v.clone() for k, v in plain.state_dict().items()}  # state_dict() shares the weights' storage
-        metrics = [sharded.update(batch), plain.update(batch)]
-        out = {"backend": dist.get_backend(), "sharded": is_sharded(sharded.model),
-               "param_change": diff(plain.state_dict(), before),
-               "update_max_abs_diff": diff(sharded.state_dict(), plain.state_dict()),
-               "pg_loss": [m["actor/pg_loss"] for m in metrics], "grad_norm": [m["actor/grad_norm"] for m in metrics]}
-        sharded.save_checkpoint(str(work / "ckpt"))
-        out["checkpoint_files"] = sorted(os.listdir(work / "ckpt"))
-        reloaded = {"sharded": actor(True), "unsharded": actor(False)}
-        for name, a in reloaded.items():
-            a.load_checkpoint(str(work / "ckpt"))
-            out[f"load_{name}_max_abs_diff"] = diff(a.state_dict(), sharded.state_dict())
-        out["optimizer_states"] = len(torch.load(work / "ckpt" / "optim.pt", weights_only=True)["optimizer"]["state"])
-        # one more update from the reloaded states must agree too: the optimizer state came back
-        resumed = (sharded, reloaded["sharded"], reloaded["unsharded"])
-        for a in resumed:
+        sharded = actor("fsdp2")
+        metrics = sharded.update(batch)
+        updated = sharded.state_dict()  # a collective: every rank
+        sharded.save_checkpoint(ckpt)
+        again = actor("fsdp2")
+        again.load_checkpoint(ckpt)
+        load_same = diff(again.state_dict(), updated)
+        for a in (sharded, again):
             a.update(batch)
-        after = [a.state_dict() for a in resumed]
-        out["resumed_update_max_abs_diff"] = max(diff(after[0], after[1]), diff(after[0], after[2]))
+        after = [sharded.state_dict(), again.state_dict()]
+        sharded_flag = is_sharded(sharded.model)
+        backend = dist.get_backend()
     finally:
         dist.destroy_process_group()
+    if rank != 0:
+        return
+    at_one = actor("fsdp")  # the group is gone: world size 1, unsharded
+    at_one.load_checkpoint(ckpt)
+    load_one = diff(at_one.state_dict(), updated)
+    at_one.update(batch)
+    out = {"backend": backend, "world_size": world, "sharded": sharded_flag,
+           "param_change": diff(reference, before), "update_max_abs_diff": diff(updated, reference),
+           "pg_loss": [metrics["actor/pg_loss"], plain_metrics["actor/pg_loss"]],
+           "grad_norm": [metrics["actor/grad_norm"], plain_metrics["actor/grad_norm"]],
+           "checkpoint_files": sorted(os.listdir(ckpt)), "shard_files": sorted(os.listdir(os.path.join(ckpt, "sharded"))),
+           "load_same_world_max_abs_diff": load_same, "load_world1_max_abs_diff": load_one,
+           "resumed_update_max_abs_diff": max(diff(after[0], after[1]), diff(after[0], at_one.state_dict()))}
     (work / "fsdp.json").write_text(json.dumps(out))
     expect(out["sharded"] and out["param_change"] > 1e-4, "the update did not move the weights (or no sharding)")
     # Adam moves each weight by about lr (1e-3): 1e-4 on the GPU allows for another reduction order
     update_tol = 1e-4 if device == "cuda" else 1e-5
     for key, tol in (("update_max_abs_diff", update_tol), ("resumed_update_max_abs_diff", update_tol),
-                     ("load_sharded_max_abs_diff", 1e-6), ("load_unsharded_max_abs_diff", 1e-6)):
+                     ("load_same_world_max_abs_diff", 1e-6), ("load_world1_max_abs_diff", 1e-6)):
         expect(out[key] <= tol, f"{key} = {out[key]:.2e} > {tol}")
 
 
@@ -658,7 +679,7 @@ CHECKS = {
     **{f"mode_{m}": functools.partial(mode_window, mode=m) for m in (*LM_MODES, "diffusion")},
     "stage_peak_memory": stage_peak_memory,
     "oom_outside_window": oom_outside_window,
-    "fsdp2_world1": fsdp2_world1,
+    "fsdp2_world": fsdp2_world,
     "profile_report": profile_report,
     "bench_vs_trl": bench_vs_trl,
     "bench_decode": bench_decode,

@@ -8,7 +8,7 @@
 #    the version plait is developed against (the machine has 5.17).
 # 2. The device tool's run:  command "PLAIT_COMMIT=<git rev-parse --short HEAD> bash bench/gpu_run.sh"
 #    carry [".whl"]  timeout_s 450  (the copy there has no .git: PLAIT_COMMIT names what ran).
-#    A rerun of some checks: "... bash bench/gpu_run.sh --only fsdp2_world1,bench_vs_trl".
+#    A rerun of some checks: "... bash bench/gpu_run.sh --only fsdp2_world,bench_vs_trl".
 #    No check starts after --budget-s 330; the results JSON is rewritten after every check.
 # 3. Back here: $OUT's gpu_check_cuda.json goes to bench/results/ (committed); gpu_check.log, env.txt
 #    and artifacts.tgz (the runs' profiler artifacts, for `plait profile report`) are for reading.

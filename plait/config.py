@@ -25,8 +25,8 @@ from plait.algorithms.advantages import ESTIMATORS
 from plait.algorithms.kl import KL_ESTIMATORS
 from plait.algorithms.losses import LOSS_AGG_MODES, POLICY_LOSSES
 from plait.algorithms.rollout_correction import BYPASS_LOSS_TYPES, IS_LEVELS, parse_rs
-from plait.config_verl import (LEGACY_REWARD, LOCAL_BACKEND_NO_EFFECT, NO_EFFECT, compose_yaml, merge, refusal,
-                               resolve_interpolations)
+from plait.config_verl import (CPU_RAY_NO_EFFECT, LEGACY_REWARD, LOCAL_BACKEND_NO_EFFECT, NO_EFFECT, compose_yaml,
+                               merge, refusal, resolve_interpolations)
 from plait.configtree import ConfigError, build, check, raise_all, to_dict
 from plait.data.rewards import RewardConfig
 from plait.profiler.config import GlobalProfilerConfig, RoleProfilerConfig
@@ -147,9 +147,47 @@ STRATEGIES = ("fsdp", "fsdp2")
 
 
 @dataclass
+class WrapPolicyConfig:
+    min_num_params: int = 0                   # a transformer block is sharded on its own only with this many parameters
+
+
+# verl's names for FSDP2's mixed-precision dtypes, and torch's
+MP_DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
+             "fp32": "float32", "float32": "float32"}
+
+
+@dataclass
+class MixedPrecisionConfig:
+    param_dtype: Optional[str] = None         # compute dtype of the gathered weights; null: the weights' own
+    reduce_dtype: Optional[str] = None        # gradient reduce-scatter dtype; null: param_dtype
+
+    def __post_init__(self):
+        for name in ("param_dtype", "reduce_dtype"):
+            value = getattr(self, name)
+            check(value is None or value in MP_DTYPES, name, value, f"null or one of {', '.join(MP_DTYPES)}")
+
+
+@dataclass
+class FsdpConfig:
+    """`*.fsdp_config`: the FSDP2 knobs (plait/workers/parallel.py shard_model); sharding itself is `strategy`."""
+    param_offload: bool = False               # CUDA: parameters, gradients and the optimizer step on CPU (CPUOffloadPolicy)
+    optimizer_offload: bool = False           # the same offload: FSDP2 has one for parameters and optimizer together
+    offload_policy: bool = False              # verl's FSDP2 name for that offload
+    reshard_after_forward: bool = True        # free the gathered weights after each block's forward
+    forward_prefetch: bool = False            # gather the next block's weights during this block's forward
+    wrap_policy: WrapPolicyConfig = field(default_factory=WrapPolicyConfig)
+    mixed_precision: MixedPrecisionConfig = field(default_factory=MixedPrecisionConfig)  # FSDP2's MixedPrecisionPolicy
+
+    def __post_init__(self):
+        check(self.wrap_policy.min_num_params >= 0, "wrap_policy.min_num_params", self.wrap_policy.min_num_params,
+              "must be >= 0")
+
+
+@dataclass
 class ActorConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
-    strategy: str = "fsdp"                    # fsdp | fsdp2, both accepted: plait shards with FSDP2 on CUDA with >1 rank
+    strategy: str = "fsdp"                    # fsdp2: FSDP2 with >1 rank on any device; fsdp: FSDP2 on CUDA, whole replicas on CPU
+    fsdp_config: FsdpConfig = field(default_factory=FsdpConfig)
     ppo_mini_batch_size: int = 256            # prompts per optimizer step (x rollout.n samples)
     ppo_micro_batch_size_per_gpu: Optional[int] = None  # samples per forward/backward; null: the whole mini-batch
     use_dynamic_bsz: bool = False
@@ -245,12 +283,16 @@ class RolloutConfig:
 
 @dataclass
 class RefConfig:
+    strategy: Optional[str] = None            # null: the actor's (as verl's ${actor_rollout_ref.actor.strategy})
+    fsdp_config: FsdpConfig = field(default_factory=FsdpConfig)
     log_prob_micro_batch_size_per_gpu: Optional[int] = None  # null: the whole batch in one forward
     log_prob_use_dynamic_bsz: Optional[bool] = None          # null: actor.use_dynamic_bsz
     log_prob_max_token_len_per_gpu: Optional[int] = None     # null: actor.ppo_max_token_len_per_gpu
     profiler: RoleProfilerConfig = field(default_factory=RoleProfilerConfig)
 
     def __post_init__(self):
+        check(self.strategy is None or self.strategy in STRATEGIES, "strategy", self.strategy,
+              f"null (the actor's) or one of {', '.join(STRATEGIES)}")
         check(self.log_prob_micro_batch_size_per_gpu is None or self.log_prob_micro_batch_size_per_gpu > 0,
               "log_prob_micro_batch_size_per_gpu", self.log_prob_micro_batch_size_per_gpu, "must be > 0 or null")
 
@@ -269,11 +311,13 @@ class CriticModelConfig:
     enable_gradient_checkpointing: bool = True
     use_remove_padding: bool = False
     trust_remote_code: bool = False
+    fsdp_config: FsdpConfig = field(default_factory=FsdpConfig)
 
 
 @dataclass
 class CriticConfig:
     enable: Optional[bool] = None             # null: on exactly when the advantage estimator needs values (gae)
+    strategy: str = "fsdp"                    # as actor_rollout_ref.actor.strategy
     model: CriticModelConfig = field(default_factory=CriticModelConfig)
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
     ppo_mini_batch_size: int = 256                      # unset: the actor's (load_config)
@@ -290,6 +334,7 @@ class CriticConfig:
 
     def __post_init__(self):
         positive(self, "ppo_mini_batch_size", "ppo_epochs", "cliprange_value")
+        one_of(self, "strategy", STRATEGIES)
         one_of(self, "loss_agg_mode", LOSS_AGG_MODES)
         check(self.grad_clip > 0, "grad_clip", self.grad_clip, "must be > 0")
         check(self.ppo_micro_batch_size_per_gpu is None or self.ppo_micro_batch_size_per_gpu > 0,
@@ -396,6 +441,9 @@ class AlgorithmConfig:
 LOGGERS = ("console", "tensorboard", "wandb", "mlflow", "swanlab", "file", "json_eval")  # verl's, less clearml/trackio/vemlp_wandb
 
 
+PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+
+
 @dataclass
 class RayConfig:
     """`trainer.ray`: which Ray to use and what each worker process asks it for (trainer.backend=ray; docs/ray.md)."""
@@ -406,6 +454,13 @@ class RayConfig:
     num_cpu_workers: int = 1                      # data-parallel trainer processes without GPUs (with GPUs: nnodes x n_gpus_per_node)
     cpus_per_worker: float = 1.0                  # CPU request per worker process; fractions let a small machine host more processes
     placement_timeout_s: float = 60.0             # fail, naming the missing resources, if workers cannot be placed in this time
+    placement_strategy: str = "PACK"              # each pool's placement group: PACK (few nodes), SPREAD, STRICT_PACK, STRICT_SPREAD
+    # Custom Ray resources each worker of a pool (train, rollout) asks for, e.g. {rollout: {gen_node: 1}}:
+    # a pool lands on the nodes started with them (ray start --resources='{"gen_node": 4}').
+    pool_resources: dict = field(default_factory=dict)
+    # actor -> separated rollout: process_group (a gloo/NCCL broadcast from actor rank 0, not via the
+    # driver) or object_store (through the driver, the older path, kept for comparison)
+    weight_sync: Literal["process_group", "object_store"] = "process_group"
 
     def __post_init__(self):
         check(self.address is None or self.address.strip() != "", "address", self.address, "null or a Ray address")
@@ -415,6 +470,11 @@ class RayConfig:
         check(self.num_cpu_workers > 0, "num_cpu_workers", self.num_cpu_workers, "must be > 0")
         check(self.cpus_per_worker > 0, "cpus_per_worker", self.cpus_per_worker, "must be > 0 (fractions are fine)")
         check(self.placement_timeout_s > 0, "placement_timeout_s", self.placement_timeout_s, "must be > 0 seconds")
+        one_of(self, "placement_strategy", PLACEMENT_STRATEGIES)
+        for pool, resources in self.pool_resources.items():
+            check(pool in ("train", "rollout"), f"pool_resources.{pool}", resources, "pools are train and rollout")
+            check(isinstance(resources, dict) and all(isinstance(v, (int, float)) and v > 0 for v in resources.values()),
+                  f"pool_resources.{pool}", resources, "a mapping of Ray resource name to a positive amount per worker")
 
 
 @dataclass
@@ -522,6 +582,10 @@ class PlaitConfig:
         lm = self.trainer.mode != "diffusion"
         check(not lm or self.data.train_batch_size % actor.ppo_mini_batch_size == 0, "actor_rollout_ref.actor.ppo_mini_batch_size",
               actor.ppo_mini_batch_size, f"must divide data.train_batch_size={self.data.train_batch_size}")
+        # merged_state_dict and the adapter checkpoint need whole tensors (plait/workers/actor.py)
+        check(not (self.actor_rollout_ref.model.lora_rank > 0 and actor.strategy == "fsdp2"),
+              "actor_rollout_ref.actor.strategy", actor.strategy, "fsdp with actor_rollout_ref.model.lora_rank > 0: "
+              "LoRA trains on whole replicas, FSDP2 sharding of adapters is not supported yet")
         if self.critic.enable is None:
             self.critic.enable = self.algorithm.adv_estimator == "gae"
         check(self.algorithm.adv_estimator != "gae" or self.critic.enable, "critic.enable", self.critic.enable,
@@ -571,6 +635,7 @@ class PlaitConfig:
         arr, critic = self.actor_rollout_ref, self.critic
         actor, n = arr.actor, arr.rollout.n
         self.data.seed = self.trainer.seed if self.data.seed is None else self.data.seed
+        arr.ref.strategy = arr.ref.strategy or actor.strategy
         # profiler artifacts belong to their run (verl: one shared outputs/profile, which runs overwrote)
         self.global_profiler.save_path = self.global_profiler.save_path or os.path.join(self.output_dir, "profile")
         actor.ppo_micro_batch_size_per_gpu = actor.ppo_micro_batch_size_per_gpu or actor.ppo_mini_batch_size * n
@@ -668,16 +733,21 @@ def _leaf_items(tree: dict, prefix: str) -> list[tuple[str, Any]]:
     return out
 
 
-def no_effect_notice(keys: list[str]) -> str:
+def no_effect_notice(keys: list[str], cluster: dict[str, str] = LOCAL_BACKEND_NO_EFFECT) -> str:
     """The one warning block naming the no-effect keys a user set, grouped by reason."""
     by_reason: dict[str, list[str]] = {}
     for key in keys:
-        reason = LOCAL_BACKEND_NO_EFFECT.get(key) or next(NO_EFFECT[p] for p in _prefixes(key) if p in NO_EFFECT)
+        reason = cluster.get(key) or next(NO_EFFECT[p] for p in _prefixes(key) if p in NO_EFFECT)
         by_reason.setdefault(reason, []).append(key)
     lines = ["plait: these verl keys are accepted but have no effect here:"]
     for reason, group in by_reason.items():
         lines += [f"  - {reason}:", *(f"      {key}" for key in group)]
     return "\n".join(lines)
+
+
+def _cuda_available() -> bool:
+    import torch
+    return torch.cuda.is_available()
 
 
 def _prefixes(key: str) -> list[str]:
@@ -725,10 +795,14 @@ def load_config(path: str | None = None, overrides: list[str] = (), search: list
     if demo:
         print("plait: actor_rollout_ref.model.path is null: the demo preset "
               "(plait/configs/demo.yaml) applies under your settings", file=sys.stderr)
+    cluster = {}  # the process-count keys this backend and device do not read
     if cfg.trainer.backend == "local":
-        no_effect += [key for key in user if key in LOCAL_BACKEND_NO_EFFECT]
+        cluster = LOCAL_BACKEND_NO_EFFECT
+    elif cfg.trainer.device == "cpu" or (cfg.trainer.device == "auto" and not _cuda_available()):
+        cluster = CPU_RAY_NO_EFFECT
+    no_effect += [key for key in user if key in cluster]
     if no_effect:
-        print(no_effect_notice(no_effect), file=sys.stderr)
+        print(no_effect_notice(no_effect, cluster), file=sys.stderr)
     if moved:
         print("plait: verl 0.8 reward keys mapped onto verl 0.9's reward tree: " + ", ".join(moved), file=sys.stderr)
     return cfg

@@ -20,15 +20,14 @@ import yaml
 from plait.configtree import ConfigError
 
 _GROUPS = {
-    ("FSDP/Megatron sharding, offload, sequence parallelism and fused-kernel switches: each plait "
-     "worker holds a whole model (data parallel across processes with trainer.backend=ray)"): """
-        actor_rollout_ref.actor.fsdp_config.wrap_policy.min_num_params
-        actor_rollout_ref.actor.fsdp_config.param_offload
-        actor_rollout_ref.actor.fsdp_config.optimizer_offload
-        actor_rollout_ref.actor.fsdp_config.offload_policy
-        actor_rollout_ref.actor.fsdp_config.reshard_after_forward
+    ("FSDP/Megatron knobs plait's sharding does not have (mesh size, sequence parallelism, fused-kernel "
+     "and compile switches; plait implements strategy and fsdp_config's offload, reshard_after_forward, "
+     "forward_prefetch and wrap_policy.min_num_params)"): """
         actor_rollout_ref.actor.fsdp_config.fsdp_size
-        actor_rollout_ref.actor.fsdp_config.forward_prefetch
+        actor_rollout_ref.actor.fsdp_config.mixed_precision.buffer_dtype
+        actor_rollout_ref.ref.fsdp_config.mixed_precision.buffer_dtype
+        critic.model.fsdp_config.mixed_precision.buffer_dtype
+        reward_model.model.fsdp_config.mixed_precision.buffer_dtype
         actor_rollout_ref.actor.fsdp_config.model_dtype
         actor_rollout_ref.actor.fsdp_config.use_orig_params
         actor_rollout_ref.actor.fsdp_config.seed
@@ -51,18 +50,11 @@ _GROUPS = {
         actor_rollout_ref.actor.entropy_checkpointing
         actor_rollout_ref.actor.calculate_sum_pi_squared
         actor_rollout_ref.actor.sum_pi_squared_checkpointing
-        actor_rollout_ref.ref.strategy
         actor_rollout_ref.ref.use_torch_compile
         actor_rollout_ref.ref.router_replay.mode
         actor_rollout_ref.ref.router_replay.record_file
         actor_rollout_ref.ref.router_replay.replay_file
-        actor_rollout_ref.ref.fsdp_config.wrap_policy.min_num_params
-        actor_rollout_ref.ref.fsdp_config.param_offload
-        actor_rollout_ref.ref.fsdp_config.optimizer_offload
-        actor_rollout_ref.ref.fsdp_config.offload_policy
-        actor_rollout_ref.ref.fsdp_config.reshard_after_forward
         actor_rollout_ref.ref.fsdp_config.fsdp_size
-        actor_rollout_ref.ref.fsdp_config.forward_prefetch
         actor_rollout_ref.ref.fsdp_config.model_dtype
         actor_rollout_ref.ref.fsdp_config.use_orig_params
         actor_rollout_ref.ref.fsdp_config.seed
@@ -100,13 +92,7 @@ _GROUPS = {
         actor_rollout_ref.hybrid_engine
         actor_rollout_ref.nccl_timeout
         data.use_shm
-        critic.model.fsdp_config.wrap_policy.min_num_params
-        critic.model.fsdp_config.param_offload
-        critic.model.fsdp_config.optimizer_offload
-        critic.model.fsdp_config.offload_policy
-        critic.model.fsdp_config.reshard_after_forward
         critic.model.fsdp_config.fsdp_size
-        critic.model.fsdp_config.forward_prefetch
         critic.model.fsdp_config.model_dtype
         critic.model.fsdp_config.use_orig_params
         critic.model.fsdp_config.seed
@@ -122,16 +108,10 @@ _GROUPS = {
         critic.model.enable_activation_offload
         critic.model.tiled_mlp.enabled
         critic.model.tiled_mlp.num_shards
-        critic.strategy
         critic.ulysses_sequence_parallel_size
-        reward_model.strategy
         reward_model.model.use_shm
         reward_model.model.use_fused_kernels
-        reward_model.model.fsdp_config.wrap_policy.min_num_params
-        reward_model.model.fsdp_config.param_offload
-        reward_model.model.fsdp_config.reshard_after_forward
         reward_model.model.fsdp_config.fsdp_size
-        reward_model.model.fsdp_config.forward_prefetch
         reward_model.ulysses_sequence_parallel_size
     """,
     ("fully-async / one-step-off recipe knobs for verl's rollouter processes and weight transfer: "
@@ -216,6 +196,16 @@ _GROUPS = {
         actor_rollout_ref.rollout.trace.token2text
         actor_rollout_ref.rollout.trace.max_samples_per_step_per_worker
         data.tool_config_path
+    """,
+    ("verl 0.8's reward-model sharding keys: the reward model (verl 0.9 serves it from a rollout "
+     "engine) is sharded here like the actor, by actor_rollout_ref.actor.strategy and its fsdp_config"): """
+        reward_model.strategy
+        reward_model.model.fsdp_config.wrap_policy.min_num_params
+        reward_model.model.fsdp_config.param_offload
+        reward_model.model.fsdp_config.reshard_after_forward
+        reward_model.model.fsdp_config.forward_prefetch
+        reward_model.model.fsdp_config.mixed_precision.param_dtype
+        reward_model.model.fsdp_config.mixed_precision.reduce_dtype
     """,
     ("multimodal (image/video) inputs: plait's LM trainers take text prompts"): """
         actor_rollout_ref.actor.freeze_vision_tower
@@ -414,9 +404,6 @@ _GROUPS = {
     """,
     ("FSDP mixed-precision policies: plait's workers compute in actor_rollout_ref.model.dtype (the FSDP2 "
      "work implements these)"): """
-        actor_rollout_ref.actor.fsdp_config.mixed_precision
-        actor_rollout_ref.ref.fsdp_config.mixed_precision
-        critic.model.fsdp_config.mixed_precision
     """,
     ("verl 0.9 serving, routing and agent machinery (prefill/decode disaggregation, routers, MoE load metrics, "
      "tool functions, rollout traces, custom checkpoint-engine backends): plait's rollout is single-turn "
@@ -469,6 +456,11 @@ NO_EFFECT: dict[str, str] = {key: reason for reason, keys in _GROUPS.items() for
 LOCAL_BACKEND_NO_EFFECT = {
     key: "process counts of a cluster: the local backend runs every role in this process (trainer.backend=ray "
          "starts nnodes x n_gpus_per_node workers on GPUs)"
+    for key in ("trainer.nnodes", "trainer.n_gpus_per_node")}
+
+# ... and that the Ray backend reads only with CUDA.
+CPU_RAY_NO_EFFECT = {
+    key: "GPU counts: without CUDA the Ray backend starts trainer.ray.num_cpu_workers trainer processes"
     for key in ("trainer.nnodes", "trainer.n_gpus_per_node")}
 
 

@@ -159,11 +159,11 @@ def test_defaults_are_verls_once_a_model_path_is_given(tmp_path):
 def test_no_effect_keys_are_named_once_grouped_by_reason(capsys):
     load_config(None, ["actor_rollout_ref.rollout.gpu_memory_utilization=0.6",
                        "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
-                       "actor_rollout_ref.actor.fsdp_config.param_offload=True", "trainer.n_gpus_per_node=8"])
+                       "actor_rollout_ref.actor.fsdp_config.fsdp_size=2", "trainer.n_gpus_per_node=8"])
     err = capsys.readouterr().err
     block = err[err.index("accepted but have no effect"):]
     assert block.count("vLLM/SGLang") == 1 and block.count("FSDP") == 1 and "local backend" in block
-    for key in ("gpu_memory_utilization", "tensor_model_parallel_size", "fsdp_config.param_offload", "n_gpus_per_node"):
+    for key in ("gpu_memory_utilization", "tensor_model_parallel_size", "fsdp_config.fsdp_size", "n_gpus_per_node"):
         assert f"actor_rollout_ref.rollout.{key}" in block or key in block
 
 

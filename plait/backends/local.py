@@ -26,6 +26,10 @@ class LocalWorkerGroup:
         """Split `batch` across the data-parallel workers; one result per rank, in rank order."""
         return [method(self.worker, batch, *args, **kwargs)]
 
+    def pipe(self, get: Callable, dst: "LocalWorkerGroup", put: Callable, *args, **kwargs) -> None:
+        """`put(dst's worker, get(this worker), *args)`: one process, nothing to move."""
+        put(dst.worker, get(self.worker), *args, **kwargs)
+
 
 class LocalBackend:
     def __init__(self, session: ProfilerSession):

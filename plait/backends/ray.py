@@ -6,24 +6,31 @@
       rollout:      Host rank 0 of the train pool (colocated) or its own one-process pool (separated)
 
 Placement: a pool is one placement group of W bundles ({CPU: cpus_per_worker} plus {GPU: 1} on
-GPUs), so W = `trainer.ray.num_cpu_workers` on CPU or `trainer.nnodes * trainer.n_gpus_per_node`
-with GPUs; a pool that cannot be placed in `placement_timeout_s` is an error naming the missing
-resources, never a silent pending wait. The data-parallel roles (actor, critic, ref) live on every
-host of the train pool; any other role (the rollout) runs one worker. Each host process runs its
-own ProfilerSession with its rank; `profile_targets()` gives the driver one proxy for all of them.
+GPUs, plus the pool's custom resources from `trainer.ray.pool_resources`, which pin it to the nodes
+that have them), so W = `trainer.ray.num_cpu_workers` on CPU or `trainer.nnodes * trainer.n_gpus_per_node`
+with GPUs, laid out by `trainer.ray.placement_strategy` (PACK onto few nodes, SPREAD across them);
+a pool that cannot be placed in `placement_timeout_s` is an error naming the missing resources,
+never a silent pending wait. The data-parallel roles (actor, critic, ref, reward model) live on
+every host of the train pool; the rollout runs one worker. Each role says at start, in one line,
+where it runs (node, ranks, devices). Each host process runs its own ProfilerSession with its
+rank; `profile_targets()` gives the driver one proxy for all of them.
+
+Ports: the train pool's rendezvous store (torch's TCPStore, no authentication) and gloo's pair
+sockets listen on 127.0.0.1 when the whole pool is on one node, else on the node's cluster address.
 
 A worker that dies or raises fails the whole group at once: the first error is raised on the
 driver as one `WorkerError`, open profiler windows on the surviving hosts are closed (their
 records handed to the driver's profiler), every host is killed (a surviving rank may be blocked
 in a collective) and a Ray instance plait started is shut down.
 
-Left out: data-parallel generation (one rollout engine), NCCL weight broadcast (weights travel
-through the object store), node affinity beyond Ray's PACK strategy, and actor restarts.
+Left out: data-parallel generation (one rollout engine), per-role GPU pools beyond train/rollout,
+and actor restarts.
 """
 
 from __future__ import annotations
 
 import atexit
+import math
 import os
 import shutil
 import subprocess
@@ -44,7 +51,8 @@ from plait.configtree import ConfigError
 from plait.errors import RunError
 from plait.profiler.config import ROLE_KEYS
 
-DATA_PARALLEL_ROLES = ("actor", "critic", "ref")
+DATA_PARALLEL_ROLES = ("actor", "critic", "ref", "reward_model")
+LOOPBACK = "127.0.0.1"
 
 
 class WorkerError(RunError):
@@ -64,17 +72,93 @@ class Host:
         self.rank, self.world_size = rank, world_size
         self.session = ProfilerSession(profiler_cfg, roles_cfg, rank=rank, world_size=world_size)
         self.workers: dict[str, Any] = {}
-        self.store = None
+        self.store = self.listener = None
+        self.channel = self.channel_store = self.channel_listener = None  # the weight channel (join_channel)
+        self.channel_syncs = 0
 
-    def open_store(self) -> tuple[str, int]:
-        """Rank 0: a TCP store on a free port for the process group to meet at."""
+    def where(self) -> tuple[str, str, list[int]]:
+        """(node id, node address, GPU ids) of this process."""
+        ctx = ray.get_runtime_context()
+        return ctx.get_node_id(), ray.util.get_node_ip_address(), [int(g) for g in ray.get_gpu_ids()]
+
+    def open_store(self, one_node: bool, size: Optional[int] = None) -> tuple[str, int]:
+        """Rank 0: a TCP store on a free port for a process group of `size` (the pool's) to meet at,
+        bound to loopback when the group is on one node, else to this node's cluster address
+        (torch alone would bind `*`). The weight channel's store is a second one."""
+        import socket
         import torch.distributed as dist
-        host = ray.util.get_node_ip_address()
-        self.store = dist.TCPStore(host, 0, self.world_size, is_master=True, wait_for_workers=False)
-        return host, self.store.port
+        host = LOOPBACK if one_node else ray.util.get_node_ip_address()
+        listener = socket.create_server((host, 0))  # kept open: the store serves on its descriptor
+        port = listener.getsockname()[1]
+        store = dist.TCPStore(host, port, size or self.world_size, is_master=True, wait_for_workers=False,
+                              master_listen_fd=listener.fileno())
+        if size is None:
+            self.store, self.listener = store, listener
+        else:
+            self.channel_store, self.channel_listener = store, listener
+        return host, port
+
+    def join_channel(self, host: str, port: int, rank: int) -> None:
+        """The weight channel: a 2-process group of train rank 0 (0) and the rollout (1), gloo on CPU,
+        NCCL on GPU, outside the train pool's group."""
+        import datetime
+        import torch.distributed as dist
+        if host == LOOPBACK:
+            os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+        else:  # across nodes: the hostname's interface (the train pool may have set lo in this process)
+            os.environ.pop("GLOO_SOCKET_IFNAME", None)
+        if rank == 1:
+            self.channel_store = dist.TCPStore(host, port, 2, is_master=False)
+        store = dist.PrefixStore("weights", self.channel_store)
+        if torch.cuda.is_available():
+            torch.cuda.set_device(0)  # Ray sets CUDA_VISIBLE_DEVICES to this process's GPU
+            self.channel = dist.ProcessGroupNCCL(store, rank, 2)
+        else:
+            self.channel = dist.ProcessGroupGloo(store, rank, 2, datetime.timedelta(minutes=30))
+
+    def send(self, role: str, method: Callable, root: bool) -> None:
+        """`method(worker)` (a state dict) on every rank; rank 0 broadcasts it over the weight channel:
+        names, shapes and dtypes through the channel's store, then one flat buffer per dtype."""
+        import json
+        state = method(self.workers[role])
+        if not root:
+            return
+        names = list(state)
+        meta = [(k, list(state[k].shape), str(state[k].dtype).removeprefix("torch.")) for k in names]
+        self.channel_syncs += 1
+        self.channel_store.set(f"meta{self.channel_syncs}", json.dumps(meta))
+        for dtype in sorted({m[2] for m in meta}):
+            flat = torch.cat([state[k].reshape(-1) for k, _, d in meta if d == dtype])
+            self.channel.broadcast([flat.cuda() if torch.cuda.is_available() else flat]).wait()
+
+    def receive(self, role: str, method: Callable, payload: tuple) -> None:
+        """The other end of `send`: rebuild the state dict, then `method(worker, state, *args)`."""
+        import json
+        self.channel_syncs += 1
+        meta = json.loads(self.channel_store.get(f"meta{self.channel_syncs}"))
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        state = {}
+        for dtype in sorted({m[2] for m in meta}):
+            group = [m for m in meta if m[2] == dtype]
+            flat = torch.empty(sum(math.prod(shape) for _, shape, _ in group), dtype=getattr(torch, dtype), device=device)
+            self.channel.broadcast([flat]).wait()
+            for (name, shape, _), part in zip(group, flat.split([math.prod(shape) for _, shape, _ in group])):
+                state[name] = part.view(shape)
+        args, kwargs = payload
+        method(self.workers[role], state, *args, **kwargs)
+
+    def pipe(self, src: str, get: Callable, dst: Optional[str], put: Callable, payload: tuple) -> None:
+        """In one process: `put(dst worker, get(src worker), *args)`; without `dst` here, only `get`
+        (its collectives with the other ranks)."""
+        out = get(self.workers[src])
+        if dst is not None:
+            args, kwargs = payload
+            put(self.workers[dst], out, *args, **kwargs)
 
     def join_group(self, host: str, port: int) -> None:
         import torch.distributed as dist
+        if host == LOOPBACK:  # gloo's pair sockets on loopback too (it would pick the hostname's interface)
+            os.environ["GLOO_SOCKET_IFNAME"] = "lo"
         store = self.store or dist.TCPStore(host, port, self.world_size, is_master=False)
         if torch.cuda.is_available():
             torch.cuda.set_device(0)  # Ray sets CUDA_VISIBLE_DEVICES to this process's GPU
@@ -203,6 +287,8 @@ class RayBackend:
         self.connected = False  # plait called ray.init (started or joined), so it disconnects at the end
         self.pgs: list = []
         self.hosts: list = []  # every host, train pool first
+        self.locations: dict = {}  # host -> (node id, node address, GPU ids)
+        self.channel: Optional[tuple] = None  # (sender, receiver) hosts of the weight channel, once opened
         self.pools: dict[str, list] = {}  # "train" and "rollout" -> their hosts
         self.salvaged: list[dict] = []  # profiler records rescued from a failing group
         self.profile_open = False
@@ -245,17 +331,21 @@ class RayBackend:
         train = self._pool("train", train_roles, bundle, profiler_cfg, runtime_env)
         rollout = self._pool("rollout", [other_roles], bundle, profiler_cfg, runtime_env) if separated else train[:1]
         self.pools = {"train": train, "rollout": rollout}
-        [(host, port)] = self.gather([train[0].open_store.remote()], "worker process", "start")
+        self.locations = dict(zip(self.hosts, self.gather([h.where.remote() for h in self.hosts], "worker process", "start")))
+        one_node = len({self.locations[h][0] for h in train}) == 1
+        [(host, port)] = self.gather([train[0].open_store.remote(one_node)], "worker process", "start")
         self.gather([h.join_group.remote(host, port) for h in train], "worker process", "init_process_group")
 
     def _pool(self, name: str, roles_per_rank: list[dict], bundle: dict, profiler_cfg, runtime_env) -> list:
         size = len(roles_per_rank)
-        pg = placement_group([bundle] * size, strategy="PACK")
+        bundle = {**bundle, **self.cfg.pool_resources.get(name, {})}
+        pg = placement_group([bundle] * size, strategy=self.cfg.placement_strategy)
         self.pgs.append(pg)
         if not pg.wait(self.cfg.placement_timeout_s):
             raise WorkerError(self._placement_message(name, size, bundle))
         threads = max(1, int(self.cfg.cpus_per_worker))
-        hosts = [Host.options(num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0), runtime_env=runtime_env,
+        custom = {k: v for k, v in bundle.items() if k not in ("CPU", "GPU")}
+        hosts = [Host.options(num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0), resources=custom, runtime_env=runtime_env,
                               scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i))
                  .remote(i, size, os.getcwd(), threads, profiler_cfg, roles) for i, roles in enumerate(roles_per_rank)]
         self.hosts += hosts
@@ -278,7 +368,30 @@ class RayBackend:
         hosts = self.pools[pool]
         payload = ray.put((args, kwargs))
         pids = self.gather([h.construct.remote(role, cls, payload) for h in hosts], f"{role} worker", f"{cls.__name__}()")
+        print(f"plait: {self.placement_line(role, hosts)}", file=sys.stderr)
         return RayWorkerGroup(self, role, hosts, pids)
+
+    def placement_line(self, role: str, hosts: list) -> str:
+        """Where a role runs, one line: per node, its ranks and devices."""
+        by_node: dict[str, list[int]] = {}
+        for rank, h in enumerate(hosts):
+            by_node.setdefault(self.locations[h][1] + " (node " + self.locations[h][0][:8] + ")", []).append(rank)
+        parts = []
+        for node, ranks in by_node.items():
+            gpus = [g for r in ranks for g in self.locations[hosts[r]][2]]
+            devices = f"GPUs {','.join(map(str, gpus))}" if gpus else f"{len(ranks)} CPU process(es)"
+            parts.append(f"{node}: rank{'s' if len(ranks) > 1 else ''} {','.join(map(str, ranks))}, {devices}")
+        return f"{role} runs on {'; '.join(parts)}"
+
+    def open_channel(self, sender, receiver) -> None:
+        """The weight channel between `sender` and `receiver` hosts, once."""
+        if self.channel is not None:
+            return
+        one_node = self.locations[sender][0] == self.locations[receiver][0]
+        [(host, port)] = self.gather([sender.open_store.remote(one_node, 2)], "worker process", "weight channel")
+        self.gather([sender.join_channel.remote(host, port, 0), receiver.join_channel.remote(host, port, 1)],
+                    "worker process", "weight channel")
+        self.channel = (sender, receiver)
 
     def profile_targets(self) -> list["RayProfileTarget"]:
         return [RayProfileTarget(self)]
@@ -379,6 +492,27 @@ class RayWorkerGroup:
         refs = [h.run.remote(self.role, method, ray.put(((shard, *args), kwargs)), True)
                 for h, shard in zip(self.hosts, batch.split(self.world_size))]
         return self.backend.gather(refs, f"{self.role} worker", method.__qualname__)
+
+    def pipe(self, get: Callable, dst: "RayWorkerGroup", put: Callable, *args, **kwargs) -> None:
+        """`put(dst's worker, get(rank 0's worker), *args)` with every rank running `get`, and the
+        result never on the driver: in-process where dst lives on rank 0's host (colocated), else
+        over the weight channel (`trainer.ray.weight_sync=process_group`); `object_store` sends it
+        through the driver as `call` would."""
+        b = self.backend
+        b.check_up()
+        what = f"{get.__qualname__} -> {put.__qualname__}"
+        if b.cfg.weight_sync == "object_store" or len(dst.hosts) != 1:
+            dst.call(put, self.call(get), *args, **kwargs)
+            return
+        payload = ray.put((args, kwargs))
+        if dst.hosts[0] is self.hosts[0]:
+            refs = [h.pipe.remote(self.role, get, dst.role if r == 0 else None, put, payload)
+                    for r, h in enumerate(self.hosts)]
+        else:
+            b.open_channel(self.hosts[0], dst.hosts[0])
+            refs = [h.send.remote(self.role, get, r == 0) for r, h in enumerate(self.hosts)]
+            refs.append(dst.hosts[0].receive.remote(dst.role, put, payload))
+        b.gather(refs, f"{self.role} worker", what)
 
 
 class RayProfileTarget:

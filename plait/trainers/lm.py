@@ -570,6 +570,7 @@ def build_lm_trainer(cfg: PlaitConfig, backend, device: str):
                               gradient_checkpointing=critic.model.enable_gradient_checkpointing)
                 if critic.enable else None),
         reward_model=(backend.spawn("reward_model", RewardModel, rm.model_path, tokenizer, micro_batch_size=rm.micro_batch_size_per_gpu,
-                                    max_length=rm.max_length, input_tokenizer=rm.input_tokenizer, device=device, dtype=dtype)
+                                    max_length=rm.max_length, input_tokenizer=rm.input_tokenizer, device=device, dtype=dtype,
+                                    strategy=arr.actor.strategy, fsdp_config=arr.actor.fsdp_config)
                       if rm.enable else None))
     return MODES[cfg.trainer.mode](cfg, roles, tokenizer, train_data, val_data, reward_fn, backend.profile_targets())

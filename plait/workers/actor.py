@@ -30,8 +30,10 @@ from plait.models import add_lora, load_causal_lm, merged_state_dict
 from plait.types import RolloutBatch
 from plait.workers.flops import ModelFlops
 from plait.workers.packing import MicroBatching, checked_remove_padding, pack, unpack
-from plait.workers.parallel import (all_reduce_grads, check_same_batch, checkpoint_state, clip_grads, dp_rank_size,
-                                    dp_share, full_state_dict, global_sum, load_checkpoint_state, shard_model, use_fsdp)
+from plait.workers.parallel import (SHARDED_DIR, EvenMicroBatching, all_reduce_grads, check_same_batch, checkpoint_state,
+                                    clip_grads, data_parallel, dp_rank_size, dp_share, even_micro_batches, full_state_dict,
+                                    global_sum, is_sharded, load_checkpoint_state, load_sharded, save_sharded, shard_model,
+                                    use_fsdp)
 
 
 def response_forward(model, batch: RolloutBatch, temperature: float, layout: MicroBatching,
@@ -116,7 +118,7 @@ LORA_DIR = "lora_adapter"  # the adapter's folder in an actor checkpoint
 class Actor:
     def __init__(self, model_path: str, cfg: ActorConfig, n: int, temperature: float, profiler,
                  device: str = "cpu", dtype: torch.dtype = torch.float32, seed: int = 1,
-                 fsdp: bool | None = None, remove_padding: bool = False, max_token_len: int | None = None,
+                 remove_padding: bool = False, max_token_len: int | None = None,
                  gradient_checkpointing: bool = False, model_cfg: ModelConfig | None = None):
         """`remove_padding`: packed forwards; `max_token_len`: token-budget micro-batches (use_dynamic_bsz);
         `model_cfg.lora_rank > 0`: LoRA adapters."""
@@ -133,11 +135,12 @@ class Actor:
         if gradient_checkpointing:  # recompute each block's activations in backward: memory for time
             self.model.activation_checkpointing_enable({"use_reentrant": False})
         self.flops = ModelFlops.of(self.model)
-        if use_fsdp(fsdp, device):
+        if use_fsdp(cfg.strategy, device):
             if self.lora:  # merged_state_dict and the adapter checkpoint assume whole, unsharded tensors
-                raise ValueError("actor_rollout_ref.model.lora_rank > 0 with FSDP2 sharding (several CUDA ranks) "
-                                 "is not supported yet; train LoRA on one GPU per actor or without LoRA")
-            shard_model(self.model, self.model._no_split_modules or [])
+                raise ValueError("actor_rollout_ref.model.lora_rank > 0 with FSDP2 sharding (strategy=fsdp2, or "
+                                 "several CUDA ranks) is not supported yet; train LoRA with whole replicas (CPU, "
+                                 "strategy=fsdp) or on one GPU per actor")
+            shard_model(self.model, self.model._no_split_modules or [], cfg.fsdp_config, device)
         trainable = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer, self.scheduler = make_optimizer(trainable, cfg.optim)
         self.shuffle_gen = torch.Generator().manual_seed(seed)
@@ -146,9 +149,9 @@ class Actor:
                          max_token_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Old log-probs and entropy [batch, resp_len] before the update."""
         with self.profiler.annotate("old_log_prob"):
-            layout = MicroBatching(micro_batch_size, max_token_len, self.layout.remove_padding)
-            logp, ent = response_forward(self.model, batch, self.temperature, layout, with_entropy=True)
-            return logp.cpu(), ent.cpu()
+            layout = EvenMicroBatching(MicroBatching(micro_batch_size, max_token_len, self.layout.remove_padding), self.model)
+            return data_parallel(batch, lambda share: response_forward(self.model, share, self.temperature, layout,
+                                                                       with_entropy=True), "Actor.compute_log_prob")
 
     def model_flops(self) -> ModelFlops:
         return self.flops
@@ -157,9 +160,10 @@ class Actor:
                              max_token_len: int | None = None) -> torch.Tensor:
         """LoRA only: log-probs [batch, resp_len] of the base model (adapters off), the reference."""
         with self.profiler.annotate("ref"), self.model.disable_adapter():
-            layout = MicroBatching(micro_batch_size, max_token_len, self.layout.remove_padding)
-            logp, _ = response_forward(self.model, batch, self.temperature, layout, with_entropy=False)
-            return logp.cpu()
+            layout = MicroBatching(micro_batch_size, max_token_len, self.layout.remove_padding)  # LoRA: never sharded
+            [logp] = data_parallel(batch, lambda share: response_forward(self.model, share, self.temperature, layout,
+                                                                         with_entropy=False)[:1], "Actor.compute_ref_log_prob")
+            return logp
 
     def update(self, batch: RolloutBatch, correction: RolloutCorrectionConfig | None = None) -> dict[str, float]:
         """Policy update with `actor.policy_loss.loss_mode`. The batch's rollout_is_weights and loss_mask
@@ -214,12 +218,15 @@ class Actor:
         self.optimizer.zero_grad(set_to_none=True)
         device = next(self.model.parameters()).device
         fused = mini.old_logprobs is None
-        for rows in self.layout.split(mini):
+        for rows, padding in even_micro_batches(self.layout.split(mini), self.model):
             micro = mini.select(rows)
+            logp, ent = micro_forward(self.model, micro, self.temperature, True, self.layout.remove_padding)
+            if padding:  # FSDP2: this rank's collectives match the busiest rank's; the gradient gets nothing
+                (logp.sum() * 0.0).backward()
+                continue
             mask = micro.response_mask.to(device)
             loss_mask = mask if micro.loss_mask is None else micro.loss_mask.to(device)
             weight = loss_mask.sum().item() / norm["num_tokens"]   # share of this micro-batch in token means
-            logp, ent = micro_forward(self.model, micro, self.temperature, True, self.layout.remove_padding)
             if fused:  # pi_old = this forward's policy, detached; the skipped old_log_prob pass's metrics
                 pg_loss, pg_stats = self._fused_loss(micro, logp, mask, knobs, norm)
             elif bypass:  # pi_old is the rollout's: weights and rejection from the current policy (verl's bypass)
@@ -281,20 +288,29 @@ class Actor:
         return merged_state_dict(self.model) if self.lora else full_state_dict(self.model)
 
     def save_checkpoint(self, path: str) -> None:
-        model_state, optim_state = checkpoint_state(self.model, self.optimizer)
-        if dp_rank_size()[0] != 0:  # ranks hold the same weights (or rank 0 gathered them): one writer
+        """FSDP2: every rank writes its shards (`sharded/`); else rank 0 writes model.pt. optim.pt holds
+        the optimizer (unsharded runs), the lr schedule and the shuffle order."""
+        sharded = is_sharded(self.model)
+        if sharded:
+            save_sharded(os.path.join(path, SHARDED_DIR), self.model, self.optimizer)
+        else:
+            model_state, optim_state = checkpoint_state(self.model, self.optimizer)
+        if dp_rank_size()[0] != 0:  # replicas hold the same weights: one writer
             return
         os.makedirs(path, exist_ok=True)
         if self.lora:  # the adapter alone, in peft's format (loadable with PeftModel.from_pretrained)
             self.model.save_pretrained(os.path.join(path, LORA_DIR))
-        else:
+        elif not sharded:
             torch.save(model_state, os.path.join(path, "model.pt"))
-        torch.save({"optimizer": optim_state, "scheduler": self.scheduler.state_dict(),
+        torch.save({**({} if sharded else {"optimizer": optim_state}), "scheduler": self.scheduler.state_dict(),
                     "shuffle_gen": self.shuffle_gen.get_state()}, os.path.join(path, "optim.pt"))
 
     def load_checkpoint(self, path: str) -> None:
+        """Either format into either layout: a sharded checkpoint loads at any world size."""
         state = torch.load(os.path.join(path, "optim.pt"), weights_only=True)
-        if self.lora:
+        if os.path.isdir(os.path.join(path, SHARDED_DIR)):
+            load_sharded(os.path.join(path, SHARDED_DIR), self.model, self.optimizer)
+        elif self.lora:
             from peft import set_peft_model_state_dict
             from safetensors.torch import load_file
             adapter = load_file(os.path.join(path, LORA_DIR, "adapter_model.safetensors"))

@@ -16,8 +16,9 @@ from plait.models import load_causal_lm
 from plait.types import RolloutBatch
 from plait.workers.actor import make_optimizer
 from plait.workers.packing import MicroBatching, checked_remove_padding, pack, unpack
-from plait.workers.parallel import (all_reduce_grads, check_same_batch, checkpoint_state, clip_grads, dp_rank_size,
-                                    dp_share, global_sum, load_checkpoint_state, shard_model, use_fsdp)
+from plait.workers.parallel import (SHARDED_DIR, all_reduce_grads, check_same_batch, checkpoint_state, clip_grads,
+                                    data_parallel, dp_rank_size, dp_share, even_micro_batches, global_sum, is_sharded,
+                                    load_checkpoint_state, load_sharded, save_sharded, shard_model, use_fsdp)
 
 
 class ValueModel(torch.nn.Module):
@@ -40,13 +41,13 @@ class ValueModel(torch.nn.Module):
             position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
             out = self.lm.base_model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, use_cache=False)
             hidden = out.last_hidden_state[:, -resp_len - 1:-1]   # [micro, resp_len, hidden]: state before each token
-        return self.head(hidden.float()).squeeze(-1)           # [micro, resp_len]
+        # fp32 head unless FSDP2 mixed precision casts its weight (then hidden takes that dtype)
+        return self.head(hidden.to(self.head.weight.dtype)).float().squeeze(-1)  # [micro, resp_len]
 
 
 class Critic:
     def __init__(self, model_path: str, cfg: CriticConfig, n: int, profiler,
-                 device: str = "cpu", dtype: torch.dtype = torch.float32, fsdp: bool | None = None,
-                 remove_padding: bool = False, max_token_len: int | None = None,
+                 device: str = "cpu", dtype: torch.dtype = torch.float32, remove_padding: bool = False, max_token_len: int | None = None,
                  forward_max_token_len: int | None = None, gradient_checkpointing: bool = False):
         """`max_token_len` / `forward_max_token_len`: token-budget micro-batches for update / values."""
         self.cfg, self.n, self.profiler = cfg, n, profiler
@@ -57,16 +58,20 @@ class Critic:
         if gradient_checkpointing:  # HF checkpoints only in training mode (no dropout in these models)
             self.model.train()
             self.model.lm.activation_checkpointing_enable({"use_reentrant": False})
-        if use_fsdp(fsdp, device):  # data parallelism as in the actor (plait/workers/actor.py)
-            shard_model(self.model, self.model.lm._no_split_modules or [])
+        if use_fsdp(cfg.strategy, device):  # data parallelism as in the actor (plait/workers/actor.py)
+            shard_model(self.model, self.model.lm._no_split_modules or [], cfg.model.fsdp_config, device)
         self.optimizer, self.scheduler = make_optimizer(self.model.parameters(), cfg.optim)
 
     def compute_values(self, batch: RolloutBatch) -> torch.Tensor:
         with self.profiler.annotate("values"), torch.no_grad():
-            values = torch.zeros(batch.responses.shape)                       # [batch, resp_len]
-            for rows in self.forward_layout.split(batch):
-                values[rows] = self.model(batch.select(rows)).cpu()
+            [values] = data_parallel(batch, lambda share: [self._values(share)], "Critic.compute_values")
             return values * batch.response_mask
+
+    def _values(self, batch: RolloutBatch) -> torch.Tensor:
+        values = torch.zeros(batch.responses.shape)                           # [batch, resp_len]
+        for rows, _ in even_micro_batches(self.forward_layout.split(batch), self.model):
+            values[rows] = self.model(batch.select(rows)).float().cpu()
+        return values
 
     def update(self, batch: RolloutBatch) -> dict[str, float]:
         with self.profiler.annotate("update_critic"):
@@ -92,10 +97,13 @@ class Critic:
         device = self.model.head.weight.device
         self.optimizer.zero_grad(set_to_none=True)
         stats = {"vf_loss": 0.0, "vf_clipfrac": 0.0, "vpred_mean": 0.0}
-        for rows in self.layout.split(mini):
+        for rows, padding in even_micro_batches(self.layout.split(mini), self.model):
             micro = mini.select(rows)
-            mask = micro.response_mask.to(device)
             vpreds = self.model(micro)  # [micro, resp_len]
+            if padding:  # FSDP2: match the busiest rank's collectives, add nothing to the gradient
+                (vpreds.sum() * 0.0).backward()
+                continue
+            mask = micro.response_mask.to(device)
             loss, m = value_loss(vpreds, micro.values.to(device), micro.returns.to(device), mask,
                                  cliprange=cfg.cliprange_value, agg_mode=cfg.loss_agg_mode,
                                  loss_scale_factor=cfg.loss_scale_factor, **norm)
@@ -112,14 +120,23 @@ class Critic:
         return stats
 
     def save_checkpoint(self, path: str) -> None:
-        model_state, optim_state = checkpoint_state(self.model, self.optimizer)
+        """As the actor's: FSDP2 ranks write their shards (`sharded/`), else rank 0 the whole state."""
+        sharded = is_sharded(self.model)
+        if sharded:
+            save_sharded(os.path.join(path, SHARDED_DIR), self.model, self.optimizer)
+            state = {}
+        else:
+            model_state, optim_state = checkpoint_state(self.model, self.optimizer)
+            state = {"model": model_state, "optimizer": optim_state}
         if dp_rank_size()[0] != 0:  # one writer, as in the actor
             return
         os.makedirs(path, exist_ok=True)
-        torch.save({"model": model_state, "optimizer": optim_state,
-                    "scheduler": self.scheduler.state_dict()}, os.path.join(path, "critic.pt"))
+        torch.save({**state, "scheduler": self.scheduler.state_dict()}, os.path.join(path, "critic.pt"))
 
     def load_checkpoint(self, path: str) -> None:
         state = torch.load(os.path.join(path, "critic.pt"), weights_only=True)
-        load_checkpoint_state(self.model, self.optimizer, state["model"], state["optimizer"])
+        if os.path.isdir(os.path.join(path, SHARDED_DIR)):
+            load_sharded(os.path.join(path, SHARDED_DIR), self.model, self.optimizer)
+        else:
+            load_checkpoint_state(self.model, self.optimizer, state["model"], state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])

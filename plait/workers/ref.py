@@ -1,4 +1,7 @@
-"""The reference role: a frozen copy of the initial policy, giving log-probs for KL terms."""
+"""The reference role: a frozen copy of the initial policy, giving log-probs for KL terms.
+
+Data-parallel like the actor (plait/workers/parallel.py): each rank computes its share of the rows,
+sharded with FSDP2 when `ref.strategy` (null: the actor's) asks for it."""
 
 from __future__ import annotations
 
@@ -9,6 +12,7 @@ from plait.models import load_causal_lm
 from plait.types import RolloutBatch
 from plait.workers.actor import response_forward
 from plait.workers.packing import MicroBatching, checked_remove_padding
+from plait.workers.parallel import EvenMicroBatching, data_parallel, shard_model, use_fsdp
 
 
 class Ref:
@@ -18,10 +22,13 @@ class Ref:
         self.cfg, self.temperature, self.profiler = cfg, temperature, profiler
         self.model = load_causal_lm(model_path, dtype=dtype, device=device).eval()
         self.model.requires_grad_(False)
-        self.layout = MicroBatching(cfg.log_prob_micro_batch_size_per_gpu, max_token_len,
-                                    checked_remove_padding(self.model, remove_padding))
+        if use_fsdp(cfg.strategy or "fsdp", device):
+            shard_model(self.model, self.model._no_split_modules or [], cfg.fsdp_config, device)
+        self.layout = EvenMicroBatching(MicroBatching(cfg.log_prob_micro_batch_size_per_gpu, max_token_len,
+                                                      checked_remove_padding(self.model, remove_padding)), self.model)
 
     def compute_ref_log_prob(self, batch: RolloutBatch) -> torch.Tensor:
         with self.profiler.annotate("ref"):
-            logp, _ = response_forward(self.model, batch, self.temperature, self.layout, with_entropy=False)
+            [logp] = data_parallel(batch, lambda share: response_forward(self.model, share, self.temperature, self.layout,
+                                                                         with_entropy=False)[:1], "Ref.compute_ref_log_prob")
             return logp  # [batch, resp_len]

@@ -7,20 +7,26 @@ two rarely share a vocabulary. When the row's chat messages travel in `extra_inf
 (`data.return_raw_chat`) and the reward model's tokenizer has a chat template, the conversation
 with the response as the assistant's turn is rendered with that template; otherwise the prompt
 text and the response text are joined. The score is the model's logit at the last token.
+Data-parallel like the actor (plait/workers/parallel.py): each rank scores its share of the rows,
+sharded like the actor (`actor_rollout_ref.actor.strategy`, its `fsdp_config`).
 Left out: dynamic batch sizes and sequence packing (micro-batches are fixed-size).
 """
 
 from __future__ import annotations
 
 import torch
+
+from plait.config import FsdpConfig
 from plait.models import load_reward_model, load_tokenizer
 from plait.types import RolloutBatch
+from plait.workers.parallel import data_parallel, even_micro_batches, shard_model, use_fsdp
 
 
 class RewardModel:
     def __init__(self, model_path: str, policy_tokenizer, profiler, micro_batch_size: int | None = None,
                  max_length: int | None = None, input_tokenizer: str | None = None,
-                 device: str = "cpu", dtype: torch.dtype = torch.float32):
+                 device: str = "cpu", dtype: torch.dtype = torch.float32, strategy: str = "fsdp",
+                 fsdp_config: FsdpConfig | None = None):
         self.profiler, self.micro_batch_size, self.max_length = profiler, micro_batch_size, max_length
         self.input_tokenizer = load_tokenizer(input_tokenizer) if input_tokenizer else policy_tokenizer
         self.tokenizer = load_tokenizer(model_path)
@@ -29,16 +35,23 @@ class RewardModel:
         self.model = load_reward_model(model_path, dtype=dtype, device=device)
         # The model finds each row's last token by its pad id: it must be the one this tokenizer pads with.
         self.model.config.pad_token_id = self.tokenizer.pad_token_id
+        if use_fsdp(strategy, device):
+            shard_model(self.model, self.model._no_split_modules or [], fsdp_config or FsdpConfig(), device)
 
     def compute_rm_score(self, batch: RolloutBatch) -> list[float]:
         """One score per response."""
         with self.profiler.annotate("reward_model"):
-            texts = self.texts(batch)
-            size = self.micro_batch_size or len(texts)
-            scores = []
-            for start in range(0, len(texts), size):
-                scores += self._score(texts[start:start + size])
-            return scores
+            [scores] = data_parallel(batch, lambda share: [self._scores(share)], "RewardModel.compute_rm_score")
+            return scores.tolist()
+
+    def _scores(self, batch: RolloutBatch) -> torch.Tensor:
+        texts = self.texts(batch)
+        size = self.micro_batch_size or len(texts)
+        chunks = [list(range(start, min(start + size, len(texts)))) for start in range(0, len(texts), size)]
+        scores = torch.zeros(len(texts))                                       # [rows]
+        for rows, _ in even_micro_batches(chunks, self.model):
+            scores[rows] = torch.tensor(self._score([texts[i] for i in rows]))
+        return scores
 
     def texts(self, batch: RolloutBatch) -> list[str]:
         """Each prompt + response as text for the reward model's tokenizer."""

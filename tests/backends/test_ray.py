@@ -81,12 +81,11 @@ def test_two_ranks_update_exactly_like_one_worker(ray_instance, tmp_path):
     backend = RayBackend(tiny_config(tmp_path), {r: RoleProfilerConfig() for r in DATA_PARALLEL_ROLES}, "cpu")
     try:
         actor = backend.spawn("actor", Actor, model, actor_cfg, 4, 1.0, seed=3)
-        critic = backend.spawn("critic", Critic, model, critic_cfg, 4, fsdp=True)
+        critic = backend.spawn("critic", Critic, model, CriticConfig(**{**vars(critic_cfg), "strategy": "fsdp2"}), 4)
         assert actor.world_size == 2 and len(set(actor.pids)) == 2
-        # Forward passes may be pre-split: the shards' results concatenate to the whole.
-        parts = actor.call_dp(Actor.compute_log_prob, batch, 5)
-        assert [len(p[0]) for p in parts] == [8, 8]
-        assert torch.allclose(torch.cat([p[0] for p in parts]), one_logp, atol=1e-5)
+        # Forward passes are data-parallel inside: each rank its share, every rank the whole result.
+        logp, _ = actor.call(Actor.compute_log_prob, batch, 5)
+        assert torch.allclose(logp, one_logp, atol=1e-5)
 
         metrics = actor.call(Actor.update, batch)
         assert close(actor.call(Actor.state_dict), one_actor.state_dict())
@@ -97,13 +96,16 @@ def test_two_ranks_update_exactly_like_one_worker(ray_instance, tmp_path):
         assert close(critic.call(lambda c: full_state_dict(c.model)), full_state_dict(one_critic.model))
         for k in ("critic/vf_loss", "critic/grad_norm"):  # vf_clipfrac counts float ties, so it is left out
             assert critic_metrics[k] == pytest.approx(one_critic_metrics[k], rel=1e-4, abs=1e-6), k
-        # The FSDP2 checkpoint is gathered to rank 0 and loads into an unsharded critic (and back).
+        # The FSDP2 checkpoint is sharded and loads into an unsharded critic (and back);
+        # the actor's replicas write one whole model.pt from rank 0.
         critic.call(Critic.save_checkpoint, str(tmp_path / "critic"))
-        Critic(model, critic_cfg, 4, session.for_role("critic")).load_checkpoint(str(tmp_path / "critic"))
+        whole = Critic(model, critic_cfg, 4, session.for_role("critic"))
+        whole.load_checkpoint(str(tmp_path / "critic"))
         critic.call(Critic.load_checkpoint, str(tmp_path / "critic"))
-        state = torch.load(tmp_path / "critic" / "critic.pt", weights_only=True)
-        assert close(state["model"], full_state_dict(one_critic.model))
-        assert len(state["optimizer"]["state"]) > 0
+        assert close(full_state_dict(whole.model), full_state_dict(one_critic.model))
+        assert len(whole.optimizer.state_dict()["state"]) > 0
+        actor.call(Actor.save_checkpoint, str(tmp_path / "actor"))
+        assert close(torch.load(tmp_path / "actor" / "model.pt", weights_only=True), one_actor.state_dict())
 
         # A pre-split update would silently train on half the data: it is refused, on every rank.
         with pytest.raises(WorkerError, match="call_dp"):
@@ -201,7 +203,7 @@ def test_fsdp2_actor_on_gpus_updates_like_one_worker(ray_instance, tmp_path):
     world = torch.cuda.device_count()
     backend = RayBackend(tiny_config(tmp_path, f"trainer.n_gpus_per_node={world}"), {"actor": RoleProfilerConfig()}, "cuda")
     try:
-        actor = backend.spawn("actor", Actor, model, cfg, 4, 1.0, device="cuda", seed=3, fsdp=True)
+        actor = backend.spawn("actor", Actor, model, cfg, 4, 1.0, device="cuda", seed=3)
         actor.call(Actor.update, batch)
         assert close(actor.call(Actor.state_dict), {k: v.cpu() for k, v in one.state_dict().items()}, tol=1e-4)
         actor.call(Actor.save_checkpoint, str(tmp_path / "ckpt"))

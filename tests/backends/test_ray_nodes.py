@@ -1,0 +1,74 @@
+"""A 2-node Ray cluster on one machine: two `ray start` processes on loopback addresses (127.0.0.3
+the head, 127.0.0.2 the second node), each with its own custom resource; `plait train` joins it and
+the pools land where `trainer.ray.pool_resources` says, each role saying where in one line."""
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+
+import pytest
+
+pytest.importorskip("ray")
+
+from test_ray import TINY  # noqa: E402
+
+pytestmark = pytest.mark.ray
+
+
+# The tests' lean single-machine Ray mode (conftest.py) is for Ray instances plait starts; a
+# cluster of several nodes is started and joined without it.
+CLUSTER_ENV = {k: v for k, v in os.environ.items() if k != "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def two_nodes():
+    """Both `ray start --block` processes stop their own Ray processes on SIGTERM (never `ray stop`,
+    which would stop every Ray on the machine)."""
+    port, temp = free_port(), tempfile.mkdtemp(prefix="plait-2n-")  # short: Ray's socket paths are limited
+    common = ["--block", "--num-cpus=2", "--disable-usage-stats", "--object-store-memory=200000000"]
+    nodes = [("head", ["--head", "--node-ip-address=127.0.0.3", f"--port={port}", "--include-dashboard=false",
+                       '--resources={"train_node": 4}']),
+             ("second", [f"--address=127.0.0.3:{port}", "--node-ip-address=127.0.0.2", '--resources={"gen_node": 4}'])]
+    procs = []
+    try:
+        for name, args in nodes:
+            with open(os.path.join(temp, f"{name}.log"), "w") as log:
+                # A temp dir per node: two raylets of one machine must not share socket paths.
+                procs.append(subprocess.Popen([os.path.join(os.path.dirname(sys.executable), "ray"), "start", *args,
+                                               *common, f"--temp-dir={temp}/{name}"],
+                                              stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                              env=CLUSTER_ENV))
+        yield f"127.0.0.3:{port}"
+    finally:
+        for p in reversed(procs):
+            p.send_signal(signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+
+
+def test_roles_land_on_the_nodes_the_config_names(two_nodes, tmp_path):
+    # The second node may still be joining: the rollout pool waits for its resource (placement_timeout_s).
+    cmd = [sys.executable, "-m", "plait.cli", "train", *TINY, f"trainer.default_local_dir={tmp_path}",
+           "trainer.total_training_steps=1", "trainer.placement=separated", f"trainer.ray.address={two_nodes}",
+           "trainer.ray.pool_resources={train: {train_node: 1}, rollout: {gen_node: 1}}",
+           "trainer.ray.placement_timeout_s=120", "actor_rollout_ref.actor.strategy=fsdp2"]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env={**CLUSTER_ENV, "OMP_NUM_THREADS": "1"})
+    assert run.returncode == 0, run.stderr[-3000:]
+    where = dict(re.findall(r"plait: (\w+) runs on (127\.0\.0\.\d) \(node", run.stderr))
+    assert where == {"actor": "127.0.0.3", "rollout": "127.0.0.2"}, run.stderr[-3000:]
+    assert re.search(r"actor runs on 127\.0\.0\.3 \(node \w+\): ranks 0,1, 2 CPU process", run.stderr)
+    assert os.path.isfile(tmp_path / "metrics.jsonl")

@@ -27,6 +27,7 @@ from plait.algorithms.losses import (PolicyLossKnobs, agg_loss, entropy_from_log
 from plait.algorithms.rollout_correction import rollout_correction
 from plait.config import ActorConfig, ModelConfig, OptimConfig, RolloutCorrectionConfig
 from plait.models import add_lora, load_causal_lm, merged_state_dict
+from plait.safeload import load_tensors
 from plait.types import RolloutBatch
 from plait.workers.flops import ModelFlops
 from plait.workers.packing import MicroBatching, checked_remove_padding, pack, unpack
@@ -292,7 +293,7 @@ class Actor:
                     "shuffle_gen": self.shuffle_gen.get_state()}, os.path.join(path, "optim.pt"))
 
     def load_checkpoint(self, path: str) -> None:
-        state = torch.load(os.path.join(path, "optim.pt"), weights_only=True)
+        state = load_tensors(os.path.join(path, "optim.pt"))
         if self.lora:
             from peft import set_peft_model_state_dict
             from safetensors.torch import load_file
@@ -302,7 +303,7 @@ class Actor:
             self.optimizer.load_state_dict(state["optimizer"])
         else:
             load_checkpoint_state(self.model, self.optimizer,
-                                  torch.load(os.path.join(path, "model.pt"), weights_only=True), state["optimizer"])
+                                  load_tensors(os.path.join(path, "model.pt")), state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.shuffle_gen.set_state(state["shuffle_gen"])
 

@@ -13,6 +13,7 @@ import torch
 from plait.algorithms.losses import value_loss
 from plait.config import CriticConfig
 from plait.models import load_causal_lm
+from plait.safeload import load_tensors
 from plait.types import RolloutBatch
 from plait.workers.actor import make_optimizer
 from plait.workers.packing import MicroBatching, checked_remove_padding, pack, unpack
@@ -119,6 +120,6 @@ class Critic:
                     "scheduler": self.scheduler.state_dict()}, os.path.join(path, "critic.pt"))
 
     def load_checkpoint(self, path: str) -> None:
-        state = torch.load(os.path.join(path, "critic.pt"), weights_only=True)
+        state = load_tensors(os.path.join(path, "critic.pt"))
         load_checkpoint_state(self.model, self.optimizer, state["model"], state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])

@@ -114,7 +114,8 @@ def build(cfg: PlaitConfig, progress: bool = True) -> Lifecycle:
         raise
     lc = LifecycleConfig(output_dir=cfg.output_dir, test_freq=t.test_freq, save_freq=t.save_freq,
                          val_before_train=t.val_before_train, resume_mode=t.resume_mode,
-                         resume_from_path=t.resume_from_path, max_ckpt_to_keep=checkpoints_to_keep(cfg))
+                         resume_from_path=t.resume_from_path, max_ckpt_to_keep=checkpoints_to_keep(cfg),
+                         run_config=to_dict(cfg), allow_config_change=t.resume_allow_config_change)
     return Lifecycle(lc, trainer, cfg.global_profiler, tracker, shutdown=backend.shutdown)
 
 

@@ -19,9 +19,10 @@ class UnsafeFileError(ValueError):
     """A file plait would not (or could not) load; the message is one line naming it."""
 
 
-# Globals a plain-data pickle may need: protocols 0-2 spell sets and bytearrays as calls.
-PLAIN_GLOBALS = {("builtins", "set"), ("builtins", "frozenset"), ("builtins", "bytearray"),
-                 ("builtins", "complex"), ("collections", "OrderedDict"),
+# Globals a plain-data pickle may need: protocols 0-2 spell sets, bytes and bytearrays as calls
+# (bytes as _codecs.encode(str, "latin1"), a pure function, as torch's weights_only loader allows).
+PLAIN_GLOBALS = {("builtins", "set"), ("builtins", "frozenset"), ("builtins", "bytearray"), ("builtins", "bytes"),
+                 ("builtins", "complex"), ("collections", "OrderedDict"), ("_codecs", "encode"),
                  ("__builtin__", "set"), ("__builtin__", "frozenset"), ("__builtin__", "bytearray")}
 
 

@@ -466,6 +466,20 @@ class CustomRewardConfig:
 
 
 @dataclass
+class RewardConfig:
+    """`reward`: where reward functions run (verl 0.9's tree; docs/reliability.md)."""
+    num_workers: int = 8                      # processes scoring in parallel (verl 0.9's default); 0: in the trainer's process
+    memory_limit_mb: Optional[int] = 4096     # plait's own: address space (RLIMIT_AS) of each worker; null: no limit
+    max_processes: int = 64                   # plait's own: processes and threads reward code may start per pool
+
+    def __post_init__(self):
+        check(self.num_workers >= 0, "num_workers", self.num_workers, "a number of processes >= 0 (0: in the trainer's process)")
+        check(self.memory_limit_mb is None or self.memory_limit_mb >= 64, "memory_limit_mb", self.memory_limit_mb,
+              "MiB >= 64, or null for no limit")
+        check(self.max_processes > 0, "max_processes", self.max_processes, "must be > 0")
+
+
+@dataclass
 class OverlongBufferConfig:
     """DAPO's soft penalty for responses in the last `len` tokens before max_response_length."""
     enable: bool = False
@@ -521,6 +535,7 @@ class PlaitConfig:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     custom_reward_function: CustomRewardConfig = field(default_factory=CustomRewardConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
     reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
     global_profiler: GlobalProfilerConfig = field(default_factory=GlobalProfilerConfig)
     demo: DemoConfig = field(default_factory=DemoConfig)

@@ -17,6 +17,7 @@ import transformers
 
 from plait.config import PlaitConfig
 from plait.configtree import ConfigError, raise_all, to_dict
+from plait.data.reward_pool import RewardPool, RewardSpec, close_reward_workers
 from plait.data.rewards import default_compute_score, guard_reward, load_custom_reward, make_reward
 from plait.models import check_model_dir
 from plait.profiler import RoleProfilerConfig, validate_environment
@@ -44,16 +45,25 @@ def resolve_reward(cfg: PlaitConfig):
 
 
 def resolve_reward_fn(cfg: PlaitConfig):
-    custom = cfg.custom_reward_function
-    if not custom.path:
-        return guard_reward(default_compute_score, "default_compute_score")
-    try:
-        return guard_reward(load_custom_reward(custom.path, custom.name, custom.reward_kwargs),
-                            custom.name, custom.timeout)
-    except FileNotFoundError:
-        raise ConfigError("custom_reward_function.path", custom.path, "no such file") from None
-    except AttributeError as err:
-        raise ConfigError("custom_reward_function.name", custom.name, str(err)) from None
+    """The guarded reward function: called in `reward.num_workers` worker processes (0: in this one).
+    A custom file is imported here once too, so a missing file or function is a config error now."""
+    custom, workers = cfg.custom_reward_function, cfg.reward.num_workers
+    name = custom.name if custom.path else "default_compute_score"
+    fn = default_compute_score
+    if custom.path:
+        try:
+            fn = load_custom_reward(custom.path, custom.name, custom.reward_kwargs)
+        except FileNotFoundError:
+            raise ConfigError("custom_reward_function.path", custom.path, "no such file") from None
+        except ImportError as err:
+            raise ConfigError("custom_reward_function.path", custom.path, str(err)) from None
+        except AttributeError as err:
+            raise ConfigError("custom_reward_function.name", custom.name, str(err)) from None
+    if workers == 0:
+        return guard_reward(fn, name, custom.timeout)
+    spec = RewardSpec(custom.path, custom.name, custom.reward_kwargs)
+    return guard_reward(RewardPool(spec, name, workers, custom.timeout, cfg.reward.memory_limit_mb,
+                                   cfg.reward.max_processes), name)
 
 
 def check_data_files(cfg: PlaitConfig) -> None:
@@ -180,4 +190,7 @@ def make_backend(cfg: PlaitConfig):
 def run(cfg: PlaitConfig, progress: bool = True) -> dict[str, float]:
     with output_dir_lock(cfg.output_dir):  # before build: it writes data and the demo model there
         print(f"plait: outputs in {cfg.output_dir}", file=sys.stderr)
-        return build(cfg, progress=progress).run()
+        try:
+            return build(cfg, progress=progress).run()
+        finally:
+            close_reward_workers()

@@ -1,9 +1,9 @@
 """Loading files that someone else may have written: data, never code.
 
-Every pickle plait reads (CUDA memory snapshots, anything a profile folder names) goes through
-`load_pickle`: an unpickler that builds only plain data (dicts, lists, tuples, strings, bytes,
-numbers, booleans, None, sets) and refuses any other class or function with one line naming the
-file and what it asked for, before anything of it runs. Checkpoint tensors go through
+Every pickle plait reads (CUDA memory snapshots, anything a profile folder names, a reward
+worker's replies) goes through `load_pickle` or `loads_plain`: an unpickler that builds only plain
+data (dicts, lists, tuples, strings, bytes, numbers, booleans, None, sets) and refuses any other
+class or function with one line naming the file and what it asked for, before anything of it runs. Checkpoint tensors go through
 `load_tensors` (torch's `weights_only` loader), whose failures become one line naming the file.
 Left out: a "trust this file" switch; a file that needs code to load is not an artifact plait reads.
 """
@@ -51,6 +51,17 @@ def load_pickle(path: str) -> Any:
         raise
     except (pickle.UnpicklingError, EOFError, ValueError, TypeError, IndexError, KeyError, AttributeError) as err:
         raise UnsafeFileError(f"{path}: not a readable pickle ({type(err).__name__}: {first_line(err)})") from None
+
+
+def loads_plain(data: bytes, what: str) -> Any:
+    """The plain data in pickled bytes (`what` names their source in the message)."""
+    import io
+    try:
+        return _PlainUnpickler(io.BytesIO(data), what).load()
+    except UnsafeFileError:
+        raise
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, IndexError, KeyError, AttributeError) as err:
+        raise UnsafeFileError(f"{what}: not a readable pickle ({type(err).__name__}: {first_line(err)})") from None
 
 
 def load_tensors(path: str, map_location: Any = None) -> Any:

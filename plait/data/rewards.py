@@ -75,7 +75,12 @@ def load_custom_reward(path: str | Path, name: str = "compute_score",
     spec = importlib.util.spec_from_file_location(f"plait_custom_reward_{Path(path).stem}", path)
     module = importlib.util.module_from_spec(spec)
     # Not put in sys.modules: cloudpickle then ships the function by value to Ray workers.
-    spec.loader.exec_module(module)
+    try:
+        spec.loader.exec_module(module)
+    except (Exception, SystemExit) as err:  # noqa: BLE001 - a syntax or import error in the user's file
+        where = f" (line {err.lineno})" if isinstance(err, SyntaxError) and err.lineno else ""
+        detail = err.msg if isinstance(err, SyntaxError) else (str(err).strip().splitlines() or [""])[0]
+        raise ImportError(f"{str(path)!r} does not import{where}: {type(err).__name__}: {detail}") from None
     fn = vars(module).get(name)
     if not callable(fn):
         found = [k for k, v in vars(module).items() if callable(v) and not k.startswith("_")]
@@ -188,29 +193,50 @@ def make_reward(fn: Callable, manager: str = "naive", overlong: OverlongBufferCo
 
 
 def guard_reward(fn: Callable, name: str, timeout: float | None = None) -> Callable:
-    """`fn` made safe to call from training: a NaN or infinite score, a `SystemExit` or
-    `KeyboardInterrupt` raised by user code, or (with `timeout` seconds) a call that hangs, is a
-    RunError naming the function, the data_source and the sample. The wrapper keeps `fn`'s
-    signature for callers (positional and keyword arguments pass through)."""
-    def where(args, kwargs) -> str:
-        data_source = kwargs.get("data_source", args[0] if args else None)
-        solution = kwargs.get("solution_str", args[1] if len(args) > 1 else None)
-        return f"reward function {name} (data_source {data_source!r}, response {str(solution)[:80]!r})"
-
-    def finite(result, args, kwargs):
-        score = result.get("score") if isinstance(result, dict) else result
-        if isinstance(score, numbers.Real) and not math.isfinite(score):
-            raise RunError(f"{where(args, kwargs)} returned {score}; rewards must be finite numbers")
+    """`fn` made safe to call from training: a result that is not a finite number or a dict with a
+    numeric "score" (a string, None, NaN), a `SystemExit` or `KeyboardInterrupt` raised by user
+    code, or (with `timeout` seconds) a call that hangs, is a RunError naming the function, the
+    data_source and the sample. The wrapper keeps `fn`'s signature for callers (positional and
+    keyword arguments pass through); a batch call's list of results is checked one by one."""
+    def checked(result, args, kwargs):
+        if "data_sources" in kwargs and isinstance(result, (list, tuple)):  # the batch manager's call
+            for i, one in enumerate(result):
+                check_score(one, lambda: describe_call(name, (), {"data_source": kwargs["data_sources"][i],
+                                                                 "solution_str": kwargs["solution_strs"][i]}))
+        else:
+            check_score(result, lambda: describe_call(name, args, kwargs))
         return result
 
     def guarded(*args, **kwargs):
-        result = _call(fn, args, kwargs, timeout, lambda: where(args, kwargs))
-        if inspect.isawaitable(result):  # an `async def` reward: checked once awaited
-            async def checked():
-                return finite(await result, args, kwargs)
-            return checked()
-        return finite(result, args, kwargs)
+        result = _call(fn, args, kwargs, timeout, lambda: describe_call(name, args, kwargs))
+        if inspect.isawaitable(result):  # an `async def` reward, or a worker pool's call: checked once awaited
+            async def awaited():
+                return checked(await result, args, kwargs)
+            return awaited()
+        return checked(result, args, kwargs)
     return guarded
+
+
+def check_score(result: Any, where: Callable[[], str]) -> None:
+    """A score is a finite number (bools and numpy scalars count) or a dict with one as "score"."""
+    score = result.get("score", "no 'score'") if isinstance(result, dict) else result
+    if isinstance(score, numbers.Real):
+        if not math.isfinite(score):
+            raise RunError(f"{where()} returned {score}; rewards must be finite numbers")
+        return
+    shown = f"a dict without 'score' (keys: {', '.join(map(str, result)) or 'none'})" if isinstance(result, dict) \
+        and "score" not in result else f"{result!r:.80}"
+    raise RunError(f"{where()} returned {shown}; a reward must be a number or a dict with a numeric 'score'")
+
+
+def describe_call(name: str, args: tuple, kwargs: dict) -> str:
+    """"reward function NAME (data_source '...', response '<first 80 chars>')" for one call (or a
+    batch call: its first sample)."""
+    data_source = kwargs.get("data_source", args[0] if args else None)
+    solution = kwargs.get("solution_str", args[1] if len(args) > 1 else None)
+    if "data_sources" in kwargs:
+        data_source, solution = (kwargs["data_sources"] or [None])[0], (kwargs.get("solution_strs") or [None])[0]
+    return f"reward function {name} (data_source {data_source!r}, response {str(solution)[:80]!r})"
 
 
 def _call(fn: Callable, args: tuple, kwargs: dict, timeout: float | None, where: Callable[[], str]):

@@ -121,12 +121,16 @@ def build(cfg: PlaitConfig, progress: bool = True) -> Lifecycle:
             trainer.tracker = tracker  # validation generations (trainer.log_val_generations) are logged there
     except BaseException:
         backend.shutdown()
+        close_reward_workers()
         raise
     lc = LifecycleConfig(output_dir=cfg.output_dir, test_freq=t.test_freq, save_freq=t.save_freq,
                          val_before_train=t.val_before_train, resume_mode=t.resume_mode,
                          resume_from_path=t.resume_from_path, max_ckpt_to_keep=checkpoints_to_keep(cfg),
                          run_config=to_dict(cfg), allow_config_change=t.resume_allow_config_change)
-    return Lifecycle(lc, trainer, cfg.global_profiler, tracker, shutdown=backend.shutdown)
+    def shutdown():
+        backend.shutdown()
+        close_reward_workers()
+    return Lifecycle(lc, trainer, cfg.global_profiler, tracker, shutdown=shutdown)
 
 
 def checkpoints_to_keep(cfg: PlaitConfig) -> int | None:
@@ -190,7 +194,4 @@ def make_backend(cfg: PlaitConfig):
 def run(cfg: PlaitConfig, progress: bool = True) -> dict[str, float]:
     with output_dir_lock(cfg.output_dir):  # before build: it writes data and the demo model there
         print(f"plait: outputs in {cfg.output_dir}", file=sys.stderr)
-        try:
-            return build(cfg, progress=progress).run()
-        finally:
-            close_reward_workers()
+        return build(cfg, progress=progress).run()

@@ -181,3 +181,31 @@ def test_a_segfaulting_reward_stops_the_run_with_one_line_and_the_last_checkpoin
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg)))
     assert cli.main(["train", "--no-progress", "--config", str(tmp_path / "config.yaml")]) == 0  # ... unless allowed
     assert f"plait: resumed from {tmp_path / 'out' / 'checkpoints' / 'global_step_1'} (next step 2)" in capsys.readouterr().err
+
+
+TRAINER = """
+import sys
+from plait.data.reward_pool import RewardPool, RewardSpec
+from plait.data.rewards import ScoreRequest, guard_reward, naive_manager
+pool = RewardPool(RewardSpec(sys.argv[1], "fine"), "fine", 2)
+_, extras = naive_manager(guard_reward(pool, "fine"), ScoreRequest(["m", "m"], ["a", "b"], ["a", "b"], [None] * 2, [1, 1]))
+print(" ".join(str(int(p)) for p in set(extras["pid"])), flush=True)
+import time
+time.sleep(300)
+"""
+
+
+def test_workers_end_when_the_trainer_is_killed(reward_file):
+    import signal
+    import subprocess
+    import sys
+    trainer = subprocess.Popen([sys.executable, "-c", TRAINER, reward_file], stdout=subprocess.PIPE, text=True,
+                               env={**os.environ, "PYTHONPATH": os.getcwd()})
+    pids = [int(p) for p in trainer.stdout.readline().split()]
+    assert pids and all(alive(p) for p in pids)
+    os.kill(trainer.pid, signal.SIGKILL)
+    trainer.wait()
+    deadline = time.monotonic() + 10
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [p for p in pids if alive(p)]

@@ -53,7 +53,7 @@ class Critic:
         self.cfg, self.n, self.profiler = cfg, n, profiler
         self.layout = MicroBatching(cfg.ppo_micro_batch_size_per_gpu, max_token_len)
         self.forward_layout = MicroBatching(cfg.ppo_micro_batch_size_per_gpu, forward_max_token_len)
-        lm = load_causal_lm(model_path, dtype=dtype, device=device)
+        lm = load_causal_lm(model_path, dtype=dtype, device=device, key="critic.model.path")
         self.model = ValueModel(lm, checked_remove_padding(lm, remove_padding)).to(device)
         if gradient_checkpointing:  # HF checkpoints only in training mode (no dropout in these models)
             self.model.train()

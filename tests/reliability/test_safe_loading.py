@@ -203,3 +203,16 @@ def test_a_resume_with_only_safe_changes_is_silent_and_the_allow_key_lets_a_chan
     err = capsys.readouterr().err
     assert ("with algorithm.adv_estimator changed from 'grpo' to 'rloo' (trainer.resume_allow_config_change=true)"
             in err)
+
+
+def test_a_model_dir_with_a_crafted_pytorch_model_bin_runs_nothing_and_is_one_line(tmp_path, tiny_config, capsys):
+    from plait.models import create_tiny_model
+    model = create_tiny_model(tmp_path / "model", size="xs")
+    os.remove(os.path.join(model, "model.safetensors"))
+    marker = tmp_path / "ran"
+    torch.save({"model.embed_tokens.weight": Payload(marker)}, os.path.join(model, "pytorch_model.bin"))
+    assert train(tiny_config, tmp_path / "out", f"actor_rollout_ref.model.path={model}") == 2
+    err = capsys.readouterr().err
+    assert not marker.exists() and "Traceback" not in err
+    assert err.strip().splitlines()[-1].startswith(
+        f"plait: config error: actor_rollout_ref.model.path='{model}': its weights do not load as tensors (")

@@ -1,10 +1,9 @@
 """Reward functions run in their own processes (`reward.num_workers`), never in the trainer's.
 
-    trainer (any thread) ── pool(**call) ──▶ requests queue ──▶ feeder thread i ──socket──▶ worker process i
-         awaits the result                                       (one per worker;         own session, the reward
-                                                                  waits at most            loaded from its file,
-                                                                  custom_reward_function   RLIMIT_AS, a pids limit
-                                                                  .timeout)                shared by the pool
+    trainer thread ── pool(**call) ──▶ requests queue ──▶ feeder thread i ──socket──▶ worker process i
+      awaits its futures                  (one per worker; blocks on     (own session; the reward loaded
+                                          its worker's reply, at most    from its file; RLIMIT_AS; a
+                                          custom_reward_function.timeout) pids limit shared by the pool)
 
 A pool call returns an awaitable, so the reward managers (rewards.py) score a batch's responses on
 all workers at once. Whatever user code does to its process (raises, returns garbage, calls
@@ -12,7 +11,7 @@ sys.exit, segfaults, is killed for memory, forks without end, hangs) becomes one
 the function, the data source and the sample; the worker's whole process group is killed and the
 trainer's state is untouched. Results come back through plait's plain-data unpickler, so a reward
 cannot hand the trainer anything but data. Workers start at the first call and end at
-`close_reward_workers()` (driver.run), on EOF of their socket, or when the trainer dies.
+`close_reward_workers()` (the lifecycle's shutdown), on EOF of their socket, or when the trainer dies.
 
 Limits: memory is RLIMIT_AS per worker (address space: a reward that starts CUDA needs far more
 than it uses). Processes are limited by a pids cgroup where plait may create one (cgroup v1
@@ -40,7 +39,7 @@ from typing import Any, Optional
 
 from plait.data.rewards import describe_call
 from plait.errors import RunError
-from plait.safeload import UnsafeFileError, loads_plain
+from plait.safeload import UnsafeFileError, first_line, loads_plain
 
 PIDS_CGROUP = "/sys/fs/cgroup/pids"
 
@@ -157,8 +156,12 @@ class _Worker:
 
     def start(self, where: str) -> None:
         ours, theirs = socket.socketpair()
+        # The worker imports this same plait, wherever the trainer found it.
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
         self.proc = subprocess.Popen([sys.executable, "-m", "plait.data.reward_pool", str(theirs.fileno())],
-                                     pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, start_new_session=True)
+                                     pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, start_new_session=True,
+                                     env=env)
         theirs.close()
         self.conn = Connection(ours.detach())
         if self.pool.cgroup is not None:  # before the worker runs any user code
@@ -250,7 +253,7 @@ def worker_main(fd: int) -> None:
     try:
         fn = _load(spec)
     except BaseException as err:  # noqa: BLE001 - said to the trainer, which stops the run
-        conn.send_bytes(pickle.dumps(("error", f"{type(err).__name__}: {_first_line(err)}")))
+        conn.send_bytes(pickle.dumps(("error", f"{type(err).__name__}: {first_line(err)}")))
         return
     conn.send_bytes(pickle.dumps(("ok", None)))
     while True:
@@ -274,7 +277,7 @@ def _run(fn, args: tuple, kwargs: dict) -> tuple[str, Any]:
     except MemoryError:
         return "error", "raised MemoryError in its worker process (reward.memory_limit_mb limits each worker)"
     except BaseException as err:  # noqa: BLE001 - said to the trainer
-        return "error", f"raised {type(err).__name__}: {_first_line(err)}"
+        return "error", f"raised {type(err).__name__}: {first_line(err)}"
 
 
 async def _awaited(awaitable):
@@ -305,11 +308,6 @@ def _load(spec: RewardSpec):
     if spec.path is None:
         return default_compute_score
     return load_custom_reward(spec.path, spec.name, spec.reward_kwargs)
-
-
-def _first_line(err: BaseException) -> str:
-    lines = [ln.strip() for ln in str(err).splitlines() if ln.strip()]
-    return lines[0][:200] if lines else type(err).__name__
 
 
 def _exit_with(parent: int):

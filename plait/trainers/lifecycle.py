@@ -16,8 +16,8 @@ only the `Trainer` protocol below: what one step does, how to validate, what its
 Step N produces policy version N; steps are numbered from 1.
 
 Crash consistency (docs/reliability.md): a checkpoint is written to a temp dir with the step's
-metrics record and a manifest (sizes, CRC-32) last, then renamed; resume takes the newest one that
-verifies, and metrics.jsonl is cut back to (or restored up to) that step, so a kill at any point
+metrics record, the run's config and a manifest (sizes, CRC-32) last, then renamed; resume takes the
+newest one that verifies and loads, once its config agrees with this run's, and metrics.jsonl is cut back to (or restored up to) that step, so a kill at any point
 neither loses nor repeats a step. One run holds an output dir at a time (`output_dir_lock`).
 """
 
@@ -242,10 +242,10 @@ class Lifecycle:
     def _load(self, path: str, step: int) -> str | None:
         """Load a verified checkpoint after comparing its config; None when it loaded, else why not
         (a truncated, corrupt or unpicklable file, wrong keys or shapes)."""
-        self._check_config(path)
         try:
+            self._check_config(path)
             self.trainer.load_checkpoint(path, step)
-        except RunError:  # a Ray worker failed: the backend is down, nothing else can load
+        except (RunError, ConfigError):  # a Ray worker failed (the backend is down), or a refused config
             raise
         except UnsafeFileError as err:
             return str(err).replace(os.path.join(path, ""), "")

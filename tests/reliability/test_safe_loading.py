@@ -133,6 +133,7 @@ DAMAGE = {
     "wrong shapes": ("actor/model.pt", wrong_shapes, "it does not load (RuntimeError: Error(s) in loading state_dict"),
     "wrong keys": ("actor/optim.pt", wrong_keys, "it does not load (KeyError: 'optimizer')"),
     "unreadable state": ("trainer_state.json", lambda p: p.write_text("{"), "it does not load (JSONDecodeError: "),
+    "unreadable config": ("config.json", lambda p: p.write_text("{"), "it does not load (JSONDecodeError: "),
 }
 
 

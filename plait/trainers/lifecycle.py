@@ -16,9 +16,10 @@ only the `Trainer` protocol below: what one step does, how to validate, what its
 Step N produces policy version N; steps are numbered from 1.
 
 Crash consistency (docs/reliability.md): a checkpoint is written to a temp dir with the step's
-metrics record, the run's config and a manifest (sizes, CRC-32) last, then renamed; resume takes the
-newest one that verifies and loads, once its config agrees with this run's, and metrics.jsonl is cut back to (or restored up to) that step, so a kill at any point
-neither loses nor repeats a step. One run holds an output dir at a time (`output_dir_lock`).
+metrics record, the run's config and a manifest (sizes, CRC-32) last, then renamed; resume takes
+the newest one that verifies and loads, once its config agrees with this run's, and metrics.jsonl
+is cut back to (or restored up to) that step, so a kill at any point neither loses nor repeats a
+step. One run holds an output dir at a time (`output_dir_lock`).
 """
 
 from __future__ import annotations

@@ -209,3 +209,32 @@ def test_workers_end_when_the_trainer_is_killed(reward_file):
     while any(alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not [p for p in pids if alive(p)]
+
+
+def test_sigterm_while_a_reward_hangs_exits_143_and_ends_its_workers(tmp_path, tiny_config):
+    import signal
+    import subprocess
+    import sys
+    import yaml
+    from plait.configtree import to_dict
+    reward = tmp_path / "reward.py"
+    reward.write_text("import os, time\n"
+                      "def stuck(data_source, solution_str, ground_truth, extra_info=None):\n"
+                      f"    open({str(tmp_path / 'pids')!r} + '/' + str(os.getpid()), 'w').close()\n"
+                      "    time.sleep(120)\n")
+    (tmp_path / "pids").mkdir()
+    cfg = tiny_config(tmp_path / "out", f"custom_reward_function.path={reward}", "custom_reward_function.name=stuck",
+                      "reward.num_workers=2", "trainer.test_freq=-1")
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg)))
+    trainer = subprocess.Popen([sys.executable, "-m", "plait.cli", "train", "--no-progress", "--config",
+                                str(tmp_path / "config.yaml")], stderr=subprocess.PIPE, text=True,
+                               env={**os.environ, "PYTHONPATH": os.getcwd()})
+    deadline = time.monotonic() + 120
+    while len(os.listdir(tmp_path / "pids")) < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    workers = [int(p) for p in os.listdir(tmp_path / "pids")]
+    assert len(workers) == 2 and all(alive(p) for p in workers)
+    trainer.send_signal(signal.SIGTERM)
+    assert trainer.wait(timeout=30) == 143
+    assert "Traceback" not in trainer.stderr.read()
+    assert not [p for p in workers if alive(p)]

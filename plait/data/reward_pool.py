@@ -62,6 +62,7 @@ class RewardPool:
         self.workers = [_Worker(self) for _ in range(num_workers)]
         self.requests: queue.SimpleQueue = queue.SimpleQueue()
         self.cgroup: Optional[str] = None
+        self.feeders: list[threading.Thread] = []
         self.started = False
         self.lock = threading.Lock()
         _POOLS.add(self)
@@ -81,8 +82,10 @@ class RewardPool:
                 return
             self.started = True
             self.cgroup = _make_pids_cgroup(len(self.workers) * 4 + self.max_processes)
-            for worker in self.workers:  # daemon threads: a hung call never holds up the exit
-                threading.Thread(target=worker.feed, daemon=True, name="plait-reward-feeder").start()
+            self.feeders = [threading.Thread(target=w.feed, daemon=True, name="plait-reward-feeder")
+                            for w in self.workers]  # daemons: a hung call never holds up the exit
+            for feeder in self.feeders:
+                feeder.start()
 
     def close(self) -> None:
         """Stop every worker and everything it started."""
@@ -94,6 +97,8 @@ class RewardPool:
                 self.requests.put(None)
             for worker in self.workers:
                 worker.kill()
+            for feeder in self.feeders:  # each sees its worker's socket close, then the None
+                feeder.join(timeout=5)
             _remove_cgroup(self.cgroup)
             self.cgroup = None
 
@@ -179,6 +184,8 @@ class _Worker:
 
     def death(self) -> str:
         """How the worker ended, in words (it has, or is about to)."""
+        if self.proc is None:
+            return "was stopped: the reward workers were closed"
         try:
             code = self.proc.wait(timeout=5)
         except subprocess.TimeoutExpired:

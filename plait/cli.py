@@ -22,6 +22,10 @@ from plait.errors import Interrupted, RunError
 
 
 def main(argv: list[str] | None = None) -> int:
+    # PyTorch's C++ warnings (CPUAllocator's "Memory block of unknown size was allocated before the
+    # profiling started" at every memory window) are read from this once, at torch's import; set it to
+    # WARNING to see them. Worker processes of a Ray instance plait starts inherit it.
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     parser = argparse.ArgumentParser(prog="plait", description="RL post-training: one step lifecycle for every trainer mode.")
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="train (the built-in demo when no config is given)")
@@ -53,15 +57,15 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     from plait.config import load_config
-    from plait.driver import preflight, run
     try:
         check_config_name(args.config_name)
         cfg = load_config(builtin_config(args.config), args.overrides)
+        from plait.driver import preflight, run  # transformers and the trainers: after the config's own errors
         preflight(cfg)
         if args.command == "config":
             yaml.safe_dump(to_dict(cfg), sys.stdout, sort_keys=False)
             return 0
-        run(cfg, progress=not args.no_progress)
+        run(cfg, progress=not args.no_progress, checked=True)
     except ConfigError as err:
         for one in err.errors if isinstance(err, ConfigErrors) else [err]:
             print(f"plait: config error: {one}", file=sys.stderr)

@@ -593,6 +593,8 @@ class PlaitConfig:
         arr, critic = self.actor_rollout_ref, self.critic
         actor, n = arr.actor, arr.rollout.n
         self.data.seed = self.trainer.seed if self.data.seed is None else self.data.seed
+        # profiler artifacts belong to their run (verl: one shared outputs/profile, which runs overwrote)
+        self.global_profiler.save_path = self.global_profiler.save_path or os.path.join(self.output_dir, "profile")
         actor.ppo_micro_batch_size_per_gpu = actor.ppo_micro_batch_size_per_gpu or actor.ppo_mini_batch_size * n
         critic.ppo_micro_batch_size_per_gpu = critic.ppo_micro_batch_size_per_gpu or critic.ppo_mini_batch_size * n
         # seq-mean-token-sum-norm's constant: verl divides by the padded length, which is max_response_length there

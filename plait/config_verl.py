@@ -235,7 +235,7 @@ _GROUPS = {
         data.return_multi_modal_inputs
     """,
     ("profiler options plait takes from global_profiler for every role (tool, save_path), or tools "
-     "plait does not drive (NPU, nsys options, memory-snapshot context)"): """
+     "plait does not drive (NPU, nsys options)"): """
         actor_rollout_ref.actor.profiler.tool
         actor_rollout_ref.actor.profiler.save_path
         actor_rollout_ref.actor.profiler.tool_config.nsys.discrete
@@ -277,9 +277,6 @@ _GROUPS = {
         global_profiler.global_tool_config.nsys.worker_nsight_options.capture-range
         global_profiler.global_tool_config.nsys.worker_nsight_options.capture-range-end
         global_profiler.global_tool_config.nsys.worker_nsight_options.kill
-        global_profiler.global_tool_config.torch_memory.context
-        global_profiler.global_tool_config.torch_memory.stacks
-        global_profiler.global_tool_config.torch_memory.kw_args
     """,
     ("verl extension points by class or module path (custom dataset, sampler, data generator, reward "
      "manager and reward loop classes, async servers, sandbox, external model libraries, optimizer "

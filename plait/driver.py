@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 
 import torch
 import transformers
@@ -103,8 +104,10 @@ def preflight(cfg: PlaitConfig) -> None:
     raise_all(errors)
 
 
-def build(cfg: PlaitConfig, progress: bool = True) -> Lifecycle:
-    preflight(cfg)
+def build(cfg: PlaitConfig, progress: bool = True, checked: bool = False) -> Lifecycle:
+    started = time.perf_counter()  # the run summary's start-up time counts model and worker set-up
+    if not checked:  # the CLI has run preflight already: its warnings are said once
+        preflight(cfg)
     transformers.utils.logging.disable_progress_bar()  # per-load weight bars drown the step lines
     if cfg.trainer.num_threads:
         torch.set_num_threads(cfg.trainer.num_threads)
@@ -127,10 +130,11 @@ def build(cfg: PlaitConfig, progress: bool = True) -> Lifecycle:
                          val_before_train=t.val_before_train, resume_mode=t.resume_mode,
                          resume_from_path=t.resume_from_path, max_ckpt_to_keep=checkpoints_to_keep(cfg),
                          run_config=to_dict(cfg), allow_config_change=t.resume_allow_config_change)
+
     def shutdown():
         backend.shutdown()
         close_reward_workers()
-    return Lifecycle(lc, trainer, cfg.global_profiler, tracker, shutdown=shutdown)
+    return Lifecycle(lc, trainer, cfg.global_profiler, tracker, shutdown=shutdown, started=started)
 
 
 def checkpoints_to_keep(cfg: PlaitConfig) -> int | None:
@@ -191,7 +195,7 @@ def make_backend(cfg: PlaitConfig):
     return backend_for(cfg, role_profilers(cfg), resolve_device(cfg))
 
 
-def run(cfg: PlaitConfig, progress: bool = True) -> dict[str, float]:
+def run(cfg: PlaitConfig, progress: bool = True, checked: bool = False) -> dict[str, float]:
     with output_dir_lock(cfg.output_dir):  # before build: it writes data and the demo model there
         print(f"plait: outputs in {cfg.output_dir}", file=sys.stderr)
-        return build(cfg, progress=progress).run()
+        return build(cfg, progress=progress, checked=checked).run()

@@ -43,7 +43,7 @@ class Tracker:
         self._bar = None
 
     def progress(self, steps: Iterable[int], total: int, initial: int) -> Iterable[int]:
-        if not self.show_progress:
+        if not self.show_progress or not sys.stderr.isatty():  # redraws in a log file are noise: step lines suffice
             return steps
         from tqdm import tqdm
         self._bar = tqdm(steps, total=total, initial=initial, desc="plait", unit="step", dynamic_ncols=True, file=sys.stderr)

@@ -45,8 +45,9 @@ def test_plait_profile_report_on_a_crafted_folder_runs_nothing(tmp_path, capsys)
     marker = tmp_path / "ran"
     (tmp_path / "step1").mkdir()
     (tmp_path / "step1" / "actor_rank0.pickle").write_bytes(pickle.dumps(Payload(marker)))
-    record = {"steps": [1], "role": "actor", "rank": 0, "pid": 1, "tool": "torch_memory",
-              "path": "step1/actor_rank0.pickle", "start": 0.0, "end": 1.0, "version": 0, "complete": True}
+    record = {"steps": [1, 1], "role": "actor", "stage": None, "rank": 0, "pid": 1, "tool": "torch_memory",
+              "path": "step1/actor_rank0.pickle", "start_time": 0.0, "end_time": 1.0, "policy_version": 0,
+              "complete": True}
     (tmp_path / "manifest.jsonl").write_text(json.dumps(record) + "\n")
     cli.main(["profile", "report", str(tmp_path)])
     assert not marker.exists()

@@ -3,7 +3,8 @@
     trainer thread ── pool(**call) ──▶ requests queue ──▶ feeder thread i ──socket──▶ worker process i
       awaits its futures                  (one per worker; blocks on     (own session; the reward loaded
                                           its worker's reply, at most    from its file; RLIMIT_AS; a
-                                          custom_reward_function.timeout) pids limit shared by the pool)
+                                          reward.custom_reward_function  pids limit shared by the pool)
+                                          .timeout)
 
 A pool call returns an awaitable, so the reward managers (rewards.py) score a batch's responses on
 all workers at once. Whatever user code does to its process (raises, returns garbage, calls
@@ -146,7 +147,7 @@ class _Worker:
             self.conn.send_bytes(pickle.dumps((args, kwargs)))
             if not self.conn.poll(self.pool.timeout):
                 self.kill()
-                raise RunError(f"{where} did not return within custom_reward_function.timeout={self.pool.timeout} s; "
+                raise RunError(f"{where} did not return within reward.custom_reward_function.timeout={self.pool.timeout} s; "
                                "its worker process was killed")
             kind, detail = loads_plain(self.conn.recv_bytes(), "a reward worker's reply")
         except (EOFError, OSError):

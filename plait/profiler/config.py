@@ -19,7 +19,7 @@ MEMORY_STACKS = ("python", "all")             # ... stacks=: Python frames, or P
 TORCH_CONTENTS = ("memory", "shapes", "stack", "cpu", "cuda")
 ROLE_ORDER = ("actor", "rollout", "ref", "critic", "reward_model")  # the order of roles in a shared artifact's name
 ROLE_KEYS = {"actor": "actor_rollout_ref.actor", "rollout": "actor_rollout_ref.rollout",
-             "ref": "actor_rollout_ref.ref", "critic": "critic", "reward_model": "reward_model"}
+             "ref": "actor_rollout_ref.ref", "critic": "critic", "reward_model": "reward.reward_model"}
 
 
 def _positive_int(value) -> bool:

@@ -354,7 +354,7 @@ SAFE_TO_CHANGE = (
     "trainer.log_val_generations", "trainer.val_before_train", "trainer.resume_mode", "trainer.resume_from_path",
     "trainer.resume_allow_config_change", "trainer.backend", "trainer.ray", "trainer.device", "trainer.num_threads",
     "trainer.nnodes", "trainer.n_gpus_per_node", "global_profiler", "*.profiler", "*.optim.total_training_steps",
-    "custom_reward_function.timeout", "reward.num_workers", "reward.memory_limit_mb", "reward.max_processes",
+    "reward.custom_reward_function.timeout", "reward.num_workers", "reward.memory_limit_mb", "reward.max_processes",
 )
 
 

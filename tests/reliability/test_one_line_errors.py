@@ -27,15 +27,15 @@ def last_line(capsys) -> str:
 
 
 @pytest.mark.parametrize("source, said", [
-    ("def compute_score(data_source, solution_str\n    return 1\n", "does not import (line 1): SyntaxError: "),
-    ("import no_such_module_here\n", "does not import: ModuleNotFoundError: No module named 'no_such_module_here'"),
-    ("raise RuntimeError('boom')\ndef compute_score(**kw):\n    return 1\n", "does not import: RuntimeError: boom"),
+    ("def compute_score(data_source, solution_str\n    return 1\n", "importing it failed: SyntaxError: "),
+    ("import no_such_module_here\n", "importing it failed: no module named 'no_such_module_here'"),
+    ("raise RuntimeError('boom')\ndef compute_score(**kw):\n    return 1\n", "importing it failed: RuntimeError: boom"),
 ])
 def test_a_reward_file_that_does_not_import_is_one_line_exit_2(tmp_path, tiny_config, capsys, source, said):
     (tmp_path / "reward.py").write_text(source)
     assert train(tmp_path, tiny_config, f"custom_reward_function.path={tmp_path / 'reward.py'}") == 2
     line = last_line(capsys)
-    assert line.startswith(f"plait: config error: custom_reward_function.path='{tmp_path / 'reward.py'}': ")
+    assert line.startswith(f"plait: config error: reward.custom_reward_function.path='{tmp_path / 'reward.py'}': ")
     assert said in line
 
 

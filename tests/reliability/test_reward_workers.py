@@ -88,7 +88,7 @@ CASES = {
                        "reward.memory_limit_mb=4096 MiB)"),
     "hog": ({"memory_limit_mb": 512}, "raised MemoryError in its worker process (reward.memory_limit_mb limits"),
     "fork_bomb": ({"max_processes": 16}, "raised BlockingIOError: [Errno 11] Resource temporarily unavailable"),
-    "hangs": ({"timeout": 1.0}, "did not return within custom_reward_function.timeout=1.0 s; its worker process "
+    "hangs": ({"timeout": 1.0}, "did not return within reward.custom_reward_function.timeout=1.0 s; its worker process "
                                 "was killed"),
     "text": ({}, "returned '1.0'; a reward must be a number or a dict with a numeric 'score'"),
     "nothing": ({}, "returned None; a reward must be a number"),
@@ -174,7 +174,7 @@ def test_a_segfaulting_reward_stops_the_run_with_one_line_and_the_last_checkpoin
     assert sorted(os.listdir(tmp_path / "out" / "checkpoints")) == ["global_step_1", "latest_checkpointed_iteration.txt"]
     assert train("fine") == 2  # a changed reward name is a meaning-changing key: refused ...
     err = capsys.readouterr().err
-    assert "plait: config error: custom_reward_function.name='fine': the checkpoint" in err
+    assert "plait: config error: reward.custom_reward_function.name='fine': the checkpoint" in err
     cfg_allow = "trainer.resume_allow_config_change=true"
     cfg = tiny_config(tmp_path / "out", f"custom_reward_function.path={reward}", "custom_reward_function.name=fine",
                       "reward.num_workers=1", "trainer.save_freq=1", "trainer.test_freq=-1", cfg_allow)

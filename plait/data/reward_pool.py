@@ -35,10 +35,10 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass, field
+from pathlib import Path
 from multiprocessing.connection import Connection
 from typing import Any, Optional
 
-from plait.data.rewards import describe_call
 from plait.errors import RunError
 from plait.safeload import UnsafeFileError, first_line, loads_plain
 
@@ -47,8 +47,8 @@ PIDS_CGROUP = "/sys/fs/cgroup/pids"
 
 @dataclass
 class RewardSpec:
-    """What a worker loads: the user's function from a file, or the built-in one (path None)."""
-    path: Optional[str] = None
+    """What a worker loads: the user's function `name` from the file at `path`."""
+    path: str
     name: str = "compute_score"
     reward_kwargs: dict = field(default_factory=dict)
 
@@ -140,6 +140,7 @@ class _Worker:
                 future.set_exception(err)
 
     def call(self, args: tuple, kwargs: dict) -> Any:
+        from plait.data.rewards import describe_call  # not at the top: a worker never imports it (or torch)
         where = describe_call(self.pool.label, args, kwargs)
         if self.proc is None or self.proc.poll() is not None:
             self.start(where)
@@ -312,10 +313,15 @@ def _plain(value: Any) -> Any:
 
 
 def _load(spec: RewardSpec):
-    from plait.data.rewards import default_compute_score, load_custom_reward
-    if spec.path is None:
-        return default_compute_score
-    return load_custom_reward(spec.path, spec.name, spec.reward_kwargs)
+    """The user's function, imported from its file as load_custom_reward does (the driver already
+    checked that it imports). Not through plait.data.rewards: that would import torch in every worker."""
+    import functools
+    import importlib.util
+    module_spec = importlib.util.spec_from_file_location(f"plait_custom_reward_{Path(spec.path).stem}", spec.path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    fn = getattr(module, spec.name)
+    return functools.partial(fn, **spec.reward_kwargs) if spec.reward_kwargs else fn
 
 
 def _exit_with(parent: int):

@@ -317,7 +317,7 @@ def resolve_reward_fn(reward: RewardConfig) -> Callable:
             raise ConfigError("reward.custom_reward_function.path", custom.path, "no such file") from None
         except AttributeError as err:
             raise ConfigError("reward.custom_reward_function.name", custom.name, str(err)) from None
-    if reward.num_workers == 0:
+    if reward.num_workers == 0 or not custom.path:  # plait's own scorer runs here: it is not user code
         return guard_reward(fn, name, custom.timeout)
     pool = RewardPool(RewardSpec(custom.path, custom.name, custom.reward_kwargs), name, reward.num_workers,
                       custom.timeout, reward.memory_limit_mb, reward.max_processes)

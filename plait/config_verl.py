@@ -224,8 +224,9 @@ _GROUPS = {
         data.video_key
         data.return_multi_modal_inputs
     """,
-    ("profiler options plait takes from global_profiler for every role (tool, save_path), or tools "
-     "plait does not drive (NPU, nsys options)"): """
+    ("profiler options plait takes from global_profiler for every role (tool, save_path, the finish "
+     "hook, which runs once in the driver, snapshot grouping; results are written under save_path, "
+     "never relocated), or tools plait does not drive (NPU, nsys options)"): """
         actor_rollout_ref.actor.profiler.tool
         actor_rollout_ref.actor.profiler.save_path
         actor_rollout_ref.actor.profiler.tool_config.nsys.discrete
@@ -255,6 +256,32 @@ _GROUPS = {
         critic.profiler.tool_config.npu.discrete
         critic.profiler.tool_config.torch_memory.trace_alloc_max_entries
         critic.profiler.tool_config.torch_memory.stack_depth
+        actor_rollout_ref.actor.profiler.relocate_results
+        actor_rollout_ref.actor.profiler.finish_hook_cmd
+        actor_rollout_ref.actor.profiler.finish_hook_all_ranks
+        actor_rollout_ref.actor.profiler.finish_hook_ranks
+        actor_rollout_ref.actor.profiler.tool_config.torch_memory.memory_snapshot_num_steps
+        actor_rollout_ref.ref.profiler.relocate_results
+        actor_rollout_ref.ref.profiler.finish_hook_cmd
+        actor_rollout_ref.ref.profiler.finish_hook_all_ranks
+        actor_rollout_ref.ref.profiler.finish_hook_ranks
+        actor_rollout_ref.ref.profiler.tool_config.torch_memory.memory_snapshot_num_steps
+        actor_rollout_ref.rollout.profiler.relocate_results
+        actor_rollout_ref.rollout.profiler.finish_hook_cmd
+        actor_rollout_ref.rollout.profiler.finish_hook_all_ranks
+        actor_rollout_ref.rollout.profiler.finish_hook_ranks
+        actor_rollout_ref.rollout.profiler.tool_config.torch_memory.memory_snapshot_num_steps
+        critic.profiler.relocate_results
+        critic.profiler.finish_hook_cmd
+        critic.profiler.finish_hook_all_ranks
+        critic.profiler.finish_hook_ranks
+        critic.profiler.tool_config.torch_memory.memory_snapshot_num_steps
+        actor_rollout_ref.rollout.profiler.tool_config.npu.contents
+        actor_rollout_ref.rollout.profiler.tool_config.npu.level
+        actor_rollout_ref.rollout.profiler.tool_config.npu.analysis
+        actor_rollout_ref.rollout.profiler.tool_config.npu.discrete
+        actor_rollout_ref.rollout.profiler.tool_config.npu.profile_token_start
+        actor_rollout_ref.rollout.profiler.tool_config.npu.profile_token_end
         reward.reward_model.profiler.tool
         reward.reward_model.profiler.save_path
         global_profiler.global_tool_config.nsys.discrete

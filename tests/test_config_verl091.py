@@ -17,13 +17,6 @@ KEYS = Path(__file__).parent / "fixtures" / "verl091_ppo_trainer_keys.txt"
 
 # Keys another issue's engineer adds (each in its own branch); they drop out of this table as those land.
 DEFERRED = {
-    "issue 20 (profiler)": re.compile(
-        r"\.profiler\.(relocate_results|finish_hook_cmd|finish_hook_all_ranks|finish_hook_ranks"
-        r"|tool_config\.torch\.schedule\.|tool_config\.torch_memory\.memory_snapshot_num_steps"
-        r"|tool_config\.precision_debugger\.|tool_config\.(torch|npu)\.profile_token_)"
-        r"|^actor_rollout_ref\.rollout\.profiler\.tool_config\.npu\."
-        r"|^global_profiler\.(relocate_results|finish_hook_all_ranks|finish_hook_ranks"
-        r"|global_tool_config\.torch_memory\.memory_snapshot_num_steps|global_tool_config\.precision_debugger\.)"),
     "issue 18 (FSDP2, placement)": re.compile(
         r"\.fsdp_config\.(entropy_from_logits_chunk_size|use_no_sync_for_gradient_accumulation|pad_to_length"
         r"|qat\.|turbo_config\.)|^critic\.fsdp\.|^actor_rollout_ref\.rollout\.(nnodes|n_gpus_per_node)$"),

@@ -174,9 +174,16 @@ def test_rank_selection(tmp_path):
     assert session(tmp_path, "torch", {"actor": role(ranks=[1])}, rank=1, world_size=2).name == "actor"
     assert session(tmp_path, "torch", {"actor": role(ranks=[1])}, rank=0, world_size=2).name == ""
     assert session(tmp_path, "torch", {"actor": role(all_ranks=True)}, rank=3, world_size=4).name == "actor"
-    with pytest.raises(ConfigError, match="world size 2"):
-        session(tmp_path, "torch", {"actor": role(ranks=[2])}, rank=0, world_size=2)
     assert not (tmp_path / "profile").exists()
+
+
+def test_ranks_beyond_the_world_warn_and_profile_the_rest(tmp_path, caplog):
+    # verl's ranks=[0,4] in a script shrunk to 2 workers: a warning naming rank 4, rank 0 still profiled
+    with caplog.at_level("WARNING"):
+        s = session(tmp_path, "torch", {"actor": role(ranks=[0, 4])}, rank=0, world_size=2)
+    assert s.name == "actor"
+    assert "rank(s) [4] do not exist at world size 2" in caplog.text
+    assert session(tmp_path, "torch", {"actor": role(ranks=[4])}, rank=0, world_size=2).name == ""
 
 
 def test_colocated_roles_must_agree_on_discrete(tmp_path):

@@ -489,6 +489,7 @@ class TrainerConfig:
     default_local_dir: Optional[str] = None   # null: outputs/<project_name>/<experiment_name>
     resume_mode: Literal["auto", "disable", "resume_path"] = "auto"
     resume_from_path: Optional[str] = None
+    resume_allow_config_change: bool = False  # plait's own: resume although a key that changes the run's meaning differs
     max_ckpt_to_keep: Optional[int] = 2
     max_actor_ckpt_to_keep: Optional[int] = None
     max_critic_ckpt_to_keep: Optional[int] = None

@@ -18,6 +18,7 @@ import transformers
 
 from plait.config import PlaitConfig
 from plait.configtree import ConfigError, raise_all, to_dict
+from plait.data.reward_pool import close_reward_workers
 from plait.data.rewards import resolve_reward
 from plait.models import check_model_dir
 from plait.profiler import RoleProfilerConfig, validate_environment
@@ -94,11 +95,17 @@ def build(cfg: PlaitConfig, progress: bool = True, checked: bool = False) -> Lif
             trainer.tracker = tracker  # validation generations (trainer.log_val_generations) are logged there
     except BaseException:
         backend.shutdown()
+        close_reward_workers()
         raise
     lc = LifecycleConfig(output_dir=cfg.output_dir, test_freq=t.test_freq, save_freq=t.save_freq,
                          val_before_train=t.val_before_train, resume_mode=t.resume_mode,
-                         resume_from_path=t.resume_from_path, max_ckpt_to_keep=checkpoints_to_keep(cfg))
-    return Lifecycle(lc, trainer, cfg.global_profiler, tracker, shutdown=backend.shutdown, started=started)
+                         resume_from_path=t.resume_from_path, max_ckpt_to_keep=checkpoints_to_keep(cfg),
+                         run_config=to_dict(cfg), allow_config_change=t.resume_allow_config_change)
+
+    def shutdown():
+        backend.shutdown()
+        close_reward_workers()
+    return Lifecycle(lc, trainer, cfg.global_profiler, tracker, shutdown=shutdown, started=started)
 
 
 def checkpoints_to_keep(cfg: PlaitConfig) -> int | None:

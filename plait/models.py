@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import shutil
 import tempfile
 from pathlib import Path
@@ -27,6 +28,7 @@ from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassificati
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from plait.configtree import ConfigError
+from plait.safeload import torch_reason
 
 SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>", "<unk>"]  # ids 0..3, in this order
 # One message per line, nothing around it: a char model reads every template character.
@@ -101,10 +103,15 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
 
 
 def load_causal_lm(path: str | Path, dtype: torch.dtype = torch.float32,
-                   device: str | torch.device = "cpu") -> PreTrainedModel:
-    """Any local HF causal LM (safetensors or bin), in `dtype`, on `device`."""
-    model = AutoModelForCausalLM.from_pretrained(_local_dir(path), dtype=dtype,
-                                                 local_files_only=True)
+                   device: str | torch.device = "cpu", key: str = "actor_rollout_ref.model.path") -> PreTrainedModel:
+    """Any local HF causal LM (safetensors or bin), in `dtype`, on `device`. A `.bin` that asks for
+    code (transformers loads it weights_only) is a ConfigError naming `key`, not a traceback."""
+    try:
+        model = AutoModelForCausalLM.from_pretrained(_local_dir(path), dtype=dtype,
+                                                     local_files_only=True)
+    except pickle.UnpicklingError as err:
+        raise ConfigError(key, str(path), f"its weights do not load as tensors ({torch_reason(err)}); "
+                                          "nothing in them ran") from None
     return model.to(device)
 
 

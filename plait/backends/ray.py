@@ -222,8 +222,10 @@ def start_local_ray(temp_dir: str, num_cpus: Optional[int] = None, object_store_
         shutil.rmtree(link_dir, ignore_errors=True)
         raise
     # Ray's own list of the processes it started for this instance (gcs, raylet, agents): private API.
-    pids = [str(p.pid) for _, p in ray._private.worker._global_node.live_processes()]
-    _WATCHDOGS[link_dir] = subprocess.Popen([sys.executable, "-c", WATCHDOG, str(os.getpid()), link_dir, *pids],
+    node = ray._private.worker._global_node
+    pids = [str(p.pid) for _, p in node.live_processes()]
+    session = os.path.realpath(node.get_session_dir_path())
+    _WATCHDOGS[link_dir] = subprocess.Popen([sys.executable, "-c", WATCHDOG, str(os.getpid()), link_dir, session, *pids],
                                             start_new_session=True, stdin=subprocess.DEVNULL)
     return link_dir
 
@@ -239,16 +241,21 @@ def stop_local_ray(link_dir: str) -> None:
 
 _WATCHDOGS: dict[str, subprocess.Popen] = {}
 
-# Waits for the driver (argv[1]) to die, then SIGKILLs the Ray processes (argv[3:]) and everything
-# they started (workers), and removes the socket link folder (argv[2]). Linux /proc; stdlib only.
+# Waits for the driver (argv[1]) to die, then SIGKILLs the Ray processes (argv[4:]) and everything
+# they started (workers, the raylet's dashboard and runtime-env agents), and removes the socket link
+# folder (argv[2]). The tree is followed while the driver lives, and a process that still holds a
+# file in this instance's session folder (argv[3]) at the end is Ray's too: when the raylet dies
+# with the driver, an agent started moments before is reparented to init and no walk finds it.
+# A followed pid is killed only if its start time is the one seen (a reused pid is spared).
+# Linux /proc; stdlib only.
 WATCHDOG = r"""
 import os, shutil, signal, sys, time
-driver, link_dir, roots = int(sys.argv[1]), sys.argv[2], {int(p) for p in sys.argv[3:]}
+driver, link_dir, session, roots = int(sys.argv[1]), sys.argv[2], sys.argv[3], {int(p) for p in sys.argv[4:]}
 
 def stat(pid):
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()  # [state, ppid, ...]
+            return f.read().rsplit(")", 1)[1].split()  # [state, ppid, ... starttime at 19]
     except OSError:
         return None
 
@@ -256,18 +263,42 @@ def alive(pid):
     s = stat(pid)
     return s is not None and s[0] != "Z"
 
+seen = {}  # pid -> start time, for every Ray process and descendant seen so far
+
+def follow():
+    stats = {int(n): s for n in os.listdir("/proc") if n.isdigit() and (s := stat(int(n)))}
+    children = {}
+    for pid, s in stats.items():
+        children.setdefault(int(s[1]), []).append(pid)
+    todo = [p for p in roots | set(seen) if p in stats]
+    while todo:
+        pid = todo.pop()
+        if seen.setdefault(pid, stats[pid][19]) == stats[pid][19]:
+            todo += [c for c in children.get(pid, []) if c not in seen]
+
+def holds_session_file(pid):
+    if not os.path.basename(session).startswith("session_"):  # never match more than one Ray's folder
+        return False
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return False
+    for fd in fds:
+        try:
+            if os.readlink(f"/proc/{pid}/fd/{fd}").startswith(session + "/"):
+                return True
+        except OSError:
+            pass
+    return False
+
 while alive(driver):
+    follow()
     time.sleep(0.5)
-parents = {}
-for name in os.listdir("/proc"):
-    if name.isdigit() and (s := stat(int(name))):
-        parents.setdefault(int(s[1]), []).append(int(name))
-doomed, todo = set(), list(roots)
-while todo:
-    pid = todo.pop()
-    if pid not in doomed:
-        doomed.add(pid)
-        todo += parents.get(pid, [])
+follow()
+doomed = [pid for pid, start in seen.items() if (s := stat(pid)) is not None and s[19] == start]
+me = os.getpid()
+doomed += [int(n) for n in os.listdir("/proc") if n.isdigit() and int(n) not in seen and int(n) != me
+           and holds_session_file(int(n))]
 for pid in doomed:
     try:
         os.kill(pid, signal.SIGKILL)

@@ -169,6 +169,7 @@ class PromptDataset:
         if isinstance(prompt, str):  # used as is, with the tokenizer's own specials (Llama's BOS)
             text, ids = prompt, tokenizer(prompt)["input_ids"]
         else:
+            check_messages(i, prompt_key, prompt)
             if tokenizer.chat_template is None:
                 raise ValueError(f"row {i}: '{prompt_key}' is a list of messages but the "
                                  "tokenizer has no chat template; give plain-string prompts")
@@ -192,6 +193,18 @@ class PromptDataset:
                              f"max_prompt_length={max_len}; set data.max_prompt_length={len(item.prompt_ids)} or "
                              "data.truncation=left (or right, middle) or data.filter_overlong_prompts=true")
         return dataclasses.replace(item, prompt_ids=truncate(item.prompt_ids, max_len, truncation))
+
+
+def check_messages(i: int, prompt_key: str, prompt: Any) -> None:
+    """A chat prompt is a list of {"role": str, "content": ...} messages; row `i` is named otherwise."""
+    if not isinstance(prompt, (list, tuple)) or not prompt:
+        raise ValueError(f"row {i}: '{prompt_key}' is {prompt!r:.80}; expected a string or a non-empty list "
+                         "of chat messages ({'role': ..., 'content': ...})")
+    for j, message in enumerate(prompt):
+        missing = [k for k in ("role", "content") if not isinstance(message, dict) or message.get(k) is None]
+        if missing:
+            raise ValueError(f"row {i}: '{prompt_key}' message {j} has no {' or '.join(map(repr, missing))}: "
+                             f"{message!r:.80}; a chat message is {{'role': ..., 'content': ...}}")
 
 
 def iterate_batches(dataset: PromptDataset, batch_size: int, shuffle: bool = True,

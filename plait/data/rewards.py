@@ -101,7 +101,9 @@ class RewardModelConfig:
 class RewardConfig:
     """`reward`: verl 0.9's reward tree (load_config maps verl 0.8's top-level custom_reward_function,
     reward_model and sandbox_fusion keys onto it)."""
-    num_workers: int = 8                      # verl's reward worker processes
+    num_workers: int = 8                      # reward worker processes (verl's default); 0: in the trainer's process
+    memory_limit_mb: Optional[int] = 4096     # plait's own: address space (RLIMIT_AS) of each worker; null: no limit
+    max_processes: int = 64                   # plait's own: processes and threads reward code may start per pool
     custom_reward_function: CustomRewardConfig = field(default_factory=CustomRewardConfig)
     reward_manager: RewardManagerConfig = field(default_factory=RewardManagerConfig)
     reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
@@ -111,7 +113,10 @@ class RewardConfig:
     overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
 
     def __post_init__(self):
-        check(self.num_workers > 0, "num_workers", self.num_workers, "must be > 0")
+        check(self.num_workers >= 0, "num_workers", self.num_workers, "a number of processes >= 0 (0: in the trainer's process)")
+        check(self.memory_limit_mb is None or self.memory_limit_mb >= 64, "memory_limit_mb", self.memory_limit_mb,
+              "MiB >= 64, or null for no limit")
+        check(self.max_processes > 0, "max_processes", self.max_processes, "must be > 0")
         unknown = set(self.reward_kwargs) - {"overlong_buffer_cfg", "max_resp_len"}
         check(not unknown, "reward_kwargs", self.reward_kwargs,
               f"only overlong_buffer_cfg and max_resp_len (unknown: {', '.join(sorted(unknown))})")
@@ -294,46 +299,76 @@ def make_reward(fn: Callable, manager: str = "naive", overlong: OverlongBufferCo
 def resolve_reward(reward: RewardConfig, max_response_length: int) -> Callable[[ScoreRequest], Scores]:
     """The batch scorer: the reward function (custom or built-in) under `reward.reward_manager.name`."""
     max_resp_len = reward.reward_kwargs.get("max_resp_len") or max_response_length
-    return make_reward(resolve_reward_fn(reward.custom_reward_function), reward.reward_manager.name,
+    return make_reward(resolve_reward_fn(reward), reward.reward_manager.name,
                        reward.overlong_buffer, max_resp_len)
 
 
-def resolve_reward_fn(custom: CustomRewardConfig) -> Callable:
-    if not custom.path:
-        return guard_reward(default_compute_score, "default_compute_score")
-    try:
-        return guard_reward(load_custom_reward(custom.path, custom.name, custom.reward_kwargs),
-                            custom.name, custom.timeout)
-    except FileNotFoundError:
-        raise ConfigError("reward.custom_reward_function.path", custom.path, "no such file") from None
-    except AttributeError as err:
-        raise ConfigError("reward.custom_reward_function.name", custom.name, str(err)) from None
+def resolve_reward_fn(reward: RewardConfig) -> Callable:
+    """The guarded reward function, called in `reward.num_workers` worker processes (0: in this one,
+    docs/reliability.md). A custom file is imported here once too, so a missing file, an import
+    error or a missing function is a config error before any work."""
+    from plait.data.reward_pool import RewardPool, RewardSpec  # it imports this module
+    custom = reward.custom_reward_function
+    name, fn = "default_compute_score", default_compute_score
+    if custom.path:
+        try:
+            name, fn = custom.name, load_custom_reward(custom.path, custom.name, custom.reward_kwargs)
+        except FileNotFoundError:
+            raise ConfigError("reward.custom_reward_function.path", custom.path, "no such file") from None
+        except AttributeError as err:
+            raise ConfigError("reward.custom_reward_function.name", custom.name, str(err)) from None
+    if reward.num_workers == 0 or not custom.path:  # plait's own scorer runs here: it is not user code
+        return guard_reward(fn, name, custom.timeout)
+    pool = RewardPool(RewardSpec(custom.path, custom.name, custom.reward_kwargs), name, reward.num_workers,
+                      custom.timeout, reward.memory_limit_mb, reward.max_processes)
+    return guard_reward(pool, name)
 
 
 def guard_reward(fn: Callable, name: str, timeout: float | None = None) -> Callable:
-    """`fn` made safe to call from training: a NaN or infinite score, a `SystemExit` or
-    `KeyboardInterrupt` raised by user code, or (with `timeout` seconds) a call that hangs, is a
-    RunError naming the function, the data_source and the sample. The wrapper keeps `fn`'s
-    signature for callers (positional and keyword arguments pass through)."""
-    def where(args, kwargs) -> str:
-        data_source = kwargs.get("data_source", args[0] if args else None)
-        solution = kwargs.get("solution_str", args[1] if len(args) > 1 else None)
-        return f"reward function {name} (data_source {data_source!r}, response {str(solution)[:80]!r})"
-
-    def finite(result, args, kwargs):
-        score = result.get("score") if isinstance(result, dict) else result
-        if isinstance(score, numbers.Real) and not math.isfinite(score):
-            raise RunError(f"{where(args, kwargs)} returned {score}; rewards must be finite numbers")
+    """`fn` made safe to call from training: a result that is not a finite number or a dict with a
+    numeric "score" (a string, None, NaN), a `SystemExit` or `KeyboardInterrupt` raised by user
+    code, or (with `timeout` seconds) a call that hangs, is a RunError naming the function, the
+    data_source and the sample. The wrapper keeps `fn`'s signature for callers (positional and
+    keyword arguments pass through); a batch call's list of results is checked one by one."""
+    def checked(result, args, kwargs):
+        if "data_sources" in kwargs and isinstance(result, (list, tuple)):  # the batch manager's call
+            for i, one in enumerate(result):
+                check_score(one, lambda: describe_call(name, (), {"data_source": kwargs["data_sources"][i],
+                                                                 "solution_str": kwargs["solution_strs"][i]}))
+        else:
+            check_score(result, lambda: describe_call(name, args, kwargs))
         return result
 
     def guarded(*args, **kwargs):
-        result = _call(fn, args, kwargs, timeout, lambda: where(args, kwargs))
-        if inspect.isawaitable(result):  # an `async def` reward: checked once awaited
-            async def checked():
-                return finite(await result, args, kwargs)
-            return checked()
-        return finite(result, args, kwargs)
+        result = _call(fn, args, kwargs, timeout, lambda: describe_call(name, args, kwargs))
+        if inspect.isawaitable(result):  # an `async def` reward, or a worker pool's call: checked once awaited
+            async def awaited():
+                return checked(await result, args, kwargs)
+            return awaited()
+        return checked(result, args, kwargs)
     return guarded
+
+
+def check_score(result: Any, where: Callable[[], str]) -> None:
+    """A score is a finite number (bools and numpy scalars count) or a dict with one as "score"."""
+    score = result.get("score", "no 'score'") if isinstance(result, dict) else result
+    if isinstance(score, numbers.Real):
+        if not math.isfinite(score):
+            raise RunError(f"{where()} returned {score}; rewards must be finite numbers")
+        return
+    shown = f"a dict without 'score' (keys: {', '.join(map(str, result)) or 'none'})" if isinstance(result, dict) \
+        and "score" not in result else f"{result!r:.80}"
+    raise RunError(f"{where()} returned {shown}; a reward must be a number or a dict with a numeric 'score'")
+
+
+def describe_call(name: str, args: tuple, kwargs: dict) -> str:
+    """"reward function NAME (data_source '...', response '<first 80 chars>')" for one call (or a
+    batch call: its first sample)."""
+    data_source = kwargs.get("data_source", args[0] if args else None)
+    solution = kwargs.get("solution_str", args[1] if len(args) > 1 else None)
+    if "data_sources" in kwargs:
+        data_source, solution = (kwargs["data_sources"] or [None])[0], (kwargs.get("solution_strs") or [None])[0]
+    return f"reward function {name} (data_source {data_source!r}, response {str(solution)[:80]!r})"
 
 
 def _call(fn: Callable, args: tuple, kwargs: dict, timeout: float | None, where: Callable[[], str]):

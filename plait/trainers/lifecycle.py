@@ -16,15 +16,17 @@ only the `Trainer` protocol below: what one step does, how to validate, what its
 Step N produces policy version N; steps are numbered from 1.
 
 Crash consistency (docs/reliability.md): a checkpoint is written to a temp dir with the step's
-metrics record and a manifest (sizes, CRC-32) last, then renamed; resume takes the newest one that
-verifies, and metrics.jsonl is cut back to (or restored up to) that step, so a kill at any point
-neither loses nor repeats a step. One run holds an output dir at a time (`output_dir_lock`).
+metrics record, the run's config and a manifest (sizes, CRC-32) last, then renamed; resume takes
+the newest one that verifies and loads, once its config agrees with this run's, and metrics.jsonl
+is cut back to (or restored up to) that step, so a kill at any point neither loses nor repeats a
+step. One run holds an output dir at a time (`output_dir_lock`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import fnmatch
 import json
 import os
 import resource
@@ -36,11 +38,12 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Protocol, Sequence
 
-from plait.configtree import ConfigError
+from plait.configtree import ConfigError, raise_all
 from plait.errors import Interrupted, RunError
 from plait.profiler import StepProfiler
 from plait.profiler.naming import MANIFEST as PROFILE_MANIFEST, set_aside, write_location
 from plait.profiler.timeline import TIMELINE, TIMELINE_FILE, StagePeaks, fold_peaks, stage_memory_metrics
+from plait.safeload import UnsafeFileError, first_line
 from plait.trainers.summary import RunClock, summarise, write_summary
 from plait.trainers.tracking import as_record, read_records
 
@@ -100,6 +103,8 @@ class LifecycleConfig:
     n_devices: int = 1
     progress: bool = True
     loggers: list[str] = field(default_factory=lambda: ["console"])
+    run_config: Optional[dict] = None        # the resolved config tree: saved in each checkpoint, compared on resume
+    allow_config_change: bool = False        # trainer.resume_allow_config_change
 
 
 class Lifecycle:
@@ -190,6 +195,8 @@ class Lifecycle:
         try:
             shutil.rmtree(tmp, ignore_errors=True)
             self.trainer.save_checkpoint(tmp, step)
+            if self.cfg.run_config is not None:
+                _write_atomic(os.path.join(tmp, RUN_CONFIG), json.dumps(self.cfg.run_config, default=str))
             _write_atomic(os.path.join(tmp, STEP_METRICS), json.dumps(as_record(metrics, step)))  # durable with it
             write_manifest(tmp, step)
         except BaseException as err:
@@ -216,27 +223,70 @@ class Lifecycle:
             name = os.path.basename(os.path.normpath(path))
             if not name.startswith("global_step_") or not os.path.isdir(path):
                 raise ConfigError("trainer.resume_from_path", path, "expected an existing global_step_N directory")
-            problem = verify_checkpoint(path)
+            step = int(name.removeprefix("global_step_"))
+            problem = verify_checkpoint(path) or self._load(path, step)
             if problem:
                 raise ConfigError("trainer.resume_from_path", path, problem)
-            step = int(name.removeprefix("global_step_"))
         else:
-            step, path = self._newest_verified()
+            step, path = self._newest_loadable()
             if step == 0:
                 return 1, ""
-        self.trainer.load_checkpoint(path, step)
         print(f"plait: resumed from {path} (next step {step + 1})", file=sys.stderr)
         return step + 1, path
 
-    def _newest_verified(self) -> tuple[int, str]:
-        """The newest checkpoint whose manifest verifies, warning about each newer one skipped."""
+    def _newest_loadable(self) -> tuple[int, str]:
+        """The newest checkpoint that verifies and loads, warning about each newer one skipped. Once
+        one failed mid-load the trainer's state may be partly overwritten, so "none loads" is then
+        an error, not a fresh start."""
+        failed = None
         for step in sorted(_checkpoint_steps(self.ckpt_dir), reverse=True):
             path = os.path.join(self.ckpt_dir, f"global_step_{step}")
             problem = verify_checkpoint(path)
             if problem is None:
+                problem = self._load(path, step)
+                failed = failed or problem
+            if problem is None:
                 return step, path
             print(f"plait: warning: skipping checkpoint {path}: {problem}", file=sys.stderr)
+        if failed:
+            raise ConfigError("trainer.resume_mode", self.cfg.resume_mode,
+                              f"no checkpoint in {self.ckpt_dir} loads (the newest that verified: {failed}); move "
+                              "the folder aside or set trainer.resume_mode=disable to start fresh")
         return 0, ""
+
+    def _load(self, path: str, step: int) -> str | None:
+        """Load a verified checkpoint after comparing its config; None when it loaded, else why not
+        (a truncated, corrupt or unpicklable file, wrong keys or shapes)."""
+        try:
+            self._check_config(path)
+            self.trainer.load_checkpoint(path, step)
+        except (RunError, ConfigError):  # a Ray worker failed (the backend is down), or a refused config
+            raise
+        except UnsafeFileError as err:
+            return str(err).replace(os.path.join(path, ""), "")
+        except Exception as err:  # noqa: BLE001 - any failure to load is a reason to skip it
+            return f"it does not load ({type(err).__name__}: {first_line(err)})"
+        return None
+
+    def _check_config(self, path: str) -> None:
+        """Refuse to resume a checkpoint whose run meant something else: one line per changed key
+        that is not safe to change (SAFE_TO_CHANGE), unless trainer.resume_allow_config_change."""
+        if self.cfg.run_config is None or not os.path.isfile(os.path.join(path, RUN_CONFIG)):
+            return  # a checkpoint from before configs were saved: nothing to compare
+        with open(os.path.join(path, RUN_CONFIG)) as f:
+            saved = _flatten(json.load(f))
+        now = _flatten(json.loads(json.dumps(self.cfg.run_config, default=str)))
+        changed = [(key, saved[key], now[key]) for key in now
+                   if key in saved and saved[key] != now[key] and not safe_to_change(key)]
+        if self.cfg.allow_config_change:
+            for key, old, new in changed:
+                print(f"plait: warning: resuming {path} with {key} changed from {old!r} to {new!r} "
+                      "(trainer.resume_allow_config_change=true)", file=sys.stderr)
+            return
+        raise_all([ConfigError(key, new, f"the checkpoint {path} was trained with {old!r}; resuming with another "
+                               "value changes what the run means: set trainer.resume_allow_config_change=true to "
+                               "resume anyway, or start a new experiment (trainer.experiment_name)")
+                   for key, old, new in changed])
 
     def _summarise(self, start: int, last: int, profiler: StepProfiler, error: BaseException | None) -> None:
         """summary.json in the output dir, and the console lines unless the run failed (its error is the last word)."""
@@ -292,6 +342,32 @@ class Lifecycle:
 STEP_METRICS = "step_metrics.json"   # inside global_step_N: that step's metrics record
 MANIFEST = "manifest.json"           # inside global_step_N, written last: every file, its size and CRC-32
 LATEST = "latest_checkpointed_iteration.txt"
+RUN_CONFIG = "config.json"           # inside global_step_N: the run's resolved config tree
+
+# Keys a resume may change silently (docs/reliability.md): where output goes, how often things
+# happen, how long the run is, how it is profiled and placed. Every other key changes what the run
+# means (data, batch sizes, model, algorithm, loss, seeds) and is refused when it differs.
+SAFE_TO_CHANGE = (
+    "trainer.logger", "trainer.project_name", "trainer.experiment_name", "trainer.default_local_dir",
+    "trainer.save_freq", "trainer.test_freq", "trainer.total_training_steps", "trainer.total_epochs",
+    "trainer.max_ckpt_to_keep", "trainer.max_actor_ckpt_to_keep", "trainer.max_critic_ckpt_to_keep",
+    "trainer.log_val_generations", "trainer.val_before_train", "trainer.resume_mode", "trainer.resume_from_path",
+    "trainer.resume_allow_config_change", "trainer.backend", "trainer.ray", "trainer.device", "trainer.num_threads",
+    "trainer.nnodes", "trainer.n_gpus_per_node", "global_profiler", "*.profiler", "*.optim.total_training_steps",
+    "reward.custom_reward_function.timeout", "reward.num_workers", "reward.memory_limit_mb", "reward.max_processes",
+)
+
+
+def safe_to_change(key: str) -> bool:
+    return any(fnmatch.fnmatchcase(key, p) or fnmatch.fnmatchcase(key, p + ".*") for p in SAFE_TO_CHANGE)
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in tree.items():
+        name = f"{prefix}.{key}" if prefix else key
+        out.update(_flatten(value, name) if isinstance(value, dict) and value else {name: value})
+    return out
 
 
 def write_manifest(path: str, step: int) -> None:

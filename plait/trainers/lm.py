@@ -506,6 +506,16 @@ def resolve_model(cfg: PlaitConfig) -> str:
                          batch_size=demo.warmstart_batch_size, lr=demo.warmstart_lr, seed=cfg.trainer.seed)
 
 
+def check_vocabulary(model_path: str, tokenizer) -> None:
+    """A tokenizer with more tokens than the model's embedding would index past it in the first step."""
+    from transformers import AutoConfig
+    vocab = AutoConfig.from_pretrained(model_path, local_files_only=True).get_text_config().vocab_size
+    if vocab is not None and len(tokenizer) > vocab:
+        raise ConfigError("actor_rollout_ref.model.path", model_path,
+                          f"the model's vocabulary has {vocab} tokens but its tokenizer has {len(tokenizer)}: ids "
+                          f"from {vocab} on have no embedding; use the tokenizer the model was trained with")
+
+
 def resolve_data(cfg: PlaitConfig) -> tuple[list[str], list[str] | None]:
     from plait.data.tasks import write_task_files
     d = cfg.data
@@ -533,6 +543,7 @@ def build_lm_trainer(cfg: PlaitConfig, backend, device: str):
     except (OSError, ValueError) as err:  # the files exist (preflight) but do not load
         raise ConfigError("actor_rollout_ref.model.path", model_path,
                           f"its tokenizer does not load ({type(err).__name__}: {str(err).splitlines()[0]})") from None
+    check_vocabulary(model_path, tokenizer)
     train_files, val_files = resolve_data(cfg)
     d = cfg.data
     options = dict(prompt_key=d.prompt_key, max_prompt_length=d.max_prompt_length, truncation=d.truncation,
@@ -544,6 +555,10 @@ def build_lm_trainer(cfg: PlaitConfig, backend, device: str):
         print(f"plait: data.filter_overlong_prompts dropped {train_data.filtered} training and "
               f"{val_data.filtered if val_data else 0} validation prompts longer than "
               f"max_prompt_length={d.max_prompt_length}", file=sys.stderr)
+    if len(train_data) < d.train_batch_size:  # before any model loads
+        raise ConfigError("data.train_batch_size", d.train_batch_size,
+                          f"larger than the training set ({len(train_data)} prompts in {', '.join(map(str, train_files))}); "
+                          "lower it or add prompts")
     arr = cfg.actor_rollout_ref
     for optim in (arr.actor.optim, cfg.critic.optim):  # as verl: the lr schedule spans the trainer's steps
         if optim.total_training_steps == -1:

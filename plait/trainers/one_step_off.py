@@ -36,6 +36,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from plait.profiler.timeline import TIMELINE
+from plait.safeload import load_tensors
 from plait.trainers.lifecycle import StageTimer
 from plait.trainers.lm import LMTrainer
 from plait.types import PromptBatch, RolloutBatch
@@ -126,7 +127,7 @@ class OneStepOffTrainer(LMTrainer):
     def load_checkpoint(self, path: str, step: int) -> None:
         super().load_checkpoint(path, step)
         saved = os.path.join(path, "next_batch.pt")
-        self.ready = RolloutBatch(**torch.load(saved, weights_only=True)) if os.path.exists(saved) else None
+        self.ready = RolloutBatch(**load_tensors(saved)) if os.path.exists(saved) else None
 
     def close(self) -> None:
         """Stop the generation thread; a generation still running (the step raised) is aborted and discarded."""

@@ -27,6 +27,7 @@ from plait.algorithms.losses import (PolicyLossKnobs, agg_loss, entropy_from_log
 from plait.algorithms.rollout_correction import rollout_correction
 from plait.config import ActorConfig, ModelConfig, OptimConfig, RolloutCorrectionConfig
 from plait.models import add_lora, load_causal_lm, merged_state_dict
+from plait.safeload import load_tensors
 from plait.types import RolloutBatch
 from plait.workers.flops import ModelFlops
 from plait.workers.packing import MicroBatching, checked_remove_padding, pack, unpack
@@ -307,7 +308,7 @@ class Actor:
 
     def load_checkpoint(self, path: str) -> None:
         """Either format into either layout: a sharded checkpoint loads at any world size."""
-        state = torch.load(os.path.join(path, "optim.pt"), weights_only=True)
+        state = load_tensors(os.path.join(path, "optim.pt"))
         if os.path.isdir(os.path.join(path, SHARDED_DIR)):
             load_sharded(os.path.join(path, SHARDED_DIR), self.model, self.optimizer)
         elif self.lora:
@@ -319,7 +320,7 @@ class Actor:
             self.optimizer.load_state_dict(state["optimizer"])
         else:
             load_checkpoint_state(self.model, self.optimizer,
-                                  torch.load(os.path.join(path, "model.pt"), weights_only=True), state["optimizer"])
+                                  load_tensors(os.path.join(path, "model.pt")), state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.shuffle_gen.set_state(state["shuffle_gen"])
 

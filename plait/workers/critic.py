@@ -13,6 +13,7 @@ import torch
 from plait.algorithms.losses import value_loss
 from plait.config import CriticConfig
 from plait.models import load_causal_lm
+from plait.safeload import load_tensors
 from plait.types import RolloutBatch
 from plait.workers.actor import make_optimizer
 from plait.workers.packing import MicroBatching, checked_remove_padding, pack, unpack
@@ -53,7 +54,7 @@ class Critic:
         self.cfg, self.n, self.profiler = cfg, n, profiler
         self.layout = MicroBatching(cfg.ppo_micro_batch_size_per_gpu, max_token_len)
         self.forward_layout = MicroBatching(cfg.ppo_micro_batch_size_per_gpu, forward_max_token_len)
-        lm = load_causal_lm(model_path, dtype=dtype, device=device)
+        lm = load_causal_lm(model_path, dtype=dtype, device=device, key="critic.model.path")
         self.model = ValueModel(lm, checked_remove_padding(lm, remove_padding)).to(device)
         if gradient_checkpointing:  # HF checkpoints only in training mode (no dropout in these models)
             self.model.train()
@@ -134,7 +135,7 @@ class Critic:
         torch.save({**state, "scheduler": self.scheduler.state_dict()}, os.path.join(path, "critic.pt"))
 
     def load_checkpoint(self, path: str) -> None:
-        state = torch.load(os.path.join(path, "critic.pt"), weights_only=True)
+        state = load_tensors(os.path.join(path, "critic.pt"))
         if os.path.isdir(os.path.join(path, SHARDED_DIR)):
             load_sharded(os.path.join(path, SHARDED_DIR), self.model, self.optimizer)
         else:

@@ -34,6 +34,7 @@ import torch
 from torch import Tensor, nn
 
 from plait.configtree import check
+from plait.safeload import load_tensors
 
 POLICY_FILE = "plait_diffusers_policy.json"
 TIMESTEP_SCALE = 1000.0
@@ -119,7 +120,7 @@ def load_diffusers_policy(path: str | Path, lora: LoraConfig | None = None) -> D
     path = Path(path)
     transformer = SD3Transformer2DModel.from_pretrained(path / "transformer", local_files_only=True)
     model = DiffusersVelocity(transformer, diffusers_policy_config(path))
-    table = torch.load(path / "conditioning.pt", map_location="cpu", weights_only=True)
+    table = load_tensors(str(path / "conditioning.pt"), map_location="cpu")
     model.tokens.load_state_dict(table["tokens"])
     model.pooled.load_state_dict(table["pooled"])
     if lora is not None and lora.enable:

@@ -47,6 +47,7 @@ from torch import Tensor, nn
 from plait.algorithms.flow_grpo import flow_grpo_loss, mean_kl
 from plait.configtree import check
 from plait.data.images import IMAGE_REWARDS, NUM_GLYPHS, PROMPT_IMAGE_REWARDS, render_glyphs
+from plait.safeload import load_tensors
 from plait.workers.diffusers_policy import (DiffusersPolicyConfig, LoraConfig, diffusers_policy_config,
                                             is_diffusers_policy, load_diffusers_policy)
 from plait.workers.diffusion_pipeline import (PipelineConfig, PipelinePolicy, PromptEmbeds, load_pipeline_policy,
@@ -159,7 +160,7 @@ def flow_model_config(path: str | Path) -> DiffusionModelConfig:
 def load_flow_model(path: str | Path) -> FlowModel:
     """The model `pretrain_flow_model` saved in `path` (CPU, float32)."""
     model = FlowModel(flow_model_config(path))
-    model.load_state_dict(torch.load(Path(path) / "model.pt", map_location="cpu", weights_only=True))
+    model.load_state_dict(load_tensors(str(Path(path) / "model.pt"), map_location="cpu"))
     return model
 
 
@@ -429,8 +430,7 @@ class DiffusionActor:
 
     def load_checkpoint(self, path: str) -> None:
         device = next(self.model.parameters()).device
-        self.load_state_dict(torch.load(os.path.join(path, "model_and_optimizer.pt"), map_location=device,
-                                        weights_only=True))
+        self.load_state_dict(load_tensors(os.path.join(path, "model_and_optimizer.pt"), map_location=device))
 
 
 class DiffusionRef:

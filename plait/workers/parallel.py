@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from plait.config import FsdpConfig
+from plait.safeload import check_dcp_metadata
 from plait.types import RolloutBatch
 from plait.workers.packing import MicroBatching
 
@@ -207,6 +208,7 @@ def load_sharded(path: str, model, optimizer) -> None:
     reads the slices its own shards cover (parameter names, not ranks, key the files)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    check_dcp_metadata(path)  # torch unpickles .metadata without restriction: vet it first
     model_state, optim_state = get_state_dict(model, optimizer)  # the layout to fill (optimizer state initialised)
     state = {"model": model_state, "optim": optim_state}
     dcp.load(state, checkpoint_id=path)

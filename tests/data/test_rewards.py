@@ -171,3 +171,5 @@ def test_driver_builds_the_configured_manager():
     score = resolve_reward(cfg.reward, cfg.data.max_response_length)
     scores, _ = score(request(["math_dapo"] * 2, ["Answer: 3", "Answer: 3"], ["3", "3"], lengths=[4, 7]))
     assert scores == [1.0, -0.5]  # 7 tokens: 3 past 8 - 4, so 1 - 2.0 * 3/4
+    from plait.data.reward_pool import close_reward_workers
+    close_reward_workers()  # the scores came from reward worker processes

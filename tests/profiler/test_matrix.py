@@ -229,7 +229,8 @@ def profile_overrides(mode: Mode, case: Case, tool: str, tmp_path) -> list[str]:
     if case.reward_raises:
         reward = tmp_path / "reward.py"
         reward.write_text(mode.reward_raising_in_step_2)
-        out += [f"custom_reward_function.path={reward}", "custom_reward_function.name=compute_score"]
+        out += [f"custom_reward_function.path={reward}", "custom_reward_function.name=compute_score",
+                "reward.num_workers=1"]  # one worker process: its call count is the run's
     return out
 
 

@@ -35,7 +35,8 @@ def test_an_oom_outside_a_window_is_dumped_and_listed(tmp_path, tiny_config, mon
     cfg = tiny_config(tmp_path, "trainer.test_freq=-1", "global_profiler.tool=torch_memory",
                       "global_profiler.steps=[3]", f"global_profiler.save_path={save}",
                       "actor_rollout_ref.actor.profiler.enable=true",
-                      f"custom_reward_function.path={tmp_path}/oom_reward.py")
+                      f"custom_reward_function.path={tmp_path}/oom_reward.py",
+                      "reward.num_workers=0")  # the planted OOM must happen in the driver's process
     with pytest.raises(torch.cuda.OutOfMemoryError):
         driver.build(cfg, progress=False).run()
     records = read_manifest(str(save))

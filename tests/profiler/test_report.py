@@ -135,7 +135,8 @@ def planted_run(tmp_path_factory):
     cfg = load_config(None, [*TINY, f"trainer.default_local_dir={out}", "trainer.total_training_steps=2",
                              "trainer.test_freq=-1", "global_profiler.tool=torch_memory", "global_profiler.steps=[2]",
                              f"global_profiler.save_path={out}/profile", "actor_rollout_ref.actor.profiler.enable=true",
-                             f"custom_reward_function.path={out}/planted.py"])
+                             f"custom_reward_function.path={out}/planted.py",
+                             "reward.num_workers=0"])  # in the driver's process, where the profiler sees it
     driver.build(cfg, progress=False).run()
     return out
 

@@ -21,6 +21,7 @@ from plait.configtree import ConfigError
 from plait.data.dataset import iterate_batches
 from plait.models import create_tiny_model, load_tokenizer
 from plait.config import SamplingConfig
+from plait.errors import RunError
 from plait.profiler import GlobalProfilerConfig, ProfilerSession, RoleProfilerConfig
 from plait.trainers.lifecycle import read_metrics
 from plait.trainers.one_step_off import RolloutError
@@ -201,8 +202,8 @@ def test_a_trainer_failure_stops_the_rollout_thread(tmp_path, tiny_config, mode)
                                         "    return 0.0\n")
     lifecycle, _ = build(tiny_config, tmp_path / "run", *MODES[mode], "trainer.total_training_steps=6",
                          "trainer.test_freq=-1", f"custom_reward_function.path={tmp_path / 'reward.py'}",
-                         "custom_reward_function.name=boom")
-    with pytest.raises(KeyError, match="reward failed"):
+                         "custom_reward_function.name=boom", "reward.num_workers=1")
+    with pytest.raises(RunError, match="raised KeyError: 'reward failed'"):
         lifecycle.run()
     assert our_threads() == set()
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 import html
 import json
 import os
-import pickle
 import statistics
 from collections import defaultdict
 from dataclasses import dataclass
@@ -27,6 +26,7 @@ from plait.profiler.analysis import svg
 from plait.profiler.analysis.traces import Trace, load_trace, merged_trace, top_ops, write_trace
 from plait.profiler.naming import MANIFEST, read_location, read_manifest
 from plait.profiler.timeline import TIMELINE_FILE, read_timeline
+from plait.safeload import load_pickle
 
 MAX_GANTT_STEPS = 16
 
@@ -77,8 +77,7 @@ def build_report(path: str, profile: Optional[str] = None, run: Optional[str] = 
             continue
         try:
             if file.endswith(".pickle"):
-                with open(file, "rb") as f:
-                    snapshot = pickle.load(f)
+                snapshot = load_pickle(file)  # plain data only: a crafted folder runs nothing
                 stages = inp.spans + mem.snapshot_stages(snapshot)
                 memories.append((rec, file, mem.cuda_snapshot(snapshot, _trainer_stages(stages))))
             elif ".json" in file:

@@ -1,0 +1,349 @@
+"""Reward functions run in their own processes (`reward.num_workers`), never in the trainer's.
+
+    trainer thread ── pool(**call) ──▶ requests queue ──▶ feeder thread i ──socket──▶ worker process i
+      awaits its futures                  (one per worker; blocks on     (own session; the reward loaded
+                                          its worker's reply, at most    from its file; RLIMIT_AS; a
+                                          reward.custom_reward_function  pids limit shared by the pool)
+                                          .timeout)
+
+A pool call returns an awaitable, so the reward managers (rewards.py) score a batch's responses on
+all workers at once. Whatever user code does to its process (raises, returns garbage, calls
+sys.exit, segfaults, is killed for memory, forks without end, hangs) becomes one RunError naming
+the function, the data source and the sample; the worker's whole process group is killed and the
+trainer's state is untouched. Results come back through plait's plain-data unpickler, so a reward
+cannot hand the trainer anything but data. Workers start at the first call and end at
+`close_reward_workers()` (the lifecycle's shutdown), on EOF of their socket, or when the trainer dies.
+
+Limits: memory is RLIMIT_AS per worker (address space: a reward that starts CUDA needs far more
+than it uses). Processes are limited by a pids cgroup where plait may create one (cgroup v1
+`/sys/fs/cgroup/pids`), else by RLIMIT_NPROC (which does not bind root); `pids_limit()` says which.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import os
+import pickle
+import queue
+import resource
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import weakref
+from dataclasses import dataclass, field
+from pathlib import Path
+from multiprocessing.connection import Connection
+from typing import Any, Optional
+
+from plait.errors import RunError
+from plait.safeload import UnsafeFileError, first_line, loads_plain
+
+PIDS_CGROUP = "/sys/fs/cgroup/pids"
+
+
+@dataclass
+class RewardSpec:
+    """What a worker loads: the user's function `name` from the file at `path`."""
+    path: str
+    name: str = "compute_score"
+    reward_kwargs: dict = field(default_factory=dict)
+
+
+class RewardPool:
+    """`num_workers` processes calling one reward function; `pool(**kwargs)` is an awaitable result."""
+
+    def __init__(self, spec: RewardSpec, label: str, num_workers: int, timeout: Optional[float] = None,
+                 memory_limit_mb: Optional[int] = None, max_processes: int = 64):
+        self.spec, self.label, self.timeout = spec, label, timeout
+        self.memory_limit_mb, self.max_processes = memory_limit_mb, max_processes
+        self.workers = [_Worker(self) for _ in range(num_workers)]
+        self.requests: queue.SimpleQueue = queue.SimpleQueue()
+        self.cgroup: Optional[str] = None
+        self.feeders: list[threading.Thread] = []
+        self.started = False
+        self.lock = threading.Lock()
+        _POOLS.add(self)
+
+    def __call__(self, *args, **kwargs):
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._start()
+        self.requests.put((future, args, kwargs))
+
+        async def result():
+            return await asyncio.wrap_future(future)
+        return result()
+
+    def _start(self) -> None:
+        with self.lock:
+            if self.started:
+                return
+            self.started = True
+            self.cgroup = _make_pids_cgroup(len(self.workers) * 4 + self.max_processes)
+            self.feeders = [threading.Thread(target=w.feed, daemon=True, name="plait-reward-feeder")
+                            for w in self.workers]  # daemons: a hung call never holds up the exit
+            for feeder in self.feeders:
+                feeder.start()
+
+    def close(self) -> None:
+        """Stop every worker and everything it started."""
+        with self.lock:
+            if not self.started:
+                return
+            self.started = False
+            for _ in self.workers:
+                self.requests.put(None)
+            for worker in self.workers:
+                worker.kill()
+            for feeder in self.feeders:  # each sees its worker's socket close, then the None
+                feeder.join(timeout=5)
+            _remove_cgroup(self.cgroup)
+            self.cgroup = None
+
+
+def pids_limit() -> str | None:
+    """How a reward worker's processes are limited here: "cgroup", "rlimit", or None (root without
+    a writable pids cgroup: a fork bomb in a reward is then bounded only by the call's timeout)."""
+    if os.access(PIDS_CGROUP, os.W_OK):
+        return "cgroup"
+    return "rlimit" if os.geteuid() != 0 else None
+
+
+def close_reward_workers() -> None:
+    """End the workers of every pool (the driver calls it when a run ends, however it ends)."""
+    for pool in list(_POOLS):
+        pool.close()
+
+
+_POOLS: "weakref.WeakSet[RewardPool]" = weakref.WeakSet()
+
+
+class _Worker:
+    """One worker process and the feeder thread's side of its socket."""
+
+    def __init__(self, pool: RewardPool):
+        self.pool = pool
+        self.proc: Optional[subprocess.Popen] = None
+        self.conn: Optional[Connection] = None
+
+    def feed(self) -> None:
+        while (item := self.pool.requests.get()) is not None:
+            future, args, kwargs = item
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(self.call(args, kwargs))
+            except BaseException as err:  # noqa: BLE001 - handed to the awaiting caller
+                future.set_exception(err)
+
+    def call(self, args: tuple, kwargs: dict) -> Any:
+        from plait.data.rewards import describe_call  # not at the top: a worker never imports it (or torch)
+        where = describe_call(self.pool.label, args, kwargs)
+        if self.proc is None or self.proc.poll() is not None:
+            self.start(where)
+        try:
+            self.conn.send_bytes(pickle.dumps((args, kwargs)))
+            if not self.conn.poll(self.pool.timeout):
+                self.kill()
+                raise RunError(f"{where} did not return within reward.custom_reward_function.timeout={self.pool.timeout} s; "
+                               "its worker process was killed")
+            kind, detail = loads_plain(self.conn.recv_bytes(), "a reward worker's reply")
+        except (EOFError, OSError):
+            raise RunError(f"{where} {self.death()}") from None
+        except UnsafeFileError as err:
+            self.kill()
+            raise RunError(f"{where} returned something that is not plain data ({err})") from None
+        if kind == "ok":
+            return detail
+        self.kill()  # what it raised may have left children or a broken state behind
+        raise RunError(f"{where} {detail}")
+
+    def start(self, where: str) -> None:
+        ours, theirs = socket.socketpair()
+        # The worker imports this same plait, wherever the trainer found it.
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+        self.proc = subprocess.Popen([sys.executable, "-m", "plait.data.reward_pool", str(theirs.fileno())],
+                                     pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, start_new_session=True,
+                                     env=env)
+        theirs.close()
+        self.conn = Connection(ours.detach())
+        if self.pool.cgroup is not None:  # before the worker runs any user code
+            with open(os.path.join(self.pool.cgroup, "cgroup.procs"), "w") as f:
+                f.write(str(self.proc.pid))
+        pool = self.pool
+        self.conn.send_bytes(pickle.dumps((vars(pool.spec), pool.memory_limit_mb, pool.max_processes, pool.cgroup is not None)))
+        try:
+            kind, detail = loads_plain(self.conn.recv_bytes(), "a reward worker's reply")
+        except (EOFError, OSError):
+            raise RunError(f"{where}: its worker process {self.death()} while loading the function") from None
+        if kind != "ok":
+            self.kill()
+            raise RunError(f"{where}: its worker process could not load the function: {detail}")
+
+    def death(self) -> str:
+        """How the worker ended, in words (it has, or is about to)."""
+        if self.proc is None:
+            return "was stopped: the reward workers were closed"
+        try:
+            code = self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            return "broke its worker's connection"
+        self.kill()
+        if code < 0:
+            name = signal.Signals(-code).name
+            if -code == signal.SIGKILL:
+                limit = self.pool.memory_limit_mb
+                return (f"was killed by {name} in its worker process (out of memory? each worker may use "
+                        f"reward.memory_limit_mb={limit} MiB)")
+            return f"crashed with {name} in its worker process"
+        return f"ended its worker process with exit status {code} (os._exit?); a reward function must return a score"
+
+    def kill(self) -> None:
+        """SIGKILL the worker's process group (it leads its own session), and close the socket."""
+        if self.proc is not None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except OSError:
+                pass
+            self.proc.wait()
+            self.proc = None
+        if self.conn is not None:
+            self.conn.close()
+            self.conn = None
+
+
+def _make_pids_cgroup(limit: int) -> str | None:
+    if pids_limit() != "cgroup":
+        return None
+    path = os.path.join(PIDS_CGROUP, f"plait-rewards-{os.getpid()}-{id(threading.current_thread())}-{time.monotonic_ns()}")
+    try:
+        os.mkdir(path)
+        with open(os.path.join(path, "pids.max"), "w") as f:
+            f.write(str(limit))
+    except OSError:
+        return None
+    return path
+
+
+def _remove_cgroup(path: str | None) -> None:
+    if path is None:
+        return
+    for _ in range(50):  # kill whatever escaped its process group, then the empty cgroup goes
+        try:
+            with open(os.path.join(path, "cgroup.procs")) as f:
+                pids = [int(p) for p in f.read().split()]
+            for pid in pids:
+                os.kill(pid, signal.SIGKILL)
+            os.rmdir(path)
+            return
+        except OSError:
+            time.sleep(0.02)
+
+
+# -- the worker process -------------------------------------------------------------------------
+
+def worker_main(fd: int) -> None:
+    conn = Connection(fd)
+    spec, memory_limit_mb, max_processes, in_cgroup = pickle.loads(conn.recv_bytes())  # from the trainer
+    spec = RewardSpec(**spec)
+    parent = os.getppid()
+    threading.Thread(target=_exit_with(parent), daemon=True).start()
+    if memory_limit_mb is not None:
+        limit = memory_limit_mb * 2**20
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    if not in_cgroup and os.geteuid() != 0:  # RLIMIT_NPROC counts all of this user's tasks
+        nproc = _user_tasks() + max_processes
+        resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
+    try:
+        fn = _load(spec)
+    except BaseException as err:  # noqa: BLE001 - said to the trainer, which stops the run
+        conn.send_bytes(pickle.dumps(("error", f"{type(err).__name__}: {first_line(err)}")))
+        return
+    conn.send_bytes(pickle.dumps(("ok", None)))
+    while True:
+        try:
+            args, kwargs = pickle.loads(conn.recv_bytes())
+        except EOFError:
+            return
+        conn.send_bytes(pickle.dumps(_run(fn, args, kwargs)))
+
+
+def _run(fn, args: tuple, kwargs: dict) -> tuple[str, Any]:
+    import inspect
+    try:
+        result = fn(*args, **kwargs)
+        if inspect.isawaitable(result):
+            result = asyncio.run(_awaited(result))
+        return "ok", _plain(result)
+    except (SystemExit, KeyboardInterrupt) as err:
+        return "error", (f"raised {type(err).__name__}({err}); a reward function must return a score, "
+                         "not end the process")
+    except MemoryError:
+        return "error", "raised MemoryError in its worker process (reward.memory_limit_mb limits each worker)"
+    except BaseException as err:  # noqa: BLE001 - said to the trainer
+        return "error", f"raised {type(err).__name__}: {first_line(err)}"
+
+
+async def _awaited(awaitable):
+    return await awaitable
+
+
+def _plain(value: Any) -> Any:
+    """The result as plain data for the trainer's plain-data unpickler: numpy and other number
+    types become int/float; anything else unknown its repr (so the trainer names what came back)."""
+    import numbers
+    if value is None or isinstance(value, (bool, str, int, float)):
+        return value
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        return float(value)
+    if hasattr(value, "tolist"):  # a numpy array or tensor: its values
+        return _plain(value.tolist())
+    return f"<{type(value).__name__}: {value!r:.60}>"
+
+
+def _load(spec: RewardSpec):
+    """The user's function, imported from its file as load_custom_reward does (the driver already
+    checked that it imports). Not through plait.data.rewards: that would import torch in every worker."""
+    import functools
+    import importlib.util
+    module_spec = importlib.util.spec_from_file_location(f"plait_custom_reward_{Path(spec.path).stem}", spec.path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    fn = getattr(module, spec.name)
+    return functools.partial(fn, **spec.reward_kwargs) if spec.reward_kwargs else fn
+
+
+def _exit_with(parent: int):
+    """Watch the trainer: when it dies (kill -9 included) this worker and its children go too."""
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os.killpg(os.getpid(), signal.SIGKILL)
+    return watch
+
+
+def _user_tasks() -> int:
+    uid, n = os.getuid(), 0
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                if os.stat(f"/proc/{name}").st_uid == uid:
+                    n += len(os.listdir(f"/proc/{name}/task"))
+            except OSError:
+                pass
+    return n
+
+
+if __name__ == "__main__":
+    worker_main(int(sys.argv[1]))

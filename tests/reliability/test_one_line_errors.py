@@ -1,0 +1,75 @@
+"""Bad input found before training is one line and exit 2: a reward file that does not import,
+a model whose vocabulary is smaller than its tokenizer, a batch larger than the data, malformed
+chat messages (named by file and row). No traceback."""
+
+import json
+
+import pytest
+import yaml
+
+from plait import cli
+from plait.configtree import ConfigError, to_dict
+from plait.data.dataset import load_dataset
+from plait.data.tasks import make_task_rows
+from plait.models import build_char_tokenizer, create_tiny_model
+
+
+def train(tmp_path, tiny_config, *overrides) -> tuple[int, list[str]]:
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump(to_dict(tiny_config(tmp_path / "out", *overrides))))
+    return cli.main(["train", "--no-progress", "--config", str(config)])
+
+
+def last_line(capsys) -> str:
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return err.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("source, said", [
+    ("def compute_score(data_source, solution_str\n    return 1\n", "importing it failed: SyntaxError: "),
+    ("import no_such_module_here\n", "importing it failed: no module named 'no_such_module_here'"),
+    ("raise RuntimeError('boom')\ndef compute_score(**kw):\n    return 1\n", "importing it failed: RuntimeError: boom"),
+])
+def test_a_reward_file_that_does_not_import_is_one_line_exit_2(tmp_path, tiny_config, capsys, source, said):
+    (tmp_path / "reward.py").write_text(source)
+    assert train(tmp_path, tiny_config, f"custom_reward_function.path={tmp_path / 'reward.py'}") == 2
+    line = last_line(capsys)
+    assert line.startswith(f"plait: config error: reward.custom_reward_function.path='{tmp_path / 'reward.py'}': ")
+    assert said in line
+
+
+def test_a_vocabulary_smaller_than_the_tokenizer_is_one_line_exit_2(tmp_path, tiny_config, capsys):
+    model = create_tiny_model(tmp_path / "model", size="xs")
+    config = json.loads((tmp_path / "model" / "config.json").read_text())
+    config["vocab_size"] = 8
+    (tmp_path / "model" / "config.json").write_text(json.dumps(config))
+    assert train(tmp_path, tiny_config, f"actor_rollout_ref.model.path={model}") == 2
+    line = last_line(capsys)
+    assert line.startswith(f"plait: config error: actor_rollout_ref.model.path='{model}': the model's vocabulary "
+                           "has 8 tokens but its tokenizer has ")
+
+
+def test_a_batch_larger_than_the_data_is_one_line_exit_2_before_any_step(tmp_path, tiny_config, capsys):
+    assert train(tmp_path, tiny_config, "data.train_size=6", "data.train_batch_size=8") == 2
+    line = last_line(capsys)
+    assert line.startswith("plait: config error: data.train_batch_size=8: larger than the training set (6 prompts in ")
+    assert not (tmp_path / "out" / "metrics.jsonl").exists() or not (tmp_path / "out" / "metrics.jsonl").read_text()
+
+
+@pytest.mark.parametrize("prompt, said", [
+    ([{"role": "user"}], "row 1: 'prompt' message 0 has no 'content': {'role': 'user'}"),
+    ([{"content": "hi"}], "row 1: 'prompt' message 0 has no 'role'"),
+    ([{"role": "user", "content": "hi"}, "hello"], "row 1: 'prompt' message 1 has no 'role' or 'content': 'hello'"),
+    ([], "row 1: 'prompt' is []; expected a string or a non-empty list of chat messages"),
+    (7, "row 1: 'prompt' is 7; expected a string"),
+])
+def test_a_malformed_chat_row_names_the_file_and_row(tmp_path, prompt, said):
+    rows = make_task_rows("arithmetic", "train", 2, 0)
+    rows[1]["prompt"] = prompt
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(ConfigError) as err:
+        load_dataset("data.train_files", [str(path)], build_char_tokenizer())
+    assert str(err.value).startswith(f"data.train_files={str(path)!r}: {said}")
+    assert "\n" not in str(err.value)

@@ -8,6 +8,7 @@ from plait.config import RefConfig
 from plait.models import load_causal_lm
 from plait.types import RolloutBatch
 from plait.workers.actor import response_forward
+from plait.workers.logprobs import check_lm_head
 from plait.workers.packing import MicroBatching, checked_remove_padding
 
 
@@ -18,6 +19,7 @@ class Ref:
         self.cfg, self.temperature, self.profiler = cfg, temperature, profiler
         self.model = load_causal_lm(model_path, dtype=dtype, device=device).eval()
         self.model.requires_grad_(False)
+        check_lm_head(self.model, "actor_rollout_ref.model.path")
         self.layout = MicroBatching(cfg.log_prob_micro_batch_size_per_gpu, max_token_len,
                                     checked_remove_padding(self.model, remove_padding))
 

@@ -25,7 +25,14 @@ Each run records the load average before and after it (bench/machine.py); a resu
 started on a busy machine says `"valid": false` and prints why. plait's runs also record its MFU
 (perf/mfu/actor, perf/mfu/gen: model FLOPs over this machine's measured matmul peak).
 
-Needs `pip install -e .[bench]` (trl==1.16.0). Left out: GPUs, vLLM, EOS-terminated lengths.
+Size `smollm2` is the real model: SmolLM2-135M-Instruct (plait.models.smollm2_dir; needs the
+[smollm2] extra) on GSM8K-style word problems (data_source openai/gsm8k, up to 160 prompt tokens),
+e.g. `--sizes smollm2 --prompts 4 --n 4 --length 32`. `--varlen` honours EOS (plait without
+ignore_eos, TRL without min_new_tokens): response lengths vary, plait runs its variable-length
+settings (PLAIT_VARLEN: packing + token-budget micro-batches), TRL its CPU defaults, and the
+headline is trained (response) tokens/s over the same timed steps.
+
+Needs `pip install -e .[bench]` (trl==1.16.0). Left out: GPUs, vLLM.
 """
 
 from __future__ import annotations
@@ -39,10 +46,16 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from machine import measured, verdict
+
+# plait's fastest settings for variable lengths: packed sequences (use_remove_padding, on by default)
+# and micro-batches by a real-token budget (use_dynamic_bsz) for the update and the log-prob passes
+PLAIT_VARLEN = ("actor_rollout_ref.model.use_remove_padding=true", "actor_rollout_ref.actor.use_dynamic_bsz=true",
+                "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=1536")
+REAL = "smollm2"  # the real-model size: SmolLM2-135M-Instruct (plait.models.smollm2_dir), GSM8K-style prompts
 
 PLAIT_STAGES = ("gen", "reward", "old_log_prob", "adv", "update_actor", "update_weights")
 TRL_STAGES = ("gen", "prepare_other", "loss_fwd_bwd", "optimizer_other", "between_steps")
@@ -60,6 +73,8 @@ class Settings:
     seed: int = 1
     data_rows: int = 512
     plait_overrides: tuple[str, ...] = ()  # extra plait key=value settings, after the bench's own
+    max_prompt: int = 32    # prompt tokens at most (the real model's GSM8K-style prompts: 160)
+    varlen: bool = False    # EOS honoured: responses end where the model stops, up to `length`
     device: str = "cpu"     # "cuda": bench/gpu_check.py runs these workers on a GPU
     dtype: str = "float32"  # both frameworks hold the weights in it ("bfloat16" on the GPU)
 
@@ -79,7 +94,7 @@ def plait_worker(model_dir: str, data_file: str, s: Settings, out_dir: str) -> d
     batch = s.prompts * s.n
     cfg = load_config(None, [
         f"actor_rollout_ref.model.path={model_dir}", f"data.train_files=[{data_file}]", "data.val_files=null",
-        f"data.train_batch_size={s.prompts}", f"data.max_response_length={s.length}", "data.max_prompt_length=32",
+        f"data.train_batch_size={s.prompts}", f"data.max_response_length={s.length}", f"data.max_prompt_length={s.max_prompt}",
         f"data.seed={s.seed}",
         f"actor_rollout_ref.rollout.n={s.n}", "actor_rollout_ref.rollout.temperature=1.0",
         "actor_rollout_ref.rollout.top_k=-1", "actor_rollout_ref.rollout.top_p=1.0",
@@ -95,7 +110,8 @@ def plait_worker(model_dir: str, data_file: str, s: Settings, out_dir: str) -> d
         "trainer.val_before_train=false", "trainer.logger=[]", "trainer.num_threads=1", f"trainer.device={s.device}",
         f"actor_rollout_ref.model.dtype={s.dtype}",
         "trainer.resume_mode=disable", f"trainer.seed={s.seed}", f"trainer.default_local_dir={out_dir}",
-        "actor_rollout_ref.rollout.ignore_eos=true",  # fixed length: exactly L tokens for every row
+        f"actor_rollout_ref.rollout.ignore_eos={not s.varlen}",  # fixed length: exactly L tokens for every row
+        *(PLAIT_VARLEN if s.varlen else ()),
         "actor_rollout_ref.model.enable_gradient_checkpointing=false",  # as TRL here (verl's default is on)
         *s.plait_overrides,
     ])
@@ -117,7 +133,7 @@ def plait_worker(model_dir: str, data_file: str, s: Settings, out_dir: str) -> d
         "breakdown_s": {k: _median(r.get(f"timing_s/{k}", 0.0) for r in timed) for k in (*PLAIT_STAGES, "step")},
         "mfu": {k: _median(r[f"perf/mfu/{k}"] for r in timed) for k in ("actor", "gen")},
         "old_log_prob_fused": all(r.get("actor/old_log_prob_fused") == 1.0 for r in timed),
-        **_step_times(ends, s),
+        **_step_times(ends, s, [r["response_length/mean"] for r in timed]),
     }
 
 
@@ -132,7 +148,7 @@ def trl_worker(model_dir: str, data_file: str, s: Settings, out_dir: str) -> dic
     from plait.models import load_tokenizer
 
     tokenizer = load_tokenizer(model_dir)
-    items = PromptDataset(load_rows(data_file), tokenizer, max_prompt_length=32).items
+    items = PromptDataset(load_rows(data_file), tokenizer, max_prompt_length=s.max_prompt).items
     # TRL tokenizes the prompt text itself: it must give plait's ids
     assert all(tokenizer(it.prompt_text)["input_ids"] == it.prompt_ids for it in items[:32])
     data = Dataset.from_list([{"prompt": it.prompt_text, "data_source": it.data_source,
@@ -182,7 +198,7 @@ def trl_worker(model_dir: str, data_file: str, s: Settings, out_dir: str) -> dic
         report_to="none", disable_tqdm=True, logging_steps=1, save_strategy="no", dataloader_num_workers=0, seed=s.seed,
         per_device_train_batch_size=s.prompts * s.n, num_generations=s.n, steps_per_generation=1,
         gradient_accumulation_steps=1, num_iterations=1, max_steps=s.warmup + s.steps + 1,
-        max_completion_length=s.length, generation_kwargs={"min_new_tokens": s.length},
+        max_completion_length=s.length, generation_kwargs={} if s.varlen else {"min_new_tokens": s.length},
         temperature=1.0, top_k=0, top_p=1.0,
         beta=0.0, epsilon=s.clip, loss_type="dapo", scale_rewards="group",
         learning_rate=s.lr, weight_decay=0.0, lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=1.0)
@@ -204,19 +220,48 @@ def trl_worker(model_dir: str, data_file: str, s: Settings, out_dir: str) -> dic
         "setup_s": round(start - T0, 2),
         "response_length_mean": lengths[s.warmup:s.warmup + s.steps],
         "breakdown_s": {k: _median(st[k] for st in timed) for k in TRL_STAGES},
-        **_step_times(ends, s),
+        **_step_times(ends, s, lengths[s.warmup:s.warmup + s.steps]),
     }
 
 
-def _step_times(ends: list[tuple[float, float]], s: Settings) -> dict:
-    """Wall and CPU seconds of the timed steps, from consecutive step-end clocks."""
+def _step_times(ends: list[tuple[float, float]], s: Settings, lengths: list[float]) -> dict:
+    """Wall and CPU seconds of the timed steps, from consecutive step-end clocks; varlen: trained
+    (response) tokens over the timed steps' total time."""
     timed = range(s.warmup, s.warmup + s.steps)  # ends[i] closes step i + 1
     wall = [ends[i][0] - ends[i - 1][0] for i in timed]
     cpu = [ends[i][1] - ends[i - 1][1] for i in timed]
-    return {"step_wall_s": [round(x, 4) for x in wall], "step_cpu_s": [round(x, 4) for x in cpu],
+    varlen = {"trained_tokens_per_s": round(sum(lengths) * s.prompts * s.n / sum(wall), 1)} if s.varlen else {}
+    return {**varlen, "step_wall_s": [round(x, 4) for x in wall], "step_cpu_s": [round(x, 4) for x in cpu],
             "median_step_s": round(statistics.median(wall), 4), "median_step_cpu_s": round(statistics.median(cpu), 4),
             "tokens_per_s": round(s.tokens_per_step / statistics.median(wall), 1),
             "tokens_per_cpu_s": round(s.tokens_per_step / statistics.median(cpu), 1)}
+
+
+def gsm8k_style_rows(n: int, seed: int = 0) -> list[dict]:
+    """`n` grade-school word problems in GSM8K's row format (data_source openai/gsm8k, the answer
+    after "####"), a few sentences each: with SmolLM2's chat template 90-160 prompt tokens."""
+    import random
+    rng = random.Random(seed)
+    names = ["Natalia", "Weng", "Betty", "Julie", "James", "Albert", "Ken", "Alexis", "Tina", "Mark"]
+    items = ["clips", "apples", "books", "marbles", "stickers", "pencils", "cookies", "stamps"]
+    rows = []
+    for i in range(n):
+        who, what = rng.choice(names), rng.choice(items)
+        a, b, c, price = rng.randint(3, 60), rng.randint(2, 9), rng.randint(1, 20), rng.randint(1, 12)
+        extra = " ".join(rng.sample([
+            f"{who} keeps them in a box on the top shelf of the closet.",
+            f"On the way home {who} meets a friend and talks about the weather for a while.",
+            f"Each of the {what} is a different colour, and {who} likes the blue ones best.",
+            f"The shop that sells {what} opens at nine in the morning and closes at six.",
+            f"{who} writes the numbers down in a notebook so as not to forget them."], rng.randint(1, 4)))
+        question = (f"{who} had {a} {what}. Then {who} bought {b} packs with {c} {what} in each pack. {extra} "
+                    f"Each of the {what} costs ${price}. How much are all of {who}'s {what} worth, in dollars?")
+        rows.append({"data_source": "openai/gsm8k", "ability": "math",
+                     "prompt": [{"role": "user", "content": question + " Let's think step by step and output the "
+                                                                       "final answer after \"####\"."}],
+                     "reward_model": {"style": "rule", "ground_truth": str((a + b * c) * price)},
+                     "extra_info": {"split": "train", "index": i}})
+    return rows
 
 
 def _median(xs) -> float:
@@ -243,7 +288,7 @@ def run_worker(framework: str, model_dir: str, data_file: str, s: Settings, scra
         raise RuntimeError(f"{framework} worker failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
     out = json.loads(Path(result).read_text())
     expected = [float(s.length)] * s.steps
-    if [float(x) for x in out["response_length_mean"]] != expected:
+    if not s.varlen and [float(x) for x in out["response_length_mean"]] != expected:
         raise RuntimeError(f"{framework}: responses were not all {s.length} tokens: {out['response_length_mean']}")
     if out["threads_seen"] != 1:
         raise RuntimeError(f"{framework} ran with {out['threads_seen']} torch threads, not 1")
@@ -264,6 +309,11 @@ def summarize(size: str, runs: list[dict]) -> dict:
     pairs = [p["tokens_per_s"] / t["tokens_per_s"] for p, t in zip(by["plait"], by["trl"])]
     row["ratio_per_run"] = [round(x, 2) for x in pairs]
     row["plait_mfu"] = {k: _median(r["mfu"][k] for r in by["plait"]) for k in ("actor", "gen")}
+    if "trained_tokens_per_s" in runs[0]:  # varlen: the headline is trained tokens/s
+        for f, rs in by.items():
+            row[f"{f}_trained_tokens_per_s"] = round(statistics.median(r["trained_tokens_per_s"] for r in rs), 1)
+            row[f"{f}_response_length_mean"] = _median(x for r in rs for x in r["response_length_mean"])
+        row["trained_ratio"] = round(row["plait_trained_tokens_per_s"] / row["trl_trained_tokens_per_s"], 2)
     return row
 
 
@@ -276,6 +326,8 @@ def main():
     ap.add_argument("--length", type=int, default=Settings.length)
     ap.add_argument("--warmup", type=int, default=Settings.warmup)
     ap.add_argument("--steps", type=int, default=Settings.steps)
+    ap.add_argument("--varlen", action="store_true", help="EOS honoured: variable response lengths, each "
+                    "side's fastest settings, trained tokens/s")
     ap.add_argument("--plait-override", action="append", default=[], metavar="KEY=VALUE",
                     help="an extra plait setting, e.g. algorithm.rollout_correction.bypass_mode=true")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "trl.json"))
@@ -299,31 +351,41 @@ def main():
     import trl
 
     from plait.data.tasks import make_task_rows
+    from plait.models import smollm2_dir
     from llama_model import create_model
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     s = Settings(prompts=args.prompts, n=args.n, length=args.length, warmup=args.warmup, steps=args.steps,
-                 plait_overrides=tuple(args.plait_override))
+                 plait_overrides=tuple(args.plait_override), varlen=args.varlen)
     sizes = args.sizes.split(",")
     result = {
         "machine": {"platform": platform.platform(), "python": platform.python_version(), "nproc": os.cpu_count(),
                     "load_avg_before": [round(x, 2) for x in os.getloadavg()]},
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__, "trl": trl.__version__,
                      "plait_commit": _git_commit()},
-        "threads": 1, "settings": {**asdict(s), "tokens_per_step": s.tokens_per_step, "task": "arithmetic",
-                                   "loss": "GRPO token-mean (TRL loss_type=dapo), beta=0, std-normalised advantages"},
+        "threads": 1, "settings": {**asdict(s), "tokens_per_step": s.tokens_per_step,
+                                   "task": f"arithmetic ({REAL}: GSM8K-style word problems, up to 160 prompt tokens)",
+                                   "loss": "GRPO token-mean (TRL loss_type=dapo), beta=0, std-normalised advantages",
+                                   "plait_varlen_settings": list(PLAIT_VARLEN) if s.varlen else [],
+                                   "trl_settings": "GRPOTrainer on CPU, no gradient checkpointing, one generation "
+                                                   "batch per optimizer step, HF generate"},
         "command": "python bench/bench_vs_trl.py " + " ".join(sys.argv[1:]), "runs": [], "summary": [],
     }
     with tempfile.TemporaryDirectory(prefix="plait_bench_trl_") as scratch:
         data_file = os.path.join(scratch, "arithmetic_train.parquet")
         pq.write_table(pa.Table.from_pylist(make_task_rows("arithmetic", "train", s.data_rows, seed=0)), data_file)
-        models = {size: create_model(os.path.join(scratch, f"model_{size}"), size, seed=0) for size in sizes}
+        gsm8k_file = os.path.join(scratch, "gsm8k_style_train.parquet")
+        pq.write_table(pa.Table.from_pylist(gsm8k_style_rows(s.data_rows)), gsm8k_file)
+        models = {size: smollm2_dir() if size == REAL else create_model(os.path.join(scratch, f"model_{size}"), size, seed=0)
+                  for size in sizes}
         for i in range(args.runs):
             for size in sizes:
                 order = ("plait", "trl") if i % 2 == 0 else ("trl", "plait")
+                ss = replace(s, max_prompt=160) if size == REAL else s
                 for framework in order:
-                    run = run_worker(framework, models[size], data_file, s, scratch, f"{framework}_{size}_{i}")
+                    run = run_worker(framework, models[size], gsm8k_file if size == REAL else data_file, ss, scratch,
+                                     f"{framework}_{size}_{i}")
                     result["runs"].append({"size": size, "run": i, **run})
                     print(f"run {i} {size} {framework:>5}: {run['tokens_per_s']:>8.0f} tok/s  "
                           f"step {run['median_step_s']:.3f} s  (load {run['load']['load_before']} -> "
@@ -357,6 +419,9 @@ def print_table(result: dict) -> None:
         print(f"{row['size']:>4} | {row['plait_tokens_per_s']:>11.0f} {row['trl_tokens_per_s']:>9.0f} {row['ratio']:>5} | "
               f"{row['plait_step_s']:>12.3f} {row['trl_step_s']:>10.3f} | {row['ratio_cpu']:>14}")
     for row in result["summary"]:
+        if "trained_ratio" in row:
+            print(f"  {row['size']} trained tokens/s (EOS honoured): plait {row['plait_trained_tokens_per_s']:.0f}, "
+                  f"TRL {row['trl_trained_tokens_per_s']:.0f}, ratio {row['trained_ratio']}")
         print(f"  {row['size']} plait MFU: update_actor {row['plait_mfu']['actor']:.1%}, gen {row['plait_mfu']['gen']:.1%}")
         for f in WORKERS:
             parts = ", ".join(f"{k} {v:.3f}" for k, v in row[f"{f}_breakdown_s"].items())

@@ -22,15 +22,15 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from plait.algorithms.kl import kl_estimate
-from plait.algorithms.losses import (PolicyLossKnobs, agg_loss, entropy_from_logits, gpg_loss, policy_loss,
-                                     token_logprobs)
+from plait.algorithms.losses import PolicyLossKnobs, agg_loss, gpg_loss, policy_loss
 from plait.algorithms.rollout_correction import rollout_correction
 from plait.config import ActorConfig, ModelConfig, OptimConfig, RolloutCorrectionConfig
 from plait.models import add_lora, load_causal_lm, merged_state_dict
 from plait.safeload import load_tensors
 from plait.types import RolloutBatch
 from plait.workers.flops import ModelFlops
-from plait.workers.packing import MicroBatching, checked_remove_padding, pack, unpack
+from plait.workers.logprobs import check_lm_head, response_logprobs
+from plait.workers.packing import MicroBatching, checked_remove_padding
 from plait.workers.parallel import (SHARDED_DIR, EvenMicroBatching, all_reduce_grads, check_same_batch, checkpoint_state,
                                     clip_grads, data_parallel, dp_rank_size, dp_share, even_micro_batches, full_state_dict,
                                     global_sum, is_sharded, load_checkpoint_state, load_sharded, save_sharded, shard_model,
@@ -53,28 +53,10 @@ def response_forward(model, batch: RolloutBatch, temperature: float, layout: Mic
 
 
 def micro_forward(model, micro: RolloutBatch, temperature: float, with_entropy: bool, remove_padding: bool = False):
-    """Log-probs (and entropy) [micro, resp_len]; packed: only the real tokens go through the model."""
+    """Log-probs (and entropy) [micro, resp_len], 0 at padding; packed: only the real tokens go through the model."""
     device = next(model.parameters()).device
-    input_ids = micro.input_ids.to(device)                      # [micro, prompt_len + resp_len]
-    mask = micro.attention_mask.to(device)
-    resp_len = micro.responses.shape[1]
-    if remove_padding:
-        packed = pack(input_ids, mask)                          # rows of [row_len]
-        logits = model(input_ids=packed.input_ids, position_ids=packed.position_ids,
-                       use_cache=False).logits.float() / temperature  # [rows, row_len, vocab]
-        # At each packed token, the log-prob of the next one: its sequence's next token, except at a
-        # sequence's last token, which lands on padding or past the response slice below.
-        logp = token_logprobs(logits, packed.input_ids.roll(-1, dims=1))
-        logp = unpack(logp, packed, mask.shape)[:, -resp_len - 1:-1]
-        ent = unpack(entropy_from_logits(logits), packed, mask.shape)[:, -resp_len - 1:-1] if with_entropy else None
-        return logp, ent                                        # [micro, resp_len]
-    position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
-    logits = model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids,
-                   use_cache=False).logits[:, -resp_len - 1:-1]  # [micro, resp_len, vocab]
-    logits = logits.float() / temperature
-    logp = token_logprobs(logits, input_ids[:, -resp_len:])      # [micro, resp_len]
-    ent = entropy_from_logits(logits) if with_entropy else None  # [micro, resp_len]
-    return logp, ent
+    return response_logprobs(model, micro.input_ids.to(device), micro.attention_mask.to(device),
+                             micro.responses.shape[1], temperature, with_entropy, remove_padding)
 
 
 def lr_factor(step: int, total_steps: int, warmup_steps: int, kind: str = "constant",
@@ -126,6 +108,7 @@ class Actor:
         self.cfg, self.n, self.temperature, self.profiler = cfg, n, temperature, profiler
         torch.manual_seed(seed)  # also seeds the LoRA A matrices
         self.model = load_causal_lm(model_path, dtype=dtype, device=device)
+        check_lm_head(self.model, "actor_rollout_ref.model.path")
         self.lora = model_cfg is not None and model_cfg.lora_rank > 0
         if self.lora:
             self.model = add_lora(self.model, model_cfg.lora_rank, model_cfg.lora_alpha,

@@ -11,6 +11,7 @@ from plait.config import RefConfig
 from plait.models import load_causal_lm
 from plait.types import RolloutBatch
 from plait.workers.actor import response_forward
+from plait.workers.logprobs import check_lm_head
 from plait.workers.packing import MicroBatching, checked_remove_padding
 from plait.workers.parallel import EvenMicroBatching, data_parallel, shard_model, use_fsdp
 
@@ -22,6 +23,7 @@ class Ref:
         self.cfg, self.temperature, self.profiler = cfg, temperature, profiler
         self.model = load_causal_lm(model_path, dtype=dtype, device=device).eval()
         self.model.requires_grad_(False)
+        check_lm_head(self.model, "actor_rollout_ref.model.path")
         if use_fsdp(cfg.strategy or "fsdp", device):
             shard_model(self.model, self.model._no_split_modules or [], cfg.fsdp_config, device)
         self.layout = EvenMicroBatching(MicroBatching(cfg.log_prob_micro_batch_size_per_gpu, max_token_len,

@@ -1,0 +1,145 @@
+"""Log-probs and entropy of response tokens, with the LM head applied only where a loss reads them.
+
+A log-prob pass needs logits only at the positions whose next token is a real response token: with
+long prompts a small share of the batch (SmolLM2 at 160 prompt + 32 response tokens: 1/6), and no
+padding. `response_logprobs` runs the model with no logits kept (its own forward, so FSDP2's and
+peft's hooks run as usual) and reads the last hidden state, gathers the hidden states at those
+positions in the padded or the packed layout, and applies the LM head `chunk_tokens` tokens at a
+time (`chunked_logprobs`). A chunk's [chunk, vocab] logits exist only while that chunk is worked
+on, in the backward too: each chunk is recomputed there (activation checkpointing), and the
+gradient of log-softmax and entropy is written out (`_LogpEntropy`), one pass over the logits
+instead of autograd's several. An FSDP2-sharded model computes the head inside its own forward at the
+same positions, unchunked (`_sharded_logprobs`).
+
+Left out: chunking over the vocabulary. The chunk's token count shrinks as the vocabulary grows
+(`LOGITS_BUDGET`), so its logits keep the same size for any vocabulary.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from plait.configtree import ConfigError
+from plait.workers.packing import pack
+from plait.workers.parallel import is_sharded
+
+LOGITS_BUDGET = 2 ** 23  # logits per chunk (32 MiB in float32): 170 tokens of SmolLM2's 49152-word vocabulary
+
+
+def response_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, resp_len: int,
+                      temperature: float, with_entropy: bool,
+                      remove_padding: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs and entropy [batch, resp_len] of the last `resp_len` tokens of each row (rows are
+    [left-padded prompt | right-padded response]), of softmax(logits / temperature); 0 at padding.
+
+    `remove_padding`: the rows' real tokens go through the model packed (plait/workers/packing.py)."""
+    resp_mask = attention_mask[:, -resp_len:]                                 # [batch, resp_len]
+    rows, cols = resp_mask.nonzero(as_tuple=True)                             # [N] each: the real response tokens
+    width = input_ids.shape[1]
+    before = rows * width + width - resp_len + cols - 1                       # [N] flat index of the token before each
+    if remove_padding:
+        packed = pack(input_ids, attention_mask)
+        inputs = dict(input_ids=packed.input_ids, position_ids=packed.position_ids)
+        where = torch.empty(input_ids.numel(), dtype=torch.long, device=input_ids.device)
+        where[packed.source] = packed.target                                  # padded place -> packed place
+        before = where[before]
+    else:
+        inputs = dict(input_ids=input_ids, attention_mask=attention_mask,
+                      position_ids=(attention_mask.cumsum(-1) - 1).clamp(min=0))
+    tokens = input_ids[:, -resp_len:][rows, cols]                             # [N]
+    if is_sharded(model):
+        logp, ent = _sharded_logprobs(model, inputs, before, tokens, temperature, with_entropy)
+    else:
+        hidden = last_hidden(model, **inputs).flatten(0, 1)[before]          # [N, hidden]
+        logp, ent = chunked_logprobs(hidden, tokens, model.get_output_embeddings(), temperature, with_entropy)
+    zeros = resp_mask.new_zeros(resp_mask.shape, dtype=logp.dtype)
+    logp = zeros.index_put((rows, cols), logp)                                # [batch, resp_len]
+    return logp, (zeros.index_put((rows, cols), ent) if with_entropy else None)
+
+
+def _sharded_logprobs(model, inputs: dict, before: torch.Tensor, tokens: torch.Tensor, temperature: float,
+                      with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """FSDP2: the LM head runs inside the root's forward, at the response positions only
+    (`logits_to_keep` as a mask), so [N, vocab] logits exist at once. A head called per chunk after
+    the root's forward (its own fully_shard group) gave wrong gradients of the head's group after a
+    no-grad pass in torch 2.13 with 2 ranks."""
+    keep = torch.zeros(inputs["input_ids"].numel(), dtype=torch.bool, device=before.device)
+    keep[before] = True
+    logits = model(**inputs, use_cache=False, logits_to_keep=keep.view_as(inputs["input_ids"])).logits
+    order = torch.empty_like(before)
+    order[before.argsort()] = torch.arange(len(before), device=before.device)  # mask order -> ours
+    return _LogpEntropy.apply(logits[order].float() / temperature, tokens, with_entropy)  # [N] each
+
+
+def last_hidden(model, **inputs) -> torch.Tensor:
+    """The final hidden state [rows, len, hidden] (after the last norm), the LM head's input.
+
+    The model's own forward with an empty `logits_to_keep`: it computes [rows, 0, vocab] logits,
+    and selecting hidden state -1 keeps no other layer's output alive."""
+    keep = torch.empty(0, dtype=torch.long, device=inputs["input_ids"].device)
+    return model(**inputs, use_cache=False, logits_to_keep=keep, output_hidden_states=-1).hidden_states[-1]
+
+
+def check_lm_head(model, key: str) -> None:
+    """A ConfigError naming `key` when the model's logits are not its output embedding applied to the
+    last hidden state (Gemma 2's soft-capping, Granite's scaling): the log-probs here would differ."""
+    device = next(model.parameters()).device
+    ids = torch.arange(8, device=device).view(2, 4) % model.config.vocab_size
+    with torch.no_grad():
+        out = model(input_ids=ids, use_cache=False, output_hidden_states=-1)
+        logits = model.get_output_embeddings()(out.hidden_states[-1])
+    if not torch.allclose(logits.float(), out.logits.float(), atol=1e-4, rtol=1e-4):
+        raise ConfigError(key, model.config.name_or_path, f"{type(model).__name__}'s logits are not its LM head "
+                          "applied to the last hidden state (soft-capped or scaled?); plait computes log-probs "
+                          "from the LM head alone and does not support it yet")
+
+
+def chunked_logprobs(hidden: torch.Tensor, tokens: torch.Tensor, head, temperature: float, with_entropy: bool,
+                     chunk_tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log softmax(head(h) / T)[token] and the softmax's entropy [N] for hidden states [N, hidden].
+
+    Logits are float32 whatever the model's dtype (a bf16 logsumexp is off by ~1e-2, which would
+    show up in PPO ratios). Under grad each chunk is checkpointed: only `hidden` is kept, and the
+    backward recomputes the chunk's logits."""
+    chunk_tokens = chunk_tokens or max(1, LOGITS_BUDGET // head.out_features)
+    grad = torch.is_grad_enabled()
+
+    def one(h, tok):
+        z = head(h).float() / temperature                                      # [chunk, vocab]
+        return _LogpEntropy.apply(z, tok, with_entropy)
+    logp, ent = [], []
+    for h, tok in zip(hidden.split(chunk_tokens), tokens.split(chunk_tokens)):
+        lp, e = checkpoint(one, h, tok, use_reentrant=False) if grad else one(h, tok)
+        logp.append(lp), ent.append(e)
+    return torch.cat(logp), (torch.cat(ent) if with_entropy else None)           # [N]
+
+
+class _LogpEntropy(torch.autograd.Function):
+    """z [chunk, vocab] -> (z[token] - logsumexp z, entropy of softmax z) [chunk], the gradient by hand:
+    d logp/dz = onehot - p;  d ent/dz = -p (log p + ent)."""
+
+    @staticmethod
+    def forward(ctx, z, tokens, with_entropy: bool):
+        lse = torch.logsumexp(z, -1)                                             # [chunk]
+        logp = z.gather(-1, tokens[:, None]).squeeze(-1) - lse                  # [chunk]
+        ent = lse - (torch.softmax(z, -1) * z).sum(-1) if with_entropy else None  # [chunk]
+        ctx.save_for_backward(z, tokens, lse, ent)
+        ctx.set_materialize_grads(False)
+        return logp, ent
+
+    @staticmethod
+    def backward(ctx, g_logp, g_ent):
+        z, tokens, lse, ent = ctx.saved_tensors
+        p = (z - lse[:, None]).exp_()                                             # [chunk, vocab]
+        if g_ent is not None:  # -p (z - lse + ent) g_ent, in place in p's buffer
+            scale = (z - (lse - ent)[:, None]).mul_(g_ent[:, None]).mul_(p)
+            p = scale.add_(p * g_logp[:, None]) if g_logp is not None else scale
+        elif g_logp is not None:
+            p = p.mul_(g_logp[:, None])
+        else:
+            return None, None, None
+        g = p.neg_()                                                              # [chunk, vocab]
+        if g_logp is not None:
+            g.scatter_add_(-1, tokens[:, None], g_logp[:, None])
+        return g, None, None

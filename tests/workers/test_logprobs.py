@@ -1,0 +1,175 @@
+"""Response-only, chunked log-probs (plait/workers/logprobs.py) against the full-vocabulary path they
+replace: log-probs, entropy and the gradients of every parameter, padded and packed, temperature != 1,
+with LoRA and under FSDP2, on a tiny real model."""
+
+import pytest
+import torch
+
+from plait.algorithms.losses import entropy_from_logits, token_logprobs
+from plait.configtree import ConfigError
+from plait.models import add_lora, create_tiny_model, load_causal_lm
+from plait.workers.actor import micro_forward
+from plait.workers.logprobs import _LogpEntropy, check_lm_head, chunked_logprobs
+from plait.workers.packing import pack, unpack
+
+from tests.workers.test_packing import make_batch
+
+torch.set_num_threads(1)
+T = 0.7
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    return create_tiny_model(tmp_path_factory.mktemp("tiny") / "xs", size="xs", seed=0)
+
+
+def full_vocab_forward(model, micro, temperature, remove_padding):
+    """The path before: logits [rows, len, vocab] over every position, then the response slice."""
+    input_ids, mask, resp_len = micro.input_ids, micro.attention_mask, micro.responses.shape[1]
+    if remove_padding:
+        packed = pack(input_ids, mask)
+        logits = model(input_ids=packed.input_ids, position_ids=packed.position_ids,
+                       use_cache=False).logits.float() / temperature
+        logp = unpack(token_logprobs(logits, packed.input_ids.roll(-1, dims=1)), packed, mask.shape)
+        return logp[:, -resp_len - 1:-1], unpack(entropy_from_logits(logits), packed, mask.shape)[:, -resp_len - 1:-1]
+    logits = model(input_ids=input_ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+                   use_cache=False).logits[:, -resp_len - 1:-1].float() / temperature
+    return token_logprobs(logits, input_ids[:, -resp_len:]), entropy_from_logits(logits)
+
+
+def logp_ent_grads(model, batch, forward):
+    """Log-probs, entropy (real tokens) and every trainable parameter's gradient of a loss using both."""
+    model.zero_grad()
+    mask = batch.response_mask.bool()
+    logp, ent = forward(model, batch)
+    ((logp * batch.advantages)[mask].sum() + 0.3 * ent[mask].sum()).backward()
+    grads = {k: p.grad.clone() for k, p in model.named_parameters() if p.requires_grad}
+    return logp[mask].detach(), ent[mask].detach(), grads
+
+
+def assert_same(new, old, tol=2e-5):
+    torch.testing.assert_close(new[0], old[0], atol=tol, rtol=tol)        # log-probs
+    torch.testing.assert_close(new[1], old[1], atol=tol, rtol=tol)        # entropy
+    assert new[2].keys() == old[2].keys() and new[2]
+    for k in old[2]:
+        torch.testing.assert_close(new[2][k], old[2][k], atol=tol, rtol=1e-3, msg=k)
+
+
+def test_chunked_logprobs_by_hand_and_gradients():
+    g = torch.Generator().manual_seed(0)
+    head = torch.nn.Linear(8, 11, bias=True)
+    hidden = torch.randn(7, 8, generator=g, requires_grad=True)
+    tokens = torch.randint(0, 11, (7,), generator=g)
+    w_logp, w_ent = torch.randn(7, generator=g), torch.randn(7, generator=g)
+    wrt = [hidden, head.weight, head.bias]
+
+    def full():
+        z = head(hidden) / T
+        return token_logprobs(z, tokens), entropy_from_logits(z)
+    want = full()
+    want_grads = torch.autograd.grad((want[0] * w_logp).sum() + (want[1] * w_ent).sum(), wrt)
+    for chunk in (1, 3, 100):
+        logp, ent = chunked_logprobs(hidden, tokens, head, T, True, chunk_tokens=chunk)
+        torch.testing.assert_close(logp, want[0]), torch.testing.assert_close(ent, want[1])
+        grads = torch.autograd.grad((logp * w_logp).sum() + (ent * w_ent).sum(), wrt)
+        for a, b in zip(grads, want_grads):
+            torch.testing.assert_close(a, b)
+    # each output alone: the hand-written backward with the other gradient absent
+    logp, ent = chunked_logprobs(hidden, tokens, head, T, True, chunk_tokens=3)
+    for a, b in zip(torch.autograd.grad(ent.sum(), wrt), torch.autograd.grad(full()[1].sum(), wrt)):
+        torch.testing.assert_close(a, b)
+    logp, ent = chunked_logprobs(hidden, tokens, head, T, False, chunk_tokens=3)
+    assert ent is None
+    for a, b in zip(torch.autograd.grad(logp.sum(), wrt), torch.autograd.grad(full()[0].sum(), wrt)):
+        torch.testing.assert_close(a, b)
+
+
+def test_hand_backward_passes_gradcheck():
+    z = torch.randn(3, 5, dtype=torch.float64, requires_grad=True)
+    tokens = torch.tensor([0, 4, 2])
+    assert torch.autograd.gradcheck(lambda z: _LogpEntropy.apply(z, tokens, True), (z,))
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_response_logprobs_equal_the_full_vocabulary_path(model_dir, packed):
+    model = load_causal_lm(model_dir)
+    batch = make_batch(rows=6, prompt_len=7, resp_len=9)
+    old = logp_ent_grads(model, batch, lambda m, b: full_vocab_forward(m, b, T, packed))
+    new = logp_ent_grads(model, batch, lambda m, b: micro_forward(m, b, T, True, remove_padding=packed))
+    assert_same(new, old)
+    logp, ent = micro_forward(model, batch, T, True, remove_padding=packed)
+    assert (logp[~batch.response_mask.bool()] == 0).all() and (ent[~batch.response_mask.bool()] == 0).all()
+    with torch.no_grad():  # the no-grad passes (pi_old, ref) take the same path unchecked
+        torch.testing.assert_close(micro_forward(model, batch, T, False, packed)[0], logp.detach())
+
+
+def test_bf16_model_gets_float32_logprobs(model_dir):
+    model = load_causal_lm(model_dir, dtype=torch.bfloat16)
+    batch = make_batch(rows=4)
+    with torch.no_grad():
+        old, _ = full_vocab_forward(model, batch, T, False)
+        new, _ = micro_forward(model, batch, T, False)
+    assert new.dtype == torch.float32
+    mask = batch.response_mask.bool()
+    torch.testing.assert_close(new[mask], old[mask], atol=2e-2, rtol=0)  # the two bf16 forwards' rounding
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_lora_logprobs_and_adapter_gradients(model_dir, packed):
+    torch.manual_seed(0)
+    model = add_lora(load_causal_lm(model_dir), 4, 8, "all-linear")
+    with torch.no_grad():  # B starts at 0: move it so that the adapters change the policy and get every gradient
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.1)
+    batch = make_batch(rows=5)
+    old = logp_ent_grads(model, batch, lambda m, b: full_vocab_forward(m, b, T, packed))
+    new = logp_ent_grads(model, batch, lambda m, b: micro_forward(m, b, T, True, remove_padding=packed))
+    assert all("lora_" in k for k in new[2])
+    assert_same(new, old)
+    with torch.no_grad(), model.disable_adapter():  # the reference: the base model's log-probs
+        base, _ = micro_forward(model, batch, T, False, packed)
+    plain, _ = full_vocab_forward(load_causal_lm(model_dir), batch, T, packed)
+    mask = batch.response_mask.bool()
+    torch.testing.assert_close(base[mask], plain[mask].detach(), atol=2e-5, rtol=2e-5)
+    assert not torch.allclose(base[mask], new[0], atol=1e-3)
+
+
+def _fsdp2_rank(rank: int, model_dir: str, rdzv: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{rdzv}", rank=rank, world_size=2)
+    model = load_causal_lm(model_dir)
+    batches = [(make_batch(rows=4, seed=s), packed) for s, packed in enumerate([False, True, False])]
+    want = [logp_ent_grads(model, b, lambda m, b: full_vocab_forward(m, b, T, packed)) for b, packed in batches]
+    for block in [m for m in model.modules() if type(m).__name__ in model._no_split_modules]:
+        fully_shard(block, reshard_after_forward=True)
+    fully_shard(model, reshard_after_forward=True)
+    for (b, packed), old in zip(batches, want):
+        with torch.no_grad():  # a pi_old pass between updates
+            micro_forward(model, b, T, True, packed)
+        new = logp_ent_grads(model, b, lambda m, b: micro_forward(m, b, T, True, packed))
+        assert_same((new[0], new[1], {k: g.full_tensor() for k, g in new[2].items()}), old)  # the ranks' mean
+    dist.destroy_process_group()
+
+
+def test_fsdp2_sharded_model_gives_the_same_logprobs_and_gradients(model_dir, tmp_path):
+    """Blocks and root sharded over 2 gloo ranks (reshard after forward, verl's default), each with the
+    same rows: log-probs and the averaged gradients equal the unsharded model's, padded and packed.
+    (With the root not resharding, FSDP2 in torch 2.13 gets the root's gradients wrong after a no-grad
+    forward on the old path too.)"""
+    import torch.multiprocessing as mp
+    mp.spawn(_fsdp2_rank, args=(model_dir, str(tmp_path / "rdzv")), nprocs=2)
+
+
+def test_model_whose_logits_are_not_the_head_of_the_last_hidden_state_is_refused(model_dir):
+    model = load_causal_lm(model_dir)
+    check_lm_head(model, "actor_rollout_ref.model.path")  # a plain head passes
+
+    def soft_cap(module, args, out):  # as Gemma 2 caps its logits after the head
+        out["logits"] = torch.tanh(out["logits"] / 3) * 3
+        return out
+    model.register_forward_hook(soft_cap)
+    with pytest.raises(ConfigError, match="actor_rollout_ref.model.path.*last hidden state"):
+        check_lm_head(model, "actor_rollout_ref.model.path")

@@ -18,7 +18,7 @@ import transformers
 from plait.config import PlaitConfig
 from plait.configtree import ConfigError, raise_all, to_dict
 from plait.data.rewards import default_compute_score, guard_reward, load_custom_reward, make_reward
-from plait.models import check_model_dir
+from plait.models import builtin_model, check_model_dir
 from plait.profiler import RoleProfilerConfig, validate_environment
 from plait.profiler.config import ROLE_KEYS
 from plait.trainers.lifecycle import Lifecycle, LifecycleConfig, output_dir_lock
@@ -66,7 +66,10 @@ def check_data_files(cfg: PlaitConfig) -> None:
 def check_model_path(cfg: PlaitConfig) -> None:
     """A model dir without config, weights or tokenizer, or not a causal LM, is refused before any work."""
     model, rm = cfg.actor_rollout_ref.model, cfg.reward_model
-    if model.path is not None and cfg.trainer.mode != "diffusion":
+    builtin = builtin_model(model.path)
+    if builtin is not None:  # built on first use (trainers/lm.py); here only what it needs is checked
+        builtin[0]("actor_rollout_ref.model.path", model.path)
+    elif model.path is not None and cfg.trainer.mode != "diffusion":
         check_model_dir("actor_rollout_ref.model.path", model.path)
     if cfg.critic.enable and cfg.critic.model.path:
         check_model_dir("critic.model.path", cfg.critic.model.path, tokenizer=False)

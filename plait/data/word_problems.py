@@ -1,0 +1,64 @@
+"""Synthetic GSM8K-style word problems: short arithmetic stories in GSM8K's row format.
+
+These are NOT GSM8K. They are generated here, from a seed, in the shape verl's GSM8K
+preprocessing gives `openai/gsm8k`: the question followed by verl's instruction to think step by
+step and put the final answer after "####", and the ground truth as the bare number (verl's
+GSM8K reward reads the number after the last "####" of the response and compares it).
+
+They are one- and two-step stories with small numbers (sums and differences under 60, products
+of one-digit numbers, exact shares), so SmolLM2-135M-Instruct solves some of them from the start
+and RL has both a signal and room: it mostly learns to finish with "#### <number>" and to keep
+its arithmetic short. Real GSM8K problems take 2 to 8 steps with larger numbers; a model of that
+size scores near zero on them and a CPU run of minutes does not move it.
+Every problem draws a template, names, items and numbers from the rng; `tasks.py` makes the
+rows and splits train and test by the question's text.
+"""
+
+from __future__ import annotations
+
+import random
+
+# verl's examples/data_preprocess/gsm8k.py appends this sentence to every question.
+INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
+
+NAMES = ("Anna", "Ben", "Carla", "David", "Emma", "Farid", "Grace", "Hugo", "Ines", "Jack", "Kira",
+         "Liam", "Maya", "Noah", "Olga", "Pedro", "Rosa", "Sam", "Tara", "Victor")
+ITEMS = ("apples", "pencils", "stickers", "marbles", "cookies", "books", "stamps", "shells",
+         "balloons", "cards", "toy cars", "oranges")
+CONTAINERS = ("box", "bag", "basket", "jar", "pack")
+
+
+def _story(rng: random.Random) -> tuple[str, int]:
+    """One question (without the instruction) and its answer."""
+    name, friend = rng.sample(NAMES, 2)
+    item, box = rng.choice(ITEMS), rng.choice(CONTAINERS)
+    kind = rng.randrange(6)
+    if kind == 0:  # a + b
+        a, b = rng.randint(2, 15), rng.randint(2, 15)
+        return f"{name} has {a} {item}. {friend} gives {name} {b} more {item}. How many {item} does {name} have now?", a + b
+    if kind == 1:  # a - b
+        a = rng.randint(8, 20)
+        b = rng.randint(2, a - 2)
+        return f"{name} had {a} {item} and gave {b} of them to {friend}. How many {item} does {name} have left?", a - b
+    if kind == 2:  # a * b
+        a, b = rng.randint(2, 5), rng.randint(2, 5)
+        return f"{name} buys {a} {box}s of {item}. Each {box} holds {b} {item}. How many {item} does {name} buy?", a * b
+    if kind == 3:  # (a * b) / b
+        each, n = rng.randint(2, 5), rng.randint(2, 4)
+        return (f"{name} shares {each * n} {item} equally among {n} friends. "
+                f"How many {item} does each friend get?"), each
+    if kind == 4:  # a + b - c
+        a, b = rng.randint(5, 12), rng.randint(2, 10)
+        c = rng.randint(2, a + b - 1)
+        return (f"{name} has {a} {item}. {name} buys {b} more and then gives {c} to {friend}. "
+                f"How many {item} does {name} have now?"), a + b - c
+    # a * b + c
+    a, b, c = rng.randint(2, 4), rng.randint(2, 5), rng.randint(1, 5)
+    return (f"{name} has {a} {box}s with {b} {item} in each {box}, and {c} loose {item}. "
+            f"How many {item} does {name} have in all?"), a * b + c
+
+
+def word_problem(rng: random.Random) -> tuple[str, str]:
+    """A GSM8K-format prompt text (question + verl's instruction) and its answer as a string."""
+    question, answer = _story(rng)
+    return f"{question} {INSTRUCTION}", str(answer)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
@@ -174,6 +175,8 @@ def smollm2_dir(cache_dir: str | Path | None = None) -> str:
     out = root / gguf_file.stem.replace(".", "-").lower()  # smollm2-135m-instruct-q4_1
     if (out / "config.json").is_file():
         return str(out)
+    print(f"plait: building SmolLM2-135M-Instruct's Hugging Face folder in {out} from {gguf_file.name} "
+          "(once, about a minute)", file=sys.stderr)
     tokenizer = AutoTokenizer.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name)
     gguf_model = AutoModelForCausalLM.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name,
                                                       dtype=torch.float32)

@@ -3,14 +3,14 @@
 These are NOT GSM8K. They are generated here, from a seed, in the shape verl's GSM8K
 preprocessing gives `openai/gsm8k`: the question followed by verl's instruction to think step by
 step and put the final answer after "####", and the ground truth as the bare number (verl's
-GSM8K reward reads the number after the last "####" of the response and compares it).
+GSM8K reward reads the number after the last "####" of the response and compares it), plus one
+sentence of plait's on the form of that last line (see INSTRUCTION).
 
-They are one- and two-step stories with small numbers (sums and differences under 60, products
-of one-digit numbers, exact shares), so SmolLM2-135M-Instruct solves some of them from the start
-and RL has both a signal and room: it mostly learns to finish with "#### <number>" and to keep
-its arithmetic short. Real GSM8K problems take 2 to 8 steps with larger numbers; a model of that
-size scores near zero on them and a CPU run of minutes does not move it.
-Every problem draws a template, names, items and numbers from the rng; `tasks.py` makes the
+They are one- and two-step stories with small numbers (sums of two numbers up to 15, differences
+under 20, products of numbers up to 5, exact shares), so SmolLM2-135M-Instruct gets the arithmetic
+of some right from the start and RL has both a signal and room: it mostly learns to finish with
+"#### <number>" and to stop there. Real GSM8K problems take 2 to 8 steps with larger numbers,
+far beyond a model of this size. Every problem draws a template, names, items and numbers from the rng; `tasks.py` makes the
 rows and splits train and test by the question's text.
 """
 
@@ -18,8 +18,13 @@ from __future__ import annotations
 
 import random
 
-# verl's examples/data_preprocess/gsm8k.py appends this sentence to every question.
-INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
+# verl's examples/data_preprocess/gsm8k.py appends the first sentence to every question. The second
+# is plait's: with verl's sentence alone SmolLM2-135M-Instruct writes "####" in 3-15 % of its answers;
+# with both, in 44 % of its samples (temperature 0.7), and many of those fail only by what follows
+# it (no number, or more "####" lines after the answer), which is what RL can fix. (32 test
+# problems, greedy and sampled: verl's rule scored 0 of 32 either way.)
+INSTRUCTION = ('Let\'s think step by step and output the final answer after "####". '
+               'Write the final line as #### followed by the number only.')
 
 NAMES = ("Anna", "Ben", "Carla", "David", "Emma", "Farid", "Grace", "Hugo", "Ines", "Jack", "Kira",
          "Liam", "Maya", "Noah", "Olga", "Pedro", "Rosa", "Sam", "Tara", "Victor")

@@ -422,8 +422,9 @@ def resolve_model(cfg: PlaitConfig) -> str:
     from plait.models import builtin_model, create_tiny_model
     path = cfg.actor_rollout_ref.model.path
     if builtin_model(path) is not None:
-        print(f"plait: {path}: the built-in model's folder (built on first use, about a minute)", file=sys.stderr)
-        return builtin_model(path)[1]()
+        folder = builtin_model(path)[1]()
+        print(f"plait: actor_rollout_ref.model.path={path}: {folder}", file=sys.stderr)
+        return folder
     if path is not None:
         return path  # checked by driver.preflight
     demo = cfg.demo

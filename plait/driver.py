@@ -64,11 +64,12 @@ def check_data_files(cfg: PlaitConfig) -> None:
 
 
 def check_model_path(cfg: PlaitConfig) -> None:
-    """A model dir without config, weights or tokenizer, or not a causal LM, is refused before any work."""
+    """A model dir without config, weights or tokenizer, or not a causal LM, is refused before any work;
+    so is a built-in model name (models.BUILTIN_MODELS) whose package is missing."""
     model, rm = cfg.actor_rollout_ref.model, cfg.reward_model
     builtin = builtin_model(model.path)
     if builtin is not None:  # built on first use (trainers/lm.py); here only what it needs is checked
-        builtin[0]("actor_rollout_ref.model.path", model.path)
+        builtin.check("actor_rollout_ref.model.path", model.path)
     elif model.path is not None and cfg.trainer.mode != "diffusion":
         check_model_dir("actor_rollout_ref.model.path", model.path)
     if cfg.critic.enable and cfg.critic.model.path:

@@ -20,6 +20,7 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
+from typing import Callable, NamedTuple
 
 import torch
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
@@ -214,13 +215,18 @@ def smollm2_gguf(key: str = "model", value: str = "SmolLM2-135M-Instruct") -> Pa
     return Path(metadata.distribution(SMOLLM2_PACKAGE).locate_file(found))
 
 
+class BuiltinModel(NamedTuple):
+    check: Callable[[str, str], object]  # (config key, value) -> raises a ConfigError when it cannot be built
+    build: Callable[[], str]             # -> the model's folder, built on first call
+
+
 # Names `actor_rollout_ref.model.path` may take instead of a directory: a model plait builds once
 # from an installed package (an existing directory of the same name wins).
-BUILTIN_MODELS = {"smollm2-135m-instruct": (smollm2_gguf, smollm2_dir)}
+BUILTIN_MODELS = {"smollm2-135m-instruct": BuiltinModel(smollm2_gguf, smollm2_dir)}
 
 
-def builtin_model(path: str | None):
-    """(check, build) for a built-in model name that is not an existing directory; else None."""
+def builtin_model(path: str | None) -> BuiltinModel | None:
+    """The built-in model `path` names, unless a file or directory of that name exists; else None."""
     return BUILTIN_MODELS.get(path) if path and not Path(path).exists() else None
 
 

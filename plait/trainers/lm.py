@@ -421,8 +421,9 @@ def resolve_model(cfg: PlaitConfig) -> str:
     from plait.data.warmstart import sft_warmstart
     from plait.models import builtin_model, create_tiny_model
     path = cfg.actor_rollout_ref.model.path
-    if builtin_model(path) is not None:
-        folder = builtin_model(path)[1]()
+    builtin = builtin_model(path)
+    if builtin is not None:
+        folder = builtin.build()
         print(f"plait: actor_rollout_ref.model.path={path}: {folder}", file=sys.stderr)
         return folder
     if path is not None:

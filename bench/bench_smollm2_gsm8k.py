@@ -24,6 +24,7 @@ import os
 import platform
 import subprocess
 import sys
+import textwrap
 import threading
 import time
 
@@ -58,14 +59,16 @@ def curves(run_dir: str) -> dict:
     val = [r for r in records if ACC in r]
     train = [r for r in records if "critic/score/mean" in r]
     elapsed, t = {}, 0.0
-    for r in records:  # the wall time of the training steps up to each record (validation included)
-        t += r.get("perf/time_per_step", 0.0) + r.get("timing_s/testing", 0.0) * ("perf/time_per_step" not in r)
+    for r in records:  # seconds of steps up to each record (a step's time includes its validation; step 0's is not counted)
+        t += r.get("perf/time_per_step", 0.0)
         elapsed[r["step"]] = round(t, 1)
     return {
         "val": [{"step": r["step"], "accuracy": r[ACC], "response_length": r.get(VAL_LEN),
                  "elapsed_s": elapsed.get(r["step"])} for r in val],
         "train": [{"step": r["step"], "score": r["critic/score/mean"], "response_length": r.get("response_length/mean"),
-                   "s_per_step": r.get("perf/time_per_step")} for r in train],
+                   "s_per_step": r.get("perf/time_per_step"), "gen_s": r.get("timing_s/gen"),
+                   "update_actor_s": r.get("timing_s/update_actor"), "testing_s": r.get("timing_s/testing")}
+                  for r in train],
     }
 
 
@@ -73,6 +76,7 @@ def plot(result: dict, png: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
     val, train = result["val"], result["train"]
     fig, (acc, length) = plt.subplots(1, 2, figsize=(10, 3.8))
     acc.plot([v["step"] for v in val], [v["accuracy"] for v in val], "o-", label="validation (greedy)")
@@ -88,10 +92,14 @@ def plot(result: dict, png: str) -> None:
     length.set_ylabel("response length (tokens)")
     length.legend()
     length.grid(alpha=0.3)
+    for ax in (acc, length):
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     load = result["load"]
+    notes = (textwrap.wrap(f"overrides: {' '.join(result['overrides'])}", 160) if result["overrides"] else []) + (
+        [] if result["valid"] else ["busy machine: the wall time measures neighbours"])
     fig.suptitle(f"SmolLM2-135M-Instruct, GRPO on synthetic GSM8K-style problems (plait smollm2_gsm8k); "
-                 f"{result['wall_s'] / 60:.0f} min, load {load['mean']:.1f} on {result['machine']['cpus']} CPUs",
-                 fontsize=9)
+                 f"{result['wall_s'] / 60:.0f} min, load {load['mean']:.1f} on {result['machine']['cpus']} CPUs"
+                 + "".join(f"\n{note}" for note in notes), fontsize=8)
     fig.tight_layout()
     os.makedirs(os.path.dirname(png) or ".", exist_ok=True)
     fig.savefig(png, dpi=110)

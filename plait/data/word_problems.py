@@ -6,12 +6,13 @@ step and put the final answer after "####", and the ground truth as the bare num
 GSM8K reward reads the number after the last "####" of the response and compares it), plus one
 sentence of plait's on the form of that last line (see INSTRUCTION).
 
-They are one- and two-step stories with small numbers (sums of two numbers up to 15, differences
-under 20, products of numbers up to 5, exact shares), so SmolLM2-135M-Instruct gets the arithmetic
-of some right from the start and RL has both a signal and room: it mostly learns to finish with
-"#### <number>" and to stop there. Real GSM8K problems take 2 to 8 steps with larger numbers,
-far beyond a model of this size. Every problem draws a template, names, items and numbers from the rng; `tasks.py` makes the
-rows and splits train and test by the question's text.
+They are mostly one-step stories with small numbers (sums of two one-digit numbers, differences
+under 15, products of numbers up to 5, exact shares) and some two-step ones, so
+SmolLM2-135M-Instruct gets the arithmetic of some right from the start and RL has both a signal
+and room: it mostly learns to finish with "#### <number>" and to stop there. Real GSM8K problems
+take 2 to 8 steps with larger numbers, far beyond a model of this size. Every problem draws a
+template, names, items and numbers from the rng; `tasks.py` makes the rows and splits train and
+test by the question's text.
 """
 
 from __future__ import annotations
@@ -31,19 +32,22 @@ NAMES = ("Anna", "Ben", "Carla", "David", "Emma", "Farid", "Grace", "Hugo", "Ine
 ITEMS = ("apples", "pencils", "stickers", "marbles", "cookies", "books", "stamps", "shells",
          "balloons", "cards", "toy cars", "oranges")
 CONTAINERS = ("box", "bag", "basket", "jar", "pack")
+# How often each of _story's six kinds is drawn: the four one-step kinds three times as often as the
+# two two-step ones, so most problems are within the model's reach at the start.
+KIND_WEIGHTS = (3, 3, 3, 3, 1, 1)
 
 
 def _story(rng: random.Random) -> tuple[str, int]:
     """One question (without the instruction) and its answer."""
     name, friend = rng.sample(NAMES, 2)
     item, box = rng.choice(ITEMS), rng.choice(CONTAINERS)
-    kind = rng.randrange(6)
+    kind = rng.choices(range(6), weights=KIND_WEIGHTS)[0]
     if kind == 0:  # a + b
-        a, b = rng.randint(2, 15), rng.randint(2, 15)
+        a, b = rng.randint(1, 9), rng.randint(1, 9)
         return f"{name} has {a} {item}. {friend} gives {name} {b} more {item}. How many {item} does {name} have now?", a + b
     if kind == 1:  # a - b
-        a = rng.randint(8, 20)
-        b = rng.randint(2, a - 2)
+        a = rng.randint(5, 15)
+        b = rng.randint(1, a - 1)
         return f"{name} had {a} {item} and gave {b} of them to {friend}. How many {item} does {name} have left?", a - b
     if kind == 2:  # a * b
         a, b = rng.randint(2, 5), rng.randint(2, 5)
@@ -53,7 +57,7 @@ def _story(rng: random.Random) -> tuple[str, int]:
         return (f"{name} shares {each * n} {item} equally among {n} friends. "
                 f"How many {item} does each friend get?"), each
     if kind == 4:  # a + b - c
-        a, b = rng.randint(5, 12), rng.randint(2, 10)
+        a, b = rng.randint(3, 9), rng.randint(1, 9)
         c = rng.randint(2, a + b - 1)
         return (f"{name} has {a} {item}. {name} buys {b} more and then gives {c} to {friend}. "
                 f"How many {item} does {name} have now?"), a + b - c

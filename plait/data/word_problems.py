@@ -20,10 +20,9 @@ from __future__ import annotations
 import random
 
 # verl's examples/data_preprocess/gsm8k.py appends the first sentence to every question. The second
-# is plait's: with verl's sentence alone SmolLM2-135M-Instruct writes "####" in 3-15 % of its answers;
-# with both, in 44 % of its samples (temperature 0.7), and many of those fail only by what follows
-# it (no number, or more "####" lines after the answer), which is what RL can fix. (32 test
-# problems, greedy and sampled: verl's rule scored 0 of 32 either way.)
+# is plait's: with verl's sentence alone SmolLM2-135M-Instruct wrote "####" in 3-16 % of its answers
+# (32 test problems, greedy and sampled); with both, in 44-62 % (32-48 problems), and many of those fail
+# only by what follows it (no number, or more "####" lines after the answer), which is what RL can fix.
 INSTRUCTION = ('Let\'s think step by step and output the final answer after "####". '
                'Write the final line as #### followed by the number only.')
 

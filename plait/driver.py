@@ -20,7 +20,7 @@ from plait.config import PlaitConfig
 from plait.configtree import ConfigError, raise_all, to_dict
 from plait.data.reward_pool import close_reward_workers
 from plait.data.rewards import resolve_reward
-from plait.models import check_model_dir
+from plait.models import builtin_model, check_model_dir
 from plait.profiler import RoleProfilerConfig, validate_environment
 from plait.profiler.config import ROLE_KEYS
 from plait.trainers.lifecycle import Lifecycle, LifecycleConfig, output_dir_lock
@@ -46,9 +46,13 @@ def check_data_files(cfg: PlaitConfig) -> None:
 
 
 def check_model_path(cfg: PlaitConfig) -> None:
-    """A model dir without config, weights or tokenizer, or not a causal LM, is refused before any work."""
+    """A model dir without config, weights or tokenizer, or not a causal LM, is refused before any work;
+    so is a built-in model name (models.BUILTIN_MODELS) whose package is missing."""
     model, rm = cfg.actor_rollout_ref.model, cfg.reward.reward_model
-    if model.path is not None and cfg.trainer.mode != "diffusion":
+    builtin = builtin_model(model.path)
+    if builtin is not None:  # built on first use (trainers/lm.py); here only what it needs is checked
+        builtin.check("actor_rollout_ref.model.path", model.path)
+    elif model.path is not None and cfg.trainer.mode != "diffusion":
         check_model_dir("actor_rollout_ref.model.path", model.path)
     if cfg.critic.enable and cfg.critic.model.path:
         check_model_dir("critic.model.path", cfg.critic.model.path, tokenizer=False)

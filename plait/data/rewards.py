@@ -404,6 +404,7 @@ SCORERS = {
     "arithmetic": functools.partial(exact_match_score, "arithmetic"),
     "reverse": functools.partial(exact_match_score, "reverse"),
     "openai/gsm8k": gsm8k_score,
+    "gsm8k_synthetic": gsm8k_score,  # plait's synthetic word problems (word_problems.py), scored as GSM8K
     **{source: math_score for source in MATH_SOURCES},
     **{source: dapo_score for source in DAPO_SOURCES},
 }

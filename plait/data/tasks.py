@@ -3,9 +3,11 @@
 A row is `{"data_source", "prompt": [{"role": "user", "content"}], "ability",
 "reward_model": {"style": "rule", "ground_truth"}, "extra_info": {"split", "index"}}`, so the
 files written here and a verl user's own parquet files go through the same dataset and reward
-code. Prompts are a few characters ("12+7=") because the built-in model reads characters.
+code. The arithmetic and reverse prompts are a few characters ("12+7=") because the built-in model
+reads characters; `gsm8k_synthetic` is short word problems for a real pretrained model
+(word_problems.py; synthetic, in GSM8K's format, not GSM8K).
 A question's split is a hash of its text, so train and test never share a question whatever
-the seeds and sizes. Left out: natural-language tasks (use your own files for those).
+the seeds and sizes.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from typing import Callable, NamedTuple
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+
+from plait.data.word_problems import word_problem
 
 SPLITS = ("train", "test")  # verl's names; the test file is what `data.val_files` points to
 TEST_SHARE = 8  # one question in TEST_SHARE belongs to the test split
@@ -92,4 +96,6 @@ def write_task_files(task: str, out_dir: str | Path, n_train: int, n_val: int,
 TASKS = {
     "arithmetic": Task(arithmetic_question, ability="math"),
     "reverse": Task(reverse_question, ability="string"),
+    # synthetic word problems in GSM8K's format (word_problems.py), scored with verl's GSM8K reward
+    "gsm8k_synthetic": Task(word_problem, ability="math"),
 }

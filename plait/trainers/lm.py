@@ -491,10 +491,16 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def resolve_model(cfg: PlaitConfig) -> str:
-    """The policy's starting weights: the user's directory, or the demo model warm-started once and cached."""
+    """The policy's starting weights: the user's directory, a built-in model (built once, cached), or
+    the demo model warm-started once and cached."""
     from plait.data.warmstart import sft_warmstart
-    from plait.models import create_tiny_model
+    from plait.models import builtin_model, create_tiny_model
     path = cfg.actor_rollout_ref.model.path
+    builtin = builtin_model(path)
+    if builtin is not None:
+        folder = builtin.build()
+        print(f"plait: actor_rollout_ref.model.path={path}: {folder}", file=sys.stderr)
+        return folder
     if path is not None:
         return path  # checked by driver.preflight
     demo = cfg.demo

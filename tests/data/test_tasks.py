@@ -9,7 +9,7 @@ def question(row: dict) -> str:
     return row["prompt"][0]["content"]
 
 
-@pytest.mark.parametrize("task", list(TASKS))
+@pytest.mark.parametrize("task", [t for t in TASKS if t != "gsm8k_synthetic"])  # that one: test_word_problems.py
 def test_rows_have_verl_format_and_correct_answers(task):
     rows = make_task_rows(task, "train", 50, seed=0)
     assert len(rows) == 50

@@ -136,3 +136,4 @@ class OneStepOffTrainer(LMTrainer):
                 pass
         self.pool.shutdown(wait=True, cancel_futures=True)
         self.pool, self.pending = None, None
+        super().close()

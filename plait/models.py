@@ -131,6 +131,16 @@ def load_generation_config(path: str | Path) -> GenerationConfig:
         return GenerationConfig.from_model_config(AutoConfig.from_pretrained(_local_dir(path), local_files_only=True))
 
 
+def enable_activation_checkpointing(model: PreTrainedModel) -> None:
+    """Recompute each block's activations in backward (non-reentrant). transformers 5.2x calls it
+    activation_checkpointing_enable; the 5.1x releases vLLM pins call it gradient_checkpointing_enable."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(PreTrainedModel, "activation_checkpointing_enable"):  # a library version test, not of `model`
+        model.activation_checkpointing_enable(kwargs)
+    else:
+        model.gradient_checkpointing_enable(kwargs)
+
+
 WEIGHTS = ("*.safetensors", "*.bin", "*.safetensors.index.json", "*.bin.index.json")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 

@@ -26,7 +26,7 @@ from plait.algorithms.losses import (PolicyLossKnobs, agg_loss, entropy_from_log
                                      token_logprobs)
 from plait.algorithms.rollout_correction import rollout_correction
 from plait.config import ActorConfig, ModelConfig, OptimConfig, RolloutCorrectionConfig
-from plait.models import add_lora, load_causal_lm, merged_state_dict
+from plait.models import add_lora, enable_activation_checkpointing, load_causal_lm, merged_state_dict
 from plait.types import RolloutBatch
 from plait.workers.flops import ModelFlops
 from plait.workers.packing import MicroBatching, checked_remove_padding, pack, unpack
@@ -130,7 +130,7 @@ class Actor:
         remove_padding = checked_remove_padding(self.model, remove_padding)
         self.layout = MicroBatching(cfg.ppo_micro_batch_size_per_gpu, max_token_len, remove_padding)
         if gradient_checkpointing:  # recompute each block's activations in backward: memory for time
-            self.model.activation_checkpointing_enable({"use_reentrant": False})
+            enable_activation_checkpointing(self.model)
         self.flops = ModelFlops.of(self.model)
         if use_fsdp(fsdp, device):
             if self.lora:  # merged_state_dict and the adapter checkpoint assume whole, unsharded tensors

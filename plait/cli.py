@@ -22,6 +22,10 @@ from plait.errors import Interrupted, RunError
 
 
 def main(argv: list[str] | None = None) -> int:
+    # PyTorch's C++ warnings (CPUAllocator's "Memory block of unknown size was allocated before the
+    # profiling started" at every memory window) are read from this once, at torch's import; set it to
+    # WARNING to see them. Worker processes of a Ray instance plait starts inherit it.
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     parser = argparse.ArgumentParser(prog="plait", description="RL post-training: one step lifecycle for every trainer mode.")
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="train (the built-in demo when no config is given)")
@@ -33,8 +37,11 @@ def main(argv: list[str] | None = None) -> int:
     show = config_sub.add_parser("show", help="print the resolved config tree, after the checks train makes")
     show.add_argument("--config")
     for p in (train, show):
-        p.add_argument("--config-name", help="verl's Hydra config name: ppo_trainer (plait's tree) is the only one")
-        p.add_argument("--config-path", help="accepted for verl command lines; plait's tree is built in")
+        p.add_argument("--config-name", help="verl's Hydra config name: ppo_trainer is plait's built-in tree; "
+                                             "another name is NAME.yaml in --config-path")
+        p.add_argument("--config-path", help="the folder of --config-name's YAML (verl's Hydra form)")
+        p.add_argument("--entry-point", help="the module verl's script ran (python -m MODULE): sets the mode it "
+                                             "implies, or refuses a recipe plait does not implement")
         p.add_argument("overrides", nargs="*", metavar="key=value")
     profile = sub.add_parser("profile", help="read what the profiler and the stage timeline recorded")
     profile_sub = profile.add_subparsers(dest="action", required=True)
@@ -53,15 +60,17 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     from plait.config import load_config
-    from plait.driver import preflight, run
+    from plait.config_verl import entry_point_overrides
     try:
-        check_config_name(args.config_name)
-        cfg = load_config(builtin_config(args.config), args.overrides)
+        implied = entry_point_overrides(args.entry_point)
+        path = config_file(args.config, args.config_name, args.config_path)
+        cfg = load_config(path, [*implied, *args.overrides], search=[args.config_path] if args.config_path else [])
+        from plait.driver import preflight, run  # transformers and the trainers: after the config's own errors
         preflight(cfg)
         if args.command == "config":
             yaml.safe_dump(to_dict(cfg), sys.stdout, sort_keys=False)
             return 0
-        run(cfg, progress=not args.no_progress)
+        run(cfg, progress=not args.no_progress, checked=True)
     except ConfigError as err:
         for one in err.errors if isinstance(err, ConfigErrors) else [err]:
             print(f"plait: config error: {one}", file=sys.stderr)
@@ -75,12 +84,24 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def check_config_name(name: str | None) -> None:
-    """verl picks its Megatron tree with --config-name=ppo_megatron_trainer; plait has only the FSDP-style one."""
-    if name and name.removesuffix(".yaml") != "ppo_trainer":
-        why = ("Megatron-LM is not supported: plait trains with PyTorch (strategy fsdp or fsdp2)" if "megatron" in name
-               else "plait's config tree is verl's ppo_trainer; give a YAML file with --config")
-        raise ConfigError("--config-name", name, why)
+def config_file(config: str | None, name: str | None, folder: str | None) -> str | None:
+    """The YAML file to load: --config, or verl's --config-path/--config-name pair. verl's own
+    ppo_trainer is plait's built-in tree; its Megatron tree is refused."""
+    from plait.config_verl import VERL_CONFIGS
+    if name is None:
+        return builtin_config(config)
+    name = name.removesuffix(".yaml")
+    if "megatron" in name:
+        raise ConfigError("--config-name", name, "Megatron-LM is not supported: plait trains with PyTorch (strategy fsdp or fsdp2)")
+    if config:
+        raise ConfigError("--config-name", name, "give --config FILE or --config-path/--config-name, not both")
+    if name in VERL_CONFIGS:
+        return None
+    path = os.path.join(folder or ".", f"{name}.yaml")
+    if not os.path.isfile(path):
+        raise ConfigError("--config-name", name, f"no {name}.yaml in --config-path {folder or '(not given: .)'}; "
+                                                 "verl's ppo_trainer is plait's built-in tree")
+    return path
 
 
 def builtin_config(name: str | None) -> str | None:

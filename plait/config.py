@@ -13,6 +13,7 @@ the one place that sees the whole tree.
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 import sys
 from dataclasses import dataclass, field
@@ -24,9 +25,10 @@ from plait.algorithms.advantages import ESTIMATORS
 from plait.algorithms.kl import KL_ESTIMATORS
 from plait.algorithms.losses import LOSS_AGG_MODES, POLICY_LOSSES
 from plait.algorithms.rollout_correction import BYPASS_LOSS_TYPES, IS_LEVELS, parse_rs
-from plait.config_verl import HF_ENGINE_NO_EFFECT, LOCAL_BACKEND_NO_EFFECT, NO_EFFECT, refusal
+from plait.config_verl import (HF_ENGINE_NO_EFFECT, LEGACY_REWARD, LOCAL_BACKEND_NO_EFFECT, NO_EFFECT, compose_yaml,
+                               merge, refusal, resolve_interpolations)
 from plait.configtree import ConfigError, build, check, raise_all, to_dict
-from plait.data.rewards import MANAGERS
+from plait.data.rewards import RewardConfig
 from plait.profiler.config import GlobalProfilerConfig, RoleProfilerConfig
 from plait.workers.diffusion import DiffusionConfig
 
@@ -64,7 +66,9 @@ class DataConfig:
     seed: Optional[int] = None                # null: trainer.seed
 
     def __post_init__(self):
-        positive(self, "train_batch_size", "max_prompt_length", "max_response_length", "train_size", "val_size")
+        # 0 is verl's fully-async setting (the rollouter streams); PlaitConfig checks the mode and sizes it
+        check(self.train_batch_size >= 0, "train_batch_size", self.train_batch_size, "must be > 0 (or 0 with trainer.mode=fully_async)")
+        positive(self, "max_prompt_length", "max_response_length", "train_size", "val_size")
         check(self.val_batch_size is None or self.val_batch_size > 0, "val_batch_size", self.val_batch_size, "must be > 0 or null")
 
 
@@ -110,6 +114,7 @@ class OptimConfig:
     lr_scheduler_type: Literal["constant", "cosine"] = "constant"
     warmup_style: Optional[str] = None        # verl's older name for lr_scheduler_type
     clip_grad: float = 1.0
+    zero_indexed_step: bool = True            # false: the schedule's first step is step 1 (warmup starts above 0)
 
     def __post_init__(self):
         check(self.lr > 0, "lr", self.lr, "must be > 0")
@@ -129,9 +134,11 @@ class PolicyLossConfig:
     clip_cov_ub: float = 5.0
     kl_cov_ratio: float = 0.0002
     ppo_kl_coef: float = 0.1
+    dro_beta: Optional[float] = None          # DRO's quadratic penalty; needed with loss_mode=dro
 
     def __post_init__(self):
-        one_of(self, "loss_mode", POLICY_LOSSES)
+        one_of(self, "loss_mode", (*POLICY_LOSSES, "bypass_mode"))  # bypass_mode: PlaitConfig maps it
+        check(self.loss_mode != "dro" or (self.dro_beta or 0) > 0, "dro_beta", self.dro_beta, "> 0 with loss_mode=dro")
         positive(self, "clip_cov_ratio", "kl_cov_ratio")
         check(self.clip_cov_lb < self.clip_cov_ub, "clip_cov_ub", self.clip_cov_ub, f"must be > clip_cov_lb ({self.clip_cov_lb})")
 
@@ -176,7 +183,10 @@ class ActorConfig:
         self.clip_ratio_high = self.clip_ratio if self.clip_ratio_high is None else self.clip_ratio_high
         # the ratio is clipped to [1 - low, 1 + high]: a negative bound flips it, low >= 1 removes the floor
         check(self.clip_ratio <= 1, "clip_ratio", self.clip_ratio, "must be in (0, 1]")
-        check(0 <= self.clip_ratio_low < 1, "clip_ratio_low", self.clip_ratio_low, "must be in [0, 1)")
+        # CISPO's documented setting is clip_ratio_low=10: no floor on the ratio that weighs its gradient
+        no_floor = self.policy_loss.loss_mode in ("cispo", "clip_cov")
+        check(self.clip_ratio_low >= 0 and (no_floor or self.clip_ratio_low < 1), "clip_ratio_low", self.clip_ratio_low,
+              "must be in [0, 1) (>= 1, no floor, with policy_loss.loss_mode cispo or clip_cov)")
         check(self.clip_ratio_high >= 0, "clip_ratio_high", self.clip_ratio_high, "must be >= 0")
         check(self.ppo_micro_batch_size_per_gpu is None or self.ppo_micro_batch_size_per_gpu > 0,
               "ppo_micro_batch_size_per_gpu", self.ppo_micro_batch_size_per_gpu, "must be > 0 or null")
@@ -322,6 +332,7 @@ class CriticConfig:
     ppo_epochs: int = 1                                 # unset: the actor's (load_config)
     cliprange_value: float = 0.5
     loss_agg_mode: str = "token-mean"                   # unset: the actor's (load_config)
+    loss_scale_factor: Optional[float] = None           # seq-mean-token-sum-norm's constant; unset: the actor's
     grad_clip: float = 1.0
     profiler: RoleProfilerConfig = field(default_factory=RoleProfilerConfig)
 
@@ -358,7 +369,7 @@ class RolloutCorrectionConfig:
     drops tokens or sequences whose divergence passes rollout_rs_threshold from the loss.
     """
     rollout_is: Optional[str] = None          # token | sequence | null: token in one_step_off/fully_async, off in sync
-    rollout_is_threshold: float = 2.0         # the truncation C
+    rollout_is_threshold: Optional[float] = 2.0  # the truncation C; null only with rollout_is null
     # verl's bypass mode: pi_old is the rollout's log-prob, so the old_log_prob forward is skipped.
     # Exact in sync mode (the rollout samples with the actor's weights); in the async modes PPO's
     # ratio is then taken against the stale rollout policy itself, with no importance weights.
@@ -372,13 +383,34 @@ class RolloutCorrectionConfig:
         check(self.rollout_is is None or self.rollout_is in IS_LEVELS, "rollout_is", self.rollout_is,
               f"null or one of {', '.join(IS_LEVELS)}")
         one_of(self, "loss_type", BYPASS_LOSS_TYPES)
+        t = self.rollout_rs_threshold
+        check(not isinstance(t, float) or math.isfinite(t), "rollout_rs_threshold", t, "a finite bound, a string or null")
         if self.rollout_rs is not None:
             try:
                 parse_rs(self.rollout_rs, self.rollout_rs_threshold)
             except ValueError as err:
                 check(False, "rollout_rs", self.rollout_rs, str(err))
-        check(self.rollout_is_threshold >= 1, "rollout_is_threshold", self.rollout_is_threshold,
-              "must be >= 1 (weights are truncated at this value)")
+        check(self.rollout_is_threshold is None or self.rollout_is_threshold >= 1, "rollout_is_threshold",
+              self.rollout_is_threshold, "must be >= 1 (weights are truncated at this value)")
+        check(self.rollout_is_threshold is not None or self.rollout_is is None, "rollout_is_threshold", None,
+              f"a number >= 1 with rollout_is={self.rollout_is}")
+
+
+@dataclass
+class FilterGroupsConfig:
+    """`algorithm.filter_groups`: DAPO's dynamic sampling. A prompt group whose responses all share one
+    value of `metric` carries no signal under group advantages and is dropped; the mode keeps
+    generating batches until as many groups as one batch holds have signal, at most
+    `max_num_gen_batches` batches per step (0: no limit)."""
+    enable: bool = False
+    metric: Optional[str] = "reward"          # reward / score / seq_reward: the sequence score; else a key the reward function returns (acc)
+    max_num_gen_batches: int = 0
+    max_inflight_gen_batches: int = 1         # verl's concurrent generate calls while filling; plait generates one at a time
+
+    def __post_init__(self):
+        check(not self.enable or bool(self.metric), "metric", self.metric, "a metric name with enable=true (reward, acc, ...)")
+        check(self.max_num_gen_batches >= 0, "max_num_gen_batches", self.max_num_gen_batches, "0 (no limit) or > 0")
+        check(self.max_inflight_gen_batches > 0, "max_inflight_gen_batches", self.max_inflight_gen_batches, "must be > 0")
 
 
 @dataclass
@@ -391,15 +423,25 @@ class AlgorithmConfig:
     kl_penalty: str = "kl"
     kl_ctrl: KLCtrlConfig = field(default_factory=KLCtrlConfig)
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
+    gdpo_reward_keys: Optional[list[str]] = None       # gdpo: the reward function's result keys to normalise apart
+    gdpo_reward_weights: Optional[list[float]] = None  # gdpo: one weight per key; null: 1 each
 
     def __post_init__(self):
         one_of(self, "adv_estimator", ESTIMATORS)
+        check(self.adv_estimator != "gdpo" or bool(self.gdpo_reward_keys), "gdpo_reward_keys", self.gdpo_reward_keys,
+              "the reward components' keys with adv_estimator=gdpo (e.g. [format_reward,accuracy_reward])")
+        check(self.gdpo_reward_weights is None or len(self.gdpo_reward_weights) == len(self.gdpo_reward_keys or []),
+              "gdpo_reward_weights", self.gdpo_reward_weights, "one weight per gdpo_reward_keys entry")
+        check(not (self.filter_groups.enable and self.use_kl_in_reward and self.filter_groups.metric == "seq_final_reward"),
+              "filter_groups.metric", self.filter_groups.metric, "reward, score, seq_reward or a reward key with "
+              "use_kl_in_reward=true: groups are filtered before the in-reward KL is computed")
         check(0 <= self.gamma <= 1, "gamma", self.gamma, "must be in [0, 1]")
         check(0 <= self.lam <= 1, "lam", self.lam, "must be in [0, 1]")
         one_of(self, "kl_penalty", KL_ESTIMATORS)
 
 
-LOGGERS = ("console", "tensorboard", "wandb")
+LOGGERS = ("console", "tensorboard", "wandb", "mlflow", "swanlab", "file", "json_eval")  # verl's, less clearml/trackio/vemlp_wandb
 
 
 @dataclass
@@ -465,8 +507,10 @@ class TrainerConfig:
         check(self.num_threads >= 0, "num_threads", self.num_threads, "must be >= 0")
         for name in ("max_actor_ckpt_to_keep", "max_critic_ckpt_to_keep"):
             check(getattr(self, name) is None or getattr(self, name) > 0, name, getattr(self, name), "must be > 0 or null")
-        check(self.resume_from_path is None or self.resume_mode == "resume_path", "resume_from_path", self.resume_from_path,
-              f"is read only with resume_mode=resume_path (it is {self.resume_mode}); set that, or drop the path")
+        check(self.resume_from_path is None or self.resume_mode != "disable", "resume_from_path", self.resume_from_path,
+              "is not read with resume_mode=disable; set auto or resume_path, or drop the path")
+        if self.resume_from_path and self.resume_mode == "auto":  # verl 0.9.1: auto resumes from a path given
+            self.resume_mode = "resume_path"
         for name in ("project_name", "experiment_name"):  # each is one folder of outputs/<project>/<experiment>
             value = getattr(self, name)
             check(value is None or (value not in ("", ".", "..") and "/" not in value and "\0" not in value
@@ -502,73 +546,13 @@ ASYNC_MODES = ("one_step_off", "fully_async")
 
 
 @dataclass
-class CustomRewardConfig:
-    path: Optional[str] = None
-    name: str = "compute_score"
-    reward_kwargs: dict = field(default_factory=dict)  # extra keyword arguments for the reward function
-    timeout: Optional[float] = None           # plait's own: seconds one call may take; null: no limit
-
-    def __post_init__(self):
-        check(self.timeout is None or self.timeout > 0, "timeout", self.timeout, "seconds > 0, or null for no limit")
-
-
-@dataclass
-class OverlongBufferConfig:
-    """DAPO's soft penalty for responses in the last `len` tokens before max_response_length."""
-    enable: bool = False
-    len: int = 0
-    penalty_factor: float = 0.0
-    log: bool = False
-
-
-@dataclass
-class RewardModelModelConfig:
-    path: Optional[str] = None                # a local Hugging Face sequence-classification model
-    input_tokenizer: Optional[str] = None     # null: the actor's tokenizer
-    trust_remote_code: bool = False
-
-
-@dataclass
-class RewardModelConfig:
-    enable: bool = False
-    model: RewardModelModelConfig = field(default_factory=RewardModelModelConfig)
-    micro_batch_size_per_gpu: Optional[int] = None
-    max_length: Optional[int] = None
-    reward_manager: str = "naive"
-    # The manager's arguments, as verl's DAPO recipe gives them: overlong_buffer_cfg (read into
-    # overlong_buffer) and max_resp_len (default: data.max_response_length).
-    reward_kwargs: dict = field(default_factory=dict)
-    overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
-    profiler: RoleProfilerConfig = field(default_factory=RoleProfilerConfig)
-
-    def __post_init__(self):
-        one_of(self, "reward_manager", MANAGERS)
-        unknown = set(self.reward_kwargs) - {"overlong_buffer_cfg", "max_resp_len"}
-        check(not unknown, "reward_kwargs", self.reward_kwargs,
-              f"only overlong_buffer_cfg and max_resp_len (unknown: {', '.join(sorted(unknown))})")
-        if "overlong_buffer_cfg" in self.reward_kwargs:
-            self.overlong_buffer = build(OverlongBufferConfig, dict(self.reward_kwargs["overlong_buffer_cfg"]),
-                                         "reward_kwargs.overlong_buffer_cfg")
-        if self.overlong_buffer.enable:
-            check(self.reward_manager == "dapo", "reward_manager", self.reward_manager,
-                  "dapo with the overlong buffer enabled (it is the dapo manager's penalty)")
-            check(self.overlong_buffer.len > 0, "overlong_buffer.len", self.overlong_buffer.len,
-                  "> 0 with the overlong buffer enabled")
-        check(not self.enable or bool(self.model.path), "model.path", self.model.path,
-              "a local sequence-classification model directory with enable=true")
-        check(self.micro_batch_size_per_gpu is None or self.micro_batch_size_per_gpu > 0,
-              "micro_batch_size_per_gpu", self.micro_batch_size_per_gpu, "> 0 or null (the whole batch)")
-
-
-@dataclass
 class PlaitConfig:
     data: DataConfig = field(default_factory=DataConfig)
     actor_rollout_ref: ActorRolloutRefConfig = field(default_factory=ActorRolloutRefConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
-    custom_reward_function: CustomRewardConfig = field(default_factory=CustomRewardConfig)
-    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
     global_profiler: GlobalProfilerConfig = field(default_factory=GlobalProfilerConfig)
     demo: DemoConfig = field(default_factory=DemoConfig)
     diffusion: DiffusionConfig = field(default_factory=DiffusionConfig)
@@ -576,6 +560,11 @@ class PlaitConfig:
 
     def __post_init__(self):
         actor = self.actor_rollout_ref.actor
+        if self.data.train_batch_size == 0:  # verl's fully-async scripts: a trainer batch is one local update's prompts
+            check(self.trainer.mode == "fully_async", "data.train_batch_size", 0,
+                  "> 0 (0 only with trainer.mode=fully_async: the trainer's batch is then ppo_mini_batch_size x "
+                  "async_training.require_batches)")
+            self.data.train_batch_size = actor.ppo_mini_batch_size * self.async_training.require_batches
         self._inherit()
         # Diffusion mode has no critic and updates on the whole batch with diffusion.actor's settings.
         lm = self.trainer.mode != "diffusion"
@@ -607,11 +596,16 @@ class PlaitConfig:
         check(self.algorithm.adv_estimator != "grpo_passk" or self.actor_rollout_ref.rollout.n >= 2,
               "actor_rollout_ref.rollout.n", self.actor_rollout_ref.rollout.n,
               ">= 2 with algorithm.adv_estimator=grpo_passk (best minus second best of each prompt's responses)")
+        check(lm or not self.algorithm.filter_groups.enable, "algorithm.filter_groups.enable", True,
+              "false with trainer.mode=diffusion (DAPO's dynamic sampling runs in the language-model modes)")
         correction = self.algorithm.rollout_correction
+        if actor.policy_loss.loss_mode == "bypass_mode":  # verl's name for the loss its bypass mode selects
+            actor.policy_loss.loss_mode, correction.bypass_mode = "vanilla", True
         # bypass mode takes rollout_is too, as verl does: the actor weighs pi_current / pi_rollout with
         # loss_type=reinforce; with ppo_clip the clipped ratio is the correction and the weights are only reported
         if correction.rollout_is is None and mode in ASYNC_MODES and not correction.bypass_mode:
             correction.rollout_is = "token"
+            correction.rollout_is_threshold = correction.rollout_is_threshold or 2.0  # verl's default C
         self._resolve_engine()
         if mode == "fully_async":
             a = self.async_training
@@ -639,10 +633,13 @@ class PlaitConfig:
         arr, critic = self.actor_rollout_ref, self.critic
         actor, n = arr.actor, arr.rollout.n
         self.data.seed = self.trainer.seed if self.data.seed is None else self.data.seed
+        # profiler artifacts belong to their run (verl: one shared outputs/profile, which runs overwrote)
+        self.global_profiler.save_path = self.global_profiler.save_path or os.path.join(self.output_dir, "profile")
         actor.ppo_micro_batch_size_per_gpu = actor.ppo_micro_batch_size_per_gpu or actor.ppo_mini_batch_size * n
         critic.ppo_micro_batch_size_per_gpu = critic.ppo_micro_batch_size_per_gpu or critic.ppo_mini_batch_size * n
         # seq-mean-token-sum-norm's constant: verl divides by the padded length, which is max_response_length there
         actor.loss_scale_factor = actor.loss_scale_factor or self.data.max_response_length
+        critic.loss_scale_factor = critic.loss_scale_factor or self.data.max_response_length
         for node in (arr.rollout, arr.ref):
             node.log_prob_micro_batch_size_per_gpu = node.log_prob_micro_batch_size_per_gpu or self.data.train_batch_size * n
             node.log_prob_use_dynamic_bsz = (actor.use_dynamic_bsz if node.log_prob_use_dynamic_bsz is None
@@ -751,18 +748,25 @@ def _prefixes(key: str) -> list[str]:
     return [".".join(parts[:i]) for i in range(len(parts), 0, -1)]
 
 
-def load_config(path: str | None = None, overrides: list[str] = ()) -> PlaitConfig:
+def load_config(path: str | None = None, overrides: list[str] = (), search: list[str] = ()) -> PlaitConfig:
     """Defaults <- demo preset <- YAML file <- overrides, built and validated as one tree.
 
     The demo preset (configs/demo.yaml) applies when actor_rollout_ref.model.path is null.
-    Every error of the file and command line is raised at once (a ConfigErrors for several).
+    Every error of the file and command line is raised at once (a ConfigErrors for several). A
+    verl YAML's `defaults:` list is composed (files found beside it or in `search`), `hydra:` and
+    `_target_` dropped and `${...}` resolved (config_verl.compose_yaml).
     """
-    tree, errors = _read_yaml(path, "--config"), []
+    tree, errors = read_config_file(path, search), []
     for text in overrides:
         try:
             apply_override(tree, text)
         except ConfigError as err:
             errors.append(err)
+    try:
+        tree = resolve_interpolations(tree, to_dict(PlaitConfig()))
+    except ConfigError as err:
+        raise_all([*errors, err])
+    moved = map_legacy_reward(tree)
     user = dict(_leaf_items(tree, ""))
     refused = refusal(user)
     if refused:
@@ -775,7 +779,7 @@ def load_config(path: str | None = None, overrides: list[str] = ()) -> PlaitConf
     _inherit_from_actor(tree)
     demo = user.get("actor_rollout_ref.model.path") is None
     if demo:
-        tree = _merge(_read_yaml(DEMO_PRESET, "preset"), tree)
+        tree = merge(_read_yaml(DEMO_PRESET, "preset"), tree)
     try:
         cfg = build(PlaitConfig, tree)
     except ConfigError as err:
@@ -796,11 +800,46 @@ def load_config(path: str | None = None, overrides: list[str] = ()) -> PlaitConf
         no_effect += [key for key in user if any(p in HF_ENGINE_NO_EFFECT for p in _prefixes(key))]
     if no_effect:
         print(no_effect_notice(no_effect), file=sys.stderr)
+    if moved:
+        print("plait: verl 0.8 reward keys mapped onto verl 0.9's reward tree: " + ", ".join(moved), file=sys.stderr)
     return cfg
 
 
+def map_legacy_reward(tree: dict) -> list[str]:
+    """Move verl 0.8's top-level reward keys (config_verl.LEGACY_REWARD) onto the `reward.*` tree,
+    in place, as verl 0.9 does: a legacy key set to null means unset and is dropped. Returns
+    "old -> new" for each key moved."""
+    moved = []
+    for section in ("custom_reward_function", "reward_model", "sandbox_fusion"):
+        node = tree.pop(section, None)
+        if not isinstance(node, dict):
+            if node is not None:
+                tree[section] = node  # reported by the tree builder
+            continue
+        kept: dict = {}
+        for key, value in _leaf_items(node, f"{section}."):
+            prefix = next((p for p in _prefixes(key) if p in LEGACY_REWARD), None)
+            if prefix is None:
+                _set(kept, key, value)
+            elif value is not None:
+                new = LEGACY_REWARD[prefix] + key[len(prefix):]
+                _set(tree, new, value)
+                moved.append(f"{key} -> {new}")
+        tree.update(kept)
+    return moved
+
+
+def _set(tree: dict, key: str, value: Any) -> None:
+    *parents, last = key.split(".")
+    for part in parents:
+        if not isinstance(tree.get(part), dict):
+            tree[part] = {}
+        tree = tree[part]
+    tree[last] = value
+
+
 # Critic keys that default to the actor's value, as verl's ${oc.select:actor_rollout_ref.actor...} does.
-CRITIC_FROM_ACTOR = ("ppo_mini_batch_size", "ppo_epochs", "loss_agg_mode")
+CRITIC_FROM_ACTOR = ("ppo_mini_batch_size", "ppo_epochs", "loss_agg_mode", "loss_scale_factor")
 
 
 def _inherit_from_actor(tree: dict) -> None:
@@ -819,6 +858,15 @@ def _changed(user: dict[str, Any], section: str, node: Any) -> list[str]:
     return [key for key, value in user.items() if key.startswith(f"{section}.") and defaults.get(key, unset) != value]
 
 
+def read_config_file(path: str | None, search: list[str] = ()) -> dict:
+    """A YAML config file as a plain tree, its defaults list composed (load_config resolves `${...}`
+    once the overrides are in, as Hydra does)."""
+    if not path:
+        return {}
+    return compose_yaml(_read_yaml(path, "--config"), path, [os.path.dirname(path) or ".", *search],
+                        lambda p: _read_yaml(p, "defaults"))
+
+
 def _read_yaml(path: str | None, what: str) -> dict:
     if not path:
         return {}
@@ -833,10 +881,3 @@ def _read_yaml(path: str | None, what: str) -> dict:
         raise ConfigError(what, path, "the YAML file must hold a mapping at the top level")
     return tree
 
-
-def _merge(base: dict, top: dict) -> dict:
-    """`top` over `base`, section by section."""
-    out = dict(base)
-    for key, value in top.items():
-        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
-    return out

@@ -11,18 +11,19 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 
 import torch
 import transformers
 
 from plait.config import PlaitConfig
 from plait.configtree import ConfigError, raise_all, to_dict
-from plait.data.rewards import default_compute_score, guard_reward, load_custom_reward, make_reward
+from plait.data.rewards import resolve_reward
 from plait.models import check_model_dir
 from plait.profiler import RoleProfilerConfig, validate_environment
 from plait.profiler.config import ROLE_KEYS
 from plait.trainers.lifecycle import Lifecycle, LifecycleConfig, output_dir_lock
-from plait.trainers.tracking import Tracker
+from plait.trainers.tracking import Tracker, check_loggers
 
 log = logging.getLogger("plait")
 
@@ -36,26 +37,6 @@ def resolve_device(cfg: PlaitConfig) -> str:
     return device
 
 
-def resolve_reward(cfg: PlaitConfig):
-    """The batch scorer: the reward function (custom or built-in) under `reward_model.reward_manager`."""
-    rm = cfg.reward_model
-    max_resp_len = rm.reward_kwargs.get("max_resp_len", cfg.data.max_response_length)
-    return make_reward(resolve_reward_fn(cfg), rm.reward_manager, rm.overlong_buffer, max_resp_len)
-
-
-def resolve_reward_fn(cfg: PlaitConfig):
-    custom = cfg.custom_reward_function
-    if not custom.path:
-        return guard_reward(default_compute_score, "default_compute_score")
-    try:
-        return guard_reward(load_custom_reward(custom.path, custom.name, custom.reward_kwargs),
-                            custom.name, custom.timeout)
-    except FileNotFoundError:
-        raise ConfigError("custom_reward_function.path", custom.path, "no such file") from None
-    except AttributeError as err:
-        raise ConfigError("custom_reward_function.name", custom.name, str(err)) from None
-
-
 def check_data_files(cfg: PlaitConfig) -> None:
     for key, files in (("data.train_files", cfg.data.train_files), ("data.val_files", cfg.data.val_files)):
         for path in files or []:
@@ -65,13 +46,13 @@ def check_data_files(cfg: PlaitConfig) -> None:
 
 def check_model_path(cfg: PlaitConfig) -> None:
     """A model dir without config, weights or tokenizer, or not a causal LM, is refused before any work."""
-    model, rm = cfg.actor_rollout_ref.model, cfg.reward_model
+    model, rm = cfg.actor_rollout_ref.model, cfg.reward.reward_model
     if model.path is not None and cfg.trainer.mode != "diffusion":
         check_model_dir("actor_rollout_ref.model.path", model.path)
     if cfg.critic.enable and cfg.critic.model.path:
         check_model_dir("critic.model.path", cfg.critic.model.path, tokenizer=False)
     for key, path in (("actor_rollout_ref.model.lora_adapter_path", model.lora_adapter_path if model.lora_rank else None),
-                      ("reward_model.model.path", rm.model.path if rm.enable else None)):
+                      ("reward.reward_model.model_path", rm.model_path if rm.enable else None)):
         if path is not None and not os.path.isdir(path):
             raise ConfigError(key, path, "not a directory; give a local Hugging Face model directory")
 
@@ -84,8 +65,8 @@ def preflight(cfg: PlaitConfig) -> None:
                     ROLE_KEYS[role], role, ABSENT_WHY[role])
     roles_cfg = role_profilers(cfg)
     for rule in (lambda: validate_environment(cfg.global_profiler, roles_cfg), lambda: check_memory_profiling(cfg, roles_cfg),
-                 lambda: check_data_files(cfg), lambda: check_model_path(cfg), lambda: resolve_reward(cfg),
-                 lambda: resolve_device(cfg)):
+                 lambda: check_data_files(cfg), lambda: check_model_path(cfg), lambda: resolve_reward(cfg.reward, cfg.data.max_response_length),
+                 lambda: resolve_device(cfg), lambda: check_loggers(cfg.trainer.logger)):
         try:
             rule()
         except ConfigError as err:
@@ -93,8 +74,10 @@ def preflight(cfg: PlaitConfig) -> None:
     raise_all(errors)
 
 
-def build(cfg: PlaitConfig, progress: bool = True) -> Lifecycle:
-    preflight(cfg)
+def build(cfg: PlaitConfig, progress: bool = True, checked: bool = False) -> Lifecycle:
+    started = time.perf_counter()  # the run summary's start-up time counts model and worker set-up
+    if not checked:  # the CLI has run preflight already: its warnings are said once
+        preflight(cfg)
     transformers.utils.logging.disable_progress_bar()  # per-load weight bars drown the step lines
     if cfg.trainer.num_threads:
         torch.set_num_threads(cfg.trainer.num_threads)
@@ -115,7 +98,7 @@ def build(cfg: PlaitConfig, progress: bool = True) -> Lifecycle:
     lc = LifecycleConfig(output_dir=cfg.output_dir, test_freq=t.test_freq, save_freq=t.save_freq,
                          val_before_train=t.val_before_train, resume_mode=t.resume_mode,
                          resume_from_path=t.resume_from_path, max_ckpt_to_keep=checkpoints_to_keep(cfg))
-    return Lifecycle(lc, trainer, cfg.global_profiler, tracker, shutdown=backend.shutdown)
+    return Lifecycle(lc, trainer, cfg.global_profiler, tracker, shutdown=backend.shutdown, started=started)
 
 
 def checkpoints_to_keep(cfg: PlaitConfig) -> int | None:
@@ -141,12 +124,12 @@ def absent_profiled_roles(cfg: PlaitConfig) -> list[str]:
 def _profiler_nodes(cfg: PlaitConfig) -> dict:
     arr = cfg.actor_rollout_ref
     return {"actor": arr.actor.profiler, "rollout": arr.rollout.profiler, "ref": arr.ref.profiler,
-            "critic": cfg.critic.profiler, "reward_model": cfg.reward_model.profiler}
+            "critic": cfg.critic.profiler, "reward_model": cfg.reward.reward_model.profiler}
 
 
 ABSENT_WHY = {"rollout": "trainer.mode=diffusion samples inside the actor",
               "ref": "no KL term uses a reference policy, or with LoRA the actor computes it",
-              "critic": "critic.enable is false (no GAE)", "reward_model": "reward_model.enable is false",
+              "critic": "critic.enable is false (no GAE)", "reward_model": "reward.reward_model.enable is false",
               "actor": ""}
 
 
@@ -156,7 +139,7 @@ def run_roles(cfg: PlaitConfig) -> set[str]:
         return {"actor"} | ({"ref"} if cfg.diffusion.actor.kl_loss_coef > 0 else set())
     lora = cfg.actor_rollout_ref.model.lora_rank > 0  # the actor's base model is the reference
     return ({"actor", "rollout"} | ({"ref"} if cfg.uses_ref and not lora else set())
-            | ({"critic"} if cfg.critic.enable else set()) | ({"reward_model"} if cfg.reward_model.enable else set()))
+            | ({"critic"} if cfg.critic.enable else set()) | ({"reward_model"} if cfg.reward.reward_model.enable else set()))
 
 
 def check_memory_profiling(cfg: PlaitConfig, roles_cfg: dict) -> None:
@@ -176,7 +159,7 @@ def make_backend(cfg: PlaitConfig):
     return backend_for(cfg, role_profilers(cfg), resolve_device(cfg))
 
 
-def run(cfg: PlaitConfig, progress: bool = True) -> dict[str, float]:
+def run(cfg: PlaitConfig, progress: bool = True, checked: bool = False) -> dict[str, float]:
     with output_dir_lock(cfg.output_dir):  # before build: it writes data and the demo model there
         print(f"plait: outputs in {cfg.output_dir}", file=sys.stderr)
-        return build(cfg, progress=progress).run()
+        return build(cfg, progress=progress, checked=checked).run()

@@ -78,7 +78,7 @@ def test_cli_config_show_prints_resolved_tree():
 
 
 @pytest.mark.parametrize("override, key", [
-    ("custom_reward_function.path=/no/such/reward.py", "custom_reward_function.path"),
+    ("custom_reward_function.path=/no/such/reward.py", "reward.custom_reward_function.path"),  # 0.8 spelling, mapped
     ("data.train_files=[/no/such/train.parquet]", "data.train_files"),
     ("actor_rollout_ref.model.path=/no/such/model", "actor_rollout_ref.model.path"),
 ])

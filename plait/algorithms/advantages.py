@@ -65,13 +65,16 @@ def grpo(token_rewards: Tensor, response_mask: Tensor, group_ids: Tensor,
     return adv, adv
 
 
-def rloo(token_rewards: Tensor, response_mask: Tensor, group_ids: Tensor) -> tuple[Tensor, Tensor]:
-    """Leave-one-out baseline: s_i minus the mean of the other samples of its group (0 if alone)."""
+def rloo(token_rewards: Tensor, response_mask: Tensor, group_ids: Tensor,
+         lone_keeps_score: bool = True) -> tuple[Tensor, Tensor]:
+    """Leave-one-out baseline: s_i minus the mean of the other samples of its group. Alone, verl 0.9.1's
+    rloo keeps s_i and its rloo_vectorized gives 0 (`lone_keeps_score`)."""
     mask = response_mask.to(token_rewards.dtype)
     scores = (token_rewards * mask).sum(-1)  # [batch]
     size, mean, _ = _group_stats(scores, group_ids)
     # s_i - (n*mean - s_i)/(n-1) = n/(n-1) * (s_i - mean)
-    adv = torch.where(size > 1, size / (size - 1).clamp(min=1) * (scores - mean), 0.0)  # [batch]
+    adv = torch.where(size > 1, size / (size - 1).clamp(min=1) * (scores - mean),
+                      scores if lone_keeps_score else 0.0)  # [batch]
     adv = adv[:, None] * mask  # [batch, resp_len]
     return adv, adv
 
@@ -91,6 +94,20 @@ def reinforce_plus_plus(token_rewards: Tensor, response_mask: Tensor,
         running = m * (token_rewards[:, t] + gamma * running) + (1 - m) * running
         returns[:, t] = running * m
     return masked_whiten(returns, mask), returns
+
+
+def gdpo(components: Tensor, weights: Tensor, response_mask: Tensor, group_ids: Tensor,
+         norm_by_std: bool = True) -> tuple[Tensor, Tensor]:
+    """GDPO: each reward component [k, batch] normalised within its groups as GRPO does, summed with
+    `weights` [k], then whitened over the batch's valid tokens (so no one component drowns the others)."""
+    mask = response_mask.to(components.dtype)
+    total = torch.zeros_like(mask)
+    for comp, w in zip(components, weights):
+        tokens = torch.zeros_like(mask)
+        tokens[:, 0] = comp * mask[:, 0]  # a sequence's score, summed over its tokens by grpo
+        total = total + w * grpo(tokens, mask, group_ids, norm_by_std)[0]
+    adv = masked_whiten(total, mask)  # [batch, resp_len]
+    return adv, adv
 
 
 def grpo_passk(token_rewards: Tensor, response_mask: Tensor, group_ids: Tensor,
@@ -182,6 +199,8 @@ class AdvantageInputs:
     group_ids: Tensor                     # [batch]
     values: Tensor | None = None          # [batch, resp_len], from a critic (gae)
     baselines: Tensor | None = None       # [batch], greedy responses' scores (remax)
+    components: Tensor | None = None      # [k, batch] reward components (gdpo: algorithm.gdpo_reward_keys)
+    component_weights: Tensor | None = None  # [k]; null: 1 each
     gamma: float = 1.0
     lam: float = 1.0
     norm_by_std: bool = True
@@ -194,6 +213,8 @@ def compute_advantages(estimator: str, **inputs) -> tuple[Tensor, Tensor]:
         raise ValueError(f"unknown advantage estimator {estimator!r}; "
                          f"valid: {', '.join(ESTIMATORS)}")
     a = AdvantageInputs(**inputs)
+    if estimator == "gdpo" and a.components is None:
+        raise ValueError("the 'gdpo' estimator needs the reward components: pass components=[k, batch]")
     if estimator == "gae" and a.values is None:
         raise ValueError("the 'gae' estimator needs values from a critic: "
                          "pass values=[batch, resp_len]")
@@ -209,6 +230,9 @@ ESTIMATORS = {
     "grpo": lambda a: grpo(a.token_rewards, a.response_mask, a.group_ids, norm_by_std=a.norm_by_std),
     "grpo_passk": lambda a: grpo_passk(a.token_rewards, a.response_mask, a.group_ids, norm_by_std=a.norm_by_std),
     "rloo": lambda a: rloo(a.token_rewards, a.response_mask, a.group_ids),
+    # verl's vectorized twins: the same numbers (rloo_vectorized gives a lone sample 0)
+    "grpo_vectorized": lambda a: grpo(a.token_rewards, a.response_mask, a.group_ids, norm_by_std=a.norm_by_std),
+    "rloo_vectorized": lambda a: rloo(a.token_rewards, a.response_mask, a.group_ids, lone_keeps_score=False),
     "reinforce_plus_plus": lambda a: reinforce_plus_plus(a.token_rewards, a.response_mask, a.gamma),
     "reinforce_plus_plus_baseline": lambda a: reinforce_plus_plus_baseline(a.token_rewards, a.response_mask,
                                                                            a.group_ids),
@@ -216,4 +240,6 @@ ESTIMATORS = {
     "opo": lambda a: opo(a.token_rewards, a.response_mask, a.group_ids),
     "gpg": lambda a: gpg(a.token_rewards, a.response_mask, a.group_ids),
     "gae": lambda a: gae(a.token_rewards, a.values, a.response_mask, a.gamma, a.lam),
+    "gdpo": lambda a: gdpo(a.components, torch.ones(len(a.components)) if a.component_weights is None
+                           else a.component_weights, a.response_mask, a.group_ids, a.norm_by_std),
 }

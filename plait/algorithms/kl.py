@@ -108,6 +108,8 @@ KL_ESTIMATORS = {
     "k3": k3,
     "low_var_kl": k3,
     "k1+": straight_through(k1),
+    "k2+": k2,                   # k2's own gradient already: verl treats k2+ and mse+ as k2
+    "mse+": k2,
     "kl+": straight_through(k1),
     "abs+": straight_through(abs_k1),
     "k3+": straight_through(k3),

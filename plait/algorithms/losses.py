@@ -17,7 +17,7 @@ from torch import Tensor
 
 from plait.algorithms.advantages import masked_mean
 
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 
 def agg_loss(loss_mat: Tensor, mask: Tensor, mode: str, num_tokens: float | Tensor | None = None,
@@ -25,6 +25,7 @@ def agg_loss(loss_mat: Tensor, mask: Tensor, mode: str, num_tokens: float | Tens
     """Reduce a per-token loss [batch, resp_len] to a scalar.
 
     token-mean: sum of valid-token losses / num_tokens (default: valid tokens here).
+    token-sum: sum of valid-token losses (no normalisation; summed over micro-batches and ranks).
     seq-mean-token-sum: sum over sequences of token sums / num_seqs (default: batch size).
     seq-mean-token-mean: sum over sequences of per-sequence token means / num_seqs.
     seq-mean-token-sum-norm (Dr.GRPO): seq-mean-token-sum divided by a constant length,
@@ -39,6 +40,8 @@ def agg_loss(loss_mat: Tensor, mask: Tensor, mode: str, num_tokens: float | Tens
     token_sums = (loss_mat * mask).sum(-1)  # [batch]
     if mode == "token-mean":
         return token_sums.sum() / (mask.sum().clamp(min=1) if num_tokens is None else num_tokens)
+    if mode == "token-sum":
+        return token_sums.sum()
     if mode == "seq-mean-token-mean":
         token_sums = token_sums / mask.sum(-1).clamp(min=1)  # an all-padding row adds 0
     if mode == "seq-mean-token-sum-norm":
@@ -96,6 +99,7 @@ class PolicyLossKnobs:
     ppo_kl_coef: float = 0.1                # KL-Cov's |log ratio| coefficient
     tau_pos: float = 1.0                    # SAPO's gate temperatures for A > 0 and A <= 0
     tau_neg: float = 1.05
+    dro_beta: float | None = None           # DRO's quadratic log-ratio penalty
 
 
 def policy_loss(mode: str, logp: Tensor, old_logp: Tensor, advantages: Tensor, response_mask: Tensor,
@@ -116,11 +120,14 @@ def _vanilla(logp, old_logp, adv, mask, k: PolicyLossKnobs, agg, is_weights):
 
 def gspo_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, response_mask: Tensor,
               clip_low: float, clip_high: float, num_seqs: float | Tensor | None = None,
-              is_weights: Tensor | None = None) -> tuple[Tensor, dict[str, float]]:
+              is_weights: Tensor | None = None, agg_mode: str = "seq-mean-token-mean",
+              num_tokens: float | Tensor | None = None,
+              loss_scale_factor: float | None = None) -> tuple[Tensor, dict[str, float]]:
     """GSPO: PPO clipping on the sequence ratio s = exp(mean_t log(pi/pi_old)), one per response.
 
     Each token carries s in value but its own log-prob's gradient: log s_t = sg(log s) + logp -
-    sg(logp). Always aggregated seq-mean-token-mean, as GSPO defines it.
+    sg(logp). Aggregated with actor.loss_agg_mode, as verl 0.9.1 does (the paper's is
+    seq-mean-token-mean).
     """
     mask = response_mask.to(logp.dtype)
     seq_log_ratio = ((logp - old_logp) * mask).sum(-1) / mask.sum(-1).clamp(min=1)  # [batch]
@@ -131,7 +138,7 @@ def gspo_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, response_mask:
     loss_mat = torch.maximum(unclipped, clipped)
     if is_weights is not None:
         loss_mat = loss_mat * is_weights
-    loss = agg_loss(loss_mat, mask, "seq-mean-token-mean", num_seqs=num_seqs)
+    loss = agg_loss(loss_mat, mask, agg_mode, num_tokens, num_seqs, loss_scale_factor)
     return loss, {"pg_clipfrac": masked_mean((clipped > unclipped).float(), mask).item(),
                   "pg_clipfrac_lower": 0.0,
                   "ppo_kl": masked_mean((old_logp - logp).detach(), mask).item()}
@@ -254,16 +261,57 @@ def cispo_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, response_mask
                   "ppo_kl": masked_mean((old_logp - logp).detach(), mask).item()}
 
 
+def dppo_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, response_mask: Tensor, k: PolicyLossKnobs,
+              divergence: str, is_weights: Tensor | None = None, **agg) -> tuple[Tensor, dict[str, float]]:
+    """DPPO (binary TV or binary KL): -A * sg(min(r, clip_c)) * log pi on the tokens whose probability
+    moved less than the bound in the direction A pushes; the others carry no gradient. clip_low and
+    clip_high bound the divergence: tv is p - p_old; kl is the KL between the two Bernoullis
+    (p_old, p) of the sampled token, checked only when p moved the way A pushes."""
+    mask = response_mask.to(logp.dtype)
+    log_ratio = torch.clamp(logp - old_logp, -20.0, 20.0)
+    ratio = torch.exp(log_ratio)
+    truncated = torch.clamp(ratio, max=k.clip_c).detach()
+    prob, old_prob = torch.exp(logp), torch.exp(old_logp)
+    if divergence == "tv":
+        up_ok, down_ok = prob - old_prob <= k.clip_high, prob - old_prob >= -k.clip_low
+    else:
+        bkl = old_prob * (old_logp - logp) + (1 - old_prob) * torch.log((1.0 - old_prob + 1e-8) / (1.0 - prob + 1e-8))
+        up_ok, down_ok = (bkl <= k.clip_high) | (prob <= old_prob), (bkl <= k.clip_low) | (prob >= old_prob)
+    kept = torch.where(advantages > 0, up_ok, down_ok).detach().to(logp.dtype)  # [batch, resp_len]
+    loss_mat = -advantages * truncated * logp * kept
+    if is_weights is not None:
+        loss_mat = loss_mat * is_weights
+    loss = agg_loss(loss_mat, mask, k.agg_mode, loss_scale_factor=k.loss_scale_factor, **agg)
+    return loss, {"pg_clipfrac": masked_mean(1.0 - kept, mask).item(),
+                  "pg_clipfrac_lower": masked_mean((ratio > k.clip_c).to(logp.dtype) * kept, mask).item(),
+                  "ppo_kl": masked_mean(-log_ratio.detach(), mask).item()}
+
+
+def dro_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, response_mask: Tensor, k: PolicyLossKnobs,
+             is_weights: Tensor | None = None, **agg) -> tuple[Tensor, dict[str, float]]:
+    """DRO: -(A * log pi - beta/2 * (log pi - log pi_old)^2) per token (policy_loss.dro_beta)."""
+    if k.dro_beta is None or k.dro_beta <= 0:
+        raise ValueError("policy_loss.dro_beta must be > 0 with loss_mode=dro")
+    log_ratio = logp - old_logp
+    loss_mat = -(logp * advantages - 0.5 * k.dro_beta * log_ratio ** 2)
+    if is_weights is not None:
+        loss_mat = loss_mat * is_weights
+    loss = agg_loss(loss_mat, response_mask, k.agg_mode, loss_scale_factor=k.loss_scale_factor, **agg)
+    return loss, {"pg_clipfrac": 0.0, "pg_clipfrac_lower": 0.0,
+                  "ppo_kl": masked_mean(-log_ratio.detach(), response_mask).item()}
+
+
 def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, response_mask: Tensor,
                cliprange: float = 0.5, agg_mode: str = "token-mean",
                num_tokens: float | Tensor | None = None,
-               num_seqs: float | Tensor | None = None) -> tuple[Tensor, dict[str, float]]:
+               num_seqs: float | Tensor | None = None,
+               loss_scale_factor: float | None = None) -> tuple[Tensor, dict[str, float]]:
     """Clipped value loss 0.5 * agg(max((V-R)^2, (clip(V, V_old +- cliprange) - R)^2))."""
     clipped_values = old_values + torch.clamp(values - old_values, -cliprange, cliprange)
     unclipped_err = (values - returns) ** 2  # [batch, resp_len]
     clipped_err = (clipped_values - returns) ** 2
     loss = 0.5 * agg_loss(torch.maximum(unclipped_err, clipped_err), response_mask, agg_mode,
-                          num_tokens, num_seqs)
+                          num_tokens, num_seqs, loss_scale_factor)
     clipfrac = masked_mean((clipped_err > unclipped_err).float(), response_mask)
     return loss, {"vf_clipfrac": clipfrac.item()}
 
@@ -289,11 +337,15 @@ def token_logprobs(logits: Tensor, tokens: Tensor) -> Tensor:
 # loss_mode name -> fn(logp, old_logp, advantages, mask, knobs, {num_tokens, num_seqs}, is_weights)
 POLICY_LOSSES = {
     "vanilla": _vanilla,
-    "gspo": lambda lp, old, a, m, k, agg, w: gspo_loss(lp, old, a, m, k.clip_low, k.clip_high, agg["num_seqs"], w),
+    "gspo": lambda lp, old, a, m, k, agg, w: gspo_loss(lp, old, a, m, k.clip_low, k.clip_high, agg["num_seqs"], w,
+                                                       k.agg_mode, agg["num_tokens"], k.loss_scale_factor),
     "gpg": lambda lp, old, a, m, k, agg, w: gpg_loss(lp, a, m, k.agg_mode, w, loss_scale_factor=k.loss_scale_factor, **agg),
     "clip_cov": lambda lp, old, a, m, k, agg, w: clip_cov_loss(lp, old, a, m, k, w, **agg),
     "kl_cov": lambda lp, old, a, m, k, agg, w: kl_cov_loss(lp, old, a, m, k, w, **agg),
     "geo_mean": lambda lp, old, a, m, k, agg, w: geo_mean_loss(lp, old, a, m, k.clip_low, k.clip_high, agg["num_seqs"], w),
     "sapo": lambda lp, old, a, m, k, agg, w: sapo_loss(lp, old, a, m, k.tau_pos, k.tau_neg, agg["num_seqs"], w),
     "cispo": lambda lp, old, a, m, k, agg, w: cispo_loss(lp, old, a, m, k, w, **agg),
+    "dppo_tv": lambda lp, old, a, m, k, agg, w: dppo_loss(lp, old, a, m, k, "tv", w, **agg),
+    "dppo_kl": lambda lp, old, a, m, k, agg, w: dppo_loss(lp, old, a, m, k, "kl", w, **agg),
+    "dro": lambda lp, old, a, m, k, agg, w: dro_loss(lp, old, a, m, k, w, **agg),
 }

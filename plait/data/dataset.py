@@ -82,7 +82,7 @@ def load_dataset(key: str, paths: Sequence[str], tokenizer: PreTrainedTokenizerB
     """One dataset over the files of config key `key`; any problem with a file (unreadable, empty,
     a bad row) is a ConfigError naming the file and its line or row, before training starts."""
     items: list[PromptItem] = []
-    filtered = 0
+    filtered, shortest = 0, []
     for path in paths:
         try:
             rows = read_rows(path)
@@ -90,8 +90,13 @@ def load_dataset(key: str, paths: Sequence[str], tokenizer: PreTrainedTokenizerB
                 raise ValueError("the file holds no rows")
             part = PromptDataset(rows, tokenizer, first_index=len(items) + filtered, **options)
             items, filtered = items + part.items, filtered + part.filtered
+            shortest.append(part.shortest)
         except (KeyError, ValueError) as err:
             raise ConfigError(key, path, err.args[0]) from None
+    if filtered and not items:
+        raise ConfigError("data.filter_overlong_prompts", True, f"dropped every row of {key} ({filtered} prompts): "
+                          f"the shortest prompt has {min(shortest)} tokens, over data.max_prompt_length="
+                          f"{options.get('max_prompt_length', 512)}; raise the limit")
     dataset = PromptDataset([], tokenizer, **options)
     dataset.items, dataset.filtered = items, filtered
     return dataset
@@ -135,6 +140,7 @@ class PromptDataset:
         check(truncation in TRUNCATIONS, "truncation", truncation, f"one of {', '.join(TRUNCATIONS)}")
         items = [self._item(i, row, tokenizer, prompt_key, return_raw_chat, reward_fn_key, first_index)
                  for i, row in enumerate(rows)]
+        self.shortest = min((len(it.prompt_ids) for it in items), default=0)  # tokens; names the limit when all are dropped
         if filter_overlong_prompts:
             kept = [it for it in items if len(it.prompt_ids) <= max_prompt_length]
             self.filtered, items = len(items) - len(kept), kept

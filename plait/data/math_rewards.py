@@ -4,13 +4,20 @@ Each scorer takes the response text and the ground truth as stored in the row an
 number (or a dict with "score"), the way verl scores these sources, so a verl user's GSM8K or
 MATH parquet trains against the same targets here:
 
-- GSM8K (`openai/gsm8k`): the answer is the number after the last `####`; "flexible" takes the
-  last number anywhere instead. 1.0 when right, `format_score` when an answer was found but is wrong.
-- MATH (`lighteval/MATH`, ...): the answer is the last `\\boxed{...}`; both sides are normalised
-  (Hendrycks et al.'s MATH rules: `\\dfrac` -> `\\frac`, units and spaces dropped, `0.5` ->
-  `\\frac{1}{2}`, ...) and compared as strings. 1.0 or 0.0.
-- DAPO (`math_dapo`, `aime*`): the answer follows the last `Answer:`; both sides normalised with
-  Minerva's rules (Lewkowycz et al. 2022); +1 when right, -1 otherwise, with "acc" and "pred".
+- GSM8K (`openai/gsm8k`): the answer is the number after the last `#### ` (digits, `.`, `,`; so
+  `#### $42` has none); "flexible" takes the last number anywhere instead. 1.0 when it equals the
+  ground truth string, `format_score` when an answer was found but is wrong.
+- MATH (`lighteval/MATH`, ...): the answer is the last `\\boxed{...}` (or `\\boxed x$`);
+  both sides are normalised (Hendrycks et al.'s MATH rules: `\\dfrac` -> `\\frac`, a unit after
+  `\\text{ ` and spaces dropped, `\\%` dropped, `0.5` -> `\\frac{1}{2}`, ...) and compared as
+  strings; where a rule cannot apply the raw strings are compared. A ground truth that is not a
+  string never matches. 1.0 or 0.0.
+- DAPO (`math_dapo`, `math`, `math_dapo_reasoning`, `aime*`): the answer follows the last `Answer:`,
+  both sides normalised with Minerva's rules (Lewkowycz et al. 2022); without an `Answer:` line the
+  last `\\boxed{...}` of the last 100 characters, compared as written. +1 when right, -1 otherwise,
+  with "acc" and "pred".
+
+These follow verl 0.9.1's scorers (verl/utils/reward_score), checked side by side on the same strings.
 
 Left out: symbolic equivalence (math-verify, sympy), code execution, and the other sources verl
 routes (numina, code contests, geometry3k): score those with a custom reward function.
@@ -29,7 +36,7 @@ def gsm8k_answer(response: str, method: str = "strict") -> str | None:
     """The final answer of a GSM8K response, commas and dollar signs dropped; None if there is none."""
     tail = response[-TAIL_CHARS:]
     if method == "strict":
-        found = re.findall(r"#### (-?[0-9.,$]+)", tail)
+        found = re.findall(r"#### (-?[0-9.,]+)", tail)
     elif method == "flexible":
         found = [s for s in re.findall(r"-?[0-9.,]+", tail) if s not in (".", ",")]
     else:
@@ -42,26 +49,29 @@ def gsm8k_score(solution_str: str, ground_truth: str, method: str = "strict",
     answer = gsm8k_answer(solution_str, method)
     if answer is None:
         return 0.0
-    return score if answer == str(ground_truth) else format_score
+    return score if answer == ground_truth else format_score  # a non-string ground truth never matches
 
 
 # -- MATH ----------------------------------------------------------------------------------------
 
 def last_boxed(text: str) -> str | None:
-    """The content of the last `\\boxed{...}` (braces balanced) or `\\boxed x`; None if none closes."""
+    """MATH's answer: `\\boxed x$` wherever it appears (the text after the last `\\boxed `, up to a
+    dollar sign), else the content of the last `\\boxed{...}`, braces balanced; None if there is none
+    or it does not close (verl scores `\\fbox` 0 too)."""
+    if "\\boxed " in text:
+        return text.split("\\boxed ")[-1].split("$")[0]
     start = text.rfind("\\boxed")
-    if start < 0:
-        return None
-    rest = text[start + len("\\boxed"):]
-    if rest.startswith(" "):  # "\boxed 5$": the answer runs to the next dollar sign
-        return rest[1:].split("$")[0]
-    if not rest.startswith("{"):
-        return None
+    rest = text[start + len("\\boxed"):] if start >= 0 else ""
+    return _braced(rest) if rest.startswith("{") else None
+
+
+def _braced(rest: str) -> str | None:
+    """The content of the brace group `rest` opens with (its first brace, balanced); None if it never closes."""
     depth = 0
     for i, ch in enumerate(rest):
         depth += (ch == "{") - (ch == "}")
-        if depth == 0:
-            return rest[1:i]
+        if ch == "}" and depth == 0:
+            return rest[rest.index("{") + 1:i]
     return None
 
 
@@ -70,9 +80,11 @@ def _braced_fracs(s: str) -> str:
     out, parts = [], s.split("\\frac")
     out.append(parts[0])
     for part in parts[1:]:
-        if part.startswith("{") or len(part) < 2:
+        if part.startswith("{"):
             out.append("\\frac" + part)
             continue
+        if len(part) < 2:
+            return s  # "\frac" and one character: left as it was
         num, rest = part[0], part[1:]
         den, rest = (rest, "") if rest.startswith("{") else (f"{{{rest[0]}}}", rest[1:])
         out.append(f"\\frac{{{num}}}{den}{rest}")
@@ -80,20 +92,25 @@ def _braced_fracs(s: str) -> str:
 
 
 def _braced_sqrt(s: str) -> str:
-    r"""\sqrt3 -> \sqrt{3}."""
-    return re.sub(r"\\sqrt(?!\{)(\w)", r"\\sqrt{\1}", s)
+    r"""\sqrt3 -> \sqrt{3} (any one character after \sqrt gets braces)."""
+    if s.endswith("\\sqrt"):
+        raise ValueError("\\sqrt with nothing after it")
+    return re.sub(r"\\sqrt([^{])", r"\\sqrt{\1}", s)
 
 
 def normalize_math_answer(s: str) -> str:
     """MATH's answer normalisation: the same number or expression written two common ways maps
-    to one string."""
+    to one string. ValueError where a rule cannot apply (two units, a bare \\sqrt)."""
     s = s.replace("\n", "").replace("\\!", "").replace("\\\\", "\\")
     s = s.replace("tfrac", "frac").replace("dfrac", "frac")
     s = s.replace("\\left", "").replace("\\right", "")
     s = s.replace("^{\\circ}", "").replace("^\\circ", "")
     s = s.replace("\\$", "")
-    s = re.sub(r"\\text\{\s[^}]*\}$", "", s)  # a trailing unit: "5\text{ cm}" -> "5"
-    s = s.replace("\\%", "").replace("%", "")
+    if "\\text{ " in s:  # a unit and all after it: "5\text{ cm}^2" -> "5"
+        if s.count("\\text{ ") > 1:
+            raise ValueError("more than one unit")
+        s = s.split("\\text{ ")[0]
+    s = s.replace("\\%", "")  # a bare % stays
     s = s.replace(" .", " 0.").replace("{.", "{0.")
     if s.startswith("."):
         s = "0" + s
@@ -104,17 +121,20 @@ def normalize_math_answer(s: str) -> str:
     s = _braced_fracs(s)
     if s == "0.5":
         s = "\\frac{1}{2}"
-    m = re.fullmatch(r"(-?\d+)/(\d+)", s)
-    if m:
+    m = re.fullmatch(r"(-?\d+)/(-?\d+)", s)
+    if m and s == f"{int(m.group(1))}/{int(m.group(2))}":  # "1/2", not "01/2"
         s = f"\\frac{{{m.group(1)}}}{{{m.group(2)}}}"
     return s
 
 
 def math_score(solution_str: str, ground_truth: str) -> float:
     answer = last_boxed(solution_str)
-    if answer is None:
+    if answer is None or not isinstance(ground_truth, str):
         return 0.0
-    return float(normalize_math_answer(answer) == normalize_math_answer(str(ground_truth)))
+    try:
+        return float(normalize_math_answer(answer) == normalize_math_answer(ground_truth))
+    except ValueError:  # a rule that cannot apply: the strings as written
+        return float(answer == ground_truth)
 
 
 # -- DAPO (Minerva normalisation) ----------------------------------------------------------------
@@ -151,11 +171,19 @@ def normalize_final_answer(answer: str) -> str:
 
 
 def dapo_score(solution_str: str, ground_truth: str) -> dict:
-    """+1 when the text after the last 'Answer:' matches the ground truth after normalisation, else -1."""
-    found = re.findall(r"(?i)Answer\s*:\s*([^\n]+)", solution_str[-TAIL_CHARS:])
-    pred = normalize_final_answer(found[-1]) if found else "[INVALID]"
-    correct = bool(found) and pred == normalize_final_answer(str(ground_truth))
+    """+1 when the text after the last 'Answer:' matches the ground truth after normalisation, else -1;
+    without an 'Answer:' line, the last `\\boxed{...}` of the last 100 characters as written."""
+    tail = solution_str[-TAIL_CHARS:]
+    found = re.findall(r"(?i)Answer\s*:\s*([^\n]+)", tail)
+    if found:
+        pred = normalize_final_answer(found[-1])
+        correct = pred == normalize_final_answer(str(ground_truth))
+    else:
+        start = tail[-100:].rfind("\\boxed{")
+        boxed = _braced(tail[-100:][start + len("\\boxed"):]) if start >= 0 else None
+        pred, correct = ("[INVALID]", False) if boxed is None else (boxed, boxed == ground_truth)
     return {"score": 1.0 if correct else -1.0, "acc": correct, "pred": pred}
 
 
 MATH_SOURCES = ("lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500")  # verl's names
+DAPO_SOURCES = ("math_dapo", "math", "math_dapo_reasoning")  # verl 0.9.1 scores these (and aime*) as DAPO

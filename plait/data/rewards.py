@@ -6,12 +6,15 @@ A reward function is a plain callable, called with keyword arguments
 and may be `async def` (awaited; a batch's calls run concurrently). `ground_truth` is passed as
 the row stored it (a string, a list, a dict). `default_compute_score` scores the built-in tasks
 and verl's math data sources (math_rewards.py); a user's function is loaded from a file with
-`load_custom_reward`, as verl's `custom_reward_function.{path,name,reward_kwargs}` does.
+`load_custom_reward`, as verl's `reward.custom_reward_function.{path,name,reward_kwargs}` does.
 
-A reward manager (`reward_model.reward_manager`) turns a batch of decoded responses into scores:
+A reward manager (`reward.reward_manager.name`) turns a batch of decoded responses into scores:
 `naive` calls the function once per response, `batch` once with lists (`data_sources=`,
 `solution_strs=`, `ground_truths=`, `extra_infos=`) and `dapo` is `naive` plus DAPO's overlong
 penalty. Left out: verl's `prime` manager (process pool with timeouts) and sandboxed execution.
+
+The `reward.*` node of the config tree (verl 0.9's layout) lives here beside the code it
+configures; `resolve_reward(cfg.reward, max_response_length)` turns it into the batch scorer.
 """
 
 from __future__ import annotations
@@ -24,16 +27,108 @@ import math
 import numbers
 import re
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable, Optional
 
-from plait.data.math_rewards import MATH_SOURCES, dapo_score, gsm8k_score, math_score
-
-if TYPE_CHECKING:  # plait.config imports this module for MANAGERS
-    from plait.config import OverlongBufferConfig
-
+from plait.configtree import ConfigError, build, check
+from plait.data.math_rewards import DAPO_SOURCES, MATH_SOURCES, dapo_score, gsm8k_score, math_score
 from plait.errors import Interrupted, RunError
+from plait.profiler.config import RoleProfilerConfig
+
+@dataclass
+class CustomRewardConfig:
+    """`reward.custom_reward_function`: a user's function in a Python file."""
+    path: Optional[str] = None
+    name: Optional[str] = "compute_score"     # null with path null: verl's unset legacy block
+    reward_kwargs: dict = field(default_factory=dict)  # extra keyword arguments for the reward function
+    timeout: Optional[float] = None           # plait's own: seconds one call may take; null: no limit
+
+    def __post_init__(self):
+        check(self.name is not None or self.path is None, "name", self.name, "the function's name when path is set")
+        self.name = self.name or "compute_score"
+        check(self.timeout is None or self.timeout > 0, "timeout", self.timeout, "seconds > 0, or null for no limit")
+
+
+@dataclass
+class OverlongBufferConfig:
+    """DAPO's soft penalty for responses in the last `len` tokens before max_response_length."""
+    enable: bool = False
+    len: int = 0
+    penalty_factor: float = 0.0
+    log: bool = False
+
+
+@dataclass
+class ModuleConfig:
+    path: Optional[str] = None
+    name: str = "custom_reward_manager"
+
+
+@dataclass
+class RewardManagerConfig:
+    """`reward.reward_manager`: verl registers managers by name (source=register); plait has MANAGERS."""
+    source: str = "register"
+    name: str = "naive"
+    module: ModuleConfig = field(default_factory=ModuleConfig)
+
+    def __post_init__(self):
+        check(self.source == "register", "source", self.source, "register: plait does not import reward manager "
+              f"classes (source=importlib); its managers are {', '.join(MANAGERS)}")
+        check(self.name in MANAGERS, "name", self.name, f"one of {', '.join(MANAGERS)}")
+
+
+@dataclass
+class RewardModelConfig:
+    """`reward.reward_model`: a sequence-classification model whose score replaces the rule reward."""
+    enable: bool = False
+    model_path: Optional[str] = None          # a local Hugging Face sequence-classification model
+    # plait's own (verl 0.8's reward_model.* had them):
+    input_tokenizer: Optional[str] = None     # null: the actor's tokenizer
+    trust_remote_code: bool = False
+    micro_batch_size_per_gpu: Optional[int] = None
+    max_length: Optional[int] = None
+    profiler: RoleProfilerConfig = field(default_factory=RoleProfilerConfig)
+
+    def __post_init__(self):
+        check(not self.enable or bool(self.model_path), "model_path", self.model_path,
+              "a local sequence-classification model directory with enable=true")
+        check(self.micro_batch_size_per_gpu is None or self.micro_batch_size_per_gpu > 0,
+              "micro_batch_size_per_gpu", self.micro_batch_size_per_gpu, "> 0 or null (the whole batch)")
+
+
+@dataclass
+class RewardConfig:
+    """`reward`: verl 0.9's reward tree (load_config maps verl 0.8's top-level custom_reward_function,
+    reward_model and sandbox_fusion keys onto it)."""
+    num_workers: int = 8                      # verl's reward worker processes
+    custom_reward_function: CustomRewardConfig = field(default_factory=CustomRewardConfig)
+    reward_manager: RewardManagerConfig = field(default_factory=RewardManagerConfig)
+    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    # The manager's arguments, as verl's DAPO recipe gives them: overlong_buffer_cfg (read into
+    # overlong_buffer) and max_resp_len (default: data.max_response_length).
+    reward_kwargs: dict = field(default_factory=dict)
+    overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
+
+    def __post_init__(self):
+        check(self.num_workers > 0, "num_workers", self.num_workers, "must be > 0")
+        unknown = set(self.reward_kwargs) - {"overlong_buffer_cfg", "max_resp_len"}
+        check(not unknown, "reward_kwargs", self.reward_kwargs,
+              f"only overlong_buffer_cfg and max_resp_len (unknown: {', '.join(sorted(unknown))})")
+        if self.reward_kwargs.get("overlong_buffer_cfg") is not None:
+            self.overlong_buffer = build(OverlongBufferConfig, dict(self.reward_kwargs["overlong_buffer_cfg"]),
+                                         "reward_kwargs.overlong_buffer_cfg")
+        if self.overlong_buffer.enable:
+            manager = self.reward_manager.name
+            check(manager == "dapo", "reward_manager.name", manager,
+                  "dapo with the overlong buffer enabled (it is the dapo manager's penalty)")
+            check(self.overlong_buffer.len > 0, "overlong_buffer.len", self.overlong_buffer.len,
+                  "> 0 with the overlong buffer enabled")
+
+
+# What makes `from verl.utils.reward_score import default_compute_score` import beside plait (tried with verl 0.9.1).
+VERL_BESIDE = ("verl's scorers import beside plait after `pip install --no-deps verl==0.9.1 tensordict pyvers "
+               "cloudpickle omegaconf antlr4-python3-runtime==4.9.3` (docs/verl.md), or copy the scorer into the file")
 
 ANSWER = {"arithmetic": re.compile(r"-?\d+"), "reverse": re.compile(r"[a-z]+")}
 
@@ -64,22 +159,31 @@ def default_compute_score(data_source: str, solution_str: str, ground_truth: Any
         return dapo_score(solution_str, ground_truth)
     raise ValueError(
         f"no built-in reward for data_source {data_source!r} (built-in: {', '.join(SCORERS)}, aime*); "
-        "score it with your own function via custom_reward_function.path and .name")
+        "score it with your own function via reward.custom_reward_function.path and .name")
 
 
 def load_custom_reward(path: str | Path, name: str = "compute_score",
                        reward_kwargs: dict | None = None) -> Callable:
     """Import the file at `path` and return its function `name`, with `reward_kwargs` bound."""
     if not Path(path).is_file():
-        raise FileNotFoundError(f"custom_reward_function.path: no file at {str(path)!r}")
+        raise FileNotFoundError(f"reward.custom_reward_function.path: no file at {str(path)!r}")
     spec = importlib.util.spec_from_file_location(f"plait_custom_reward_{Path(path).stem}", path)
     module = importlib.util.module_from_spec(spec)
     # Not put in sys.modules: cloudpickle then ships the function by value to Ray workers.
-    spec.loader.exec_module(module)
+    try:
+        spec.loader.exec_module(module)
+    except ModuleNotFoundError as err:  # users' reward files commonly import verl's scorers or datasets
+        missing = (err.name or "").split(".")[0]
+        fix = (VERL_BESIDE if missing == "verl" else f"install it beside plait (pip install {missing})")
+        raise ConfigError("reward.custom_reward_function.path", str(path),
+                          f"importing it failed: no module named {err.name!r}; {fix}") from None
+    except Exception as err:  # noqa: BLE001 - the user's module-level code; one line, not a traceback
+        raise ConfigError("reward.custom_reward_function.path", str(path),
+                          f"importing it failed: {type(err).__name__}: {err}") from None
     fn = vars(module).get(name)
     if not callable(fn):
         found = [k for k, v in vars(module).items() if callable(v) and not k.startswith("_")]
-        raise AttributeError(f"custom_reward_function.name: {str(path)!r} defines no function "
+        raise AttributeError(f"reward.custom_reward_function.name: {str(path)!r} defines no function "
                              f"{name!r}; its functions: {', '.join(found) or 'none'}")
     # partial keeps `async def` visible to inspect.iscoroutinefunction
     return functools.partial(fn, **reward_kwargs) if reward_kwargs else fn
@@ -187,6 +291,25 @@ def make_reward(fn: Callable, manager: str = "naive", overlong: OverlongBufferCo
     return functools.partial(MANAGERS[manager], fn)
 
 
+def resolve_reward(reward: RewardConfig, max_response_length: int) -> Callable[[ScoreRequest], Scores]:
+    """The batch scorer: the reward function (custom or built-in) under `reward.reward_manager.name`."""
+    max_resp_len = reward.reward_kwargs.get("max_resp_len") or max_response_length
+    return make_reward(resolve_reward_fn(reward.custom_reward_function), reward.reward_manager.name,
+                       reward.overlong_buffer, max_resp_len)
+
+
+def resolve_reward_fn(custom: CustomRewardConfig) -> Callable:
+    if not custom.path:
+        return guard_reward(default_compute_score, "default_compute_score")
+    try:
+        return guard_reward(load_custom_reward(custom.path, custom.name, custom.reward_kwargs),
+                            custom.name, custom.timeout)
+    except FileNotFoundError:
+        raise ConfigError("reward.custom_reward_function.path", custom.path, "no such file") from None
+    except AttributeError as err:
+        raise ConfigError("reward.custom_reward_function.name", custom.name, str(err)) from None
+
+
 def guard_reward(fn: Callable, name: str, timeout: float | None = None) -> Callable:
     """`fn` made safe to call from training: a NaN or infinite score, a `SystemExit` or
     `KeyboardInterrupt` raised by user code, or (with `timeout` seconds) a call that hangs, is a
@@ -236,7 +359,7 @@ def _call(fn: Callable, args: tuple, kwargs: dict, timeout: float | None, where:
     thread.start()
     thread.join(timeout)
     if thread.is_alive():
-        raise RunError(f"{where()} did not return within custom_reward_function.timeout={timeout} s")
+        raise RunError(f"{where()} did not return within reward.custom_reward_function.timeout={timeout} s")
     if "error" in box:
         raise box["error"]
     return box["result"]
@@ -247,7 +370,7 @@ SCORERS = {
     "reverse": functools.partial(exact_match_score, "reverse"),
     "openai/gsm8k": gsm8k_score,
     **{source: math_score for source in MATH_SOURCES},
-    "math_dapo": dapo_score,
+    **{source: dapo_score for source in DAPO_SOURCES},
 }
 
 MANAGERS = {"naive": naive_manager, "batch": batch_manager, "dapo": dapo_manager}

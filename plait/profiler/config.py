@@ -14,10 +14,12 @@ from typing import Optional
 from plait.configtree import check
 
 TOOLS = ("torch", "torch_memory", "nsys")
+MEMORY_CONTEXTS = ("alloc", "state", "all")   # torch.cuda.memory._record_memory_history(context=...)
+MEMORY_STACKS = ("python", "all")             # ... stacks=: Python frames, or Python and C++
 TORCH_CONTENTS = ("memory", "shapes", "stack", "cpu", "cuda")
 ROLE_ORDER = ("actor", "rollout", "ref", "critic", "reward_model")  # the order of roles in a shared artifact's name
 ROLE_KEYS = {"actor": "actor_rollout_ref.actor", "rollout": "actor_rollout_ref.rollout",
-             "ref": "actor_rollout_ref.ref", "critic": "critic", "reward_model": "reward_model"}
+             "ref": "actor_rollout_ref.ref", "critic": "critic", "reward_model": "reward.reward_model"}
 
 
 def _positive_int(value) -> bool:
@@ -26,19 +28,51 @@ def _positive_int(value) -> bool:
 
 @dataclass
 class TorchMemoryToolConfig:
+    """`global_profiler.global_tool_config.torch_memory`: verl 0.9's keys and meanings."""
+
     trace_alloc_max_entries: int = 100_000  # allocator events kept per window (CUDA history ring)
     stack_depth: int = 32                   # innermost Python frames kept per event in the snapshot
+    memory_snapshot_num_steps: int = 1      # profiled steps per snapshot: every N windows become one
+    context: Optional[str] = "all"          # CUDA events recorded: alloc (with stacks) | state | all | null
+    stacks: str = "all"                     # frames recorded: python | all (Python and C++)
+    kw_args: dict = field(default_factory=dict)  # more keywords for _record_memory_history, e.g. clear_history
 
     def __post_init__(self):
         check(_positive_int(self.trace_alloc_max_entries), "trace_alloc_max_entries",
               self.trace_alloc_max_entries, "expected a positive integer")
         check(_positive_int(self.stack_depth), "stack_depth", self.stack_depth,
               "expected a positive integer")
+        check(_positive_int(self.memory_snapshot_num_steps), "memory_snapshot_num_steps",
+              self.memory_snapshot_num_steps, "expected a positive integer (profiled steps per snapshot)")
+        check(self.context is None or self.context in MEMORY_CONTEXTS, "context", self.context,
+              "expected null or one of " + ", ".join(MEMORY_CONTEXTS))
+        check(self.stacks in MEMORY_STACKS, "stacks", self.stacks, "expected one of " + ", ".join(MEMORY_STACKS))
+        check(isinstance(self.kw_args, dict) and set(self.kw_args) <= set(MEMORY_KW_ARGS), "kw_args", self.kw_args,
+              "expected a mapping with keys among " + ", ".join(MEMORY_KW_ARGS) + " (plait sets the others itself)")
+
+
+# _record_memory_history keywords kw_args may set: the rest are the keys above, or the window's own
+MEMORY_KW_ARGS = ("clear_history", "device", "record_context", "global_record_annotations")
+
+
+@dataclass
+class PrecisionDebuggerConfig:
+    """verl's msprobe precision debugger (`precision_debugger`): accepted, no effect here."""
+
+    config_path: Optional[str] = None
+    steps: Optional[list[int]] = None   # deprecated in verl too: global_profiler.steps picks the steps
+    stages: Optional[list[str]] = None
+    strict: bool = False
+
+
+PRECISION_DEBUGGER_WHY = ("needs msprobe (Huawei MindStudio's precision tool for Ascend NPUs), which plait does not "
+                          "drive; compare dtypes and values with tool=torch contents=[shapes] or your own hooks")
 
 
 @dataclass
 class GlobalToolConfig:
     torch_memory: TorchMemoryToolConfig = field(default_factory=TorchMemoryToolConfig)
+    precision_debugger: PrecisionDebuggerConfig = field(default_factory=PrecisionDebuggerConfig)
 
 
 @dataclass
@@ -48,38 +82,78 @@ class GlobalProfilerConfig:
     tool: Optional[str] = None              # None (off) | torch | torch_memory | nsys
     steps: Optional[list[int]] = None       # 1-based steps to profile; None or [] profiles none
     profile_continuous_steps: bool = False  # consecutive listed steps share one window
-    save_path: str = "outputs/profile"
+    save_path: Optional[str] = None         # null: <run output dir>/profile, so each run keeps its own
     finish_hook_cmd: Optional[str] = None   # shell command run once after the last window
+    # verl runs the hook on each chosen rank (its save_path is node-local); plait runs it once, in the
+    # driver, after every rank's artifacts are in the manifest: these two choose nothing here (a note says so)
+    finish_hook_all_ranks: bool = False
+    finish_hook_ranks: list[int] = field(default_factory=list)
+    # verl moves artifacts that land outside save_path (Ray's nsight dir, rollout engines' per-replica
+    # dirs) into it; plait writes every artifact under save_path by one naming function
+    relocate_results: bool = False
     global_tool_config: GlobalToolConfig = field(default_factory=GlobalToolConfig)
 
     def __post_init__(self):
+        check(self.tool != "precision_debugger", "tool", self.tool, PRECISION_DEBUGGER_WHY)
+        check(self.tool != "npu", "tool", self.tool, "Ascend NPUs are not supported: plait runs on CPU and CUDA")
         check(self.tool is None or self.tool in TOOLS, "tool", self.tool,
               "expected null or one of " + ", ".join(TOOLS))
         check(self.steps is None or isinstance(self.steps, list), "steps", self.steps,
               "expected null or a list of 1-based step numbers")
         for i, step in enumerate(self.steps or []):
             check(_positive_int(step), f"steps[{i}]", step, "expected an integer step >= 1 (steps are 1-based)")
-        check(isinstance(self.save_path, str) and self.save_path != "", "save_path", self.save_path,
-              "expected a non-empty path")
+        check(self.save_path is None or (isinstance(self.save_path, str) and self.save_path != ""), "save_path",
+              self.save_path, "expected null (the run's output dir/profile) or a non-empty path")
+        for i, rank in enumerate(self.finish_hook_ranks):
+            check(isinstance(rank, int) and not isinstance(rank, bool) and rank >= 0, f"finish_hook_ranks[{i}]",
+                  rank, "expected a rank >= 0")
         check(self.finish_hook_cmd is None or (isinstance(self.finish_hook_cmd, str)
                                                and self.finish_hook_cmd.strip() != ""),
               "finish_hook_cmd", self.finish_hook_cmd, "expected null or a non-empty shell command")
 
 
 @dataclass
+class TorchScheduleConfig:
+    """verl's torch.profiler schedule over the update loop's mini-batches; off while active is 0."""
+
+    skip_first: int = 0
+    wait: int = 0
+    warmup: int = 0
+    active: int = 0
+    repeat: int = 0
+
+    def __post_init__(self):
+        for name in ("skip_first", "wait", "warmup", "active", "repeat"):
+            value = getattr(self, name)
+            check(isinstance(value, int) and not isinstance(value, bool) and value >= 0, name, value,
+                  "expected an integer >= 0")
+
+
+@dataclass
 class TorchToolConfig:
     contents: list[str] = field(default_factory=list)  # memory, shapes, stack; cpu/cuda pick activities
     discrete: bool = False                             # one trace per stage instead of per window
+    schedule: TorchScheduleConfig = field(default_factory=TorchScheduleConfig)
+    profile_token_start: Optional[int] = None          # rollout: first response token to record (verl: vLLM/SGLang)
+    profile_token_end: Optional[int] = None            # rollout: token index where recording stops (exclusive)
 
     def __post_init__(self):
         for i, item in enumerate(self.contents):
             check(item in TORCH_CONTENTS, f"contents[{i}]", item,
                   "expected one of " + ", ".join(TORCH_CONTENTS))
+        for name in ("profile_token_start", "profile_token_end"):
+            value = getattr(self, name)
+            check(value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 0), name,
+                  value, "expected null or a token index >= 0")
+        start, end = self.profile_token_start, self.profile_token_end
+        check(start is None or end is None or end > start, "profile_token_end", end,
+              f"must be greater than profile_token_start={start}")
 
 
 @dataclass
 class RoleToolConfig:
     torch: TorchToolConfig = field(default_factory=TorchToolConfig)
+    precision_debugger: PrecisionDebuggerConfig = field(default_factory=PrecisionDebuggerConfig)
 
 
 @dataclass
@@ -106,3 +180,30 @@ class RoleProfilerConfig:
         if self.all_ranks:
             return True
         return rank in self.ranks if self.ranks else rank == 0
+
+
+def no_effect_notes(cfg: GlobalProfilerConfig, roles: dict) -> list[str]:
+    """One line per verl profiler key set away from its default that does nothing in plait, with why."""
+    notes = []
+    if cfg.finish_hook_all_ranks or cfg.finish_hook_ranks:
+        notes.append("global_profiler.finish_hook_all_ranks / finish_hook_ranks have no effect: plait runs "
+                     "finish_hook_cmd once, in the driver, after every rank's artifacts are listed in the "
+                     "manifest (PLAIT_PROFILE_RANK=0)")
+    if cfg.relocate_results:
+        notes.append("global_profiler.relocate_results has no effect: plait writes every artifact under save_path "
+                     "itself (an nsys report goes where `nsys profile -o` says)")
+    debuggers = {"global_profiler.global_tool_config": cfg.global_tool_config.precision_debugger,
+                 **{f"{ROLE_KEYS.get(r, r)}.profiler.tool_config": rc.tool_config.precision_debugger
+                    for r, rc in roles.items()}}
+    for key, node in debuggers.items():
+        if node != PrecisionDebuggerConfig():
+            notes.append(f"{key}.precision_debugger has no effect: it {PRECISION_DEBUGGER_WHY}")
+    for role, rc in roles.items():
+        torch_cfg, key = rc.tool_config.torch, f"{ROLE_KEYS.get(role, role)}.profiler.tool_config.torch"
+        if torch_cfg.schedule != TorchScheduleConfig() and cfg.tool == "torch":
+            notes.append(f"{key}.schedule has no effect yet: plait records each profiled step whole; list fewer "
+                         "steps, or use discrete: true for one trace per stage")
+        if (torch_cfg.profile_token_start, torch_cfg.profile_token_end) != (None, None):
+            notes.append(f"{key}.profile_token_start / profile_token_end have no effect yet: plait's hf rollout "
+                         "records whole generate calls")
+    return notes

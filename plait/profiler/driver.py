@@ -4,6 +4,8 @@
     begin_step(N, version)   ─▶ start_profile on every target     if a window opens at N
     end_step(N)              ─▶ stop_profile, manifest, hook       if the window closes at N
     close(error)             ─▶ close an open window (complete=false), hook if due; idempotent
+    note_start(first)        one warning line for listed steps a resumed run starts after
+    busy_s                   seconds spent starting, stopping and writing (the run's summary)
 
 A target is one worker process (ProfileTarget): the local backend passes its ProfilerSession,
 Ray a proxy that forwards the two calls. The finish hook runs once, after the last window
@@ -14,6 +16,7 @@ A target or manifest failure is reported and never raised into training.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Optional, Protocol, Sequence
 
 from plait.profiler.config import GlobalProfilerConfig
@@ -32,18 +35,28 @@ class ProfileTarget(Protocol):
 class StepProfiler:
     def __init__(self, cfg: GlobalProfilerConfig, last_step: int, targets: Sequence[ProfileTarget]):
         self.cfg = cfg
-        self.plan = plan((cfg.steps or []) if cfg.tool else [], last_step, cfg.profile_continuous_steps)
+        per_window = cfg.global_tool_config.torch_memory.memory_snapshot_num_steps if cfg.tool == "torch_memory" else 1
+        self.plan = plan((cfg.steps or []) if cfg.tool else [], last_step, cfg.profile_continuous_steps, per_window)
         if self.plan.warning:
             log.warning("profiler: %s", self.plan.warning)
         self.targets = list(targets)
         self.open: Optional[Window] = None
         self.opened_any = False
         self.hook_ran = False
+        self.busy_s = 0.0
+
+    def note_start(self, first: int) -> None:
+        """A run resumed at `first` never reaches listed steps before it: say so once."""
+        before = [s for s in (self.cfg.steps or []) if s < first] if self.cfg.tool else []
+        if before:
+            log.warning("profiler: steps %s come before this run's first step %d (it resumed from a checkpoint); "
+                        "they are not profiled", before, first)
 
     def begin_step(self, step: int, version: int) -> None:
         w = self.plan.window_of(step)
         if self.open is not None or w is None:
             return
+        t0 = time.perf_counter()
         # A run resumed inside a planned window opens it at the resume step.
         self.open = Window(step, w.last)
         self.opened_any = True
@@ -52,6 +65,7 @@ class StepProfiler:
                 target.start_profile(self.open.first, self.open.last, version)
             except Exception as err:
                 log.warning("profiler: start_profile failed on %r: %s: %s", target, type(err).__name__, err)
+        self.busy_s += time.perf_counter() - t0
 
     def end_step(self, step: int) -> None:
         if self.open is not None and step >= self.open.last:
@@ -70,6 +84,7 @@ class StepProfiler:
         self._finish()
 
     def _stop(self, complete: bool) -> None:
+        t0 = time.perf_counter()
         self.open = None
         records: list[dict] = []
         for target in self.targets:
@@ -81,10 +96,13 @@ class StepProfiler:
             append_manifest(self.cfg.save_path, records)
         except Exception as err:
             log.warning("profiler: could not write the manifest: %s: %s", type(err).__name__, err)
+        self.busy_s += time.perf_counter() - t0
 
     def _finish(self) -> None:
         if not self.opened_any or self.hook_ran:
             return
         self.hook_ran = True
         if self.cfg.finish_hook_cmd is not None:
+            t0 = time.perf_counter()
             run_finish_hook(self.cfg.finish_hook_cmd, self.cfg.save_path, self.cfg.tool)
+            self.busy_s += time.perf_counter() - t0

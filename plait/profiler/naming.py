@@ -3,6 +3,7 @@
     <save_path>/step<N>[-<M>]/<role>_rank<r>[_<stage>].<ext>
     <save_path>/oom/<role>_rank<r>_oom-<n>.{pickle,txt}   torch_memory: a CUDA OOM outside any window
     <save_path>/manifest.jsonl     one JSON line per artifact
+    <run dir>/profile_location.json   where a run's artifacts went (save_path may be anywhere)
 
 Role and stage names are sanitised so a stage called "gen/vllm" or "../x" cannot leave the step
 folder. Manifest paths are relative to `save_path`, so the folder can be moved or uploaded whole.
@@ -16,6 +17,7 @@ import re
 from typing import Optional, Sequence
 
 MANIFEST = "manifest.jsonl"
+LOCATION = "profile_location.json"
 RECORD_KEYS = ("steps", "role", "stage", "rank", "pid", "tool", "path", "start_time", "end_time",
                "policy_version", "complete")
 
@@ -91,3 +93,33 @@ def read_manifest(save_path: str) -> list[dict]:
             except ValueError:  # a line torn by a kill mid-append
                 continue
     return records
+
+
+def write_location(run_dir: str, save_path: str, tool: Optional[str]) -> None:
+    """Record in the run's output dir where its artifacts go, so a report of the run finds them."""
+    os.makedirs(run_dir, exist_ok=True)
+    with open(os.path.join(run_dir, LOCATION), "w") as f:
+        json.dump({"save_path": os.path.abspath(save_path), "tool": tool}, f)
+
+
+def read_location(run_dir: str) -> Optional[str]:
+    """The save_path a run recorded, or None."""
+    try:
+        with open(os.path.join(run_dir, LOCATION)) as f:
+            return json.load(f)["save_path"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def set_aside(save_path: str, dest: str) -> list[str]:
+    """Move a previous run's artifacts (manifest, step folders, OOM dumps, report) out of `save_path`
+    into `dest`; returns the names moved. Only those names: a save_path may hold other files."""
+    if not os.path.isdir(save_path):
+        return []
+    names = sorted(n for n in os.listdir(save_path)
+                   if n in (MANIFEST, "oom", "report") or re.fullmatch(r"step\d+(-\d+)?", n))
+    if names:
+        os.makedirs(dest, exist_ok=True)
+        for name in names:
+            os.replace(os.path.join(save_path, name), os.path.join(dest, name))
+    return names

@@ -5,6 +5,10 @@
       not continuous:  windows (2, 2), (3, 3), (5, 5)   hook after step 5
       warning: "global_profiler.steps 12 is beyond the run's last step 10 and will not be profiled"
 
+torch_memory's `memory_snapshot_num_steps` N makes every N windows one (verl: one snapshot per N
+profiled steps): steps [1, 3, 5], N=2 gives windows (1, 3) and (5, 5), recording step 2 as well, as
+verl's always-on history does.
+
 Steps past the run are dropped with one warning line, so a window never reaches past `last_step`
 and the hook never waits for a step that will not come. The failure path (a step raises, or the
 run stops early) is not planned here: `StepProfiler.close` closes whatever window is open, marks
@@ -51,7 +55,7 @@ class ProfilePlan:
         return self.windows[-1].last if self.windows else None
 
 
-def plan(steps: Iterable[int], last_step: int, continuous: bool) -> ProfilePlan:
+def plan(steps: Iterable[int], last_step: int, continuous: bool, per_window: int = 1) -> ProfilePlan:
     listed = sorted(set(steps))
     reachable = [s for s in listed if s <= last_step]
     beyond = [s for s in listed if s > last_step]
@@ -66,4 +70,5 @@ def plan(steps: Iterable[int], last_step: int, continuous: bool) -> ProfilePlan:
             windows[-1] = Window(windows[-1].first, s)
         else:
             windows.append(Window(s, s))
-    return ProfilePlan(tuple(windows), warning)
+    groups = [windows[i:i + per_window] for i in range(0, len(windows), per_window)]
+    return ProfilePlan(tuple(Window(g[0].first, g[-1].last) for g in groups), warning)

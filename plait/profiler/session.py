@@ -24,7 +24,6 @@ from typing import Callable, Mapping, Optional
 
 import torch
 
-from plait.configtree import ConfigError
 from plait.profiler.config import ROLE_KEYS, ROLE_ORDER, GlobalProfilerConfig, RoleProfilerConfig
 from plait.profiler.naming import artifact_path, oom_path, temp_name
 from plait.profiler.tools import make_tool
@@ -86,9 +85,11 @@ class ProfilerSession:
     def __init__(self, cfg: GlobalProfilerConfig, roles: Mapping[str, RoleProfilerConfig], rank: int,
                  world_size: int = 1):
         for role, rc in roles.items():
-            if any(r >= world_size for r in rc.ranks):
-                raise ConfigError(f"{ROLE_KEYS.get(role, role)}.profiler.ranks", rc.ranks,
-                                  f"ranks must be below the world size {world_size}")
+            missing = [r for r in rc.ranks if r >= world_size]
+            if missing and rank == 0:  # a verl script shrunk to fewer workers: say so once, profile the rest
+                log.warning("profiler: %s.profiler.ranks=%s: rank(s) %s do not exist at world size %d; "
+                            "profiling %s", ROLE_KEYS.get(role, role), rc.ranks, missing, world_size,
+                            [r for r in rc.ranks if r < world_size] or "no rank of this role")
         self.cfg, self.rank = cfg, rank
         order = sorted(roles, key=lambda r: ROLE_ORDER.index(r) if r in ROLE_ORDER else len(ROLE_ORDER))
         profiled = [r for r in order if roles[r].selects(rank)]

@@ -229,7 +229,7 @@ def resolve_conditions(cfg: PlaitConfig, model_path: str) -> tuple[Conditions, C
 
 def resolve_image_reward(cfg: PlaitConfig, prompted: bool) -> tuple[str, Callable]:
     """The reward's name and function: the user's file, or a built-in of the kind the model needs."""
-    d, custom = cfg.diffusion, cfg.custom_reward_function
+    d, custom = cfg.diffusion, cfg.reward.custom_reward_function
     if custom.path:
         return custom.name, load_custom_reward(custom.path, custom.name)
     builtins = [*PROMPT_IMAGE_REWARDS, "clip_score"] if prompted else list(IMAGE_REWARDS)

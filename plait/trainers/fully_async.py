@@ -13,6 +13,12 @@
 
     max_samples = ppo_mini_batch_size x require_batches x (staleness_threshold + 1) x trigger_parameter_sync_step
 
+This is verl's rule (its rollouter's staleness_samples, reset at each sync to queued + running, paused at
+max_required_samples): with staleness_threshold=1 the rollouter is one sync period ahead, so right after
+a sync it generates the batch of the step after next and then, if it is faster than the trainer, waits
+in wait_capacity (the trainer is the bottleneck; generating more would break the staleness bound). Its
+generation overlaps update_actor when it outlasts the stages before the update (reward, old_log_prob).
+
 One lifecycle step is one policy version: `trigger_parameter_sync_step` local updates, then a
 sync. Samples are counted in prompts (each carries rollout.n responses), as verl counts them. The
 count bounds staleness: a sample is at most ceil(staleness_threshold) versions behind the trainer

@@ -8,7 +8,7 @@
                                        profiler.end_step(N)          window closes if scheduled
                                        TIMELINE.flush(N)             the step's stage spans: timeline.jsonl
                                        log metrics (console, metrics.jsonl, TensorBoard, W&B)
-             finally ─▶ profiler.close(error) ─▶ trainer.close() ─▶ loggers closed
+             finally ─▶ profiler.close(error) ─▶ trainer.close() ─▶ loggers closed ─▶ summary.json
 
 Everything step-keyed — profiler windows, timing metrics, checkpoints, validation, logging — is
 here and nowhere else, so every mode gets it identically from step 1. A trainer mode supplies
@@ -39,8 +39,10 @@ from typing import Callable, Optional, Protocol, Sequence
 from plait.configtree import ConfigError
 from plait.errors import Interrupted, RunError
 from plait.profiler import StepProfiler
+from plait.profiler.naming import MANIFEST as PROFILE_MANIFEST, set_aside, write_location
 from plait.profiler.timeline import TIMELINE, TIMELINE_FILE, StagePeaks, fold_peaks, stage_memory_metrics
-from plait.trainers.tracking import as_record
+from plait.trainers.summary import RunClock, summarise, write_summary
+from plait.trainers.tracking import as_record, read_records
 
 
 class StageTimer:
@@ -102,10 +104,11 @@ class LifecycleConfig:
 
 class Lifecycle:
     def __init__(self, cfg: LifecycleConfig, trainer: Trainer, profiler_cfg, tracker,
-                 shutdown: Callable[[], None] = lambda: None):
+                 shutdown: Callable[[], None] = lambda: None, started: Optional[float] = None):
         self.cfg, self.trainer, self.profiler_cfg, self.tracker = cfg, trainer, profiler_cfg, tracker
         self.shutdown = shutdown  # the backend's: worker processes and a Ray instance plait started
         self.ckpt_dir = os.path.join(cfg.output_dir, "checkpoints")
+        self.clock = RunClock(started)  # from build's start, so start-up counts model and worker set-up
 
     def run(self) -> dict[str, float]:
         """Train to the last step; returns the last step's metrics."""
@@ -113,14 +116,16 @@ class Lifecycle:
         profiler = StepProfiler(self.profiler_cfg, last, self.trainer.profile_targets())
         metrics: dict[str, float] = {}
         error: BaseException | None = None
-        step = 0
+        step = start = 0
         TIMELINE.open(os.path.join(self.cfg.output_dir, TIMELINE_FILE))
         try:
             with signals_as_interrupt():
-                start = self._restart()
+                start = self._restart(last, profiler)
                 self.trainer.start()
+                self.clock.parts["startup"] = self.clock.elapsed()
                 if self.cfg.val_before_train and start == 1 and self.cfg.test_freq != -1:
-                    self.tracker.log(self.trainer.validate(), step=0)
+                    with self.clock.part("validation"):
+                        self.tracker.log(self.trainer.validate(), step=0)
                 for step in self.tracker.progress(range(start, last + 1), total=last, initial=start - 1):
                     metrics = self._step(step, last, profiler)
                     self.tracker.log(metrics, step=step)
@@ -133,12 +138,21 @@ class Lifecycle:
             TIMELINE.close(step)  # the rollouter's last spans, after it stopped
             self.tracker.close()
             self.shutdown()
+            self._summarise(start, last, profiler, error)
         return metrics
 
-    def _restart(self) -> int:
-        """Resume (or start fresh) and bring the run's logs to the step before the first one to run."""
+    def _restart(self, last: int, profiler: StepProfiler) -> int:
+        """Resume (or start fresh) and bring the run's logs to the step before the first one to run;
+        say in one line when that leaves nothing to do, or listed profile steps behind."""
         start, path = self._resume()
+        if start > last:
+            print(f"plait: nothing to do: resumed after step {start - 1} and the run's last step is {last} "
+                  "(trainer.total_training_steps); raise it, or start afresh with trainer.resume_mode=disable "
+                  "or a new trainer.experiment_name", file=sys.stderr)
+        profiler.note_start(start)
         self._set_aside(start)
+        if self.profiler_cfg.save_path:
+            write_location(self.cfg.output_dir, self.profiler_cfg.save_path, self.profiler_cfg.tool)
         # metrics.jsonl ends at the checkpoint's step (its record restored if this run's line was
         # lost; not for a checkpoint of another output dir); a fresh start drops an old step 0 too
         own = path and os.path.dirname(os.path.abspath(path)) == os.path.abspath(self.ckpt_dir)
@@ -224,10 +238,36 @@ class Lifecycle:
             print(f"plait: warning: skipping checkpoint {path}: {problem}", file=sys.stderr)
         return 0, ""
 
+    def _summarise(self, start: int, last: int, profiler: StepProfiler, error: BaseException | None) -> None:
+        """summary.json in the output dir, and the console lines unless the run failed (its error is the last word)."""
+        status = "done" if error is None else "interrupted" if isinstance(error, KeyboardInterrupt) else "failed"
+        save_path = self.profiler_cfg.save_path
+        steps = _checkpoint_steps(self.ckpt_dir)
+        tb = os.path.join(self.cfg.output_dir, "tensorboard")
+        paths = {"output_dir": self.cfg.output_dir, "metrics": self.tracker.path,
+                 "timeline": os.path.join(self.cfg.output_dir, TIMELINE_FILE),
+                 "checkpoint": os.path.join(self.ckpt_dir, f"global_step_{max(steps)}") if steps else None,
+                 "tensorboard": tb if os.path.isdir(tb) else None,
+                 "profile": save_path if save_path and os.path.exists(os.path.join(save_path, PROFILE_MANIFEST)) else None}
+        try:
+            records = read_records(self.tracker.path) if os.path.exists(self.tracker.path) else []
+            summary = summarise(records, max(start, 1), last, self.clock, profiler.busy_s, paths, status)
+            write_summary(self.cfg.output_dir, summary, console=status != "failed")
+        except (OSError, ValueError) as err:  # the summary never hides the run's own outcome
+            print(f"plait: warning: no run summary written: {type(err).__name__}: {err}", file=sys.stderr)
+
     def _set_aside(self, start: int) -> None:
         """Before the first step: remove crashed saves' temp dirs, and move checkpoints at or after
         `start` (another run's, or a newer broken one) with a fresh start's old metrics into
-        previous_runs/<time>/, so step numbers of two runs never mix and nothing is deleted."""
+        previous_runs/<time>/, so step numbers of two runs never mix and nothing is deleted.
+        A fresh start sets an earlier run's profiler artifacts aside too (previous_runs/ beside save_path)."""
+        stamp = f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+        save_path = self.profiler_cfg.save_path
+        if start == 1 and save_path:
+            parent, name = os.path.split(os.path.abspath(save_path))
+            dest = os.path.join(parent, "previous_runs", stamp, name)
+            if set_aside(save_path, dest):
+                print(f"plait: moved an earlier run's profiler artifacts from {save_path} to {dest}", file=sys.stderr)
         if not os.path.isdir(self.ckpt_dir):
             return
         for name in os.listdir(self.ckpt_dir):  # a save's folder, or `latest` mid-rewrite
@@ -237,7 +277,7 @@ class Lifecycle:
         later = [s for s in _checkpoint_steps(self.ckpt_dir) if s >= start]
         if not later:
             return
-        dest = os.path.join(self.cfg.output_dir, "previous_runs", f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
+        dest = os.path.join(self.cfg.output_dir, "previous_runs", stamp)
         os.makedirs(os.path.join(dest, "checkpoints"), exist_ok=True)
         for s in later:
             os.replace(os.path.join(self.ckpt_dir, f"global_step_{s}"), os.path.join(dest, "checkpoints", f"global_step_{s}"))

@@ -2,6 +2,9 @@
 
     reward ─▶ [gen_max] ─▶ old_log_prob ─▶ ref ─▶ values ─▶ adv ─▶ update_critic ─▶ update_actor
 
+With `algorithm.filter_groups.enable` (DAPO's dynamic sampling) the reward runs as batches arrive:
+groups whose metric has no variance are dropped and the mode's `next_batch` is asked again until a
+batch's worth of groups has signal (`next_filtered_batch`); the pipeline then goes on from old_log_prob.
 (gen_max runs only for ReMax: a greedy response per prompt whose score is the baseline.
 old_log_prob is skipped in verl's bypass mode: pi_old is then the rollout's own log-prob, and
 rollout correction moves into the actor; and when the batch feeds exactly one optimizer step:
@@ -17,6 +20,7 @@ and logging are not here: they are the lifecycle's.
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import sys
@@ -31,8 +35,9 @@ from plait.algorithms.kl import apply_kl_penalty, make_kl_controller
 from plait.algorithms.rollout_correction import rollout_correction
 from plait.config import PlaitConfig, SamplingConfig
 from plait.configtree import ConfigError
+from plait.errors import RunError
 from plait.data.dataset import PromptDataset, iterate_batches
-from plait.data.rewards import ScoreRequest, Scores
+from plait.data.rewards import ScoreRequest, Scores, resolve_reward
 from plait.trainers.lifecycle import StageTimer, StepResult
 from plait.types import PromptBatch, RolloutBatch
 from plait.workers.actor import Actor
@@ -63,7 +68,7 @@ class DataCursor:
         self.epoch, self.index = 0, 0
         self.batches_per_epoch = len(dataset) // batch_size
         if self.batches_per_epoch == 0:
-            raise ValueError(f"data.train_batch_size={batch_size} is larger than the training set ({len(dataset)} rows)")
+            raise ConfigError("data.train_batch_size", batch_size, f"larger than the training set ({len(dataset)} rows)")
         self._epoch_batches = None
 
     def next(self) -> PromptBatch:
@@ -113,8 +118,9 @@ class LMTrainer:
         # verl's rule: the actor trains from step critic_warmup on (steps 1..critic_warmup-1 train the critic only)
         update_actor = step >= self.cfg.trainer.critic_warmup
         for _ in range(self.updates_per_step):
-            batch = self.next_batch(step, timer)
-            results.append(self.learn(batch, timer, update_actor))
+            batch, scored, filter_metrics = self.next_filtered_batch(step, timer)
+            results.append(self.learn(batch, timer, update_actor, scored))
+            results[-1].metrics.update(filter_metrics)
             samples += len(batch)
             lengths += batch.attention_mask.sum(-1).tolist()
         result = merge_results(results)
@@ -227,11 +233,47 @@ class LMTrainer:
         by_group = dict(zip(greedy.group_ids.tolist(), scores))
         return torch.tensor([by_group[g] for g in batch.group_ids.tolist()], dtype=torch.float32)
 
-    def learn(self, batch: RolloutBatch, timer: StageTimer, update_actor: bool = True) -> StepResult:
+    def next_filtered_batch(self, step: int, timer: StageTimer) -> tuple[RolloutBatch, Scores | None, dict[str, float]]:
+        """The mode's next batch; with algorithm.filter_groups on, DAPO's dynamic sampling: score each
+        batch as it arrives, keep the groups whose metric varies, and ask for more batches until as many
+        groups as the first batch had are kept (surplus groups dropped), within max_num_gen_batches.
+        Returns the batch, its scores when already computed, and verl's metrics for the filter."""
+        fg = self.cfg.algorithm.filter_groups
+        if not fg.enable:
+            return self.next_batch(step, timer), None, {}
+        parts, scores, extras, want, kept, dropped, num_gen = [], [], {}, None, 0, 0, 0
+        while want is None or kept < want:
+            if fg.max_num_gen_batches and num_gen >= fg.max_num_gen_batches:
+                raise RunError(f"algorithm.filter_groups: {num_gen} generated batches gave {kept} of {want} prompt groups "
+                               f"with a varying {fg.metric!r} (max_num_gen_batches={fg.max_num_gen_batches}); the data may "
+                               "be too hard or too easy for the policy: set max_num_gen_batches=0 to keep trying")
+            batch = self.next_batch(step, timer)
+            num_gen += 1
+            with timer.stage("reward"):
+                s, e = self.score(batch)
+            ids = batch.group_ids.tolist()
+            want = want or len(set(ids))
+            signal = groups_with_signal(filter_values(fg.metric, s, e), ids)
+            room = set(sorted(signal, key=ids.index)[:want - kept])  # the first groups to fill the batch
+            dropped += len(set(ids)) - len(room)
+            rows = [i for i, g in enumerate(ids) if g in room]
+            kept += len(room)
+            parts.append(batch.select(rows))
+            scores += [s[i] for i in rows]
+            for key in {*extras, *e}:  # NaN where a batch's results lacked the key, as collect_results does
+                got = e.get(key)
+                extras.setdefault(key, [math.nan] * (len(scores) - len(rows))).extend(
+                    [got[i] for i in rows] if got is not None else [math.nan] * len(rows))
+        # groups with signal beyond the batch's share count as dropped too (verl: discarded surplus)
+        return RolloutBatch.concat(parts), (scores, extras), {"train/num_gen_batches": num_gen,
+                                                              "training/filter_groups/evicted_samples": dropped}
+
+    def learn(self, batch: RolloutBatch, timer: StageTimer, update_actor: bool = True,
+              scored: Scores | None = None) -> StepResult:
         cfg, roles = self.cfg, self.roles
         metrics: dict[str, float] = {}
         with timer.stage("reward"):
-            scores, extra = self.score(batch)
+            scores, extra = self.score(batch) if scored is None else scored
             batch.scores = scores
             batch.token_scores = last_token_scores(scores, batch.response_mask)
             for key, values in extra.items():
@@ -259,7 +301,7 @@ class LMTrainer:
             with timer.stage("values"):
                 batch.values = roles.critic.call(Critic.compute_values, batch)
         with timer.stage("adv"):
-            metrics.update(self.compute_advantage(batch, baselines))
+            metrics.update(self.compute_advantage(batch, baselines, extra))
         if roles.critic is not None:
             with timer.stage("update_critic"):
                 metrics.update(roles.critic.call(Critic.update, batch))
@@ -306,21 +348,54 @@ class LMTrainer:
                                          ref.log_prob_max_token_len_per_gpu if ref.log_prob_use_dynamic_bsz else None)
         return self.roles.ref.call(Ref.compute_ref_log_prob, batch)
 
-    def compute_advantage(self, batch: RolloutBatch, baselines: torch.Tensor | None = None) -> dict[str, float]:
+    def compute_advantage(self, batch: RolloutBatch, baselines: torch.Tensor | None = None,
+                          extra: dict[str, list[float]] | None = None) -> dict[str, float]:
         alg, metrics = self.cfg.algorithm, {}
+        components = weights = None
+        if alg.adv_estimator == "gdpo":  # the reward's result keys, each normalised within groups
+            missing = [k for k in alg.gdpo_reward_keys if k not in (extra or {})]
+            if missing:
+                raise RunError(f"algorithm.gdpo_reward_keys: the reward function returned no {', '.join(missing)} "
+                               f"(it returned: {', '.join(['score', *(extra or {})])})")
+            components = torch.tensor([extra[k] for k in alg.gdpo_reward_keys], dtype=torch.float32)  # [k, batch]
+            weights = None if alg.gdpo_reward_weights is None else torch.tensor(alg.gdpo_reward_weights)
         if alg.use_kl_in_reward:
             batch.token_rewards, kl_metrics = apply_kl_penalty(
                 batch.token_scores, batch.old_logprobs, batch.ref_logprobs, batch.response_mask,
                 kl_coef=self.kl_ctrl.value, kind=alg.kl_penalty)
             metrics.update(kl_metrics)
-            self.kl_ctrl.update(kl_metrics["actor/reward_kl_penalty"], n_steps=self.cfg.data.train_batch_size)
+            # verl 0.9.1 advances the adaptive controller by the batch's responses (prompts x n), not prompts
+            self.kl_ctrl.update(kl_metrics["actor/reward_kl_penalty"], n_steps=len(batch))
         else:
             batch.token_rewards = batch.token_scores
         batch.advantages, batch.returns = compute_advantages(
             alg.adv_estimator, token_rewards=batch.token_rewards, response_mask=batch.response_mask,
             group_ids=batch.group_ids, values=batch.values, gamma=alg.gamma, lam=alg.lam,
-            norm_by_std=alg.norm_adv_by_std_in_grpo, baselines=baselines)
+            norm_by_std=alg.norm_adv_by_std_in_grpo, baselines=baselines, components=components,
+            component_weights=weights)
         return metrics
+
+
+SCORE_METRICS = ("reward", "score", "seq_reward", "seq_final_reward")  # verl's names for the sequence score
+
+
+def filter_values(metric: str, scores: list[float], extras: dict[str, list[float]]) -> list[float]:
+    """Per response, the value DAPO's filter compares within a group: the score, or a key the
+    reward function returned (e.g. acc)."""
+    if metric in SCORE_METRICS:
+        return scores
+    if metric not in extras:
+        raise RunError(f"algorithm.filter_groups.metric={metric!r}: the reward function returned no such key "
+                       f"(it returned: {', '.join(['score', *extras])}); use reward, or a key of its result dict")
+    return extras[metric]
+
+
+def groups_with_signal(values: list[float], group_ids: list[int]) -> set[int]:
+    """The groups whose values are not all equal, as verl's filter keeps them (a group of one is kept)."""
+    by_group: dict[int, list[float]] = {}
+    for g, v in zip(group_ids, values):
+        by_group.setdefault(g, []).append(v)
+    return {g for g, v in by_group.items() if len(v) == 1 or max(v) != min(v)}
 
 
 def validation_metrics(sources: list[str], uids: list[int], scores: list[float]) -> dict[str, float]:
@@ -457,7 +532,6 @@ def resolve_data(cfg: PlaitConfig) -> tuple[list[str], list[str] | None]:
 def build_lm_trainer(cfg: PlaitConfig, backend, device: str):
     """Model, data, reward and the four language-model roles, handed to the trainer mode."""
     from plait.data.dataset import load_dataset
-    from plait.driver import resolve_reward
     from plait.models import load_tokenizer
     from plait.trainers import MODES
     from plait.workers.actor import Actor
@@ -465,7 +539,7 @@ def build_lm_trainer(cfg: PlaitConfig, backend, device: str):
     from plait.workers.ref import Ref
     from plait.workers.rollout import Rollout
 
-    reward_fn = resolve_reward(cfg)
+    reward_fn = resolve_reward(cfg.reward, cfg.data.max_response_length)
     dtype = DTYPES[cfg.actor_rollout_ref.model.dtype]
     model_path = resolve_model(cfg)
     try:
@@ -489,7 +563,7 @@ def build_lm_trainer(cfg: PlaitConfig, backend, device: str):
         if optim.total_training_steps == -1:
             optim.total_training_steps = cfg.total_steps(len(train_data) // cfg.data.train_batch_size)
     temp, n = arr.rollout.temperature or 1.0, arr.rollout.n
-    model, critic, rm = arr.model, cfg.critic, cfg.reward_model
+    model, critic, rm = arr.model, cfg.critic, cfg.reward.reward_model
     lora = model.lora_rank > 0  # the actor's base model with adapters off is the reference: no Ref role
     budget = lambda dynamic, tokens: tokens if dynamic else None  # noqa: E731  use_dynamic_bsz: a token budget
     roles = Roles(
@@ -510,7 +584,7 @@ def build_lm_trainer(cfg: PlaitConfig, backend, device: str):
                               forward_max_token_len=budget(critic.use_dynamic_bsz, critic.forward_max_token_len_per_gpu),
                               gradient_checkpointing=critic.model.enable_gradient_checkpointing)
                 if critic.enable else None),
-        reward_model=(backend.spawn("reward_model", RewardModel, rm.model.path, tokenizer, micro_batch_size=rm.micro_batch_size_per_gpu,
-                                    max_length=rm.max_length, input_tokenizer=rm.model.input_tokenizer, device=device, dtype=dtype)
+        reward_model=(backend.spawn("reward_model", RewardModel, rm.model_path, tokenizer, micro_batch_size=rm.micro_batch_size_per_gpu,
+                                    max_length=rm.max_length, input_tokenizer=rm.input_tokenizer, device=device, dtype=dtype)
                       if rm.enable else None))
     return MODES[cfg.trainer.mode](cfg, roles, tokenizer, train_data, val_data, reward_fn, backend.profile_targets())

@@ -87,6 +87,9 @@ class OneStepOffTrainer(LMTrainer):
 
     def next_batch(self, step: int, timer: StageTimer) -> RolloutBatch:
         batch, self.ready = self.ready, None
+        if batch is None and self.pending is not None:  # asked again within a step (filter_groups): the one in flight
+            with timer.stage("gen"):
+                batch, self.pending = self.pending.result(), None
         if batch is None:  # step 1 (or a resume without a saved batch): nothing was generated ahead
             with timer.stage("gen"):
                 batch = self._generate(self.cursor.next(), self.sample_seed(step))

@@ -6,7 +6,9 @@ One step, each stage one call (timed by the lifecycle, annotated in the workers)
 
 Everything from reward to update_actor is the shared LM pipeline (`plait/trainers/lm.py`); this
 mode adds only where the batch comes from (generated now, with the current weights) and the
-weight push after the update.
+weight push after the update. Idle is measured as in the async modes, and here it is the other
+side's stages: `trainer/idle_ratio` is gen's share of the step, `rollouter/idle_ratio` the
+training stages' share.
 """
 
 from __future__ import annotations
@@ -31,4 +33,9 @@ class SyncTrainer(LMTrainer):
             # Nothing generates until the next step's gen: the rollout may read the actor's own tensors.
             sync_weights(self.roles.actor, self.roles.rollout, step, share=True)
         self.version = step
-        return {}
+        # One waits while the other works: the trainer while the rollout generates, the rollout through
+        # every training stage; update_weights is work for both (the step's outer "step" is still open).
+        busy = sum(t for name, t in timer.times.items() if name != "step") or 1.0
+        gen = timer.times.get("gen", 0.0)
+        return {"trainer/idle_ratio": gen / busy,
+                "rollouter/idle_ratio": (busy - gen - timer.times.get("update_weights", 0.0)) / busy}

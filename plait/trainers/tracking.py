@@ -1,16 +1,19 @@
-"""Where step metrics go: metrics.jsonl (always), the console, TensorBoard, W&B.
+"""Where step metrics go: metrics.jsonl (always), the console, TensorBoard, W&B, MLflow, SwanLab.
 
 A logger that fails while training (disk full, a W&B hiccup) is reported once and switched off;
 it never stops the run. Asking for a logger whose package is missing fails at start instead,
-before any training work. Each metrics.jsonl line is fsync'd when written; on resume the file is
+before any training work (`check_loggers`, which `plait config show` runs too); verl's `file` and
+`json_eval` loggers are metrics.jsonl itself. Each metrics.jsonl line is fsync'd when written; on resume the file is
 cut back to the checkpoint's step (`keep_until`), a torn line dropped with a warning.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
+import re
 import sys
 from typing import Iterable
 
@@ -18,6 +21,34 @@ from plait.configtree import ConfigError
 
 CONSOLE_KEYS = {"critic/score/mean": "score", "actor/pg_loss": "pg_loss", "response_length/mean": "resp_len",
                 "perf/time_per_step": "s/step"}
+
+
+PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow", "swanlab": "swanlab"}
+FILE_LOGGERS = ("file", "json_eval")  # verl's JSON-lines loggers: plait's metrics.jsonl is one
+
+
+def check_loggers(loggers: list[str]) -> None:
+    """A logger whose package is missing is a config error at start (train and config show alike)."""
+    for name in loggers:
+        if name in PACKAGES and importlib.util.find_spec(PACKAGES[name]) is None:
+            raise ConfigError("trainer.logger", name, f"needs the {PACKAGES[name]} package: pip install {PACKAGES[name]}")
+
+
+class MlflowSink:
+    """MLflow under the sink interface (log, finish); metric names keep only the characters MLflow allows."""
+
+    def __init__(self, project: str, experiment: str, config: dict):
+        import mlflow
+        self.mlflow = mlflow
+        mlflow.set_experiment(project)
+        mlflow.start_run(run_name=experiment)
+
+    def log(self, record: dict, step: int) -> None:
+        self.mlflow.log_metrics({re.sub(r"[^\w\-. /]", "_at_", k): v for k, v in record.items()
+                                 if isinstance(v, (int, float)) and k != "step"}, step=step)
+
+    def finish(self) -> None:
+        self.mlflow.end_run()
 
 
 class Tracker:
@@ -28,22 +59,25 @@ class Tracker:
         self.console = "console" in loggers
         self.show_progress = progress
         self.sinks: dict[str, object] = {}
+        check_loggers(loggers)
         if "tensorboard" in loggers:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError:
-                raise ConfigError("trainer.logger", "tensorboard", "needs the tensorboard package: pip install tensorboard") from None
+            from torch.utils.tensorboard import SummaryWriter
             self.sinks["tensorboard"] = SummaryWriter(os.path.join(output_dir, "tensorboard"))
         if "wandb" in loggers:
-            try:
-                import wandb
-            except ImportError:
-                raise ConfigError("trainer.logger", "wandb", "needs the wandb package: pip install wandb") from None
+            import wandb
             self.sinks["wandb"] = wandb.init(project=project, name=experiment, config=config or {})
+        if "mlflow" in loggers:
+            self.sinks["mlflow"] = MlflowSink(project, experiment, config or {})
+        if "swanlab" in loggers:
+            import swanlab
+            swanlab.init(project=project, experiment_name=experiment, config=config or {})
+            self.sinks["swanlab"] = swanlab  # the module logs and finishes its current run
+        for name in set(loggers) & set(FILE_LOGGERS):
+            print(f"plait: trainer.logger={name}: the JSON-lines log is {self.path}", file=sys.stderr)
         self._bar = None
 
     def progress(self, steps: Iterable[int], total: int, initial: int) -> Iterable[int]:
-        if not self.show_progress:
+        if not self.show_progress or not sys.stderr.isatty():  # redraws in a log file are noise: step lines suffice
             return steps
         from tqdm import tqdm
         self._bar = tqdm(steps, total=total, initial=initial, desc="plait", unit="step", dynamic_ncols=True, file=sys.stderr)
@@ -99,7 +133,7 @@ class Tracker:
                 if name == "tensorboard":
                     rows = [f"| {i} | {_cell(inp)} | {_cell(out)} | {score:.4g} |" for i, (inp, out, score) in enumerate(samples)]
                     sink.add_text("val/generations", "\n".join(["| # | input | output | score |", "|---|---|---|---|", *rows]), step)
-                else:
+                elif name == "wandb":
                     import wandb
                     sink.log({"val/generations": wandb.Table(columns=["step", "input", "output", "score"],
                                                              data=[[step, *s] for s in samples])}, step=step)

@@ -104,8 +104,9 @@ def make_optimizer(params, cfg: OptimConfig):
     total = max(cfg.total_training_steps, 1)
     warmup = cfg.lr_warmup_steps if cfg.lr_warmup_steps >= 0 else int(cfg.lr_warmup_steps_ratio * total)
     kind = cfg.warmup_style or cfg.lr_scheduler_type  # warmup_style: verl's older name
+    first = 0 if cfg.zero_indexed_step else 1  # verl's zero_indexed_step=false counts the schedule from 1
     sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: lr_factor(s, total, warmup, kind, cfg.min_lr_ratio, cfg.num_cycles))
+        opt, lambda s: lr_factor(s + first, total, warmup, kind, cfg.min_lr_ratio, cfg.num_cycles))
     return opt, sched
 
 
@@ -206,7 +207,7 @@ class Actor:
             clip_low=cfg.clip_ratio_low, clip_high=cfg.clip_ratio_high, clip_c=cfg.clip_ratio_c,
             agg_mode=cfg.loss_agg_mode, loss_scale_factor=cfg.loss_scale_factor, clip_cov_ratio=p.clip_cov_ratio,
             clip_cov_lb=p.clip_cov_lb, clip_cov_ub=p.clip_cov_ub, kl_cov_ratio=p.kl_cov_ratio, ppo_kl_coef=p.ppo_kl_coef,
-            tau_pos=cfg.tau_pos, tau_neg=cfg.tau_neg)
+            tau_pos=cfg.tau_pos, tau_neg=cfg.tau_neg, dro_beta=p.dro_beta)
         stats = {"pg_loss": 0.0, "pg_clipfrac": 0.0, "pg_clipfrac_lower": 0.0, "ppo_kl": 0.0, "entropy": 0.0}
         if cfg.use_kl_loss:
             stats["kl_loss"] = 0.0

@@ -97,7 +97,8 @@ class Critic:
             mask = micro.response_mask.to(device)
             vpreds = self.model(micro)  # [micro, resp_len]
             loss, m = value_loss(vpreds, micro.values.to(device), micro.returns.to(device), mask,
-                                 cliprange=cfg.cliprange_value, agg_mode=cfg.loss_agg_mode, **norm)
+                                 cliprange=cfg.cliprange_value, agg_mode=cfg.loss_agg_mode,
+                                 loss_scale_factor=cfg.loss_scale_factor, **norm)
             loss.backward()
             share = mask.sum().item() / norm["num_tokens"]
             stats["vf_loss"] += loss.item()

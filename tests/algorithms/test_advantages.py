@@ -8,7 +8,7 @@ from torch.testing import assert_close
 
 from plait.algorithms.advantages import (ESTIMATORS, compute_advantages, gae, gpg, grpo, grpo_passk,
                                          masked_mean, masked_whiten, opo, reinforce_plus_plus,
-                                         reinforce_plus_plus_baseline, remax, rloo)
+                                         reinforce_plus_plus_baseline, remax, rloo, gdpo)
 
 torch.set_num_threads(1)
 T = torch.tensor
@@ -73,8 +73,9 @@ def test_grpo_pair_group_and_identical_scores():
 
 def test_rloo_by_hand():
     adv, returns = rloo(REWARDS, MASK, GROUPS)
-    # group 7: 1 - (3+5)/2 = -3, 3 - (1+5)/2 = 0, 5 - (1+3)/2 = 3; the lone sample gets 0
-    expected = T([[-3.0, -3, -3], [0, 0, 0], [0, 0, 0], [3, 3, 3]])
+    # group 7: 1 - (3+5)/2 = -3, 3 - (1+5)/2 = 0, 5 - (1+3)/2 = 3; the lone sample keeps its score 2
+    # (verl 0.9.1: no baseline for a group of one, the raw score is the advantage)
+    expected = T([[-3.0, -3, -3], [2, 0, 0], [0, 0, 0], [3, 3, 3]])
     assert_close(adv, expected)
     assert_close(returns, expected)
 
@@ -132,8 +133,10 @@ def test_compute_advantages_dispatches_to_each_estimator():
     values = torch.rand(4, 3)
     baselines = torch.rand(4)
     PAIRS = T([7, 3, 7, 3])  # grpo_passk needs two samples per group
-    kw = dict(token_rewards=REWARDS, response_mask=MASK, group_ids=PAIRS)
+    components = torch.rand(2, 4)
+    kw = dict(token_rewards=REWARDS, response_mask=MASK, group_ids=PAIRS, components=components)
     direct = {
+        "gdpo": gdpo(components, torch.ones(2), MASK, PAIRS, norm_by_std=False),
         "grpo": grpo(REWARDS, MASK, PAIRS, norm_by_std=False),
         "rloo": rloo(REWARDS, MASK, PAIRS),
         "reinforce_plus_plus": reinforce_plus_plus(REWARDS, MASK, gamma=0.9),
@@ -143,6 +146,8 @@ def test_compute_advantages_dispatches_to_each_estimator():
         "remax": remax(REWARDS, MASK, baselines),
         "opo": opo(REWARDS, MASK, PAIRS),
         "gpg": gpg(REWARDS, MASK, PAIRS),
+        "grpo_vectorized": grpo(REWARDS, MASK, PAIRS, norm_by_std=False),
+        "rloo_vectorized": rloo(REWARDS, MASK, PAIRS, lone_keeps_score=False),
     }
     assert set(direct) == set(ESTIMATORS)
     for name, (adv, ret) in direct.items():
@@ -154,7 +159,7 @@ def test_compute_advantages_dispatches_to_each_estimator():
 
 def test_compute_advantages_errors():
     kw = dict(token_rewards=REWARDS, response_mask=MASK, group_ids=GROUPS)
-    with pytest.raises(ValueError, match="'ppo'.*grpo, grpo_passk, rloo, reinforce_plus_plus"):
+    with pytest.raises(ValueError, match="'ppo'.*grpo, grpo_passk, rloo, grpo_vectorized, rloo_vectorized, reinforce_plus_plus"):
         compute_advantages("ppo", **kw)
     with pytest.raises(ValueError, match="gae.*values"):
         compute_advantages("gae", **kw)

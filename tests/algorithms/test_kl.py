@@ -43,7 +43,7 @@ def test_kl_estimate_unknown():
     with pytest.raises(ValueError, match="'k4'.*k1, kl, abs, k2, mse, k3, low_var_kl"):
         kl_estimate(LOGP, REF, "k4")
     assert set(KL_ESTIMATORS) == {"k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl",
-                                  "k1+", "kl+", "abs+", "k3+", "low_var_kl+"}
+                                  "k1+", "kl+", "abs+", "k2+", "mse+", "k3+", "low_var_kl+"}
 
 
 def test_fixed_controller_never_moves():

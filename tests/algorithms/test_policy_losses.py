@@ -40,12 +40,18 @@ def test_vanilla_mode_is_the_ppo_loss():
 def test_gspo_clips_the_sequence_ratio():
     # seq 0: log ratios 0.1, 0.3 -> s = e^0.2 = 1.2214 > 1.2 with A=+1: clipped to -1.2, no gradient
     # seq 1: one token, log ratio -0.1 -> s = e^-0.1 = 0.9048 with A=-1: loss 0.9048 (inside)
-    loss, metrics, grad = _run("gspo", [[-1.0, -1.0], [-1.0, -1.0]], [[-1.1, -1.3], [-0.9, -5.0]],
-                               [[1.0, 1.0], [-1.0, -1.0]], [[1, 1], [1, 0]])
+    args = ([[-1.0, -1.0], [-1.0, -1.0]], [[-1.1, -1.3], [-0.9, -5.0]], [[1.0, 1.0], [-1.0, -1.0]], [[1, 1], [1, 0]])
+    loss, metrics, grad = _run("gspo", *args, agg_mode="seq-mean-token-mean")
     assert loss == pytest.approx((-1.2 + math.exp(-0.1)) / 2)  # seq-mean-token-mean
     assert metrics["pg_clipfrac"] == pytest.approx(2 / 3)
     # d/dlogp of -A * s_t where d s_t / d logp = s: the unclipped token gets s / 1 token / 2 seqs
     assert_close(grad, T([[0.0, 0.0], [math.exp(-0.1) / 2, 0.0]], dtype=torch.float64))
+    # verl 0.9.1 aggregates GSPO with actor.loss_agg_mode (token-mean by default): 3 valid tokens
+    loss, _, grad = _run("gspo", *args)
+    assert loss == pytest.approx((-1.2 - 1.2 + math.exp(-0.1)) / 3)
+    assert_close(grad, T([[0.0, 0.0], [math.exp(-0.1) / 3, 0.0]], dtype=torch.float64))
+    loss, _, _ = _run("gspo", *args, agg_mode="token-sum")
+    assert loss == pytest.approx(-1.2 - 1.2 + math.exp(-0.1))
 
 
 def test_gpg_is_plain_policy_gradient():
@@ -101,6 +107,7 @@ def test_cispo_weights_log_probs_by_the_clipped_ratio():
 
 
 def test_unknown_mode_names_the_valid_ones():
-    assert set(POLICY_LOSSES) == {"vanilla", "gspo", "gpg", "clip_cov", "kl_cov", "geo_mean", "sapo", "cispo"}
+    assert set(POLICY_LOSSES) == {"vanilla", "gspo", "gpg", "clip_cov", "kl_cov", "geo_mean", "sapo", "cispo",
+                                 "dppo_tv", "dppo_kl", "dro"}
     with pytest.raises(ValueError, match="'ppo'.*vanilla, gspo"):
         policy_loss("ppo", *[torch.zeros(1, 1)] * 4, PolicyLossKnobs())

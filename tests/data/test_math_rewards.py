@@ -7,7 +7,7 @@ from plait.data.rewards import default_compute_score
 
 @pytest.mark.parametrize("response, strict, flexible", [
     ("She pays 3*6 = 18 dollars.\n#### 18", "18", "18"),
-    ("#### 1,234 then #### $72", "72", "72"),        # the last one; commas and $ dropped
+    ("#### 1,234 then #### $72", "1234", "72"),     # verl 0.9.1: "#### $72" has no number after "#### "
     ("#### -5", "-5", "-5"),
     ("The answer is 42.", None, "42."),             # flexible: the last number-like run
     ("no numbers here", None, None),
@@ -76,3 +76,30 @@ def test_dapo_answer_scores_plus_minus_one():
     missing = default_compute_score("aime2024", "I think 34", "34")
     assert missing == {"score": -1.0, "acc": False, "pred": "[INVALID]"}
     assert default_compute_score("aime_2025", "Answer: 1 \nAnswer: 34", "34")["score"] == 1.0
+
+
+# verl 0.9.1's scorers on the same strings (checked side by side against verl/utils/reward_score)
+@pytest.mark.parametrize("source, response, truth, score", [
+    ("openai/gsm8k", "#### $42", "42", 0.0),                 # no number right after "#### "
+    ("openai/gsm8k", "#### 42", 42, 0.0),                    # a non-string ground truth never matches
+    ("lighteval/MATH", "\\boxed{5}", 5, 0.0),
+    ("lighteval/MATH", "\\boxed{50%}", "50", 0.0),            # a bare % stays (only \\% is dropped)
+    ("lighteval/MATH", "\\boxed{50\\%}", "50", 1.0),
+    ("lighteval/MATH", "\\boxed{5\\text{ cm}^2}", "5", 1.0),  # the unit and what follows it go
+    ("lighteval/MATH", "so \\boxed 6$ and \\boxed{7}", "6", 1.0),  # "\\boxed x$" anywhere wins
+    ("lighteval/MATH", "\\fbox{3}", "3", 0.0),                # verl's box reader takes \\boxed only
+    ("lighteval/MATH", "\\boxed{1\\text{ a}\\text{ b}}", "1", 0.0),  # two units: raw strings compared
+    ("math", "so \\boxed{34}", "34", 1.0),                   # verl routes math to the DAPO scorer
+    ("math_dapo_reasoning", "Answer: 34", "34", 1.0),
+])
+def test_scores_equal_verl_0_9_1(source, response, truth, score):
+    result = default_compute_score(source, response, truth)
+    assert (result["score"] if isinstance(result, dict) else result) == score
+
+
+def test_dapo_falls_back_to_the_last_boxed_answer():
+    # no "Answer:" line: the last \\boxed{} of the last 100 characters, compared as written
+    assert default_compute_score("aime2024", "so \\boxed{34}", "34") == {"score": 1.0, "acc": True, "pred": "34"}
+    assert default_compute_score("aime2024", "so \\boxed{034}", "34")["score"] == -1.0
+    far = "\\boxed{34}" + "x" * 120  # outside the last 100 characters
+    assert default_compute_score("math_dapo", far, "34") == {"score": -1.0, "acc": False, "pred": "[INVALID]"}

@@ -2,7 +2,7 @@ import math
 
 import pytest
 
-from plait.config import OverlongBufferConfig
+from plait.data.rewards import OverlongBufferConfig
 from plait.data.rewards import (ScoreRequest, batch_manager, default_compute_score,
                                 exact_match_score, load_custom_reward, make_reward, naive_manager,
                                 overlong_penalty)
@@ -128,22 +128,25 @@ def test_dapo_manager_adds_the_overlong_penalty():
     assert plain(request(["math_dapo"], ["Answer: 3"], ["3"], lengths=[20]))[0] == [1.0]
 
 
-def test_reward_model_config_checks_the_manager_and_reads_dapo_kwargs():
-    from plait.config import RewardModelConfig
+def test_reward_config_checks_the_manager_and_reads_dapo_kwargs():
     from plait.configtree import ConfigError, build
-    with pytest.raises(ConfigError, match="reward_manager='prime'.*naive, batch, dapo"):
-        build(RewardModelConfig, {"reward_manager": "prime"})
+    from plait.data.rewards import RewardConfig
+    with pytest.raises(ConfigError, match="reward_manager.name='prime'.*naive, batch, dapo"):
+        build(RewardConfig, {"reward_manager": {"name": "prime"}})
+    with pytest.raises(ConfigError, match="reward_manager.source='importlib'"):
+        build(RewardConfig, {"reward_manager": {"source": "importlib"}})
     with pytest.raises(ConfigError, match="dapo with the overlong buffer"):
-        build(RewardModelConfig, {"overlong_buffer": {"enable": True, "len": 4}})
+        build(RewardConfig, {"overlong_buffer": {"enable": True, "len": 4}})
     with pytest.raises(ConfigError, match="overlong_buffer.len"):
-        build(RewardModelConfig, {"reward_manager": "dapo", "overlong_buffer": {"enable": True}})
-    recipe = build(RewardModelConfig, {"reward_manager": "dapo", "reward_kwargs": {
+        build(RewardConfig, {"reward_manager": {"name": "dapo"}, "overlong_buffer": {"enable": True}})
+    recipe = build(RewardConfig, {"reward_manager": {"name": "dapo"}, "reward_kwargs": {
         "overlong_buffer_cfg": {"enable": True, "len": 4, "penalty_factor": 1.0, "log": False}, "max_resp_len": 20}})
     assert recipe.overlong_buffer == OverlongBufferConfig(True, 4, 1.0, False)
     with pytest.raises(ConfigError, match="unknown: foo"):
-        build(RewardModelConfig, {"reward_kwargs": {"foo": 1}})
-    with pytest.raises(ConfigError, match="model.path"):
-        build(RewardModelConfig, {"enable": True})
+        build(RewardConfig, {"reward_kwargs": {"foo": 1}})
+    with pytest.raises(ConfigError, match="reward_model.model_path"):
+        build(RewardConfig, {"reward_model": {"enable": True}})
+    assert build(RewardConfig, {}).num_workers == 8  # verl 0.9's default
 
 
 def test_bad_results_are_refused():
@@ -161,10 +164,10 @@ def test_bad_results_are_refused():
 
 def test_driver_builds_the_configured_manager():
     from plait.config import load_config
-    from plait.driver import resolve_reward
-    cfg = load_config(None, ["reward_model.reward_manager=dapo", "data.max_response_length=8",
-                             "reward_model.overlong_buffer.enable=true", "reward_model.overlong_buffer.len=4",
-                             "reward_model.overlong_buffer.penalty_factor=2.0"])
-    score = resolve_reward(cfg)
+    from plait.data.rewards import resolve_reward
+    cfg = load_config(None, ["reward.reward_manager.name=dapo", "data.max_response_length=8",
+                             "reward.overlong_buffer.enable=true", "reward.overlong_buffer.len=4",
+                             "reward.overlong_buffer.penalty_factor=2.0"])
+    score = resolve_reward(cfg.reward, cfg.data.max_response_length)
     scores, _ = score(request(["math_dapo"] * 2, ["Answer: 3", "Answer: 3"], ["3", "3"], lengths=[4, 7]))
     assert scores == [1.0, -0.5]  # 7 tokens: 3 past 8 - 4, so 1 - 2.0 * 3/4

@@ -152,3 +152,73 @@ def test_memory_counters_follow_total_allocated_per_device():
     assert memory_counters(events) == [
         {"ph": "C", "name": "memory allocated (cpu)", "pid": 1, "ts": 10.0, "args": {"bytes": 64}},
         {"ph": "C", "name": "memory allocated (cuda:0)", "pid": 1, "ts": 12.0, "args": {"bytes": 32}}]
+
+
+def test_trim_frames_counts_python_frames_only():
+    cpp = {"filename": "c10/core/alloc.cpp", "line": 0, "name": "malloc"}
+    py = [{"filename": f"f{i}.py", "line": i, "name": f"fn{i}"} for i in range(4)]
+    frames = [cpp, cpp, py[0], cpp, py[1], py[2], py[3]]
+    snapshot = {"segments": [], "device_traces": [[{"action": "alloc", "frames": list(frames)}]]}
+    assert trim_frames(snapshot, 2)["device_traces"][0][0]["frames"] == frames[:5]
+
+
+VERL_09_KEYS = ["global_profiler.global_tool_config.torch_memory.memory_snapshot_num_steps=2",
+                "global_profiler.global_tool_config.torch_memory.context=alloc",
+                "global_profiler.global_tool_config.torch_memory.stacks=python",
+                "global_profiler.global_tool_config.torch_memory.kw_args={clear_history: false}",
+                "global_profiler.finish_hook_all_ranks=true", "global_profiler.finish_hook_ranks=[0]",
+                "global_profiler.relocate_results=true",
+                "global_profiler.global_tool_config.precision_debugger.config_path=/tmp/msprobe.json",
+                "actor_rollout_ref.actor.profiler.tool_config.torch.schedule.active=2",
+                "actor_rollout_ref.actor.profiler.tool_config.torch.schedule.skip_first=1",
+                "actor_rollout_ref.rollout.profiler.tool_config.torch.profile_token_start=2",
+                "actor_rollout_ref.rollout.profiler.tool_config.torch.profile_token_end=8"]
+
+
+def test_verl_09_profiler_keys_load_with_their_values():
+    from plait.config import load_config
+    cfg = load_config(None, VERL_09_KEYS)
+    mem = cfg.global_profiler.global_tool_config.torch_memory
+    assert (mem.memory_snapshot_num_steps, mem.context, mem.stacks, mem.kw_args) == (2, "alloc", "python",
+                                                                                     {"clear_history": False})
+    g = cfg.global_profiler
+    assert (g.finish_hook_all_ranks, g.finish_hook_ranks, g.relocate_results) == (True, [0], True)
+    assert cfg.actor_rollout_ref.actor.profiler.tool_config.torch.schedule.active == 2
+    t = cfg.actor_rollout_ref.rollout.profiler.tool_config.torch
+    assert (t.profile_token_start, t.profile_token_end) == (2, 8)
+
+
+@pytest.mark.parametrize("override, match", [
+    ("global_profiler.global_tool_config.torch_memory.memory_snapshot_num_steps=0", "positive"),
+    ("global_profiler.global_tool_config.torch_memory.context=everything", "alloc, state, all"),
+    ("global_profiler.global_tool_config.torch_memory.stacks=cpp", "python, all"),
+    ("global_profiler.global_tool_config.torch_memory.kw_args={max_entries: 5}", "clear_history"),
+    ("actor_rollout_ref.rollout.profiler.tool_config.torch.profile_token_end=0", "greater than"),
+    ("actor_rollout_ref.actor.profiler.tool_config.torch.schedule.wait=-1", ">= 0"),
+    ("global_profiler.tool=precision_debugger", "msprobe"),
+])
+def test_bad_verl_09_profiler_values_name_the_key(override, match):
+    from plait.config import load_config
+    with pytest.raises(ConfigError, match=match):
+        load_config(None, [override, *(["actor_rollout_ref.rollout.profiler.tool_config.torch.profile_token_start=3"]
+                                       if "token_end" in override else [])])
+
+
+def test_keys_without_effect_here_say_so_once_each(caplog):
+    from plait.config import load_config
+    from plait.driver import role_profilers
+    cfg = load_config(None, ["global_profiler.tool=torch", "global_profiler.steps=[1]",
+                             "actor_rollout_ref.actor.profiler.enable=true", *VERL_09_KEYS])
+    with caplog.at_level("WARNING"):
+        validate_environment(cfg.global_profiler, role_profilers(cfg))
+    text = caplog.text
+    for key in ("finish_hook_all_ranks", "relocate_results", "global_tool_config.precision_debugger",
+                "actor.profiler.tool_config.torch.schedule", "rollout.profiler.tool_config.torch.profile_token_start"):
+        assert text.count(key) == 1, key
+
+
+def test_memory_snapshot_num_steps_groups_windows():
+    from plait.profiler.schedule import Window, plan
+    assert plan([1, 3, 5], 10, False, per_window=2).windows == (Window(1, 3), Window(5, 5))
+    assert plan([1, 2, 4, 5], 10, True, per_window=2).windows == (Window(1, 5),)
+    assert plan([1, 3, 5], 10, False).windows == (Window(1, 1), Window(3, 3), Window(5, 5))

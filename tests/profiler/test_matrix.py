@@ -131,6 +131,11 @@ class Case:
     discrete: bool = False
     warns: bool = False           # one line about steps past the run
     reward_raises: bool = False   # step 2's reward raises; the run stops there
+    extra: tuple[str, ...] = ()   # more global_profiler keys
+    memory_windows: tuple[tuple[int, int], ...] = ()  # torch_memory's windows, when they differ
+
+    def windows_for(self, tool: str) -> tuple[tuple[int, int], ...]:
+        return self.memory_windows if tool == "torch_memory" and self.memory_windows else self.windows
 
     def profiled(self, mode: Mode) -> tuple[str, ...]:
         return {"actor": ("actor",), "pair": mode.pair, "before_reward": tuple(mode.before_reward)}[self.roles]
@@ -145,6 +150,13 @@ CASES = [
     Case("reward_raises_in_2", (2,), False, ((2, 2),), roles="before_reward", reward_raises=True),
     # discrete: one trace per stage (a torch knob); a window away from the last step's validation.
     Case("2_discrete", (2,), False, ((2, 2),), roles="pair", discrete=True),
+    # verl 0.9's keys: one snapshot per 2 profiled steps (torch_memory only; it records step 2 too, as
+    # verl's always-on history does); the hook-rank and relocation keys change nothing (the hook still
+    # runs once, in the driver); the torch schedule is accepted and records the steps whole.
+    Case("1,3_verl09_keys", (1, 3), False, ((1, 1), (3, 3)), memory_windows=((1, 3),), extra=(
+        "global_profiler.global_tool_config.torch_memory.memory_snapshot_num_steps=2",
+        "global_profiler.finish_hook_all_ranks=true", "global_profiler.finish_hook_ranks=[0]",
+        "global_profiler.relocate_results=true", "actor_rollout_ref.actor.profiler.tool_config.torch.schedule.active=1")),
 ]
 TOOLS = ["torch", "torch_memory"]
 # `discrete` is a knob of the torch tool only. Cut to keep the matrix near 90 s on the shared
@@ -167,7 +179,7 @@ def artifact_groups(mode: Mode, profiled: tuple[str, ...]) -> list[tuple[str, ..
 def expected_records(mode: Mode, case: Case, tool: str) -> list[dict]:
     ext = "pickle" if tool == "torch_memory" and CUDA else "pt.trace.json.gz"
     out = []
-    for first, last in case.windows:
+    for first, last in case.windows_for(tool):
         span = f"step{first}" if first == last else f"step{first}-{last}"
         common = {"steps": [first, last], "rank": 0, "tool": tool, "policy_version": first - 1,
                   "complete": not case.reward_raises}
@@ -208,7 +220,8 @@ def all_files(root) -> list[str]:
 def profile_overrides(mode: Mode, case: Case, tool: str, tmp_path) -> list[str]:
     out = [f"global_profiler.tool={tool}", f"global_profiler.steps={list(case.steps)}",
            f"global_profiler.profile_continuous_steps={str(case.continuous).lower()}",
-           f"global_profiler.save_path={tmp_path / 'profile'}", f"global_profiler.finish_hook_cmd={HOOK}"]
+           f"global_profiler.save_path={tmp_path / 'profile'}", f"global_profiler.finish_hook_cmd={HOOK}",
+           *case.extra]
     for role in case.profiled(mode):
         out.append(f"{ROLE_KEYS[role]}.profiler.enable=true")
         if case.discrete:

@@ -25,7 +25,7 @@ torch.set_num_threads(1)
 PROFILE_BOTH = ["trainer.test_freq=-1", "trainer.val_before_train=false", "global_profiler.tool=torch",
                 "global_profiler.steps=[2]", "actor_rollout_ref.actor.profiler.enable=true",
                 "actor_rollout_ref.rollout.profiler.enable=true"]
-SECTIONS = ("id='gantt'", "id='breakdown'", "id='windows'", "id='memory'")
+SECTIONS = ("id='summary'", "id='gantt'", "id='breakdown'", "id='windows'", "id='memory'", "id='learning'")
 PLANTED_MIB = 8
 PLANTED_REWARD = f'''
 import torch
@@ -68,6 +68,16 @@ def test_report_of_a_sync_run(tmp_path, tiny_config, capsys):
     page = open(tmp_path / "report" / "index.html").read()
     assert all(s in page for s in SECTIONS) and "<svg" in page and "aten::" in page
     assert "http" not in page.replace("http://www.w3.org/2000/svg", "")  # offline: nothing fetched
+    # sync mode measures idle too: the trainer waits through gen, the rollout through the training stages
+    records = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    for r in records:
+        busy = sum(v for k, v in r.items() if k.startswith("timing_s/")  # the train step's own stages
+                   and k not in ("timing_s/step", "timing_s/testing", "timing_s/save_checkpoint"))
+        assert abs(r["trainer/idle_ratio"] - r["timing_s/gen"] / busy) < 1e-6
+        assert abs(r["rollouter/idle_ratio"] - (busy - r["timing_s/gen"] - r["timing_s/update_weights"]) / busy) < 1e-6
+    assert "trainer/idle_ratio</td><td>mean" in page  # in the summary box
+    assert "wall time</td>" in page and "profiler overhead</td><td>profiled steps took" in page
+    assert "s from the step&#x27;s start" in page  # the Gantt's x axis says what it counts
 
 
 @pytest.mark.ray
@@ -134,7 +144,9 @@ def planted_run(tmp_path_factory):
 def test_memory_report_finds_a_planted_allocation(planted_run):
     text = build_report(str(planted_run))
     page = open(planted_run / "report" / "index.html").read()
-    assert "peak" in text and "in reward" in text and "planted.py" in text
+    assert "window peak" in text and "in reward at" in text and "s into step 2 (" in text and "planted.py" in text
+    assert "Counts CPU tensor allocations made inside the window" in page
+    assert "The process&#x27;s own peak in these steps" in page
     assert "id='memory'" in page and "class=\"memory\"" in page and "compute_score" in page
     from plait.profiler import read_manifest
     from plait.profiler.analysis.traces import load_trace

@@ -174,9 +174,16 @@ def test_rank_selection(tmp_path):
     assert session(tmp_path, "torch", {"actor": role(ranks=[1])}, rank=1, world_size=2).name == "actor"
     assert session(tmp_path, "torch", {"actor": role(ranks=[1])}, rank=0, world_size=2).name == ""
     assert session(tmp_path, "torch", {"actor": role(all_ranks=True)}, rank=3, world_size=4).name == "actor"
-    with pytest.raises(ConfigError, match="world size 2"):
-        session(tmp_path, "torch", {"actor": role(ranks=[2])}, rank=0, world_size=2)
     assert not (tmp_path / "profile").exists()
+
+
+def test_ranks_beyond_the_world_warn_and_profile_the_rest(tmp_path, caplog):
+    # verl's ranks=[0,4] in a script shrunk to 2 workers: a warning naming rank 4, rank 0 still profiled
+    with caplog.at_level("WARNING"):
+        s = session(tmp_path, "torch", {"actor": role(ranks=[0, 4])}, rank=0, world_size=2)
+    assert s.name == "actor"
+    assert "rank(s) [4] do not exist at world size 2" in caplog.text
+    assert session(tmp_path, "torch", {"actor": role(ranks=[4])}, rank=0, world_size=2).name == ""
 
 
 def test_colocated_roles_must_agree_on_discrete(tmp_path):
@@ -291,3 +298,31 @@ def test_nsys_window_runs_and_records_the_capture_range(tmp_path):
     s.start(1, 1, version=0)
     Workload("cuda").step(s)
     assert [(r["path"], r["complete"]) for r in s.stop()] == [(None, True)]
+
+
+def _cuda_snapshot(tmp_path, **memory_cfg):
+    from plait.profiler import GlobalToolConfig, TorchMemoryToolConfig
+    s = session(tmp_path, "torch_memory", {"actor": role()},
+                global_tool_config=GlobalToolConfig(torch_memory=TorchMemoryToolConfig(**memory_cfg)))
+    s.start(1, 1, 0)
+    with s.for_role("actor").annotate("update_actor"):
+        x = torch.ones(1 << 20, device="cuda")
+        del x
+    (record,) = s.stop()
+    with open(tmp_path / "profile" / record["path"], "rb") as f:
+        return pickle.load(f)
+
+
+@gpu
+@needs_cuda
+def test_torch_memory_context_and_stacks_change_what_is_recorded(tmp_path):
+    """verl's `context` and `stacks`: frees carry stacks only with context=all; C++ frames only with stacks=all."""
+    def events(snapshot, action):
+        return [e for trace in snapshot["device_traces"] for e in trace if e["action"] == action]
+    every = _cuda_snapshot(tmp_path / "all", context="all", stacks="all")
+    allocs_only = _cuda_snapshot(tmp_path / "alloc", context="alloc", stacks="python")
+    assert any(e["frames"] for e in events(every, "free_requested"))
+    assert not any(e["frames"] for e in events(allocs_only, "free_requested"))
+    frames = lambda snap: [f["filename"] for e in events(snap, "alloc") for f in e["frames"]]  # noqa: E731
+    assert any(not name.endswith(".py") for name in frames(every))  # C++ frames recorded
+    assert frames(allocs_only) and all(name.endswith(".py") for name in frames(allocs_only))

@@ -50,7 +50,7 @@ def test_hostile_results_are_errors_naming_function_data_source_and_sample(fn, s
 
 def test_a_hanging_call_times_out_with_a_named_error():
     with pytest.raises(RunError, match=r"hangs \(data_source 'mine', response 'a'\) did not return within "
-                                       r"custom_reward_function.timeout=0.2 s"):
+                                       r"reward.custom_reward_function.timeout=0.2 s"):
         score(hangs, "hangs", timeout=0.2)
     RELEASE.set()  # the abandoned call ends, so no thread outlives the test
     for thread in threading.enumerate():

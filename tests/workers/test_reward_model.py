@@ -69,10 +69,10 @@ def test_scores_are_the_classifier_on_retokenised_text(tmp_path, tiny_config, rm
 
 def test_reward_model_trains_two_steps_and_is_profiled(tmp_path, tiny_config, rm_dir):
     save = tmp_path / "profile"
-    cfg = tiny_config(tmp_path / "run", "reward_model.enable=true", f"reward_model.model.path={rm_dir}",
-                      "reward_model.micro_batch_size_per_gpu=4", "trainer.total_training_steps=2",
+    cfg = tiny_config(tmp_path / "run", "reward.reward_model.enable=true", f"reward.reward_model.model_path={rm_dir}",
+                      "reward.reward_model.micro_batch_size_per_gpu=4", "trainer.total_training_steps=2",
                       "trainer.val_before_train=false", "global_profiler.tool=torch", "global_profiler.steps=[1]",
-                      f"global_profiler.save_path={save}", "reward_model.profiler.enable=true",
+                      f"global_profiler.save_path={save}", "reward.reward_model.profiler.enable=true",
                       "data.max_prompt_length=6", "data.filter_overlong_prompts=true")  # drops "12+34=\n"
     lifecycle = driver.build(cfg, progress=False)
     rm = lifecycle.trainer.roles.reward_model.worker
@@ -92,5 +92,5 @@ def test_reward_model_trains_two_steps_and_is_profiled(tmp_path, tiny_config, rm
 def test_a_missing_reward_model_directory_is_refused_before_any_work(tmp_path, tiny_config):
     from plait.configtree import ConfigError
     cfg = tiny_config(tmp_path, "reward_model.enable=true", f"reward_model.model.path={tmp_path / 'nope'}")
-    with pytest.raises(ConfigError, match="reward_model.model.path"):
+    with pytest.raises(ConfigError, match="reward.reward_model.model_path"):  # the 0.8 spelling, mapped
         driver.preflight(cfg)

@@ -17,6 +17,7 @@ import html
 import json
 import os
 import pickle
+import statistics
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Optional
@@ -24,7 +25,7 @@ from typing import Optional
 from plait.profiler.analysis import memory as mem
 from plait.profiler.analysis import svg
 from plait.profiler.analysis.traces import Trace, load_trace, merged_trace, top_ops, write_trace
-from plait.profiler.naming import read_manifest
+from plait.profiler.naming import MANIFEST, read_location, read_manifest
 from plait.profiler.timeline import TIMELINE_FILE, read_timeline
 
 MAX_GANTT_STEPS = 16
@@ -37,6 +38,7 @@ class Inputs:
     spans: list[dict]
     metrics: list[dict]
     manifest: list[dict]
+    looked: list[str]          # where a manifest was looked for (said when none was found)
 
 
 def locate(path: str, profile: Optional[str] = None, run: Optional[str] = None) -> Inputs:
@@ -44,14 +46,17 @@ def locate(path: str, profile: Optional[str] = None, run: Optional[str] = None) 
         raise FileNotFoundError(f"{path}: not a directory")
     has = lambda d, f: d is not None and os.path.exists(os.path.join(d, f))  # noqa: E731
     run = run or (path if has(path, TIMELINE_FILE) or has(path, "metrics.jsonl") else None)
-    profile = profile or next((d for d in (path, os.path.join(path, "profile")) if has(d, "manifest.jsonl")), None)
+    # the save_path the run recorded wins: it may point anywhere
+    looked = [profile] if profile else list(dict.fromkeys(
+        d for d in (run and read_location(run), path, os.path.join(path, "profile")) if d))
+    profile = next((d for d in looked if has(d, MANIFEST)), None)
     if run is None and profile is None:
-        raise FileNotFoundError(f"{path}: no timeline.jsonl, metrics.jsonl or manifest.jsonl here "
-                                "(give a run's output dir or a profiler save_path)")
+        raise FileNotFoundError(f"{path}: no timeline.jsonl, metrics.jsonl or manifest.jsonl here, nor a "
+                                f"manifest in {', '.join(looked)} (give a run's output dir or a profiler save_path)")
     spans = read_timeline(os.path.join(run, TIMELINE_FILE)) if has(run, TIMELINE_FILE) else []
     metrics = _read_jsonl(os.path.join(run, "metrics.jsonl")) if has(run, "metrics.jsonl") else []
     return Inputs(run, profile, spans, [m for m in metrics if m.get("step", 0) >= 1],
-                  read_manifest(profile) if profile else [])
+                  read_manifest(profile) if profile else [], looked)
 
 
 def _read_jsonl(path: str) -> list[dict]:
@@ -103,7 +108,8 @@ def summary(inp: Inputs, traces: list[Trace], memories: list, out_dir: str) -> s
     steps = [m["step"] for m in inp.metrics]
     if steps:
         times = [m.get("perf/time_per_step", 0.0) for m in inp.metrics]
-        lines.append(f"  steps {min(steps)}-{max(steps)}: mean step {sum(times) / len(times):.3f} s")
+        lines.append(f"  steps {min(steps)}-{max(steps)}: step time p50 {_quantile(times, 0.5):.3f} s, "
+                     f"p90 {_quantile(times, 0.9):.3f} s")
         stages = _stage_totals(inp.metrics)
         total = sum(stages.values()) or 1.0
         top = sorted(stages.items(), key=lambda kv: -kv[1])[:4]
@@ -112,10 +118,12 @@ def summary(inp: Inputs, traces: list[Trace], memories: list, out_dir: str) -> s
             vals = [m[key] for m in inp.metrics if key in m]
             if vals:
                 lines.append(f"  {key}: mean {sum(vals) / len(vals):.2f}")
-    lines.append(f"  profiled artifacts: {len(inp.manifest)} ({len(traces)} torch traces)")
+    where = inp.profile_dir or "no manifest.jsonl in " + ", ".join(inp.looked)
+    lines.append(f"  profiled artifacts: {len(inp.manifest)} ({len(traces)} torch traces; {where})")
     for rec, file, r in memories:
         site = r.top_sites[0][0] if r.top_sites else "-"
-        lines.append(f"  memory {rec['path']}: peak {r.peak_bytes / 2**20:.1f} MiB in {r.peak_stage}; top site {site}")
+        lines.append(f"  memory {rec['path']}: window peak {r.peak_bytes / 2**20:.1f} MiB in {r.peak_stage} "
+                     f"{_when(inp.spans, r.peak_time)}; top site {site}")
     return "\n".join(lines)
 
 
@@ -142,10 +150,10 @@ def _esc(x) -> str:
 
 
 def _table(header: list[str], rows: list[list]) -> str:
-    head = "".join(f"<th>{_esc(h)}</th>" for h in header)
+    head = "".join(f"<th>{_esc(h)}</th>" for h in header) if any(header) else ""
     body = "".join("<tr>" + "".join(f'<td class="n">{_fmt(c)}</td>' if isinstance(c, (int, float)) else
                                     f"<td>{_esc(c)}</td>" for c in row) + "</tr>" for row in rows)
-    return f"<table><tr>{head}</tr>{body}</table>"
+    return f"<table>{'<tr>' + head + '</tr>' if head else ''}{body}</table>"
 
 
 def _fmt(x) -> str:
@@ -158,10 +166,12 @@ def _page(inp: Inputs, traces: list[Trace], memories: list, notes: list[str], ou
              f"<p class='note'>run: {_esc(inp.run_dir or '(none)')} · profiler save_path: "
              f"{_esc(inp.profile_dir or '(none)')} · merged trace: <a href='timeline.json.gz'>timeline.json.gz</a> "
              "(open in ui.perfetto.dev)</p>"]
+    parts.append(_summary_box(inp, traces, memories))
     parts.append(_gantt_section(inp))
     parts.append(_breakdown_section(inp))
     parts.append(_windows_section(traces, inp.profile_dir, out_dir))
     parts.append(_memory_section(inp, memories, out_dir))
+    parts.append(_learning_section(inp))
     if notes:
         parts.append("<h2>Artifacts not shown</h2><ul>" + "".join(f"<li>{_esc(n)}</li>" for n in notes) + "</ul>")
     return "".join(parts) + "</body></html>"
@@ -188,11 +198,17 @@ def _gantt_section(inp: Inputs) -> str:
     out.append(svg.key(sorted({b[1] for b in bars})))
     keys = ["trainer/idle_ratio", "rollouter/idle_ratio", "training/staleness/mean", "training/staleness/max"]
     keys = [k for k in keys if any(k in m for m in inp.metrics)]
-    if keys:
-        out.append("<h3>Idle ratios and staleness per step</h3>")
-        xs = [m["step"] for m in inp.metrics]
-        out.append(svg.lines(xs, {k: [m.get(k, float("nan")) for m in inp.metrics] for k in keys}))
-        out.append(_table(["step", *keys], [[m["step"], *[m.get(k, "") for k in keys]] for m in inp.metrics]))
+    out.append("<h3>Idle ratios and staleness per step</h3>")
+    if not keys:
+        out.append("<p class='note'>No idle ratios in metrics.jsonl (a run from before they were measured in "
+                   "every mode).</p>")
+        return "".join(out)
+    xs = [m["step"] for m in inp.metrics]
+    out.append("<p class='note'>idle ratio: the share of the step a side waited (sync: the trainer during "
+               "gen, the rollout during the training stages; async: measured waits). Staleness: policy versions "
+               "between a sample's generation and its update.</p>")
+    out.append(svg.lines(xs, {k: [m.get(k, float("nan")) for m in inp.metrics] for k in keys}, "ratio / versions"))
+    out.append(_per_step_table(inp.metrics, keys))
     return "".join(out)
 
 
@@ -218,8 +234,17 @@ def _breakdown_section(inp: Inputs) -> str:
             if k.startswith("memory/"):
                 peaks[k] = max(peaks[k], v)
     if peaks:
-        out.append("<h3>Peak memory per stage (max over steps, GB)</h3>")
-        out.append(_table(["metric", "GB"], sorted(peaks.items())))
+        out.append("<h3>Process peak memory per stage (max over steps, GB)</h3>")
+        out.append("<p class='note'>From metrics.jsonl: the whole process's peak while the stage ran, with "
+                   "everything already live (weights, optimizer state): peak RSS on CPU, the allocator's "
+                   "peak on CUDA.</p>")
+        if len(set(peaks.values())) == 1:  # every stage hit the same high: peaks without a per-stage reset
+            k = next(iter(peaks))
+            out.append(f"<p class='note'>every stage: {_fmt(peaks[k])} GB (first at step {_argmax_step(inp.metrics, k)}); "
+                       "the same value everywhere means the counter was not reset per stage (an async rollouter "
+                       "thread in the process), so it shows the process's high-water mark.</p>")
+        else:
+            out.append(_table(["metric", "GB", "at step"], [[k, v, _argmax_step(inp.metrics, k)] for k, v in sorted(peaks.items())]))
     return "".join(out)
 
 
@@ -244,17 +269,155 @@ def _memory_section(inp: Inputs, memories: list, out_dir: str) -> str:
     out = ["<h2 id='memory'>4. Memory</h2>"]
     if not memories:
         return out[0] + "<p class='note'>No torch_memory artifacts (global_profiler.tool=torch_memory).</p>"
-    run_start = min((s["start"] for s in inp.spans), default=None)
     for rec, file, r in memories:
         link = os.path.relpath(file, out_dir)
-        when = f"{r.peak_time - run_start:.3f} s after the run's first stage" if run_start else f"t={r.peak_time:.3f}"
         out.append(f"<h3>{_esc(rec['path'])} · {_esc(rec['role'])} rank {rec['rank']} · {r.device}</h3>"
-                   f"<p>peak <b>{r.peak_bytes / 2**20:.2f} MiB</b> at {when}, in stage <b>{_esc(r.peak_stage)}</b>"
-                   f" · raw: <a href='{_esc(link)}'>{_esc(os.path.basename(file))}</a></p>")
+                   f"<p>window peak <b>{r.peak_bytes / 2**20:.2f} MiB</b> {_esc(_when(inp.spans, r.peak_time))}, "
+                   f"in stage <b>{_esc(r.peak_stage)}</b> · raw: <a href='{_esc(link)}'>{_esc(os.path.basename(file))}</a></p>")
+        out.append(f"<p class='note'>{_esc(_what_it_counts(r.device))} {_esc(_process_peak(inp.metrics, rec))}</p>")
         out.append(svg.area(r.series, [(s["stage"], s["start"], s["end"]) for s in _trainer_stages(inp.spans)
                                        if s["stage"] != "step"]))
-        out.append("<p class='note'>Top allocation sites live at the peak (innermost frame outside torch):</p>")
+        out.append("<p class='note'>Top allocation sites live at the window peak (innermost frame outside torch):</p>")
         out.append(_table(["site", "MiB"], [[s, b / 2**20] for s, b in r.top_sites]))
-        out.append("<p class='note'>Growth per stage (allocated at exit minus entry, summed):</p>")
+        out.append("<p class='note'>Growth per stage (allocated at exit minus entry, summed over the window):</p>")
         out.append(_table(["stage", "MiB"], [[s, b / 2**20] for s, b in sorted(r.growth.items(), key=lambda kv: -abs(kv[1]))]))
+    return "".join(out)
+
+
+def _what_it_counts(device: str) -> str:
+    if device == "cpu":
+        return ("Counts CPU tensor allocations made inside the window, from 0 at its start: memory live "
+                "before the window (weights, optimizer state) is not in it.")
+    return (f"Counts {device} allocator memory: blocks allocated in the window, plus blocks live when the "
+            "snapshot was taken that the window never allocated (counted from its start).")
+
+
+def _process_peak(metrics: list[dict], rec: dict) -> str:
+    """The process-wide peak of the window's steps from metrics.jsonl, to set the window peak against."""
+    first, last = rec["steps"] or (None, None)
+    inside = [m for m in metrics if first is not None and first <= m["step"] <= last]
+    best = max(((v, k, m["step"]) for m in inside for k, v in m.items() if k.startswith("memory/")
+                and not k.startswith("memory/step/") and "reserved" not in k and isinstance(v, (int, float))),
+               default=None)
+    if best is None:
+        return ""
+    v, k, step = best
+    return (f"The process's own peak in these steps, everything live included, was {v:.3g} GB "
+            f"({k} at step {step}, metrics.jsonl).")
+
+
+def _when(spans: list[dict], t: float) -> str:
+    """`t` as seconds into its step and its innermost trainer stage (both from the timeline)."""
+    trainer = [s for s in spans if s["role"] == "trainer" and s["start"] <= t <= s["end"]]
+    step = next((s for s in trainer if s["stage"] == "step"), None)
+    if step is None:
+        return "(outside the timeline's steps)"
+    inner = min((s for s in trainer if s["stage"] != "step"), key=lambda s: s["end"] - s["start"], default=None)
+    text = f"at {t - step['start']:.3f} s into step {step['step']}"
+    return text + (f" ({t - inner['start']:.3f} s into {inner['stage']})" if inner else "")
+
+
+# -- the summary box and the learning curves ------------------------------------------------------
+
+LEARNING = [("val-core/", "validation reward"), ("critic/score/mean", "score"), ("actor/ppo_kl", "KL (actor/ppo_kl)"),
+            ("actor/kl_loss", "KL loss"), ("actor/entropy", "entropy"), ("response_length/mean", "response length (tokens)")]
+
+
+def _learning_section(inp: Inputs) -> str:
+    out = ["<h2 id='learning'>5. Learning curves</h2>"]
+    records = [m for m in _all_records(inp) if isinstance(m.get("step"), int)]
+    shown = 0
+    for prefix, label in LEARNING:
+        keys = sorted({k for m in records for k in m if k == prefix or (prefix.endswith("/") and k.startswith(prefix))
+                       and isinstance(m[k], (int, float))})
+        for key in keys[:2]:
+            points = [(m["step"], m[key]) for m in records if isinstance(m.get(key), (int, float))]
+            if len(points) < 2:
+                continue
+            out.append(f"<h3>{_esc(label)}: {_esc(key)}</h3>")
+            out.append(svg.lines([p[0] for p in points], {key: [p[1] for p in points]}, label.split(" (")[0]))
+            shown += 1
+    if not shown:
+        out.append("<p class='note'>Fewer than two logged points per curve in metrics.jsonl.</p>")
+    return "".join(out)
+
+
+def _all_records(inp: Inputs) -> list[dict]:
+    """metrics.jsonl with step 0 (validation before training), which `inp.metrics` leaves out."""
+    path = os.path.join(inp.run_dir, "metrics.jsonl") if inp.run_dir else None
+    return _read_jsonl(path) if path and os.path.exists(path) else []
+
+
+def _summary_box(inp: Inputs, traces: list, memories: list) -> str:
+    rows = []
+    times = [m["perf/time_per_step"] for m in inp.metrics if isinstance(m.get("perf/time_per_step"), (int, float))]
+    if times:
+        rows.append(["steps", f"{inp.metrics[0]['step']}-{inp.metrics[-1]['step']} ({len(times)})"])
+        rows.append(["step time", f"p50 {_quantile(times, 0.5):.3f} s · p90 {_quantile(times, 0.9):.3f} s"])
+        totals = _stage_totals(inp.metrics)
+        whole = sum(totals.values()) or 1.0
+        rows.append(["stage shares", ", ".join(f"{k} {100 * v / whole:.0f}%" for k, v in
+                                               sorted(totals.items(), key=lambda kv: -kv[1])[:5])])
+    for key in ("trainer/idle_ratio", "rollouter/idle_ratio"):
+        vals = [m[key] for m in inp.metrics if isinstance(m.get(key), (int, float))]
+        if vals:
+            rows.append([key, f"mean {sum(vals) / len(vals):.2f} (min {min(vals):.2f}, max {max(vals):.2f})"])
+    peak = max(((v, k, m["step"]) for m in inp.metrics for k, v in m.items() if k.startswith("memory/")
+                and not k.startswith("memory/step/") and "reserved" not in k and isinstance(v, (int, float))), default=None)
+    if peak:
+        rows.append(["process memory peak", f"{peak[0]:.3g} GB in stage {peak[1].split('/')[1]} at step {peak[2]} ({peak[1]})"])
+    for rec, _, r in memories:
+        site = r.top_sites[0][0] if r.top_sites else "-"
+        rows.append([f"window peak {rec['path']}", f"{r.peak_bytes / 2**20:.1f} MiB in {r.peak_stage}, "
+                                                   f"{_when(inp.spans, r.peak_time)}; top site {site}"])
+    profiled = {s for rec in inp.manifest if rec.get("steps") for s in range(rec["steps"][0], rec["steps"][1] + 1)}
+    inside = [m["perf/time_per_step"] for m in inp.metrics if m["step"] in profiled and "perf/time_per_step" in m]
+    outside = [m["perf/time_per_step"] for m in inp.metrics if m["step"] not in profiled and "perf/time_per_step" in m]
+    if inside and outside:
+        rows.append(["profiler overhead", f"profiled steps took {_quantile(inside, 0.5) / _quantile(outside, 0.5):.2f}x "
+                                          "the others (medians)"])
+    run = _run_summary(inp.run_dir)
+    if run:
+        w = run["wall_s"]
+        rows.append(["wall time", f"{w['total']:.1f} s: " + ", ".join(
+            f"{k} {w[k]:.1f} s" for k in ("startup", "steps", "validation", "checkpoints", "profiler", "other")) +
+            " (profiler: starting, stopping and writing windows; summary.json)"])
+    if not rows:
+        return "<p class='note'>Nothing to summarise: no metrics.jsonl and no artifacts.</p>"
+    return "<h2 id='summary'>Summary</h2>" + _table(["", ""], rows)
+
+
+def _run_summary(run_dir: Optional[str]) -> Optional[dict]:
+    path = os.path.join(run_dir, "summary.json") if run_dir else None
+    if not path or not os.path.exists(path):
+        return None
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def _quantile(xs: list[float], q: float) -> float:
+    """The median for q=0.5 (as summary.json gives it); else the value at rank q (nearest rank)."""
+    if q == 0.5:
+        return statistics.median(xs)
+    xs = sorted(xs)
+    return xs[min(int(q * len(xs)), len(xs) - 1)]
+
+
+def _argmax_step(metrics: list[dict], key: str):
+    return max((m for m in metrics if isinstance(m.get(key), (int, float))), key=lambda m: m[key])["step"]
+
+
+def _per_step_table(metrics: list[dict], keys: list[str]) -> str:
+    """A column that never changes is one line, not a column; a long table folds away."""
+    constant = [k for k in keys if len({m.get(k) for m in metrics}) == 1]
+    varying = [k for k in keys if k not in constant]
+    out = ["<p class='note'>constant over every step: " + ", ".join(f"{_esc(k)} = {_fmt(metrics[0].get(k))}"
+                                                                     for k in constant) + "</p>"] if constant else []
+    if varying:
+        table = _table(["step", *varying], [[m["step"], *[m.get(k, "") for k in varying]] for m in metrics])
+        out.append(table if len(metrics) <= 20 else f"<details><summary>per-step values ({len(metrics)} steps)"
+                                                   f"</summary>{table}</details>")
     return "".join(out)

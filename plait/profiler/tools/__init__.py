@@ -21,7 +21,7 @@ from typing import Mapping, Optional
 from torch.cuda import is_available as cuda_available
 
 from plait.configtree import check
-from plait.profiler.config import ROLE_KEYS, GlobalProfilerConfig, RoleProfilerConfig
+from plait.profiler.config import ROLE_KEYS, GlobalProfilerConfig, RoleProfilerConfig, no_effect_notes
 
 log = logging.getLogger("plait.profiler")
 
@@ -46,8 +46,10 @@ def validate_environment(cfg: GlobalProfilerConfig,
                     "profiled (set global_profiler.tool)", " and ".join(enabled))
     if cfg.tool == "torch_memory" and not cuda_available():
         log.warning("profiler: torch_memory without CUDA writes a torch.profiler trace with CPU "
-                    "memory events per window; trace_alloc_max_entries and stack_depth apply to "
-                    "CUDA snapshots only (docs/profiling.md)")
+                    "memory events per window; trace_alloc_max_entries, stack_depth, context, stacks and "
+                    "kw_args apply to CUDA snapshots only (docs/profiling.md)")
+    for note in no_effect_notes(cfg, dict(roles or {})):
+        log.warning("profiler: %s", note)
 
 
 def check_environment(cfg: GlobalProfilerConfig, roles: Mapping[str, RoleProfilerConfig]) -> None:
@@ -66,6 +68,8 @@ def check_environment(cfg: GlobalProfilerConfig, roles: Mapping[str, RoleProfile
                   f"{ROLE_KEYS.get(role, role)}.profiler.tool_config.torch.contents",
                   rc.tool_config.torch.contents,
                   "lists cuda, but torch.cuda.is_available() is False on this machine")
+    if cfg.save_path is None:  # resolved by PlaitConfig; a bare GlobalProfilerConfig writes nowhere yet
+        return
     check(not os.path.isfile(cfg.save_path), "global_profiler.save_path", cfg.save_path,
           "is an existing file; expected a folder")
     check(_writable(cfg.save_path), "global_profiler.save_path", cfg.save_path,

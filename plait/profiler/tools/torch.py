@@ -30,6 +30,9 @@ from torch._C._profiler import _ExperimentalConfig
 from torch.profiler import ProfilerActivity, record_function
 
 TRACE_EXT = "pt.trace.json.gz"
+# Kineto prints "USDT: ... profiler_start/stop" at every window; 6 is above all its levels. Read when
+# a collector starts, so setting it here (in every process that profiles) is early enough.
+os.environ.setdefault("KINETO_LOG_LEVEL", "6")
 
 
 class TorchTool:

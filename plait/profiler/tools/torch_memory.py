@@ -1,10 +1,12 @@
 """The `torch_memory` tool: what held memory during a window.
 
 On CUDA: the caching allocator's history is recorded only while a window is open
-(`_record_memory_history`, at most `trace_alloc_max_entries` events, Python stacks), dumped as a
+(`_record_memory_history`, at most `trace_alloc_max_entries` events, `context` and `stacks` as
+configured, `kw_args` passed on), dumped as a
 snapshot pickle at window end for pytorch.org/memory_viz, then switched off, which also clears
 it, so each snapshot covers exactly one window. PyTorch has no stack-depth option, so
-`stack_depth` is applied when writing: each event keeps its innermost `stack_depth` frames. An
+`stack_depth` is applied when writing: each event keeps its innermost `stack_depth` Python frames
+(and the C++ frames among them, with stacks=all). An
 out-of-memory error inside a window dumps `<name>_oom.pickle` before the error propagates; one
 outside any window (on a rank that profiles) dumps the allocator's snapshot and memory_summary()
 under `<save_path>/oom/`, listed in the manifest when the run closes its profiler.
@@ -44,11 +46,10 @@ class CudaMemoryHistory:
         self._window = None
 
     def open(self, window) -> None:
-        # Python stacks only: with C++ frames the innermost `stack_depth` frames would all be
-        # allocator internals and the call site would be trimmed away.
         torch.cuda.memory._record_memory_history(
-            enabled="all", context="all", stacks="python", max_entries=self.cfg.trace_alloc_max_entries,
-            clear_history=True, global_record_annotations=True)
+            enabled="all", context=self.cfg.context, stacks=self.cfg.stacks,
+            max_entries=self.cfg.trace_alloc_max_entries,
+            **{"clear_history": True, "global_record_annotations": True, **self.cfg.kw_args})
         self._window = window
         _OomObserver.attach()
         _OomObserver.dump = lambda: window.save(window.name, "pickle", self._write, stage="oom")
@@ -71,13 +72,23 @@ class CudaMemoryHistory:
 
 
 def trim_frames(snapshot: dict, depth: int) -> dict:
-    """Keep the innermost `depth` frames of every block and trace event (frames are innermost first)."""
+    """Keep the frames of every block and trace event up to its `depth`-th Python frame (frames are
+    innermost first); counting C++ frames would leave only allocator internals with stacks=all."""
     items = [b for seg in snapshot.get("segments", []) for b in seg.get("blocks", [])]
     items += [e for trace in snapshot.get("device_traces", []) for e in trace]
     for item in items:
         if "frames" in item:
-            item["frames"] = item["frames"][:depth]
+            item["frames"] = _upto_python_frames(item["frames"], depth)
     return snapshot
+
+
+def _upto_python_frames(frames: list[dict], depth: int) -> list[dict]:
+    seen = 0
+    for i, frame in enumerate(frames):
+        seen += str(frame.get("filename", "")).endswith(".py")
+        if seen == depth:
+            return frames[:i + 1]
+    return frames
 
 
 def write_oom_dump(snapshot_path: str, summary_path: str, depth: int) -> None:

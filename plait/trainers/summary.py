@@ -1,0 +1,142 @@
+"""The end-of-run summary: where the wall time went, what the run reached, where its files are.
+
+    lifecycle:  clock = RunClock()                       wall time of the parts outside steps
+                with clock.part("startup"): ...          resume, trainer start
+                summarise(records, clock, ...) -> dict    from this run's metrics.jsonl records
+                write_summary(out_dir, summary)           summary.json, and a few console lines
+
+Step, validation and checkpoint time come from the records' `timing_s/*` (the same numbers as
+metrics.jsonl); start-up, the validation before step 1 and the profiler's own start/stop/write time
+are measured here. `other` is what is left of the wall time (logging, shutdown). It leaves out
+anything not in the records: a summary of a resumed run covers the steps this process ran, and
+validation over the whole of metrics.jsonl.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import statistics
+import sys
+import time
+from collections import defaultdict
+from typing import Optional
+
+SUMMARY_FILE = "summary.json"
+
+
+class RunClock:
+    def __init__(self, start: Optional[float] = None):
+        self.start = time.perf_counter() if start is None else start  # a perf_counter reading
+        self.parts: dict[str, float] = defaultdict(float)
+
+    @contextlib.contextmanager
+    def part(self, name: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.parts[name] += time.perf_counter() - t0
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+
+def summarise(records: list[dict], first_step: int, last_step: int, clock: RunClock, profiler_s: float,
+              paths: dict[str, Optional[str]], status: str) -> dict:
+    """The summary of one run (one process) from its metrics.jsonl records."""
+    ran = [r for r in records if first_step <= r.get("step", 0)]
+    step_s = [_num(r, "timing_s/step") for r in ran]
+    testing = sum(_num(r, "timing_s/testing") for r in ran)
+    ckpt = sum(_num(r, "timing_s/save_checkpoint") for r in ran)
+    wall = {"total": clock.elapsed(), "startup": clock.parts["startup"],
+            "steps": sum(step_s) - testing - ckpt, "validation": clock.parts["validation"] + testing,
+            "checkpoints": ckpt, "profiler": profiler_s}
+    wall["other"] = max(wall["total"] - sum(v for k, v in wall.items() if k != "total"), 0.0)
+    stages: dict[str, float] = defaultdict(float)
+    for r in ran:
+        for k, v in r.items():
+            if k.startswith("timing_s/") and k not in ("timing_s/step", "timing_s/testing") and _is_num(v):
+                stages[k.removeprefix("timing_s/")] += v
+    whole = sum(stages.values()) or 1.0
+    return {
+        "status": status,
+        "steps": {"first": ran[0]["step"] if ran else None, "last": ran[-1]["step"] if ran else None,
+                  "done": len(ran), "run_last_step": last_step},
+        "wall_s": wall,
+        "step_s": {"median": statistics.median(step_s) if step_s else None,
+                   "p90": _quantile(step_s, 0.9) if step_s else None},
+        "top_stages": [{"stage": k, "total_s": v, "share": v / whole}
+                       for k, v in sorted(stages.items(), key=lambda kv: -kv[1])[:4]],
+        "validation": _validation(records),
+        "memory_peak": _memory_peak(ran),
+        "paths": paths,
+        "next": f"plait profile report {paths['output_dir']}",
+    }
+
+
+def _validation(records: list[dict]) -> Optional[dict]:
+    """First, best (with its step) and last of the first val-core reward key the records hold."""
+    key = next((k for r in records for k in r if k.startswith("val-core/") and "/reward/mean@" in k), None)
+    key = key or next((k for r in records for k in r if k.startswith("val-core/")), None)
+    points = [(r["step"], r[key]) for r in records if _is_num(r.get(key))]
+    if not points:
+        return None
+    best = max(points, key=lambda p: p[1])
+    return {"key": key, "first": {"step": points[0][0], "value": points[0][1]},
+            "best": {"step": best[0], "value": best[1]}, "last": {"step": points[-1][0], "value": points[-1][1]}}
+
+
+def _memory_peak(records: list[dict]) -> Optional[dict]:
+    """The highest per-stage peak (memory/<stage>/peak_*_gb, the stage `step` left out: it folds in the others)."""
+    best = None
+    for r in records:
+        for k, v in r.items():
+            if k.startswith("memory/") and not k.startswith("memory/step/") and "reserved" not in k and _is_num(v):
+                if best is None or v > best["gb"]:
+                    best = {"gb": v, "metric": k, "stage": k.split("/")[1], "step": r["step"]}
+    return best
+
+
+def write_summary(output_dir: str, summary: dict, console: bool = True) -> None:
+    path = os.path.join(output_dir, SUMMARY_FILE)
+    with open(path, "w") as f:
+        json.dump(summary, f, indent=1)
+    if console:
+        print("\n".join(f"plait: {line}" for line in summary_lines(summary, path)), file=sys.stderr)
+
+
+def summary_lines(s: dict, path: str) -> list[str]:
+    st, w = s["steps"], s["wall_s"]
+    parts = ", ".join(f"{k} {w[k]:.1f} s" for k in ("startup", "steps", "validation", "checkpoints", "profiler", "other"))
+    steps = f"steps {st['first']}-{st['last']}" if st["done"] else "no steps"
+    lines = [f"{s['status']}: {steps} of {st['run_last_step']} in {w['total']:.1f} s ({parts})"]
+    if s["step_s"]["median"] is not None:
+        top = ", ".join(f"{t['stage']} {100 * t['share']:.0f}%" for t in s["top_stages"])
+        lines.append(f"step time median {s['step_s']['median']:.3f} s, p90 {s['step_s']['p90']:.3f} s; top stages: {top}")
+    v = s["validation"]
+    if v:
+        lines.append(f"validation {v['key']}: first {v['first']['value']:.4g} (step {v['first']['step']}), best "
+                     f"{v['best']['value']:.4g} (step {v['best']['step']}), last {v['last']['value']:.4g} (step {v['last']['step']})")
+    m = s["memory_peak"]
+    if m:
+        lines.append(f"memory peak {m['gb']:.3g} GB in stage {m['stage']} at step {m['step']} ({m['metric']})")
+    files = [f"{k} {p}" for k, p in s["paths"].items() if p and k != "output_dir"]
+    lines.append("files: " + " · ".join(files + [f"summary {path}"]))
+    lines.append(f"next: {s['next']}")
+    return lines
+
+
+def _num(r: dict, key: str) -> float:
+    v = r.get(key, 0.0)
+    return v if _is_num(v) else 0.0
+
+
+def _is_num(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _quantile(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(int(q * len(xs)), len(xs) - 1)]

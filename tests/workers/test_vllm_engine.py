@@ -95,17 +95,30 @@ def test_greedy_eos_and_max_tokens(engine, model_path):
 def test_abort_returns_tokens_so_far_and_resume_finishes_them(rollout, engine, model_path):
     from plait.types import PromptBatch
     params = SamplingParams(max_new_tokens=400)
-    threading.Timer(1.0, engine.abort).start()
-    out = engine.generate([[1, 40]] * 4, params, torch.Generator().manual_seed(0))
+    step, steps = engine._engine.step, []
+
+    def step_then_abort():  # abort from "another thread" after the 3rd engine step: tokens exist by then
+        steps.append(1)
+        if len(steps) == 3:
+            threading.Thread(target=engine.abort).start()
+        return step()
+    engine._engine.step = step_then_abort
+    try:
+        out = engine.generate([[1, 40]] * 4, params, torch.Generator().manual_seed(0))
+    finally:
+        del engine._engine.step
     assert "aborted" in out.stop_reasons
     assert all(0 < len(t) < 400 for (t, _), r in zip(rows(out), out.stop_reasons) if r == "aborted")
     # Rollout.resume continues an aborted batch from its tokens so far through this engine
     prompts = PromptBatch(prompt_ids=[[1, 40, 41]] * 2, data_sources=["t"] * 2, ground_truths=["x"] * 2,
                           extra_infos=[{}] * 2, indices=[0, 1])
     sampling = SamplingConfig(n=1)
-    threading.Timer(0.3, engine.abort).start()
     batch = rollout.generate(prompts, sampling, seed=0)
-    batch.stop_reasons = ["aborted"] * 2  # finish both from their tokens so far, whatever the timer cut
+    keep = 3  # as an abort after 3 tokens leaves it: the rest is for resume to finish
+    batch.response_mask[:, keep:] = 0
+    batch.rollout_logprobs[:, keep:] = 0
+    batch.responses[:, keep:] = rollout.pad_token_id
+    batch.stop_reasons = ["aborted"] * 2
     before = batch.response_mask.sum(-1)
     done = rollout.resume(batch, sampling, seed=1)
     assert all(r in ("eos", "length") for r in done.stop_reasons) and (done.response_mask.sum(-1) >= before).all()

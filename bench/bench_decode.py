@@ -13,6 +13,14 @@ machine's measured matmul peak over the model's FLOPs per token) and its load-av
 (bench/machine.py; a busy run marks the result `valid: false`).
 
     python bench/bench_decode.py [--runs 5] [--out bench/results/decode.json]
+
+`--vllm` (in the vLLM environment, docs/rollout.md) adds vLLM's engine beside plait's engine and HF
+generate at 1 and 2 threads: batch 16 x 128 new tokens, EOS off, on the s and m models or on
+`--model DIR` (e.g. SmolLM2-135M-Instruct from plait.models.smollm2_dir). vLLM runs in its own
+engine-core process, its OpenMP threads bound by VLLM_CPU_OMP_THREADS_BIND; plait and HF run
+with torch.set_num_threads. `--vllm-only` skips the other sections.
+
+    python bench/bench_decode.py --vllm [--vllm-only] [--model DIR] [--out bench/results/decode_vllm.json]
 """
 
 from __future__ import annotations
@@ -135,11 +143,53 @@ def step_breakdown(model, batch: int, steps: int = 32, reps: int = 5) -> dict:
     return out
 
 
+def vllm_rows(models: dict[str, str], runs: int, batch: int = 16, new: int = 128) -> list[dict]:
+    """Median new tokens/s of vLLM, plait's engine and HF generate, fixed length, at 1 and 2 threads."""
+    from transformers import AutoModelForCausalLM
+    from plait.config import RolloutConfig
+    from plait.workers.vllm_engine import VLLMEngine
+    rows = []
+    for name, path in models.items():
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        prompts = torch.randint(3, model.config.vocab_size, (batch, PROMPT_LEN), generator=torch.Generator().manual_seed(1))
+        params = SamplingParams(max_new_tokens=new)
+        for threads in sorted({1, min(2, os.cpu_count() or 1)}):
+            torch.set_num_threads(threads)
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0" if threads == 1 else f"0-{threads - 1}"
+            vllm = VLLMEngine(path, RolloutConfig(name="vllm", dtype="float32"), torch.float32, "cpu", [], ignore_eos=True)
+            plait_engine = TransformersEngine(model, pad_token_id=0, eos_token_ids=[])
+            gen = torch.Generator().manual_seed(0)
+            calls = {
+                "vllm": lambda: int(vllm.generate(prompts.tolist(), params, gen).response_mask.sum()),
+                "plait": lambda: int(plait_engine.generate(prompts.tolist(), params, gen).response_mask.sum()),
+                "hf": lambda: int(model.generate(input_ids=prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=new,
+                                                 min_new_tokens=new, do_sample=True, top_k=0, pad_token_id=0).shape[1]
+                                  - PROMPT_LEN) * batch}
+
+            def timed_all() -> dict:
+                out = {}
+                for label, fn in calls.items():
+                    fn()  # warm-up
+                    out[f"{label}_tok_s"] = round(statistics.median(t / w for w, _, t in (timed(fn) for _ in range(runs))))
+                return out
+            row, load = measured(timed_all, threads=threads)
+            vllm.close()
+            rows.append({"model": name, "threads": threads, "batch": batch, "response_len": new, **row, "load": load})
+            print(f"  vllm {name} {threads} thread(s): vLLM {row['vllm_tok_s']} tok/s, plait {row['plait_tok_s']}, "
+                  f"HF {row['hf_tok_s']}", flush=True)
+    torch.set_num_threads(1)
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=5)
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "decode.json"))
+    ap.add_argument("--out", default=None, help="default: bench/results/decode.json (decode_vllm.json with --vllm)")
+    ap.add_argument("--vllm", action="store_true", help="add vLLM's engine (the vLLM environment)")
+    ap.add_argument("--vllm-only", action="store_true", help="with --vllm: only that section")
+    ap.add_argument("--model", default=None, help="with --vllm: a model folder instead of the s and m models")
     args = ap.parse_args()
+    args.out = args.out or str(Path(__file__).parent / "results" / ("decode_vllm.json" if args.vllm else "decode.json"))
     torch.set_num_threads(1)
     result = {
         "machine": {"platform": platform.platform(), "python": platform.python_version(),
@@ -148,9 +198,17 @@ def main():
         "threads": torch.get_num_threads(), "runs": args.runs, "prompt_len": PROMPT_LEN, "vocab": VOCAB,
         "configs": [], "step_breakdown": [],
     }
+    if args.vllm:
+        import tempfile
+        with tempfile.TemporaryDirectory() as tmp:
+            models = {"model": args.model} if args.model else {}
+            for size in ([] if args.model else SIZES):
+                models[size] = os.path.join(tmp, size)
+                build(size).save_pretrained(models[size])
+            result["vllm"] = vllm_rows(models, args.runs)
     print(f"{'size':>4} {'batch':>5} {'resp':>4} {'eos':>4} | {'HF tok/s':>9} {'plait tok/s':>11} {'ratio':>5} | "
           f"{'CPU-time ratio':>14}")
-    for size in SIZES:
+    for size in ([] if args.vllm_only else SIZES):
         model = build(size)
         flops = ModelFlops.of(model)
         configs = [(b, n, []) for b in BATCHES for n in RESPONSES] + [(64, 128, EOS_IDS)]
@@ -166,14 +224,14 @@ def main():
                   f"{row['share_of_flop_bound']:.1%} of the FLOP bound", flush=True)
         for batch in BATCHES:
             result["step_breakdown"].append({"size": size, "batch": batch, **step_breakdown(model, batch)})
-    print("\nCPU ms per decode step (response 32), and where plait's forward spends its op time:")
+    print("\nCPU ms per decode step (response 32), and where plait's forward spends its op time:" if result["step_breakdown"] else "")
     for row in result["step_breakdown"]:
         print(f"  {row['size']} b{row['batch']}: plait forward {row['plait_forward_ms']}, "
               f"HF forward {row['hf_forward_ms']}, sampling {row['sampling_ms']} | "
               + ", ".join(f"{k[6:]} {v:.0%}" for k, v in row.items() if k.startswith("share_")))
     result["machine"]["load_avg_end"] = os.getloadavg()
     result["machine"]["matmul_peak_flops"] = device_peak_flops("cpu", torch.float32)
-    result.update(verdict([row["load"] for row in result["configs"]]))
+    result.update(verdict([row["load"] for row in result["configs"] + result.get("vllm", [])]))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {args.out}")

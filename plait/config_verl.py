@@ -136,34 +136,21 @@ _GROUPS = {
         actor_rollout_ref.checkpoint_engine
         actor_rollout_ref.actor.use_rollout_log_probs
     """,
-    ("vLLM/SGLang/TensorRT-LLM engine tuning: plait's rollout engine is transformers generate "
-     "(rollout.name=hf)"): """
+    ("vLLM/SGLang/TensorRT-LLM engine tuning that plait's engines do not take (rollout.name=vllm "
+     "takes the vLLM keys docs/rollout.md lists, and any vLLM argument through engine_kwargs.vllm)"): """
         actor_rollout_ref.rollout.prompt_length
         actor_rollout_ref.rollout.response_length
-        actor_rollout_ref.rollout.dtype
-        actor_rollout_ref.rollout.gpu_memory_utilization
-        actor_rollout_ref.rollout.enforce_eager
         actor_rollout_ref.rollout.cudagraph_capture_sizes
-        actor_rollout_ref.rollout.free_cache_engine
-        actor_rollout_ref.rollout.tensor_model_parallel_size
         actor_rollout_ref.rollout.data_parallel_size
         actor_rollout_ref.rollout.expert_parallel_size
         actor_rollout_ref.rollout.pipeline_model_parallel_size
-        actor_rollout_ref.rollout.max_num_batched_tokens
-        actor_rollout_ref.rollout.max_model_len
-        actor_rollout_ref.rollout.max_num_seqs
-        actor_rollout_ref.rollout.enable_chunked_prefill
-        actor_rollout_ref.rollout.enable_prefix_caching
         actor_rollout_ref.rollout.logprobs_mode
         actor_rollout_ref.rollout.scheduling_policy
-        actor_rollout_ref.rollout.load_format
         actor_rollout_ref.rollout.disable_log_stats
         actor_rollout_ref.rollout.over_sample_rate
         actor_rollout_ref.rollout.multi_stage_wake_up
-        actor_rollout_ref.rollout.engine_kwargs.vllm
         actor_rollout_ref.rollout.engine_kwargs.sglang
         actor_rollout_ref.rollout.engine_kwargs.trtllm
-        actor_rollout_ref.rollout.calculate_log_probs
         actor_rollout_ref.rollout.skip_tokenizer_init
         actor_rollout_ref.rollout.enable_rollout_routing_replay
         actor_rollout_ref.rollout.prometheus.enable
@@ -463,6 +450,13 @@ CPU_RAY_NO_EFFECT = {
     key: "GPU counts: without CUDA the Ray backend starts trainer.ray.num_cpu_workers trainer processes"
     for key in ("trainer.nnodes", "trainer.n_gpus_per_node")}
 
+
+# Rollout fields only the vLLM engine reads: named at start when the run's engine is hf.
+HF_ENGINE_NO_EFFECT = {
+    f"actor_rollout_ref.rollout.{key}": "vLLM engine settings: this run's rollout engine is hf (rollout.name=vllm reads them)"
+    for key in ("gpu_memory_utilization", "max_num_batched_tokens", "max_num_seqs", "max_model_len", "enforce_eager",
+                "enable_chunked_prefill", "enable_prefix_caching", "free_cache_engine", "load_format", "seed",
+                "tensor_model_parallel_size", "engine_kwargs.vllm")}
 
 # verl 0.9 switches of subsystems whose other keys have no effect here: turning one on is refused.
 ENABLES = {"distillation.enabled": "on-policy distillation (distillation.*)",

@@ -25,7 +25,8 @@ from typing import Callable, NamedTuple
 
 import torch
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
-from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, PreTrainedModel,
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer,
+                          GenerationConfig, PreTrainedModel,
                           PreTrainedTokenizerBase, PreTrainedTokenizerFast, Qwen2Config,
                           Qwen2ForCausalLM)
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
@@ -126,15 +127,33 @@ def load_reward_model(path: str | Path, dtype: torch.dtype = torch.float32,
     return model.to(device).eval().requires_grad_(False)
 
 
-def eos_token_ids(tokenizer: PreTrainedTokenizerBase, model: PreTrainedModel) -> list[int]:
-    """Ids that end a response: the tokenizer's eos plus the model's generation-config eos ids.
+def eos_token_ids(tokenizer: PreTrainedTokenizerBase, generation_config: GenerationConfig) -> list[int]:
+    """Ids that end a response: the tokenizer's eos plus the generation config's eos ids.
 
     Chat models often stop on an end-of-turn token that only the generation config names.
     """
     ids = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
-    extra = model.generation_config.eos_token_id  # None, an int or a list
+    extra = generation_config.eos_token_id  # None, an int or a list
     ids += [extra] if isinstance(extra, int) else list(extra or [])
     return list(dict.fromkeys(ids))
+
+
+def load_generation_config(path: str | Path) -> GenerationConfig:
+    """The model directory's generation_config.json, or the defaults its config.json implies."""
+    try:
+        return GenerationConfig.from_pretrained(_local_dir(path), local_files_only=True)
+    except OSError:  # no generation_config.json
+        return GenerationConfig.from_model_config(AutoConfig.from_pretrained(_local_dir(path), local_files_only=True))
+
+
+def enable_activation_checkpointing(model: PreTrainedModel) -> None:
+    """Recompute each block's activations in backward (non-reentrant). transformers 5.2x calls it
+    activation_checkpointing_enable; the 5.1x releases vLLM pins call it gradient_checkpointing_enable."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(PreTrainedModel, "activation_checkpointing_enable"):  # a library version test, not of `model`
+        model.activation_checkpointing_enable(kwargs)
+    else:
+        model.gradient_checkpointing_enable(kwargs)
 
 
 WEIGHTS = ("*.safetensors", "*.bin", "*.safetensors.index.json", "*.bin.index.json")

@@ -36,3 +36,12 @@ def tiny_config():
     def make(out_dir, *overrides):
         return load_config(None, [*TINY, f"trainer.default_local_dir={out_dir}", *overrides])
     return make
+
+
+@pytest.fixture(scope="session")
+def vllm_model_path(tmp_path_factory):
+    """A tiny Qwen2 with head size 32, vLLM-CPU's smallest (the demo's xs model has 16)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from plait.models import save_char_model
+    widths = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, intermediate_size=128)
+    return save_char_model(tmp_path_factory.mktemp("vllm") / "model", Qwen2Config, Qwen2ForCausalLM, widths, seed=0)

@@ -5,6 +5,7 @@ about verl's interface), with model/data paths, sizes and the engine name change
 run. Each one must load; the Megatron and NPU ones are refused with one line; a few train 2 steps.
 """
 
+import importlib.util
 import re
 import shlex
 import subprocess
@@ -62,8 +63,8 @@ def test_every_recorded_verl_script_loads(name, tiny_paths, capsys):
     cfg = load_config(None, script_overrides(name, tiny_paths))
     assert cfg.actor_rollout_ref.model.path == tiny_paths["MODEL_PATH"]
     assert cfg.actor_rollout_ref.rollout.name == "hf"
-    # The engine-tuning keys every script sets are named once, not refused.
-    assert capsys.readouterr().err.count("accepted but have no effect here") == 1
+    # The engine-tuning keys a script sets are named once (in one block), never refused.
+    assert capsys.readouterr().err.count("accepted but have no effect here") <= 1
 
 
 @pytest.mark.parametrize("name", sorted(REFUSED))
@@ -162,13 +163,15 @@ def test_no_effect_keys_are_named_once_grouped_by_reason(capsys):
                        "actor_rollout_ref.actor.fsdp_config.fsdp_size=2", "trainer.n_gpus_per_node=8"])
     err = capsys.readouterr().err
     block = err[err.index("accepted but have no effect"):]
-    assert block.count("vLLM/SGLang") == 1 and block.count("FSDP") == 1 and "local backend" in block
+    assert block.count("this run's rollout engine is hf") == 1 and block.count("FSDP") == 1 and "local backend" in block
     for key in ("gpu_memory_utilization", "tensor_model_parallel_size", "fsdp_config.fsdp_size", "n_gpus_per_node"):
         assert f"actor_rollout_ref.rollout.{key}" in block or key in block
 
 
 @pytest.mark.parametrize("override, key, words", [
-    ("actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.name", "plait's engine is hf"),
+    pytest.param("actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.name", "vllm is not installed here",
+                 marks=pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vllm is installed")),
+    ("actor_rollout_ref.rollout.name=sglang", "actor_rollout_ref.rollout.name", "use rollout.name=vllm"),
     ("actor_rollout_ref.rollout.name=trtllm", "actor_rollout_ref.rollout.name", "one of hf, vllm, sglang"),
     ("actor_rollout_ref.actor.strategy=megatron", "actor_rollout_ref.actor.strategy", "Megatron-LM is not supported"),
     ("global_profiler.tool=npu", "global_profiler.tool", "Ascend NPU is not supported"),

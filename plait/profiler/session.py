@@ -100,6 +100,7 @@ class ProfilerSession:
         self._recording = False  # window open and tool collecting: the one flag annotate reads
         self._warned: set[str] = set()
         self._pending: list[dict] = []  # records of OOM dumps taken outside windows, until stop()
+        self._attached: list = []  # engines' own profilers (RoleProfiler.attach), opened and closed with the tool
         if cfg.tool == "torch_memory" and self.tool is not None:
             from plait.profiler.tools.torch_memory import _OomObserver
             if torch.cuda.is_available():
@@ -131,6 +132,11 @@ class ProfilerSession:
         except Exception as err:
             self._fail("starting", err)
             self._window.add(self.name, complete=False)
+        for extra in self._attached:
+            try:
+                extra.open(self._window)
+            except Exception as err:
+                self._fail("starting an engine's profiler", err)
 
     def dump_oom(self) -> None:
         """A CUDA out-of-memory error outside any window: snapshot + allocator summary, recorded."""
@@ -160,6 +166,12 @@ class ProfilerSession:
         pending, self._pending = self._pending, []
         if window is None:
             return pending
+        for extra in self._attached:
+            try:
+                extra.close()
+            except Exception as err:
+                self._fail("stopping an engine's profiler", err)
+                window.add(self.name, complete=False)
         if self._recording:
             self._recording = False
             try:
@@ -193,6 +205,17 @@ class RoleProfiler:
 
     def __init__(self, session: ProfilerSession, role: str, profiled: bool):
         self._session, self.role, self.profiled = session, role, profiled
+
+    @property
+    def follows_engine(self) -> bool:
+        """Whether `attach` takes a tool: this role is profiled on this rank with the torch tool."""
+        return self.profiled and self._session.tool is not None and self._session.cfg.tool == "torch"
+
+    def attach(self, tool) -> None:
+        """Open and close `tool` (open(window) / close(), writing through window.save) with this role's
+        windows: an engine that records itself in a process of its own (vLLM's engine core)."""
+        if self.follows_engine:
+            self._session._attached.append(tool)
 
     def annotate(self, stage: str):
         """A context manager around one stage: the tool's range inside a window, else a no-op."""

@@ -220,3 +220,4 @@ class FullyAsyncTrainer(LMTrainer):
         self.thread = None
         if discarded:
             log.info("fully_async: discarded %d prompts queued or in flight at stop", discarded)
+        super().close()

@@ -189,7 +189,11 @@ class LMTrainer:
         return self.targets
 
     def close(self) -> None:
-        pass
+        """Stop the rollout engine's own processes (vLLM's engine core); the backend may already be down."""
+        try:
+            self.roles.rollout.call(Rollout.close)
+        except Exception:
+            pass
 
     # -- what the modes change -----------------------------------------------------------------
 
@@ -328,8 +332,7 @@ class LMTrainer:
             r.log_prob_max_token_len_per_gpu if r.log_prob_use_dynamic_bsz else None)
         batch.old_logprobs = old_logp
         mask = batch.response_mask
-        metrics = {"actor/entropy": masked_mean(entropy, mask),
-                   "training/rollout_probs_diff_mean": masked_mean((old_logp.exp() - batch.rollout_logprobs.exp()).abs(), mask)}
+        metrics = {"actor/entropy": masked_mean(entropy, mask), **rollout_probs_diff(old_logp, batch.rollout_logprobs, mask)}
         c = self.correction  # decoupled mode: weights and rejection of pi_old vs pi_rollout, for the whole batch
         batch.rollout_is_weights, loss_mask, corr_metrics = rollout_correction(
             old_logp, batch.rollout_logprobs, mask, c.rollout_is, c.rollout_is_threshold,
@@ -441,6 +444,17 @@ def last_token_scores(scores: list[float], response_mask: torch.Tensor) -> torch
     last = (response_mask.sum(-1).long() - 1).clamp(min=0)
     out[torch.arange(len(scores)), last] = torch.tensor(scores, dtype=torch.float32)
     return out * (response_mask.sum(-1, keepdim=True) > 0)
+
+
+def rollout_probs_diff(old_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """verl's training/rollout_probs_diff_{max,mean,std}: |p_actor - p_rollout| of the sampled tokens over
+    response tokens. In sync mode it is the engine's numerical gap to the actor (a missed weight sync or
+    a stale prefix cache shows here); in the async modes it includes the policy lag."""
+    diff = (old_logp.exp() - rollout_logp.exp()).abs()[mask.bool()]           # [response tokens]
+    if diff.numel() == 0:
+        return {}
+    return {"training/rollout_probs_diff_max": diff.max().item(), "training/rollout_probs_diff_mean": diff.mean().item(),
+            "training/rollout_probs_diff_std": diff.std().item() if diff.numel() > 1 else 0.0}
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
@@ -578,8 +592,9 @@ def build_lm_trainer(cfg: PlaitConfig, backend, device: str):
                             remove_padding=model.use_remove_padding,
                             max_token_len=budget(arr.actor.use_dynamic_bsz, arr.actor.ppo_max_token_len_per_gpu),
                             gradient_checkpointing=model.enable_gradient_checkpointing, model_cfg=model),
-        rollout=backend.spawn("rollout", Rollout, model_path, d.max_response_length, tokenizer, device=device, dtype=dtype,
-                              ignore_eos=arr.rollout.ignore_eos),
+        rollout=backend.spawn("rollout", Rollout, model_path, d.max_response_length, tokenizer, device=device,
+                              dtype=DTYPES[arr.rollout.dtype], ignore_eos=arr.rollout.ignore_eos, cfg=arr.rollout,
+                              colocated=cfg.trainer.placement == "colocated"),
         ref=backend.spawn("ref", Ref, model_path, arr.ref, temp, device=device, dtype=dtype,
                           remove_padding=model.use_remove_padding,
                           max_token_len=budget(arr.ref.log_prob_use_dynamic_bsz, arr.ref.log_prob_max_token_len_per_gpu))

@@ -140,3 +140,4 @@ class OneStepOffTrainer(LMTrainer):
                 pass
         self.pool.shutdown(wait=True, cancel_futures=True)
         self.pool, self.pending = None, None
+        super().close()

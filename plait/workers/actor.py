@@ -25,7 +25,7 @@ from plait.algorithms.kl import kl_estimate
 from plait.algorithms.losses import PolicyLossKnobs, agg_loss, gpg_loss, policy_loss
 from plait.algorithms.rollout_correction import rollout_correction
 from plait.config import ActorConfig, ModelConfig, OptimConfig, RolloutCorrectionConfig
-from plait.models import add_lora, load_causal_lm, merged_state_dict
+from plait.models import add_lora, enable_activation_checkpointing, load_causal_lm, merged_state_dict
 from plait.safeload import load_tensors
 from plait.types import RolloutBatch
 from plait.workers.flops import ModelFlops
@@ -117,7 +117,7 @@ class Actor:
         remove_padding = checked_remove_padding(self.model, remove_padding)
         self.layout = MicroBatching(cfg.ppo_micro_batch_size_per_gpu, max_token_len, remove_padding)
         if gradient_checkpointing:  # recompute each block's activations in backward: memory for time
-            self.model.activation_checkpointing_enable({"use_reentrant": False})
+            enable_activation_checkpointing(self.model)
         self.flops = ModelFlops.of(self.model)
         if use_fsdp(cfg.strategy, device):
             if self.lora:  # merged_state_dict and the adapter checkpoint assume whole, unsharded tensors

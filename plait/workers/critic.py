@@ -12,7 +12,7 @@ import torch
 
 from plait.algorithms.losses import value_loss
 from plait.config import CriticConfig
-from plait.models import load_causal_lm
+from plait.models import enable_activation_checkpointing, load_causal_lm
 from plait.safeload import load_tensors
 from plait.types import RolloutBatch
 from plait.workers.actor import make_optimizer
@@ -58,7 +58,7 @@ class Critic:
         self.model = ValueModel(lm, checked_remove_padding(lm, remove_padding)).to(device)
         if gradient_checkpointing:  # HF checkpoints only in training mode (no dropout in these models)
             self.model.train()
-            self.model.lm.activation_checkpointing_enable({"use_reentrant": False})
+            enable_activation_checkpointing(self.model.lm)
         if use_fsdp(cfg.strategy, device):  # data parallelism as in the actor (plait/workers/actor.py)
             shard_model(self.model, self.model.lm._no_split_modules or [], cfg.model.fsdp_config, device)
         self.optimizer, self.scheduler = make_optimizer(self.model.parameters(), cfg.optim)

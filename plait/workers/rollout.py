@@ -1,7 +1,8 @@
 """The rollout role: sample n responses per prompt with token log-probs, and take new weights.
 
-Generation itself is the engine's job (plait/workers/rollout_engine.py: a lean KV-cached decode
-loop over a transformers model; a vLLM or SGLang engine plugs in behind the same interface). This
+Generation itself is the engine's job, chosen by `rollout.name`: `hf` is plait's lean KV-cached
+decode loop over a transformers model in this process (plait/workers/rollout_engine.py), `vllm`
+is vLLM's engine with its model in a process of its own (plait/workers/vllm_engine.py). This
 worker turns prompts into a `RolloutBatch`, keeps the policy version its weights belong to, and
 loads weights pushed by the trainer.
 
@@ -18,8 +19,8 @@ import threading
 import torch
 import torch.nn.functional as F
 
-from plait.config import SamplingConfig
-from plait.models import eos_token_ids, load_causal_lm
+from plait.config import RolloutConfig, SamplingConfig
+from plait.models import eos_token_ids, load_causal_lm, load_generation_config
 from plait.workers import out_of_band
 from plait.types import PromptBatch, RolloutBatch
 from plait.workers.rollout_engine import SamplingParams, TransformersEngine
@@ -27,12 +28,22 @@ from plait.workers.rollout_engine import SamplingParams, TransformersEngine
 
 class Rollout:
     def __init__(self, model_path: str, max_response_length: int, tokenizer, profiler,
-                 device: str = "cpu", dtype: torch.dtype = torch.float32, ignore_eos: bool = False):
+                 device: str = "cpu", dtype: torch.dtype = torch.float32, ignore_eos: bool = False,
+                 cfg: RolloutConfig | None = None, colocated: bool = True):
+        """`cfg` (the rollout node) names the engine and its settings; None: plait's engine (hf)."""
         self.max_response_length, self.pad_token_id, self.profiler = max_response_length, tokenizer.pad_token_id, profiler
-        self.model = load_causal_lm(model_path, dtype=dtype, device=device).eval()
-        self.model.requires_grad_(False)
-        self.engine = TransformersEngine(self.model, pad_token_id=self.pad_token_id,
-                                         eos_token_ids=[] if ignore_eos else eos_token_ids(tokenizer, self.model))
+        eos = [] if ignore_eos else eos_token_ids(tokenizer, load_generation_config(model_path))
+        if cfg is not None and cfg.name == "vllm":
+            from plait.workers.vllm_engine import EngineTrace, VLLMEngine
+            trace = EngineTrace(profiler.role) if profiler.follows_engine else None
+            self.engine = VLLMEngine(model_path, cfg, dtype, device, eos, ignore_eos, pad_token_id=self.pad_token_id,
+                                     trace_dir=None if trace is None else trace.dir,
+                                     sleep_between_calls=colocated and device != "cpu" and cfg.free_cache_engine)
+            if trace is not None:
+                profiler.attach(trace.bind(self.engine))
+        else:
+            model = load_causal_lm(model_path, dtype=dtype, device=device).eval().requires_grad_(False)
+            self.engine = TransformersEngine(model, pad_token_id=self.pad_token_id, eos_token_ids=eos)
         self.version = 0
         self._lock = threading.Lock()
 
@@ -105,6 +116,10 @@ class Rollout:
         with self._lock, self.profiler.annotate("update_weights"):
             self.engine.load_weights(state_dict, share)
             self.version = version
+
+    def close(self) -> None:
+        """Stop the engine's own processes, if it has any (vLLM's engine core)."""
+        self.engine.close()
 
     @out_of_band
     def abort(self) -> None:

@@ -16,8 +16,7 @@ bench/bench_decode.py has the numbers against HF generate.
 
 Finished rows leave the batch once they are half of it; no new prompts join (no continuous
 batching). Left out: beam search, repetition penalties, stop strings, min_new_tokens, speculative
-decoding, CUDA graphs. `RolloutEngine` is the seam where a vLLM or SGLang engine replaces this one
-on GPUs.
+decoding, CUDA graphs. `RolloutEngine` is the seam; plait/workers/vllm_engine.py is vLLM behind it.
 """
 
 from __future__ import annotations
@@ -65,6 +64,8 @@ class RolloutEngine(Protocol):
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None: ...
 
     def abort(self) -> None: ...
+
+    def close(self) -> None: ...
 
 
 class TransformersEngine:
@@ -140,6 +141,9 @@ class TransformersEngine:
     def abort(self) -> None:
         """Thread-safe: a running generate returns at its next decode step; unfinished rows say "aborted"."""
         self._abort.set()
+
+    def close(self) -> None:
+        """Nothing to stop: the model lives in this process."""
 
 
 def sample_tokens(logits: torch.Tensor, params: SamplingParams,

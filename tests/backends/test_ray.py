@@ -138,7 +138,7 @@ def test_sync_grpo_on_ray_is_the_local_run_with_per_rank_profiles(ray_instance, 
         assert len(set(roles.actor.pids + roles.rollout.pids)) == 3
         lifecycle.run()
         actor_state = roles.actor.call(Actor.state_dict)
-        assert close(roles.rollout.call(lambda r: {k: v.clone() for k, v in r.model.state_dict().items()}), actor_state)
+        assert close(roles.rollout.call(lambda r: {k: v.clone() for k, v in r.engine.model.state_dict().items()}), actor_state)
         assert roles.rollout.call(lambda r: r.version) == 3
     finally:
         roles.actor.backend.shutdown()

@@ -75,6 +75,6 @@ def test_any_causal_lm_loads_and_eos_ids_merge(tmp_path):
     loaded_tok, loaded = load_tokenizer(tmp_path), load_causal_lm(tmp_path)
     assert type(loaded).__name__ == "GPT2LMHeadModel"
     assert loaded_tok.pad_token_id == loaded_tok.eos_token_id == 2
-    assert eos_token_ids(loaded_tok, loaded) == [2, 5]
+    assert eos_token_ids(loaded_tok, loaded.generation_config) == [2, 5]
     loaded.generation_config.eos_token_id = None
-    assert eos_token_ids(loaded_tok, loaded) == [2]
+    assert eos_token_ids(loaded_tok, loaded.generation_config) == [2]

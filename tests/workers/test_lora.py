@@ -44,7 +44,7 @@ def test_lora_trains_adapters_only_with_the_base_as_reference(tmp_path, tiny_con
         if "lora_" not in name:
             assert torch.equal(value, base_state[name.replace(".base_layer", "")]), name
     assert any(not torch.equal(merged[k], base_state[k]) for k in merged)  # the adapter changes the policy
-    rollout_state = trainer.roles.rollout.worker.model.state_dict()
+    rollout_state = trainer.roles.rollout.worker.engine.model.state_dict()
     assert all(torch.allclose(rollout_state[k], merged[k]) for k in merged)  # the rollout got the merge
 
     items = [trainer.cursor.dataset[i] for i in range(2)]

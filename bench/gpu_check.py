@@ -195,7 +195,9 @@ def plait_run(ctx: Ctx, work: Path, *overrides: str, config: str | None = None, 
 def reward(work: Path, source: str) -> list[str]:
     path = work / "reward.py"
     path.write_text(source)
-    return [f"custom_reward_function.path={path}", "custom_reward_function.name=compute_score"]
+    # num_workers=0: in the trainer's process, where the planted allocation and OOM are observed
+    return [f"reward.custom_reward_function.path={path}", "reward.custom_reward_function.name=compute_score",
+            "reward.num_workers=0"]
 
 
 def load_snapshot(path: Path) -> dict:

@@ -94,7 +94,7 @@ def test_a_batch_larger_than_the_data_is_one_line(tmp_path, capsys):
     argv = ["train", "--no-progress", f"trainer.default_local_dir={tmp_path}", "demo.model_size=xs",
             "demo.warmstart_steps=0", "data.train_size=4", "data.val_size=4", "data.train_batch_size=8",
             "actor_rollout_ref.actor.ppo_mini_batch_size=8", "critic.ppo_mini_batch_size=8"]
-    one_line_exit_2(argv, capsys, "data.train_batch_size=8", "larger than the training set (4 rows)")
+    one_line_exit_2(argv, capsys, "data.train_batch_size=8", "larger than the training set (4 prompts in")
 
 
 @pytest.mark.parametrize("module, words", [

@@ -194,6 +194,29 @@ _GROUPS = {
         reward_model.model.fsdp_config.mixed_precision.param_dtype
         reward_model.model.fsdp_config.mixed_precision.reduce_dtype
     """,
+    ("FSDP engine extras plait's FSDP2 does not have: verl's chunk size for entropy from logits (plait "
+     "always chunks, workers/logprobs.py), no_sync accumulation, padding to fixed lengths, QAT, the "
+     "Turbo engine, and verl's new-engine copy of the critic's FSDP settings (critic.fsdp; plait reads "
+     "critic.model.fsdp_config)"): """
+        actor_rollout_ref.actor.fsdp_config.entropy_from_logits_chunk_size
+        actor_rollout_ref.actor.fsdp_config.use_no_sync_for_gradient_accumulation
+        actor_rollout_ref.actor.fsdp_config.pad_to_length
+        actor_rollout_ref.actor.fsdp_config.pad_to_length_bucket
+        actor_rollout_ref.actor.fsdp_config.qat
+        actor_rollout_ref.actor.fsdp_config.turbo_config
+        actor_rollout_ref.ref.fsdp_config.entropy_from_logits_chunk_size
+        actor_rollout_ref.ref.fsdp_config.use_no_sync_for_gradient_accumulation
+        actor_rollout_ref.ref.fsdp_config.pad_to_length
+        actor_rollout_ref.ref.fsdp_config.pad_to_length_bucket
+        actor_rollout_ref.ref.fsdp_config.qat
+        actor_rollout_ref.ref.fsdp_config.turbo_config
+        critic.fsdp
+    """,
+    ("the rollout's own pool size: plait's rollout runs as one process (one device); on Ray, "
+     "trainer.ray.pool_resources places it on a node"): """
+        actor_rollout_ref.rollout.nnodes
+        actor_rollout_ref.rollout.n_gpus_per_node
+    """,
     ("multimodal (image/video) inputs: plait's LM trainers take text prompts"): """
         actor_rollout_ref.actor.freeze_vision_tower
         data.image_patch_size

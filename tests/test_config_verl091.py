@@ -16,12 +16,7 @@ from plait.configtree import ConfigError, to_dict
 KEYS = Path(__file__).parent / "fixtures" / "verl091_ppo_trainer_keys.txt"
 
 # Keys another issue's engineer adds (each in its own branch); they drop out of this table as those land.
-DEFERRED = {
-    "issue 18 (FSDP2, placement)": re.compile(
-        r"\.fsdp_config\.(entropy_from_logits_chunk_size|use_no_sync_for_gradient_accumulation|pad_to_length"
-        r"|qat\.|turbo_config\.)|^critic\.fsdp\.|^actor_rollout_ref\.rollout\.(nnodes|n_gpus_per_node)$"),
-    "issue 23 (vLLM engine)": re.compile(r"^actor_rollout_ref\.rollout\.seed$"),
-}
+DEFERRED: dict = {}  # keys another piece of work will implement; none left
 
 
 def verl_keys() -> list[tuple[str, str]]:

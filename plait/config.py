@@ -458,6 +458,9 @@ class FilterGroupsConfig:
         check(self.max_inflight_gen_batches > 0, "max_inflight_gen_batches", self.max_inflight_gen_batches, "must be > 0")
 
 
+VERL_ESTIMATORS_NOT_HERE = ("optimal_token_baseline", "tir_optimal_token_baseline")  # verl 0.9.1 has them
+
+
 @dataclass
 class AlgorithmConfig:
     adv_estimator: str = "gae"
@@ -473,6 +476,9 @@ class AlgorithmConfig:
     gdpo_reward_weights: Optional[list[float]] = None  # gdpo: one weight per key; null: 1 each
 
     def __post_init__(self):
+        check(self.adv_estimator not in VERL_ESTIMATORS_NOT_HERE, "adv_estimator", self.adv_estimator,
+              f"verl 0.9.1's {self.adv_estimator} is not implemented in plait (it needs the per-token sum of "
+              f"squared probabilities from the actor's forward); plait has {', '.join(ESTIMATORS)}")
         one_of(self, "adv_estimator", ESTIMATORS)
         check(self.adv_estimator != "gdpo" or bool(self.gdpo_reward_keys), "gdpo_reward_keys", self.gdpo_reward_keys,
               "the reward components' keys with adv_estimator=gdpo (e.g. [format_reward,accuracy_reward])")

@@ -128,6 +128,9 @@ class _Worker:
         self.pool = pool
         self.proc: Optional[subprocess.Popen] = None
         self.conn: Optional[Connection] = None
+        # kill() runs on the feeder thread (a failed call) and on the closing thread at once:
+        # each takes the process and socket out under the lock, so an fd is never closed twice.
+        self.kill_lock = threading.Lock()
 
     def feed(self) -> None:
         while (item := self.pool.requests.get()) is not None:
@@ -144,13 +147,16 @@ class _Worker:
         where = describe_call(self.pool.label, args, kwargs)
         if self.proc is None or self.proc.poll() is not None:
             self.start(where)
+        conn = self.conn  # a local: close() may take self.conn away mid-call
         try:
-            self.conn.send_bytes(pickle.dumps((args, kwargs)))
-            if not self.conn.poll(self.pool.timeout):
+            if conn is None:
+                raise EOFError
+            conn.send_bytes(pickle.dumps((args, kwargs)))
+            if not conn.poll(self.pool.timeout):
                 self.kill()
                 raise RunError(f"{where} did not return within reward.custom_reward_function.timeout={self.pool.timeout} s; "
                                "its worker process was killed")
-            kind, detail = loads_plain(self.conn.recv_bytes(), "a reward worker's reply")
+            kind, detail = loads_plain(conn.recv_bytes(), "a reward worker's reply")
         except (EOFError, OSError):
             raise RunError(f"{where} {self.death()}") from None
         except UnsafeFileError as err:
@@ -186,10 +192,11 @@ class _Worker:
 
     def death(self) -> str:
         """How the worker ended, in words (it has, or is about to)."""
-        if self.proc is None:
+        proc = self.proc
+        if proc is None:
             return "was stopped: the reward workers were closed"
         try:
-            code = self.proc.wait(timeout=5)
+            code = proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
             self.kill()
             return "broke its worker's connection"
@@ -205,16 +212,17 @@ class _Worker:
 
     def kill(self) -> None:
         """SIGKILL the worker's process group (it leads its own session), and close the socket."""
-        if self.proc is not None:
+        with self.kill_lock:
+            proc, self.proc = self.proc, None
+            conn, self.conn = self.conn, None
+        if proc is not None:
             try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
+                os.killpg(proc.pid, signal.SIGKILL)
             except OSError:
                 pass
-            self.proc.wait()
-            self.proc = None
-        if self.conn is not None:
-            self.conn.close()
-            self.conn = None
+            proc.wait()
+        if conn is not None:
+            conn.close()
 
 
 def _make_pids_cgroup(limit: int) -> str | None:

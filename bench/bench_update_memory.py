@@ -6,7 +6,7 @@ batch: 16 rows of 160 prompt + 32 response tokens (the bench_vs_trl real-model w
 optimizer step, entropy computed as in training. Reported per checkout: the process's peak RSS
 before the update (model, optimizer) and after it, the update's seconds and perf/mfu/actor.
 
-    PLAIT_CACHE=/tmp/plaitcache python bench/bench_update_memory.py --trees /work/main,. [--out ...]
+    PLAIT_CACHE=/tmp/plaitcache python bench/bench_update_memory.py --trees <checkout before>,. [--out ...]
 """
 
 from __future__ import annotations

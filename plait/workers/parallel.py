@@ -165,6 +165,12 @@ def shard_model(model, block_names: list[str], cfg: FsdpConfig, device: str) -> 
     for block in blocks:
         fully_shard(block, **kw)
     fully_shard(model, **kw)
+    if not cfg.reshard_after_forward:
+        # torch 2.13 (gloo, 2 ranks): a group that a no-grad forward leaves unsharded gets wrong gradients
+        # from the next training forward and backward (log-probs stay right), the root's and each block's
+        # alike. A no-grad pass has no backward to keep the weights for: reshard after it.
+        for m in [*blocks, model]:
+            m.register_forward_hook(_reshard_without_grad)
     if cfg.forward_prefetch:  # all-gather the next block's weights while this one computes
         for block, following in zip(blocks, blocks[1:]):
             block.set_modules_to_forward_prefetch([following])
@@ -172,6 +178,11 @@ def shard_model(model, block_names: list[str], cfg: FsdpConfig, device: str) -> 
         if isinstance(m, FSDPModule):
             m.set_gradient_divide_factor(1.0)
             m.set_force_sum_reduction_for_comms(True)
+
+
+def _reshard_without_grad(module, args, output) -> None:
+    if not torch.is_grad_enabled():
+        module.reshard()
 
 
 def clip_grads(model, max_norm: float) -> float:

@@ -89,8 +89,17 @@ class RewardModelConfig:
     micro_batch_size_per_gpu: Optional[int] = None
     max_length: Optional[int] = None
     profiler: RoleProfilerConfig = field(default_factory=RoleProfilerConfig)
+    # verl's reward pool (trainer.backend=ray): its own nnodes x n_gpus_per_node processes (CPU: worker
+    # processes of trainer.ray.cpus_per_worker), data-parallel among themselves; off: the train pool's.
+    enable_resource_pool: bool = False
+    nnodes: int = 0
+    n_gpus_per_node: int = 8
 
     def __post_init__(self):
+        if self.enable_resource_pool:  # verl refuses the same
+            check(self.nnodes > 0, "nnodes", self.nnodes, "> 0 with enable_resource_pool=true (the pool's nodes)")
+            check(self.n_gpus_per_node > 0, "n_gpus_per_node", self.n_gpus_per_node,
+                  "> 0 with enable_resource_pool=true (devices per node; CPU: worker processes per node)")
         check(not self.enable or bool(self.model_path), "model_path", self.model_path,
               "a local sequence-classification model directory with enable=true")
         check(self.micro_batch_size_per_gpu is None or self.micro_batch_size_per_gpu > 0,

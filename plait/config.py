@@ -172,7 +172,7 @@ class MixedPrecisionConfig:
 class FsdpConfig:
     """`*.fsdp_config`: the FSDP2 knobs (plait/workers/parallel.py shard_model); sharding itself is `strategy`."""
     param_offload: bool = False               # CUDA: parameters, gradients and the optimizer step on CPU (CPUOffloadPolicy)
-    optimizer_offload: bool = False           # the same offload: FSDP2 has one for parameters and optimizer together
+    optimizer_offload: bool = False           # CUDA: the optimizer state in CPU memory between steps (parameters stay)
     offload_policy: bool = False              # verl's FSDP2 name for that offload
     reshard_after_forward: bool = True        # free the gathered weights after each block's forward
     forward_prefetch: bool = False            # gather the next block's weights during this block's forward

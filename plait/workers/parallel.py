@@ -153,8 +153,9 @@ def shard_model(model, block_names: list[str], cfg: FsdpConfig, device: str) -> 
     """
     from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
     from plait.config import MP_DTYPES
-    # FSDP2 has one offload: parameters (and with them gradients and the optimizer step) live on CPU.
-    offload = device.startswith("cuda") and (cfg.param_offload or cfg.optimizer_offload or cfg.offload_policy)
+    # FSDP2's offload: parameters, and with them gradients and the optimizer step and state, live on CPU.
+    # optimizer_offload alone keeps the parameters on the GPU (optimizer_step).
+    offload = device.startswith("cuda") and (cfg.param_offload or cfg.offload_policy)
     mp = cfg.mixed_precision
     dtype = lambda name: None if name is None else getattr(torch, MP_DTYPES[name])  # noqa: E731
     kw = dict(reshard_after_forward=cfg.reshard_after_forward,
@@ -183,6 +184,30 @@ def shard_model(model, block_names: list[str], cfg: FsdpConfig, device: str) -> 
 def _reshard_without_grad(module, args, output) -> None:
     if not torch.is_grad_enabled():
         module.reshard()
+
+
+def offloads_optimizer(cfg: FsdpConfig, device: str) -> bool:
+    """fsdp_config.optimizer_offload on CUDA without the parameter offload (which holds the state on CPU anyway)."""
+    return device.startswith("cuda") and cfg.optimizer_offload and not (cfg.param_offload or cfg.offload_policy)
+
+
+def optimizer_step(optimizer, offload: bool) -> None:
+    """optimizer.step(); with `offload` (offloads_optimizer) the state, Adam's moments, is on the GPU only
+    for the step and waits in CPU memory through the forwards and backwards."""
+    if offload:
+        _move_state(optimizer, "cuda")
+    optimizer.step()
+    if offload:
+        _move_state(optimizer, "cpu")
+
+
+def _move_state(optimizer, device: str) -> None:
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            if key != "step" and isinstance(value, torch.Tensor):  # the step count stays where AdamW keeps it
+                state[key] = value.to(device, non_blocking=device == "cpu")
+    if device == "cpu":
+        torch.cuda.synchronize()  # the copies are done before the GPU memory is reused
 
 
 def clip_grads(model, max_norm: float) -> float:

@@ -192,3 +192,23 @@ def test_fsdp2_without_reshard_after_forward_gives_the_unsharded_gradients(tmp_p
     import torch.multiprocessing as mp
     model = create_tiny_model(tmp_path / "m", size="xs", seed=0)
     mp.spawn(_no_reshard_rank, args=(model, str(tmp_path / "rdzv")), nprocs=2)
+
+
+@pytest.mark.gpu
+def test_optimizer_offload_on_cuda_keeps_the_state_in_cpu_memory_and_the_update(tmp_path):
+    """fsdp_config.optimizer_offload on one GPU: Adam's moments wait in CPU memory between steps, and two
+    updates give the weights they give without the offload."""
+    from plait.config import FsdpConfig
+    model = create_tiny_model(tmp_path / "m", size="xs", seed=0)
+    session = ProfilerSession(GlobalProfilerConfig(), {"actor": RoleProfilerConfig()}, rank=0)
+    weights = []
+    for offload in (False, True):
+        cfg = ActorConfig(optim=OptimConfig(lr=1e-2), ppo_mini_batch_size=2, ppo_micro_batch_size_per_gpu=2,
+                          fsdp_config=FsdpConfig(optimizer_offload=offload))
+        actor = Actor(model, cfg, 4, 1.0, session.for_role("actor"), device="cuda", seed=3)
+        for seed in (0, 1):
+            actor.update(make_batch(8, seed=seed))
+        moments = [v for s in actor.optimizer.state.values() for k, v in s.items() if k != "step"]
+        assert moments and all(v.device.type == ("cpu" if offload else "cuda") for v in moments)
+        weights.append({k: v.cpu() for k, v in full_state_dict(actor.model).items()})
+    assert close(*weights, tol=1e-6)

@@ -381,7 +381,7 @@ class DiffusionActor:
     def update(self, traj: Trajectory, advantages: Tensor, old_logp: Tensor,
                ref_mean: Tensor | None = None) -> dict[str, float]:
         """`ppo_epochs` optimizer steps on the window; ref_mean [B, K, C, H, W] adds the KL term."""
-        with self.profiler.annotate("update_actor"):
+        with self.profiler.annotate("update_actor", scheduled=True):
             cfg = self.cfg
             if cfg.kl_loss_coef > 0 and ref_mean is None:
                 raise ValueError("kl_loss_coef > 0 needs ref_mean from DiffusionRef.compute_means")
@@ -389,24 +389,25 @@ class DiffusionActor:
             if k_steps == 0:
                 raise ValueError("the trajectory has no SDE steps to train (sampled with ode=True?)")
             totals = {"pg_loss": 0.0, "pg_clipfrac": 0.0, "ppo_kl": 0.0, "kl_loss": 0.0}
-            for _ in range(cfg.ppo_epochs):
-                self.optim.zero_grad()
-                # One backward per denoising step keeps only one step's graph alive.
-                for k, (logp, mean) in enumerate(_window_steps(self.model, traj)):
-                    loss, metrics = flow_grpo_loss(logp[:, None], old_logp[:, k:k + 1], advantages,
-                                                   cfg.clip_ratio, cfg.adv_clip_max)
-                    if ref_mean is not None:
-                        i = traj.window[0] + k
-                        _, std = sde_std(traj.timesteps[i].item(), traj.timesteps[i + 1].item(),
-                                         traj.noise_level)
-                        kl = mean_kl(mean, ref_mean[:, k], std).mean()
-                        loss = loss + cfg.kl_loss_coef * kl
-                        metrics["kl_loss"] = kl.item()
-                    (loss / k_steps).backward()
-                    for key, value in metrics.items():
-                        totals[key] += value / (k_steps * cfg.ppo_epochs)
-                grad_norm = nn.utils.clip_grad_norm_(self.params, cfg.grad_clip)
-                self.optim.step()
+            for epoch in range(cfg.ppo_epochs):  # one optimizer step each: the schedule's mini-batch
+                with self.profiler.mini_batch(epoch):
+                    self.optim.zero_grad()
+                    # One backward per denoising step keeps only one step's graph alive.
+                    for k, (logp, mean) in enumerate(_window_steps(self.model, traj)):
+                        loss, metrics = flow_grpo_loss(logp[:, None], old_logp[:, k:k + 1], advantages,
+                                                       cfg.clip_ratio, cfg.adv_clip_max)
+                        if ref_mean is not None:
+                            i = traj.window[0] + k
+                            _, std = sde_std(traj.timesteps[i].item(), traj.timesteps[i + 1].item(),
+                                             traj.noise_level)
+                            kl = mean_kl(mean, ref_mean[:, k], std).mean()
+                            loss = loss + cfg.kl_loss_coef * kl
+                            metrics["kl_loss"] = kl.item()
+                        (loss / k_steps).backward()
+                        for key, value in metrics.items():
+                            totals[key] += value / (k_steps * cfg.ppo_epochs)
+                    grad_norm = nn.utils.clip_grad_norm_(self.params, cfg.grad_clip)
+                    self.optim.step()
             out = {f"actor/{key}": value for key, value in totals.items()}
             return out | {"actor/grad_norm": grad_norm.item(), "actor/lr": self.optim.param_groups[0]["lr"]}
 

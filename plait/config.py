@@ -21,16 +21,16 @@ from typing import Any, Literal, Optional, Union
 
 import yaml
 
-from plait.algorithms.advantages import ESTIMATORS
-from plait.algorithms.kl import KL_ESTIMATORS
-from plait.algorithms.losses import LOSS_AGG_MODES, POLICY_LOSSES
-from plait.algorithms.rollout_correction import BYPASS_LOSS_TYPES, IS_LEVELS, parse_rs
+# names only (no torch): a config error is reported before torch and transformers load
+from plait.algorithms.names import (BYPASS_LOSS_TYPES, ESTIMATOR_NAMES as ESTIMATORS, IS_LEVELS,
+                                    KL_ESTIMATOR_NAMES as KL_ESTIMATORS, LOSS_AGG_MODES,
+                                    POLICY_LOSS_NAMES as POLICY_LOSSES, parse_rs)
 from plait.config_verl import (CPU_RAY_NO_EFFECT, HF_ENGINE_NO_EFFECT, LEGACY_REWARD, LOCAL_BACKEND_NO_EFFECT, NO_EFFECT,
                                compose_yaml, merge, refusal, resolve_interpolations)
 from plait.configtree import ConfigError, build, check, raise_all, to_dict
 from plait.data.rewards import RewardConfig
 from plait.profiler.config import GlobalProfilerConfig, RoleProfilerConfig
-from plait.workers.diffusion import DiffusionConfig
+from plait.workers.diffusion_config import DiffusionConfig
 
 
 def one_of(node, name: str, options) -> None:

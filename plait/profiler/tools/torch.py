@@ -49,7 +49,6 @@ TRACE_EXT = "pt.trace.json.gz"
 os.environ.setdefault("KINETO_LOG_LEVEL", "6")
 # A schedule's warmup 0 is verl's default and the user's choice; each cycle is saved as it ends, so its
 # events are meant to be cleared after it: both of torch's warnings about that would be noise.
-warnings.filterwarnings("ignore", message="Profiler won't be using warmup")
 warnings.filterwarnings("ignore", message="Warning: Profiler clears events at the end of each cycle")
 
 
@@ -108,8 +107,10 @@ class TorchTool:
             prof = torch.profiler.profile(**self.options)
         else:
             schedule = dict(self.schedule, repeat=self.schedule["repeat"] or (1 if stage is None else 0))
-            prof = torch.profiler.profile(**self.options, schedule=torch.profiler.schedule(**schedule),
-                                          on_trace_ready=self._saver(window, stage, time.time()))
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="Profiler won't be using warmup")
+                prof = torch.profiler.profile(**self.options, schedule=torch.profiler.schedule(**schedule),
+                                              on_trace_ready=self._saver(window, stage, time.time()))
             prof.record_steps = False  # no "ProfilerStep#<n>" rows: a step is one update mini-batch
         prof.start()
         return prof

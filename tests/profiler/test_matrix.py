@@ -168,7 +168,7 @@ CASES = [
     Case("2_discrete", (2,), False, ((2, 2),), roles="pair", discrete=True),
     # verl 0.9's keys: one snapshot per 2 profiled steps (torch_memory only; it records step 2 too, as
     # verl's always-on history does); the hook-rank and relocation keys change nothing (the hook still
-    # runs once, in the driver); the torch schedule is accepted and records the steps whole.
+    # runs once, in the driver). The torch schedule and the token range have cases of their own below.
     Case("1,3_verl09_keys", (1, 3), False, ((1, 1), (3, 3)), memory_windows=((1, 3),), extra=(
         "global_profiler.global_tool_config.torch_memory.memory_snapshot_num_steps=2",
         "global_profiler.finish_hook_all_ranks=true", "global_profiler.finish_hook_ranks=[0]",

@@ -47,8 +47,8 @@ TRACE_EXT = "pt.trace.json.gz"
 # Kineto prints "USDT: ... profiler_start/stop" at every window; 6 is above all its levels. Read when
 # a collector starts, so setting it here (in every process that profiles) is early enough.
 os.environ.setdefault("KINETO_LOG_LEVEL", "6")
-# A schedule's warmup 0 is verl's default and the user's choice; each cycle is saved as it ends, so its
-# events are meant to be cleared after it: both of torch's warnings about that would be noise.
+# A scheduled collector saves each cycle as it ends, so its events are meant to be cleared after it:
+# torch's warning about that is noise (its warning about warmup=0 is silenced where one is built).
 warnings.filterwarnings("ignore", message="Warning: Profiler clears events at the end of each cycle")
 
 
@@ -115,23 +115,8 @@ class TorchTool:
         prof.start()
         return prof
 
-    def _saver(self, window, stage: Optional[tuple[str, str]], start: float):
-        """on_trace_ready for a scheduled collector: each active cycle is saved as it ends."""
-        cycles = []
-
-        def save(prof: torch.profiler.profile) -> None:
-            cycles.append(prof.step_num)
-            if stage is None:  # the window's trace; repeat > 1 adds _part1, _part2, ...
-                k = len(cycles) - 1
-                window.save(window.name, TRACE_EXT, lambda path: self._export(prof, path),
-                            stage=f"part{k}" if k else None, start_time=start)
-            else:
-                first, last = scheduled_mini_batches(self.schedule, prof.step_num)
-                mbs = f"mb{first}" if first == last else f"mb{first}-{last}"
-                window.save(stage[0], TRACE_EXT, lambda path: self._export(prof, path), stage=f"{stage[1]}_{mbs}",
-                            start_time=start)
-        save.cycles = cycles
-        return save
+    def _saver(self, window, stage: Optional[tuple[str, str]], start: float) -> "_CycleSaver":
+        return _CycleSaver(self, window, stage, start)
 
     def step(self) -> None:
         """One update mini-batch done: advance the running collector's schedule (a no-op without one)."""
@@ -155,7 +140,7 @@ class TorchTool:
             stepped, self._stepped = self._stepped, False
             prof.stop()  # under the lock: a stage entering meanwhile must not start a second one
         if stepped:  # saved cycle by cycle (stop() saves one still recording); say if none was
-            if not prof.on_trace_ready.cycles:
+            if prof.on_trace_ready.saved == 0:
                 log.warning("profiler (%s): the torch schedule %s recorded nothing in steps %d-%d%s: it skips more "
                             "update mini-batches than ran", window.name, self.schedule, window.first, window.last,
                             "" if stage is None else f" ({stage[0]}/{stage[1]})")
@@ -179,6 +164,25 @@ class TorchTool:
         with gzip.open(path, "wb", compresslevel=6) as f:
             f.write(json.dumps(trace).encode())
 
+
+
+class _CycleSaver:
+    """on_trace_ready of a scheduled collector: saves each active cycle as it ends, and counts them."""
+
+    def __init__(self, tool: TorchTool, window, stage: Optional[tuple[str, str]], start: float):
+        self.tool, self.window, self.stage, self.start = tool, window, stage, start
+        self.saved = 0
+
+    def __call__(self, prof: torch.profiler.profile) -> None:
+        export = lambda path: self.tool._export(prof, path)  # noqa: E731
+        if self.stage is None:  # the window's trace; repeat > 1 adds _part1, _part2, ...
+            self.window.save(self.window.name, TRACE_EXT, export, stage=f"part{self.saved}" if self.saved else None,
+                             start_time=self.start)
+        else:
+            first, last = scheduled_mini_batches(self.tool.schedule, prof.step_num)
+            mbs = f"mb{first}" if first == last else f"mb{first}-{last}"
+            self.window.save(self.stage[0], TRACE_EXT, export, stage=f"{self.stage[1]}_{mbs}", start_time=self.start)
+        self.saved += 1
 
 def memory_counters(events: list[dict]) -> list[dict]:
     """Chrome-trace counter events ("ph": "C") of allocated bytes per device, from "[memory]" events."""

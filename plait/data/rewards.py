@@ -32,7 +32,8 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from plait.configtree import ConfigError, build, check
-from plait.data.math_rewards import DAPO_SOURCES, MATH_SOURCES, dapo_score, gsm8k_score, math_score
+from plait.data.math_rewards import (DAPO_SOURCES, MATH_SOURCES, dapo_score, gsm8k_score, gsm8k_synthetic_score,
+                                     math_score)
 from plait.errors import Interrupted, RunError
 from plait.profiler.config import RoleProfilerConfig
 
@@ -404,7 +405,7 @@ SCORERS = {
     "arithmetic": functools.partial(exact_match_score, "arithmetic"),
     "reverse": functools.partial(exact_match_score, "reverse"),
     "openai/gsm8k": gsm8k_score,
-    "gsm8k_synthetic": gsm8k_score,  # plait's synthetic word problems (word_problems.py), scored as GSM8K
+    "gsm8k_synthetic": gsm8k_synthetic_score,  # plait's synthetic word problems: GSM8K's rule, format_score 0.1, acc
     **{source: math_score for source in MATH_SOURCES},
     **{source: dapo_score for source in DAPO_SOURCES},
 }

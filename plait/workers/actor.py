@@ -157,7 +157,7 @@ class Actor:
 
         A batch without old_logprobs feeds exactly one optimizer step (the trainer decided, rollout
         correction off): pi_old is then the policy being updated, taken detached from the update's own forward."""
-        with self.profiler.annotate("update_actor"):
+        with self.profiler.annotate("update_actor", scheduled=True):
             start = time.perf_counter()
             metrics = self._update(batch, correction)
             flops = self.cfg.ppo_epochs * self.flops.training(batch.attention_mask.sum(-1).tolist())
@@ -175,7 +175,8 @@ class Actor:
         for _ in range(cfg.ppo_epochs):
             order = torch.randperm(len(batch), generator=self.shuffle_gen) if cfg.shuffle else torch.arange(len(batch))
             for start in range(0, len(batch), mini):
-                stats = self._optimizer_step(batch.select(dp_share(order[start:start + mini])), correction)
+                with self.profiler.mini_batch(count):  # a range, and a step of the torch profiler's schedule
+                    stats = self._optimizer_step(batch.select(dp_share(order[start:start + mini])), correction)
                 for k, v in stats.items():
                     sums[k] = sums.get(k, 0.0) + v
                 count += 1

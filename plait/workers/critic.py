@@ -77,14 +77,15 @@ class Critic:
         return values
 
     def update(self, batch: RolloutBatch) -> dict[str, float]:
-        with self.profiler.annotate("update_critic"):
+        with self.profiler.annotate("update_critic", scheduled=True):
             cfg, mini = self.cfg, self.cfg.ppo_mini_batch_size * self.n
             check_same_batch(batch, "Critic.update")
             sums, count = {"vf_loss": 0.0, "vf_clipfrac": 0.0, "vpred_mean": 0.0, "grad_norm": 0.0}, 0
             rows = torch.arange(len(batch))
             for _ in range(cfg.ppo_epochs):
                 for start in range(0, len(batch), mini):
-                    stats = self._optimizer_step(batch.select(dp_share(rows[start:start + mini])))
+                    with self.profiler.mini_batch(count):  # a range, and a step of the torch profiler's schedule
+                        stats = self._optimizer_step(batch.select(dp_share(rows[start:start + mini])))
                     for k in sums:
                         sums[k] += stats[k]
                     count += 1

@@ -35,6 +35,10 @@ RUNS = [f"{mode}-{place}-{backend}" for backend in ("local", "ray")
                             ("fully_async", "separated"))]
 # small batch: 2 prompts x n=2, 32 response tokens, two mini-batches (so the old log-probs are recomputed)
 SMALL = ["data.train_batch_size=2", "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.ppo_mini_batch_size=1"]
+# fully_async: long fixed-length responses make a generate call outlast a local update, so the syncs meet a
+# running generate and abort it (partial rollout: resumed with the new weights); with short responses the
+# rollouter is a sync period ahead and idle at every sync, and nothing is cut short.
+MODE_EXTRA = {"fully_async": ["data.max_response_length=192", "actor_rollout_ref.rollout.ignore_eos=True"]}
 GENERATION_OP = "vllm::unified_attention"  # the model's attention, run by the engine core while it generates
 
 
@@ -60,7 +64,7 @@ def run(name: str, out: str, extra: list[str]) -> dict:
     mode, place, backend = name.split("-")
     env = {**os.environ, "MODE": mode, "PLACEMENT": place, "BACKEND": backend, "OUT": out}
     start = time.perf_counter()
-    proc = subprocess.run(["bash", str(HERE / "verl_grpo_vllm.sh"), *SMALL, *extra], env=env,
+    proc = subprocess.run(["bash", str(HERE / "verl_grpo_vllm.sh"), *SMALL, *MODE_EXTRA.get(mode, []), *extra], env=env,
                           capture_output=True, text=True)
     wall = time.perf_counter() - start
     Path(out, "run.log").write_text(proc.stdout + proc.stderr)
@@ -71,11 +75,14 @@ def run(name: str, out: str, extra: list[str]) -> dict:
                  "staleness_max": r.get("training/staleness/max"),
                  "partial_ratio": r.get("fully_async/partial/partial_ratio")} for r in records]
     means = [s["mean"] for s in per_step if s["mean"] is not None]
-    row = {"run": name, "mode": mode, "backend": backend, "placement": place, "returncode": proc.returncode,
+    row = {"run": name, "mode": mode, "backend": backend, "placement": place, "mode_overrides": MODE_EXTRA.get(mode, []),
+           "returncode": proc.returncode,
            "steps_done": len(records), "wall_s": round(wall, 1), "per_step": per_step,
            "probs_diff_mean_max": max(means) if means else None,
            "probs_diff_below_1e-3": bool(means) and len(means) == len(records) and max(means) < 1e-3,
            "step1_profile": step1_holds_generation(Path(out, "profile"))}
+    if mode == "fully_async":  # did a sync cut a generate short (and Rollout.resume finish it)?
+        row["partial_rollouts"] = any((s["partial_ratio"] or 0) > 0 for s in per_step)
     if proc.returncode != 0:
         row["error_tail"] = (proc.stdout + proc.stderr)[-2000:]
     return row
@@ -85,6 +92,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", default=",".join(RUNS), help=f"comma-separated, from {RUNS}")
     ap.add_argument("--out", default=str(HERE / "results" / "vllm_modes.json"))
+    ap.add_argument("--update", action="store_true", help="replace these runs in an existing --out, keep the others")
     ap.add_argument("--keep", default=None, help="keep each run's outputs (metrics, profile, log) under this folder")
     ap.add_argument("extra", nargs="*", help="more key=value overrides for every run")
     args = ap.parse_args()
@@ -101,8 +109,13 @@ def main():
               f"{[s['mean'] for s in row['per_step']]}, step-1 trace holds generation {prof['holds_generation']}, "
               f"{row['wall_s']} s, load {load['load_before']}->{load['load_after']}", flush=True)
     result["machine"]["load_avg_end"] = os.getloadavg()
+    if args.update and Path(args.out).exists():  # the other runs as they were, in RUNS order
+        done = {r["run"] for r in result["runs"]}
+        old = [r for r in json.loads(Path(args.out).read_text())["runs"] if r["run"] not in done]
+        result["runs"] = sorted(old + result["runs"], key=lambda r: RUNS.index(r["run"]) if r["run"] in RUNS else len(RUNS))
     result["all_ok"] = all(r["returncode"] == 0 and r["steps_done"] == 3 and r["probs_diff_below_1e-3"]
-                           and r["step1_profile"]["holds_generation"] for r in result["runs"])
+                           and r["step1_profile"]["holds_generation"] and r.get("partial_rollouts", True)
+                           for r in result["runs"])
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     print(f"all ok: {result['all_ok']}; wrote {args.out}; run outputs in {root}")

@@ -95,4 +95,4 @@ def test_profiler_contract_with_vllm(mode, tool, case, tmp_path, tiny_config, vl
 
     assert (tmp_path / "hook_ran").read_text().split() == [tool, "driver", "0", str(save), str(len(expected))]
     assert not [r.getMessage() for r in caplog.records if BEYOND in r.getMessage()]
-    assert not [r for r in caplog.records if "failed" in r.getMessage()]  # no tool error on the way
+    assert not [r for r in caplog.records if r.name.startswith("plait") and "failed" in r.getMessage()]  # no tool error

@@ -2,7 +2,7 @@
 
 Runs `plait train --config smollm2_gsm8k` (plus any overrides given after --), then reads the run's
 metrics.jsonl and writes
-  bench/results/smollm2_gsm8k.json   the validation accuracy (val-core/gsm8k_synthetic/reward/mean@1,
+  bench/results/smollm2_gsm8k.json   the validation accuracy (val-core/gsm8k_synthetic/acc/mean@1,
                                      greedy) and response-length curves by step, the training score
                                      and s/step, first/best/last accuracy, wall time, load averages
   docs/img/smollm2_gsm8k.png         accuracy and response length against step and wall time
@@ -30,7 +30,7 @@ import time
 
 from machine import busy_limit
 
-ACC = "val-core/gsm8k_synthetic/reward/mean@1"
+ACC = "val-core/gsm8k_synthetic/acc/mean@1"
 VAL_LEN = "val-aux/response_length/mean"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -21,16 +21,17 @@ from typing import Any, Literal, Optional, Union
 
 import yaml
 
-from plait.algorithms.advantages import ESTIMATORS
-from plait.algorithms.kl import KL_ESTIMATORS
-from plait.algorithms.losses import LOSS_AGG_MODES, POLICY_LOSSES
-from plait.algorithms.rollout_correction import BYPASS_LOSS_TYPES, IS_LEVELS, parse_rs
-from plait.config_verl import (CPU_RAY_NO_EFFECT, HF_ENGINE_NO_EFFECT, LEGACY_REWARD, LOCAL_BACKEND_NO_EFFECT, NO_EFFECT,
-                               compose_yaml, merge, refusal, resolve_interpolations)
+# names only (no torch): a config error is reported before torch and transformers load
+from plait.algorithms.names import (BYPASS_LOSS_TYPES, ESTIMATOR_NAMES as ESTIMATORS, IS_LEVELS,
+                                    KL_ESTIMATOR_NAMES as KL_ESTIMATORS, LOSS_AGG_MODES,
+                                    POLICY_LOSS_NAMES as POLICY_LOSSES, parse_rs)
+from plait.config_verl import (CPU_NO_EFFECT, CPU_RAY_NO_EFFECT, HF_ENGINE_NO_EFFECT, LEGACY_REWARD,
+                               LOCAL_BACKEND_NO_EFFECT, NO_EFFECT, RECIPE_ROLLOUT_POOL, compose_yaml, merge, refusal,
+                               resolve_interpolations)
 from plait.configtree import ConfigError, build, check, raise_all, to_dict
 from plait.data.rewards import RewardConfig
 from plait.profiler.config import GlobalProfilerConfig, RoleProfilerConfig
-from plait.workers.diffusion import DiffusionConfig
+from plait.workers.diffusion_config import DiffusionConfig
 
 
 def one_of(node, name: str, options) -> None:
@@ -171,7 +172,7 @@ class MixedPrecisionConfig:
 class FsdpConfig:
     """`*.fsdp_config`: the FSDP2 knobs (plait/workers/parallel.py shard_model); sharding itself is `strategy`."""
     param_offload: bool = False               # CUDA: parameters, gradients and the optimizer step on CPU (CPUOffloadPolicy)
-    optimizer_offload: bool = False           # the same offload: FSDP2 has one for parameters and optimizer together
+    optimizer_offload: bool = False           # CUDA: the optimizer state in CPU memory between steps (parameters stay)
     offload_policy: bool = False              # verl's FSDP2 name for that offload
     reshard_after_forward: bool = True        # free the gathered weights after each block's forward
     forward_prefetch: bool = False            # gather the next block's weights during this block's forward
@@ -293,6 +294,11 @@ class RolloutConfig:
     seed: int = 0                             # vLLM's engine seed; each request also gets one from trainer.seed
     tensor_model_parallel_size: int = 1       # verl's default is 2; more than 1 needs CUDA and vLLM
     engine_kwargs: EngineKwargsConfig = field(default_factory=EngineKwargsConfig)
+    # The rollout's own pool on Ray (verl's standalone rollout; the async recipes' rollout.nnodes and
+    # rollout.n_gpus_per_node mean the same): 0 nodes: one process with one device. plait runs one
+    # engine, so at most one node, whose n_gpus_per_node devices (CPU: cpus_per_worker slots) it holds.
+    nnodes: int = 0
+    n_gpus_per_node: int = 8
 
     def __post_init__(self):
         SamplingConfig(self.n, self.temperature, self.top_p, self.top_k, self.do_sample)  # same checks
@@ -308,6 +314,9 @@ class RolloutConfig:
         check(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization", self.gpu_memory_utilization, "in (0, 1]")
         for key in ("max_num_batched_tokens", "max_num_seqs", "tensor_model_parallel_size"):
             check(getattr(self, key) >= 1, key, getattr(self, key), "an integer >= 1")
+        check(self.nnodes in (0, 1), "nnodes", self.nnodes, "0 (one process, one device) or 1: plait's rollout is one "
+              "engine on one node (data-parallel generation over several nodes is not implemented, docs/ray.md)")
+        check(self.n_gpus_per_node >= 1, "n_gpus_per_node", self.n_gpus_per_node, "an integer >= 1")
         check(self.max_model_len is None or self.max_model_len >= 1, "max_model_len", self.max_model_len,
               "an integer >= 1 or null")
         check(self.log_prob_micro_batch_size_per_gpu is None or self.log_prob_micro_batch_size_per_gpu > 0,
@@ -526,7 +535,8 @@ class RayConfig:
         check(self.placement_timeout_s > 0, "placement_timeout_s", self.placement_timeout_s, "must be > 0 seconds")
         one_of(self, "placement_strategy", PLACEMENT_STRATEGIES)
         for pool, resources in self.pool_resources.items():
-            check(pool in ("train", "rollout"), f"pool_resources.{pool}", resources, "pools are train and rollout")
+            check(pool in ("train", "rollout", "reward"), f"pool_resources.{pool}", resources,
+                  "pools are train, rollout and reward (reward.reward_model.enable_resource_pool)")
             check(isinstance(resources, dict) and all(isinstance(v, (int, float)) and v > 0 for v in resources.values()),
                   f"pool_resources.{pool}", resources, "a mapping of Ray resource name to a positive amount per worker")
 
@@ -641,6 +651,12 @@ class PlaitConfig:
         check(not (self.actor_rollout_ref.model.lora_rank > 0 and actor.strategy == "fsdp2"),
               "actor_rollout_ref.actor.strategy", actor.strategy, "fsdp with actor_rollout_ref.model.lora_rank > 0: "
               "LoRA trains on whole replicas, FSDP2 sharding of adapters is not supported yet")
+        t = self.trainer  # strategy=fsdp shards too on several CUDA ranks (parallel.use_fsdp)
+        check(not (self.actor_rollout_ref.model.lora_rank > 0 and t.backend == "ray" and t.device != "cpu"
+                   and t.nnodes * t.n_gpus_per_node > 1 and torch_cuda_count() > 0),
+              "trainer.nnodes x trainer.n_gpus_per_node", f"{t.nnodes} x {t.n_gpus_per_node}",
+              "1 GPU with actor_rollout_ref.model.lora_rank > 0: several CUDA ranks shard the actor with FSDP2, "
+              "and FSDP2 sharding of LoRA adapters is not supported yet")
         if self.critic.enable is None:
             self.critic.enable = self.algorithm.adv_estimator == "gae"
         check(self.algorithm.adv_estimator != "gae" or self.critic.enable, "critic.enable", self.critic.enable,
@@ -653,6 +669,12 @@ class PlaitConfig:
         check(mode not in ASYNC_MODES or self.trainer.placement == "separated", "trainer.placement",
               self.trainer.placement, f"must be separated with trainer.mode={mode}: the rollout generates "
               "on its own workers while the actor trains")
+        check(self.actor_rollout_ref.rollout.nnodes == 0 or self.trainer.placement == "separated",
+              "actor_rollout_ref.rollout.nnodes", self.actor_rollout_ref.rollout.nnodes,
+              "0 with trainer.placement=colocated (the rollout shares the actor's rank 0); a rollout pool of its own "
+              "needs trainer.placement=separated")
+        check(not self.reward.reward_model.enable_resource_pool or self.reward.reward_model.enable,
+              "reward.reward_model.enable_resource_pool", True, "needs reward.reward_model.enable=true (the pool hosts it)")
         if mode in ASYNC_MODES and self.trainer.backend == "local" and self.global_profiler.tool == "torch":
             # The rollout generates in a thread of the driver there, and torch.profiler runs one
             # collection per process: per-stage traces of concurrent stages cannot be taken.
@@ -844,6 +866,10 @@ def load_config(path: str | None = None, overrides: list[str] = (), search: list
     except ConfigError as err:
         raise_all([*errors, err])
     moved = map_legacy_reward(tree)
+    try:
+        map_recipe_rollout_pool(tree)
+    except ConfigError as err:
+        errors.append(err)
     user = dict(_leaf_items(tree, ""))
     refused = refusal(user)
     if refused:
@@ -877,10 +903,15 @@ def load_config(path: str | None = None, overrides: list[str] = (), search: list
         print("plait: " + profiling_note(cfg.global_profiler.tool, rollout.profiler.tool_config.torch.discrete,
                                          cfg.trainer.device != "cpu" and _cuda_available()), file=sys.stderr)
     cluster = {}  # the process-count keys this backend and device do not read
+    offload_set = any(key in CPU_NO_EFFECT for key in user)
+    on_cpu = (cfg.trainer.backend == "ray" or offload_set) and (  # torch only where the answer matters
+        cfg.trainer.device == "cpu" or (cfg.trainer.device == "auto" and not _cuda_available()))
     if cfg.trainer.backend == "local":
         cluster = LOCAL_BACKEND_NO_EFFECT
-    elif cfg.trainer.device == "cpu" or (cfg.trainer.device == "auto" and not _cuda_available()):
+    elif on_cpu:
         cluster = CPU_RAY_NO_EFFECT
+    if on_cpu and offload_set:
+        cluster = {**cluster, **CPU_NO_EFFECT}
     no_effect += [key for key in user if key in cluster]
     if cfg.actor_rollout_ref.rollout.name == "hf":
         no_effect += [key for key in user if any(p in HF_ENGINE_NO_EFFECT for p in _prefixes(key))]
@@ -913,6 +944,22 @@ def map_legacy_reward(tree: dict) -> list[str]:
                 moved.append(f"{key} -> {new}")
         tree.update(kept)
     return moved
+
+
+def map_recipe_rollout_pool(tree: dict) -> None:
+    """The async recipes' top-level rollout.{nnodes,n_gpus_per_node} onto actor_rollout_ref.rollout (one pool)."""
+    top = tree.get("rollout")
+    if not isinstance(top, dict):
+        return
+    given = {old: top.pop(old.split(".")[-1]) for old in RECIPE_ROLLOUT_POOL if old.split(".")[-1] in top}
+    if not top:
+        del tree["rollout"]
+    for old, value in given.items():
+        new, name = RECIPE_ROLLOUT_POOL[old], old.split(".")[-1]
+        rollout = (tree.get("actor_rollout_ref") or {}).get("rollout") or {}
+        if isinstance(rollout, dict) and rollout.get(name, value) != value:
+            raise ConfigError(old, value, f"differs from {new}={rollout[name]!r}: both name the rollout's pool; set one")
+        _set(tree, new, value)
 
 
 def _set(tree: dict, key: str, value: Any) -> None:

@@ -126,8 +126,6 @@ _GROUPS = {
         async_training.checkpoint_engine.enable
         async_training.checkpoint_engine.device_buffer_size_M
         async_training.checkpoint_engine.overlap_broadcast_and_consume
-        rollout.nnodes
-        rollout.n_gpus_per_node
         rollout.n
         rollout.total_rollout_steps
         rollout.total_epochs
@@ -211,11 +209,6 @@ _GROUPS = {
         actor_rollout_ref.ref.fsdp_config.qat
         actor_rollout_ref.ref.fsdp_config.turbo_config
         critic.fsdp
-    """,
-    ("the rollout's own pool size: plait's rollout runs as one process (one device); on Ray, "
-     "trainer.ray.pool_resources places it on a node"): """
-        actor_rollout_ref.rollout.nnodes
-        actor_rollout_ref.rollout.n_gpus_per_node
     """,
     ("multimodal (image/video) inputs: plait's LM trainers take text prompts"): """
         actor_rollout_ref.actor.freeze_vision_tower
@@ -325,7 +318,7 @@ _GROUPS = {
         reward_model.use_reward_loop
     """,
     ("cluster, storage and Ray plumbing of verl's single controller (HDFS, ESI, register timeouts, "
-     "resource pools, dataloader workers, transfer queue): plait's backends manage their own processes"): """
+     "dataloader workers, transfer queue): plait's backends manage their own processes"): """
         actor_rollout_ref.actor.rollout_n
         actor_rollout_ref.actor.data_loader_seed
         actor_rollout_ref.actor.checkpoint.async_save
@@ -335,9 +328,6 @@ _GROUPS = {
         critic.rollout_n
         critic.data_loader_seed
         critic.checkpoint.async_save
-        reward.reward_model.enable_resource_pool
-        reward.reward_model.n_gpus_per_node
-        reward.reward_model.nnodes
         reward_model.micro_batch_size
         reward_model.launch_reward_fn_async
         trainer.balance_batch
@@ -466,7 +456,19 @@ NO_EFFECT: dict[str, str] = {key: reason for reason, keys in _GROUPS.items() for
 LOCAL_BACKEND_NO_EFFECT = {
     key: "process counts of a cluster: the local backend runs every role in this process (trainer.backend=ray "
          "starts nnodes x n_gpus_per_node workers on GPUs)"
-    for key in ("trainer.nnodes", "trainer.n_gpus_per_node")}
+    for key in ("trainer.nnodes", "trainer.n_gpus_per_node", "actor_rollout_ref.rollout.nnodes",
+                "actor_rollout_ref.rollout.n_gpus_per_node", "reward.reward_model.enable_resource_pool",
+                "reward.reward_model.nnodes", "reward.reward_model.n_gpus_per_node")}
+
+# ... and that nothing reads without CUDA (any backend).
+CPU_NO_EFFECT = {
+    f"{role}.fsdp_config.{key}":
+        "offload to CPU memory: without CUDA parameters and optimizer state are in CPU memory already"
+    for role in ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic.model")
+    for key in ("param_offload", "optimizer_offload", "offload_policy")}
+
+# The async recipes' standalone rollout pool, spelled at the top level there: the same keys as the rollout's.
+RECIPE_ROLLOUT_POOL = {f"rollout.{key}": f"actor_rollout_ref.rollout.{key}" for key in ("nnodes", "n_gpus_per_node")}
 
 # ... and that the Ray backend reads only with CUDA.
 CPU_RAY_NO_EFFECT = {

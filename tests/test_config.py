@@ -1,5 +1,6 @@
 """The config tree: verl's keys, YAML + overrides, and errors that name key, value and fix."""
 
+import os
 import subprocess
 import sys
 
@@ -89,3 +90,17 @@ def test_missing_inputs_exit_2_before_any_work(tmp_path, capsys, override, key):
     err = capsys.readouterr().err
     assert f"config error: {key}=" in err and "/no/such/" in err
     assert not (out / "metrics.jsonl").exists() and not (out / "checkpoints").exists()
+
+
+def test_a_config_error_is_reported_before_torch_is_imported(tmp_path):
+    """`plait train` with a typo fails in about a second: loading and checking the config imports neither
+    torch nor transformers (the algorithms' names, the diffusion and profiler nodes are torch-free)."""
+    code = ("import sys\n"
+            "from plait.cli import main\n"
+            "rc = main(['train', 'actor_rollout_ref.actor.optim.lrr=1'])\n"
+            "heavy = sorted(m for m in ('torch', 'transformers', 'numpy') if m in sys.modules)\n"
+            "print('rc', rc, 'heavy', heavy)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path,
+                         env={**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))})
+    assert "actor_rollout_ref.actor.optim.lrr=1: unknown key; did you mean 'actor_rollout_ref.actor.optim.lr'?" in out.stderr
+    assert out.stdout.split() == ["rc", "2", "heavy", "[]"], (out.stdout, out.stderr)

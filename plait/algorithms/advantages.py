@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from plait.algorithms.names import ESTIMATOR_NAMES
+
 
 def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
     """Mean of `x` over positions where `mask` is set; 0 (not NaN) where nothing is set."""
@@ -243,3 +245,4 @@ ESTIMATORS = {
     "gdpo": lambda a: gdpo(a.components, torch.ones(len(a.components)) if a.component_weights is None
                            else a.component_weights, a.response_mask, a.group_ids, a.norm_by_std),
 }
+assert tuple(ESTIMATORS) == ESTIMATOR_NAMES, "plait/algorithms/names.py lists the estimators config.py accepts"

@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from plait.algorithms.advantages import masked_mean
+from plait.algorithms.names import KL_ESTIMATOR_NAMES
 
 
 def k1(logp: Tensor, ref_logp: Tensor) -> Tensor:
@@ -115,3 +116,5 @@ KL_ESTIMATORS = {
     "k3+": straight_through(k3),
     "low_var_kl+": straight_through(k3),
 }
+assert tuple(KL_ESTIMATORS) == KL_ESTIMATOR_NAMES, "plait/algorithms/names.py lists the KL estimators config.py accepts"
+

@@ -16,8 +16,8 @@ import torch
 from torch import Tensor
 
 from plait.algorithms.advantages import masked_mean
+from plait.algorithms.names import LOSS_AGG_MODES, POLICY_LOSS_NAMES
 
-LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 
 def agg_loss(loss_mat: Tensor, mask: Tensor, mode: str, num_tokens: float | Tensor | None = None,
@@ -349,3 +349,5 @@ POLICY_LOSSES = {
     "dppo_kl": lambda lp, old, a, m, k, agg, w: dppo_loss(lp, old, a, m, k, "kl", w, **agg),
     "dro": lambda lp, old, a, m, k, agg, w: dro_loss(lp, old, a, m, k, w, **agg),
 }
+assert tuple(POLICY_LOSSES) == POLICY_LOSS_NAMES, "plait/algorithms/names.py lists the policy losses config.py accepts"
+

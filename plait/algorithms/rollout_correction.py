@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from plait.algorithms.advantages import masked_mean
+from plait.algorithms.names import BYPASS_LOSS_TYPES, IS_LEVELS, parse_rs  # noqa: F401  (re-exported)
 
 SAFETY_BOUND = 20.0  # |log w| cap, so exp stays finite
 
@@ -58,34 +59,6 @@ def is_weights(log_ratio: Tensor, mask: Tensor, level: str, threshold: float,
         weights = weights / mean.clamp(min=1e-8)
         metrics["rollout_is_batch_norm_factor"] = mean.item()
     return weights, metrics
-
-
-def parse_rs(rollout_rs: str, threshold: str | float | None) -> list[tuple[str, float, float | None]]:
-    """(option, upper, lower or None) per check of `rollout_rs` and `rollout_rs_threshold`."""
-    options = [RS_ALIASES.get(o.strip(), o.strip()) for o in rollout_rs.split(",") if o.strip()]
-    for o in options:
-        if o not in RS_OPTIONS:
-            raise ValueError(f"unknown rollout_rs option {o!r}; valid: {', '.join(RS_OPTIONS + tuple(RS_ALIASES))}")
-    if threshold is None:
-        raise ValueError("rollout_rs needs rollout_rs_threshold")
-    specs = [s.strip() for s in str(threshold).split(",") if s.strip()]
-    if len(specs) not in (1, len(options)):
-        raise ValueError(f"rollout_rs_threshold={threshold!r}: give one threshold or one per rollout_rs option ({len(options)})")
-    specs = specs * len(options) if len(specs) == 1 else specs
-    checks = []
-    for option, spec in zip(options, specs):
-        if option.endswith("k1"):
-            lower, _, upper = spec.rpartition("_")
-            upper_v = float(upper)
-            lower_v = float(lower) if lower else 1.0 / upper_v
-            if lower_v <= 0 or upper_v <= 0:
-                raise ValueError(f"rollout_rs_threshold {spec!r} for {option}: bounds must be > 0")
-            checks.append((option, upper_v, lower_v))
-        else:
-            if float(spec) <= 0:
-                raise ValueError(f"rollout_rs_threshold {spec!r} for {option}: must be > 0")
-            checks.append((option, float(spec), None))
-    return checks
 
 
 def rejection_mask(log_ratio: Tensor, mask: Tensor, rollout_rs: str,
@@ -159,8 +132,3 @@ def rollout_correction(train_logp: Tensor, rollout_logp: Tensor, mask: Tensor, r
     return weights, loss_mask, {f"rollout_corr/{k}": v for k, v in metrics.items()}
 
 
-IS_LEVELS = ("token", "sequence")
-RS_OPTIONS = ("token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3",
-              "seq_mean_k1", "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3")
-RS_ALIASES = {"token": "token_k1", "sequence": "seq_sum_k1", "geometric": "seq_mean_k1"}
-BYPASS_LOSS_TYPES = ("ppo_clip", "reinforce")

@@ -4,13 +4,17 @@
                                                   │  each hosts role objects: actor, ref, critic, rollout
       train pool:   Host rank 0 .. W-1  ◀── torch.distributed group (gloo on CPU, NCCL on GPU)
       rollout:      Host rank 0 of the train pool (colocated) or its own one-process pool (separated)
+      reward pool:  Host rank 0 .. R-1  ◀── a torch.distributed group of its own (enable_resource_pool)
 
-Placement: a pool is one placement group of W bundles ({CPU: cpus_per_worker} plus {GPU: 1} on
-GPUs, plus the pool's custom resources from `trainer.ray.pool_resources`, which pin it to the nodes
-that have them), so W = `trainer.ray.num_cpu_workers` on CPU or `trainer.nnodes * trainer.n_gpus_per_node`
-with GPUs, laid out by `trainer.ray.placement_strategy` (PACK onto few nodes, SPREAD across them);
-a pool that cannot be placed in `placement_timeout_s` is an error naming the missing resources,
-never a silent pending wait. The data-parallel roles (actor, critic, ref, reward model) live on
+Placement: a pool is one placement group of bundles ({CPU: cpus_per_worker} plus {GPU: 1} on GPUs,
+plus the pool's custom resources from `trainer.ray.pool_resources`, which pin it to the nodes that
+have them): W = `trainer.ray.num_cpu_workers` on CPU or `trainer.nnodes * trainer.n_gpus_per_node`
+with GPUs; R = verl's `reward.reward_model.nnodes * n_gpus_per_node` (CPU: worker processes); the
+rollout's one process holds `rollout.n_gpus_per_node` devices (CPU: cpus_per_worker slots) when
+`rollout.nnodes` is 1. Each is laid out by `trainer.ray.placement_strategy` (PACK onto few nodes,
+SPREAD across them); a pool that cannot be placed in `placement_timeout_s` is an error naming the
+keys that sized it (bigger than the cluster) or the missing resources, never a silent pending wait.
+The data-parallel roles (actor, critic, ref, and the reward model without its own pool) live on
 every host of the train pool; the rollout runs one worker. Each role says at start, in one line,
 where it runs (node, ranks, devices). Each host process runs its own ProfilerSession with its
 rank; `profile_targets()` gives the driver one proxy for all of them.
@@ -23,8 +27,8 @@ driver as one `WorkerError`, open profiler windows on the surviving hosts are cl
 records handed to the driver's profiler), every host is killed (a surviving rank may be blocked
 in a collective) and a Ray instance plait started is shut down.
 
-Left out: data-parallel generation (one rollout engine), per-role GPU pools beyond train/rollout,
-and actor restarts.
+Left out: data-parallel generation (one rollout engine, so a rollout pool spans one node), pools for
+the critic or ref apart from the actor's, and actor restarts.
 """
 
 from __future__ import annotations
@@ -76,10 +80,11 @@ class Host:
         self.channel = self.channel_store = self.channel_listener = None  # the weight channel (join_channel)
         self.channel_syncs = 0
 
-    def where(self) -> tuple[str, str, list[int]]:
-        """(node id, node address, GPU ids) of this process."""
+    def where(self) -> tuple[str, str, list[int], float]:
+        """(node id, node address, GPU ids, CPUs) of this process."""
         ctx = ray.get_runtime_context()
-        return ctx.get_node_id(), ray.util.get_node_ip_address(), [int(g) for g in ray.get_gpu_ids()]
+        cpus = ctx.get_assigned_resources().get("CPU", 0.0)
+        return ctx.get_node_id(), ray.util.get_node_ip_address(), [int(g) for g in ray.get_gpu_ids()], cpus
 
     def open_store(self, one_node: bool, size: Optional[int] = None) -> tuple[str, int]:
         """Rank 0: a TCP store on a free port for a process group of `size` (the pool's) to meet at,
@@ -320,7 +325,8 @@ class RayBackend:
         self.hosts: list = []  # every host, train pool first
         self.locations: dict = {}  # host -> (node id, node address, GPU ids)
         self.channel: Optional[tuple] = None  # (sender, receiver) hosts of the weight channel, once opened
-        self.pools: dict[str, list] = {}  # "train" and "rollout" -> their hosts
+        self.pools: dict[str, list] = {}  # "train", "rollout" and "reward" -> their hosts
+        self.reward_pool = False  # the reward model has a pool of its own (reward.reward_model.enable_resource_pool)
         self.salvaged: list[dict] = []  # profiler records rescued from a failing group
         self.profile_open = False
         self.profiler_tool = cfg.global_profiler.tool
@@ -339,42 +345,80 @@ class RayBackend:
             raise
 
     def _place(self, cfg: PlaitConfig, roles_cfg: dict, device: str) -> None:
+        """Reserve each pool (train; rollout when separated; reward with its own pool), start its hosts, and
+        join each data-parallel pool's process group."""
         gpu = device.startswith("cuda")
-        t = cfg.trainer
-        world = t.nnodes * t.n_gpus_per_node if gpu else self.cfg.num_cpu_workers
+        t, rollout, rm = cfg.trainer, cfg.actor_rollout_ref.rollout, cfg.reward.reward_model
         separated = t.placement == "separated"
-        rollout_world = 1
+        self.reward_pool = reward_pool = rm.enable and rm.enable_resource_pool
+        cpus = self.cfg.cpus_per_worker
+        # The rollout's one process holds its pool's devices: n_gpus_per_node GPUs (its engine's tensor
+        # parallelism), or without CUDA that many CPU slots of cpus_per_worker (its torch threads).
+        slots = rollout.n_gpus_per_node if rollout.nnodes else 1
+        if gpu and separated:
+            need = rollout.tensor_model_parallel_size if rollout.name == "vllm" else 1
+            if slots != need:
+                raise ConfigError("actor_rollout_ref.rollout.n_gpus_per_node", slots,
+                                  f"{need} here: plait's rollout is one {rollout.name} engine, which uses {need} GPU(s) "
+                                  "(rollout.tensor_model_parallel_size with vllm, 1 with hf)")
+        one = {"CPU": cpus, **({"GPU": 1} if gpu else {})}
+        specs = {"train": (t.nnodes * t.n_gpus_per_node if gpu else self.cfg.num_cpu_workers, one),
+                 "rollout": (1 if separated else 0, {"CPU": cpus, "GPU": slots} if gpu else {"CPU": cpus * slots}),
+                 "reward": (rm.nnodes * rm.n_gpus_per_node if reward_pool else 0, one)}
+        specs = {name: (size, {**bundle, **self.cfg.pool_resources.get(name, {})})
+                 for name, (size, bundle) in specs.items() if size}
         for role, rc in roles_cfg.items():  # a rank no worker of the role has would silently profile nothing
-            n = world if role in DATA_PARALLEL_ROLES else rollout_world
+            n = specs.get(pool_of(role, reward_pool), (1,))[0]  # the colocated rollout: 1
             if any(r >= n for r in rc.ranks):
                 raise ConfigError(f"{ROLE_KEYS.get(role, role)}.profiler.ranks", rc.ranks,
                                   f"the Ray backend runs {n} {role} worker(s): ranks must be below {n}")
-        bundle = {"CPU": self.cfg.cpus_per_worker, **({"GPU": 1} if gpu else {})}
-        dp_roles = {r: c for r, c in roles_cfg.items() if r in DATA_PARALLEL_ROLES}
-        other_roles = {r: c for r, c in roles_cfg.items() if r not in DATA_PARALLEL_ROLES}
         profiler_cfg = cfg.global_profiler
         runtime_env = None
         if profiler_cfg.tool == "nsys":  # each window is one capture range (cudaProfilerApi) in a per-process report
             runtime_env = {"nsight": {"t": "cuda,nvtx,osrt", "capture-range": "cudaProfilerApi",
                                       "capture-range-end": "repeat", "cuda-memory-usage": "true"}}
-        # Each host's profiler session knows the roles it hosts, so its artifacts are named after them.
-        train_roles = [roles_cfg if r == 0 and not separated else dp_roles for r in range(world)]
-        train = self._pool("train", train_roles, bundle, profiler_cfg, runtime_env)
-        rollout = self._pool("rollout", [other_roles], bundle, profiler_cfg, runtime_env) if separated else train[:1]
-        self.pools = {"train": train, "rollout": rollout}
+        # Each host's profiler session knows the roles it hosts, so its artifacts are named after them;
+        # colocated, the rollout's roles live on train rank 0.
+        def roles_on(pool: str, rank: int) -> dict:
+            return {r: c for r, c in roles_cfg.items() if pool_of(r, reward_pool) == pool
+                    or (pool == "train" and rank == 0 and not separated and pool_of(r, reward_pool) == "rollout")}
+        self.pools = {}
+        for name, (size, bundle) in specs.items():
+            try:
+                self.pools[name] = self._pool(name, [roles_on(name, i) for i in range(size)], bundle, profiler_cfg, runtime_env)
+            except WorkerError:  # not placed in time: pools bigger than the cluster are the config's fault
+                self._check_fits({n: specs[n] for n in (*self.pools, name)}, cfg, gpu)
+                raise
+        self.pools.setdefault("rollout", self.pools["train"][:1])
         self.locations = dict(zip(self.hosts, self.gather([h.where.remote() for h in self.hosts], "worker process", "start")))
-        one_node = len({self.locations[h][0] for h in train}) == 1
-        [(host, port)] = self.gather([train[0].open_store.remote(one_node)], "worker process", "start")
-        self.gather([h.join_group.remote(host, port) for h in train], "worker process", "init_process_group")
+        for name in ("train", "reward"):  # each data-parallel pool is its own torch.distributed world
+            if name in specs:
+                hosts = self.pools[name]
+                one_node = len({self.locations[h][0] for h in hosts}) == 1
+                [(host, port)] = self.gather([hosts[0].open_store.remote(one_node)], "worker process", "start")
+                self.gather([h.join_group.remote(host, port) for h in hosts], "worker process", "init_process_group")
+
+    def _check_fits(self, specs: dict, cfg: PlaitConfig, gpu: bool) -> None:
+        """Pools that together ask for more than the cluster has are a config error, named by the keys that
+        sized the first pool that does not fit. Asked once a pool has waited `placement_timeout_s`, as
+        nodes may still be joining."""
+        total, used = ray.cluster_resources(), {}
+        for name, (size, bundle) in specs.items():
+            for res, amount in bundle.items():
+                used[res] = used.get(res, 0) + size * amount
+                if used[res] > total.get(res, 0) + 1e-9:
+                    key, value = pool_keys(name, res, cfg, gpu)
+                    beside = f" with the pools before it ({used[res] - size * amount:g})" if used[res] > size * amount else ""
+                    raise ConfigError(key, value, f"the {name} pool asks for {res} {size * amount:g}{beside} and the "
+                                      f"Ray cluster has {total.get(res, 0):g} in all (ray status): lower it or add nodes")
 
     def _pool(self, name: str, roles_per_rank: list[dict], bundle: dict, profiler_cfg, runtime_env) -> list:
         size = len(roles_per_rank)
-        bundle = {**bundle, **self.cfg.pool_resources.get(name, {})}
         pg = placement_group([bundle] * size, strategy=self.cfg.placement_strategy)
         self.pgs.append(pg)
         if not pg.wait(self.cfg.placement_timeout_s):
             raise WorkerError(self._placement_message(name, size, bundle))
-        threads = max(1, int(self.cfg.cpus_per_worker))
+        threads = max(1, int(bundle["CPU"]))
         custom = {k: v for k, v in bundle.items() if k not in ("CPU", "GPU")}
         hosts = [Host.options(num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0), resources=custom, runtime_env=runtime_env,
                               scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i))
@@ -388,15 +432,13 @@ class RayBackend:
                  for k, v in bundle.items() if size * v > free.get(k, 0)]
         return (f"Ray could not place the {name} pool within {self.cfg.placement_timeout_s:g} s: {size} worker "
                 f"process(es) of {bundle} each; {'; '.join(short) or 'resources are fragmented across nodes'}. "
-                "Lower trainer.ray.cpus_per_worker or trainer.ray.num_cpu_workers (with GPUs: trainer.nnodes x "
-                "trainer.n_gpus_per_node), or add resources to the cluster.")
+                "Wait for the cluster's other jobs, raise trainer.ray.placement_timeout_s, or shrink the pool.")
 
     # -- the backend interface ------------------------------------------------------------------
 
     def spawn(self, role: str, cls: type, *args, **kwargs) -> "RayWorkerGroup":
         self.check_up()
-        pool = "train" if role in DATA_PARALLEL_ROLES else "rollout"
-        hosts = self.pools[pool]
+        hosts = self.pools[pool_of(role, self.reward_pool)]
         payload = ray.put((args, kwargs))
         pids = self.gather([h.construct.remote(role, cls, payload) for h in hosts], f"{role} worker", f"{cls.__name__}()")
         print(f"plait: {self.placement_line(role, hosts)}", file=sys.stderr)
@@ -410,7 +452,8 @@ class RayBackend:
         parts = []
         for node, ranks in by_node.items():
             gpus = [g for r in ranks for g in self.locations[hosts[r]][2]]
-            devices = f"GPUs {','.join(map(str, gpus))}" if gpus else f"{len(ranks)} CPU process(es)"
+            cpus = sum(self.locations[hosts[r]][3] for r in ranks)
+            devices = f"GPUs {','.join(map(str, gpus))}" if gpus else f"{len(ranks)} CPU process(es), {cpus:g} CPUs"
             parts.append(f"{node}: rank{'s' if len(ranks) > 1 else ''} {','.join(map(str, ranks))}, {devices}")
         return f"{role} runs on {'; '.join(parts)}"
 
@@ -498,6 +541,29 @@ class RayBackend:
             f"{who} rank {rank} {summary} during {what}; every Ray worker was stopped"
             f"{' and the Ray instance plait started was shut down' if started else ''}; "
             f"details in {self.error_log}")
+
+
+def pool_of(role: str, reward_pool: bool) -> str:
+    """The pool a role's workers live on: the reward model on its own with
+    reward.reward_model.enable_resource_pool, the other data-parallel roles on train, the rest on rollout."""
+    if role == "reward_model" and reward_pool:
+        return "reward"
+    return "train" if role in DATA_PARALLEL_ROLES else "rollout"
+
+
+def pool_keys(pool: str, resource: str, cfg: PlaitConfig, gpu: bool) -> tuple[str, str]:
+    """(keys, values) that sized `pool`'s ask for `resource`, for a one-line refusal."""
+    t, r, rm = cfg.trainer, cfg.actor_rollout_ref.rollout, cfg.reward.reward_model
+    if resource not in ("CPU", "GPU"):
+        return f"trainer.ray.pool_resources.{pool}", str(cfg.trainer.ray.pool_resources[pool])
+    cpus = f"trainer.ray.cpus_per_worker={t.ray.cpus_per_worker:g}"
+    sizes = {"train": ("trainer.nnodes x trainer.n_gpus_per_node", f"{t.nnodes} x {t.n_gpus_per_node}")
+                      if gpu else ("trainer.ray.num_cpu_workers", f"{t.ray.num_cpu_workers}"),
+             "rollout": ("actor_rollout_ref.rollout.n_gpus_per_node", f"{r.n_gpus_per_node if r.nnodes else 1}"),
+             "reward": ("reward.reward_model.nnodes x reward.reward_model.n_gpus_per_node",
+                        f"{rm.nnodes} x {rm.n_gpus_per_node}")}
+    key, value = sizes[pool]
+    return (key, value) if resource == "GPU" else (f"{key} (with {cpus})", value)
 
 
 class RayWorkerGroup:

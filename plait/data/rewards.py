@@ -32,7 +32,8 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from plait.configtree import ConfigError, build, check
-from plait.data.math_rewards import DAPO_SOURCES, MATH_SOURCES, dapo_score, gsm8k_score, math_score
+from plait.data.math_rewards import (DAPO_SOURCES, MATH_SOURCES, dapo_score, gsm8k_score, gsm8k_synthetic_score,
+                                     math_score)
 from plait.errors import Interrupted, RunError
 from plait.profiler.config import RoleProfilerConfig
 
@@ -89,8 +90,17 @@ class RewardModelConfig:
     micro_batch_size_per_gpu: Optional[int] = None
     max_length: Optional[int] = None
     profiler: RoleProfilerConfig = field(default_factory=RoleProfilerConfig)
+    # verl's reward pool (trainer.backend=ray): its own nnodes x n_gpus_per_node processes (CPU: worker
+    # processes of trainer.ray.cpus_per_worker), data-parallel among themselves; off: the train pool's.
+    enable_resource_pool: bool = False
+    nnodes: int = 0
+    n_gpus_per_node: int = 8
 
     def __post_init__(self):
+        if self.enable_resource_pool:  # verl refuses the same
+            check(self.nnodes > 0, "nnodes", self.nnodes, "> 0 with enable_resource_pool=true (the pool's nodes)")
+            check(self.n_gpus_per_node > 0, "n_gpus_per_node", self.n_gpus_per_node,
+                  "> 0 with enable_resource_pool=true (devices per node; CPU: worker processes per node)")
         check(not self.enable or bool(self.model_path), "model_path", self.model_path,
               "a local sequence-classification model directory with enable=true")
         check(self.micro_batch_size_per_gpu is None or self.micro_batch_size_per_gpu > 0,
@@ -404,7 +414,7 @@ SCORERS = {
     "arithmetic": functools.partial(exact_match_score, "arithmetic"),
     "reverse": functools.partial(exact_match_score, "reverse"),
     "openai/gsm8k": gsm8k_score,
-    "gsm8k_synthetic": gsm8k_score,  # plait's synthetic word problems (word_problems.py), scored as GSM8K
+    "gsm8k_synthetic": gsm8k_synthetic_score,  # plait's synthetic word problems: GSM8K's rule, format_score 0.1, acc
     **{source: math_score for source in MATH_SOURCES},
     **{source: dapo_score for source in DAPO_SOURCES},
 }

@@ -114,7 +114,12 @@ class GlobalProfilerConfig:
 
 @dataclass
 class TorchScheduleConfig:
-    """verl's torch.profiler schedule over the update loop's mini-batches; off while active is 0."""
+    """verl's torch.profiler schedule over the update loop's mini-batches; off while active is 0.
+
+    Stepped once per update mini-batch of the role that sets it (actor, critic): skip_first, then
+    cycles of wait (not recorded), warmup (recorded, dropped) and active (kept), `repeat` times
+    (0: until the window ends; in a continuous window 0 means one cycle, as in verl).
+    """
 
     skip_first: int = 0
     wait: int = 0
@@ -127,6 +132,13 @@ class TorchScheduleConfig:
             value = getattr(self, name)
             check(isinstance(value, int) and not isinstance(value, bool) and value >= 0, name, value,
                   "expected an integer >= 0")
+
+    def torch_kwargs(self) -> Optional[dict]:
+        """torch.profiler.schedule's keywords, or None when off (active 0)."""
+        if self.active == 0:
+            return None
+        return dict(skip_first=self.skip_first, wait=self.wait, warmup=self.warmup, active=self.active,
+                    repeat=self.repeat)
 
 
 @dataclass
@@ -182,7 +194,11 @@ class RoleProfilerConfig:
         return rank in self.ranks if self.ranks else rank == 0
 
 
-def no_effect_notes(cfg: GlobalProfilerConfig, roles: dict) -> list[str]:
+SCHEDULED_ROLES = ("actor", "critic")  # the roles with an update loop: their mini-batches step a schedule
+TOKEN_ROLES = ("rollout",)              # the role that decodes tokens: profile_token_start/end apply to it
+
+
+def no_effect_notes(cfg: GlobalProfilerConfig, roles: dict, rollout_name: str = "hf") -> list[str]:
     """One line per verl profiler key set away from its default that does nothing in plait, with why."""
     notes = []
     if cfg.finish_hook_all_ranks or cfg.finish_hook_ranks:
@@ -200,10 +216,22 @@ def no_effect_notes(cfg: GlobalProfilerConfig, roles: dict) -> list[str]:
             notes.append(f"{key}.precision_debugger has no effect: it {PRECISION_DEBUGGER_WHY}")
     for role, rc in roles.items():
         torch_cfg, key = rc.tool_config.torch, f"{ROLE_KEYS.get(role, role)}.profiler.tool_config.torch"
-        if torch_cfg.schedule != TorchScheduleConfig() and cfg.tool == "torch":
-            notes.append(f"{key}.schedule has no effect yet: plait records each profiled step whole; list fewer "
-                         "steps, or use discrete: true for one trace per stage")
-        if (torch_cfg.profile_token_start, torch_cfg.profile_token_end) != (None, None):
-            notes.append(f"{key}.profile_token_start / profile_token_end have no effect yet: plait's hf rollout "
-                         "records whole generate calls")
+        if torch_cfg.schedule.active and cfg.tool == "torch" and role not in SCHEDULED_ROLES:
+            notes.append(f"{key}.schedule has no effect: it is stepped per update mini-batch, and {role} has no "
+                         "update loop (set it on actor_rollout_ref.actor or critic)")
+        elif torch_cfg.schedule.active and cfg.tool not in ("torch", None):
+            notes.append(f"{key}.schedule has no effect with global_profiler.tool={cfg.tool}: it schedules the "
+                         "torch tool's trace")
+        if (torch_cfg.profile_token_start, torch_cfg.profile_token_end) == (None, None):
+            continue
+        if role not in TOKEN_ROLES:
+            notes.append(f"{key}.profile_token_start / profile_token_end have no effect: only the rollout decodes "
+                         "tokens (set them on actor_rollout_ref.rollout)")
+        elif rollout_name == "vllm":
+            notes.append(f"{key}.profile_token_start / profile_token_end have no effect with rollout.name=vllm: "
+                         "plait starts and stops vLLM's profiler with each window and does not pass its "
+                         "delay_iterations / max_iterations; the hf engine honours them")
+        elif cfg.tool not in ("torch", None):
+            notes.append(f"{key}.profile_token_start / profile_token_end have no effect with "
+                         f"global_profiler.tool={cfg.tool}: they select the decode steps of the torch tool's trace")
     return notes

@@ -11,6 +11,12 @@ A role is profiled on rank 0 unless its `ranks` or `all_ranks` say otherwise. Be
 `annotate` is one boolean check returning a shared no-op context manager: no record_function,
 no NVTX, no allocator history. A failing tool is reported once and its artifact marked
 incomplete; it never raises into training. The manifest is written by the driver, not here.
+
+Two verl knobs reach inside a stage: an update loop wraps each mini-batch in `mini_batch(i)` (a
+range, and one step of the torch schedule of a role that sets one), and the rollout's decode loop
+calls the gate `decode_steps()` gives once per forward, so that only the decode steps in
+`profile_token_start..profile_token_end` are recorded (RecordFunction is switched off on that
+thread for the others; other threads keep recording).
 """
 
 from __future__ import annotations
@@ -24,7 +30,8 @@ from typing import Callable, Mapping, Optional
 
 import torch
 
-from plait.profiler.config import ROLE_KEYS, ROLE_ORDER, GlobalProfilerConfig, RoleProfilerConfig
+from plait.profiler.config import (ROLE_KEYS, ROLE_ORDER, SCHEDULED_ROLES, TOKEN_ROLES, GlobalProfilerConfig,
+                                   RoleProfilerConfig)
 from plait.profiler.naming import artifact_path, oom_path, temp_name
 from plait.profiler.tools import make_tool
 
@@ -96,7 +103,7 @@ class ProfilerSession:
         profiled = [r for r in order if roles[r].selects(rank)]
         self.name = "-".join(profiled)  # the shared artifact's role name, "" if none
         self.tool = make_tool(cfg, {r: roles[r] for r in profiled}) if cfg.tool and profiled else None
-        self._handles = {r: RoleProfiler(self, r, r in profiled) for r in roles}
+        self._handles = {r: RoleProfiler(self, r, r in profiled, roles[r]) for r in roles}
         self._window: Optional[OpenWindow] = None
         self._recording = False  # window open and tool collecting: the one flag annotate reads
         self._warned: set[str] = set()
@@ -204,8 +211,14 @@ class ProfilerSession:
 class RoleProfiler:
     """The handle a worker keeps as `self.profiler`."""
 
-    def __init__(self, session: ProfilerSession, role: str, profiled: bool):
+    def __init__(self, session: ProfilerSession, role: str, profiled: bool, cfg: RoleProfilerConfig):
         self._session, self.role, self.profiled = session, role, profiled
+        torch_cfg, tool = cfg.tool_config.torch, session.cfg.tool
+        # Only a role with an update loop steps a schedule, only the rollout gates decode steps (config.py
+        # names the rest as having no effect), and only for the torch tool.
+        self._steps = profiled and tool == "torch" and role in SCHEDULED_ROLES and torch_cfg.schedule.active > 0
+        tokens = (torch_cfg.profile_token_start, torch_cfg.profile_token_end)
+        self._tokens = tokens if profiled and tool == "torch" and role in TOKEN_ROLES and tokens != (None, None) else None
 
     @property
     def follows_engine(self) -> bool:
@@ -225,23 +238,38 @@ class RoleProfiler:
         if self.follows_engine:
             self._session._attached.append(tool)
 
-    def annotate(self, stage: str):
-        """A context manager around one stage: the tool's range inside a window, else a no-op."""
+    def annotate(self, stage: str, scheduled: bool = False):
+        """A context manager around one stage: the tool's range inside a window, else a no-op.
+        `scheduled`: the stage's loop wraps its mini-batches in `mini_batch` (update_actor, update_critic)."""
         if not self._session._recording:
             return NULL_RANGE
-        return _Stage(self._session, self.role, stage, self.profiled)
+        return _Stage(self._session, self.role, stage, self.profiled, scheduled)
+
+    def mini_batch(self, index: int):
+        """Around one update mini-batch: a range `<role>/mini_batch<i>`, and then one step of this role's
+        torch schedule (verl steps it once per mini-batch of the update loop)."""
+        if not self._session._recording:
+            return NULL_RANGE
+        return _MiniBatch(self._session, self.role, index, self._steps)
+
+    def decode_steps(self):
+        """A context manager giving the gate a decode loop calls as gate(i) before the forward that yields
+        response token i (0: the prefill), or None when nothing is to be left out."""
+        if not self._session._recording or self._tokens is None:
+            return NULL_RANGE
+        return TokenGate(self.role, *self._tokens)
 
 
 class _Stage:
     """Enters the tool's stage range; a tool error is reported, the stage runs exactly once."""
 
-    def __init__(self, session: ProfilerSession, role: str, stage: str, own_file: bool):
-        self.session, self.role, self.stage, self.own_file = session, role, stage, own_file
+    def __init__(self, session: ProfilerSession, role: str, stage: str, own_file: bool, scheduled: bool = False):
+        self.session, self.role, self.stage, self.own_file, self.scheduled = session, role, stage, own_file, scheduled
         self.cm = None
 
     def __enter__(self):
         try:
-            cm = self.session.tool.stage(self.role, self.stage, self.own_file)
+            cm = self.session.tool.stage(self.role, self.stage, self.own_file, self.scheduled)
             cm.__enter__()
             self.cm = cm
         except Exception as err:
@@ -254,3 +282,55 @@ class _Stage:
             except Exception as err:
                 self.session._fail("leaving a stage", err)
         return False  # never swallow the stage's own error
+
+
+class _MiniBatch(_Stage):
+    """A mini-batch range inside the update stage (never a file of its own), then a schedule step."""
+
+    def __init__(self, session: ProfilerSession, role: str, index: int, steps: bool):
+        super().__init__(session, role, f"mini_batch{index}", own_file=False)
+        self.steps = steps
+
+    def __exit__(self, *exc) -> bool:
+        super().__exit__(*exc)
+        if self.steps:
+            try:
+                self.session.tool.step()
+            except Exception as err:
+                self.session._fail("stepping the schedule", err)
+        return False
+
+
+class TokenGate:
+    """Records only the decode steps start <= i < end (None: open-ended) of a decode loop on this thread,
+    each as a range `<role>/token<i>`. Outside them RecordFunction is off on this thread, so the collector
+    gets no op, range or stage of it there; CUDA kernels are still seen by CUPTI on a GPU."""
+
+    def __init__(self, role: str, start: Optional[int], end: Optional[int]):
+        self.role, self.start, self.end = role, start or 0, end
+        self._on, self._range = True, None
+
+    def __enter__(self) -> "TokenGate":
+        return self
+
+    def __call__(self, index: int) -> None:
+        self._close_range()
+        on = self.start <= index and (self.end is None or index < self.end)
+        if on != self._on:
+            torch._C._autograd._enable_record_function(on)  # thread-local: other threads keep recording
+            self._on = on
+        if on:
+            self._range = torch.profiler.record_function(f"{self.role}/token{index}")
+            self._range.__enter__()
+
+    def _close_range(self) -> None:
+        if self._range is not None:
+            self._range.__exit__(None, None, None)
+            self._range = None
+
+    def __exit__(self, *exc) -> bool:
+        self._close_range()
+        if not self._on:
+            torch._C._autograd._enable_record_function(True)
+            self._on = True
+        return False

@@ -183,6 +183,17 @@ RU_MAXRSS_UNIT = 1 if sys.platform == "darwin" else 1024  # bytes on macOS, KiB 
 _RSS = _PeakRss()
 
 
+def overlap_s(spans: list[dict], stage: str, others: tuple[str, ...]) -> dict[int, float]:
+    """Per step: seconds the rollout's spans named in `others` overlap the trainer's `stage` spans
+    (wall clock: the async modes' check that generation really runs while the trainer trains)."""
+    gens = [s for s in spans if s["role"] == "rollout" and s["stage"] in others]
+    out: dict[int, float] = {}
+    for u in (s for s in spans if s["role"] == "trainer" and s["stage"] == stage):
+        both = sum(max(0.0, min(u["end"], g["end"]) - max(u["start"], g["start"])) for g in gens)
+        out[u["step"]] = out.get(u["step"], 0.0) + both
+    return out
+
+
 def fold_peaks(into: dict[str, int], peaks: dict[str, int]) -> dict[str, int]:
     for k, v in peaks.items():
         into[k] = max(into.get(k, 0), v)

@@ -353,7 +353,9 @@ SAFE_TO_CHANGE = (
     "trainer.max_ckpt_to_keep", "trainer.max_actor_ckpt_to_keep", "trainer.max_critic_ckpt_to_keep",
     "trainer.log_val_generations", "trainer.val_before_train", "trainer.resume_mode", "trainer.resume_from_path",
     "trainer.resume_allow_config_change", "trainer.backend", "trainer.ray", "trainer.device", "trainer.num_threads",
-    "trainer.nnodes", "trainer.n_gpus_per_node", "global_profiler", "*.profiler", "*.optim.total_training_steps",
+    "trainer.nnodes", "trainer.n_gpus_per_node", "actor_rollout_ref.rollout.nnodes",
+    "actor_rollout_ref.rollout.n_gpus_per_node", "reward.reward_model.enable_resource_pool", "reward.reward_model.nnodes",
+    "reward.reward_model.n_gpus_per_node", "global_profiler", "*.profiler", "*.optim.total_training_steps",
     "reward.custom_reward_function.timeout", "reward.num_workers", "reward.memory_limit_mb", "reward.max_processes",
 )
 

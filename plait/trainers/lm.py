@@ -140,18 +140,20 @@ class LMTrainer:
             return {}
         val = self.cfg.actor_rollout_ref.rollout.val_kwargs
         size = self.cfg.data.val_batch_size or len(self.val_data)
-        scores, sources, uids, lengths, samples = [], [], [], [], []
+        scores, sources, uids, lengths, samples, extras = [], [], [], [], [], {}
         for start in range(0, len(self.val_data), size):
             prompts = prompt_batch([self.val_data[i] for i in range(start, min(start + size, len(self.val_data)))])
             batch = self.roles.rollout.call(Rollout.generate, prompts, val, self.cfg.trainer.seed)
-            scored, _ = self.score(batch)
+            scored, extra = self.score(batch)
+            for key, values in extra.items():
+                extras.setdefault(key, []).extend(values)
             scores += scored
             sources += batch.data_sources
             uids += batch.group_ids.tolist()
             lengths += batch.response_mask.sum(-1).tolist()
             if self.cfg.trainer.log_val_generations:
                 samples += zip(self.decode(batch.prompts, batch.prompt_mask), self.decode(batch.responses, batch.response_mask), scored)
-        out = validation_metrics(sources, uids, scores)
+        out = validation_metrics(sources, uids, scores, extras)
         out["val-aux/response_length/mean"] = sum(lengths) / max(len(lengths), 1)
         if samples:
             self.log_val_generations(samples)
@@ -398,24 +400,34 @@ def groups_with_signal(values: list[float], group_ids: list[int]) -> set[int]:
     return {g for g, v in by_group.items() if len(v) == 1 or max(v) != min(v)}
 
 
-def validation_metrics(sources: list[str], uids: list[int], scores: list[float]) -> dict[str, float]:
-    """verl's validation names per data source, over prompts (uids) with N responses each:
-    val-core/<source>/reward/mean@N, best@N/mean and worst@N/mean (the best / worst of a prompt's
-    N responses, exact rather than bootstrapped), val-aux/<source>/reward/std@N (population std)."""
-    groups: dict[str, dict[int, list[float]]] = {}
-    for source, uid, score in zip(sources, uids, scores):
-        groups.setdefault(source, {}).setdefault(uid, []).append(score)
+def validation_metrics(sources: list[str], uids: list[int], scores: list[float],
+                       extras: dict[str, list[float]] | None = None) -> dict[str, float]:
+    """verl's validation names per data source, over prompts (uids) with N responses each, for the
+    score ("reward") and each number the reward function returned beside it (e.g. acc):
+    <sec>/<source>/<var>/mean@N, best@N/mean and worst@N/mean (the best / worst of a prompt's N
+    responses, exact rather than bootstrapped), val-aux/<source>/<var>/std@N (population std).
+    As in verl, the core variable is acc when the reward returns it, else reward: its mean@N and
+    best@N go under val-core, everything else under val-aux."""
+    variables = {"reward": scores, **{k: v for k, v in (extras or {}).items() if len(v) == len(scores)}}
     out = {}
-    for source in sorted(groups):
-        per_prompt = list(groups[source].values())
-        n = max(len(v) for v in per_prompt)
-        mean = lambda f: sum(f(v) for v in per_prompt) / len(per_prompt)  # noqa: E731
-        out[f"val-core/{source}/reward/mean@{n}"] = mean(lambda v: sum(v) / len(v))
-        if n > 1:
-            out[f"val-aux/{source}/reward/std@{n}"] = mean(
-                lambda v: (sum((x - sum(v) / len(v)) ** 2 for x in v) / len(v)) ** 0.5)
-            out[f"val-core/{source}/reward/best@{n}/mean"] = mean(max)
-            out[f"val-aux/{source}/reward/worst@{n}/mean"] = mean(min)
+    for source in sorted(set(sources)):
+        by_var: dict[str, dict[int, list[float]]] = {}
+        for var, values in variables.items():
+            for s, uid, value in zip(sources, uids, values):
+                if s == source and not math.isnan(value):  # NaN: this response's result lacked the key
+                    by_var.setdefault(var, {}).setdefault(uid, []).append(float(value))
+        core = "acc" if "acc" in by_var else "reward"
+        for var, per_prompt in by_var.items():
+            groups = list(per_prompt.values())
+            n = max(len(v) for v in groups)
+            mean = lambda f: sum(f(v) for v in groups) / len(groups)  # noqa: E731
+            sec = "val-core" if var == core else "val-aux"
+            out[f"{sec}/{source}/{var}/mean@{n}"] = mean(lambda v: sum(v) / len(v))
+            if n > 1:
+                out[f"val-aux/{source}/{var}/std@{n}"] = mean(
+                    lambda v: (sum((x - sum(v) / len(v)) ** 2 for x in v) / len(v)) ** 0.5)
+                out[f"{sec}/{source}/{var}/best@{n}/mean"] = mean(max)
+                out[f"val-aux/{source}/{var}/worst@{n}/mean"] = mean(min)
     return out
 
 

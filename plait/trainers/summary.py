@@ -77,8 +77,10 @@ def summarise(records: list[dict], first_step: int, last_step: int, clock: RunCl
 
 
 def _validation(records: list[dict]) -> Optional[dict]:
-    """First, best (with its step) and last of the first val-core reward key the records hold."""
-    key = next((k for r in records for k in r if k.startswith("val-core/") and "/reward/mean@" in k), None)
+    """First, best (with its step) and last of the first val-core mean key the records hold (acc
+    where the reward returns it, as verl's core variable, else reward)."""
+    key = next((k for r in records for k in r if k.startswith("val-core/") and "/acc/mean@" in k), None)
+    key = key or next((k for r in records for k in r if k.startswith("val-core/") and "/reward/mean@" in k), None)
     key = key or next((k for r in records for k in r if k.startswith("val-core/")), None)
     points = [(r["step"], r[key]) for r in records if _is_num(r.get(key))]
     if not points:

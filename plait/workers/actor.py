@@ -33,8 +33,8 @@ from plait.workers.logprobs import check_lm_head, response_logprobs
 from plait.workers.packing import MicroBatching, checked_remove_padding
 from plait.workers.parallel import (SHARDED_DIR, EvenMicroBatching, all_reduce_grads, check_same_batch, checkpoint_state,
                                     clip_grads, data_parallel, dp_rank_size, dp_share, even_micro_batches, full_state_dict,
-                                    global_sum, is_sharded, load_checkpoint_state, load_sharded, save_sharded, shard_model,
-                                    use_fsdp)
+                                    global_sum, is_sharded, load_checkpoint_state, load_sharded, offloads_optimizer,
+                                    optimizer_step, save_sharded, shard_model, use_fsdp)
 
 
 def response_forward(model, batch: RolloutBatch, temperature: float, layout: MicroBatching,
@@ -127,6 +127,7 @@ class Actor:
             shard_model(self.model, self.model._no_split_modules or [], cfg.fsdp_config, device)
         trainable = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer, self.scheduler = make_optimizer(trainable, cfg.optim)
+        self.offload_optimizer = offloads_optimizer(cfg.fsdp_config, device)
         self.shuffle_gen = torch.Generator().manual_seed(seed)
 
     def compute_log_prob(self, batch: RolloutBatch, micro_batch_size: int,
@@ -156,7 +157,7 @@ class Actor:
 
         A batch without old_logprobs feeds exactly one optimizer step (the trainer decided, rollout
         correction off): pi_old is then the policy being updated, taken detached from the update's own forward."""
-        with self.profiler.annotate("update_actor"):
+        with self.profiler.annotate("update_actor", scheduled=True):
             start = time.perf_counter()
             metrics = self._update(batch, correction)
             flops = self.cfg.ppo_epochs * self.flops.training(batch.attention_mask.sum(-1).tolist())
@@ -174,7 +175,8 @@ class Actor:
         for _ in range(cfg.ppo_epochs):
             order = torch.randperm(len(batch), generator=self.shuffle_gen) if cfg.shuffle else torch.arange(len(batch))
             for start in range(0, len(batch), mini):
-                stats = self._optimizer_step(batch.select(dp_share(order[start:start + mini])), correction)
+                with self.profiler.mini_batch(count):  # a range, and a step of the torch profiler's schedule
+                    stats = self._optimizer_step(batch.select(dp_share(order[start:start + mini])), correction)
                 for k, v in stats.items():
                     sums[k] = sums.get(k, 0.0) + v
                 count += 1
@@ -237,7 +239,7 @@ class Actor:
         all_reduce_grads(self.model)
         grad_norm = clip_grads(self.model, cfg.grad_clip)
         if math.isfinite(grad_norm):  # a non-finite norm would poison the weights: skip the step
-            self.optimizer.step()
+            optimizer_step(self.optimizer, self.offload_optimizer)
         stats = dict(zip(stats, global_sum(list(stats.values()))))  # each rank summed its rows' parts
         stats["grad_norm"] = grad_norm
         return stats

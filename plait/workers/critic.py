@@ -19,7 +19,8 @@ from plait.workers.actor import make_optimizer
 from plait.workers.packing import MicroBatching, checked_remove_padding, pack, unpack
 from plait.workers.parallel import (SHARDED_DIR, all_reduce_grads, check_same_batch, checkpoint_state, clip_grads,
                                     data_parallel, dp_rank_size, dp_share, even_micro_batches, global_sum, is_sharded,
-                                    load_checkpoint_state, load_sharded, save_sharded, shard_model, use_fsdp)
+                                    load_checkpoint_state, load_sharded, offloads_optimizer, optimizer_step, save_sharded,
+                                    shard_model, use_fsdp)
 
 
 class ValueModel(torch.nn.Module):
@@ -62,6 +63,7 @@ class Critic:
         if use_fsdp(cfg.strategy, device):  # data parallelism as in the actor (plait/workers/actor.py)
             shard_model(self.model, self.model.lm._no_split_modules or [], cfg.model.fsdp_config, device)
         self.optimizer, self.scheduler = make_optimizer(self.model.parameters(), cfg.optim)
+        self.offload_optimizer = offloads_optimizer(cfg.model.fsdp_config, device)
 
     def compute_values(self, batch: RolloutBatch) -> torch.Tensor:
         with self.profiler.annotate("values"), torch.no_grad():
@@ -75,14 +77,15 @@ class Critic:
         return values
 
     def update(self, batch: RolloutBatch) -> dict[str, float]:
-        with self.profiler.annotate("update_critic"):
+        with self.profiler.annotate("update_critic", scheduled=True):
             cfg, mini = self.cfg, self.cfg.ppo_mini_batch_size * self.n
             check_same_batch(batch, "Critic.update")
             sums, count = {"vf_loss": 0.0, "vf_clipfrac": 0.0, "vpred_mean": 0.0, "grad_norm": 0.0}, 0
             rows = torch.arange(len(batch))
             for _ in range(cfg.ppo_epochs):
                 for start in range(0, len(batch), mini):
-                    stats = self._optimizer_step(batch.select(dp_share(rows[start:start + mini])))
+                    with self.profiler.mini_batch(count):  # a range, and a step of the torch profiler's schedule
+                        stats = self._optimizer_step(batch.select(dp_share(rows[start:start + mini])))
                     for k in sums:
                         sums[k] += stats[k]
                     count += 1
@@ -115,7 +118,7 @@ class Critic:
             stats["vpred_mean"] += (vpreds.detach() * mask).sum().item() / norm["num_tokens"]
         all_reduce_grads(self.model)
         grad_norm = clip_grads(self.model, cfg.grad_clip)
-        self.optimizer.step()
+        optimizer_step(self.optimizer, self.offload_optimizer)
         stats = dict(zip(stats, global_sum(list(stats.values()))))  # each rank summed its rows' parts
         stats["grad_norm"] = grad_norm
         return stats

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -35,6 +35,7 @@ from torch import Tensor, nn
 
 from plait.configtree import check
 from plait.safeload import load_tensors
+from plait.workers.diffusion_config import LoraConfig  # noqa: F401  (its config node, torch-free)
 
 POLICY_FILE = "plait_diffusers_policy.json"
 TIMESTEP_SCALE = 1000.0
@@ -56,23 +57,6 @@ class DiffusersPolicyConfig:
         check(self.channels >= 1, "channels", self.channels, "an integer >= 1")
         check(self.num_classes >= 1, "num_classes", self.num_classes, "an integer >= 1")
         check(self.seq_len >= 1, "seq_len", self.seq_len, "an integer >= 1")
-
-
-@dataclass
-class LoraConfig:
-    """`diffusion.lora`: peft LoRA on the diffusers transformer; only the adapters train."""
-
-    enable: bool = False
-    r: int = 8
-    alpha: float = 16.0
-    target_modules: list[str] = field(default_factory=lambda: ["to_q", "to_k", "to_v", "to_out.0"])
-    """Module names (suffixes) inside the transformer; the default is every attention projection
-    of the image stream."""
-
-    def __post_init__(self):
-        check(self.r >= 1, "r", self.r, "an integer >= 1")
-        check(self.alpha > 0, "alpha", self.alpha, "a number > 0")
-        check(len(self.target_modules) > 0, "target_modules", self.target_modules, "a non-empty list of module names")
 
 
 class DiffusersVelocity(nn.Module):

@@ -37,41 +37,21 @@ import dataclasses
 import json
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
 
 import torch
 from torch import Tensor, nn
 
 from plait.algorithms.flow_grpo import flow_grpo_loss, mean_kl
 from plait.configtree import check
-from plait.data.images import IMAGE_REWARDS, NUM_GLYPHS, PROMPT_IMAGE_REWARDS, render_glyphs
+from plait.data.images import NUM_GLYPHS, render_glyphs
 from plait.safeload import load_tensors
+from plait.workers.diffusion_config import DiffusionActorConfig, DiffusionConfig, DiffusionModelConfig  # noqa: F401
 from plait.workers.diffusers_policy import (DiffusersPolicyConfig, LoraConfig, diffusers_policy_config,
                                             is_diffusers_policy, load_diffusers_policy)
 from plait.workers.diffusion_pipeline import (PipelineConfig, PipelinePolicy, PromptEmbeds, load_pipeline_policy,
                                               pipeline_class)
-
-
-@dataclass
-class DiffusionModelConfig:
-    image_size: int = 8
-    """Side of the square image, in pixels."""
-    channels: int = 1
-    width: int = 128
-    """Hidden width of the MLP blocks."""
-    depth: int = 2
-    """Number of residual blocks."""
-    num_classes: int = NUM_GLYPHS
-    """Number of condition labels."""
-
-    def __post_init__(self):
-        check(self.image_size >= 4, "image_size", self.image_size, "an integer >= 4")
-        check(self.channels >= 1, "channels", self.channels, "an integer >= 1")
-        check(self.width >= 8, "width", self.width, "an integer >= 8")
-        check(self.depth >= 1, "depth", self.depth, "an integer >= 1")
-        check(self.num_classes >= 1, "num_classes", self.num_classes, "an integer >= 1")
 
 
 class _Block(nn.Module):
@@ -280,46 +260,6 @@ def step_logprob(model: nn.Module, x_t: Tensor, x_prev: Tensor, t: float, t_prev
 
 # --- workers -----------------------------------------------------------------------------------
 
-@dataclass
-class DiffusionActorConfig:
-    """Sampler and Flow-GRPO update settings; verl's key names where verl has the knob.
-
-    The defaults are the built-in demo's (8x8 glyphs, classifier reward), tuned on CPU.
-    """
-
-    num_inference_steps: int = 10
-    noise_level: float = 1.0
-    """Scales sigma_t; 0 would make the sampler deterministic (no log-probs)."""
-    sde_window_size: int = 4
-    """Trained (stochastic) denoising steps per sample; 0 makes every step stochastic and trained."""
-    sde_window_range: tuple[int, int] = (0, 10)
-    """The window lies inside steps [lo, hi); its start is drawn per batch."""
-    lr: float = 1e-3
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
-    clip_ratio: float = 1e-4
-    adv_clip_max: float = 5.0
-    kl_loss_coef: float = 0.01
-    """Weight of the KL to the reference means; > 0 needs ref_mean in update() (the trainer then
-    runs the ref role)."""
-    ppo_epochs: int = 1
-
-    def __post_init__(self):
-        self.sde_window_range = tuple(self.sde_window_range)
-        steps, size, (lo, hi) = self.num_inference_steps, self.sde_window_size, self.sde_window_range
-        check(steps >= 1, "num_inference_steps", steps, "an integer >= 1")
-        check(self.noise_level > 0, "noise_level", self.noise_level, "a number > 0")
-        check(0 <= size <= steps, "sde_window_size", size, f"an integer in [0, num_inference_steps={steps}]")
-        check(size == 0 or 0 <= lo and hi <= steps and hi - lo >= size, "sde_window_range",
-              list(self.sde_window_range), f"[lo, hi] with 0 <= lo, hi <= {steps}, hi - lo >= {size}")
-        check(self.lr > 0, "lr", self.lr, "a number > 0")
-        check(self.grad_clip > 0, "grad_clip", self.grad_clip, "a number > 0")
-        check(self.clip_ratio > 0, "clip_ratio", self.clip_ratio, "a number > 0")
-        check(self.adv_clip_max > 0, "adv_clip_max", self.adv_clip_max, "a number > 0")
-        check(self.kl_loss_coef >= 0, "kl_loss_coef", self.kl_loss_coef, "a number >= 0")
-        check(self.ppo_epochs >= 1, "ppo_epochs", self.ppo_epochs, "an integer >= 1")
-
-
 class DiffusionActor:
     """Policy worker: samples trajectories with log-probs and runs the Flow-GRPO update.
 
@@ -381,7 +321,7 @@ class DiffusionActor:
     def update(self, traj: Trajectory, advantages: Tensor, old_logp: Tensor,
                ref_mean: Tensor | None = None) -> dict[str, float]:
         """`ppo_epochs` optimizer steps on the window; ref_mean [B, K, C, H, W] adds the KL term."""
-        with self.profiler.annotate("update_actor"):
+        with self.profiler.annotate("update_actor", scheduled=True):
             cfg = self.cfg
             if cfg.kl_loss_coef > 0 and ref_mean is None:
                 raise ValueError("kl_loss_coef > 0 needs ref_mean from DiffusionRef.compute_means")
@@ -389,24 +329,25 @@ class DiffusionActor:
             if k_steps == 0:
                 raise ValueError("the trajectory has no SDE steps to train (sampled with ode=True?)")
             totals = {"pg_loss": 0.0, "pg_clipfrac": 0.0, "ppo_kl": 0.0, "kl_loss": 0.0}
-            for _ in range(cfg.ppo_epochs):
-                self.optim.zero_grad()
-                # One backward per denoising step keeps only one step's graph alive.
-                for k, (logp, mean) in enumerate(_window_steps(self.model, traj)):
-                    loss, metrics = flow_grpo_loss(logp[:, None], old_logp[:, k:k + 1], advantages,
-                                                   cfg.clip_ratio, cfg.adv_clip_max)
-                    if ref_mean is not None:
-                        i = traj.window[0] + k
-                        _, std = sde_std(traj.timesteps[i].item(), traj.timesteps[i + 1].item(),
-                                         traj.noise_level)
-                        kl = mean_kl(mean, ref_mean[:, k], std).mean()
-                        loss = loss + cfg.kl_loss_coef * kl
-                        metrics["kl_loss"] = kl.item()
-                    (loss / k_steps).backward()
-                    for key, value in metrics.items():
-                        totals[key] += value / (k_steps * cfg.ppo_epochs)
-                grad_norm = nn.utils.clip_grad_norm_(self.params, cfg.grad_clip)
-                self.optim.step()
+            for epoch in range(cfg.ppo_epochs):  # one optimizer step each: the schedule's mini-batch
+                with self.profiler.mini_batch(epoch):
+                    self.optim.zero_grad()
+                    # One backward per denoising step keeps only one step's graph alive.
+                    for k, (logp, mean) in enumerate(_window_steps(self.model, traj)):
+                        loss, metrics = flow_grpo_loss(logp[:, None], old_logp[:, k:k + 1], advantages,
+                                                       cfg.clip_ratio, cfg.adv_clip_max)
+                        if ref_mean is not None:
+                            i = traj.window[0] + k
+                            _, std = sde_std(traj.timesteps[i].item(), traj.timesteps[i + 1].item(),
+                                             traj.noise_level)
+                            kl = mean_kl(mean, ref_mean[:, k], std).mean()
+                            loss = loss + cfg.kl_loss_coef * kl
+                            metrics["kl_loss"] = kl.item()
+                        (loss / k_steps).backward()
+                        for key, value in metrics.items():
+                            totals[key] += value / (k_steps * cfg.ppo_epochs)
+                    grad_norm = nn.utils.clip_grad_norm_(self.params, cfg.grad_clip)
+                    self.optim.step()
             out = {f"actor/{key}": value for key, value in totals.items()}
             return out | {"actor/grad_norm": grad_norm.item(), "actor/lr": self.optim.param_groups[0]["lr"]}
 
@@ -456,47 +397,3 @@ def _window_steps(model: nn.Module, traj: Trajectory):
         t, t_prev = traj.timesteps[i].item(), traj.timesteps[i + 1].item()
         yield step_logprob(model, traj.latents[:, i], traj.latents[:, i + 1], t, t_prev, traj.cond,
                            traj.noise_level)
-
-
-# --- the config node ---------------------------------------------------------------------------
-
-@dataclass
-class DiffusionConfig:
-    """The `diffusion` node, read with trainer.mode=diffusion: the policy, its pre-training, the reward.
-
-    The batch and schedule come from the shared keys: data.train_batch_size conditions x
-    actor_rollout_ref.rollout.n samples per step, data.train_size / data.val_size conditions,
-    trainer.*; profiling from actor_rollout_ref.{actor,ref}.profiler (roles "actor" and "ref").
-    The LM update keys (actor_rollout_ref.actor.optim, clip_ratio, ...) do not apply: the
-    Flow-GRPO update's own are under `actor`, because its clip range and lr live on another scale.
-    """
-
-    model_path: Optional[str] = None
-    """A folder saved by pretrain_flow_model, or a diffusers policy folder
-    (plait/workers/diffusers_policy.py); null: the built-in glyph model, pre-trained once and
-    cached in <output_dir>/demo_model/flow."""
-    model: DiffusionModelConfig = field(default_factory=DiffusionModelConfig)
-    """The built-in model's architecture (a model_path folder records its own)."""
-    pretrain_steps: int = 50
-    pretrain_batch_size: int = 128
-    pretrain_lr: float = 2e-3
-    reward: str = "glyph_classifier"
-    """A name in plait.data.images.IMAGE_REWARDS (class-conditioned models) or, for a pipeline,
-    PROMPT_IMAGE_REWARDS or clip_score; custom_reward_function.path replaces it."""
-    reward_model_path: Optional[str] = None
-    """The local CLIP folder reward=clip_score scores with."""
-    actor: DiffusionActorConfig = field(default_factory=DiffusionActorConfig)
-    lora: LoraConfig = field(default_factory=LoraConfig)
-    """LoRA on a diffusers model_path's transformer (enable: false trains every parameter)."""
-    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
-    """Guidance, negative prompt, resolution, dtype and offload of a pipeline model_path
-    (plait/workers/diffusion_pipeline.py); prompts come from data.train_files / data.val_files."""
-
-    def __post_init__(self):
-        check(self.pretrain_steps >= 0, "pretrain_steps", self.pretrain_steps, "an integer >= 0")
-        check(self.pretrain_batch_size >= 1, "pretrain_batch_size", self.pretrain_batch_size, "an integer >= 1")
-        check(self.pretrain_lr > 0, "pretrain_lr", self.pretrain_lr, "a number > 0")
-        names = [*IMAGE_REWARDS, *PROMPT_IMAGE_REWARDS, "clip_score"]
-        check(self.reward in names, "reward", self.reward, f"one of {', '.join(names)}")
-        check(self.reward != "clip_score" or self.reward_model_path is not None, "reward_model_path",
-              self.reward_model_path, "a local CLIP model folder (reward=clip_score)")

@@ -31,13 +31,13 @@ import contextlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
 import torch
 from torch import Tensor, nn
 
 from plait.configtree import check
 from plait.workers.diffusers_policy import TIMESTEP_SCALE, LoraConfig, add_lora
+from plait.workers.diffusion_config import PipelineConfig  # noqa: F401  (its config node, torch-free)
 
 SUPPORTED = ("StableDiffusion3Pipeline",)
 UNSUPPORTED = {
@@ -46,29 +46,6 @@ UNSUPPORTED = {
     "StableDiffusionXLPipeline": "a UNet that predicts noise, not a flow-matching velocity",
 }
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass
-class PipelineConfig:
-    """`diffusion.pipeline`: how a pipeline folder (diffusion.model_path) samples and where its parts live."""
-
-    guidance_scale: float = 4.5
-    """Classifier-free guidance g; <= 1 runs the conditional branch only (no negative prompt)."""
-    negative_prompt: str = ""
-    resolution: int | None = None
-    """Image side in pixels; null: the transformer's sample_size x the VAE's scale factor."""
-    max_sequence_length: int = 128
-    """T5 tokens per prompt (SD3's third text encoder)."""
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """Of the frozen parts (text encoders, VAE, the transformer's base weights under LoRA); what
-    trains stays float32."""
-    offload: bool = False
-    """Keep the text encoders and the VAE on the CPU and move each to the device only while it runs."""
-
-    def __post_init__(self):
-        check(self.guidance_scale >= 0, "guidance_scale", self.guidance_scale, "a number >= 0")
-        check(self.resolution is None or self.resolution >= 8, "resolution", self.resolution, "null or an integer >= 8")
-        check(self.max_sequence_length >= 1, "max_sequence_length", self.max_sequence_length, "an integer >= 1")
 
 
 @dataclass

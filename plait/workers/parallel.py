@@ -153,8 +153,9 @@ def shard_model(model, block_names: list[str], cfg: FsdpConfig, device: str) -> 
     """
     from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
     from plait.config import MP_DTYPES
-    # FSDP2 has one offload: parameters (and with them gradients and the optimizer step) live on CPU.
-    offload = device.startswith("cuda") and (cfg.param_offload or cfg.optimizer_offload or cfg.offload_policy)
+    # FSDP2's offload: parameters, and with them gradients and the optimizer step and state, live on CPU.
+    # optimizer_offload alone keeps the parameters on the GPU (optimizer_step).
+    offload = device.startswith("cuda") and (cfg.param_offload or cfg.offload_policy)
     mp = cfg.mixed_precision
     dtype = lambda name: None if name is None else getattr(torch, MP_DTYPES[name])  # noqa: E731
     kw = dict(reshard_after_forward=cfg.reshard_after_forward,
@@ -165,6 +166,12 @@ def shard_model(model, block_names: list[str], cfg: FsdpConfig, device: str) -> 
     for block in blocks:
         fully_shard(block, **kw)
     fully_shard(model, **kw)
+    if not cfg.reshard_after_forward:
+        # torch 2.13 (gloo, 2 ranks): a group that a no-grad forward leaves unsharded gets wrong gradients
+        # from the next training forward and backward (log-probs stay right), the root's and each block's
+        # alike. A no-grad pass has no backward to keep the weights for: reshard after it.
+        for m in [*blocks, model]:
+            m.register_forward_hook(_reshard_without_grad)
     if cfg.forward_prefetch:  # all-gather the next block's weights while this one computes
         for block, following in zip(blocks, blocks[1:]):
             block.set_modules_to_forward_prefetch([following])
@@ -172,6 +179,35 @@ def shard_model(model, block_names: list[str], cfg: FsdpConfig, device: str) -> 
         if isinstance(m, FSDPModule):
             m.set_gradient_divide_factor(1.0)
             m.set_force_sum_reduction_for_comms(True)
+
+
+def _reshard_without_grad(module, args, output) -> None:
+    if not torch.is_grad_enabled():
+        module.reshard()
+
+
+def offloads_optimizer(cfg: FsdpConfig, device: str) -> bool:
+    """fsdp_config.optimizer_offload on CUDA without the parameter offload (which holds the state on CPU anyway)."""
+    return device.startswith("cuda") and cfg.optimizer_offload and not (cfg.param_offload or cfg.offload_policy)
+
+
+def optimizer_step(optimizer, offload: bool) -> None:
+    """optimizer.step(); with `offload` (offloads_optimizer) the state, Adam's moments, is on the GPU only
+    for the step and waits in CPU memory through the forwards and backwards."""
+    if offload:
+        _move_state(optimizer, "cuda")
+    optimizer.step()
+    if offload:
+        _move_state(optimizer, "cpu")
+
+
+def _move_state(optimizer, device: str) -> None:
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            if key != "step" and isinstance(value, torch.Tensor):  # the step count stays where AdamW keeps it
+                state[key] = value.to(device, non_blocking=device == "cpu")
+    if device == "cpu":
+        torch.cuda.synchronize()  # the copies are done before the GPU memory is reused
 
 
 def clip_grads(model, max_norm: float) -> float:

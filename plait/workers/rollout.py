@@ -73,7 +73,7 @@ class Rollout:
         ids = [batch.prompts[i][batch.prompt_mask[i].bool()].tolist() + batch.responses[i, :lengths[i]].tolist()
                for i in rows]
         budget = self.max_response_length - min(lengths[i] for i in rows)
-        out = self.engine.generate(ids, self._params(sampling, budget), generator=torch.Generator().manual_seed(seed))
+        out = self._engine_generate(ids, self._params(sampling, budget), seed)
         grow = (0, self.max_response_length - batch.responses.shape[1])
         responses = F.pad(batch.responses, grow, value=self.pad_token_id)    # [batch, max_response_length]
         mask, logprobs = F.pad(batch.response_mask, grow), F.pad(batch.rollout_logprobs, grow)
@@ -91,11 +91,18 @@ class Rollout:
         return batch.replace(responses=responses[:, :width], response_mask=mask[:, :width],
                              rollout_logprobs=logprobs[:, :width], versions=versions, stop_reasons=reasons)
 
+    def _engine_generate(self, ids: list[list[int]], params: SamplingParams, seed: int):
+        generator = torch.Generator().manual_seed(seed)
+        if not isinstance(self.engine, TransformersEngine):  # vLLM: the token range is named as no effect
+            return self.engine.generate(ids, params, generator=generator)
+        with self.profiler.decode_steps() as gate:  # profile_token_start/end: which decode steps are traced
+            return self.engine.generate(ids, params, generator=generator, on_forward=gate)
+
     def _generate(self, prompts: PromptBatch, sampling: SamplingConfig, seed: int) -> RolloutBatch:
         n = sampling.n
         ids = [p for p in prompts.prompt_ids for _ in range(n)]   # each prompt n times, adjacent
         params = self._params(sampling, self.max_response_length)
-        out = self.engine.generate(ids, params, generator=torch.Generator().manual_seed(seed))
+        out = self._engine_generate(ids, params, seed)
         width = max(len(p) for p in ids)
         prompt_t = torch.full((len(ids), width), self.pad_token_id, dtype=torch.long)
         prompt_mask = torch.zeros((len(ids), width), dtype=torch.long)

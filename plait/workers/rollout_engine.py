@@ -76,8 +76,10 @@ class TransformersEngine:
         self._abort = threading.Event()
 
     def generate(self, prompts: list[list[int]], params: SamplingParams,
-                 generator: torch.Generator | None = None) -> Generation:
-        """Sample a response per prompt. `generator` makes it reproducible (CPU or model device)."""
+                 generator: torch.Generator | None = None, on_forward=None) -> Generation:
+        """Sample a response per prompt. `generator` makes it reproducible (CPU or model device).
+        `on_forward(i)` is called before the forward that yields response token i (0: the prefill): the
+        profiler's token gate (RoleProfiler.decode_steps)."""
         if not prompts or min(len(p) for p in prompts) == 0:
             raise ValueError("generate needs at least one prompt and no empty prompts")
         self._abort.clear()  # an abort() while idle must not cut the next call short
@@ -94,6 +96,8 @@ class TransformersEngine:
             logprobs = torch.zeros(len(prompts), n, device=device)           # [batch, n]
             rows = torch.arange(len(prompts), device=device)                 # [active] output row of each active row
             done = torch.zeros(len(prompts), dtype=torch.bool, device=device)  # [active]
+            if on_forward is not None:
+                on_forward(0)
             logits = stepper.prefill(ids, (real.cumsum(-1) - 1).clamp(min=0))  # [active, vocab]
             for step in range(n):
                 tok, logp = sample_tokens(logits, params, generator)         # [active], [active]
@@ -109,6 +113,8 @@ class TransformersEngine:
                     keep = (~done).nonzero()[:, 0]
                     stepper.select(keep)
                     rows, done, tok, prompt_len = rows[keep], done[keep], tok[keep], prompt_len[keep]
+                if on_forward is not None:
+                    on_forward(step + 1)
                 logits = stepper.decode(tok, prompt_len + step)
             tokens, logprobs = tokens[:, :step + 1], logprobs[:, :step + 1]  # [batch, steps]
             is_eos = torch.isin(tokens, eos)

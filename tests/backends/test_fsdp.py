@@ -161,3 +161,54 @@ def test_trainer_checkpoint_at_two_sharded_ranks_resumes_in_one_process(ray_inst
     steps = [r["step"] for r in read_metrics(str(tmp_path / "metrics.jsonl"))]
     assert steps == [1, 2, 3]
     assert (tmp_path / "checkpoints" / "global_step_3" / "actor" / "model.pt").is_file()  # one process: whole
+
+
+def _no_reshard_rank(rank: int, model_dir: str, rdzv: str) -> None:
+    import torch.distributed as dist
+    from plait.config import FsdpConfig
+    from plait.models import load_causal_lm
+    from plait.workers.actor import micro_forward
+    from plait.workers.parallel import shard_model
+    from tests.workers.test_logprobs import T, assert_same, full_vocab_forward, logp_ent_grads
+    from tests.workers.test_packing import make_batch as packing_batch
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{rdzv}", rank=rank, world_size=2)
+    model = load_causal_lm(model_dir)
+    batches = [(packing_batch(rows=4, seed=s), packed) for s, packed in enumerate([False, True, False])]
+    want = [logp_ent_grads(model, b, lambda m, b: full_vocab_forward(m, b, T, packed)) for b, packed in batches]
+    shard_model(model, model._no_split_modules, FsdpConfig(reshard_after_forward=False, forward_prefetch=True), "cpu")
+    for (b, packed), old in zip(batches, want):
+        with torch.no_grad():  # a pi_old pass between updates: without plait's reshard, the next gradients are wrong
+            micro_forward(model, b, T, True, packed)
+        new = logp_ent_grads(model, b, lambda m, b: micro_forward(m, b, T, True, packed))
+        # both ranks ran the same rows and plait's FSDP2 sums gradients over ranks: twice one model's
+        assert_same((new[0], new[1], {k: g.full_tensor() / 2 for k, g in new[2].items()}), old)
+    dist.destroy_process_group()
+
+
+def test_fsdp2_without_reshard_after_forward_gives_the_unsharded_gradients(tmp_path):
+    """fsdp_config.reshard_after_forward=false (root and blocks) over 2 gloo ranks: after no-grad passes
+    the gradients equal the unsharded model's (torch 2.13 alone gets the second step's wrong by up to ~14)."""
+    import torch.multiprocessing as mp
+    model = create_tiny_model(tmp_path / "m", size="xs", seed=0)
+    mp.spawn(_no_reshard_rank, args=(model, str(tmp_path / "rdzv")), nprocs=2)
+
+
+@pytest.mark.gpu
+def test_optimizer_offload_on_cuda_keeps_the_state_in_cpu_memory_and_the_update(tmp_path):
+    """fsdp_config.optimizer_offload on one GPU: Adam's moments wait in CPU memory between steps, and two
+    updates give the weights they give without the offload."""
+    from plait.config import FsdpConfig
+    model = create_tiny_model(tmp_path / "m", size="xs", seed=0)
+    session = ProfilerSession(GlobalProfilerConfig(), {"actor": RoleProfilerConfig()}, rank=0)
+    weights = []
+    for offload in (False, True):
+        cfg = ActorConfig(optim=OptimConfig(lr=1e-2), ppo_mini_batch_size=2, ppo_micro_batch_size_per_gpu=2,
+                          fsdp_config=FsdpConfig(optimizer_offload=offload))
+        actor = Actor(model, cfg, 4, 1.0, session.for_role("actor"), device="cuda", seed=3)
+        for seed in (0, 1):
+            actor.update(make_batch(8, seed=seed))
+        moments = [v for s in actor.optimizer.state.values() for k, v in s.items() if k != "step"]
+        assert moments and all(v.device.type == ("cpu" if offload else "cuda") for v in moments)
+        weights.append({k: v.cpu() for k, v in full_state_dict(actor.model).items()})
+    assert close(*weights, tol=1e-6)

@@ -16,6 +16,7 @@ pytest.importorskip("ray")
 
 from plait.backends.ray import DATA_PARALLEL_ROLES, RayBackend, WorkerError
 from plait.config import ActorConfig, CriticConfig, OptimConfig, load_config
+from plait.configtree import ConfigError
 from plait.models import create_tiny_model
 from plait.profiler import GlobalProfilerConfig, ProfilerSession, RoleProfilerConfig, read_manifest
 from plait.types import RolloutBatch
@@ -212,9 +213,26 @@ def test_fsdp2_actor_on_gpus_updates_like_one_worker(ray_instance, tmp_path):
         backend.shutdown()
 
 
-def test_workers_that_cannot_be_placed_fail_naming_the_resources(ray_instance, tmp_path):
+def test_pools_bigger_than_the_cluster_are_refused_naming_the_keys(ray_instance, tmp_path):
     cfg = tiny_config(tmp_path, "trainer.ray.cpus_per_worker=3", "trainer.ray.placement_timeout_s=1")
-    with pytest.raises(WorkerError, match=r"CPU: needs 6, [\d.]+ free of 4"):
+    with pytest.raises(ConfigError, match=r"^trainer.ray.num_cpu_workers \(with trainer.ray.cpus_per_worker=3\)='2': "
+                                          r"the train pool asks for CPU 6 and the Ray cluster has 4 in all"):
+        RayBackend(cfg, {"actor": RoleProfilerConfig()}, "cpu")
+    # Each pool fits alone; the reward pool does not beside the train pool and the rollout.
+    cfg = tiny_config(tmp_path, "trainer.placement=separated", "trainer.ray.placement_timeout_s=1",
+                      "reward.reward_model.enable=true", f"reward.reward_model.model_path={tmp_path}",
+                      "reward.reward_model.enable_resource_pool=true", "reward.reward_model.nnodes=1",
+                      "reward.reward_model.n_gpus_per_node=6")
+    with pytest.raises(ConfigError, match=r"^reward.reward_model.nnodes x reward.reward_model.n_gpus_per_node "
+                                          r"\(with trainer.ray.cpus_per_worker=0.5\)='1 x 6': the reward pool asks for "
+                                          r"CPU 3 with the pools before it \(1.5\) and the Ray cluster has 4"):
+        RayBackend(cfg, {"actor": RoleProfilerConfig()}, "cpu")
+
+
+def test_workers_that_cannot_be_placed_in_time_fail_naming_the_pool(ray_instance, tmp_path):
+    # Fits the cluster's CPUs, but STRICT_SPREAD wants one worker per node and there is one node.
+    cfg = tiny_config(tmp_path, "trainer.ray.placement_strategy=STRICT_SPREAD", "trainer.ray.placement_timeout_s=1")
+    with pytest.raises(WorkerError, match=r"could not place the train pool within 1 s: .*fragmented across nodes"):
         RayBackend(cfg, {"actor": RoleProfilerConfig()}, "cpu")
 
 

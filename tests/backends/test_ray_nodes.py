@@ -1,6 +1,7 @@
 """A 2-node Ray cluster on one machine: two `ray start` processes on loopback addresses (127.0.0.3
 the head, 127.0.0.2 the second node), each with its own custom resource; `plait train` joins it and
-the pools land where `trainer.ray.pool_resources` says, each role saying where in one line."""
+the pools (train, the rollout's own, the reward model's own) land where `trainer.ray.pool_resources`
+says, each role saying where in one line."""
 
 import os
 import re
@@ -61,14 +62,29 @@ def two_nodes():
 
 
 def test_roles_land_on_the_nodes_the_config_names(two_nodes, tmp_path):
+    """Three pools: train (actor, FSDP2 over 2 ranks) on the head; the rollout's own pool (verl's
+    rollout.nnodes=1 x n_gpus_per_node=2: one process holding 2 CPU slots) and the reward model's
+    (reward.reward_model.enable_resource_pool, 1 x 2: two ranks, sharded among themselves) on the second node."""
+    from test_fsdp import reward_model_dir
+    rm = reward_model_dir(tmp_path / "rm")
     # The second node may still be joining: the rollout pool waits for its resource (placement_timeout_s).
-    cmd = [sys.executable, "-m", "plait.cli", "train", *TINY, f"trainer.default_local_dir={tmp_path}",
+    cmd = [sys.executable, "-m", "plait.cli", "train", *TINY, f"trainer.default_local_dir={tmp_path / 'run'}",
            "trainer.total_training_steps=1", "trainer.placement=separated", f"trainer.ray.address={two_nodes}",
-           "trainer.ray.pool_resources={train: {train_node: 1}, rollout: {gen_node: 1}}",
-           "trainer.ray.placement_timeout_s=120", "actor_rollout_ref.actor.strategy=fsdp2"]
+           "trainer.ray.pool_resources={train: {train_node: 1}, rollout: {gen_node: 1}, reward: {gen_node: 1}}",
+           "trainer.ray.placement_timeout_s=120", "actor_rollout_ref.actor.strategy=fsdp2",
+           "rollout.nnodes=1", "rollout.n_gpus_per_node=2",  # the fully-async recipe's spelling
+           "reward.reward_model.enable=true", f"reward.reward_model.model_path={rm}",
+           "reward.reward_model.enable_resource_pool=true", "reward.reward_model.nnodes=1",
+           "reward.reward_model.n_gpus_per_node=2"]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env={**CLUSTER_ENV, "OMP_NUM_THREADS": "1"})
     assert run.returncode == 0, run.stderr[-3000:]
-    where = dict(re.findall(r"plait: (\w+) runs on (127\.0\.0\.\d) \(node", run.stderr))
-    assert where == {"actor": "127.0.0.3", "rollout": "127.0.0.2"}, run.stderr[-3000:]
-    assert re.search(r"actor runs on 127\.0\.0\.3 \(node \w+\): ranks 0,1, 2 CPU process", run.stderr)
-    assert os.path.isfile(tmp_path / "metrics.jsonl")
+    lines = re.findall(r"plait: (\w+) runs on (127\.0\.0\.\d) \(node (\w+)\): (.*)", run.stderr)
+    where = {role: ip for role, ip, _, _ in lines}
+    assert where == {"actor": "127.0.0.3", "rollout": "127.0.0.2", "reward_model": "127.0.0.2"}, run.stderr[-3000:]
+    node = {role: node_id for role, _, node_id, _ in lines}
+    assert node["actor"] != node["rollout"] == node["reward_model"]
+    what = {role: rest for role, _, _, rest in lines}
+    assert what["actor"] == "ranks 0,1, 2 CPU process(es), 1 CPUs"
+    assert what["rollout"] == "rank 0, 1 CPU process(es), 1 CPUs"  # 2 slots of cpus_per_worker=0.5
+    assert what["reward_model"] == "ranks 0,1, 2 CPU process(es), 1 CPUs"
+    assert os.path.isfile(tmp_path / "run" / "metrics.jsonl")

@@ -14,13 +14,17 @@ _PRETRAIN = dict(cfg=DiffusionModelConfig(width=128, depth=2), steps=50, batch_s
 
 
 class RecordingProfiler:
-    """The worker-facing profiler handle: annotate(stage) is a context manager; stages are recorded."""
+    """The worker-facing profiler handle: annotate(stage) and mini_batch(i) are context managers; stages
+    are recorded."""
 
     def __init__(self):
         self.stages = []
 
-    def annotate(self, stage):
+    def annotate(self, stage, scheduled=False):
         self.stages.append(stage)
+        return contextlib.nullcontext()
+
+    def mini_batch(self, index):
         return contextlib.nullcontext()
 
 

@@ -212,9 +212,28 @@ def test_keys_without_effect_here_say_so_once_each(caplog):
     with caplog.at_level("WARNING"):
         validate_environment(cfg.global_profiler, role_profilers(cfg))
     text = caplog.text
-    for key in ("finish_hook_all_ranks", "relocate_results", "global_tool_config.precision_debugger",
-                "actor.profiler.tool_config.torch.schedule", "rollout.profiler.tool_config.torch.profile_token_start"):
+    for key in ("finish_hook_all_ranks", "relocate_results", "global_tool_config.precision_debugger"):
         assert text.count(key) == 1, key
+    # the actor's schedule and the rollout's token range take effect (test_schedule_tokens.py): no note
+    assert "schedule" not in text and "profile_token_start" not in text
+
+
+def test_schedule_and_token_range_where_they_cannot_act_say_so(caplog):
+    from plait.config import load_config
+    from plait.driver import role_profilers
+    cfg = load_config(None, ["global_profiler.tool=torch", "global_profiler.steps=[1]",
+                             "actor_rollout_ref.ref.profiler.tool_config.torch.schedule.active=1",
+                             "actor_rollout_ref.actor.profiler.tool_config.torch.profile_token_end=4",
+                             "actor_rollout_ref.rollout.profiler.tool_config.torch.profile_token_end=4"])
+    with caplog.at_level("WARNING"):
+        validate_environment(cfg.global_profiler, role_profilers(cfg), rollout_name="vllm")
+    lines = [r.getMessage() for r in caplog.records if "no effect" in r.getMessage()]
+    assert any("actor_rollout_ref.ref.profiler.tool_config.torch.schedule has no effect" in m and "no update loop" in m
+               for m in lines)
+    assert any(m.startswith("profiler: actor_rollout_ref.actor.profiler.tool_config.torch.profile_token_start") and
+               "only the rollout decodes" in m for m in lines)
+    assert any("actor_rollout_ref.rollout.profiler.tool_config.torch.profile_token_start" in m and "rollout.name=vllm" in m
+               for m in lines)
 
 
 def test_memory_snapshot_num_steps_groups_windows():

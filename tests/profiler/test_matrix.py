@@ -79,6 +79,9 @@ class Mode:
     processes: tuple[tuple[str, ...], ...] = (ROLE_ORDER,)
     warm_up: Callable[[], object] = lambda: None  # once-per-process setup kept out of every window
     refused: tuple[str, ...] = ()  # Case names this mode rejects with a ConfigError before any work
+    two_mini_batches: str = "actor_rollout_ref.actor.ppo_epochs=2"  # an update loop of two optimizer steps
+    inapplicable: tuple[str, ...] = ()  # Case names that do not apply (no such role in this mode)
+    only_cases: tuple[str, ...] = ()    # run only these Cases (a placement whose lifecycle another Mode covers)
 
 
 def train_glyph_classifier():
@@ -96,6 +99,14 @@ MODES = [
          stages={"actor": ("update_actor",), "rollout": ("gen", "update_weights")},
          pair=("actor", "rollout"), reward_raising_in_step_2=LM_REWARD_RAISES_IN_STEP_2,
          before_reward={"rollout": ("gen",)}),
+    # sync with the rollout on workers of its own: the lifecycle is sync's (covered above); here the two
+    # knobs that act inside stages, whose step and rollout calls a placement could change.
+    Mode("separated", ("trainer.mode=sync", "trainer.placement=separated", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+                       "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16",
+                       "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=16"),
+         stages={"actor": ("update_actor",), "rollout": ("gen", "update_weights")},
+         pair=("actor", "rollout"), reward_raising_in_step_2=LM_REWARD_RAISES_IN_STEP_2,
+         before_reward={"rollout": ("gen",)}, only_cases=("2_schedule", "2_tokens")),
     # The async modes place the rollout apart (a thread on the local backend); in step 2 no stage
     # finishes before the reward (the rollout is generating the next batch), so the actor's window
     # is checked without stages there. One prompt per rollouter call keeps its `gen` inside windows.
@@ -115,7 +126,8 @@ MODES = [
                        "diffusion.pretrain_steps=3", "diffusion.actor.kl_loss_coef=0.01"),
          stages={"actor": ("gen", "old_log_prob", "update_actor"), "ref": ("ref",)},
          pair=("actor", "ref"), reward_raising_in_step_2=IMAGE_REWARD_RAISES_IN_STEP_2,
-         before_reward={"actor": ("gen",)}, warm_up=train_glyph_classifier),
+         before_reward={"actor": ("gen",)}, warm_up=train_glyph_classifier,
+         two_mini_batches="diffusion.actor.ppo_epochs=2", inapplicable=("2_tokens",)),  # no token decoding
 ]
 
 
@@ -133,12 +145,16 @@ class Case:
     reward_raises: bool = False   # step 2's reward raises; the run stops there
     extra: tuple[str, ...] = ()   # more global_profiler keys
     memory_windows: tuple[tuple[int, int], ...] = ()  # torch_memory's windows, when they differ
+    present: tuple[str, ...] = ()  # range names every artifact must hold, instead of the stages run
+    absent: tuple[str, ...] = ()   # range names no artifact may hold
+    only: tuple[str, tuple[str, ...]] = ("", ())  # (prefix, allowed): names with this prefix, only these
 
     def windows_for(self, tool: str) -> tuple[tuple[int, int], ...]:
         return self.memory_windows if tool == "torch_memory" and self.memory_windows else self.windows
 
     def profiled(self, mode: Mode) -> tuple[str, ...]:
-        return {"actor": ("actor",), "pair": mode.pair, "before_reward": tuple(mode.before_reward)}[self.roles]
+        return {"actor": ("actor",), "pair": mode.pair, "before_reward": tuple(mode.before_reward),
+                "rollout": ("rollout",)}[self.roles]
 
 
 CASES = [
@@ -152,11 +168,22 @@ CASES = [
     Case("2_discrete", (2,), False, ((2, 2),), roles="pair", discrete=True),
     # verl 0.9's keys: one snapshot per 2 profiled steps (torch_memory only; it records step 2 too, as
     # verl's always-on history does); the hook-rank and relocation keys change nothing (the hook still
-    # runs once, in the driver); the torch schedule is accepted and records the steps whole.
+    # runs once, in the driver). The torch schedule and the token range have cases of their own below.
     Case("1,3_verl09_keys", (1, 3), False, ((1, 1), (3, 3)), memory_windows=((1, 3),), extra=(
         "global_profiler.global_tool_config.torch_memory.memory_snapshot_num_steps=2",
         "global_profiler.finish_hook_all_ranks=true", "global_profiler.finish_hook_ranks=[0]",
-        "global_profiler.relocate_results=true", "actor_rollout_ref.actor.profiler.tool_config.torch.schedule.active=1")),
+        "global_profiler.relocate_results=true")),
+    # verl's torch schedule, stepped per update mini-batch: of two, wait=1 skips the first (and every stage
+    # before it) and active=1 keeps the second; the update stage's own range spans both and is cut.
+    Case("2_schedule", (2,), False, ((2, 2),), roles="pair", present=("actor/mini_batch1",),
+         absent=("actor/mini_batch0", "actor/update_actor"), extra=(
+             "actor_rollout_ref.actor.profiler.tool_config.torch.schedule.wait=1",
+             "actor_rollout_ref.actor.profiler.tool_config.torch.schedule.active=1")),
+    # the rollout's token range: of each generate call, only the forwards yielding response tokens 1 and 2
+    Case("2_tokens", (2,), False, ((2, 2),), roles="rollout", present=("rollout/gen", "rollout/token1"),
+         only=("rollout/token", ("rollout/token1", "rollout/token2")), extra=(
+             "actor_rollout_ref.rollout.profiler.tool_config.torch.profile_token_start=1",
+             "actor_rollout_ref.rollout.profiler.tool_config.torch.profile_token_end=3")),
 ]
 TOOLS = ["torch", "torch_memory"]
 # `discrete` is a knob of the torch tool only. Cut to keep the matrix near 90 s on the shared
@@ -165,9 +192,13 @@ TOOLS = ["torch", "torch_memory"]
 # of window another torch_memory case already has: "2-3_continuous" (a continuous two-step window,
 # as in "last-1_to_last+1") and "last" (a window closing at the last step, likewise). Both still
 # run with torch.
-SKIP = {("torch_memory", "2-3_continuous"), ("torch_memory", "last"), ("torch_memory", "2_discrete")}
+# The schedule and the token range are knobs of the torch tool (named as no effect for torch_memory).
+SKIP = {("torch_memory", "2-3_continuous"), ("torch_memory", "last"), ("torch_memory", "2_discrete"),
+        ("torch_memory", "2_schedule"), ("torch_memory", "2_tokens")}
 MATRIX = [pytest.param(mode, tool, case, id=f"{mode.name}-{tool}-{case.name}")
-          for mode in MODES for tool in TOOLS for case in CASES if (tool, case.name) not in SKIP]
+          for mode in MODES for tool in TOOLS for case in CASES
+          if (tool, case.name) not in SKIP and case.name not in mode.inapplicable
+          and (not mode.only_cases or case.name in mode.only_cases)]
 
 
 def artifact_groups(mode: Mode, profiled: tuple[str, ...]) -> list[tuple[str, ...]]:
@@ -194,6 +225,8 @@ def expected_records(mode: Mode, case: Case, tool: str) -> list[dict]:
 
 
 def expected_stage_names(mode: Mode, case: Case, record: dict) -> set[str]:
+    if case.present:
+        return set(case.present)
     if record["stage"] is not None:
         return {f"{record['role']}/{record['stage']}"}
     done = mode.before_reward if case.reward_raises else mode.stages
@@ -221,7 +254,7 @@ def profile_overrides(mode: Mode, case: Case, tool: str, tmp_path) -> list[str]:
     out = [f"global_profiler.tool={tool}", f"global_profiler.steps={list(case.steps)}",
            f"global_profiler.profile_continuous_steps={str(case.continuous).lower()}",
            f"global_profiler.save_path={tmp_path / 'profile'}", f"global_profiler.finish_hook_cmd={HOOK}",
-           *case.extra]
+           *case.extra, *((mode.two_mini_batches,) if case.name == "2_schedule" else ())]
     for role in case.profiled(mode):
         out.append(f"{ROLE_KEYS[role]}.profiler.enable=true")
         if case.discrete:
@@ -268,6 +301,9 @@ def test_profiler_contract(mode, tool, case, tmp_path, tiny_config, caplog):
     for record in records:
         names, allocs = load_artifact(str(save / record["path"]))
         assert expected_stage_names(mode, case, record) <= names, (record["path"], sorted(n for n in names if "/" in n))
+        assert not set(case.absent) & names, (record["path"], sorted(n for n in names if "/" in n))
+        prefix, allowed = case.only
+        assert {n for n in names if prefix and n.startswith(prefix)} <= set(allowed), (record["path"], sorted(names))
         assert allocs or tool != "torch_memory", f"{record['path']} shows no allocations"
 
     assert (tmp_path / "hook_ran").read_text().split() == [tool, "driver", "0", str(save), str(len(expected))]

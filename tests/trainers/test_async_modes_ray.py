@@ -109,16 +109,6 @@ def test_killed_rollout_process_is_a_clear_error(ray_up, tmp_path, tiny_config):
     assert all(gone(pid) for pid in trainer.roles.actor.pids)
 
 
-def overlaps(spans: list[dict], stage: str, others: tuple[str, ...]) -> dict[int, float]:
-    """Per step: the seconds a rollout span in `others` overlaps the trainer's `stage` spans (wall clock)."""
-    gens = [s for s in spans if s["role"] == "rollout" and s["stage"] in others]
-    out: dict[int, float] = {}
-    for u in (s for s in spans if s["role"] == "trainer" and s["stage"] == stage):
-        both = sum(max(0.0, min(u["end"], g["end"]) - max(u["start"], g["start"])) for g in gens)
-        out[u["step"]] = out.get(u["step"], 0.0) + both
-    return out
-
-
 def test_fully_async_generation_overlaps_update_actor_on_ray(ray_up, tmp_path, tiny_config):
     """With staleness_threshold=1 the rollouter may run one sync period ahead, so while the trainer
     updates on batch n the rollouter generates batch n+1. That is the schedule, not a race: right after
@@ -126,11 +116,11 @@ def test_fully_async_generation_overlaps_update_actor_on_ray(ray_up, tmp_path, t
     from an untrained model (48 decode calls) take longer than the stages before update_actor (one
     forward each), so it is still generating when the update starts. Step 1 is left out: the actor's
     first calls in a fresh process warm up, and step 4 has nothing left to generate."""
-    from plait.profiler.timeline import read_timeline
+    from plait.profiler.timeline import overlap_s, read_timeline
     lifecycle, _ = build(tiny_config, tmp_path, "trainer.mode=fully_async", "async_training.staleness_threshold=1",
                          "trainer.total_training_steps=4", "data.max_response_length=48")
     lifecycle.run()
     spans = read_timeline(os.path.join(tmp_path, "timeline.jsonl"))
-    overlap = overlaps(spans, "update_actor", ("generate", "resume"))
+    overlap = overlap_s(spans, "update_actor", ("generate", "resume"))
     assert sorted(overlap) == [1, 2, 3, 4]
     assert overlap[2] > 0 and overlap[3] > 0, overlap

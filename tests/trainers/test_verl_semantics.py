@@ -111,6 +111,17 @@ def test_validation_metrics_by_hand():
     assert validation_metrics(["a"], [0], [0.5]) == {"val-core/a/reward/mean@1": 0.5}
 
 
+def test_validation_reports_acc_as_the_core_variable_when_the_reward_returns_it():
+    # verl's _val_metrics_update: core_var = "acc" if the reward returned it; the score goes to val-aux.
+    # Source b's results lack acc (NaN from collect_results): b keeps reward as its core variable.
+    nan = float("nan")
+    out = validation_metrics(["a", "a", "b"], [0, 0, 1], [1.0, 0.1, 0.5], {"acc": [1.0, 0.0, nan]})
+    assert out == pytest.approx({"val-core/a/acc/mean@2": 0.5, "val-aux/a/acc/std@2": 0.5, "val-core/a/acc/best@2/mean": 1.0,
+                   "val-aux/a/acc/worst@2/mean": 0.0, "val-aux/a/reward/mean@2": 0.55,
+                   "val-aux/a/reward/std@2": 0.45, "val-aux/a/reward/best@2/mean": 1.0,
+                   "val-aux/a/reward/worst@2/mean": 0.1, "val-core/b/reward/mean@1": 0.5})
+
+
 def test_data_metrics_by_hand():
     zeros = torch.zeros(3, 3)
     batch = RolloutBatch(

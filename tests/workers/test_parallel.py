@@ -31,13 +31,44 @@ def test_strategies_per_role_and_the_fsdp_config_keys_build():
     ("trainer.ray.placement_strategy=RANDOM", "trainer.ray.placement_strategy", "SPREAD"),
     ("critic.model.fsdp_config.mixed_precision.param_dtype=int8", "critic.model.fsdp_config.mixed_precision.param_dtype",
      "bf16"),
-    ("trainer.ray.pool_resources={critic: {a: 1}}", "trainer.ray.pool_resources.critic", "train and rollout"),
+    ("trainer.ray.pool_resources={critic: {a: 1}}", "trainer.ray.pool_resources.critic", "train, rollout and reward"),
     ("trainer.ray.pool_resources={rollout: {a: -1}}", "trainer.ray.pool_resources.rollout", "positive amount"),
+    ("trainer.placement=separated;actor_rollout_ref.rollout.nnodes=2", "actor_rollout_ref.rollout.nnodes",
+     "one engine on one node"),
+    ("actor_rollout_ref.rollout.nnodes=1", "actor_rollout_ref.rollout.nnodes", "needs trainer.placement=separated"),
+    ("trainer.placement=separated;rollout.nnodes=1;actor_rollout_ref.rollout.nnodes=0", "rollout.nnodes",
+     "both name the rollout's pool"),
+    ("reward.reward_model.enable_resource_pool=true;reward.reward_model.nnodes=1;reward.reward_model.n_gpus_per_node=0",
+     "reward.reward_model.n_gpus_per_node", "CPU: worker processes per node"),
+    ("reward.reward_model.enable_resource_pool=true;reward.reward_model.nnodes=1", "reward.reward_model.enable_resource_pool",
+     "needs reward.reward_model.enable=true"),
 ])
 def test_bad_parallel_settings_name_key_and_fix(override, key, words):
     with pytest.raises(ConfigError) as err:
-        load_config(None, [override])
+        load_config(None, override.split(";"))
     assert err.value.key == key and words in str(err.value)
+
+
+def test_the_recipes_rollout_pool_is_the_rollouts_and_pool_keys_are_named_on_the_local_backend(capsys):
+    cfg = load_config(None, ["trainer.mode=fully_async", "trainer.placement=separated", "rollout.nnodes=1",
+                             "rollout.n_gpus_per_node=2", "data.train_batch_size=0"])
+    assert (cfg.actor_rollout_ref.rollout.nnodes, cfg.actor_rollout_ref.rollout.n_gpus_per_node) == (1, 2)
+    err = capsys.readouterr().err
+    assert "the local backend runs every role in this process" in err
+    assert "actor_rollout_ref.rollout.nnodes" in err and "actor_rollout_ref.rollout.n_gpus_per_node" in err
+    load_config(None, ["trainer.backend=ray", "trainer.placement=separated", "actor_rollout_ref.rollout.nnodes=1"])
+    assert "rollout.nnodes" not in capsys.readouterr().err  # on Ray it sizes the rollout's pool
+
+
+def test_offload_is_named_once_without_cuda(capsys):
+    load_config(None, ["trainer.device=cpu", "actor_rollout_ref.actor.fsdp_config.param_offload=true",
+                       "actor_rollout_ref.actor.fsdp_config.optimizer_offload=true",
+                       "critic.model.fsdp_config.offload_policy=true"])
+    err = capsys.readouterr().err
+    assert err.count("without CUDA parameters and optimizer state are in CPU memory already") == 1
+    for key in ("actor_rollout_ref.actor.fsdp_config.param_offload", "actor_rollout_ref.actor.fsdp_config.optimizer_offload",
+                "critic.model.fsdp_config.offload_policy"):
+        assert f"      {key}\n" in err + "\n"
 
 
 def test_lora_with_fsdp2_is_refused_in_one_line():

@@ -21,13 +21,13 @@ from typing import Mapping, Optional
 from torch.cuda import is_available as cuda_available
 
 from plait.configtree import check
-from plait.profiler.config import ROLE_KEYS, GlobalProfilerConfig, RoleProfilerConfig, no_effect_notes
+from plait.profiler.config import ROLE_KEYS, SCHEDULED_ROLES, GlobalProfilerConfig, RoleProfilerConfig, no_effect_notes
 
 log = logging.getLogger("plait.profiler")
 
 
 def validate_environment(cfg: GlobalProfilerConfig,
-                         roles: Optional[Mapping[str, RoleProfilerConfig]] = None) -> None:
+                         roles: Optional[Mapping[str, RoleProfilerConfig]] = None, rollout_name: str = "hf") -> None:
     """Raise ConfigError if `cfg.tool` (or a role's torch contents) cannot run on this machine.
 
     Call before any training work, with the role nodes when the caller has them. Also warns in
@@ -48,7 +48,7 @@ def validate_environment(cfg: GlobalProfilerConfig,
         log.warning("profiler: torch_memory without CUDA writes a torch.profiler trace with CPU "
                     "memory events per window; trace_alloc_max_entries, stack_depth, context, stacks and "
                     "kw_args apply to CUDA snapshots only (docs/profiling.md)")
-    for note in no_effect_notes(cfg, dict(roles or {})):
+    for note in no_effect_notes(cfg, dict(roles or {}), rollout_name):
         log.warning("profiler: %s", note)
 
 
@@ -95,8 +95,14 @@ def make_tool(cfg: GlobalProfilerConfig, roles: Mapping[str, RoleProfilerConfig]
               "roles profiled in one process share one collection; give them the same value")
         # "cpu" without "cuda" keeps CUDA kernels out; CPU is always on for the stage ranges.
         cuda = cuda_available() and not ("cpu" in contents and "cuda" not in contents)
+        # The roles whose update loops step the one collection must agree on its schedule.
+        schedules = {r: rc.tool_config.torch.schedule.torch_kwargs() for r, rc in roles.items() if r in SCHEDULED_ROLES}
+        kinds = {str(s) for s in schedules.values() if s is not None}
+        check(len(kinds) <= 1, " / ".join(f"{ROLE_KEYS.get(r, r)}.profiler.tool_config.torch.schedule" for r in schedules),
+              schedules, "roles profiled in one process share one collection; give them the same schedule")
+        schedule = next((s for s in schedules.values() if s is not None), None)
         from plait.profiler.tools.torch import TorchTool
-        return TorchTool(contents, discrete.pop(), cuda)
+        return TorchTool(contents, discrete.pop(), cuda, schedule)
     if cfg.tool == "torch_memory":
         from plait.profiler.tools.torch_memory import torch_memory_tool
         return torch_memory_tool(cfg.global_tool_config.torch_memory)

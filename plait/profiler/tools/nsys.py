@@ -20,7 +20,7 @@ class NsysTool:
         self._window = window
         torch.cuda.profiler.start()
 
-    def stage(self, role: str, stage: str, own_file: bool):
+    def stage(self, role: str, stage: str, own_file: bool, scheduled: bool = False):
         return nvtx.annotate(f"{role}/{stage}", domain="plait")
 
     def close(self) -> None:

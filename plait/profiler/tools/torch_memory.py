@@ -54,7 +54,7 @@ class CudaMemoryHistory:
         _OomObserver.attach()
         _OomObserver.dump = lambda: window.save(window.name, "pickle", self._write, stage="oom")
 
-    def stage(self, role: str, stage: str, own_file: bool):
+    def stage(self, role: str, stage: str, own_file: bool, scheduled: bool = False):
         return record_function(f"{role}/{stage}")
 
     def close(self) -> None:

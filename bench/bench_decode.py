@@ -18,7 +18,8 @@ machine's measured matmul peak over the model's FLOPs per token) and its load-av
 generate at 1 and 2 threads: batch 16 x 128 new tokens, EOS off, on the s and m models or on
 `--model DIR` (e.g. SmolLM2-135M-Instruct from plait.models.smollm2_dir). vLLM runs in its own
 engine-core process, its OpenMP threads bound by VLLM_CPU_OMP_THREADS_BIND; plait and HF run
-with torch.set_num_threads. `--vllm-only` skips the other sections.
+with torch.set_num_threads. `--vllm-only` skips the other sections; `--vllm-batch` and
+`--vllm-tokens` shrink the section to rehearse it.
 
     python bench/bench_decode.py --vllm [--vllm-only] [--model DIR] [--out bench/results/decode_vllm.json]
 """
@@ -188,6 +189,8 @@ def main():
     ap.add_argument("--vllm", action="store_true", help="add vLLM's engine (the vLLM environment)")
     ap.add_argument("--vllm-only", action="store_true", help="with --vllm: only that section")
     ap.add_argument("--model", default=None, help="with --vllm: a model folder instead of the s and m models")
+    ap.add_argument("--vllm-batch", type=int, default=16, help="with --vllm: rows per generate call")
+    ap.add_argument("--vllm-tokens", type=int, default=128, help="with --vllm: new tokens per row")
     args = ap.parse_args()
     args.out = args.out or str(Path(__file__).parent / "results" / ("decode_vllm.json" if args.vllm else "decode.json"))
     torch.set_num_threads(1)
@@ -205,7 +208,7 @@ def main():
             for size in ([] if args.model else SIZES):
                 models[size] = os.path.join(tmp, size)
                 build(size).save_pretrained(models[size])
-            result["vllm"] = vllm_rows(models, args.runs)
+            result["vllm"] = vllm_rows(models, args.runs, batch=args.vllm_batch, new=args.vllm_tokens)
     print(f"{'size':>4} {'batch':>5} {'resp':>4} {'eos':>4} | {'HF tok/s':>9} {'plait tok/s':>11} {'ratio':>5} | "
           f"{'CPU-time ratio':>14}")
     for size in ([] if args.vllm_only else SIZES):

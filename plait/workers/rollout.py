@@ -35,9 +35,10 @@ class Rollout:
         eos = [] if ignore_eos else eos_token_ids(tokenizer, load_generation_config(model_path))
         if cfg is not None and cfg.name == "vllm":
             from plait.workers.vllm_engine import EngineTrace, VLLMEngine
-            trace = EngineTrace(profiler.role) if profiler.follows_engine else None
+            tool = profiler.engine_tool
+            trace = EngineTrace(profiler.role, tool) if tool is not None else None
             self.engine = VLLMEngine(model_path, cfg, dtype, device, eos, ignore_eos, pad_token_id=self.pad_token_id,
-                                     trace_dir=None if trace is None else trace.dir,
+                                     trace_dir=None if trace is None else trace.dir, profile_tool=tool,
                                      sleep_between_calls=colocated and device != "cpu" and cfg.free_cache_engine)
             if trace is not None:
                 profiler.attach(trace.bind(self.engine))

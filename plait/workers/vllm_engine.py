@@ -47,8 +47,10 @@ class VLLMEngine:
     """RolloutEngine over vLLM's offline engine; `cfg` is the `actor_rollout_ref.rollout` node."""
 
     def __init__(self, model_path: str, cfg, dtype: torch.dtype, device: str, eos_token_ids: list[int],
-                 ignore_eos: bool, pad_token_id: int = 0, trace_dir: str | None = None, sleep_between_calls: bool = False):
-        """`trace_dir`: where the engine core's torch profiler writes (EngineTrace moves the traces);
+                 ignore_eos: bool, pad_token_id: int = 0, trace_dir: str | None = None, sleep_between_calls: bool = False,
+                 profile_tool: str | None = None):
+        """`profile_tool`: the plait profiler tool the engine core's own profiler stands in for (see
+        `engine_profiler`), `trace_dir` where its traces go (EngineTrace moves them);
         `sleep_between_calls`: GPU colocation, the engine sleeps after each generate."""
         os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")  # vLLM's INFO lines would drown the step lines
         from vllm import LLM
@@ -67,9 +69,8 @@ class VLLMEngine:
                     tensor_parallel_size=cfg.tensor_model_parallel_size, enforce_eager=cfg.enforce_eager,
                     load_format="auto" if cfg.load_format.startswith("dummy") else cfg.load_format)
         args.update(cpu_settings(cfg) if device == "cpu" else gpu_settings(cfg))
-        if trace_dir is not None:  # the engine core's own torch profiler, started and stopped per window
-            args["profiler_config"] = {"profiler": "torch", "torch_profiler_dir": os.path.abspath(trace_dir),
-                                       "torch_profiler_with_stack": False, "torch_profiler_dump_cuda_time_total": False}
+        if profile_tool is not None or trace_dir is not None:  # the engine core's own profiler, per window
+            args["profiler_config"] = engine_profiler(profile_tool or "torch", trace_dir)
         args.update(cfg.engine_kwargs.vllm)  # the user's last word, as in verl
         start = time.perf_counter()
         self.llm = LLM(**args)
@@ -176,14 +177,46 @@ class VLLMEngine:
         shutil.rmtree(self._weights_dir, ignore_errors=True)
 
 
+def engine_profiler(tool: str, trace_dir: str | None) -> dict:
+    """vLLM's `profiler_config` standing in for plait's `tool` in the engine-core process:
+    torch: vLLM's torch profiler; torch_memory: the same with profile_memory (every allocation in the
+    trace, as plait's CPU torch_memory artifact; vLLM takes no CUDA allocator snapshot); nsys: vLLM's
+    CUDA profiler range (cudaProfilerStart/Stop in the engine core, which Nsight Systems captures when it
+    launched plait with --capture-range=cudaProfilerApi: it follows child processes; no file of plait's)."""
+    if tool == "nsys":
+        return {"profiler": "cuda"}
+    return {"profiler": "torch", "torch_profiler_dir": os.path.abspath(trace_dir), "torch_profiler_with_stack": False,
+            "torch_profiler_dump_cuda_time_total": False, "torch_profiler_with_memory": tool == "torch_memory"}
+
+
+def profiling_note(tool: str, discrete: bool, cuda: bool) -> str:
+    """The line said at start when rollout.name=vllm is profiled: what the engine-core process's
+    record holds and what it does not, and why."""
+    if tool == "nsys":
+        return ("rollout.name=vllm with nsys: the engine-core process marks each window with vLLM's CUDA profiler "
+                "range (launch plait under nsys with --capture-range=cudaProfilerApi); plait's NVTX stage ranges "
+                "are in the rollout worker's process only")
+    held = "its model ops" + (" and allocations" if tool == "torch_memory" else "")
+    missing = []
+    if discrete:
+        missing.append("no per-stage split there (discrete traces are the worker's; the engine's is one trace a window)")
+    if tool == "torch_memory":
+        missing.append("no CUDA allocator snapshot (.pickle) of it: vLLM's profiler has none" if cuda else
+                       f"not the KV cache ({os.environ.get('VLLM_CPU_KVCACHE_SPACE', '1')} GiB, "
+                       "VLLM_CPU_KVCACHE_SPACE): vLLM allocates it at start, before any window")
+    return (f"rollout.name=vllm with {tool}: the generation runs in vLLM's engine-core process, recorded by "
+            f"vLLM's own torch profiler as rollout_rank<r>_vllm_engine.pt.trace.json.gz ({held})"
+            + ("; " + "; ".join(missing) if missing else ""))
+
+
 class EngineTrace:
     """A profiler tool (open / close, see plait/profiler/tools) for a role whose engine records itself in
-    its own process: vLLM's torch profiler starts as a window opens and stops as it closes, and the
+    its own process: vLLM's profiler starts as a window opens and stops as it closes, and the torch
     traces it wrote become the window's artifacts `rollout_rank<r>_vllm_engine.pt.trace.json.gz`,
-    listed in the manifest like any other."""
+    listed in the manifest like any other (nsys: no file; its report is Nsight Systems')."""
 
-    def __init__(self, role: str):
-        self.role, self.dir = role, tempfile.mkdtemp(prefix="plait-vllm-trace-")
+    def __init__(self, role: str, tool: str = "torch"):
+        self.role, self.tool, self.dir = role, tool, tempfile.mkdtemp(prefix="plait-vllm-trace-")
         self.engine: VLLMEngine | None = None
         self.window, self.start = None, 0.0
 

@@ -52,13 +52,13 @@ def gsm8k_score(solution_str: str, ground_truth: str, method: str = "strict",
     return score if answer == ground_truth else format_score  # a non-string ground truth never matches
 
 
-def gsm8k_synthetic_score(solution_str: str, ground_truth: str, format_score: float = 0.1) -> dict:
-    """plait's synthetic word problems (word_problems.py): verl's strict GSM8K rule with its own
-    `format_score` argument at 0.1, so a well-formed but wrong `#### <number>` earns a little and
-    a right one 1; `acc` is the strict 0/1 answer, which verl's validation reports as the core
-    metric (val-core/gsm8k_synthetic/acc/mean@N) when a reward returns it."""
-    score = gsm8k_score(solution_str, ground_truth, format_score=format_score)
-    return {"score": score, "acc": float(score == 1.0)}
+def gsm8k_synthetic_score(solution_str: str, ground_truth: str) -> dict:
+    """plait's synthetic word problems (word_problems.py): verl's GSM8K rule in its flexible mode
+    (the last number of the response must be the answer: 1, else 0). `acc` is that score, which
+    verl's validation reports as the core metric (val-core/gsm8k_synthetic/acc/mean@N) when a reward
+    returns it; `strict` is verl's default strict rule (the number after the last "####")."""
+    score = gsm8k_score(solution_str, ground_truth, method="flexible")
+    return {"score": score, "acc": score, "strict": gsm8k_score(solution_str, ground_truth)}
 
 
 # -- MATH ----------------------------------------------------------------------------------------

@@ -414,7 +414,7 @@ SCORERS = {
     "arithmetic": functools.partial(exact_match_score, "arithmetic"),
     "reverse": functools.partial(exact_match_score, "reverse"),
     "openai/gsm8k": gsm8k_score,
-    "gsm8k_synthetic": gsm8k_synthetic_score,  # plait's synthetic word problems: GSM8K's rule, format_score 0.1, acc
+    "gsm8k_synthetic": gsm8k_synthetic_score,  # plait's synthetic word problems: GSM8K's flexible rule, acc, strict
     **{source: math_score for source in MATH_SOURCES},
     **{source: dapo_score for source in DAPO_SOURCES},
 }

@@ -19,16 +19,15 @@ from __future__ import annotations
 
 import random
 
-# verl's examples/data_preprocess/gsm8k.py appends the first sentence to every question. The rest is
-# plait's. Measured with SmolLM2-135M-Instruct on 32 test problems, 64 new tokens (greedy / sampled at
-# T=0.7), answers that end in "#### <number>" (verl's strict rule finds an answer): verl's sentence
-# alone 3-16 %; + "Write the final line as #### followed by the number only." 5 / 5 of 32; + an
-# example line 22 / 12 of 32 (measured with 12 as the example's answer: the model then often copied
-# "#### 12" under a sum it had worked out right). The 42 below is never an answer here (answers are
-# at most 25), so a copied example always scores as wrong; RL has to teach it to put its own number.
+# verl's examples/data_preprocess/gsm8k.py appends the first sentence to every question. The second
+# is plait's: with verl's sentence alone SmolLM2-135M-Instruct wrote "####" in 3-16 % of its answers
+# (32 test problems, greedy and sampled); with both, in 44-62 % (32-48 problems), and many of those fail
+# only by what follows it (no number, or more "####" lines after the answer), which is what RL can fix.
+# An example line ("if the answer is 42, the last line is: #### 42") raised well-formed answers from
+# 5/32 to 22/32 at the start, but the model copied the example's number, and with the format score
+# GRPO turned that into "#### 42" for every problem within 5 steps (reward hacking): no example here.
 INSTRUCTION = ('Let\'s think step by step and output the final answer after "####". '
-               'Write the final line as #### followed by the number only. '
-               'For example, if the answer is 42, the last line is: #### 42')
+               'Write the final line as #### followed by the number only.')
 
 NAMES = ("Anna", "Ben", "Carla", "David", "Emma", "Farid", "Grace", "Hugo", "Ines", "Jack", "Kira",
          "Liam", "Maya", "Noah", "Olga", "Pedro", "Rosa", "Sam", "Tara", "Victor")

@@ -40,11 +40,11 @@ def test_every_ground_truth_scores_one(task):
         assert (result["score"], result["acc"]) == (1.0, 1.0) if isinstance(result, dict) else result == 1.0
 
 
-def test_synthetic_gsm8k_pays_format_score_for_a_well_formed_wrong_answer():
-    assert default_compute_score("gsm8k_synthetic", "3 + 4 = 7\n#### 7", "7") == {"score": 1.0, "acc": 1.0}
-    assert default_compute_score("gsm8k_synthetic", "#### 8", "7") == {"score": 0.1, "acc": 0.0}
-    assert default_compute_score("gsm8k_synthetic", "7\n####", "7") == {"score": 0.0, "acc": 0.0}
-    assert default_compute_score("openai/gsm8k", "#### 8", "7") == 0.0  # real GSM8K keeps verl's format_score 0
+def test_synthetic_gsm8k_scores_the_last_number_and_reports_the_strict_rule_beside_it():
+    assert default_compute_score("gsm8k_synthetic", "3 + 4 = 7\n#### 7", "7") == {"score": 1.0, "acc": 1.0, "strict": 1.0}
+    assert default_compute_score("gsm8k_synthetic", "3 + 4 = 7 apples.", "7") == {"score": 1.0, "acc": 1.0, "strict": 0.0}
+    assert default_compute_score("gsm8k_synthetic", "7 + 1 = 8\n#### 8", "7") == {"score": 0.0, "acc": 0.0, "strict": 0.0}
+    assert default_compute_score("openai/gsm8k", "3 + 4 = 7 apples.", "7") == 0.0  # real GSM8K keeps verl's strict rule
 
 
 def test_unknown_data_source_says_what_to_do():

@@ -48,9 +48,10 @@ def test_answers_follow_from_the_story():
         assert answer >= 0
 
 
-@pytest.mark.parametrize("response, score", [("5 + 3 = 8\n#### 8", 1.0), ("#### 7", 0.1), ("the answer is 8", 0.0)])
-def test_scored_with_verls_gsm8k_reward(response, score):
-    # verl's strict rule with its format_score argument at 0.1; acc is the strict 0/1
+@pytest.mark.parametrize("response, score, strict", [("5 + 3 = 8\n#### 8", 1.0, 1.0), ("#### 7", 0.0, 0.0),
+                                                     ("the answer is 8", 1.0, 0.0)])
+def test_scored_with_verls_gsm8k_reward(response, score, strict):
+    # verl's GSM8K rule, flexible (the last number); strict beside it
     result = default_compute_score("gsm8k_synthetic", response, "8")
-    assert result == {"score": score, "acc": float(score == 1.0)}
-    assert result["score"] == gsm8k_score(response, "8", format_score=0.1)
+    assert result == {"score": score, "acc": score, "strict": strict}
+    assert (result["score"], result["strict"]) == (gsm8k_score(response, "8", method="flexible"), gsm8k_score(response, "8"))

@@ -54,8 +54,9 @@ def test_preset_runs_a_few_steps_of_the_real_model(tmp_path):
     records = [json.loads(line) for line in open(out / "metrics.jsonl")]
     val = [r for r in records if "val-core/gsm8k_synthetic/acc/mean@1" in r]
     assert [r["step"] for r in val] == [0, 2]  # before training and at the last step
-    assert all(0 <= r["val-core/gsm8k_synthetic/acc/mean@1"] <= r["val-aux/gsm8k_synthetic/reward/mean@1"] + 1e-9
-               for r in val)  # the reward adds format_score for well-formed wrong answers
+    assert all(0 <= r["val-core/gsm8k_synthetic/acc/mean@1"] <= 1 and 0 <= r["val-aux/gsm8k_synthetic/strict/mean@1"] <= 1
+               and r["val-aux/gsm8k_synthetic/reward/mean@1"] <= r["val-core/gsm8k_synthetic/acc/mean@1"] + 1e-9
+               for r in val)  # the reward is acc less DAPO's overlong penalty
     steps = [r for r in records if "actor/pg_loss" in r]
     assert [r["step"] for r in steps] == [1, 2] and all(r["response_length/mean"] > 0 for r in steps)
     assert (out / "data" / "gsm8k_synthetic_test.parquet").is_file()

@@ -32,6 +32,9 @@ MODES = {"sync": ["trainer.mode=sync"],
          "fully_async": ["trainer.mode=fully_async", "trainer.placement=separated", "async_training.staleness_threshold=1",
                          "async_training.partial_rollout=True"]}
 SYNC_STAGE = {"sync": "timing_s/update_weights", "fully_async": "timing_s/param_sync"}
+# responses trained per step: sync trains the train batch (8 prompts x n=4); a fully_async step is one local
+# update of require_batches (1) x ppo_mini_batch_size (4) prompts x n=4, so steps compare per sample
+SAMPLES_PER_STEP = {"sync": 8 * 4, "fully_async": 4 * 4}
 
 
 def run(model: str, engine: str, mode: str, steps: int, out: str, extra: list[str]) -> dict:
@@ -51,8 +54,10 @@ def run(model: str, engine: str, mode: str, steps: int, out: str, extra: list[st
     later = [r for r in records if r.get("step", 0) >= 2] or records
     med = lambda key: statistics.median(r[key] for r in later if key in r) if any(key in r for r in later) else None  # noqa: E731
     secs = lambda key: None if med(key) is None else round(med(key), 4)  # noqa: E731
+    per_step = secs("perf/time_per_step")
     return {"engine": engine, "mode": mode, "steps": steps, "run_wall_s": round(wall, 1),
-            "time_per_step_s": secs("perf/time_per_step"), "gen_s": secs("timing_s/gen"),
+            "time_per_step_s": per_step, "samples_per_step": SAMPLES_PER_STEP[mode],
+            "s_per_sample": round(per_step / SAMPLES_PER_STEP[mode], 4), "gen_s": secs("timing_s/gen"),
             "weight_sync_s": secs(SYNC_STAGE[mode]), "rollout_probs_diff_mean": med("training/rollout_probs_diff_mean")}
 
 
@@ -76,7 +81,8 @@ def main():
                 row, load = measured(run, args.model, engine, mode, args.steps, os.path.join(tmp, f"{engine}-{mode}"),
                                      args.extra, threads=2)
                 result["runs"].append({**row, "load": load})
-                print(f"{mode:>11} {engine:>4}: {row['time_per_step_s']} s/step, gen {row['gen_s']} s, weight sync "
+                print(f"{mode:>11} {engine:>4}: {row['time_per_step_s']} s/step ({row['s_per_sample']} s/sample), "
+                      f"gen {row['gen_s']} s, weight sync "
                       f"{row['weight_sync_s']} s, probs diff {row['rollout_probs_diff_mean']}, run {row['run_wall_s']} s",
                       flush=True)
     result["machine"]["load_avg_end"] = os.getloadavg()

@@ -5,6 +5,9 @@ Each checkout runs in its own process (PYTHONPATH=<checkout>), one thread, on th
 batch: 16 rows of 160 prompt + 32 response tokens (the bench_vs_trl real-model workload), one
 optimizer step, entropy computed as in training. Reported per checkout: the process's peak RSS
 before the update (model, optimizer) and after it, the update's seconds and perf/mfu/actor.
+perf/mfu/actor is against the matmul peak each process measures once, which varies from process
+to process; `mfu_actor_common` rescales it to one peak the parent measures (best of three
+1-thread measurements, before and after the workers), so checkouts compare on one denominator.
 
     PLAIT_CACHE=/tmp/plaitcache python bench/bench_update_memory.py --trees <checkout before>,. [--out ...]
 """
@@ -45,9 +48,20 @@ def worker(remove_padding: bool) -> dict:
     import time
     start = time.perf_counter()
     metrics = actor.update(batch)
+    from plait.workers.flops import device_peak_flops
+    own_peak = device_peak_flops("cpu", torch.float32)  # the cached value perf/mfu/actor used
     return {"update_s": round(time.perf_counter() - start, 2), "mfu_actor": round(metrics["perf/mfu/actor"], 4),
+            "own_peak_gflops": round(own_peak / 1e9, 2),
             "peak_rss_gb_before_update": round(before, 3),
             "peak_rss_gb_after_update": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3)}
+
+
+def common_peak() -> float:
+    """This machine's 1-thread float32 matmul peak, best of three fresh measurements."""
+    import torch
+    from plait.workers.flops import device_peak_flops
+    torch.set_num_threads(1)
+    return max(device_peak_flops.__wrapped__("cpu", torch.float32) for _ in range(3))
 
 
 def main():
@@ -62,14 +76,23 @@ def main():
         return
     result = {"load_avg_before": [round(x, 2) for x in os.getloadavg()], "remove_padding": args.remove_padding,
               "runs": {}}
+    peaks = [common_peak()]
     for tree in args.trees.split(","):
         env = {**os.environ, "PYTHONPATH": os.path.abspath(tree), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
         cmd = [sys.executable, __file__, "--worker"] + (["--remove-padding"] if args.remove_padding else [])
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError(f"{tree}: worker failed:\n{proc.stderr[-3000:]}")
-        result["runs"][tree] = json.loads(proc.stdout.strip().splitlines()[-1])
-        print(tree, result["runs"][tree], flush=True)
+        commit = subprocess.run(["git", "-C", tree, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+        name = commit.stdout.strip() or os.path.basename(os.path.abspath(tree))  # no machine path in the file
+        result["runs"][name] = json.loads(proc.stdout.strip().splitlines()[-1])
+        print(name, result["runs"][name], flush=True)
+    peaks.append(common_peak())
+    peak = max(peaks)
+    result["common_peak_gflops"] = [round(p / 1e9, 2) for p in peaks]
+    for run in result["runs"].values():
+        run["mfu_actor_common"] = round(run["mfu_actor"] * run["own_peak_gflops"] * 1e9 / peak, 4)
+        print(run, flush=True)
     result["load_avg_after"] = [round(x, 2) for x in os.getloadavg()]
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")

@@ -37,8 +37,10 @@ RUNS = [f"{mode}-{place}-{backend}" for backend in ("local", "ray")
 SMALL = ["data.train_batch_size=2", "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.ppo_mini_batch_size=1"]
 # Per-mode additions (none now). Partial rollout is on in fully_async, but a sync cuts a generate short only
 # when one is running: at these sizes the rollouter is a sync period ahead and idle at every sync (also
-# with 192 fixed-length tokens), so `partial_rollouts` is recorded, not required; tests/trainers/
-# test_vllm_modes.py makes a sync meet a running generate and checks the abort and resume.
+# with 192 fixed-length tokens), so `partial_rollouts` is recorded, not required. Rollout-heavy overrides
+# (384-token responses with ignore_eos, no KL loss, no gradient checkpointing: docs/rollout.md) make every
+# sync after step 1 cut a generate short (bench/results/vllm_partial.json); tests/trainers/
+# test_vllm_modes.py forces one on the tiny model and checks the abort and resume.
 MODE_EXTRA: dict[str, list[str]] = {}
 GENERATION_OP = "vllm::unified_attention"  # the model's attention, run by the engine core while it generates
 

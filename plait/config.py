@@ -900,8 +900,10 @@ def load_config(path: str | None = None, overrides: list[str] = (), search: list
     rollout = cfg.actor_rollout_ref.rollout
     if rollout.name == "vllm" and rollout.profiler.enable and cfg.global_profiler.tool in ("torch", "torch_memory", "nsys"):
         from plait.workers.vllm_engine import profiling_note  # what vLLM's engine-core process records
-        print("plait: " + profiling_note(cfg.global_profiler.tool, rollout.profiler.tool_config.torch.discrete,
-                                         cfg.trainer.device != "cpu" and _cuda_available()), file=sys.stderr)
+        torch_cfg = rollout.profiler.tool_config.torch
+        print("plait: " + profiling_note(cfg.global_profiler.tool, torch_cfg.discrete,
+                                         cfg.trainer.device != "cpu" and _cuda_available(),
+                                         (torch_cfg.profile_token_start, torch_cfg.profile_token_end)), file=sys.stderr)
     cluster = {}  # the process-count keys this backend and device do not read
     offload_set = any(key in CPU_NO_EFFECT for key in user)
     on_cpu = (cfg.trainer.backend == "ray" or offload_set) and (  # torch only where the answer matters

@@ -69,7 +69,7 @@ def preflight(cfg: PlaitConfig) -> None:
         log.warning("profiler: %s.profiler.enable is true but this run has no %s role (%s); it is not profiled",
                     ROLE_KEYS[role], role, ABSENT_WHY[role])
     roles_cfg = role_profilers(cfg)
-    for rule in (lambda: validate_environment(cfg.global_profiler, roles_cfg, cfg.actor_rollout_ref.rollout.name), lambda: check_memory_profiling(cfg, roles_cfg),
+    for rule in (lambda: validate_environment(cfg.global_profiler, roles_cfg), lambda: check_memory_profiling(cfg, roles_cfg),
                  lambda: check_data_files(cfg), lambda: check_model_path(cfg), lambda: resolve_reward(cfg.reward, cfg.data.max_response_length),
                  lambda: resolve_device(cfg), lambda: check_loggers(cfg.trainer.logger)):
         try:

@@ -198,7 +198,7 @@ SCHEDULED_ROLES = ("actor", "critic")  # the roles with an update loop: their mi
 TOKEN_ROLES = ("rollout",)              # the role that decodes tokens: profile_token_start/end apply to it
 
 
-def no_effect_notes(cfg: GlobalProfilerConfig, roles: dict, rollout_name: str = "hf") -> list[str]:
+def no_effect_notes(cfg: GlobalProfilerConfig, roles: dict) -> list[str]:
     """One line per verl profiler key set away from its default that does nothing in plait, with why."""
     notes = []
     if cfg.finish_hook_all_ranks or cfg.finish_hook_ranks:
@@ -227,10 +227,6 @@ def no_effect_notes(cfg: GlobalProfilerConfig, roles: dict, rollout_name: str = 
         if role not in TOKEN_ROLES:
             notes.append(f"{key}.profile_token_start / profile_token_end have no effect: only the rollout decodes "
                          "tokens (set them on actor_rollout_ref.rollout)")
-        elif rollout_name == "vllm":
-            notes.append(f"{key}.profile_token_start / profile_token_end have no effect with rollout.name=vllm: "
-                         "plait starts and stops vLLM's profiler with each window and does not pass its "
-                         "delay_iterations / max_iterations; the hf engine honours them")
         elif cfg.tool not in ("torch", None):
             notes.append(f"{key}.profile_token_start / profile_token_end have no effect with "
                          f"global_profiler.tool={cfg.tool}: they select the decode steps of the torch tool's trace")

@@ -221,6 +221,13 @@ class RoleProfiler:
         self._tokens = tokens if profiled and tool == "torch" and role in TOKEN_ROLES and tokens != (None, None) else None
 
     @property
+    def token_range(self) -> tuple[int | None, int | None] | None:
+        """The rollout's profile_token_start / profile_token_end where they act here (torch tool, profiled
+        rollout), else None: an engine recording itself in its own process is given them (vLLM's
+        delay_iterations / max_iterations)."""
+        return self._tokens
+
+    @property
     def follows_engine(self) -> bool:
         """Whether `attach` takes a tool: this role is profiled on this rank with a tool an engine's own
         profiler has a counterpart for (torch, torch_memory, nsys: see workers/vllm_engine.py)."""

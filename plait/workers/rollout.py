@@ -36,7 +36,7 @@ class Rollout:
         if cfg is not None and cfg.name == "vllm":
             from plait.workers.vllm_engine import EngineTrace, VLLMEngine
             tool = profiler.engine_tool
-            trace = EngineTrace(profiler.role, tool) if tool is not None else None
+            trace = EngineTrace(profiler.role, tool, profiler.token_range) if tool is not None else None
             self.engine = VLLMEngine(model_path, cfg, dtype, device, eos, ignore_eos, pad_token_id=self.pad_token_id,
                                      trace_dir=None if trace is None else trace.dir, profile_tool=tool,
                                      sleep_between_calls=colocated and device != "cpu" and cfg.free_cache_engine)

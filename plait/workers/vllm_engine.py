@@ -163,9 +163,15 @@ class VLLMEngine:
 
     # -- profiling: the engine core's own torch profiler, one trace per window --
 
-    def start_profile(self) -> None:
+    def start_profile(self, tokens: tuple[int | None, int | None] | None = None) -> None:
+        """`tokens`: the rollout's profile_token_start / end, as verl passes them: vLLM waits `start` engine
+        iterations (one decode token per running sequence each) and then records `end - start` of them."""
+        bounds = {}
+        if tokens is not None:
+            start, end = tokens[0] or 0, tokens[1]
+            bounds = {"delay_iterations": start, "max_iterations": 0 if end is None else end - start}  # 0: no limit
         with self._io:
-            self.llm.start_profile()
+            self.llm.start_profile(**bounds)
 
     def stop_profile(self) -> None:
         with self._io:
@@ -189,7 +195,7 @@ def engine_profiler(tool: str, trace_dir: str | None) -> dict:
             "torch_profiler_dump_cuda_time_total": False, "torch_profiler_with_memory": tool == "torch_memory"}
 
 
-def profiling_note(tool: str, discrete: bool, cuda: bool) -> str:
+def profiling_note(tool: str, discrete: bool, cuda: bool, tokens: tuple = (None, None)) -> str:
     """The line said at start when rollout.name=vllm is profiled: what the engine-core process's
     record holds and what it does not, and why."""
     if tool == "nsys":
@@ -204,6 +210,11 @@ def profiling_note(tool: str, discrete: bool, cuda: bool) -> str:
         missing.append("no CUDA allocator snapshot (.pickle) of it: vLLM's profiler has none" if cuda else
                        f"not the KV cache ({os.environ.get('VLLM_CPU_KVCACHE_SPACE', '1')} GiB, "
                        "VLLM_CPU_KVCACHE_SPACE): vLLM allocates it at start, before any window")
+    if tool == "torch" and tokens != (None, None):
+        start, end = tokens[0] or 0, tokens[1]
+        missing.append(f"only engine iterations {start} to {'the last' if end is None else end - 1} of each window: "
+                       "profile_token_start/end become vLLM's delay_iterations/max_iterations, counted from the "
+                       "window's start, not per generate call")
     return (f"rollout.name=vllm with {tool}: the generation runs in vLLM's engine-core process, recorded by "
             f"vLLM's own torch profiler as rollout_rank<r>_vllm_engine.pt.trace.json.gz ({held})"
             + ("; " + "; ".join(missing) if missing else ""))
@@ -215,8 +226,9 @@ class EngineTrace:
     traces it wrote become the window's artifacts `rollout_rank<r>_vllm_engine.pt.trace.json.gz`,
     listed in the manifest like any other (nsys: no file; its report is Nsight Systems')."""
 
-    def __init__(self, role: str, tool: str = "torch"):
+    def __init__(self, role: str, tool: str = "torch", tokens: tuple[int | None, int | None] | None = None):
         self.role, self.tool, self.dir = role, tool, tempfile.mkdtemp(prefix="plait-vllm-trace-")
+        self.tokens = tokens  # profile_token_start / end: the engine iterations each window records
         self.engine: VLLMEngine | None = None
         self.window, self.start = None, 0.0
 
@@ -226,7 +238,7 @@ class EngineTrace:
 
     def open(self, window) -> None:
         self.window, self.start = window, time.time()
-        self.engine.start_profile()
+        self.engine.start_profile(self.tokens)
 
     def close(self) -> None:
         from plait.profiler.tools.torch import TRACE_EXT

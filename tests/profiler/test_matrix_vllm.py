@@ -96,3 +96,26 @@ def test_profiler_contract_with_vllm(mode, tool, case, tmp_path, tiny_config, vl
     assert (tmp_path / "hook_ran").read_text().split() == [tool, "driver", "0", str(save), str(len(expected))]
     assert not [r.getMessage() for r in caplog.records if BEYOND in r.getMessage()]
     assert not [r for r in caplog.records if r.name.startswith("plait") and "failed" in r.getMessage()]  # no tool error
+
+
+def test_token_range_bounds_the_engine_trace(tmp_path, tiny_config, vllm_model_path, capfd):
+    """profile_token_start/end become vLLM's delay_iterations/max_iterations (as in verl): step 1's engine
+    trace holds the attention of a few engine iterations, not of all 16 decode steps."""
+    save, start, end = tmp_path / "profile", 2, 4
+    cfg = tiny_config(tmp_path / "out", *VLLM, f"actor_rollout_ref.model.path={vllm_model_path}",
+                      "trainer.total_training_steps=1", "trainer.test_freq=-1", "data.max_response_length=16",
+                      "actor_rollout_ref.rollout.ignore_eos=True", "global_profiler.tool=torch",
+                      "global_profiler.steps=[1]", f"global_profiler.save_path={save}",
+                      "actor_rollout_ref.rollout.profiler.enable=True",
+                      f"actor_rollout_ref.rollout.profiler.tool_config.torch.profile_token_start={start}",
+                      f"actor_rollout_ref.rollout.profiler.tool_config.torch.profile_token_end={end}")
+    assert f"only engine iterations {start} to {end - 1} of each window" in capfd.readouterr().err
+    driver.build(cfg, progress=False).run()
+    [engine] = [r for r in read_manifest(str(save)) if r["stage"] == ENGINE]
+    with gzip.open(save / engine["path"], "rt") as f:
+        ops = [e for e in json.load(f)["traceEvents"] if e.get("name", "").startswith(GENERATION_OP)]
+    with open(os.path.join(vllm_model_path, "config.json")) as f:
+        layers = json.load(f)["num_hidden_layers"]
+    # one attention op per layer per engine iteration; vLLM counts its bounds inclusively, so allow one more
+    assert layers <= len(ops) <= layers * (end - start + 1), (len(ops), layers)
+    assert read_metrics(str(tmp_path / "out" / "metrics.jsonl"))[0]["response_length/max"] == 16

@@ -27,7 +27,7 @@ log = logging.getLogger("plait.profiler")
 
 
 def validate_environment(cfg: GlobalProfilerConfig,
-                         roles: Optional[Mapping[str, RoleProfilerConfig]] = None, rollout_name: str = "hf") -> None:
+                         roles: Optional[Mapping[str, RoleProfilerConfig]] = None) -> None:
     """Raise ConfigError if `cfg.tool` (or a role's torch contents) cannot run on this machine.
 
     Call before any training work, with the role nodes when the caller has them. Also warns in
@@ -48,7 +48,7 @@ def validate_environment(cfg: GlobalProfilerConfig,
         log.warning("profiler: torch_memory without CUDA writes a torch.profiler trace with CPU "
                     "memory events per window; trace_alloc_max_entries, stack_depth, context, stacks and "
                     "kw_args apply to CUDA snapshots only (docs/profiling.md)")
-    for note in no_effect_notes(cfg, dict(roles or {}), rollout_name):
+    for note in no_effect_notes(cfg, dict(roles or {})):
         log.warning("profiler: %s", note)
 
 

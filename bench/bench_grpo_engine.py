@@ -32,16 +32,17 @@ MODES = {"sync": ["trainer.mode=sync"],
          "fully_async": ["trainer.mode=fully_async", "trainer.placement=separated", "async_training.staleness_threshold=1",
                          "async_training.partial_rollout=True"]}
 SYNC_STAGE = {"sync": "timing_s/update_weights", "fully_async": "timing_s/param_sync"}
-# responses trained per step: sync trains the train batch (8 prompts x n=4); a fully_async step is one local
-# update of require_batches (1) x ppo_mini_batch_size (4) prompts x n=4, so steps compare per sample
-SAMPLES_PER_STEP = {"sync": 8 * 4, "fully_async": 4 * 4}
+BATCH, N, MINI = 8, 4, 4  # prompts per (sync) step, samples per prompt, prompts per mini-batch
+# responses trained per step: sync trains the train batch; a fully_async step is one local update of
+# require_batches (1) x ppo_mini_batch_size prompts, so steps compare per sample
+SAMPLES_PER_STEP = {"sync": BATCH * N, "fully_async": MINI * N}
 
 
 def run(model: str, engine: str, mode: str, steps: int, out: str, extra: list[str]) -> dict:
     args = [sys.executable, "-m", "plait.cli", "train", "--no-progress", f"actor_rollout_ref.model.path={model}",
-            f"actor_rollout_ref.rollout.name={engine}", "algorithm.adv_estimator=grpo", "data.train_batch_size=8",
-            "data.max_prompt_length=64", "data.max_response_length=64", "actor_rollout_ref.rollout.n=4",
-            "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
+            f"actor_rollout_ref.rollout.name={engine}", "algorithm.adv_estimator=grpo", f"data.train_batch_size={BATCH}",
+            "data.max_prompt_length=64", "data.max_response_length=64", f"actor_rollout_ref.rollout.n={N}",
+            f"actor_rollout_ref.actor.ppo_mini_batch_size={MINI}", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
             "actor_rollout_ref.actor.optim.lr=1e-6", "actor_rollout_ref.rollout.max_model_len=512",
             f"trainer.total_training_steps={steps}", "trainer.test_freq=-1", "trainer.logger=console",
             f"trainer.default_local_dir={out}", *MODES[mode], *extra]

@@ -164,14 +164,9 @@ class VLLMEngine:
     # -- profiling: the engine core's own torch profiler, one trace per window --
 
     def start_profile(self, tokens: tuple[int | None, int | None] | None = None) -> None:
-        """`tokens`: the rollout's profile_token_start / end, as verl passes them: vLLM waits `start` engine
-        iterations (one decode token per running sequence each) and then records `end - start` of them."""
-        bounds = {}
-        if tokens is not None:
-            start, end = tokens[0] or 0, tokens[1]
-            bounds = {"delay_iterations": start, "max_iterations": 0 if end is None else end - start}  # 0: no limit
+        """`tokens`: the rollout's profile_token_start / end (see `iteration_bounds`)."""
         with self._io:
-            self.llm.start_profile(**bounds)
+            self.llm.start_profile(**iteration_bounds(tokens))
 
     def stop_profile(self) -> None:
         with self._io:
@@ -181,6 +176,16 @@ class VLLMEngine:
         """Stop the engine core process now rather than at garbage collection."""
         self.llm.llm_engine.engine_core.shutdown()
         shutil.rmtree(self._weights_dir, ignore_errors=True)
+
+
+def iteration_bounds(tokens: tuple[int | None, int | None] | None) -> dict:
+    """The rollout's (profile_token_start, profile_token_end) as verl passes them to vLLM's start_profile:
+    wait `start` engine iterations (one decode token per running sequence each), then record `end - start`
+    of them (max_iterations 0: to the window's end). None or (None, None): no bounds."""
+    if tokens is None or tokens == (None, None):
+        return {}
+    start, end = tokens[0] or 0, tokens[1]
+    return {"delay_iterations": start, "max_iterations": 0 if end is None else end - start}
 
 
 def engine_profiler(tool: str, trace_dir: str | None) -> dict:
@@ -210,9 +215,10 @@ def profiling_note(tool: str, discrete: bool, cuda: bool, tokens: tuple = (None,
         missing.append("no CUDA allocator snapshot (.pickle) of it: vLLM's profiler has none" if cuda else
                        f"not the KV cache ({os.environ.get('VLLM_CPU_KVCACHE_SPACE', '1')} GiB, "
                        "VLLM_CPU_KVCACHE_SPACE): vLLM allocates it at start, before any window")
-    if tool == "torch" and tokens != (None, None):
-        start, end = tokens[0] or 0, tokens[1]
-        missing.append(f"only engine iterations {start} to {'the last' if end is None else end - 1} of each window: "
+    bounds = iteration_bounds(tokens) if tool == "torch" else {}
+    if bounds:
+        start, count = bounds["delay_iterations"], bounds["max_iterations"]
+        missing.append(f"only engine iterations {start} to {start + count - 1 if count else 'the last'} of each window: "
                        "profile_token_start/end become vLLM's delay_iterations/max_iterations, counted from the "
                        "window's start, not per generate call")
     return (f"rollout.name=vllm with {tool}: the generation runs in vLLM's engine-core process, recorded by "

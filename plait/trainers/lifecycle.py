@@ -6,8 +6,8 @@
                                        validate every test_freq      (inside the step window)
                                        checkpoint every save_freq    (inside the step window)
                                        profiler.end_step(N)          window closes if scheduled
-                                       TIMELINE.flush(N)             the step's stage spans: timeline.jsonl
                                        log metrics (console, metrics.jsonl, TensorBoard, W&B)
+                                       TIMELINE.flush(N)             the step's spans: timeline.jsonl
              finally ─▶ profiler.close(error) ─▶ trainer.close() ─▶ loggers closed ─▶ summary.json
 
 Everything step-keyed — profiler windows, timing metrics, checkpoints, validation, logging — is
@@ -133,7 +133,6 @@ class Lifecycle:
                         self.tracker.log(self.trainer.validate(), step=0)
                 for step in self.tracker.progress(range(start, last + 1), total=last, initial=start - 1):
                     metrics = self._step(step, last, profiler)
-                    self.tracker.log(metrics, step=step)
         except BaseException as err:
             error = err
             raise
@@ -178,8 +177,11 @@ class Lifecycle:
                 with timer.stage("save_checkpoint"):
                     self._save(step, self._record(step, metrics, timer, result))
         profiler.end_step(step)
+        with TIMELINE.span("trainer", "log", self.trainer.version):  # between steps: a span, so no time is unnamed
+            record = self._record(step, metrics, timer, result)
+            self.tracker.log(record, step=step)
         TIMELINE.flush(step)
-        return self._record(step, metrics, timer, result)
+        return record
 
     def _record(self, step: int, metrics: dict, timer: StageTimer, result: StepResult) -> dict[str, float]:
         out = {**metrics, **timing_metrics(timer.times, result, self.cfg.n_devices), **stage_memory_metrics(timer.peaks)}

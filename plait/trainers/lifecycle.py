@@ -42,9 +42,10 @@ from plait.configtree import ConfigError, raise_all
 from plait.errors import Interrupted, RunError
 from plait.profiler import StepProfiler
 from plait.profiler.naming import MANIFEST as PROFILE_MANIFEST, set_aside, write_location
-from plait.profiler.timeline import TIMELINE, TIMELINE_FILE, StagePeaks, fold_peaks, stage_memory_metrics
+from plait.profiler.analysis.verdict import of_run, settings_of, verdicts
+from plait.profiler.timeline import TIMELINE, TIMELINE_FILE, StagePeaks, fold_peaks, read_timeline, stage_memory_metrics
 from plait.safeload import UnsafeFileError, first_line
-from plait.trainers.summary import RunClock, summarise, write_summary
+from plait.trainers.summary import RunClock, memory_capacity_gb, summarise, write_summary
 from plait.trainers.tracking import as_record, read_records
 
 
@@ -304,9 +305,22 @@ class Lifecycle:
         try:
             records = read_records(self.tracker.path) if os.path.exists(self.tracker.path) else []
             summary = summarise(records, max(start, 1), last, self.clock, profiler.busy_s, paths, status)
+            summary["settings"] = settings_of(_flatten(self.cfg.run_config or {}), memory_capacity_gb())
+            summary["verdict"] = self._verdict(records, max(start, 1), summary)
             write_summary(self.cfg.output_dir, summary, console=status != "failed")
         except (OSError, ValueError) as err:  # the summary never hides the run's own outcome
             print(f"plait: warning: no run summary written: {type(err).__name__}: {err}", file=sys.stderr)
+
+    def _verdict(self, records: list[dict], first: int, summary: dict) -> list[dict]:
+        """The profile report's verdict on this run's steps (profiler/analysis/verdict.py); a rule that
+        fails says so in one line and leaves the summary whole."""
+        path = os.path.join(self.cfg.output_dir, TIMELINE_FILE)
+        try:
+            spans = [s for s in read_timeline(path) if s["step"] >= first] if os.path.exists(path) else []
+            return [v.as_dict() for v in verdicts(of_run(spans, [r for r in records if r.get("step", 0) >= first], summary))]
+        except Exception as err:  # noqa: BLE001 - advice must never cost the run its summary
+            print(f"plait: warning: no verdict: {type(err).__name__}: {err}", file=sys.stderr)
+            return []
 
     def _set_aside(self, start: int) -> None:
         """Before the first step: remove crashed saves' temp dirs, and move checkpoints at or after

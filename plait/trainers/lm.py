@@ -502,6 +502,8 @@ def data_metrics(batch: RolloutBatch, max_prompt_length: int) -> dict[str, float
                 / max(int((~aborted).sum()), 1),
                 "response/aborted_ratio": aborted.float().mean().item(),
                 "prompt_length/clip_ratio": (prompt_len >= max_prompt_length).float().mean().item()})
+    out.update({"response_length/median": resp_len.median().item(),  # with p99: the tail (profile report's verdict)
+                "response_length/p99": torch.quantile(resp_len, 0.99).item()})
     out.update({"response_length/mean": resp_len.mean().item(), "response_length/max": resp_len.max().item(),
                 "response_length/min": resp_len.min().item(),
                 "response_length/clip_ratio": sum(r == "length" for r in batch.stop_reasons) / len(batch),

@@ -182,9 +182,9 @@ def async_idle(f: Facts) -> Optional[Verdict]:
         key, value = (("async_training.staleness_threshold", 1) if stale < 1 else
                       ("async_training.trigger_parameter_sync_step", 2 * trigger))
         bound = max(train, gen)
-        return Verdict("async_both_idle", "trainer and rollouter", t, STEP + " waiting, each for the other",
-                       f"the staleness bound: the rollouter may not run ahead (staleness_threshold={stale}, "
-                       f"trigger_parameter_sync_step={trigger})", key, value,
+        return Verdict("async_both_idle", "the trainer's wait (while the rollouter waits too)", t, STEP,
+                       f"the staleness bound: each side waits for the other, the rollouter may not run ahead "
+                       f"(staleness_threshold={stale:g}, trigger_parameter_sync_step={trigger})", key, value,
                        f"generation overlaps training: step about max(training, generation) = {bound:.3g} s instead of "
                        f"{f.step_s:.3g} s; samples up to {max(1, math.ceil(value if key.endswith('threshold') else stale))} "
                        "versions behind", 1 - bound / f.step_s if f.step_s else 0.0, evidence, inputs, {"step_s": bound})

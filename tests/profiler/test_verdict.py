@@ -115,12 +115,16 @@ def test_update_cost_finds_its_cause():
                                peak={"gb": 20.0, "stage": "update_actor", "metric": "m", "step": 2}))
     assert (ckpt.key, ckpt.value) == ("actor_rollout_ref.model.enable_gradient_checkpointing", False)
     assert V.update_cost(facts({**BALANCED, "update_actor": 9.0})) is None  # one micro-batch, packed, no recompute
+    full = {"gb": 70.0, "stage": "update_actor", "metric": "m", "step": 2}  # larger micro-batches would not fit
+    assert V.update_cost(facts({**BALANCED, "update_actor": 9.0}, tiny, peak=full)) is None
 
 
 def test_memory_near_the_device_limit_names_the_stage_and_key():
     peak = {"gb": 76.0, "stage": "update_actor", "metric": "memory/update_actor/peak_allocated_gb", "step": 3}
     v = V.memory_full(facts(BALANCED, peak=peak))
-    assert (v.where, v.key) == ("memory in update_actor", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu")
+    assert (v.where, v.key, v.value) == ("memory in update_actor", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", 16)
+    olp = V.memory_full(facts(BALANCED, peak={**peak, "stage": "old_log_prob"}))  # null: the whole batch (32) at once
+    assert (olp.key, olp.value) == ("actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu", 16)
     assert V.verdicts(facts(BALANCED, peak=peak))[0].rule == "memory_full"  # saves no time, still said
     assert V.memory_full(facts(BALANCED, peak={**peak, "gb": 60.0})) is None
 

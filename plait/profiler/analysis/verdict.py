@@ -55,6 +55,8 @@ SETTINGS = (
     "async_training.staleness_threshold", "async_training.trigger_parameter_sync_step",
     "async_training.require_batches", "async_training.partial_rollout", "global_profiler.tool", "global_profiler.steps",
     "actor_rollout_ref.rollout.profiler.enable", "actor_rollout_ref.rollout.profiler.tool_config.torch.profile_token_end",
+    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu", "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
+    "critic.ppo_micro_batch_size_per_gpu", "actor_rollout_ref.rollout.max_num_seqs",
 )
 BETWEEN = ("log", "profiler_start", "profiler_stop", "finish_hook")  # the lifecycle's own spans
 NOT_TRAINING = ("gen", "wait_rollout", "testing", "save_checkpoint", UNATTRIBUTED, *BETWEEN)
@@ -288,7 +290,9 @@ def update_cost(f: Facts) -> Optional[Verdict]:
     mini, micro = s.get("actor_rollout_ref.actor.ppo_mini_batch_size"), s.get("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu")
     n = s.get("actor_rollout_ref.rollout.n", 1)
     evidence = [f"update_actor {update:.3g} s of a {f.step_s:.3g} s step"] + ([f"old_log_prob {olp:.3g} s"] if olp else [])
-    if mini and micro and not s.get("actor_rollout_ref.actor.use_dynamic_bsz") and mini * n / micro >= MICRO_BATCHES:
+    room = _headroom(f)
+    if mini and micro and not s.get("actor_rollout_ref.actor.use_dynamic_bsz") and mini * n / micro >= MICRO_BATCHES \
+            and (room is None or room >= 0.5):  # larger micro-batches need the memory
         k = math.ceil(mini * n / micro)
         key, value = "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", min(mini * n, micro * MICRO_BATCHES)
         driver = f"{k} micro-batches of {micro} samples per optimizer step (ppo_mini_batch_size {mini} x rollout.n {n})"
@@ -297,9 +301,9 @@ def update_cost(f: Facts) -> Optional[Verdict]:
         key, value, driver = "actor_rollout_ref.model.use_remove_padding", True, f"padding: {100 * pad:.0f} % of the batch's tokens"
         bound = max(bound, update * (1 - pad))
         how = "the real tokens only (packed)"
-    elif s.get("actor_rollout_ref.model.enable_gradient_checkpointing") and _headroom(f) >= 0.5:
+    elif s.get("actor_rollout_ref.model.enable_gradient_checkpointing") and room is not None and room >= 0.5:
         key, value, driver = "actor_rollout_ref.model.enable_gradient_checkpointing", False, \
-            f"recomputing activations in the backward with {100 * _headroom(f):.0f} % of memory free"
+            f"recomputing activations in the backward with {100 * room:.0f} % of memory free"
         bound = max(bound, update * 0.75)
         how = "no recomputed forward (about a quarter of the update; more memory)"
     else:
@@ -312,27 +316,31 @@ def update_cost(f: Facts) -> Optional[Verdict]:
                    {"update_s": bound, "step_s": f.step_s - update + bound})
 
 
-def _headroom(f: Facts) -> float:
+def _headroom(f: Facts) -> Optional[float]:
+    """The free share of the device's memory at the run's peak; None when unknown."""
     cap, peak = f.settings.get("memory_capacity_gb"), f.memory_peak
-    return 1 - peak["gb"] / cap if cap and peak else 0.0
+    return 1 - peak["gb"] / cap if cap and peak else None
 
 
-MEMORY_KEYS = {"update_actor": ("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", "half"),
-               "old_log_prob": ("actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu", "half"),
-               "ref": ("actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu", "half"),
-               "update_critic": ("critic.ppo_micro_batch_size_per_gpu", "half"),
-               "gen": ("actor_rollout_ref.rollout.max_num_seqs", "half")}
+MEMORY_KEYS = {"update_actor": "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",   # stage -> the key whose
+               "old_log_prob": "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu",  # half lowers its peak
+               "ref": "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
+               "update_critic": "critic.ppo_micro_batch_size_per_gpu",
+               "gen": "actor_rollout_ref.rollout.max_num_seqs"}
 
 
 def memory_full(f: Facts) -> Optional[Verdict]:
-    """A stage's peak >= MEMORY_FULL of the device: the key that lowers that stage's peak."""
+    """A stage's peak >= MEMORY_FULL of the device: half the key that sets how many samples it holds."""
     cap, peak = f.settings.get("memory_capacity_gb"), f.memory_peak
     if not cap or not peak or peak["gb"] / cap < MEMORY_FULL or peak["stage"] not in MEMORY_KEYS:
         return None
-    key, how = MEMORY_KEYS[peak["stage"]]
+    key = MEMORY_KEYS[peak["stage"]]
+    now = f.settings.get(key) or responses_per_step(f)  # null micro-batch: the whole batch at once
+    if not now:
+        return None
     return Verdict("memory_full", f"memory in {peak['stage']}", peak["gb"] / cap, "of the device's memory at its peak",
                    f"the stage's peak {peak['gb']:.3g} GB of {cap:.3g} GB at step {peak['step']} ({peak['metric']})",
-                   key, how, f"{peak['stage']}'s peak lower (fewer samples at once); an out-of-memory less likely",
+                   key, max(1, now // 2), f"{peak['stage']}'s peak lower (half the samples at once); an out-of-memory less likely",
                    0.0, [f"{peak['metric']} {peak['gb']:.3g} GB", f"capacity {cap:.3g} GB"],
                    {"peak_gb": peak["gb"], "capacity_gb": cap, "stage": peak["stage"]}, {})
 

@@ -90,13 +90,27 @@ def test_every_second_of_a_real_runs_steps_is_named(tmp_path, tiny_config, mode)
     assert any(waits in st.lanes[gen_lane] for st in steps)
 
 
+RAY = ["trainer.backend=ray", "trainer.placement=separated", "trainer.ray.num_cpu_workers=1", "trainer.ray.cpus_per_worker=0.5"]
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize("mode", ["sync", "one_step_off"])
+def test_every_second_is_named_on_ray_too(tmp_path, tiny_config, ray_up, mode):
+    """The driver's threads wait on worker processes: their calls are the same spans as locally."""
+    driver.build(tiny_config(tmp_path, *QUIET, *MODES[mode], *RAY), progress=False).run()
+    steps = account(read_timeline(os.path.join(tmp_path, "timeline.jsonl")))
+    parts_add_up(steps)
+    assert [st.step for st in steps] == [1, 2, 3] and small_holes(steps, TRAINER)
+    if mode == "one_step_off":
+        assert small_holes(steps, "rollout (plait-one-step-off-gen_0)")
+
+
 @pytest.mark.ray
 def test_the_trainers_wait_between_steps_on_ray_is_named(tmp_path, tiny_config, ray_up):
     """Closing a window on Ray waits for the rollout process: its stop_profile queues behind the
     running generate and then writes the trace. That wait was unattributed time; it is profiler_stop."""
-    overrides = ["trainer.backend=ray", "trainer.placement=separated", "trainer.ray.num_cpu_workers=1",
-                 "trainer.ray.cpus_per_worker=0.5", *QUIET, "trainer.total_training_steps=4", *MODES["fully_async"][2:],
-                 "trainer.mode=fully_async", "data.max_response_length=32", "global_profiler.tool=torch",
+    overrides = [*RAY, *QUIET, "trainer.total_training_steps=4", *MODES["fully_async"], "data.max_response_length=32",
+                 "global_profiler.tool=torch",
                  "global_profiler.steps=[2]", "actor_rollout_ref.actor.profiler.enable=true",
                  "actor_rollout_ref.rollout.profiler.enable=true", f"global_profiler.save_path={tmp_path}/profile"]
     driver.build(tiny_config(tmp_path, *overrides), progress=False).run()

@@ -38,6 +38,8 @@ SYNC_SHARE = 0.15      # weight sync >= 15 % of the step
 UPDATE_SHARE = 0.40    # update_actor >= 40 % of the step, with a cause below
 MICRO_BATCHES = 4      # >= 4 micro-batches per optimizer step: raise the micro-batch
 UPDATE_OVER_FORWARD = 3.0  # a forward + backward ~ 3 forwards over the same tokens (old_log_prob's)
+PADDING_SHARE = 0.30   # ... or >= 30 % of the batch's tokens are padding, unpacked
+PADDING = "global_seqlen/padding_ratio"
 MEMORY_FULL = 0.90     # a stage's peak >= 90 % of the device's memory
 OVERHEAD_SHARE = 0.25  # validation / checkpoints / profiler >= 25 % of the run's wall time ...
 OVERHEAD_TARGET = 0.10  # ... and the suggested frequency brings it to about 10 %
@@ -112,18 +114,18 @@ def _value(v) -> str:
 def facts(steps: list[StepTime], metrics: list[dict], summary: Optional[dict]) -> Facts:
     """Facts from the accounted steps, metrics.jsonl's step records and summary.json (or None)."""
     summary = summary or {}
-    lanes = [n for n in (steps[0].lanes if steps else {})]
+    lanes = list(steps[0].lanes) if steps else []
     trainer_lane = lanes[0] if lanes else None
     rollouter = next((n for n in lanes[1:] if n.startswith("rollout (") and n != "rollout (MainThread)"), None)
     walls = [st.wall for st in steps if st.wall > 0]
+    busy = [sum(v for k, v in st.lanes.get(rollouter, {}).items() if k in ("generate", "resume")) for st in steps]
     numeric = {k for m in metrics for k, v in m.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
     return Facts(
         steps=len(walls), step_s=statistics.median(walls) if walls else 0.0,
         trainer=median_shares(steps, trainer_lane) if trainer_lane else {},
         trainer_s=_median_seconds(steps, trainer_lane) if trainer_lane else {},
         rollouter=median_shares(steps, rollouter) if rollouter else {},
-        rollout_busy_s=statistics.median([sum(v for k, v in st.lanes[rollouter].items() if k in ("generate", "resume"))
-                                          for st in steps]) if rollouter else 0.0,
+        rollout_busy_s=statistics.median(busy) if rollouter and busy else 0.0,
         metrics={k: statistics.median(m[k] for m in metrics if isinstance(m.get(k), (int, float))) for k in numeric},
         wall=summary.get("wall_s") or {}, settings=summary.get("settings") or {},
         memory_peak=summary.get("memory_peak"))
@@ -194,7 +196,8 @@ def async_idle(f: Facts) -> Optional[Verdict]:
         now = s.get("actor_rollout_ref.rollout.n_gpus_per_node", 1)
         bound = max(train, gen / 2)
         return Verdict("rollout_bound", "trainer waiting on the rollout (wait_rollout)", wait, STEP,
-                       f"generation ({gen:.3g} s per step) while the rollouter is never idle", "actor_rollout_ref.rollout.n_gpus_per_node",
+                       f"generation ({gen:.3g} s per step) while the rollouter is never idle",
+                       "actor_rollout_ref.rollout.n_gpus_per_node",
                        2 * now, f"twice the rollout devices: step about max(training, generation / 2) = {bound:.3g} s",
                        1 - bound / f.step_s if f.step_s else 0.0, evidence, inputs, {"step_s": bound})
     if r >= IDLE_HIGH and t < IDLE_LOW:
@@ -250,7 +253,8 @@ def reward_bound(f: Facts) -> Optional[Verdict]:
                    f"{calls} reward calls per step at {calls / reward:.0f}/s {where}" if reward else "the reward function",
                    "reward.num_workers", new, f"reward about {bound:.3g} s instead of {reward:.3g} s (calls in parallel); "
                    f"step about {f.step_s - reward + bound:.3g} s", (reward - bound) / f.step_s,
-                   [f"reward {reward:.3g} s of a {f.step_s:.3g} s step", f"reward.num_workers={now}", f"{calls} responses per step"],
+                   [f"reward {reward:.3g} s of a {f.step_s:.3g} s step", f"reward.num_workers={now}",
+                    f"{calls} responses per step"],
                    {"reward_s": reward, "num_workers": now, "calls": calls, "step_s": f.step_s},
                    {"reward_s": bound, "step_s": f.step_s - reward + bound})
 
@@ -287,7 +291,8 @@ def update_cost(f: Facts) -> Optional[Verdict]:
     bound = UPDATE_OVER_FORWARD * olp * epochs if olp else update / 2
     how = (f"a forward and backward over the same tokens as old_log_prob ({olp:.3g} s) x {UPDATE_OVER_FORWARD:g}"
            if olp else "half the update (no old_log_prob pass to measure a forward by)")
-    mini, micro = s.get("actor_rollout_ref.actor.ppo_mini_batch_size"), s.get("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu")
+    mini = s.get("actor_rollout_ref.actor.ppo_mini_batch_size")
+    micro = s.get("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu")
     n = s.get("actor_rollout_ref.rollout.n", 1)
     evidence = [f"update_actor {update:.3g} s of a {f.step_s:.3g} s step"] + ([f"old_log_prob {olp:.3g} s"] if olp else [])
     room = _headroom(f)
@@ -296,9 +301,10 @@ def update_cost(f: Facts) -> Optional[Verdict]:
         k = math.ceil(mini * n / micro)
         key, value = "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", min(mini * n, micro * MICRO_BATCHES)
         driver = f"{k} micro-batches of {micro} samples per optimizer step (ppo_mini_batch_size {mini} x rollout.n {n})"
-    elif not s.get("actor_rollout_ref.model.use_remove_padding", True) and f.metrics.get("global_seqlen/padding_ratio", 0) >= 0.3:
-        pad = f.metrics["global_seqlen/padding_ratio"]
-        key, value, driver = "actor_rollout_ref.model.use_remove_padding", True, f"padding: {100 * pad:.0f} % of the batch's tokens"
+    elif not s.get("actor_rollout_ref.model.use_remove_padding", True) and f.metrics.get(PADDING, 0) >= PADDING_SHARE:
+        pad = f.metrics[PADDING]
+        key, value = "actor_rollout_ref.model.use_remove_padding", True
+        driver = f"padding: {100 * pad:.0f} % of the batch's tokens"
         bound = max(bound, update * (1 - pad))
         how = "the real tokens only (packed)"
     elif s.get("actor_rollout_ref.model.enable_gradient_checkpointing") and room is not None and room >= 0.5:
@@ -340,7 +346,8 @@ def memory_full(f: Facts) -> Optional[Verdict]:
         return None
     return Verdict("memory_full", f"memory in {peak['stage']}", peak["gb"] / cap, "of the device's memory at its peak",
                    f"the stage's peak {peak['gb']:.3g} GB of {cap:.3g} GB at step {peak['step']} ({peak['metric']})",
-                   key, max(1, now // 2), f"{peak['stage']}'s peak lower (half the samples at once); an out-of-memory less likely",
+                   key, max(1, now // 2),
+                   f"{peak['stage']}'s peak lower (half the samples at once); an out-of-memory less likely",
                    0.0, [f"{peak['metric']} {peak['gb']:.3g} GB", f"capacity {cap:.3g} GB"],
                    {"peak_gb": peak["gb"], "capacity_gb": cap, "stage": peak["stage"]}, {})
 

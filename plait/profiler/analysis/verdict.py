@@ -28,7 +28,8 @@ from typing import Any, Callable, Optional
 from plait.profiler.analysis.accounting import UNATTRIBUTED, StepTime, median_shares
 
 MIN_SAVING = 0.10      # a verdict must be able to save >= 10 % of the step (or of the run's wall time)
-GEN_SHARE = 0.40       # sync: generation >= 40 % of the step is generation-bound (overlap it)
+GEN_SHARE = 0.40       # sync: generation >= 40 % of the step is generation-bound (overlap it) ...
+OVERLAP_SAVING = 0.30  # ... and a training-bound sync run whose overlap would hide >= 30 % is told so too
 IDLE_HIGH = 0.30       # async: a side that waits >= 30 % of the step is starved ...
 IDLE_LOW = 0.10        # ... and one that waits < 10 % is the bottleneck
 TAIL_RATIO = 3.0       # response length p99 / median >= 3: the tail holds generation
@@ -153,17 +154,23 @@ def responses_per_step(f: Facts) -> Optional[int]:
 # -- the rules ----------------------------------------------------------------------------------
 
 def generation_bound(f: Facts) -> Optional[Verdict]:
-    """Sync, generation >= GEN_SHARE: overlap it with training (one_step_off); the step is then
-    bounded by the longer of generation and training."""
-    gen = f.trainer_s.get("gen", 0.0)
-    if f.settings.get("trainer.mode", "sync") != "sync" or f.trainer.get("gen", 0.0) < GEN_SHARE:
+    """Sync, generation >= GEN_SHARE (or training-bound with an overlap saving >= OVERLAP_SAVING):
+    overlap generation with training (one_step_off); the step is then bounded by the longer side."""
+    gen, train = f.trainer_s.get("gen", 0.0), training_s(f)
+    if f.settings.get("trainer.mode", "sync") != "sync" or not f.step_s:
         return None
-    train = training_s(f)
     bound = f.step_s - min(gen, train)
     n, length = responses_per_step(f), f.metrics.get("response_length/mean")
-    what = (f"{n} responses per step (data.train_batch_size x rollout.n)" if n else "the responses per step") + (
-        f" of {length:.0f} tokens on average" if length else "")
-    return Verdict("generation_bound", "gen (rollout)", f.trainer["gen"], STEP, what, "trainer.mode", "one_step_off",
+    if f.trainer.get("gen", 0.0) >= GEN_SHARE:
+        rule, where, share = "generation_bound", "gen (rollout)", f.trainer["gen"]
+        what = (f"{n} responses per step (data.train_batch_size x rollout.n)" if n else "the responses per step") + (
+            f" of {length:.0f} tokens on average" if length else "")
+    elif min(gen, train) / f.step_s >= OVERLAP_SAVING:
+        rule, where, share = "training_bound", "the training stages", train / f.step_s
+        what = f"reward to update_actor ({train:.3g} s) after a generation of {gen:.3g} s that could run beside it"
+    else:
+        return None
+    return Verdict(rule, where, share, STEP, what, "trainer.mode", "one_step_off",
                    f"step >= max(gen {gen:.3g} s, training {train:.3g} s): about {bound:.3g} s instead of {f.step_s:.3g} s; "
                    "samples one policy version behind", min(gen, train) / f.step_s,
                    [f"gen {gen:.3g} s of a {f.step_s:.3g} s step", f"training stages {train:.3g} s"],

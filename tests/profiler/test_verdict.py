@@ -2,10 +2,14 @@
 each fires on its planted cause with the right key and a bound computed from the measured parts,
 and stays silent just below its threshold or without a cause; the ranking keeps one line per key."""
 
+import json
+import os
+
 import pytest
 
 from plait.profiler.analysis import verdict as V
 from plait.profiler.analysis.accounting import StepTime
+from plait.profiler.timeline import read_timeline
 
 SYNC = {"trainer.mode": "sync", "trainer.placement": "colocated", "data.train_batch_size": 8,
         "actor_rollout_ref.rollout.n": 4, "actor_rollout_ref.actor.ppo_mini_batch_size": 8,
@@ -168,3 +172,24 @@ def test_facts_come_from_accounted_steps_and_records():
     f = V.facts(steps, [{"step": i, "trainer/idle_ratio": 0.1 * i} for i in (1, 2, 3)], {"settings": {"trainer.mode": "sync"}})
     assert (f.step_s, f.trainer["gen"], f.rollout_busy_s, f.metrics["trainer/idle_ratio"]) == (2.0, 0.75, 1.0, pytest.approx(0.2))
     assert V.report(f)["thresholds"]["MIN_SAVING"] == V.MIN_SAVING
+
+
+FIXTURES = os.path.join(os.path.dirname(__file__), "..", "fixtures", "verdict")
+
+
+@pytest.mark.parametrize("name, rule, key", [
+    ("fully_async_staleness0", "async_both_idle", "async_training.staleness_threshold"),
+    ("sync_slow_reward", "reward_bound", "reward.num_workers"),
+    ("sync_tiny_micro_batch", "update_cost", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu")])
+def test_recorded_runs_from_timeline_to_verdict(name, rule, key):
+    """Files of three tiny planted runs (tests/fixtures/verdict: timeline.jsonl, metrics.jsonl and
+    summary.json, captured as recorded): the whole path, accounting to facts to the ranked verdict."""
+    folder = os.path.join(FIXTURES, name)
+    spans = read_timeline(os.path.join(folder, "timeline.jsonl"))
+    metrics = [json.loads(line) for line in open(os.path.join(folder, "metrics.jsonl"))]
+    summary = json.load(open(os.path.join(folder, "summary.json")))
+    f = V.of_run(spans, metrics, summary)
+    assert f.steps == 4 and sum(f.trainer_s.values()) == pytest.approx(f.step_s, rel=0.2)  # medians of parts ~ the median
+    got = V.verdicts(f)
+    assert (got[0].rule, got[0].key) == (rule, key)
+    assert json.loads(json.dumps(V.report(f)))["verdicts"][0]["line"] == got[0].line()

@@ -193,3 +193,10 @@ def test_recorded_runs_from_timeline_to_verdict(name, rule, key):
     got = V.verdicts(f)
     assert (got[0].rule, got[0].key) == (rule, key)
     assert json.loads(json.dumps(V.report(f)))["verdicts"][0]["line"] == got[0].line()
+
+
+def test_a_rule_that_cannot_read_its_settings_is_named_and_the_others_still_speak():
+    f = facts({**BALANCED, "reward": 4.0}, {"reward.custom_reward_function.path": "/r.py", "reward.num_workers": "four"})
+    judged = V.report(f)
+    assert judged["skipped_rules"] and judged["skipped_rules"][0].startswith("reward_bound: TypeError")
+    assert V.verdicts(facts({**BALANCED, "gen": 6.0}, {"reward.num_workers": "four"}))[0].rule == "generation_bound"

@@ -336,6 +336,8 @@ def _verdict_section(judged: dict) -> str:
     for v in judged["verdicts"]:
         out.append(f"<p><b>{_esc(v['line'])}</b></p><p class='note'>rests on: {_esc('; '.join(v['evidence']))} "
                    f"· rule {_esc(v['rule'])} · inputs and predicted bound in {VERDICT_FILE}</p>")
+    if judged["skipped_rules"]:
+        out.append(f"<p class='note'>rules left out (their records did not read): {_esc('; '.join(judged['skipped_rules']))}</p>")
     f = judged["facts"]
     for title, shares in (("trainer", f["trainer"]), ("rollouter", f["rollouter"])):
         if shares:

@@ -418,11 +418,17 @@ RULES: list[Callable[[Facts], Any]] = [generation_bound, async_idle, response_ta
                                        update_cost, memory_full, overhead, unattributed]
 
 
-def verdicts(f: Facts, top: int = 3) -> list[Verdict]:
-    """The rules' verdicts that stand out, one per key, ranked by what they could save."""
+def verdicts(f: Facts, top: int = 3, skipped: Optional[list[str]] = None) -> list[Verdict]:
+    """The rules' verdicts that stand out, one per key, ranked by what they could save. A rule that
+    cannot read the records (a summary.json edited by hand, from another version) is left out and
+    named in `skipped`; the others still speak."""
     found = []
     for rule in RULES:
-        got = rule(f)
+        try:
+            got = rule(f)
+        except (TypeError, ValueError, KeyError, ZeroDivisionError) as err:
+            (skipped if skipped is not None else []).append(f"{rule.__name__}: {type(err).__name__}: {err}")
+            continue
         found += got if isinstance(got, list) else [got] if got else []
     keep = [v for v in found if v.saving >= MIN_SAVING or v.rule == "memory_full"]
     keep.sort(key=lambda v: -v.saving)
@@ -447,6 +453,7 @@ def of_run(spans: list[dict], metrics: list[dict], summary: Optional[dict]) -> F
 
 def report(f: Facts) -> dict:
     """verdict.json: the verdicts, and every rule's facts (so a reader can redo the numbers)."""
-    return {"verdicts": [v.as_dict() for v in verdicts(f)],
+    skipped: list[str] = []
+    return {"verdicts": [v.as_dict() for v in verdicts(f, skipped=skipped)], "skipped_rules": skipped,
             "facts": asdict(f),
             "thresholds": {k: v for k, v in globals().items() if k.isupper() and type(v) in (int, float)}}

@@ -114,6 +114,10 @@ def test_update_cost_finds_its_cause():
     assert (v.key, v.value) == ("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", 4)
     assert v.predicted["update_s"] == pytest.approx(3.0 * 1.0)  # 3 x old_log_prob's forward over the same tokens
     assert "32 micro-batches" in v.driver
+    dyn = V.update_cost(facts({**BALANCED, "update_actor": 9.0}, {"actor_rollout_ref.actor.use_dynamic_bsz": True,
+                                                                  "actor_rollout_ref.actor.ppo_max_token_len_per_gpu": 1024},
+                              {"global_seqlen/real_tokens": 16384.0}))  # the step's 16k tokens in 16 budgets of 1k
+    assert (dyn.key, dyn.value) == ("actor_rollout_ref.actor.ppo_max_token_len_per_gpu", 4096)
     pad = V.update_cost(facts({**BALANCED, "update_actor": 9.0}, {"actor_rollout_ref.model.use_remove_padding": False},
                               {"global_seqlen/padding_ratio": 0.6}))
     assert (pad.key, pad.value) == ("actor_rollout_ref.model.use_remove_padding", True)

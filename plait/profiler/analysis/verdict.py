@@ -289,8 +289,8 @@ def weight_sync(f: Facts) -> Optional[Verdict]:
 
 
 def update_cost(f: Facts) -> Optional[Verdict]:
-    """update_actor >= UPDATE_SHARE and a cause: many small micro-batches, padding without packing,
-    or recomputation (gradient checkpointing)."""
+    """update_actor >= UPDATE_SHARE and a cause: many small micro-batches (by count, or by token budget
+    with use_dynamic_bsz), padding without packing, or recomputation (gradient checkpointing)."""
     share, update, s = f.trainer.get("update_actor", 0.0), f.trainer_s.get("update_actor", 0.0), f.settings
     if share < UPDATE_SHARE or not s:
         return None
@@ -308,6 +308,11 @@ def update_cost(f: Facts) -> Optional[Verdict]:
         k = math.ceil(mini * n / micro)
         key, value = "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", min(mini * n, micro * MICRO_BATCHES)
         driver = f"{k} micro-batches of {micro} samples per optimizer step (ppo_mini_batch_size {mini} x rollout.n {n})"
+    elif s.get("actor_rollout_ref.actor.use_dynamic_bsz") and _token_budgets(f) >= MICRO_BATCHES \
+            and (room is None or room >= 0.5):
+        budget = s["actor_rollout_ref.actor.ppo_max_token_len_per_gpu"]
+        key, value = "actor_rollout_ref.actor.ppo_max_token_len_per_gpu", budget * MICRO_BATCHES
+        driver = f"about {_token_budgets(f):.0f} micro-batches of at most {budget} tokens per optimizer step (use_dynamic_bsz)"
     elif not s.get("actor_rollout_ref.model.use_remove_padding", True) and f.metrics.get(PADDING, 0) >= PADDING_SHARE:
         pad = f.metrics[PADDING]
         key, value = "actor_rollout_ref.model.use_remove_padding", True
@@ -327,6 +332,14 @@ def update_cost(f: Facts) -> Optional[Verdict]:
                    f"update_actor about {bound:.3g} s instead of {update:.3g} s ({how})", (update - bound) / f.step_s,
                    evidence + [driver], {"update_s": update, "old_log_prob_s": olp, "ppo_epochs": epochs, "step_s": f.step_s},
                    {"update_s": bound, "step_s": f.step_s - update + bound})
+
+
+def _token_budgets(f: Facts) -> float:
+    """With use_dynamic_bsz: the real tokens of one optimizer step over the token budget per micro-batch."""
+    s, per_step = f.settings, responses_per_step(f)
+    budget, tokens = s.get("actor_rollout_ref.actor.ppo_max_token_len_per_gpu"), f.metrics.get("global_seqlen/real_tokens")
+    mini = s.get("actor_rollout_ref.actor.ppo_mini_batch_size", 0) * s.get("actor_rollout_ref.rollout.n", 1)
+    return tokens * mini / per_step / budget if budget and tokens and per_step else 0.0
 
 
 def _headroom(f: Facts) -> Optional[float]:

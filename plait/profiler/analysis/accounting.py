@@ -21,6 +21,7 @@ windows) and the time before step 1 (start-up, the first validation: the run sum
 
 from __future__ import annotations
 
+import heapq
 import statistics
 from collections import defaultdict
 from dataclasses import dataclass
@@ -56,12 +57,17 @@ def account(spans: list[dict]) -> list[StepTime]:
             first[s["step"]] = min(first[s["step"]], s["start"])
             last[s["step"]] = max(last[s["step"]], s["end"])
     steps = sorted(frames)
-    out = []
+    by_start = sorted(spans, key=lambda s: s["start"])
+    out, nxt_span, open_ = [], 0, []  # a sweep: a long run's steps each see only the spans near them
     for i, step in enumerate(steps):
         pid, nxt = frames[step]["pid"], steps[i + 1] if i + 1 < len(steps) else None
         a = first[step]
         b = first[nxt] if nxt is not None and frames[nxt]["pid"] == pid else last[step]
-        near = [s for s in spans if s["pid"] == pid and s["end"] > a and s["start"] < b]
+        while nxt_span < len(by_start) and by_start[nxt_span]["start"] < b:
+            open_.append(by_start[nxt_span])
+            nxt_span += 1
+        open_ = [s for s in open_ if s["end"] > a]  # cycles only move forward in time
+        near = [s for s in open_ if s["pid"] == pid]
         lanes = {name: bound for (p, name), bound in bounds.items() if p == pid}
         out.append(StepTime(step, a, b - a, split_lanes(near, lanes, lane(frames[step]), a, b)))
     return out
@@ -84,16 +90,22 @@ def split_lanes(spans: list[dict], bounds: dict[str, list[float]], trainer_lane:
 
 
 def innermost(spans: list[tuple[str, float, float]], a: float, b: float) -> dict[str, float]:
-    """Seconds of [a, b) per name: each instant to the covering span that started last; the rest
-    unattributed. [(name, start, end)] -> {name: s}; empty when b <= a."""
+    """Seconds of [a, b) per name: each instant to the covering span that started last (then the
+    shorter); the rest unattributed. [(name, start, end)] -> {name: s}. A sweep over the span
+    boundaries with a heap of the open spans: O(n log n) for the many spans of a busy rollouter."""
     out: dict[str, float] = defaultdict(float)
-    if b <= a:
-        return {UNATTRIBUTED: 0.0}
-    inside = [(n, max(s, a), min(e, b), s) for n, s, e in spans if e > a and s < b]
-    cuts = sorted({a, b, *(x for _, s, e, _ in inside for x in (s, e))})
+    inside = sorted((max(s, a), min(e, b), -s, e - s, n) for n, s, e in spans if e > a and s < b)
+    cuts = sorted({a, b, *(x for lo, hi, *_ in inside for x in (lo, hi))}) if b > a else []
+    heap: list[tuple] = []
+    i = 0
     for lo, hi in zip(cuts, cuts[1:]):
-        cover = [(start, -(e - s), n) for n, s, e, start in inside if s <= lo and hi <= e]
-        out[max(cover)[2] if cover else UNATTRIBUTED] += hi - lo
+        while i < len(inside) and inside[i][0] <= lo:
+            start, end, neg_start, length, name = inside[i]
+            heapq.heappush(heap, (neg_start, length, name, end))
+            i += 1
+        while heap and heap[0][3] <= lo:  # the innermost open span ended: the next one in
+            heapq.heappop(heap)
+        out[heap[0][2] if heap else UNATTRIBUTED] += hi - lo
     out.setdefault(UNATTRIBUTED, 0.0)
     return dict(out)
 

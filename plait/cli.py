@@ -49,11 +49,17 @@ def main(argv: list[str] | None = None) -> int:
     report.add_argument("dir", help="a run's output dir or a profiler save_path")
     report.add_argument("--profile", help="the profiler save_path, when it is not DIR or DIR/profile")
     report.add_argument("--run", help="the run's output dir (timeline.jsonl, metrics.jsonl), when it is not DIR")
+    report.add_argument("--json", action="store_true", help="print the verdict with each rule's inputs and "
+                                                            "predicted bound (DIR/report/verdict.json) instead of the summary")
     args = parser.parse_args(argv)
     if args.command == "profile":
         from plait.profiler.analysis import build_report
         try:
-            print(build_report(args.dir, profile=args.profile, run=args.run))
+            text = build_report(args.dir, profile=args.profile, run=args.run)
+            if args.json:
+                with open(os.path.join(args.dir, "report", "verdict.json")) as f:
+                    text = f.read()
+            print(text)
         except FileNotFoundError as err:
             print(f"plait: profile report: {err}", file=sys.stderr)
             return 2

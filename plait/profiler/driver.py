@@ -11,6 +11,9 @@ A target is one worker process (ProfileTarget): the local backend passes its Pro
 Ray a proxy that forwards the two calls. The finish hook runs once, after the last window
 closes, or at close() when a window opened but the run ended or failed before the hook ran.
 A target or manifest failure is reported and never raised into training.
+Its own time is on the timeline as trainer spans `profiler_start`, `profiler_stop` and `finish_hook`
+(between steps: on Ray a worker answers stop_profile only after its running call, so the trainer may
+wait there for a whole generate).
 """
 
 from __future__ import annotations
@@ -65,7 +68,7 @@ class StepProfiler:
                 target.start_profile(self.open.first, self.open.last, version)
             except Exception as err:
                 log.warning("profiler: start_profile failed on %r: %s: %s", target, type(err).__name__, err)
-        self.busy_s += time.perf_counter() - t0
+        self._spent("profiler_start", t0)
 
     def end_step(self, step: int) -> None:
         if self.open is not None and step >= self.open.last:
@@ -96,7 +99,7 @@ class StepProfiler:
             append_manifest(self.cfg.save_path, records)
         except Exception as err:
             log.warning("profiler: could not write the manifest: %s: %s", type(err).__name__, err)
-        self.busy_s += time.perf_counter() - t0
+        self._spent("profiler_stop", t0)
 
     def _finish(self) -> None:
         if not self.opened_any or self.hook_ran:
@@ -105,4 +108,11 @@ class StepProfiler:
         if self.cfg.finish_hook_cmd is not None:
             t0 = time.perf_counter()
             run_finish_hook(self.cfg.finish_hook_cmd, self.cfg.save_path, self.cfg.tool)
-            self.busy_s += time.perf_counter() - t0
+            self._spent("finish_hook", t0)
+
+    def _spent(self, what: str, t0: float) -> None:
+        """The profiler's own time since t0: into busy_s (the run summary) and a timeline span."""
+        from plait.profiler.timeline import TIMELINE  # it imports torch; plait.config reads this package first
+        end = time.perf_counter()
+        self.busy_s += end - t0
+        TIMELINE.add("trainer", what, t0, end, None)

@@ -106,6 +106,7 @@ class FullyAsyncTrainer(LMTrainer):
     # -- the rollouter thread -------------------------------------------------------------------
 
     def start(self) -> None:
+        super().start()
         feed = DataCursor(self.cursor.dataset, self.chunk, self.cursor.shuffle, self.cursor.seed)
         feed.load_state(self.cursor.state())  # after a resume: the first prompt not yet trained on
         per_step = self.per_update * self.updates_per_step // self.chunk  # chunks

@@ -6,8 +6,8 @@
                                        validate every test_freq      (inside the step window)
                                        checkpoint every save_freq    (inside the step window)
                                        profiler.end_step(N)          window closes if scheduled
-                                       TIMELINE.flush(N)             the step's stage spans: timeline.jsonl
                                        log metrics (console, metrics.jsonl, TensorBoard, W&B)
+                                       TIMELINE.flush(N)             the step's spans: timeline.jsonl
              finally ─▶ profiler.close(error) ─▶ trainer.close() ─▶ loggers closed ─▶ summary.json
 
 Everything step-keyed — profiler windows, timing metrics, checkpoints, validation, logging — is
@@ -42,9 +42,10 @@ from plait.configtree import ConfigError, raise_all
 from plait.errors import Interrupted, RunError
 from plait.profiler import StepProfiler
 from plait.profiler.naming import MANIFEST as PROFILE_MANIFEST, set_aside, write_location
-from plait.profiler.timeline import TIMELINE, TIMELINE_FILE, StagePeaks, fold_peaks, stage_memory_metrics
+from plait.profiler.analysis.verdict import of_run, settings_of, verdicts
+from plait.profiler.timeline import TIMELINE, TIMELINE_FILE, StagePeaks, fold_peaks, read_timeline, stage_memory_metrics
 from plait.safeload import UnsafeFileError, first_line
-from plait.trainers.summary import RunClock, summarise, write_summary
+from plait.trainers.summary import RunClock, memory_capacity_gb, summarise, write_summary
 from plait.trainers.tracking import as_record, read_records
 
 
@@ -133,7 +134,6 @@ class Lifecycle:
                         self.tracker.log(self.trainer.validate(), step=0)
                 for step in self.tracker.progress(range(start, last + 1), total=last, initial=start - 1):
                     metrics = self._step(step, last, profiler)
-                    self.tracker.log(metrics, step=step)
         except BaseException as err:
             error = err
             raise
@@ -178,8 +178,11 @@ class Lifecycle:
                 with timer.stage("save_checkpoint"):
                     self._save(step, self._record(step, metrics, timer, result))
         profiler.end_step(step)
+        with TIMELINE.span("trainer", "log", self.trainer.version):  # between steps: a span, so no time is unnamed
+            record = self._record(step, metrics, timer, result)
+            self.tracker.log(record, step=step)
         TIMELINE.flush(step)
-        return self._record(step, metrics, timer, result)
+        return record
 
     def _record(self, step: int, metrics: dict, timer: StageTimer, result: StepResult) -> dict[str, float]:
         out = {**metrics, **timing_metrics(timer.times, result, self.cfg.n_devices), **stage_memory_metrics(timer.peaks)}
@@ -302,9 +305,22 @@ class Lifecycle:
         try:
             records = read_records(self.tracker.path) if os.path.exists(self.tracker.path) else []
             summary = summarise(records, max(start, 1), last, self.clock, profiler.busy_s, paths, status)
+            summary["settings"] = settings_of(_flatten(self.cfg.run_config or {}), memory_capacity_gb())
+            summary["verdict"] = self._verdict(records, max(start, 1), summary)
             write_summary(self.cfg.output_dir, summary, console=status != "failed")
         except (OSError, ValueError) as err:  # the summary never hides the run's own outcome
             print(f"plait: warning: no run summary written: {type(err).__name__}: {err}", file=sys.stderr)
+
+    def _verdict(self, records: list[dict], first: int, summary: dict) -> list[dict]:
+        """The profile report's verdict on this run's steps (profiler/analysis/verdict.py); a rule that
+        fails says so in one line and leaves the summary whole."""
+        path = os.path.join(self.cfg.output_dir, TIMELINE_FILE)
+        try:
+            spans = [s for s in read_timeline(path) if s["step"] >= first] if os.path.exists(path) else []
+            return [v.as_dict() for v in verdicts(of_run(spans, [r for r in records if r.get("step", 0) >= first], summary))]
+        except Exception as err:  # noqa: BLE001 - advice must never cost the run its summary
+            print(f"plait: warning: no verdict: {type(err).__name__}: {err}", file=sys.stderr)
+            return []
 
     def _set_aside(self, start: int) -> None:
         """Before the first step: remove crashed saves' temp dirs, and move checkpoints at or after

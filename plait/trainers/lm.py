@@ -103,7 +103,7 @@ class LMTrainer:
         self.updates_per_step = 1  # fully async: several local updates per policy version
         self.version = 0
         self.tracker = None  # the lifecycle's Tracker, set by the driver: validation generations go there
-        self.model_flops = None  # the policy's FLOPs per token (asked of the actor at the first step)
+        self.model_flops = None  # the policy's FLOPs per token (asked of the actor at start)
 
     # -- the Trainer protocol -------------------------------------------------------------------
 
@@ -111,7 +111,8 @@ class LMTrainer:
         return self.cfg.total_steps(self.cursor.batches_per_epoch)
 
     def start(self) -> None:
-        pass
+        """Asked once here, not in a step: a step's time is its stages (profiler/analysis/accounting.py)."""
+        self.model_flops = self.roles.actor.call(Actor.model_flops)
 
     def train_step(self, step: int, timer: StageTimer) -> StepResult:
         start, results, samples, lengths = time.perf_counter(), [], 0, []
@@ -127,8 +128,6 @@ class LMTrainer:
         result.metrics["training/epoch"] = self.cursor.epoch
         result.metrics.update(self.after_update(step, timer))
         if "gen" in timer.times:  # generated in this step (sync); prefill + decode cost one forward's FLOPs
-            if self.model_flops is None:
-                self.model_flops = self.roles.actor.call(Actor.model_flops)
             result.metrics["perf/mfu/gen"] = self.model_flops.mfu(self.model_flops.forward(lengths), timer.times["gen"])
         result.metrics["perf/samples_per_s"] = samples / (time.perf_counter() - start)
         if self.cfg.data.filter_overlong_prompts:
@@ -503,6 +502,8 @@ def data_metrics(batch: RolloutBatch, max_prompt_length: int) -> dict[str, float
                 / max(int((~aborted).sum()), 1),
                 "response/aborted_ratio": aborted.float().mean().item(),
                 "prompt_length/clip_ratio": (prompt_len >= max_prompt_length).float().mean().item()})
+    out.update({"response_length/median": resp_len.median().item(),  # with p99: the tail (profile report's verdict)
+                "response_length/p99": torch.quantile(resp_len, 0.99).item()})
     out.update({"response_length/mean": resp_len.mean().item(), "response_length/max": resp_len.max().item(),
                 "response_length/min": resp_len.min().item(),
                 "response_length/clip_ratio": sum(r == "length" for r in batch.stop_reasons) / len(batch),

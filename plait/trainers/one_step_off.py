@@ -9,7 +9,7 @@
                   param_sync: actor weights → rollout = version n
 
 Who blocks whom: the trainer blocks in `wait_rollout` when generating is slower than learning
-(trainer idle); the generation thread sits idle when learning is slower. Weights change only in
+(trainer idle); the generation thread sits idle when learning is slower (its `wait_trainer` spans). Weights change only in
 param_sync, after gen(n+1) has returned, so a load never races a generate (and the Rollout
 worker's lock would make it wait if it did). Every sample is exactly one version behind the
 trainer that consumes it, except at step 1 and at the first step after a resume without a saved
@@ -81,10 +81,12 @@ class OneStepOffTrainer(LMTrainer):
         self.ready: RolloutBatch | None = None       # gen(n+1) once done, until next_batch takes it
         self.gen_clock = BusyClock()
         self.cycle_start = 0.0                       # wall time of the last param_sync's end
+        self.gen_free_since = 0.0                    # when the generation thread last became idle
 
     def start(self) -> None:
+        super().start()
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="plait-one-step-off-gen")
-        self.cycle_start = time.perf_counter()
+        self.cycle_start = self.gen_free_since = time.perf_counter()
 
     def next_batch(self, step: int, timer: StageTimer) -> RolloutBatch:
         batch, self.ready = self.ready, None
@@ -95,12 +97,26 @@ class OneStepOffTrainer(LMTrainer):
             with timer.stage("gen"):
                 batch = self._generate(self.cursor.next(), self.sample_seed(step))
         if step < self.total_steps():
-            self.pending = self.pool.submit(self._generate, self.cursor.next(), self.sample_seed(step + 1))
+            self.pending = self.pool.submit(self._generate_ahead, self.cursor.next(), self.sample_seed(step + 1))
         return batch
 
     def _generate(self, prompts: PromptBatch, seed: int) -> RolloutBatch:
-        with self.gen_clock.busy(), TIMELINE.span("rollout", "generate", self.version):
+        with self.gen_clock.busy():
             return self.roles.rollout.call(Rollout.generate, prompts, self.sampling, seed)
+
+    def _generate_ahead(self, prompts: PromptBatch, seed: int) -> RolloutBatch:
+        """On the generation thread: the next step's batch, a `generate` span on its own lane."""
+        self._waited_for_trainer()
+        try:
+            with TIMELINE.span("rollout", "generate", self.version):
+                return self._generate(prompts, seed)
+        finally:
+            self.gen_free_since = time.perf_counter()
+
+    def _waited_for_trainer(self) -> None:
+        """On the generation thread: its idle time since the last generate (or start) is a
+        `wait_trainer` span: nothing was submitted, the trainer was still learning."""
+        TIMELINE.add("rollout", "wait_trainer", self.gen_free_since, time.perf_counter(), self.version)
 
     def after_update(self, step: int, timer: StageTimer) -> dict[str, float]:
         if self.pending is not None:
@@ -138,6 +154,7 @@ class OneStepOffTrainer(LMTrainer):
                 self.roles.rollout.call(Rollout.abort)
             except Exception:  # the backend may already be down after the failure that brought us here
                 pass
+        self.pool.submit(self._waited_for_trainer)  # its idle tail, on its own thread's lane
         self.pool.shutdown(wait=True, cancel_futures=True)
         self.pool, self.pending = None, None
         super().close()

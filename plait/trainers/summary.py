@@ -76,6 +76,15 @@ def summarise(records: list[dict], first_step: int, last_step: int, clock: RunCl
     }
 
 
+def memory_capacity_gb() -> float:
+    """The device's memory: the first CUDA device's, else the host's (the verdict's headroom)."""
+    import psutil
+    import torch
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_properties(0).total_memory / 2**30
+    return psutil.virtual_memory().total / 2**30
+
+
 def _validation(records: list[dict]) -> Optional[dict]:
     """First, best (with its step) and last of the first val-core mean key the records hold (acc
     where the reward returns it, as verl's core variable, else reward)."""
@@ -114,6 +123,7 @@ def summary_lines(s: dict, path: str) -> list[str]:
     parts = ", ".join(f"{k} {w[k]:.1f} s" for k in ("startup", "steps", "validation", "checkpoints", "profiler", "other"))
     steps = f"steps {st['first']}-{st['last']}" if st["done"] else "no steps"
     lines = [f"{s['status']}: {steps} of {st['run_last_step']} in {w['total']:.1f} s ({parts})"]
+    lines += [f"verdict: {v['line']}" for v in s.get("verdict") or []]
     if s["step_s"]["median"] is not None:
         top = ", ".join(f"{t['stage']} {100 * t['share']:.0f}%" for t in s["top_stages"])
         lines.append(f"step time median {s['step_s']['median']:.3f} s, p90 {s['step_s']['p90']:.3f} s; top stages: {top}")

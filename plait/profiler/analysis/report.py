@@ -3,9 +3,10 @@
     DIR (a run's output dir and/or a profiler save_path)
       timeline.jsonl   metrics.jsonl          the run: stage spans, per-step metrics
       manifest.jsonl + step*/…                the profiler: torch traces, memory artifacts
-    ─▶ DIR/report/index.html        Gantt per step · stage breakdown · windows' top ops · memory
+    ─▶ DIR/report/index.html        verdict · Gantt per step · stage breakdown · windows' top ops · memory
        DIR/report/timeline.json.gz  every span and every torch trace on one clock (Perfetto)
-       and a short text summary (returned, printed by the CLI)
+       DIR/report/verdict.json      the verdict with each rule's inputs and predicted bound (verdict.py)
+       and a short text summary, the verdict first (returned, printed by the CLI)
 
 The profiler's save_path is found as DIR itself, DIR/profile, or given (`--profile`); the run's
 files as DIR itself or given (`--run`). Whatever is missing is left out of the page, and said so.
@@ -22,13 +23,14 @@ from dataclasses import dataclass
 from typing import Optional
 
 from plait.profiler.analysis import memory as mem
-from plait.profiler.analysis import svg
+from plait.profiler.analysis import svg, verdict
 from plait.profiler.analysis.traces import Trace, load_trace, merged_trace, top_ops, write_trace
 from plait.profiler.naming import MANIFEST, read_location, read_manifest
 from plait.profiler.timeline import TIMELINE_FILE, read_timeline
 from plait.safeload import load_pickle
 
 MAX_GANTT_STEPS = 16
+VERDICT_FILE = "verdict.json"
 
 
 @dataclass
@@ -89,10 +91,13 @@ def build_report(path: str, profile: Optional[str] = None, run: Optional[str] = 
             notes.append(f"{rec['path']}: could not be read ({type(err).__name__}: {err})")
     drivers = {s["pid"]: "driver" for s in inp.spans}
     write_trace(merged_trace(inp.spans, traces, drivers), os.path.join(out_dir, "timeline.json.gz"))
-    page = _page(inp, traces, memories, notes, out_dir)
+    judged = verdict.report(verdict.of_run(inp.spans, inp.metrics, _run_summary(inp.run_dir)))
+    with open(os.path.join(out_dir, VERDICT_FILE), "w") as f:
+        json.dump(judged, f, indent=1)
+    page = _page(inp, traces, memories, notes, out_dir, judged)
     with open(os.path.join(out_dir, "index.html"), "w") as f:
         f.write(page)
-    return summary(inp, traces, memories, out_dir)
+    return summary(inp, traces, memories, out_dir, judged)
 
 
 def _trainer_stages(spans: list[dict]) -> list[dict]:
@@ -101,9 +106,12 @@ def _trainer_stages(spans: list[dict]) -> list[dict]:
 
 # -- the text summary ---------------------------------------------------------------------------
 
-def summary(inp: Inputs, traces: list[Trace], memories: list, out_dir: str) -> str:
-    lines = [f"plait profile report: {os.path.join(out_dir, 'index.html')}",
-             f"  merged trace: {os.path.join(out_dir, 'timeline.json.gz')} (open in ui.perfetto.dev)"]
+def summary(inp: Inputs, traces: list[Trace], memories: list, out_dir: str, judged: dict) -> str:
+    lines = [f"verdict: {v['line']}" for v in judged["verdicts"]] or ["verdict: nothing stands out"]
+    lines += [f"  evidence: {'; '.join(v['evidence'])}" for v in judged["verdicts"][:1]]
+    lines += [f"plait profile report: {os.path.join(out_dir, 'index.html')}",
+              f"  merged trace: {os.path.join(out_dir, 'timeline.json.gz')} (open in ui.perfetto.dev)",
+              f"  verdict's inputs: {os.path.join(out_dir, VERDICT_FILE)}"]
     steps = [m["step"] for m in inp.metrics]
     if steps:
         times = [m.get("perf/time_per_step", 0.0) for m in inp.metrics]
@@ -159,12 +167,13 @@ def _fmt(x) -> str:
     return f"{x:.4g}" if isinstance(x, float) else str(x)
 
 
-def _page(inp: Inputs, traces: list[Trace], memories: list, notes: list[str], out_dir: str) -> str:
+def _page(inp: Inputs, traces: list[Trace], memories: list, notes: list[str], out_dir: str, judged: dict) -> str:
     parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>plait profile report</title>"
              f"<style>{CSS}</style></head><body><h1>plait profile report</h1>",
              f"<p class='note'>run: {_esc(inp.run_dir or '(none)')} · profiler save_path: "
              f"{_esc(inp.profile_dir or '(none)')} · merged trace: <a href='timeline.json.gz'>timeline.json.gz</a> "
              "(open in ui.perfetto.dev)</p>"]
+    parts.append(_verdict_section(judged))
     parts.append(_summary_box(inp, traces, memories))
     parts.append(_gantt_section(inp))
     parts.append(_breakdown_section(inp))
@@ -316,7 +325,27 @@ def _when(spans: list[dict], t: float) -> str:
     return text + (f" ({t - inner['start']:.3f} s into {inner['stage']})" if inner else "")
 
 
-# -- the summary box and the learning curves ------------------------------------------------------
+# -- the verdict, the summary box and the learning curves ------------------------------------------
+
+def _verdict_section(judged: dict) -> str:
+    """Each verdict with the numbers it rests on; the step's time per thread beside them."""
+    out = ["<h2 id='verdict'>Verdict</h2>"]
+    if not judged["verdicts"]:
+        out.append("<p>Nothing stands out: no rule found a stage or setting that could save 10 % of the step "
+                   "(docs/profiling.md lists the rules and their thresholds).</p>")
+    for v in judged["verdicts"]:
+        out.append(f"<p><b>{_esc(v['line'])}</b></p><p class='note'>rests on: {_esc('; '.join(v['evidence']))} "
+                   f"· rule {_esc(v['rule'])} · inputs and predicted bound in {VERDICT_FILE}</p>")
+    if judged["skipped_rules"]:
+        out.append(f"<p class='note'>rules left out (their records did not read): {_esc('; '.join(judged['skipped_rules']))}</p>")
+    f = judged["facts"]
+    for title, shares in (("trainer", f["trainer"]), ("rollouter", f["rollouter"])):
+        if shares:
+            out.append(f"<p class='note'>{title}'s time, median share of the step ({f['step_s']:.3g} s, {f['steps']} steps): "
+                       + _esc(", ".join(f"{k} {100 * v:.0f} %" for k, v in shares.items() if v >= 0.005)) + "</p>")
+    return "".join(out)
+
+
 
 LEARNING = [("val-core/", "validation reward"), ("critic/score/mean", "score"), ("actor/ppo_kl", "KL (actor/ppo_kl)"),
             ("actor/kl_loss", "KL loss"), ("actor/entropy", "entropy"), ("response_length/mean", "response length (tokens)")]

@@ -1,0 +1,472 @@
+"""The verdict: which stage or role bounds the step, and which verl key to try, from a run's records.
+
+    timeline.jsonl ─▶ accounting.account ─┐
+    metrics.jsonl (per-step records) ─────┼─▶ facts(...) ─▶ Facts ─▶ each rule in RULES ─▶ verdicts()
+    summary.json (wall split, settings) ──┘                          (pure, one per bottleneck)
+
+A rule is a small pure function of `Facts` returning a `Verdict` or None. `verdicts` keeps those
+that could save at least MIN_SAVING of the step (or of the run's wall time, for validation,
+checkpoints and the profiler), one per key, and ranks them by that saving: at most three lines
+`<where> is N % of the step (median over the steps); driven by <what>; try <key>=<value>
+(expected: <the bound it moves>)`, each with the numbers it rests on (`evidence`) and its inputs and
+predicted bound (`inputs`, `predicted`: verdict.json). Nothing stands out, nothing is said.
+
+Every share is of the step's whole cycle (profiler/analysis/accounting.py: stages, the time between
+steps and what no span names), so unattributed time is never ignored: it has its own rule. The
+thresholds are the constants below; docs/profiling.md says what each rule means. What is left out:
+multi-node placement advice, kernels (the report's top operators), and anything the records lack
+(a run from before summary.json carried `settings` gets only the rules that need none).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Optional
+
+from plait.profiler.analysis.accounting import UNATTRIBUTED, StepTime, median_shares
+
+MIN_SAVING = 0.10      # a verdict must be able to save >= 10 % of the step (or of the run's wall time)
+GEN_SHARE = 0.40       # sync: generation >= 40 % of the step is generation-bound (overlap it) ...
+OVERLAP_SAVING = 0.30  # ... and a training-bound sync run whose overlap would hide >= 30 % is told so too
+IDLE_HIGH = 0.30       # async: a side that waits >= 30 % of the step is starved ...
+IDLE_LOW = 0.10        # ... and one that waits < 10 % is the bottleneck
+TAIL_RATIO = 3.0       # response length p99 / median >= 3: the tail holds generation
+TAIL_GEN_SHARE = 0.25  # ... when generation is >= 25 % of the step (sync) or the trainer waits on it
+REWARD_SHARE = 0.20    # reward >= 20 % of the step
+SYNC_SHARE = 0.15      # weight sync >= 15 % of the step
+UPDATE_SHARE = 0.40    # update_actor >= 40 % of the step, with a cause below
+MICRO_BATCHES = 4      # >= 4 micro-batches per optimizer step: raise the micro-batch
+UPDATE_OVER_FORWARD = 3.0  # a forward + backward ~ 3 forwards over the same tokens (old_log_prob's)
+PADDING_SHARE = 0.30   # ... or >= 30 % of the batch's tokens are padding, unpacked
+PADDING = "global_seqlen/padding_ratio"
+MEMORY_FULL = 0.90     # a stage's peak >= 90 % of the device's memory
+OVERHEAD_SHARE = 0.25  # validation / checkpoints / profiler >= 25 % of the run's wall time ...
+OVERHEAD_TARGET = 0.10  # ... and the suggested frequency brings it to about 10 %
+HOLE_SHARE = 0.15      # unattributed >= 15 % of the step
+
+# The config keys the rules read, stored in summary.json as `settings` (one place for the list).
+SETTINGS = (
+    "trainer.mode", "trainer.placement", "trainer.backend", "trainer.n_gpus_per_node", "trainer.test_freq",
+    "trainer.save_freq", "trainer.val_before_train", "data.train_batch_size", "data.max_response_length",
+    "actor_rollout_ref.rollout.n", "actor_rollout_ref.rollout.n_gpus_per_node",
+    "actor_rollout_ref.actor.ppo_mini_batch_size", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
+    "actor_rollout_ref.actor.ppo_epochs", "actor_rollout_ref.actor.use_dynamic_bsz",
+    "actor_rollout_ref.actor.ppo_max_token_len_per_gpu", "actor_rollout_ref.model.enable_gradient_checkpointing",
+    "actor_rollout_ref.model.use_remove_padding", "reward.num_workers", "reward.custom_reward_function.path",
+    "async_training.staleness_threshold", "async_training.trigger_parameter_sync_step",
+    "async_training.require_batches", "async_training.partial_rollout", "global_profiler.tool", "global_profiler.steps",
+    "actor_rollout_ref.rollout.profiler.enable", "actor_rollout_ref.rollout.profiler.tool_config.torch.profile_token_end",
+    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu", "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
+    "critic.ppo_micro_batch_size_per_gpu", "actor_rollout_ref.rollout.max_num_seqs",
+)
+BETWEEN = ("log", "profiler_start", "profiler_stop", "finish_hook")  # the lifecycle's own spans
+NOT_TRAINING = ("gen", "wait_rollout", "testing", "save_checkpoint", UNATTRIBUTED, *BETWEEN)
+STEP = "of the step (median over the steps)"
+WALL = "of the run's wall time after start-up"
+
+
+@dataclass
+class Facts:
+    """What the rules read: medians over the steps, the run's wall split and its settings."""
+    steps: int
+    step_s: float                         # median cycle of the trainer (accounting.py)
+    trainer: dict[str, float]             # part -> median share of the step (trainer thread)
+    trainer_s: dict[str, float]           # part -> median seconds per step
+    rollouter: dict[str, float]           # the async rollouter thread's parts (shares); {} in sync
+    rollout_busy_s: float                 # median generate + resume seconds per step on that thread
+    metrics: dict[str, float]             # median over the steps of each numeric metric
+    wall: dict[str, float]                # summary.json's wall_s ({} when absent)
+    settings: dict[str, Any]              # SETTINGS from summary.json ({} when absent)
+    memory_peak: Optional[dict] = None    # summary.json's memory_peak (gb, stage, metric, step)
+
+
+@dataclass
+class Verdict:
+    rule: str
+    where: str                 # the stage or role
+    share: float               # of the step (or of the wall time: `basis`)
+    basis: str
+    driver: str
+    key: str
+    value: Any
+    expected: str
+    saving: float              # share of the step (or wall) it could save: the ranking
+    evidence: list[str] = field(default_factory=list)
+    inputs: dict = field(default_factory=dict)
+    predicted: dict = field(default_factory=dict)
+
+    def line(self) -> str:
+        try_ = f"try {self.key}={_value(self.value)}" if self.key else "try: see the Gantt's gaps"
+        return (f"{self.where} is {100 * self.share:.0f} % {self.basis}; driven by {self.driver}; {try_} "
+                f"(expected: {self.expected})")
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "line": self.line()}
+
+
+def _value(v) -> str:
+    return str(v).lower() if isinstance(v, bool) else str(v).replace(" ", "")
+
+
+# -- the facts ----------------------------------------------------------------------------------
+
+def facts(steps: list[StepTime], metrics: list[dict], summary: Optional[dict]) -> Facts:
+    """Facts from the accounted steps, metrics.jsonl's step records and summary.json (or None)."""
+    summary = summary or {}
+    lanes = list(steps[0].lanes) if steps else []
+    trainer_lane = lanes[0] if lanes else None
+    rollouter = next((n for n in lanes[1:] if n.startswith("rollout (") and n != "rollout (MainThread)"), None)
+    walls = [st.wall for st in steps if st.wall > 0]
+    busy = [sum(v for k, v in st.lanes.get(rollouter, {}).items() if k in ("generate", "resume")) for st in steps]
+    numeric = {k for m in metrics for k, v in m.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    return Facts(
+        steps=len(walls), step_s=statistics.median(walls) if walls else 0.0,
+        trainer=median_shares(steps, trainer_lane) if trainer_lane else {},
+        trainer_s=_median_seconds(steps, trainer_lane) if trainer_lane else {},
+        rollouter=median_shares(steps, rollouter) if rollouter else {},
+        rollout_busy_s=statistics.median(busy) if rollouter and busy else 0.0,
+        metrics={k: statistics.median(m[k] for m in metrics if isinstance(m.get(k), (int, float))) for k in numeric},
+        wall=summary.get("wall_s") or {}, settings=summary.get("settings") or {},
+        memory_peak=summary.get("memory_peak"))
+
+
+def _median_seconds(steps: list[StepTime], lane: str) -> dict[str, float]:
+    parts = {k for st in steps for k in st.lanes.get(lane, {})}
+    return {k: statistics.median(st.lanes.get(lane, {}).get(k, 0.0) for st in steps) for k in parts}
+
+
+def training_s(f: Facts) -> float:
+    """The trainer's own work per step: every part but generation, waits, validation, checkpoints,
+    the lifecycle's spans and the unattributed."""
+    return sum(v for k, v in f.trainer_s.items() if k not in NOT_TRAINING)
+
+
+def responses_per_step(f: Facts) -> Optional[int]:
+    s = f.settings
+    if "data.train_batch_size" not in s or "actor_rollout_ref.rollout.n" not in s:
+        return None
+    per = s["data.train_batch_size"] * s["actor_rollout_ref.rollout.n"]
+    return per * s.get("async_training.trigger_parameter_sync_step", 1) if s.get("trainer.mode") == "fully_async" else per
+
+
+# -- the rules ----------------------------------------------------------------------------------
+
+def generation_bound(f: Facts) -> Optional[Verdict]:
+    """Sync, generation >= GEN_SHARE (or training-bound with an overlap saving >= OVERLAP_SAVING):
+    overlap generation with training (one_step_off); the step is then bounded by the longer side."""
+    gen, train = f.trainer_s.get("gen", 0.0), training_s(f)
+    if f.settings.get("trainer.mode", "sync") != "sync" or not f.step_s:
+        return None
+    bound = f.step_s - min(gen, train)
+    n, length = responses_per_step(f), f.metrics.get("response_length/mean")
+    if f.trainer.get("gen", 0.0) >= GEN_SHARE:
+        rule, where, share = "generation_bound", "gen (rollout)", f.trainer["gen"]
+        what = (f"{n} responses per step (data.train_batch_size x rollout.n)" if n else "the responses per step") + (
+            f" of {length:.0f} tokens on average" if length else "")
+    elif min(gen, train) / f.step_s >= OVERLAP_SAVING:
+        rule, where, share = "training_bound", "the training stages", train / f.step_s
+        what = f"reward to update_actor ({train:.3g} s) after a generation of {gen:.3g} s that could run beside it"
+    else:
+        return None
+    return Verdict(rule, where, share, STEP, what, "trainer.mode", "one_step_off",
+                   f"step >= max(gen {gen:.3g} s, training {train:.3g} s): about {bound:.3g} s instead of {f.step_s:.3g} s; "
+                   "samples one policy version behind", min(gen, train) / f.step_s,
+                   [f"gen {gen:.3g} s of a {f.step_s:.3g} s step", f"training stages {train:.3g} s"],
+                   {"gen_s": gen, "training_s": train, "step_s": f.step_s}, {"step_s": bound})
+
+
+def async_idle(f: Facts) -> Optional[Verdict]:
+    """one_step_off / fully_async: verl #7601's reading of the idle-ratio pair."""
+    t, r = f.metrics.get("trainer/idle_ratio"), f.metrics.get("rollouter/idle_ratio")
+    mode, s = f.settings.get("trainer.mode"), f.settings
+    if mode not in ("one_step_off", "fully_async") or t is None or r is None:
+        return None
+    train, gen = training_s(f), f.rollout_busy_s
+    evidence = [f"trainer/idle_ratio {t:.2f}", f"rollouter/idle_ratio {r:.2f}",
+                f"training {train:.3g} s, generation {gen:.3g} s per step"]
+    inputs = {"trainer_idle": t, "rollouter_idle": r, "training_s": train, "generation_s": gen, "step_s": f.step_s}
+    wait = f.trainer.get("wait_rollout", t)
+    if t >= IDLE_HIGH and r >= IDLE_HIGH and mode == "fully_async":  # each waits for the other: the bound, not a side
+        stale, trigger = s.get("async_training.staleness_threshold", 0), s.get("async_training.trigger_parameter_sync_step", 1)
+        key, value = (("async_training.staleness_threshold", 1) if stale < 1 else
+                      ("async_training.trigger_parameter_sync_step", 2 * trigger))
+        bound = max(train, gen)
+        return Verdict("async_both_idle", "the trainer's wait (while the rollouter waits too)", t, STEP,
+                       f"the staleness bound: each side waits for the other, the rollouter may not run ahead "
+                       f"(staleness_threshold={stale:g}, trigger_parameter_sync_step={trigger})", key, value,
+                       f"generation overlaps training: step about max(training, generation) = {bound:.3g} s instead of "
+                       f"{f.step_s:.3g} s; samples up to {max(1, math.ceil(value if key.endswith('threshold') else stale))} "
+                       "versions behind", 1 - bound / f.step_s if f.step_s else 0.0, evidence, inputs, {"step_s": bound})
+    if t >= IDLE_HIGH and r < IDLE_LOW:
+        now = s.get("actor_rollout_ref.rollout.n_gpus_per_node", 1)
+        bound = max(train, gen / 2)
+        return Verdict("rollout_bound", "trainer waiting on the rollout (wait_rollout)", wait, STEP,
+                       f"generation ({gen:.3g} s per step) while the rollouter is never idle",
+                       "actor_rollout_ref.rollout.n_gpus_per_node",
+                       2 * now, f"twice the rollout devices: step about max(training, generation / 2) = {bound:.3g} s",
+                       1 - bound / f.step_s if f.step_s else 0.0, evidence, inputs, {"step_s": bound})
+    if r >= IDLE_HIGH and t < IDLE_LOW:
+        now = s.get("trainer.n_gpus_per_node", 1)
+        bound = max(train / 2, gen)
+        idle_parts = {k: v for k, v in f.rollouter.items() if k.startswith("wait_")}
+        return Verdict("trainer_bound", "rollouter waiting on the trainer", r, STEP,
+                       f"training ({train:.3g} s per step; rollouter waits: " +
+                       ", ".join(f"{k} {100 * v:.0f} %" for k, v in idle_parts.items()) + ")", "trainer.n_gpus_per_node",
+                       2 * now, f"twice the trainer devices: step about max(training / 2, generation) = {bound:.3g} s",
+                       1 - bound / f.step_s if f.step_s else 0.0, evidence, inputs, {"step_s": bound})
+    return None
+
+
+def response_tail(f: Facts) -> Optional[Verdict]:
+    """A long response-length tail (p99 / median >= TAIL_RATIO) holds generation: every decode step
+    waits for the longest response."""
+    p99, med, top = (f.metrics.get(k) for k in ("response_length/p99", "response_length/median", "response_length/max"))
+    if not p99 or not med or p99 / med < TAIL_RATIO:
+        return None
+    mode, s = f.settings.get("trainer.mode", "sync"), f.settings
+    gen_share = f.trainer.get("gen", 0.0) if mode == "sync" else f.metrics.get("trainer/idle_ratio", 0.0)
+    if gen_share < TAIL_GEN_SHARE:
+        return None
+    gen = f.trainer_s.get("gen", 0.0) if mode == "sync" else f.rollout_busy_s
+    if mode == "fully_async" and not s.get("async_training.partial_rollout", True):
+        key, value, cut = "async_training.partial_rollout", True, med / top
+        what = "a sync no longer waits for the longest responses: they finish with the new weights"
+    else:
+        key, value = "data.max_response_length", int(2 * med)
+        cut = min(1.0, value / top) if top else 1.0
+        what = f"responses cut at {value} tokens (changes what is trained)"
+    bound = gen * cut
+    return Verdict("response_tail", "generation", gen_share, STEP,
+                   f"the response-length tail: p99 {p99:.0f} tokens, median {med:.0f} (x{p99 / med:.1f})", key, value,
+                   f"{what}; generation about {bound:.3g} s instead of {gen:.3g} s",
+                   (gen - bound) / f.step_s if f.step_s else 0.0,
+                   [f"response_length/p99 {p99:.0f}", f"response_length/median {med:.0f}", f"generation {gen:.3g} s per step"],
+                   {"p99": p99, "median": med, "max": top, "generation_s": gen}, {"generation_s": bound})
+
+
+def reward_bound(f: Facts) -> Optional[Verdict]:
+    """reward >= REWARD_SHARE with a custom reward: more reward worker processes (reward.num_workers)."""
+    share, reward = f.trainer.get("reward", 0.0), f.trainer_s.get("reward", 0.0)
+    if share < REWARD_SHARE or not f.settings.get("reward.custom_reward_function.path"):
+        return None  # plait's built-in scorer runs in the trainer's process whatever num_workers says
+    now = f.settings.get("reward.num_workers", 0)
+    calls = responses_per_step(f) or 0
+    new = min(8 if now == 0 else 2 * now, max(calls, 2))
+    bound = reward * max(now, 1) / new
+    where = "in the trainer's process" if now == 0 else f"on {now} worker processes"
+    return Verdict("reward_bound", "reward", share, STEP,
+                   f"{calls} reward calls per step at {calls / reward:.0f}/s {where}" if reward else "the reward function",
+                   "reward.num_workers", new, f"reward about {bound:.3g} s instead of {reward:.3g} s (calls in parallel); "
+                   f"step about {f.step_s - reward + bound:.3g} s", (reward - bound) / f.step_s,
+                   [f"reward {reward:.3g} s of a {f.step_s:.3g} s step", f"reward.num_workers={now}",
+                    f"{calls} responses per step"],
+                   {"reward_s": reward, "num_workers": now, "calls": calls, "step_s": f.step_s},
+                   {"reward_s": bound, "step_s": f.step_s - reward + bound})
+
+
+def weight_sync(f: Facts) -> Optional[Verdict]:
+    """The weight sync >= SYNC_SHARE: fewer syncs (fully_async) or an in-process one (colocated)."""
+    stage = next((k for k in ("param_sync", "update_weights") if k in f.trainer), None)
+    if stage is None or f.trainer[stage] < SYNC_SHARE:
+        return None
+    sync, s = f.trainer_s[stage], f.settings
+    evidence = [f"{stage} {sync:.3g} s of a {f.step_s:.3g} s step"]
+    if s.get("trainer.mode") == "fully_async":
+        k = s.get("async_training.trigger_parameter_sync_step", 1)
+        per_update = sync / k
+        return Verdict("weight_sync", stage, f.trainer[stage], STEP, f"one sync per {k} local update(s)",
+                       "async_training.trigger_parameter_sync_step", 2 * k,
+                       f"sync time per local update {per_update / 2:.3g} s instead of {per_update:.3g} s; samples "
+                       "may be one more update behind", (sync / 2) / f.step_s, evidence + [f"trigger_parameter_sync_step={k}"],
+                       {"sync_s": sync, "updates_per_sync": k}, {"sync_s_per_update": per_update / 2})
+    if s.get("trainer.placement") == "separated" and s.get("trainer.mode") == "sync":
+        return Verdict("weight_sync", stage, f.trainer[stage], STEP, "a copy of the weights to the rollout's own process",
+                       "trainer.placement", "colocated", "the rollout reads the actor's weights in place: update_weights "
+                       "near 0", sync / f.step_s, evidence + ["trainer.placement=separated"], {"sync_s": sync}, {"sync_s": 0.0})
+    return None
+
+
+def update_cost(f: Facts) -> Optional[Verdict]:
+    """update_actor >= UPDATE_SHARE and a cause: many small micro-batches (by count, or by token budget
+    with use_dynamic_bsz), padding without packing, or recomputation (gradient checkpointing)."""
+    share, update, s = f.trainer.get("update_actor", 0.0), f.trainer_s.get("update_actor", 0.0), f.settings
+    if share < UPDATE_SHARE or not s:
+        return None
+    epochs, olp = s.get("actor_rollout_ref.actor.ppo_epochs", 1), f.trainer_s.get("old_log_prob", 0.0)
+    bound = UPDATE_OVER_FORWARD * olp * epochs if olp else update / 2
+    how = (f"a forward and backward over the same tokens as old_log_prob ({olp:.3g} s) x {UPDATE_OVER_FORWARD:g}"
+           if olp else "half the update (no old_log_prob pass to measure a forward by)")
+    mini = s.get("actor_rollout_ref.actor.ppo_mini_batch_size")
+    micro = s.get("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu")
+    n = s.get("actor_rollout_ref.rollout.n", 1)
+    evidence = [f"update_actor {update:.3g} s of a {f.step_s:.3g} s step"] + ([f"old_log_prob {olp:.3g} s"] if olp else [])
+    room = _headroom(f)
+    if mini and micro and not s.get("actor_rollout_ref.actor.use_dynamic_bsz") and mini * n / micro >= MICRO_BATCHES \
+            and (room is None or room >= 0.5):  # larger micro-batches need the memory
+        k = math.ceil(mini * n / micro)
+        key, value = "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", min(mini * n, micro * MICRO_BATCHES)
+        driver = f"{k} micro-batches of {micro} samples per optimizer step (ppo_mini_batch_size {mini} x rollout.n {n})"
+    elif s.get("actor_rollout_ref.actor.use_dynamic_bsz") and _token_budgets(f) >= MICRO_BATCHES \
+            and (room is None or room >= 0.5):
+        budget = s["actor_rollout_ref.actor.ppo_max_token_len_per_gpu"]
+        key, value = "actor_rollout_ref.actor.ppo_max_token_len_per_gpu", budget * MICRO_BATCHES
+        driver = f"about {_token_budgets(f):.0f} micro-batches of at most {budget} tokens per optimizer step (use_dynamic_bsz)"
+    elif not s.get("actor_rollout_ref.model.use_remove_padding", True) and f.metrics.get(PADDING, 0) >= PADDING_SHARE:
+        pad = f.metrics[PADDING]
+        key, value = "actor_rollout_ref.model.use_remove_padding", True
+        driver = f"padding: {100 * pad:.0f} % of the batch's tokens"
+        bound = max(bound, update * (1 - pad))
+        how = "the real tokens only (packed)"
+    elif s.get("actor_rollout_ref.model.enable_gradient_checkpointing") and room is not None and room >= 0.5:
+        key, value, driver = "actor_rollout_ref.model.enable_gradient_checkpointing", False, \
+            f"recomputing activations in the backward with {100 * room:.0f} % of memory free"
+        bound = max(bound, update * 0.75)
+        how = "no recomputed forward (about a quarter of the update; more memory)"
+    else:
+        return None
+    if update - bound < MIN_SAVING * f.step_s:
+        return None
+    return Verdict("update_cost", "update_actor", share, STEP, driver, key, value,
+                   f"update_actor about {bound:.3g} s instead of {update:.3g} s ({how})", (update - bound) / f.step_s,
+                   evidence + [driver], {"update_s": update, "old_log_prob_s": olp, "ppo_epochs": epochs, "step_s": f.step_s},
+                   {"update_s": bound, "step_s": f.step_s - update + bound})
+
+
+def _token_budgets(f: Facts) -> float:
+    """With use_dynamic_bsz: the real tokens of one optimizer step over the token budget per micro-batch."""
+    s, per_step = f.settings, responses_per_step(f)
+    budget, tokens = s.get("actor_rollout_ref.actor.ppo_max_token_len_per_gpu"), f.metrics.get("global_seqlen/real_tokens")
+    mini = s.get("actor_rollout_ref.actor.ppo_mini_batch_size", 0) * s.get("actor_rollout_ref.rollout.n", 1)
+    return tokens * mini / per_step / budget if budget and tokens and per_step else 0.0
+
+
+def _headroom(f: Facts) -> Optional[float]:
+    """The free share of the device's memory at the run's peak; None when unknown."""
+    cap, peak = f.settings.get("memory_capacity_gb"), f.memory_peak
+    return 1 - peak["gb"] / cap if cap and peak else None
+
+
+MEMORY_KEYS = {"update_actor": "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",   # stage -> the key whose
+               "old_log_prob": "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu",  # half lowers its peak
+               "ref": "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
+               "update_critic": "critic.ppo_micro_batch_size_per_gpu",
+               "gen": "actor_rollout_ref.rollout.max_num_seqs"}
+
+
+def memory_full(f: Facts) -> Optional[Verdict]:
+    """A stage's peak >= MEMORY_FULL of the device: half the key that sets how many samples it holds."""
+    cap, peak = f.settings.get("memory_capacity_gb"), f.memory_peak
+    if not cap or not peak or peak["gb"] / cap < MEMORY_FULL or peak["stage"] not in MEMORY_KEYS:
+        return None
+    key = MEMORY_KEYS[peak["stage"]]
+    now = f.settings.get(key) or responses_per_step(f)  # null micro-batch: the whole batch at once
+    if not now:
+        return None
+    return Verdict("memory_full", f"memory in {peak['stage']}", peak["gb"] / cap, "of the device's memory at its peak",
+                   f"the stage's peak {peak['gb']:.3g} GB of {cap:.3g} GB at step {peak['step']} ({peak['metric']})",
+                   key, max(1, now // 2),
+                   f"{peak['stage']}'s peak lower (half the samples at once); an out-of-memory less likely",
+                   0.0, [f"{peak['metric']} {peak['gb']:.3g} GB", f"capacity {cap:.3g} GB"],
+                   {"peak_gb": peak["gb"], "capacity_gb": cap, "stage": peak["stage"]}, {})
+
+
+def overhead(f: Facts) -> list[Verdict]:
+    """Validation, checkpoints, the profiler >= OVERHEAD_SHARE of the wall time after start-up."""
+    w, s = f.wall, f.settings
+    total = w.get("total", 0.0) - w.get("startup", 0.0)
+    out = []
+    for part in ("validation", "checkpoints", "profiler"):
+        spent = w.get(part, 0.0)
+        if total <= 0 or spent / total < OVERHEAD_SHARE:
+            continue
+        target = OVERHEAD_TARGET / (1 - OVERHEAD_TARGET) * (total - spent)  # seconds that would make it ~10 %
+        fix = _overhead_fix(part, s, spent, target)
+        if fix is None:
+            continue
+        key, value, driver, after, how = fix
+        out.append(Verdict(f"{part}_share", part, spent / total, WALL, driver, key, value,
+                           f"{part} about {after:.3g} s instead of {spent:.3g} s ({how})", (spent - after) / total,
+                           [f"{part} {spent:.3g} s of {total:.3g} s", f"steps {w.get('steps', 0.0):.3g} s", driver],
+                           {"spent_s": spent, "wall_s": total, "now": s.get(key)}, {"spent_s": after}))
+    return out
+
+
+TOKEN_END = "actor_rollout_ref.rollout.profiler.tool_config.torch.profile_token_end"
+FREQ = {"validation": "trainer.test_freq", "checkpoints": "trainer.save_freq"}
+
+
+def _overhead_fix(part: str, s: dict, spent: float, target: float) -> Optional[tuple]:
+    """(key, value, what drives it, seconds after, how) or None when no setting would help."""
+    if part == "profiler":
+        steps = s.get("global_profiler.steps") or []
+        if len(steps) > 1:
+            return ("global_profiler.steps", [steps[0]], f"{len(steps)} profiled windows ({s.get('global_profiler.tool')})",
+                    spent / len(steps), "one window")
+        if s.get("actor_rollout_ref.rollout.profiler.enable") and s.get(TOKEN_END) is None:
+            return (TOKEN_END, 32, "the rollout's trace of every decode step", min(spent, target),
+                    "32 decode steps per generate in the trace: docs/profiling.md measured 268.7 s to 5.6 s on vLLM")
+        return None
+    freq = s.get(FREQ[part])
+    if not isinstance(freq, int) or freq <= 0:
+        return None
+    new = max(freq + 1, math.ceil(freq * spent / max(target, 1e-9)))
+    return FREQ[part], new, f"{part} every {freq} step(s) ({FREQ[part]}={freq})", spent * freq / new, f"every {new} steps"
+
+
+def unattributed(f: Facts) -> Optional[Verdict]:
+    """Time no span names >= HOLE_SHARE of the step: the verdicts above cannot see into it."""
+    share = f.trainer.get(UNATTRIBUTED, 0.0)
+    if share < HOLE_SHARE:
+        return None
+    return Verdict("unattributed", "unattributed (no span)", share, STEP,
+                   "trainer time between spans that no span names", "", None,
+                   "a span that names it; until then every other share here is of a step partly unexplained",
+                   share, [f"unattributed {f.trainer_s.get(UNATTRIBUTED, 0.0):.3g} s of a {f.step_s:.3g} s step"],
+                   {"unattributed_s": f.trainer_s.get(UNATTRIBUTED, 0.0), "step_s": f.step_s}, {})
+
+
+RULES: list[Callable[[Facts], Any]] = [generation_bound, async_idle, response_tail, reward_bound, weight_sync,
+                                       update_cost, memory_full, overhead, unattributed]
+
+
+def verdicts(f: Facts, top: int = 3, skipped: Optional[list[str]] = None) -> list[Verdict]:
+    """The rules' verdicts that stand out, one per key, ranked by what they could save. A rule that
+    cannot read the records (a summary.json edited by hand, from another version) is left out and
+    named in `skipped`; the others still speak."""
+    found = []
+    for rule in RULES:
+        try:
+            got = rule(f)
+        except (TypeError, ValueError, KeyError, ZeroDivisionError) as err:
+            (skipped if skipped is not None else []).append(f"{rule.__name__}: {type(err).__name__}: {err}")
+            continue
+        found += got if isinstance(got, list) else [got] if got else []
+    keep = [v for v in found if v.saving >= MIN_SAVING or v.rule == "memory_full"]
+    keep.sort(key=lambda v: -v.saving)
+    out, keys = [], set()
+    for v in keep:
+        if v.key not in keys or not v.key:
+            out.append(v)
+            keys.add(v.key)
+    return out[:top]
+
+
+def settings_of(flat_config: dict[str, Any], memory_capacity_gb: Optional[float]) -> dict[str, Any]:
+    """summary.json's `settings`: the SETTINGS keys of the run's flattened config, and the device's memory."""
+    return {**{k: flat_config[k] for k in SETTINGS if k in flat_config}, "memory_capacity_gb": memory_capacity_gb}
+
+
+def of_run(spans: list[dict], metrics: list[dict], summary: Optional[dict]) -> Facts:
+    """Facts from a run's timeline spans, its step records and its summary.json (or None)."""
+    from plait.profiler.analysis.accounting import account
+    return facts(account(spans), [m for m in metrics if m.get("step", 0) >= 1], summary)
+
+
+def report(f: Facts) -> dict:
+    """verdict.json: the verdicts, and every rule's facts (so a reader can redo the numbers)."""
+    skipped: list[str] = []
+    return {"verdicts": [v.as_dict() for v in verdicts(f, skipped=skipped)], "skipped_rules": skipped,
+            "facts": asdict(f),
+            "thresholds": {k: v for k, v in globals().items() if k.isupper() and type(v) in (int, float)}}

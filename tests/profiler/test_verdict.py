@@ -1,0 +1,206 @@
+"""The verdict's rules, one by one, on small synthetic facts (medians a run would have recorded):
+each fires on its planted cause with the right key and a bound computed from the measured parts,
+and stays silent just below its threshold or without a cause; the ranking keeps one line per key."""
+
+import json
+import os
+
+import pytest
+
+from plait.profiler.analysis import verdict as V
+from plait.profiler.analysis.accounting import StepTime
+from plait.profiler.timeline import read_timeline
+
+SYNC = {"trainer.mode": "sync", "trainer.placement": "colocated", "data.train_batch_size": 8,
+        "actor_rollout_ref.rollout.n": 4, "actor_rollout_ref.actor.ppo_mini_batch_size": 8,
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": 32, "actor_rollout_ref.actor.ppo_epochs": 1,
+        "actor_rollout_ref.actor.use_dynamic_bsz": False, "actor_rollout_ref.model.use_remove_padding": True,
+        "actor_rollout_ref.model.enable_gradient_checkpointing": False, "reward.num_workers": 0,
+        "reward.custom_reward_function.path": None, "trainer.test_freq": 5, "trainer.save_freq": 10,
+        "global_profiler.steps": None, "memory_capacity_gb": 80.0}
+
+
+def facts(seconds: dict, settings=None, metrics=None, wall=None, rollouter=None, busy=0.0, peak=None) -> V.Facts:
+    """Facts of a steady run whose every step spends `seconds` per trainer part."""
+    step = sum(seconds.values())
+    return V.Facts(steps=4, step_s=step, trainer={k: v / step for k, v in seconds.items()}, trainer_s=dict(seconds),
+                   rollouter=rollouter or {}, rollout_busy_s=busy, metrics=metrics or {}, wall=wall or {},
+                   settings={**SYNC, **(settings or {})}, memory_peak=peak)
+
+
+BALANCED = {"gen": 1.0, "reward": 0.3, "old_log_prob": 1.0, "adv": 0.1, "update_actor": 3.0, "update_weights": 0.2,
+            "log": 0.05, "unattributed": 0.05}
+
+
+def test_a_balanced_run_gets_no_verdict():
+    assert V.verdicts(facts(BALANCED)) == []
+
+
+def test_generation_bound_sync_run_is_told_to_overlap_with_the_bound():
+    f = facts({**BALANCED, "gen": 5.0})
+    v = V.generation_bound(f)
+    assert (v.where, v.key, v.value) == ("gen (rollout)", "trainer.mode", "one_step_off")
+    train = 0.3 + 1.0 + 0.1 + 3.0 + 0.2
+    assert v.predicted["step_s"] == pytest.approx(f.step_s - min(5.0, train))  # the overlap hides the shorter side
+    assert "32 responses per step" in v.driver
+    assert V.verdicts(f)[0].rule == "generation_bound"
+    assert V.generation_bound(facts({**BALANCED, "gen": 2.0})) is None  # 2.0 / 6.7: below GEN_SHARE, overlap hides 30 %-
+    training = V.generation_bound(facts({**BALANCED, "gen": 3.0}))    # 3.0 / 7.7 < GEN_SHARE, but overlap hides 39 %
+    assert (training.rule, training.where, training.key) == ("training_bound", "the training stages", "trainer.mode")
+    assert V.generation_bound(facts({**BALANCED, "gen": 5.0}, {"trainer.mode": "one_step_off"})) is None
+
+
+ASYNC = {"trainer.mode": "fully_async", "async_training.staleness_threshold": 0,
+         "async_training.trigger_parameter_sync_step": 1, "actor_rollout_ref.rollout.n_gpus_per_node": 2,
+         "trainer.n_gpus_per_node": 4}
+TRAIN = {"reward": 0.2, "old_log_prob": 1.0, "update_actor": 2.6, "param_sync": 0.2}
+
+
+def test_async_idle_pair_reads_verl_7601s_table():
+    both = facts({**TRAIN, "wait_rollout": 3.5}, ASYNC, {"trainer/idle_ratio": 0.45, "rollouter/idle_ratio": 0.5}, busy=3.9)
+    v = V.async_idle(both)
+    assert (v.rule, v.key, v.value) == ("async_both_idle", "async_training.staleness_threshold", 1)
+    assert v.predicted["step_s"] == pytest.approx(max(4.0, 3.9))
+    stale = facts({**TRAIN, "wait_rollout": 3.5}, {**ASYNC, "async_training.staleness_threshold": 1},
+                  {"trainer/idle_ratio": 0.45, "rollouter/idle_ratio": 0.5}, busy=3.9)
+    assert (V.async_idle(stale).key, V.async_idle(stale).value) == ("async_training.trigger_parameter_sync_step", 2)
+    rollout = V.async_idle(facts({**TRAIN, "wait_rollout": 4.0}, ASYNC, {"trainer/idle_ratio": 0.5, "rollouter/idle_ratio": 0.02},
+                                 busy=8.0))
+    assert (rollout.rule, rollout.key, rollout.value) == ("rollout_bound", "actor_rollout_ref.rollout.n_gpus_per_node", 4)
+    assert rollout.predicted["step_s"] == pytest.approx(max(4.0, 8.0 / 2))
+    trainer = V.async_idle(facts({**TRAIN, "wait_rollout": 0.1}, ASYNC, {"trainer/idle_ratio": 0.02, "rollouter/idle_ratio": 0.6},
+                                 rollouter={"generate": 0.4, "wait_capacity": 0.6}, busy=1.6))
+    assert (trainer.rule, trainer.key, trainer.value) == ("trainer_bound", "trainer.n_gpus_per_node", 8)
+    assert "wait_capacity 60 %" in trainer.driver
+    assert V.async_idle(facts(TRAIN, ASYNC, {"trainer/idle_ratio": 0.2, "rollouter/idle_ratio": 0.2})) is None
+    assert V.async_idle(facts(TRAIN, SYNC, {"trainer/idle_ratio": 0.9, "rollouter/idle_ratio": 0.0})) is None
+
+
+def test_a_long_response_tail_suggests_a_cap_or_partial_rollout():
+    tail = {"response_length/p99": 900.0, "response_length/median": 100.0, "response_length/max": 1000.0}
+    v = V.response_tail(facts({**BALANCED, "gen": 4.0}, metrics=tail))
+    assert (v.key, v.value) == ("data.max_response_length", 200)
+    assert v.predicted["generation_s"] == pytest.approx(4.0 * 200 / 1000)  # decode steps follow the longest response
+    async_ = V.response_tail(facts({**TRAIN, "wait_rollout": 3.0}, {**ASYNC, "async_training.partial_rollout": False},
+                                   {**tail, "trainer/idle_ratio": 0.4}, busy=6.0))
+    assert (async_.key, async_.value) == ("async_training.partial_rollout", True)
+    assert V.response_tail(facts({**BALANCED, "gen": 4.0}, metrics={**tail, "response_length/p99": 250.0})) is None
+
+
+def test_a_slow_reward_asks_for_reward_workers():
+    f = facts({**BALANCED, "reward": 4.0}, {"reward.custom_reward_function.path": "/r.py"})
+    v = V.reward_bound(f)
+    assert (v.where, v.key, v.value) == ("reward", "reward.num_workers", 8)
+    assert v.predicted["reward_s"] == pytest.approx(4.0 / 8)
+    assert "32 reward calls per step" in v.driver and "in the trainer's process" in v.driver
+    more = V.reward_bound(facts({**BALANCED, "reward": 4.0}, {"reward.custom_reward_function.path": "/r.py", "reward.num_workers": 4}))
+    assert more.value == 8 and more.predicted["reward_s"] == pytest.approx(2.0)
+    assert V.reward_bound(facts({**BALANCED, "reward": 4.0})) is None  # the built-in scorer: no workers to add
+    assert V.reward_bound(facts(BALANCED, {"reward.custom_reward_function.path": "/r.py"})) is None
+
+
+def test_weight_sync_share_names_its_knob():
+    v = V.weight_sync(facts({**TRAIN, "param_sync": 2.0}, ASYNC))
+    assert (v.key, v.value) == ("async_training.trigger_parameter_sync_step", 2)
+    sep = V.weight_sync(facts({**BALANCED, "update_weights": 2.0}, {"trainer.placement": "separated"}))
+    assert (sep.key, sep.value) == ("trainer.placement", "colocated")
+    assert V.weight_sync(facts({**BALANCED, "update_weights": 2.0})) is None  # colocated already
+    assert V.weight_sync(facts(TRAIN, ASYNC)) is None                          # 0.2 of 4.0: below SYNC_SHARE
+
+
+def test_update_cost_finds_its_cause():
+    tiny = {"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": 1}
+    v = V.update_cost(facts({**BALANCED, "update_actor": 9.0}, tiny))
+    assert (v.key, v.value) == ("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", 4)
+    assert v.predicted["update_s"] == pytest.approx(3.0 * 1.0)  # 3 x old_log_prob's forward over the same tokens
+    assert "32 micro-batches" in v.driver
+    dyn = V.update_cost(facts({**BALANCED, "update_actor": 9.0}, {"actor_rollout_ref.actor.use_dynamic_bsz": True,
+                                                                  "actor_rollout_ref.actor.ppo_max_token_len_per_gpu": 1024},
+                              {"global_seqlen/real_tokens": 16384.0}))  # the step's 16k tokens in 16 budgets of 1k
+    assert (dyn.key, dyn.value) == ("actor_rollout_ref.actor.ppo_max_token_len_per_gpu", 4096)
+    pad = V.update_cost(facts({**BALANCED, "update_actor": 9.0}, {"actor_rollout_ref.model.use_remove_padding": False},
+                              {"global_seqlen/padding_ratio": 0.6}))
+    assert (pad.key, pad.value) == ("actor_rollout_ref.model.use_remove_padding", True)
+    ckpt = V.update_cost(facts({**BALANCED, "update_actor": 9.0}, {"actor_rollout_ref.model.enable_gradient_checkpointing": True},
+                               peak={"gb": 20.0, "stage": "update_actor", "metric": "m", "step": 2}))
+    assert (ckpt.key, ckpt.value) == ("actor_rollout_ref.model.enable_gradient_checkpointing", False)
+    assert V.update_cost(facts({**BALANCED, "update_actor": 9.0})) is None  # one micro-batch, packed, no recompute
+    full = {"gb": 70.0, "stage": "update_actor", "metric": "m", "step": 2}  # larger micro-batches would not fit
+    assert V.update_cost(facts({**BALANCED, "update_actor": 9.0}, tiny, peak=full)) is None
+
+
+def test_memory_near_the_device_limit_names_the_stage_and_key():
+    peak = {"gb": 76.0, "stage": "update_actor", "metric": "memory/update_actor/peak_allocated_gb", "step": 3}
+    v = V.memory_full(facts(BALANCED, peak=peak))
+    assert (v.where, v.key, v.value) == ("memory in update_actor", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", 16)
+    olp = V.memory_full(facts(BALANCED, peak={**peak, "stage": "old_log_prob"}))  # null: the whole batch (32) at once
+    assert (olp.key, olp.value) == ("actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu", 16)
+    assert V.verdicts(facts(BALANCED, peak=peak))[0].rule == "memory_full"  # saves no time, still said
+    assert V.memory_full(facts(BALANCED, peak={**peak, "gb": 60.0})) is None
+
+
+def test_validation_checkpoint_and_profiler_shares_of_the_wall_time():
+    wall = {"total": 110.0, "startup": 10.0, "steps": 50.0, "validation": 40.0, "checkpoints": 5.0, "profiler": 5.0}
+    v = V.overhead(facts(BALANCED, wall=wall))
+    assert [(x.key, x.value) for x in v] == [("trainer.test_freq", 30)]  # 40 s every 5 steps -> 6.7 s: 10 % of 66.7
+    assert v[0].predicted["spent_s"] == pytest.approx(40.0 * 5 / 30)
+    prof = V.overhead(facts(BALANCED, {"global_profiler.steps": [2, 4, 6], "global_profiler.tool": "torch"},
+                            wall={**wall, "validation": 5.0, "profiler": 40.0}))
+    assert [(x.key, x.value) for x in prof] == [("global_profiler.steps", [2])]
+    token = V.overhead(facts(BALANCED, {"global_profiler.steps": [2], "actor_rollout_ref.rollout.profiler.enable": True},
+                             wall={**wall, "validation": 5.0, "profiler": 40.0}))
+    assert token[0].key == V.TOKEN_END
+    assert V.overhead(facts(BALANCED, {"trainer.test_freq": -1}, wall=wall)) == []  # only val_before_train: no frequency
+
+
+def test_unattributed_time_is_never_ignored():
+    v = V.unattributed(facts({**BALANCED, "unattributed": 2.0}))
+    assert v.rule == "unattributed" and v.key == "" and "see the Gantt" in v.line()
+    assert V.unattributed(facts(BALANCED)) is None
+
+
+def test_the_line_ranking_and_one_verdict_per_key():
+    f = facts({**BALANCED, "gen": 6.0, "reward": 3.0}, {"reward.custom_reward_function.path": "/r.py"},
+              wall={"total": 100.0, "startup": 0.0, "validation": 30.0})
+    got = V.verdicts(f)
+    assert [v.rule for v in got] == sorted([v.rule for v in got], key=lambda r: -next(x.saving for x in got if x.rule == r))
+    assert len({v.key for v in got}) == len(got) <= 3
+    line = got[0].line()
+    assert line.startswith(f"{got[0].where} is ") and "% of the step (median over the steps); driven by" in line
+    assert "; try " in line and "(expected: " in line
+
+
+def test_facts_come_from_accounted_steps_and_records():
+    steps = [StepTime(i, float(i), 2.0, {"trainer (MainThread)": {"gen": 1.5, "update_actor": 0.5, "unattributed": 0.0},
+                                         "rollout (plait-rollouter)": {"generate": 1.0, "wait_capacity": 1.0}}) for i in (1, 2, 3)]
+    f = V.facts(steps, [{"step": i, "trainer/idle_ratio": 0.1 * i} for i in (1, 2, 3)], {"settings": {"trainer.mode": "sync"}})
+    assert (f.step_s, f.trainer["gen"], f.rollout_busy_s, f.metrics["trainer/idle_ratio"]) == (2.0, 0.75, 1.0, pytest.approx(0.2))
+    assert V.report(f)["thresholds"]["MIN_SAVING"] == V.MIN_SAVING
+
+
+FIXTURES = os.path.join(os.path.dirname(__file__), "..", "fixtures", "verdict")
+
+
+@pytest.mark.parametrize("name, rule, key", [
+    ("fully_async_staleness0", "async_both_idle", "async_training.staleness_threshold"),
+    ("sync_slow_reward", "reward_bound", "reward.num_workers"),
+    ("sync_tiny_micro_batch", "update_cost", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu")])
+def test_recorded_runs_from_timeline_to_verdict(name, rule, key):
+    """Files of three tiny planted runs (tests/fixtures/verdict: timeline.jsonl, metrics.jsonl and
+    summary.json, captured as recorded): the whole path, accounting to facts to the ranked verdict."""
+    folder = os.path.join(FIXTURES, name)
+    spans = read_timeline(os.path.join(folder, "timeline.jsonl"))
+    metrics = [json.loads(line) for line in open(os.path.join(folder, "metrics.jsonl"))]
+    summary = json.load(open(os.path.join(folder, "summary.json")))
+    f = V.of_run(spans, metrics, summary)
+    assert f.steps == 4 and sum(f.trainer_s.values()) == pytest.approx(f.step_s, rel=0.2)  # medians of parts ~ the median
+    got = V.verdicts(f)
+    assert (got[0].rule, got[0].key) == (rule, key)
+    assert json.loads(json.dumps(V.report(f)))["verdicts"][0]["line"] == got[0].line()
+
+
+def test_a_rule_that_cannot_read_its_settings_is_named_and_the_others_still_speak():
+    f = facts({**BALANCED, "reward": 4.0}, {"reward.custom_reward_function.path": "/r.py", "reward.num_workers": "four"})
+    judged = V.report(f)
+    assert judged["skipped_rules"] and judged["skipped_rules"][0].startswith("reward_bound: TypeError")
+    assert V.verdicts(facts({**BALANCED, "gen": 6.0}, {"reward.num_workers": "four"}))[0].rule == "generation_bound"

@@ -1,0 +1,120 @@
+"""Planted runs: short CPU runs of the tiny demo model, each with one bottleneck made large on purpose
+(a sleeping reward, long responses, staleness 0, one-sample micro-batches, validation every step).
+The run's own end-of-run verdict (summary.json) must name the planted stage and key first, and a
+balanced run must get none. One test applies the reward verdict's suggestion and checks that the step
+moves toward the bound it predicted; another reads the verdict back through `plait profile report`
+(console first line, the page's first section, --json with inputs and predicted bound).
+
+No wall-clock numbers are asserted: only which stage dominates and ratios within one test."""
+
+import json
+import os
+
+import pytest
+import torch
+
+from plait import cli, driver
+from plait.profiler.analysis import verdict as V
+from plait.profiler.timeline import read_timeline
+
+torch.set_num_threads(1)
+QUIET = ["trainer.val_before_train=false", "trainer.test_freq=-1", "trainer.save_freq=-1",
+         "trainer.total_training_steps=4"]
+SLOW_REWARD = '''
+import time
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    time.sleep(0.05)  # 16 calls a step: 0.8 s in one process, a tenth of it on 8 workers
+    return 0.0
+'''
+LONG = ["actor_rollout_ref.rollout.ignore_eos=true"]
+# few responses in one forward and backward (no separate old_log_prob pass): decoding 256 tokens one
+# at a time costs about the same, training far less, so generation stands out
+ONE_UPDATE = ["data.train_batch_size=2", "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+              "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4"]
+
+
+def planted(tmp_path, tiny_config, *overrides) -> dict:
+    driver.build(tiny_config(tmp_path, *QUIET, *overrides), progress=False).run()
+    with open(os.path.join(tmp_path, "summary.json")) as f:
+        return json.load(f)
+
+
+def slow_reward(tmp_path) -> list[str]:
+    path = tmp_path / "slow_reward.py"
+    path.write_text(SLOW_REWARD)
+    return [f"custom_reward_function.path={path}", "reward.num_workers=0"]
+
+
+def first(summary: dict) -> dict:
+    assert summary["verdict"], "no verdict for a planted bottleneck"
+    print(summary["verdict"][0]["line"])
+    return summary["verdict"][0]
+
+
+def test_a_balanced_run_gets_no_verdict(tmp_path, tiny_config):
+    assert planted(tmp_path, tiny_config)["verdict"] == []
+
+
+def test_a_slow_reward_in_process(tmp_path, tiny_config):
+    v = first(planted(tmp_path, tiny_config, *slow_reward(tmp_path)))
+    assert (v["where"], v["key"], v["value"]) == ("reward", "reward.num_workers", 8)
+
+
+def test_a_generation_heavy_sync_run(tmp_path, tiny_config):
+    v = first(planted(tmp_path, tiny_config, "data.max_response_length=256", *LONG, *ONE_UPDATE))
+    assert (v["where"], v["key"], v["value"]) == ("gen (rollout)", "trainer.mode", "one_step_off")
+
+
+def test_a_fully_async_run_held_back_by_staleness_zero(tmp_path, tiny_config):
+    v = first(planted(tmp_path, tiny_config, "trainer.mode=fully_async", "trainer.placement=separated",
+                      "async_training.staleness_threshold=0", "data.max_response_length=80", *LONG))
+    assert (v["rule"], v["key"], v["value"]) == ("async_both_idle", "async_training.staleness_threshold", 1)
+    assert "wait_rollout" not in v["where"] and "staleness_threshold=0" in v["driver"]
+
+
+def test_an_update_heavy_run_with_a_tiny_micro_batch(tmp_path, tiny_config):
+    v = first(planted(tmp_path, tiny_config, "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1"))
+    assert (v["where"], v["key"], v["value"]) == ("update_actor", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", 4)
+
+
+def test_a_run_whose_validation_dominates(tmp_path, tiny_config):
+    v = first(planted(tmp_path, tiny_config, "trainer.test_freq=1", "data.val_size=64",
+                      "actor_rollout_ref.rollout.val_kwargs.n=8"))
+    assert (v["where"], v["key"]) == ("validation", "trainer.test_freq") and v["value"] > 1
+
+
+def cycle_s(out) -> float:
+    """The median step cycle, as the verdict measures it."""
+    metrics = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+    return V.of_run(read_timeline(os.path.join(out, "timeline.jsonl")), metrics, None).step_s
+
+
+def test_applying_the_reward_verdict_moves_the_step_toward_its_bound(tmp_path, tiny_config):
+    before, after = tmp_path / "before", tmp_path / "after"
+    reward = slow_reward(tmp_path)
+    v = first(planted(before, tiny_config, *reward))
+    predicted = v["predicted"]["step_s"]
+    planted(after, tiny_config, *reward, f"{v['key']}={v['value']}")
+    was, now = cycle_s(before), cycle_s(after)
+    print(f"step {was:.3f} s -> {now:.3f} s; predicted {predicted:.3f} s")
+    assert v["inputs"]["step_s"] == pytest.approx(was)
+    assert now < was and abs(now - predicted) < abs(was - predicted)
+    assert was - now >= 0.5 * (was - predicted)  # at least half the predicted gain (process hand-off costs the rest)
+
+
+def test_the_report_shows_the_verdict_first_with_its_evidence(tmp_path, tiny_config, capsys):
+    planted(tmp_path, tiny_config, *slow_reward(tmp_path))
+    capsys.readouterr()
+    assert cli.main(["profile", "report", str(tmp_path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("verdict: reward is ") and "try reward.num_workers=8" in lines[0]
+    assert lines[1].startswith("  evidence: reward ")
+    page = open(tmp_path / "report" / "index.html").read()
+    assert page.index("id='verdict'") < page.index("id='summary'") < page.index("id='gantt'")
+    assert "rests on: reward " in page
+    assert cli.main(["profile", "report", str(tmp_path), "--json"]) == 0
+    judged = json.loads(capsys.readouterr().out)
+    v = judged["verdicts"][0]
+    assert v["rule"] == "reward_bound" and v["predicted"]["reward_s"] < v["inputs"]["reward_s"]
+    assert judged["facts"]["trainer"]["reward"] > 0.5 and judged["thresholds"]["REWARD_SHARE"] == V.REWARD_SHARE
+    assert json.load(open(tmp_path / "report" / "verdict.json")) == judged

@@ -25,7 +25,7 @@ import yaml
 from plait.algorithms.names import (BYPASS_LOSS_TYPES, ESTIMATOR_NAMES as ESTIMATORS, IS_LEVELS,
                                     KL_ESTIMATOR_NAMES as KL_ESTIMATORS, LOSS_AGG_MODES,
                                     POLICY_LOSS_NAMES as POLICY_LOSSES, parse_rs)
-from plait.config_verl import (CPU_NO_EFFECT, CPU_RAY_NO_EFFECT, HF_ENGINE_NO_EFFECT, LEGACY_REWARD,
+from plait.config_verl import (CPU_NO_EFFECT, CPU_RAY_NO_EFFECT, FIELD_NO_EFFECT, HF_ENGINE_NO_EFFECT, LEGACY_REWARD,
                                LOCAL_BACKEND_NO_EFFECT, NO_EFFECT, RECIPE_ROLLOUT_POOL, compose_yaml, merge, refusal,
                                resolve_interpolations)
 from plait.configtree import ConfigError, build, check, raise_all, to_dict
@@ -65,6 +65,9 @@ class DataConfig:
     return_raw_chat: bool = True
     shuffle: bool = True
     seed: Optional[int] = None                # null: trainer.seed
+    image_key: str = "images"                 # verl's multimodal columns: a row holding any is refused (text-only
+    video_key: str = "videos"                 # trainers; the images would otherwise be dropped without a word)
+    audio_key: str = "audios"
 
     def __post_init__(self):
         # 0 is verl's fully-async setting (the rollouter streams); PlaitConfig checks the mode and sizes it
@@ -97,6 +100,7 @@ class ModelConfig:
     lora_alpha: int = 16
     target_modules: Union[str, list[str]] = "all-linear"
     lora_adapter_path: Optional[str] = None   # a saved peft adapter to start from (with lora_rank > 0)
+    override_config: dict[str, Any] = field(default_factory=dict)  # set over the checkpoint's config.json (verl's)
 
     def __post_init__(self):
         check(self.lora_rank >= 0, "lora_rank", self.lora_rank, "0 (off) or the LoRA rank")
@@ -915,6 +919,8 @@ def load_config(path: str | None = None, overrides: list[str] = (), search: list
     if on_cpu and offload_set:
         cluster = {**cluster, **CPU_NO_EFFECT}
     no_effect += [key for key in user if key in cluster]
+    inert = {key: why for key, (default, why) in FIELD_NO_EFFECT.items() if user.get(key, default) != default}
+    no_effect, cluster = no_effect + list(inert), {**cluster, **inert}
     if cfg.actor_rollout_ref.rollout.name == "hf":
         no_effect += [key for key in user if any(p in HF_ENGINE_NO_EFFECT for p in _prefixes(key))]
     if no_effect:

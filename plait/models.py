@@ -280,6 +280,29 @@ def add_lora(model: PreTrainedModel, rank: int, alpha: float, target_modules: st
     return get_peft_model(model, config)
 
 
+def config_overlay(path: str | Path, overrides: dict, folder: str | Path) -> str:
+    """verl's `model.override_config`: a folder holding the model at `path` (its files linked, not copied)
+    with `overrides` set over its config.json (nested dicts merged), for every role and engine to load. As in
+    verl, a key the model's class does not read is set and has no effect (DAPO's scripts set GPT-2's embd_pdrop
+    on Qwen2)."""
+    source, folder = Path(_local_dir(path)), Path(folder)
+    config = json.loads((source / "config.json").read_text())
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    for item in source.iterdir():
+        if item.name != "config.json":
+            (folder / item.name).symlink_to(item.resolve())
+    (folder / "config.json").write_text(json.dumps(_merged(config, overrides), indent=2))
+    return str(folder)
+
+
+def _merged(base: dict, top: dict) -> dict:
+    out = dict(base)
+    for key, value in top.items():
+        out[key] = _merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
 def merged_state_dict(peft_model) -> dict[str, torch.Tensor]:
     """The base model's state dict with each adapter's delta added, under the base model's own
     names: what a plain copy of the model (the rollout's) loads. The model itself is untouched

@@ -517,6 +517,17 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def resolve_model(cfg: PlaitConfig) -> str:
+    """The policy's starting weights, with `model.override_config` set over their config (models.config_overlay)."""
+    from plait.models import config_overlay
+    path, overrides = base_model(cfg), cfg.actor_rollout_ref.model.override_config
+    if not overrides:
+        return path
+    folder = config_overlay(path, overrides, os.path.join(cfg.output_dir, "model_override"))
+    print(f"plait: actor_rollout_ref.model.override_config {overrides} set over {path}'s config: {folder}", file=sys.stderr)
+    return folder
+
+
+def base_model(cfg: PlaitConfig) -> str:
     """The policy's starting weights: the user's directory, a built-in model (built once, cached), or
     the demo model warm-started once and cached."""
     from plait.data.warmstart import sft_warmstart
@@ -580,7 +591,8 @@ def build_lm_trainer(cfg: PlaitConfig, backend, device: str):
     d = cfg.data
     options = dict(prompt_key=d.prompt_key, max_prompt_length=d.max_prompt_length, truncation=d.truncation,
                    filter_overlong_prompts=d.filter_overlong_prompts, return_raw_chat=d.return_raw_chat,
-                   reward_fn_key=d.reward_fn_key)
+                   reward_fn_key=d.reward_fn_key, media_keys={"data.image_key": d.image_key,
+                                                              "data.video_key": d.video_key, "data.audio_key": d.audio_key})
     train_data = load_dataset("data.train_files", train_files, tokenizer, **options)
     val_data = load_dataset("data.val_files", val_files, tokenizer, **options) if val_files else None
     if d.filter_overlong_prompts:

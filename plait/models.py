@@ -119,11 +119,37 @@ def load_causal_lm(path: str | Path, dtype: torch.dtype = torch.float32,
     return model.to(device)
 
 
+RM_KEY = "reward.reward_model.model_path"
+GENRM = ("plait's reward model is a *ForSequenceClassification checkpoint with its trained score head; a causal LM "
+         "that judges (verl's generative reward model, GenRM) is not implemented, and loading one as a classifier "
+         "would score with a randomly initialised head")
+
+
+def check_reward_model_dir(path: str | Path) -> None:
+    """A reward model directory whose config.json names no *ForSequenceClassification architecture is a
+    ConfigError (read as JSON: nothing runs)."""
+    try:
+        config = json.loads((Path(path) / "config.json").read_text())
+    except FileNotFoundError:
+        raise ConfigError(RM_KEY, str(path), "no config.json: not a Hugging Face model directory") from None
+    except (ValueError, OSError) as err:
+        raise ConfigError(RM_KEY, str(path), f"config.json is unreadable ({type(err).__name__}: {err})") from None
+    arch = (config.get("architectures") or []) if isinstance(config, dict) else []
+    if not any(str(a).endswith("ForSequenceClassification") for a in arch):
+        raise ConfigError(RM_KEY, str(path), f"a {', '.join(map(str, arch)) or 'model with no architectures'} "
+                                             f"checkpoint: {GENRM}")
+
+
 def load_reward_model(path: str | Path, dtype: torch.dtype = torch.float32,
                       device: str | torch.device = "cpu") -> PreTrainedModel:
-    """A local HF sequence-classification model with one label (a reward model), frozen, in eval mode."""
-    model = AutoModelForSequenceClassification.from_pretrained(_local_dir(path), num_labels=1, dtype=dtype,
-                                                               local_files_only=True)
+    """A local HF sequence-classification model with one label (a reward model), frozen, in eval mode.
+    A checkpoint without the head's weights (transformers would initialise it at random) is a ConfigError."""
+    check_reward_model_dir(_local_dir(path))
+    model, info = AutoModelForSequenceClassification.from_pretrained(
+        _local_dir(path), num_labels=1, dtype=dtype, local_files_only=True, output_loading_info=True)
+    if info["missing_keys"]:
+        raise ConfigError(RM_KEY, str(path), f"its weights lack {', '.join(sorted(info['missing_keys'])[:4])}: "
+                                             f"{GENRM}")
     return model.to(device).eval().requires_grad_(False)
 
 

@@ -42,6 +42,21 @@ def script_overrides(name: str, paths: dict[str, str]) -> list[str]:
     return args
 
 
+def tiny_classifier(path) -> str:
+    """A reward model: a tiny Qwen2 sequence classifier (score head saved) over the char tokenizer."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForSequenceClassification
+
+    from plait.models import TINY_SIZES, build_char_tokenizer
+    tokenizer = build_char_tokenizer()
+    config = Qwen2Config(vocab_size=len(tokenizer), num_labels=1, pad_token_id=tokenizer.pad_token_id, **TINY_SIZES["xs"])
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        Qwen2ForSequenceClassification(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
 @pytest.fixture(scope="module")
 def tiny_paths(tmp_path_factory):
     from plait.data.tasks import write_task_files
@@ -49,7 +64,7 @@ def tiny_paths(tmp_path_factory):
     root = tmp_path_factory.mktemp("verl")
     model = create_tiny_model(root / "model", size="xs")
     train, test = write_task_files("arithmetic", root / "data", 16, 4)
-    return {"MODEL_PATH": model, "REWARD_MODEL_PATH": model, "TRAIN_FILE": train, "TEST_FILE": test,
+    return {"MODEL_PATH": model, "REWARD_MODEL_PATH": tiny_classifier(root / "rm"), "TRAIN_FILE": train, "TEST_FILE": test,
             "OUT": str(root / "out")}
 
 

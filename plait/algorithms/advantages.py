@@ -101,13 +101,13 @@ def reinforce_plus_plus(token_rewards: Tensor, response_mask: Tensor,
 def gdpo(components: Tensor, weights: Tensor, response_mask: Tensor, group_ids: Tensor,
          norm_by_std: bool = True) -> tuple[Tensor, Tensor]:
     """GDPO: each reward component [k, batch] normalised within its groups as GRPO does, summed with
-    `weights` [k], then whitened over the batch's valid tokens (so no one component drowns the others)."""
+    `weights` [k], then whitened over the batch's valid tokens (so no one component drowns the others).
+    A component is its row's score whichever of its tokens are masked (verl 0.9.1 places it at the row's
+    last attended position, not through the response mask)."""
     mask = response_mask.to(components.dtype)
-    total = torch.zeros_like(mask)
+    total, whole = torch.zeros_like(mask), torch.ones_like(mask[:, :1])  # whole: [batch, 1]
     for comp, w in zip(components, weights):
-        tokens = torch.zeros_like(mask)
-        tokens[:, 0] = comp * mask[:, 0]  # a sequence's score, summed over its tokens by grpo
-        total = total + w * grpo(tokens, mask, group_ids, norm_by_std)[0]
+        total = total + w * grpo(comp[:, None].to(mask.dtype), whole, group_ids, norm_by_std)[0] * mask
     adv = masked_whiten(total, mask)  # [batch, resp_len]
     return adv, adv
 

@@ -99,6 +99,20 @@ def test_gdpo_normalises_each_reward_component_within_groups_then_whitens():
     assert_close(adv, T([[-s], [s], [-s], [s]]), atol=1e-4, rtol=1e-4)
 
 
+def test_gdpo_keeps_the_components_of_a_row_whose_first_token_is_masked():
+    # verl 0.9.1 places a component at the row's last attended position, whatever the response mask says
+    # there; rows 0 and 2 have their first token masked. Side by side with verl's compute_gdpo_outcome_advantage.
+    from plait.algorithms.advantages import gdpo
+    mask = T([[0, 1, 1], [1, 1, 0], [0, 0, 1], [1, 1, 1]])
+    adv, _ = gdpo(T([[1.0, 0.0, 2.0, 1.0], [0.0, 1.0, 3.0, 3.0]]), T([1.0, 0.5]), mask, T([0, 0, 1, 1]))
+    # a: +-1/sqrt2 in both groups; b: -+1/sqrt2 in group 0, 0 in group 1; a + b/2 = [r/2, -r/2, r, -r] (r = 0.70711)
+    # whitened over the 8 valid tokens: mean -r/4, unbiased var 2.25/7
+    r, mean, std = 0.70711, -0.70711 / 4, (2.25 / 7) ** 0.5
+    row = [(r / 2 - mean) / std, (-r / 2 - mean) / std, (r - mean) / std, (-r - mean) / std]  # 0.9354, -0.3118, ...
+    assert_close(adv, T(row)[:, None] * mask, atol=1e-4, rtol=1e-4)
+    assert_close(adv[0], T([0.0, 0.93541, 0.93541]), atol=1e-4, rtol=1e-4)
+
+
 def test_gdpo_needs_its_reward_keys():
     from plait.config import load_config
     from plait.configtree import ConfigError

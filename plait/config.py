@@ -24,7 +24,7 @@ import yaml
 # names only (no torch): a config error is reported before torch and transformers load
 from plait.algorithms.names import (BYPASS_LOSS_TYPES, ESTIMATOR_NAMES as ESTIMATORS, IS_LEVELS,
                                     KL_ESTIMATOR_NAMES as KL_ESTIMATORS, LOSS_AGG_MODES,
-                                    POLICY_LOSS_NAMES as POLICY_LOSSES, parse_rs)
+                                    POLICY_LOSS_NAMES as POLICY_LOSSES, parse_is_threshold, parse_rs)
 from plait.config_verl import (CPU_NO_EFFECT, CPU_RAY_NO_EFFECT, FIELD_NO_EFFECT, HF_ENGINE_NO_EFFECT, LEGACY_REWARD,
                                LOCAL_BACKEND_NO_EFFECT, NO_EFFECT, RECIPE_ROLLOUT_POOL, compose_yaml, merge, refusal,
                                resolve_interpolations)
@@ -427,7 +427,7 @@ class RolloutCorrectionConfig:
     drops tokens or sequences whose divergence passes rollout_rs_threshold from the loss.
     """
     rollout_is: Optional[str] = None          # token | sequence | null: token in one_step_off/fully_async, off in sync
-    rollout_is_threshold: Optional[float] = 2.0  # the truncation C; null only with rollout_is null
+    rollout_is_threshold: Any = 2.0          # the truncation C, or "lower_upper" (IcePop); null only with rollout_is null
     # verl's bypass mode: pi_old is the rollout's log-prob, so the old_log_prob forward is skipped.
     # Exact in sync mode (the rollout samples with the actor's weights); in the async modes PPO's
     # ratio is then taken against the stale rollout policy itself, with no importance weights.
@@ -448,10 +448,13 @@ class RolloutCorrectionConfig:
                 parse_rs(self.rollout_rs, self.rollout_rs_threshold)
             except ValueError as err:
                 check(False, "rollout_rs", self.rollout_rs, str(err))
-        check(self.rollout_is_threshold is None or self.rollout_is_threshold >= 1, "rollout_is_threshold",
-              self.rollout_is_threshold, "must be >= 1 (weights are truncated at this value)")
+        if self.rollout_is_threshold is not None:
+            try:
+                parse_is_threshold(self.rollout_is_threshold)
+            except ValueError as err:
+                check(False, "rollout_is_threshold", self.rollout_is_threshold, str(err))
         check(self.rollout_is_threshold is not None or self.rollout_is is None, "rollout_is_threshold", None,
-              f"a number >= 1 with rollout_is={self.rollout_is}")
+              f"a number or a 'lower_upper' string with rollout_is={self.rollout_is}")
 
 
 @dataclass
@@ -775,7 +778,7 @@ def parse_value(raw: str) -> Any:
         return raw
     if value == "None":
         return None
-    if isinstance(value, str):  # YAML 1.1 reads 3e-4 as a string
+    if isinstance(value, str) and "_" not in value:  # YAML 1.1 reads 3e-4 as a string; '0.5_2' (IcePop) stays one
         try:
             return float(value)
         except ValueError:

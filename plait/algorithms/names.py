@@ -22,6 +22,21 @@ RS_ALIASES = {"token": "token_k1", "sequence": "seq_sum_k1", "geometric": "seq_m
 BYPASS_LOSS_TYPES = ("ppo_clip", "reinforce")
 
 
+def parse_is_threshold(threshold: float | str) -> tuple[float, float | None]:
+    """(upper, lower or None) of `rollout_is_threshold`: a number u truncates weights at u (TIS); a
+    "lower_upper" string keeps weights in [lower, upper] and zeroes the others (IcePop)."""
+    if isinstance(threshold, bool) or not isinstance(threshold, (int, float, str)):
+        raise ValueError("a number (truncation) or a 'lower_upper' string (IcePop)")
+    lower_text, _, upper_text = str(threshold).strip().rpartition("_") if isinstance(threshold, str) else ("", "", threshold)
+    try:
+        upper, lower = float(upper_text), float(lower_text) if lower_text else None
+    except ValueError:
+        raise ValueError("a number (truncation) or a 'lower_upper' string (IcePop), e.g. 2.0 or '0.5_5.0'") from None
+    if not upper > 0 or (lower is not None and not 0 < lower <= upper):
+        raise ValueError("bounds must be > 0 with lower <= upper")
+    return upper, lower
+
+
 def parse_rs(rollout_rs: str, threshold: str | float | None) -> list[tuple[str, float, float | None]]:
     """(option, upper, lower or None) per check of `rollout_rs` and `rollout_rs_threshold`."""
     options = [RS_ALIASES.get(o.strip(), o.strip()) for o in rollout_rs.split(",") if o.strip()]

@@ -474,7 +474,6 @@ class FilterGroupsConfig:
         check(self.max_inflight_gen_batches > 0, "max_inflight_gen_batches", self.max_inflight_gen_batches, "must be > 0")
 
 
-VERL_ESTIMATORS_NOT_HERE = ("optimal_token_baseline", "tir_optimal_token_baseline")  # verl 0.9.1 has them
 
 
 @dataclass
@@ -492,9 +491,6 @@ class AlgorithmConfig:
     gdpo_reward_weights: Optional[list[float]] = None  # gdpo: one weight per key; null: 1 each
 
     def __post_init__(self):
-        check(self.adv_estimator not in VERL_ESTIMATORS_NOT_HERE, "adv_estimator", self.adv_estimator,
-              f"verl 0.9.1's {self.adv_estimator} is not implemented in plait (it needs the per-token sum of "
-              f"squared probabilities from the actor's forward); plait has {', '.join(ESTIMATORS)}")
         one_of(self, "adv_estimator", ESTIMATORS)
         check(self.adv_estimator != "gdpo" or bool(self.gdpo_reward_keys), "gdpo_reward_keys", self.gdpo_reward_keys,
               "the reward components' keys with adv_estimator=gdpo (e.g. [format_reward,accuracy_reward])")
@@ -703,6 +699,9 @@ class PlaitConfig:
             actor.policy_loss.loss_mode, correction.bypass_mode = "vanilla", True
         # bypass mode takes rollout_is too, as verl does: the actor weighs pi_current / pi_rollout with
         # loss_type=reinforce; with ppo_clip the clipped ratio is the correction and the weights are only reported
+        check(not (correction.bypass_mode and self.algorithm.adv_estimator.endswith("optimal_token_baseline")),
+              "algorithm.adv_estimator", self.algorithm.adv_estimator, "not with bypass mode: the estimator needs the "
+              "old log-prob pass's sum of squared probabilities, which bypass mode skips (verl fails there too)")
         if correction.rollout_is is None and mode in ASYNC_MODES and not correction.bypass_mode:
             correction.rollout_is = "token"
             correction.rollout_is_threshold = correction.rollout_is_threshold or 2.0  # verl's default C

@@ -48,7 +48,6 @@ _GROUPS = {
         actor_rollout_ref.actor.ulysses_sequence_parallel_size
         actor_rollout_ref.actor.entropy_from_logits_with_chunking
         actor_rollout_ref.actor.entropy_checkpointing
-        actor_rollout_ref.actor.calculate_sum_pi_squared
         actor_rollout_ref.actor.sum_pi_squared_checkpointing
         actor_rollout_ref.ref.use_torch_compile
         actor_rollout_ref.ref.router_replay.mode
@@ -346,7 +345,9 @@ _GROUPS = {
         critic.forward_micro_batch_size
     """,
     ("keys verl derives from another key plait implements (actor_rollout_ref.model.use_remove_padding; "
-     "critic.ppo_micro_batch_size_per_gpu)"): """
+     "critic.ppo_micro_batch_size_per_gpu; the sum of squared probabilities is computed when "
+     "algorithm.adv_estimator needs it)"): """
+        actor_rollout_ref.actor.calculate_sum_pi_squared
         actor_rollout_ref.actor.use_remove_padding
         critic.forward_micro_batch_size_per_gpu
     """,

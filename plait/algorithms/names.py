@@ -7,7 +7,8 @@ import), so a config error is reported before torch loads and the names still li
 from __future__ import annotations
 
 ESTIMATOR_NAMES = ("grpo", "grpo_passk", "rloo", "grpo_vectorized", "rloo_vectorized", "reinforce_plus_plus",
-                   "reinforce_plus_plus_baseline", "remax", "opo", "gpg", "gae", "gdpo")
+                   "reinforce_plus_plus_baseline", "remax", "opo", "gpg", "gae", "gdpo", "optimal_token_baseline",
+                   "tir_optimal_token_baseline")
 KL_ESTIMATOR_NAMES = ("k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl", "k1+", "k2+", "mse+", "kl+", "abs+", "k3+",
                       "low_var_kl+")
 POLICY_LOSS_NAMES = ("vanilla", "gspo", "gpg", "clip_cov", "kl_cov", "geo_mean", "sapo", "cispo", "dppo_tv", "dppo_kl",

@@ -30,7 +30,7 @@ from typing import Callable
 
 import torch
 
-from plait.algorithms.advantages import NEEDS_GREEDY_BASELINE, compute_advantages
+from plait.algorithms.advantages import NEEDS_GREEDY_BASELINE, NEEDS_SUM_PI_SQUARED, compute_advantages
 from plait.algorithms.kl import apply_kl_penalty, make_kl_controller
 from plait.algorithms.rollout_correction import rollout_correction
 from plait.config import PlaitConfig, SamplingConfig
@@ -325,14 +325,16 @@ class LMTrainer:
         correction (IS weights, rejection) works on the whole batch's pi_old, so it keeps the pass."""
         actor, c = self.cfg.actor_rollout_ref.actor, self.correction
         return (actor.ppo_epochs == 1 and actor.ppo_mini_batch_size * self.sampling.n >= len(batch)
-                and not self.cfg.algorithm.use_kl_in_reward and c.rollout_is is None and c.rollout_rs is None)
+                and not self.cfg.algorithm.use_kl_in_reward and c.rollout_is is None and c.rollout_rs is None
+                and self.cfg.algorithm.adv_estimator not in NEEDS_SUM_PI_SQUARED)
 
     def compute_old_log_prob(self, batch: RolloutBatch) -> dict[str, float]:
         r = self.cfg.actor_rollout_ref.rollout
-        old_logp, entropy = self.roles.actor.call(
+        with_sum_pi_squared = self.cfg.algorithm.adv_estimator in NEEDS_SUM_PI_SQUARED
+        old_logp, entropy, *sum_pi_squared = self.roles.actor.call(
             Actor.compute_log_prob, batch, r.log_prob_micro_batch_size_per_gpu,
-            r.log_prob_max_token_len_per_gpu if r.log_prob_use_dynamic_bsz else None)
-        batch.old_logprobs = old_logp
+            r.log_prob_max_token_len_per_gpu if r.log_prob_use_dynamic_bsz else None, with_sum_pi_squared)
+        batch.old_logprobs, batch.sum_pi_squared = old_logp, (sum_pi_squared or [None])[0]
         mask = batch.response_mask
         metrics = {"actor/entropy": masked_mean(entropy, mask), **rollout_probs_diff(old_logp, batch.rollout_logprobs, mask)}
         c = self.correction  # decoupled mode: weights and rejection of pi_old vs pi_rollout, for the whole batch
@@ -374,7 +376,8 @@ class LMTrainer:
             alg.adv_estimator, token_rewards=batch.token_rewards, response_mask=batch.response_mask,
             group_ids=batch.group_ids, values=batch.values, gamma=alg.gamma, lam=alg.lam,
             norm_by_std=alg.norm_adv_by_std_in_grpo, baselines=baselines, components=components,
-            component_weights=weights)
+            component_weights=weights, old_logprobs=batch.old_logprobs, sum_pi_squared=batch.sum_pi_squared,
+            is_weights=batch.rollout_is_weights)
         return metrics
 
 

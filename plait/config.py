@@ -65,6 +65,7 @@ class DataConfig:
     return_raw_chat: bool = True
     shuffle: bool = True
     seed: Optional[int] = None                # null: trainer.seed
+    apply_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # passed to the chat template
     image_key: str = "images"                 # verl's multimodal columns: a row holding any is refused (text-only
     video_key: str = "videos"                 # trainers; the images would otherwise be dropped without a word)
     audio_key: str = "audios"
@@ -100,6 +101,7 @@ class ModelConfig:
     lora_alpha: int = 16
     target_modules: Union[str, list[str]] = "all-linear"
     lora_adapter_path: Optional[str] = None   # a saved peft adapter to start from (with lora_rank > 0)
+    exclude_modules: Union[str, list[str], None] = None  # modules target_modules matches that get no adapter (peft)
     override_config: dict[str, Any] = field(default_factory=dict)  # set over the checkpoint's config.json (verl's)
 
     def __post_init__(self):

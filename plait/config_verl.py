@@ -294,7 +294,6 @@ _GROUPS = {
         actor_rollout_ref.model.hf_config_path
         actor_rollout_ref.model.custom_chat_template
         actor_rollout_ref.model.external_lib
-        actor_rollout_ref.model.exclude_modules
         data.custom_cls.path
         data.custom_cls.name
         data.sampler.class_path
@@ -365,7 +364,6 @@ _GROUPS = {
         data.return_full_prompt
         data.validation_shuffle
         data.trust_remote_code
-        data.apply_chat_template_kwargs
         critic.model.tokenizer_path
         critic.model.lora_rank
         critic.model.lora_alpha
@@ -487,8 +485,7 @@ _DEFAULT_ONLY = {
     "tokenizer (plait tokenizes with the model's own tokenizer)": ((None,), """
         actor_rollout_ref.model.tokenizer_path data.tokenizer critic.model.tokenizer_path"""),
     "chat template (plait renders prompts with the tokenizer's own template)": ((None, {}), """
-        actor_rollout_ref.model.custom_chat_template critic.model.custom_chat_template
-        data.apply_chat_template_kwargs"""),
+        actor_rollout_ref.model.custom_chat_template critic.model.custom_chat_template"""),
     "model config (plait loads the checkpoint's config.json as is)": ((None, {}), """
         critic.model.override_config reward_model.model.override_config
         actor_rollout_ref.model.hf_config_path critic.model.hf_config_path"""),
@@ -502,7 +499,7 @@ _DEFAULT_ONLY = {
     "rows kept (plait trains and validates on every row)": ((None, -1), """
         data.train_max_samples data.val_max_samples"""),
     "adapters (plait's LoRA is actor_rollout_ref.model.lora_rank on the actor only)": ((None, 0, [], "none"), """
-        critic.model.lora_rank critic.model.lora_adapter_path actor_rollout_ref.model.exclude_modules
+        critic.model.lora_rank critic.model.lora_adapter_path
         actor_rollout_ref.model.lora.rank critic.model.lora.rank critic.model.lora.adapter_path
         actor_rollout_ref.model.lora.adapter_path"""),
     "quantization or multi-token prediction (plait trains and samples the plain model)": ((None, False), """
@@ -514,7 +511,7 @@ _DEFAULT_ONLY = {
         actor_rollout_ref.actor.router_replay.mode actor_rollout_ref.ref.router_replay.mode
         actor_rollout_ref.rollout.enable_rollout_routing_replay"""),
     "rollout samples (plait generates every response to the end and keeps it)": ((None, 0, 0.0, False), """
-        actor_rollout_ref.rollout.over_sample_rate actor_rollout_ref.rollout.skip_rollout"""),
+        actor_rollout_ref.rollout.skip_rollout"""),
     "rollout log-probs (plait's engines return the sampling distribution's log-probs, verl's processed_logprobs)":
         (("processed_logprobs",), "actor_rollout_ref.rollout.logprobs_mode"),
     "reward (plait has no sandbox: code rewards run in the reward function)": ((None,), "reward.sandbox_fusion.url"),

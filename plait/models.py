@@ -291,18 +291,19 @@ def _local_dir(path: str | Path) -> str:
 
 
 def add_lora(model: PreTrainedModel, rank: int, alpha: float, target_modules: str | list[str],
-             adapter_path: str | None = None):
+             adapter_path: str | None = None, exclude_modules: str | list[str] | None = None):
     """`model` wrapped with trainable LoRA adapters (peft), every other weight frozen: fresh
     adapters of `rank` on `target_modules` ("all-linear": every linear layer but the output
-    head), or the adapter saved at `adapter_path` to train further."""
+    head) less `exclude_modules` (a regex or names, as peft takes them), or the adapter saved at
+    `adapter_path` to train further."""
     try:
         from peft import LoraConfig, PeftModel, get_peft_model
     except ImportError:
         raise ImportError("LoRA (actor_rollout_ref.model.lora_rank > 0) needs peft: pip install 'plait[lora]'") from None
     if adapter_path is not None:
         return PeftModel.from_pretrained(model, _local_dir(adapter_path), is_trainable=True)
-    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=target_modules, lora_dropout=0.0,
-                        bias="none", task_type="CAUSAL_LM")
+    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=target_modules, exclude_modules=exclude_modules,
+                        lora_dropout=0.0, bias="none", task_type="CAUSAL_LM")
     return get_peft_model(model, config)
 
 

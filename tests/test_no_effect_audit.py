@@ -52,9 +52,11 @@ CLASSES = [
      r"checkpoint_callback_class)$|^ray_kwargs\.|^transfer_queue\.enable$|checkpoint\.(save|load)_contents$|"
      r"checkpoint\.strict$|^data\.(return_raw_input_ids|return_full_prompt|validation_shuffle|trust_remote_code)$|"
      r"^critic\.shuffle$|external_lib$|reward\.sandbox_fusion\.(max_concurrent|memory_limit_mb)$"),
-    # older spellings verl 0.9.1 reads nowhere either (its RolloutCorrectionConfig has rollout_rs_threshold)
+    # verl 0.9.1 reads these nowhere either: older rollout-correction spellings (its RolloutCorrectionConfig has
+    # rollout_rs_threshold) and over_sample_rate (a field of its rollout config only)
     ("keys verl 0.9.1 does not read either", "machinery",
-     r"^algorithm\.rollout_correction\.(rollout_rs_threshold_lower|rollout_token_veto_threshold)$"),
+     r"^algorithm\.rollout_correction\.(rollout_rs_threshold_lower|rollout_token_veto_threshold)$|"
+     r"^actor_rollout_ref\.rollout\.over_sample_rate$"),
     ("deprecated global micro-batch sizes and derived keys", "machinery",
      r"(ppo_micro_batch_size|log_prob_micro_batch_size|forward_micro_batch_size|forward_micro_batch_size_per_gpu)$"),
 ]
@@ -93,8 +95,7 @@ def test_no_key_of_a_semantic_class_has_no_effect_silently():
 ON = {
     "actor_rollout_ref.model.tokenizer_path": "/elsewhere", "data.tokenizer": "/elsewhere",
     "critic.model.tokenizer_path": "/elsewhere", "actor_rollout_ref.model.custom_chat_template": "{{ x }}",
-    "critic.model.custom_chat_template": "{{ x }}", "data.apply_chat_template_kwargs.enable_thinking": False,
-    "critic.model.override_config.x": 1,
+    "critic.model.custom_chat_template": "{{ x }}", "critic.model.override_config.x": 1,
     "reward_model.model.override_config.x": 1, "actor_rollout_ref.model.hf_config_path": "/elsewhere",
     "critic.model.hf_config_path": "/elsewhere", "actor_rollout_ref.actor.optim.optimizer": "SGD",
     "actor_rollout_ref.actor.optim.optimizer_impl": "bitsandbytes.optim",
@@ -103,16 +104,14 @@ ON = {
     "data.custom_cls.path": "my.py", "data.custom_cls.name": "MyDataset", "data.sampler.class_path": "my.py",
     "data.sampler.class_name": "Curriculum", "data.datagen.path": "my.py", "data.datagen.name": "Gen",
     "data.train_max_samples": 100, "data.val_max_samples": 10, "critic.model.lora_rank": 8,
-    "critic.model.lora_adapter_path": "/adapter", "actor_rollout_ref.model.exclude_modules": ".*visual.*",
-    "actor_rollout_ref.model.lora.rank": 8, "critic.model.lora.rank": 8, "critic.model.lora.adapter_path": "/a",
+    "critic.model.lora_adapter_path": "/adapter", "actor_rollout_ref.model.lora.rank": 8, "critic.model.lora.rank": 8, "critic.model.lora.adapter_path": "/a",
     "actor_rollout_ref.model.lora.adapter_path": "/a", "actor_rollout_ref.actor.qat.enable": True,
     "actor_rollout_ref.rollout.qat.enable": True, "actor_rollout_ref.actor.fsdp_config.qat.enable": True,
     "actor_rollout_ref.ref.fsdp_config.qat.enable": True, "actor_rollout_ref.rollout.quantization": "fp8",
     "actor_rollout_ref.rollout.quantization_config_file": "/q.json", "actor_rollout_ref.model.mtp.enable_train": True,
     "actor_rollout_ref.rollout.mtp.enable_train": True, "critic.model.mtp.enable_train": True,
     "actor_rollout_ref.actor.router_replay.mode": "R3", "actor_rollout_ref.ref.router_replay.mode": "R2",
-    "actor_rollout_ref.rollout.enable_rollout_routing_replay": True, "actor_rollout_ref.rollout.over_sample_rate": 0.1,
-    "actor_rollout_ref.rollout.skip_rollout": True, "actor_rollout_ref.rollout.logprobs_mode": "raw_logprobs",
+    "actor_rollout_ref.rollout.enable_rollout_routing_replay": True, "actor_rollout_ref.rollout.skip_rollout": True, "actor_rollout_ref.rollout.logprobs_mode": "raw_logprobs",
     "reward.sandbox_fusion.url": "http://sandbox",
     "algorithm.use_pf_ppo": True, "trainer.val_only": True,
 }
@@ -204,3 +203,30 @@ def test_max_inflight_gen_batches_is_named_at_start(capsys):
     assert "algorithm.filter_groups.max_inflight_gen_batches" in err and "one at a time" in err
     load_config(None, ["algorithm.filter_groups.max_inflight_gen_batches=1"])
     assert "max_inflight" not in capsys.readouterr().err
+
+
+def test_apply_chat_template_kwargs_reach_the_template(tmp_path):
+    from plait.data.dataset import PromptDataset
+    from plait.models import create_tiny_model, load_tokenizer
+    tokenizer = load_tokenizer(create_tiny_model(tmp_path / "m", size="xs"))
+    tokenizer.chat_template = ("{% for m in messages %}{{ m['content'] }}{% endfor %}"
+                               "{% if reasoning_effort %}<{{ reasoning_effort }}>{% endif %}=")
+    row = {"prompt": [{"role": "user", "content": "1+1"}], "data_source": "arithmetic", "reward_model": {"ground_truth": "2"}}
+    plain = PromptDataset([row], tokenizer)
+    told = PromptDataset([row], tokenizer, chat_template_kwargs={"reasoning_effort": "low"})
+    assert (plain[0].prompt_text, told[0].prompt_text) == ("1+1=", "1+1<low>=")
+    cfg = load_config(None, ["+data.apply_chat_template_kwargs.reasoning_effort=medium"])
+    assert cfg.data.apply_chat_template_kwargs == {"reasoning_effort": "medium"}
+
+
+def test_lora_exclude_modules_leaves_those_modules_without_adapters(tmp_path):
+    pytest.importorskip("peft")
+    from plait.models import add_lora, create_tiny_model, load_causal_lm
+    path = create_tiny_model(tmp_path / "m", size="xs")
+    names = lambda model: {n for n, _ in model.named_modules() if n.endswith("lora_A")}  # noqa: E731
+    every = names(add_lora(load_causal_lm(path), 4, 8, "all-linear"))
+    fewer = names(add_lora(load_causal_lm(path), 4, 8, "all-linear", exclude_modules=".*mlp.*"))
+    assert any(".mlp." in n for n in every) and not any(".mlp." in n for n in fewer)
+    assert fewer == {n for n in every if ".mlp." not in n}
+    cfg = load_config(None, ["actor_rollout_ref.model.lora_rank=4", "+actor_rollout_ref.model.exclude_modules=.*mlp.*"])
+    assert cfg.actor_rollout_ref.model.exclude_modules == ".*mlp.*"

@@ -137,13 +137,13 @@ class PromptDataset:
                  prompt_key: str = "prompt", max_prompt_length: int = 512,
                  truncation: str = "error", filter_overlong_prompts: bool = False,
                  return_raw_chat: bool = False, reward_fn_key: str = "data_source", first_index: int = 0,
-                 media_keys: dict[str, str] | None = None):
+                 media_keys: dict[str, str] | None = None, chat_template_kwargs: dict | None = None):
         check(max_prompt_length > 0, "max_prompt_length", max_prompt_length, "a positive integer")
         check(truncation in TRUNCATIONS, "truncation", truncation, f"one of {', '.join(TRUNCATIONS)}")
         for i, row in enumerate(rows):
             check_text_only(first_index + i, row, media_keys or {})
-        items = [self._item(i, row, tokenizer, prompt_key, return_raw_chat, reward_fn_key, first_index)
-                 for i, row in enumerate(rows)]
+        items = [self._item(i, row, tokenizer, prompt_key, return_raw_chat, reward_fn_key, first_index,
+                            chat_template_kwargs or {}) for i, row in enumerate(rows)]
         self.shortest = min((len(it.prompt_ids) for it in items), default=0)  # tokens; names the limit when all are dropped
         if filter_overlong_prompts:
             kept = [it for it in items if len(it.prompt_ids) <= max_prompt_length]
@@ -160,7 +160,7 @@ class PromptDataset:
 
     @staticmethod
     def _item(i: int, row: dict, tokenizer: PreTrainedTokenizerBase, prompt_key: str,
-              return_raw_chat: bool, reward_fn_key: str, first_index: int) -> PromptItem:
+              return_raw_chat: bool, reward_fn_key: str, first_index: int, chat_template_kwargs: dict) -> PromptItem:
         missing = [k for k in (prompt_key, reward_fn_key, "reward_model") if k not in row]
         if missing:
             raise KeyError(f"row {i} has no {', '.join(map(repr, missing))}; "
@@ -177,8 +177,8 @@ class PromptDataset:
             if tokenizer.chat_template is None:
                 raise ValueError(f"row {i}: '{prompt_key}' is a list of messages but the "
                                  "tokenizer has no chat template; give plain-string prompts")
-            text = tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True,
-                                                 tokenize=False)
+            text = tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=False,
+                                                 **chat_template_kwargs)  # data.apply_chat_template_kwargs
             # The template already wrote any special tokens the model expects.
             ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         extra_info = dict(row.get("extra_info") or {})

@@ -594,7 +594,7 @@ def build_lm_trainer(cfg: PlaitConfig, backend, device: str):
     d = cfg.data
     options = dict(prompt_key=d.prompt_key, max_prompt_length=d.max_prompt_length, truncation=d.truncation,
                    filter_overlong_prompts=d.filter_overlong_prompts, return_raw_chat=d.return_raw_chat,
-                   reward_fn_key=d.reward_fn_key, media_keys={"data.image_key": d.image_key,
+                   reward_fn_key=d.reward_fn_key, chat_template_kwargs=d.apply_chat_template_kwargs, media_keys={"data.image_key": d.image_key,
                                                               "data.video_key": d.video_key, "data.audio_key": d.audio_key})
     train_data = load_dataset("data.train_files", train_files, tokenizer, **options)
     val_data = load_dataset("data.val_files", val_files, tokenizer, **options) if val_files else None

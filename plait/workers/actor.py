@@ -119,7 +119,7 @@ class Actor:
         self.lora = model_cfg is not None and model_cfg.lora_rank > 0
         if self.lora:
             self.model = add_lora(self.model, model_cfg.lora_rank, model_cfg.lora_alpha,
-                                  model_cfg.target_modules, model_cfg.lora_adapter_path)
+                                  model_cfg.target_modules, model_cfg.lora_adapter_path, model_cfg.exclude_modules)
         self.model.train()
         remove_padding = checked_remove_padding(self.model, remove_padding)
         self.layout = MicroBatching(cfg.ppo_micro_batch_size_per_gpu, max_token_len, remove_padding)

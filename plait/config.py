@@ -479,6 +479,18 @@ class FilterGroupsConfig:
 
 
 @dataclass
+class PfPpoConfig:
+    """`algorithm.pf_ppo`: verl's PF-PPO resamples a step's responses with replacement, weighted by their
+    score: |s|^weight_pow ("pow"), 1 for the batch's best and worst and 0 otherwise ("max_min"), 0.4 for
+    the best and 0.1 otherwise ("max_random")."""
+    reweight_method: str = "pow"
+    weight_pow: float = 2.0
+
+    def __post_init__(self):
+        one_of(self, "reweight_method", ("pow", "max_min", "max_random"))
+
+
+@dataclass
 class AlgorithmConfig:
     adv_estimator: str = "gae"
     gamma: float = 1.0
@@ -491,9 +503,14 @@ class AlgorithmConfig:
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
     gdpo_reward_keys: Optional[list[str]] = None       # gdpo: the reward function's result keys to normalise apart
     gdpo_reward_weights: Optional[list[float]] = None  # gdpo: one weight per key; null: 1 each
+    use_pf_ppo: bool = False                  # PF-PPO: resample the batch by score after the advantages (gae)
+    pf_ppo: PfPpoConfig = field(default_factory=PfPpoConfig)
 
     def __post_init__(self):
         one_of(self, "adv_estimator", ESTIMATORS)
+        check(not self.use_pf_ppo or self.adv_estimator == "gae", "use_pf_ppo", True,
+              f"false with adv_estimator={self.adv_estimator}: verl 0.9.1 resamples by score with gae only (it ignores "
+              "use_pf_ppo otherwise); set adv_estimator=gae or drop it")
         check(self.adv_estimator != "gdpo" or bool(self.gdpo_reward_keys), "gdpo_reward_keys", self.gdpo_reward_keys,
               "the reward components' keys with adv_estimator=gdpo (e.g. [format_reward,accuracy_reward])")
         check(self.gdpo_reward_weights is None or len(self.gdpo_reward_weights) == len(self.gdpo_reward_keys or []),

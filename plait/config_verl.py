@@ -374,9 +374,6 @@ _GROUPS = {
         reward_model.model.use_remove_padding
         reward_model.use_dynamic_bsz
         reward_model.forward_max_token_len_per_gpu
-        algorithm.use_pf_ppo
-        algorithm.pf_ppo.reweight_method
-        algorithm.pf_ppo.weight_pow
         trainer.rollout_data_dir
         trainer.validation_data_dir
         trainer.val_only
@@ -515,7 +512,6 @@ _DEFAULT_ONLY = {
     "rollout log-probs (plait's engines return the sampling distribution's log-probs, verl's processed_logprobs)":
         (("processed_logprobs",), "actor_rollout_ref.rollout.logprobs_mode"),
     "reward (plait has no sandbox: code rewards run in the reward function)": ((None,), "reward.sandbox_fusion.url"),
-    "advantage reweighting (verl's PF-PPO)": ((None, False), "algorithm.use_pf_ppo"),
     "run (plait trains; validation alone is not implemented)": ((None, False), "trainer.val_only"),
 }
 SEMANTIC: dict[str, tuple[tuple, str]] = {key: (values, what) for what, (values, keys) in _DEFAULT_ONLY.items()

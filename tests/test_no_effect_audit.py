@@ -113,7 +113,7 @@ ON = {
     "actor_rollout_ref.actor.router_replay.mode": "R3", "actor_rollout_ref.ref.router_replay.mode": "R2",
     "actor_rollout_ref.rollout.enable_rollout_routing_replay": True, "actor_rollout_ref.rollout.skip_rollout": True, "actor_rollout_ref.rollout.logprobs_mode": "raw_logprobs",
     "reward.sandbox_fusion.url": "http://sandbox",
-    "algorithm.use_pf_ppo": True, "trainer.val_only": True,
+    "trainer.val_only": True,
 }
 
 

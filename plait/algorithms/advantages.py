@@ -172,6 +172,21 @@ def _group_token_baselines(returns: Tensor, cumulative: Tensor, mask: Tensor, gr
     return baselines
 
 
+def pf_ppo_weights(scores: Tensor, method: str, power: float) -> Tensor:
+    """PF-PPO's resampling weights [batch] from sequence scores [batch] (verl 0.9.1): |s|^power ("pow"), 1 at
+    the batch's max and min score and 0 elsewhere ("max_min"), 0.4 at the max and 0.1 elsewhere ("max_random");
+    floored at 1e-8 so every response can be drawn."""
+    if method == "pow":
+        weights = scores.abs().pow(power)
+    elif method == "max_min":
+        weights = ((scores == scores.max()) | (scores == scores.min())).to(scores.dtype)
+    elif method == "max_random":
+        weights = torch.where(scores == scores.max(), 0.4, 0.1).to(scores.dtype)
+    else:
+        raise ValueError(f"unknown pf_ppo reweight_method {method!r}; valid: pow, max_min, max_random")
+    return (weights + 1e-8).clamp(min=1e-8)
+
+
 def grpo_passk(token_rewards: Tensor, response_mask: Tensor, group_ids: Tensor,
                norm_by_std: bool = True, eps: float = 1e-6) -> tuple[Tensor, Tensor]:
     """Pass@k: only each group's best response learns, with advantage best - second best

@@ -19,6 +19,7 @@ and logging are not here: they are the lifecycle's.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -30,7 +31,7 @@ from typing import Callable
 
 import torch
 
-from plait.algorithms.advantages import NEEDS_GREEDY_BASELINE, NEEDS_SUM_PI_SQUARED, compute_advantages
+from plait.algorithms.advantages import NEEDS_GREEDY_BASELINE, NEEDS_SUM_PI_SQUARED, compute_advantages, pf_ppo_weights
 from plait.algorithms.kl import apply_kl_penalty, make_kl_controller
 from plait.algorithms.rollout_correction import rollout_correction
 from plait.config import PlaitConfig, SamplingConfig
@@ -97,6 +98,7 @@ class LMTrainer:
         self.cursor = DataCursor(train_data, cfg.data.train_batch_size, cfg.data.shuffle, cfg.data.seed)
         kl = cfg.algorithm.kl_ctrl
         self.kl_ctrl = make_kl_controller(kl.type, kl.kl_coef, kl.target_kl, kl.horizon)
+        self.pf_ppo_rng = torch.Generator().manual_seed(cfg.trainer.seed)  # PF-PPO's draws
         r = cfg.actor_rollout_ref.rollout
         self.sampling = SamplingConfig(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, do_sample=r.do_sample)
         self.correction = cfg.algorithm.rollout_correction
@@ -378,6 +380,11 @@ class LMTrainer:
             norm_by_std=alg.norm_adv_by_std_in_grpo, baselines=baselines, components=components,
             component_weights=weights, old_logprobs=batch.old_logprobs, sum_pi_squared=batch.sum_pi_squared,
             is_weights=batch.rollout_is_weights)
+        if alg.use_pf_ppo:  # PF-PPO: the step trains on its responses drawn again, weighted by score
+            weights = pf_ppo_weights(batch.token_scores.sum(-1), alg.pf_ppo.reweight_method, alg.pf_ppo.weight_pow)
+            drawn = batch.select(torch.multinomial(weights, len(batch), replacement=True, generator=self.pf_ppo_rng))
+            for f in dataclasses.fields(batch):
+                setattr(batch, f.name, getattr(drawn, f.name))
         return metrics
 
 

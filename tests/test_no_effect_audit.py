@@ -230,3 +230,24 @@ def test_lora_exclude_modules_leaves_those_modules_without_adapters(tmp_path):
     assert fewer == {n for n in every if ".mlp." not in n}
     cfg = load_config(None, ["actor_rollout_ref.model.lora_rank=4", "+actor_rollout_ref.model.exclude_modules=.*mlp.*"])
     assert cfg.actor_rollout_ref.model.exclude_modules == ".*mlp.*"
+
+
+@pytest.mark.parametrize("mode", ["sync", "one_step_off", "fully_async"])
+def test_image_rows_are_refused_before_training_in_every_mode(tmp_path, mode, capsys):
+    import json
+
+    from plait.cli import main
+    from plait.models import create_tiny_model
+    model = create_tiny_model(tmp_path / "m", size="xs")
+    rows = [{"prompt": f"{i}+1=", "data_source": "arithmetic", "reward_model": {"ground_truth": str(i + 1)},
+             "images": [{"path": "a.png"}] if i == 3 else []} for i in range(8)]
+    (tmp_path / "train.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    placement = [] if mode == "sync" else ["trainer.placement=separated"]
+    rc = main(["train", "--no-progress", f"actor_rollout_ref.model.path={model}", "actor_rollout_ref.rollout.name=hf",
+               f"data.train_files={tmp_path / 'train.jsonl'}", "data.train_batch_size=4", f"trainer.mode={mode}",
+               *placement, "actor_rollout_ref.actor.ppo_mini_batch_size=4", f"trainer.default_local_dir={tmp_path}/out",
+               "data.image_key=images"])
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("plait: config error")]
+    assert rc == 2 and len(lines) == 1 and "row 3" in lines[0] and "'images' (data.image_key)" in lines[0], err
+    assert "Traceback" not in err and not (tmp_path / "out" / "metrics.jsonl").exists()

@@ -5,8 +5,10 @@ verl's trainer tree (verl 0.9.1's generated ppo_trainer config, and the one-step
 recipe configs) has keys for machinery plait does not have: FSDP/Megatron sharding, vLLM/SGLang
 engine tuning, agent loops, extension classes. A verl script that sets them still loads;
 `load_config` takes them out of the tree and `no_effect_notice` names the ones the user set, once,
-at start, grouped by reason. Every other verl key is a field of the config tree (plait/config.py)
-with verl's default. Left out: OmegaConf itself (`compose_yaml` and `resolve_interpolations` cover
+at start, grouped by reason; those that would change what is trained, scored or sampled
+(`SEMANTIC`) are accepted only at verl's default and refused in one line otherwise, and so are the
+keys only a recipe plait does not run reads (`RECIPE_KEYS`). Every other verl key is a field of the
+config tree (plait/config.py) with verl's default. Left out: OmegaConf itself (`compose_yaml` and `resolve_interpolations` cover
 the forms verl's YAMLs use: defaults entries, `${key}`, `${.key}`, `oc.select`, `oc.env`).
 """
 

@@ -146,8 +146,18 @@ COLUMNS = {
     "ability": "machinery: a label no verl scorer reads",
     "images": "refused (data.image_key): text-only trainers", "videos": "refused (data.video_key)",
     "audios": "refused (data.audio_key)",
-    "agent_name": "owned by the agent loop (issue 28)",  # its agent_name column is implemented there
+    # owned by the agent loop (issue 28), which implements them: the agent_name column and the tool and
+    # interaction arguments verl's multi-turn rows carry in extra_info
+    "agent_name": "agent loop", "extra_info.tools_kwargs": "agent loop", "extra_info.interaction_kwargs": "agent loop",
+    "extra_info.need_tools_kwargs": "agent loop",
 }
+
+
+def test_the_columns_plait_refuses_are_the_multimodal_ones():
+    from plait.config import DataConfig
+    refused = {column for column, what in COLUMNS.items() if what.startswith("refused")}
+    d = DataConfig()
+    assert refused == {d.image_key, d.video_key, d.audio_key}  # verl's default column names
 
 
 @pytest.mark.parametrize("column", ["images", "videos", "audios"])

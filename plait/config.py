@@ -24,8 +24,8 @@ import yaml
 # names only (no torch): a config error is reported before torch and transformers load
 from plait.algorithms.names import (BYPASS_LOSS_TYPES, ESTIMATOR_NAMES as ESTIMATORS, IS_LEVELS,
                                     KL_ESTIMATOR_NAMES as KL_ESTIMATORS, LOSS_AGG_MODES,
-                                    POLICY_LOSS_NAMES as POLICY_LOSSES, parse_rs)
-from plait.config_verl import (CPU_NO_EFFECT, CPU_RAY_NO_EFFECT, HF_ENGINE_NO_EFFECT, LEGACY_REWARD,
+                                    POLICY_LOSS_NAMES as POLICY_LOSSES, parse_is_threshold, parse_rs)
+from plait.config_verl import (CPU_NO_EFFECT, CPU_RAY_NO_EFFECT, FIELD_NO_EFFECT, HF_ENGINE_NO_EFFECT, LEGACY_REWARD,
                                LOCAL_BACKEND_NO_EFFECT, NO_EFFECT, RECIPE_ROLLOUT_POOL, compose_yaml, merge, refusal,
                                resolve_interpolations)
 from plait.configtree import ConfigError, build, check, raise_all, to_dict
@@ -65,6 +65,10 @@ class DataConfig:
     return_raw_chat: bool = True
     shuffle: bool = True
     seed: Optional[int] = None                # null: trainer.seed
+    apply_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # passed to the chat template
+    image_key: str = "images"                 # verl's multimodal columns: a row holding any is refused (text-only
+    video_key: str = "videos"                 # trainers; the images would otherwise be dropped without a word)
+    audio_key: str = "audios"
 
     def __post_init__(self):
         # 0 is verl's fully-async setting (the rollouter streams); PlaitConfig checks the mode and sizes it
@@ -97,6 +101,8 @@ class ModelConfig:
     lora_alpha: int = 16
     target_modules: Union[str, list[str]] = "all-linear"
     lora_adapter_path: Optional[str] = None   # a saved peft adapter to start from (with lora_rank > 0)
+    exclude_modules: Union[str, list[str], None] = None  # modules target_modules matches that get no adapter (peft)
+    override_config: dict[str, Any] = field(default_factory=dict)  # set over the checkpoint's config.json (verl's)
 
     def __post_init__(self):
         check(self.lora_rank >= 0, "lora_rank", self.lora_rank, "0 (off) or the LoRA rank")
@@ -423,7 +429,7 @@ class RolloutCorrectionConfig:
     drops tokens or sequences whose divergence passes rollout_rs_threshold from the loss.
     """
     rollout_is: Optional[str] = None          # token | sequence | null: token in one_step_off/fully_async, off in sync
-    rollout_is_threshold: Optional[float] = 2.0  # the truncation C; null only with rollout_is null
+    rollout_is_threshold: Any = 2.0          # the truncation C, or "lower_upper" (IcePop); null only with rollout_is null
     # verl's bypass mode: pi_old is the rollout's log-prob, so the old_log_prob forward is skipped.
     # Exact in sync mode (the rollout samples with the actor's weights); in the async modes PPO's
     # ratio is then taken against the stale rollout policy itself, with no importance weights.
@@ -444,10 +450,13 @@ class RolloutCorrectionConfig:
                 parse_rs(self.rollout_rs, self.rollout_rs_threshold)
             except ValueError as err:
                 check(False, "rollout_rs", self.rollout_rs, str(err))
-        check(self.rollout_is_threshold is None or self.rollout_is_threshold >= 1, "rollout_is_threshold",
-              self.rollout_is_threshold, "must be >= 1 (weights are truncated at this value)")
+        if self.rollout_is_threshold is not None:
+            try:
+                parse_is_threshold(self.rollout_is_threshold)
+            except ValueError as err:
+                check(False, "rollout_is_threshold", self.rollout_is_threshold, str(err))
         check(self.rollout_is_threshold is not None or self.rollout_is is None, "rollout_is_threshold", None,
-              f"a number >= 1 with rollout_is={self.rollout_is}")
+              f"a number or a 'lower_upper' string with rollout_is={self.rollout_is}")
 
 
 @dataclass
@@ -467,7 +476,18 @@ class FilterGroupsConfig:
         check(self.max_inflight_gen_batches > 0, "max_inflight_gen_batches", self.max_inflight_gen_batches, "must be > 0")
 
 
-VERL_ESTIMATORS_NOT_HERE = ("optimal_token_baseline", "tir_optimal_token_baseline")  # verl 0.9.1 has them
+
+
+@dataclass
+class PfPpoConfig:
+    """`algorithm.pf_ppo`: verl's PF-PPO resamples a step's responses with replacement, weighted by their
+    score: |s|^weight_pow ("pow"), 1 for the batch's best and worst and 0 otherwise ("max_min"), 0.4 for
+    the best and 0.1 otherwise ("max_random")."""
+    reweight_method: str = "pow"
+    weight_pow: float = 2.0
+
+    def __post_init__(self):
+        one_of(self, "reweight_method", ("pow", "max_min", "max_random"))
 
 
 @dataclass
@@ -483,12 +503,14 @@ class AlgorithmConfig:
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
     gdpo_reward_keys: Optional[list[str]] = None       # gdpo: the reward function's result keys to normalise apart
     gdpo_reward_weights: Optional[list[float]] = None  # gdpo: one weight per key; null: 1 each
+    use_pf_ppo: bool = False                  # PF-PPO: resample the batch by score after the advantages (gae)
+    pf_ppo: PfPpoConfig = field(default_factory=PfPpoConfig)
 
     def __post_init__(self):
-        check(self.adv_estimator not in VERL_ESTIMATORS_NOT_HERE, "adv_estimator", self.adv_estimator,
-              f"verl 0.9.1's {self.adv_estimator} is not implemented in plait (it needs the per-token sum of "
-              f"squared probabilities from the actor's forward); plait has {', '.join(ESTIMATORS)}")
         one_of(self, "adv_estimator", ESTIMATORS)
+        check(not self.use_pf_ppo or self.adv_estimator == "gae", "use_pf_ppo", True,
+              f"false with adv_estimator={self.adv_estimator}: verl 0.9.1 resamples by score with gae only (it ignores "
+              "use_pf_ppo otherwise); set adv_estimator=gae or drop it")
         check(self.adv_estimator != "gdpo" or bool(self.gdpo_reward_keys), "gdpo_reward_keys", self.gdpo_reward_keys,
               "the reward components' keys with adv_estimator=gdpo (e.g. [format_reward,accuracy_reward])")
         check(self.gdpo_reward_weights is None or len(self.gdpo_reward_weights) == len(self.gdpo_reward_keys or []),
@@ -696,6 +718,9 @@ class PlaitConfig:
             actor.policy_loss.loss_mode, correction.bypass_mode = "vanilla", True
         # bypass mode takes rollout_is too, as verl does: the actor weighs pi_current / pi_rollout with
         # loss_type=reinforce; with ppo_clip the clipped ratio is the correction and the weights are only reported
+        check(not (correction.bypass_mode and self.algorithm.adv_estimator.endswith("optimal_token_baseline")),
+              "algorithm.adv_estimator", self.algorithm.adv_estimator, "not with bypass mode: the estimator needs the "
+              "old log-prob pass's sum of squared probabilities, which bypass mode skips (verl fails there too)")
         if correction.rollout_is is None and mode in ASYNC_MODES and not correction.bypass_mode:
             correction.rollout_is = "token"
             correction.rollout_is_threshold = correction.rollout_is_threshold or 2.0  # verl's default C
@@ -771,7 +796,7 @@ def parse_value(raw: str) -> Any:
         return raw
     if value == "None":
         return None
-    if isinstance(value, str):  # YAML 1.1 reads 3e-4 as a string
+    if isinstance(value, str) and "_" not in value:  # YAML 1.1 reads 3e-4 as a string; '0.5_2' (IcePop) stays one
         try:
             return float(value)
         except ValueError:
@@ -915,6 +940,8 @@ def load_config(path: str | None = None, overrides: list[str] = (), search: list
     if on_cpu and offload_set:
         cluster = {**cluster, **CPU_NO_EFFECT}
     no_effect += [key for key in user if key in cluster]
+    inert = {key: why for key, (default, why) in FIELD_NO_EFFECT.items() if user.get(key, default) != default}
+    no_effect, cluster = no_effect + list(inert), {**cluster, **inert}
     if cfg.actor_rollout_ref.rollout.name == "hf":
         no_effect += [key for key in user if any(p in HF_ENGINE_NO_EFFECT for p in _prefixes(key))]
     if no_effect:

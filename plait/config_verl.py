@@ -5,8 +5,10 @@ verl's trainer tree (verl 0.9.1's generated ppo_trainer config, and the one-step
 recipe configs) has keys for machinery plait does not have: FSDP/Megatron sharding, vLLM/SGLang
 engine tuning, agent loops, extension classes. A verl script that sets them still loads;
 `load_config` takes them out of the tree and `no_effect_notice` names the ones the user set, once,
-at start, grouped by reason. Every other verl key is a field of the config tree (plait/config.py)
-with verl's default. Left out: OmegaConf itself (`compose_yaml` and `resolve_interpolations` cover
+at start, grouped by reason; those that would change what is trained, scored or sampled
+(`SEMANTIC`) are accepted only at verl's default and refused in one line otherwise, and so are the
+keys only a recipe plait does not run reads (`RECIPE_KEYS`). Every other verl key is a field of the
+config tree (plait/config.py) with verl's default. Left out: OmegaConf itself (`compose_yaml` and `resolve_interpolations` cover
 the forms verl's YAMLs use: defaults entries, `${key}`, `${.key}`, `oc.select`, `oc.env`).
 """
 
@@ -48,7 +50,6 @@ _GROUPS = {
         actor_rollout_ref.actor.ulysses_sequence_parallel_size
         actor_rollout_ref.actor.entropy_from_logits_with_chunking
         actor_rollout_ref.actor.entropy_checkpointing
-        actor_rollout_ref.actor.calculate_sum_pi_squared
         actor_rollout_ref.actor.sum_pi_squared_checkpointing
         actor_rollout_ref.ref.use_torch_compile
         actor_rollout_ref.ref.router_replay.mode
@@ -213,8 +214,6 @@ _GROUPS = {
     ("multimodal (image/video) inputs: plait's LM trainers take text prompts"): """
         actor_rollout_ref.actor.freeze_vision_tower
         data.image_patch_size
-        data.image_key
-        data.video_key
         data.return_multi_modal_inputs
     """,
     ("profiler options plait takes from global_profiler for every role (tool, save_path, the finish "
@@ -297,8 +296,6 @@ _GROUPS = {
         actor_rollout_ref.model.hf_config_path
         actor_rollout_ref.model.custom_chat_template
         actor_rollout_ref.model.external_lib
-        actor_rollout_ref.model.override_config
-        actor_rollout_ref.model.exclude_modules
         data.custom_cls.path
         data.custom_cls.name
         data.sampler.class_path
@@ -349,7 +346,9 @@ _GROUPS = {
         critic.forward_micro_batch_size
     """,
     ("keys verl derives from another key plait implements (actor_rollout_ref.model.use_remove_padding; "
-     "critic.ppo_micro_batch_size_per_gpu)"): """
+     "critic.ppo_micro_batch_size_per_gpu; the sum of squared probabilities is computed when "
+     "algorithm.adv_estimator needs it)"): """
+        actor_rollout_ref.actor.calculate_sum_pi_squared
         actor_rollout_ref.actor.use_remove_padding
         critic.forward_micro_batch_size_per_gpu
     """,
@@ -367,7 +366,6 @@ _GROUPS = {
         data.return_full_prompt
         data.validation_shuffle
         data.trust_remote_code
-        data.apply_chat_template_kwargs
         critic.model.tokenizer_path
         critic.model.lora_rank
         critic.model.lora_alpha
@@ -378,9 +376,6 @@ _GROUPS = {
         reward_model.model.use_remove_padding
         reward_model.use_dynamic_bsz
         reward_model.forward_max_token_len_per_gpu
-        algorithm.use_pf_ppo
-        algorithm.pf_ppo.reweight_method
-        algorithm.pf_ppo.weight_pow
         trainer.rollout_data_dir
         trainer.validation_data_dir
         trainer.val_only
@@ -420,7 +415,6 @@ _GROUPS = {
     """,
     ("verl 0.9 multimodal inputs (audio, processor arguments, images per prompt): plait's LM trainers take "
      "text prompts"): """
-        data.audio_key
         data.mm_processor_kwargs
         actor_rollout_ref.actor.num_images_in_input
     """,
@@ -483,6 +477,67 @@ HF_ENGINE_NO_EFFECT = {
                 "enable_chunked_prefill", "enable_prefix_caching", "free_cache_engine", "load_format", "seed",
                 "tensor_model_parallel_size", "engine_kwargs.vllm")}
 
+# Keys of the no-effect table that change what is trained, scored or sampled once set away from verl's
+# default: accepted at the values listed (a verl YAML copies every default), refused at any other value
+# (and any sub-key of a dict-valued one) in one line naming the key and what it would have changed.
+_DEFAULT_ONLY = {
+    "tokenizer (plait tokenizes with the model's own tokenizer)": ((None,), """
+        actor_rollout_ref.model.tokenizer_path data.tokenizer critic.model.tokenizer_path"""),
+    "chat template (plait renders prompts with the tokenizer's own template)": ((None, {}), """
+        actor_rollout_ref.model.custom_chat_template critic.model.custom_chat_template"""),
+    "model config (plait loads the checkpoint's config.json as is)": ((None, {}), """
+        critic.model.override_config reward_model.model.override_config
+        actor_rollout_ref.model.hf_config_path critic.model.hf_config_path"""),
+    "optimizer (plait trains with torch.optim.AdamW and the optim.* keys)": ((None, {}, "AdamW", "adamw", "torch.optim"), """
+        actor_rollout_ref.actor.optim.optimizer actor_rollout_ref.actor.optim.optimizer_impl
+        actor_rollout_ref.actor.optim.override_optimizer_config critic.optim.optimizer critic.optim.optimizer_impl
+        critic.optim.override_optimizer_config"""),
+    "dataset, sampler or data generator class (plait reads the rows of data.train_files in its own order)": ((None,), """
+        data.custom_cls.path data.custom_cls.name data.sampler.class_path data.sampler.class_name
+        data.datagen.path data.datagen.name"""),
+    "rows kept (plait trains and validates on every row)": ((None, -1), """
+        data.train_max_samples data.val_max_samples"""),
+    "adapters (plait's LoRA is actor_rollout_ref.model.lora_rank on the actor only)": ((None, 0, [], "none"), """
+        critic.model.lora_rank critic.model.lora_adapter_path
+        actor_rollout_ref.model.lora.rank critic.model.lora.rank critic.model.lora.adapter_path
+        actor_rollout_ref.model.lora.adapter_path"""),
+    "quantization or multi-token prediction (plait trains and samples the plain model)": ((None, False), """
+        actor_rollout_ref.actor.qat.enable actor_rollout_ref.rollout.qat.enable
+        actor_rollout_ref.actor.fsdp_config.qat.enable actor_rollout_ref.ref.fsdp_config.qat.enable
+        actor_rollout_ref.rollout.quantization actor_rollout_ref.rollout.quantization_config_file
+        actor_rollout_ref.model.mtp.enable_train actor_rollout_ref.rollout.mtp.enable_train critic.model.mtp.enable_train"""),
+    "MoE router replay (plait's forward routes as the model does)": ((None, False, "disabled"), """
+        actor_rollout_ref.actor.router_replay.mode actor_rollout_ref.ref.router_replay.mode
+        actor_rollout_ref.rollout.enable_rollout_routing_replay"""),
+    "rollout samples (plait generates every response to the end and keeps it)": ((None, 0, 0.0, False), """
+        actor_rollout_ref.rollout.skip_rollout"""),
+    "rollout log-probs (plait's engines return the sampling distribution's log-probs, verl's processed_logprobs)":
+        (("processed_logprobs",), "actor_rollout_ref.rollout.logprobs_mode"),
+    "reward (plait has no sandbox: code rewards run in the reward function)": ((None,), "reward.sandbox_fusion.url"),
+    "run (plait trains; validation alone is not implemented)": ((None, False), "trainer.val_only"),
+}
+SEMANTIC: dict[str, tuple[tuple, str]] = {key: (values, what) for what, (values, keys) in _DEFAULT_ONLY.items()
+                                          for key in keys.split()}
+
+
+def semantic_refusal(key: str, value) -> str | None:
+    """Why `key=value` is refused when `key` (or a dict-valued key above it) is in SEMANTIC and set away
+    from verl's default; None otherwise."""
+    parts = key.split(".")
+    for i in range(len(parts), 0, -1):
+        top = ".".join(parts[:i])
+        if top in SEMANTIC and (top != key or value not in SEMANTIC[top][0]):
+            return (f"changes the {SEMANTIC[top][1]}; plait does not implement it, so the run would train as if "
+                    "it were unset: drop it")
+    return None
+
+
+# Fields plait reads whose verl meaning is machinery plait does differently: named at start when set
+# away from verl's default (the value), with what plait does instead.
+FIELD_NO_EFFECT = {
+    "algorithm.filter_groups.max_inflight_gen_batches": (1, "concurrent generation while dynamic sampling fills a "
+        "batch: plait generates the extra batches one at a time (the same groups are kept, only slower)")}
+
 # verl 0.9 switches of subsystems whose other keys have no effect here: turning one on is refused.
 ENABLES = {"distillation.enabled": "on-policy distillation (distillation.*)",
            "transfer_queue.enable": "verl's transfer queue (its main_ppo recipe)",
@@ -496,9 +551,13 @@ def refusal(user: dict[str, object]) -> tuple[str, object, str] | None:
         if "megatron" in key.split(".") or (key.endswith(".strategy") and value == "megatron"):
             return key, value, ("Megatron-LM is not supported: plait trains with PyTorch (strategy fsdp or fsdp2); "
                                 "drop the *.megatron.* keys and set actor_rollout_ref.actor.strategy=fsdp")
-        if key in RECIPE_KEYS:
-            return key, value, (f"a key of verl's {RECIPE_KEYS[key]} recipe, which plait does not implement "
-                                "(docs/verl.md lists the recipes it runs)")
+        recipe = next((RECIPE_KEYS[p] for p in _prefixes(key) if p in RECIPE_KEYS), None)
+        if recipe:
+            return key, value, (f"a key of verl's {recipe} recipe, which plait does not implement (it would "
+                                "otherwise train plain PPO/GRPO; docs/verl.md lists the recipes it runs)")
+        why = semantic_refusal(key, value)
+        if why:
+            return key, value, why
         if key in ENABLES and value not in (None, False, "sync"):
             return key, value, f"{ENABLES[key]} is not supported in plait (docs/verl.md); drop the key or set it off"
         if key in ("global_profiler.tool", "trainer.device") and value == "npu":
@@ -553,14 +612,36 @@ REFUSED_RECIPES = {
     "recipe.spin.main_spin": "SPIN (self-play fine-tuning)",
     "recipe.gvpo.main_gvpo": "GVPO",
     "recipe.spo.main_spo": "SPO (single-stream policy optimisation)",
+    "recipe.spo.spo_main_ppo": "SPO (single-stream policy optimisation)",
+    "recipe.gvpo.gvpo_main_ppo": "GVPO",
+    "recipe.partial_rollout.main_ppo": "partial rollout",
+    "recipe.async_flow.grpo_main": "async flow",
+    "recipe.dynamo.main_dynamo": "Dynamo",
+    "recipe.atropos.main_atropos": "Atropos",
+    "recipe.reward_queue.main": "the reward queue",
+    "recipe.dance_grpo.main_dance": "DanceGRPO",
+    "recipe.dapo.dapo_transfer_queue.main_dapo": "DAPO on the transfer queue",
     "verl.trainer.main_ppo_split": "split placement (main_ppo_split.py)",
     "recipe.split_placement.main_ppo_split": "split placement (main_ppo_split.py)",
     "verl.experimental.transfer_queue.main_ppo": "the transfer-queue trainer",
     "recipe.transfer_queue.main_ppo": "the transfer-queue trainer",
 }
 # Keys only a refused recipe reads: named with the recipe instead of as unknown.
-RECIPE_KEYS = {"data.filter_accuracy": "PRIME", "data.accuracy_lower_bound": "PRIME", "data.accuracy_upper_bound": "PRIME",
-               "data.oversample_factor": "PRIME", "algorithm.sppo_eta": "SPPO", "algorithm.tb_coef": "FlowRL"}
+# A key here names a leaf or a section (every key under it).
+RECIPE_KEYS = {
+    **dict.fromkeys(("data.filter_accuracy", "data.accuracy_lower_bound", "data.accuracy_upper_bound",
+                     "data.oversample_factor", "data.filter_truncate", "reward_model.prime_granularity",
+                     "reward_model.prime_norm", "reward_model.mini_batch_size", "reward_model.model.ref_path",
+                     "reward_model.model.ref_type", "reward_model.model.update", "reward_model.model.beta_train",
+                     "reward_model.model.loss_type", "reward_model.model.optim"), "PRIME"),
+    "algorithm.sppo_eta": "SPPO", "actor_rollout_ref.actor.sppo_eta": "SPPO",
+    "actor_rollout_ref.actor.dpo_beta": "SPIN", "trainer.ref_update_freq": "SPIN",
+    "actor_rollout_ref.actor.gvpo_beta": "GVPO", "trainer.spo": "SPO", "algorithm.tb_coef": "FlowRL"}
+
+
+def _prefixes(key: str) -> list[str]:
+    parts = key.split(".")
+    return [".".join(parts[:i]) for i in range(len(parts), 0, -1)]
 
 
 def entry_point_overrides(module: str | None) -> list[str]:

@@ -20,7 +20,7 @@ from plait.config import PlaitConfig
 from plait.configtree import ConfigError, raise_all, to_dict
 from plait.data.reward_pool import close_reward_workers
 from plait.data.rewards import resolve_reward
-from plait.models import builtin_model, check_model_dir
+from plait.models import builtin_model, check_model_dir, check_reward_model_dir
 from plait.profiler import RoleProfilerConfig, validate_environment
 from plait.profiler.config import ROLE_KEYS
 from plait.trainers.lifecycle import Lifecycle, LifecycleConfig, output_dir_lock
@@ -60,6 +60,8 @@ def check_model_path(cfg: PlaitConfig) -> None:
                       ("reward.reward_model.model_path", rm.model_path if rm.enable else None)):
         if path is not None and not os.path.isdir(path):
             raise ConfigError(key, path, "not a directory; give a local Hugging Face model directory")
+    if rm.enable and rm.model_path is not None:
+        check_reward_model_dir(rm.model_path)
 
 
 def preflight(cfg: PlaitConfig) -> None:

@@ -119,11 +119,37 @@ def load_causal_lm(path: str | Path, dtype: torch.dtype = torch.float32,
     return model.to(device)
 
 
+RM_KEY = "reward.reward_model.model_path"
+GENRM = ("plait's reward model is a *ForSequenceClassification checkpoint with its trained score head; a causal LM "
+         "that judges (verl's generative reward model, GenRM) is not implemented, and loading one as a classifier "
+         "would score with a randomly initialised head")
+
+
+def check_reward_model_dir(path: str | Path) -> None:
+    """A reward model directory whose config.json names no *ForSequenceClassification architecture is a
+    ConfigError (read as JSON: nothing runs)."""
+    try:
+        config = json.loads((Path(path) / "config.json").read_text())
+    except FileNotFoundError:
+        raise ConfigError(RM_KEY, str(path), "no config.json: not a Hugging Face model directory") from None
+    except (ValueError, OSError) as err:
+        raise ConfigError(RM_KEY, str(path), f"config.json is unreadable ({type(err).__name__}: {err})") from None
+    arch = (config.get("architectures") or []) if isinstance(config, dict) else []
+    if not any(str(a).endswith("ForSequenceClassification") for a in arch):
+        raise ConfigError(RM_KEY, str(path), f"a {', '.join(map(str, arch)) or 'model with no architectures'} "
+                                             f"checkpoint: {GENRM}")
+
+
 def load_reward_model(path: str | Path, dtype: torch.dtype = torch.float32,
                       device: str | torch.device = "cpu") -> PreTrainedModel:
-    """A local HF sequence-classification model with one label (a reward model), frozen, in eval mode."""
-    model = AutoModelForSequenceClassification.from_pretrained(_local_dir(path), num_labels=1, dtype=dtype,
-                                                               local_files_only=True)
+    """A local HF sequence-classification model with one label (a reward model), frozen, in eval mode.
+    A checkpoint without the head's weights (transformers would initialise it at random) is a ConfigError."""
+    check_reward_model_dir(_local_dir(path))
+    model, info = AutoModelForSequenceClassification.from_pretrained(
+        _local_dir(path), num_labels=1, dtype=dtype, local_files_only=True, output_loading_info=True)
+    if info["missing_keys"]:
+        raise ConfigError(RM_KEY, str(path), f"its weights lack {', '.join(sorted(info['missing_keys'])[:4])}: "
+                                             f"{GENRM}")
     return model.to(device).eval().requires_grad_(False)
 
 
@@ -265,19 +291,43 @@ def _local_dir(path: str | Path) -> str:
 
 
 def add_lora(model: PreTrainedModel, rank: int, alpha: float, target_modules: str | list[str],
-             adapter_path: str | None = None):
+             adapter_path: str | None = None, exclude_modules: str | list[str] | None = None):
     """`model` wrapped with trainable LoRA adapters (peft), every other weight frozen: fresh
     adapters of `rank` on `target_modules` ("all-linear": every linear layer but the output
-    head), or the adapter saved at `adapter_path` to train further."""
+    head) less `exclude_modules` (a regex or names, as peft takes them), or the adapter saved at
+    `adapter_path` to train further."""
     try:
         from peft import LoraConfig, PeftModel, get_peft_model
     except ImportError:
         raise ImportError("LoRA (actor_rollout_ref.model.lora_rank > 0) needs peft: pip install 'plait[lora]'") from None
     if adapter_path is not None:
         return PeftModel.from_pretrained(model, _local_dir(adapter_path), is_trainable=True)
-    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=target_modules, lora_dropout=0.0,
-                        bias="none", task_type="CAUSAL_LM")
+    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=target_modules, exclude_modules=exclude_modules,
+                        lora_dropout=0.0, bias="none", task_type="CAUSAL_LM")
     return get_peft_model(model, config)
+
+
+def config_overlay(path: str | Path, overrides: dict, folder: str | Path) -> str:
+    """verl's `model.override_config`: a folder holding the model at `path` (its files linked, not copied)
+    with `overrides` set over its config.json (nested dicts merged), for every role and engine to load. As in
+    verl, a key the model's class does not read is set and has no effect (DAPO's scripts set GPT-2's embd_pdrop
+    on Qwen2)."""
+    source, folder = Path(_local_dir(path)), Path(folder)
+    config = json.loads((source / "config.json").read_text())
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    for item in source.iterdir():
+        if item.name != "config.json":
+            (folder / item.name).symlink_to(item.resolve())
+    (folder / "config.json").write_text(json.dumps(_merged(config, overrides), indent=2))
+    return str(folder)
+
+
+def _merged(base: dict, top: dict) -> dict:
+    out = dict(base)
+    for key, value in top.items():
+        out[key] = _merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
 
 
 def merged_state_dict(peft_model) -> dict[str, torch.Tensor]:

@@ -28,7 +28,7 @@ class PromptBatch:
 
 
 _OPTIONAL_TENSORS = ("token_scores", "token_rewards", "old_logprobs", "ref_logprobs", "values",
-                     "advantages", "returns", "rollout_is_weights", "loss_mask")
+                     "advantages", "returns", "rollout_is_weights", "loss_mask", "sum_pi_squared")
 
 
 @dataclass
@@ -53,6 +53,7 @@ class RolloutBatch:
     returns: Optional[torch.Tensor] = None        # [batch, resp_len]
     rollout_is_weights: Optional[torch.Tensor] = None  # [batch, resp_len] truncated IS weights (rollout correction)
     loss_mask: Optional[torch.Tensor] = None      # [batch, resp_len] response_mask less rejected samples; None: response_mask
+    sum_pi_squared: Optional[torch.Tensor] = None  # [batch, resp_len] sum_v pi_old(v)^2 (optimal token baselines)
     scores: list[float] = field(default_factory=list)
 
     def __len__(self) -> int:

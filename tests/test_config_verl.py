@@ -22,7 +22,7 @@ SCRIPTS = Path(__file__).parent / "fixtures" / "verl_scripts"
 REFUSED = {"ppo_megatron_nsys": "Megatron-LM is not supported", "npu_discrete_profiling": "Ascend NPU is not supported"}
 # verl 0.9 failure classes that `plait train` refuses at start, in one config-error line naming what to fix
 REFUSED_AT_START = {"sppo": "SPPO", "prime": "PRIME recipe", "loggers_swanlab_mlflow": "pip install",
-                    "filter_overlong_all_rows": "shortest prompt has"}
+                    "filter_overlong_all_rows": "shortest prompt has", "minicpmo_custom_dataset": "data.custom_cls.path"}
 
 
 def script_args(name: str, paths: dict[str, str]) -> list[str]:
@@ -42,6 +42,21 @@ def script_overrides(name: str, paths: dict[str, str]) -> list[str]:
     return args
 
 
+def tiny_classifier(path) -> str:
+    """A reward model: a tiny Qwen2 sequence classifier (score head saved) over the char tokenizer."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForSequenceClassification
+
+    from plait.models import TINY_SIZES, build_char_tokenizer
+    tokenizer = build_char_tokenizer()
+    config = Qwen2Config(vocab_size=len(tokenizer), num_labels=1, pad_token_id=tokenizer.pad_token_id, **TINY_SIZES["xs"])
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        Qwen2ForSequenceClassification(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
 @pytest.fixture(scope="module")
 def tiny_paths(tmp_path_factory):
     from plait.data.tasks import write_task_files
@@ -49,16 +64,16 @@ def tiny_paths(tmp_path_factory):
     root = tmp_path_factory.mktemp("verl")
     model = create_tiny_model(root / "model", size="xs")
     train, test = write_task_files("arithmetic", root / "data", 16, 4)
-    return {"MODEL_PATH": model, "REWARD_MODEL_PATH": model, "TRAIN_FILE": train, "TEST_FILE": test,
+    return {"MODEL_PATH": model, "REWARD_MODEL_PATH": tiny_classifier(root / "rm"), "TRAIN_FILE": train, "TEST_FILE": test,
             "OUT": str(root / "out")}
 
 
-def test_there_are_twenty_recorded_scripts():
-    assert len(list(SCRIPTS.glob("*.sh"))) == 20
+def test_there_are_twenty_three_recorded_scripts():
+    assert len(list(SCRIPTS.glob("*.sh"))) == 23
 
 
 @pytest.mark.parametrize("name", sorted(p.stem for p in SCRIPTS.glob("*.sh")
-                                        if p.stem not in REFUSED and p.stem not in ("sppo", "prime")))
+                                        if p.stem not in REFUSED and p.stem not in ("sppo", "prime", "minicpmo_custom_dataset")))
 def test_every_recorded_verl_script_loads(name, tiny_paths, capsys):
     cfg = load_config(None, script_overrides(name, tiny_paths))
     assert cfg.actor_rollout_ref.model.path == tiny_paths["MODEL_PATH"]
@@ -91,7 +106,7 @@ DAPO_REWARD = ("def compute_score(data_source, solution_str, ground_truth, extra
 
 @pytest.mark.parametrize("name", ["grpo_qwen2_7b", "ppo_deepseek7b", "one_step_off_grpo", "ppo_reward_model",
                                   "grpo_lora_qwen2_5_3b", "dapo_qwen2_5_7b", "main_ppo_verl091_cispo",
-                                  "fully_async_train_batch_0"])
+                                  "fully_async_train_batch_0", "otb_qwen2_5_7b", "ppo_pfppo_deepseek7b"])
 def test_recorded_scripts_train_two_steps(name, tiny_paths, tmp_path):
     # What a user without wandb appends, as verl's scripts pass on "$@".
     extra = ["trainer.total_training_steps=2", "trainer.logger=console", f"trainer.default_local_dir={tmp_path}"]

@@ -101,15 +101,90 @@ def reinforce_plus_plus(token_rewards: Tensor, response_mask: Tensor,
 def gdpo(components: Tensor, weights: Tensor, response_mask: Tensor, group_ids: Tensor,
          norm_by_std: bool = True) -> tuple[Tensor, Tensor]:
     """GDPO: each reward component [k, batch] normalised within its groups as GRPO does, summed with
-    `weights` [k], then whitened over the batch's valid tokens (so no one component drowns the others)."""
+    `weights` [k], then whitened over the batch's valid tokens (so no one component drowns the others).
+    A component is its row's score whichever of its tokens are masked (verl 0.9.1 places it at the row's
+    last attended position, not through the response mask)."""
     mask = response_mask.to(components.dtype)
-    total = torch.zeros_like(mask)
+    total, whole = torch.zeros_like(mask), torch.ones_like(mask[:, :1])  # whole: [batch, 1]
     for comp, w in zip(components, weights):
-        tokens = torch.zeros_like(mask)
-        tokens[:, 0] = comp * mask[:, 0]  # a sequence's score, summed over its tokens by grpo
-        total = total + w * grpo(tokens, mask, group_ids, norm_by_std)[0]
+        total = total + w * grpo(comp[:, None].to(mask.dtype), whole, group_ids, norm_by_std)[0] * mask
     adv = masked_whiten(total, mask)  # [batch, resp_len]
     return adv, adv
+
+
+def optimal_token_baseline(token_rewards: Tensor, response_mask: Tensor, group_ids: Tensor, old_logprobs: Tensor,
+                           sum_pi_squared: Tensor, is_weights: Tensor | None = None,
+                           eps: float = 1e-8) -> tuple[Tensor, Tensor]:
+    """verl 0.9.1's optimal token baseline: A_t = G_t - B_t with G_t the reward-to-go and, per group and
+    position t, B_t = sum_i G_t W_t / sum_i W_t, where W_t = sum_{j<=t} (1 - 2 pi_j + sum_v pi_v^2) (times the
+    rollout IS weight squared when given) is the path's accumulated score-function variance. A group of one
+    has no baseline; the longest response's positions past its group's second longest get none either."""
+    mask = response_mask.to(token_rewards.dtype)
+    returns = (token_rewards * mask).flip(-1).cumsum(-1).flip(-1)            # [batch, resp_len]
+    w = 1 - 2 * old_logprobs.exp() + sum_pi_squared                          # [batch, resp_len]
+    if is_weights is not None:
+        w = w * is_weights ** 2
+    cumulative = (w * mask).cumsum(-1)                                        # [batch, resp_len]
+    baselines = _group_token_baselines(returns, cumulative, mask, group_ids, eps)
+    return (returns - baselines) * mask, returns
+
+
+def tir_optimal_token_baseline(token_rewards: Tensor, response_mask: Tensor, group_ids: Tensor, old_logprobs: Tensor,
+                               sum_pi_squared: Tensor, is_weights: Tensor | None = None,
+                               eps: float = 1e-8) -> tuple[Tensor, Tensor]:
+    """The optimal token baseline over each response's own tokens (verl 0.9.1's multi-turn variant): the
+    k-th unmasked token of every response in a group shares a baseline, whatever column it sits in
+    (tool outputs masked between turns shift it); empty responses are left out of their group."""
+    mask = response_mask.to(token_rewards.dtype)
+    returns = (token_rewards * mask).flip(-1).cumsum(-1).flip(-1)            # [batch, resp_len]
+    w = 1 - 2 * old_logprobs.exp() + sum_pi_squared
+    if is_weights is not None:
+        w = w * is_weights ** 2
+    cumulative = (w * mask).cumsum(-1)
+    rows, cols = mask.bool().nonzero(as_tuple=True)                          # [N] each
+    place = (mask.cumsum(-1) - 1).long()[rows, cols]                          # [N]: k of the k-th unmasked token
+    lengths = mask.sum(-1).long()                                             # [batch]
+    width = int(lengths.max()) if len(lengths) else 0
+    packed = lambda x: x.new_zeros(len(mask), width).index_put((rows, place), x[rows, cols])  # noqa: E731
+    packed_mask = (torch.arange(width)[None] < lengths[:, None]).to(mask.dtype)  # [batch, width]
+    empty = lengths == 0  # alone in a group of their own: no baseline
+    ids = torch.where(empty, group_ids.max() + 1 + torch.arange(len(mask)), group_ids)
+    baselines = _group_token_baselines(packed(returns), packed(cumulative), packed_mask, ids, eps)
+    advantages = torch.zeros_like(returns).index_put((rows, cols), (packed(returns) - baselines)[rows, place])
+    return advantages * mask, returns
+
+
+def _group_token_baselines(returns: Tensor, cumulative: Tensor, mask: Tensor, group_ids: Tensor,
+                           eps: float) -> Tensor:
+    """B_t per group and position [batch, len]: sum G_t W_t / (sum W_t + eps) over the group's rows; 0 for a
+    group of one and, past the second longest response, for a group's single longest one."""
+    baselines = torch.zeros_like(returns)
+    for gid in torch.unique(group_ids):
+        rows = torch.nonzero(group_ids == gid).squeeze(-1)
+        if len(rows) < 2:
+            continue
+        m, w = mask[rows], cumulative[rows]
+        baselines[rows] = ((returns[rows] * w * m).sum(0) / ((w * m).sum(0) + eps))[None]
+        lengths = m.sum(-1)
+        longest, second = lengths.sort().values[-1], lengths.sort().values[-2]
+        if longest > second and int((lengths == longest).sum()) == 1:
+            baselines[rows[lengths == longest][0], int(second):] = 0.0
+    return baselines
+
+
+def pf_ppo_weights(scores: Tensor, method: str, power: float) -> Tensor:
+    """PF-PPO's resampling weights [batch] from sequence scores [batch] (verl 0.9.1): |s|^power ("pow"), 1 at
+    the batch's max and min score and 0 elsewhere ("max_min"), 0.4 at the max and 0.1 elsewhere ("max_random");
+    floored at 1e-8 so every response can be drawn."""
+    if method == "pow":
+        weights = scores.abs().pow(power)
+    elif method == "max_min":
+        weights = ((scores == scores.max()) | (scores == scores.min())).to(scores.dtype)
+    elif method == "max_random":
+        weights = torch.where(scores == scores.max(), 0.4, 0.1).to(scores.dtype)
+    else:
+        raise ValueError(f"unknown pf_ppo reweight_method {method!r}; valid: pow, max_min, max_random")
+    return (weights + 1e-8).clamp(min=1e-8)
 
 
 def grpo_passk(token_rewards: Tensor, response_mask: Tensor, group_ids: Tensor,
@@ -202,6 +277,9 @@ class AdvantageInputs:
     values: Tensor | None = None          # [batch, resp_len], from a critic (gae)
     baselines: Tensor | None = None       # [batch], greedy responses' scores (remax)
     components: Tensor | None = None      # [k, batch] reward components (gdpo: algorithm.gdpo_reward_keys)
+    old_logprobs: Tensor | None = None    # [batch, resp_len] (optimal token baselines)
+    sum_pi_squared: Tensor | None = None  # [batch, resp_len] sum over the vocabulary of pi^2 (optimal token baselines)
+    is_weights: Tensor | None = None      # [batch, resp_len] rollout IS weights, when rollout correction gives them
     component_weights: Tensor | None = None  # [k]; null: 1 each
     gamma: float = 1.0
     lam: float = 1.0
@@ -220,6 +298,8 @@ def compute_advantages(estimator: str, **inputs) -> tuple[Tensor, Tensor]:
     if estimator == "gae" and a.values is None:
         raise ValueError("the 'gae' estimator needs values from a critic: "
                          "pass values=[batch, resp_len]")
+    if estimator in NEEDS_SUM_PI_SQUARED and (a.sum_pi_squared is None or a.old_logprobs is None):
+        raise ValueError(f"the {estimator!r} estimator needs old_logprobs and sum_pi_squared [batch, resp_len]")
     if estimator == "remax" and a.baselines is None:
         raise ValueError("the 'remax' estimator needs the greedy responses' scores: pass baselines=[batch]")
     return ESTIMATORS[estimator](a)
@@ -227,6 +307,8 @@ def compute_advantages(estimator: str, **inputs) -> tuple[Tensor, Tensor]:
 
 # Estimators that need the trainer to generate one greedy response per prompt first.
 NEEDS_GREEDY_BASELINE = ("remax",)
+# ... and the actor's sum of squared probabilities from the old log-prob pass.
+NEEDS_SUM_PI_SQUARED = ("optimal_token_baseline", "tir_optimal_token_baseline")
 
 ESTIMATORS = {
     "grpo": lambda a: grpo(a.token_rewards, a.response_mask, a.group_ids, norm_by_std=a.norm_by_std),
@@ -244,5 +326,9 @@ ESTIMATORS = {
     "gae": lambda a: gae(a.token_rewards, a.values, a.response_mask, a.gamma, a.lam),
     "gdpo": lambda a: gdpo(a.components, torch.ones(len(a.components)) if a.component_weights is None
                            else a.component_weights, a.response_mask, a.group_ids, a.norm_by_std),
+    "optimal_token_baseline": lambda a: optimal_token_baseline(a.token_rewards, a.response_mask, a.group_ids,
+                                                               a.old_logprobs, a.sum_pi_squared, a.is_weights),
+    "tir_optimal_token_baseline": lambda a: tir_optimal_token_baseline(a.token_rewards, a.response_mask, a.group_ids,
+                                                                       a.old_logprobs, a.sum_pi_squared, a.is_weights),
 }
 assert tuple(ESTIMATORS) == ESTIMATOR_NAMES, "plait/algorithms/names.py lists the estimators config.py accepts"

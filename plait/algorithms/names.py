@@ -7,7 +7,8 @@ import), so a config error is reported before torch loads and the names still li
 from __future__ import annotations
 
 ESTIMATOR_NAMES = ("grpo", "grpo_passk", "rloo", "grpo_vectorized", "rloo_vectorized", "reinforce_plus_plus",
-                   "reinforce_plus_plus_baseline", "remax", "opo", "gpg", "gae", "gdpo")
+                   "reinforce_plus_plus_baseline", "remax", "opo", "gpg", "gae", "gdpo", "optimal_token_baseline",
+                   "tir_optimal_token_baseline")
 KL_ESTIMATOR_NAMES = ("k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl", "k1+", "k2+", "mse+", "kl+", "abs+", "k3+",
                       "low_var_kl+")
 POLICY_LOSS_NAMES = ("vanilla", "gspo", "gpg", "clip_cov", "kl_cov", "geo_mean", "sapo", "cispo", "dppo_tv", "dppo_kl",
@@ -20,6 +21,21 @@ RS_OPTIONS = ("token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "s
               "seq_mean_k1", "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3")
 RS_ALIASES = {"token": "token_k1", "sequence": "seq_sum_k1", "geometric": "seq_mean_k1"}
 BYPASS_LOSS_TYPES = ("ppo_clip", "reinforce")
+
+
+def parse_is_threshold(threshold: float | str) -> tuple[float, float | None]:
+    """(upper, lower or None) of `rollout_is_threshold`: a number u truncates weights at u (TIS); a
+    "lower_upper" string keeps weights in [lower, upper] and zeroes the others (IcePop)."""
+    if isinstance(threshold, bool) or not isinstance(threshold, (int, float, str)):
+        raise ValueError("a number (truncation) or a 'lower_upper' string (IcePop)")
+    lower_text, _, upper_text = str(threshold).strip().rpartition("_") if isinstance(threshold, str) else ("", "", threshold)
+    try:
+        upper, lower = float(upper_text), float(lower_text) if lower_text else None
+    except ValueError:
+        raise ValueError("a number (truncation) or a 'lower_upper' string (IcePop), e.g. 2.0 or '0.5_5.0'") from None
+    if not upper > 0 or (lower is not None and not 0 < lower <= upper):
+        raise ValueError("bounds must be > 0 with lower <= upper")
+    return upper, lower
 
 
 def parse_rs(rollout_rs: str, threshold: str | float | None) -> list[tuple[str, float, float | None]]:

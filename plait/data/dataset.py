@@ -4,7 +4,8 @@ Rows follow verl's format (see tasks.py); `prompt` is a list of chat messages (r
 tokenizer's chat template) or a plain string (used as is). Every prompt is tokenized when the
 dataset is built, so a prompt that is too long fails (or is truncated, or filtered out, as
 `data.truncation` and `data.filter_overlong_prompts` say) before training starts. Batches drop
-the incomplete last one, as verl does. Left out: multimodal inputs, tool schemas, streaming datasets
+the incomplete last one, as verl does. Left out: multimodal inputs (a row
+holding images, videos or audio is refused), tool schemas, streaming datasets
 too large for memory, and padding (the rollout pads).
 """
 
@@ -135,11 +136,14 @@ class PromptDataset:
     def __init__(self, rows: Sequence[dict], tokenizer: PreTrainedTokenizerBase,
                  prompt_key: str = "prompt", max_prompt_length: int = 512,
                  truncation: str = "error", filter_overlong_prompts: bool = False,
-                 return_raw_chat: bool = False, reward_fn_key: str = "data_source", first_index: int = 0):
+                 return_raw_chat: bool = False, reward_fn_key: str = "data_source", first_index: int = 0,
+                 media_keys: dict[str, str] | None = None, chat_template_kwargs: dict | None = None):
         check(max_prompt_length > 0, "max_prompt_length", max_prompt_length, "a positive integer")
         check(truncation in TRUNCATIONS, "truncation", truncation, f"one of {', '.join(TRUNCATIONS)}")
-        items = [self._item(i, row, tokenizer, prompt_key, return_raw_chat, reward_fn_key, first_index)
-                 for i, row in enumerate(rows)]
+        for i, row in enumerate(rows):
+            check_text_only(first_index + i, row, media_keys or {})
+        items = [self._item(i, row, tokenizer, prompt_key, return_raw_chat, reward_fn_key, first_index,
+                            chat_template_kwargs or {}) for i, row in enumerate(rows)]
         self.shortest = min((len(it.prompt_ids) for it in items), default=0)  # tokens; names the limit when all are dropped
         if filter_overlong_prompts:
             kept = [it for it in items if len(it.prompt_ids) <= max_prompt_length]
@@ -156,7 +160,7 @@ class PromptDataset:
 
     @staticmethod
     def _item(i: int, row: dict, tokenizer: PreTrainedTokenizerBase, prompt_key: str,
-              return_raw_chat: bool, reward_fn_key: str, first_index: int) -> PromptItem:
+              return_raw_chat: bool, reward_fn_key: str, first_index: int, chat_template_kwargs: dict) -> PromptItem:
         missing = [k for k in (prompt_key, reward_fn_key, "reward_model") if k not in row]
         if missing:
             raise KeyError(f"row {i} has no {', '.join(map(repr, missing))}; "
@@ -173,8 +177,8 @@ class PromptDataset:
             if tokenizer.chat_template is None:
                 raise ValueError(f"row {i}: '{prompt_key}' is a list of messages but the "
                                  "tokenizer has no chat template; give plain-string prompts")
-            text = tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True,
-                                                 tokenize=False)
+            text = tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=False,
+                                                 **chat_template_kwargs)  # data.apply_chat_template_kwargs
             # The template already wrote any special tokens the model expects.
             ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         extra_info = dict(row.get("extra_info") or {})
@@ -193,6 +197,17 @@ class PromptDataset:
                              f"max_prompt_length={max_len}; set data.max_prompt_length={len(item.prompt_ids)} or "
                              "data.truncation=left (or right, middle) or data.filter_overlong_prompts=true")
         return dataclasses.replace(item, prompt_ids=truncate(item.prompt_ids, max_len, truncation))
+
+
+def check_text_only(i: int, row: dict, media_keys: dict[str, str]) -> None:
+    """Row `i` holds no images, videos or audio in the columns `media_keys` names ({config key: column}):
+    plait's LM trainers are text-only, and training on the text alone would drop them without a word."""
+    for key, column in media_keys.items():
+        value = row.get(column)
+        if value not in (None, [], {}, ""):
+            raise ValueError(f"row {i}: column {column!r} ({key}) holds {type(value).__name__} media; plait trains "
+                             "text-only models (vision-language RL is not implemented), so training would drop them: "
+                             "remove the column's values or the rows")
 
 
 def check_messages(i: int, prompt_key: str, prompt: Any) -> None:

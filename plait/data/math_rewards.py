@@ -5,8 +5,9 @@ number (or a dict with "score"), the way verl scores these sources, so a verl us
 MATH parquet trains against the same targets here:
 
 - GSM8K (`openai/gsm8k`): the answer is the number after the last `#### ` (digits, `.`, `,`; so
-  `#### $42` has none); "flexible" takes the last number anywhere instead. 1.0 when it equals the
-  ground truth string, `format_score` when an answer was found but is wrong.
+  `#### $42` has none), commas dropped; "flexible" takes the last such run anywhere instead, as
+  written ("1,000" is not "1000"). 1.0 when it equals the ground truth string, `format_score` when
+  an answer was found but is wrong.
 - MATH (`lighteval/MATH`, ...): the answer is the last `\\boxed{...}` (or `\\boxed x$`);
   both sides are normalised (Hendrycks et al.'s MATH rules: `\\dfrac` -> `\\frac`, a unit after
   `\\text{ ` and spaces dropped, `\\%` dropped, `0.5` -> `\\frac{1}{2}`, ...) and compared as
@@ -15,7 +16,8 @@ MATH parquet trains against the same targets here:
 - DAPO (`math_dapo`, `math`, `math_dapo_reasoning`, `aime*`): the answer follows the last `Answer:`,
   both sides normalised with Minerva's rules (Lewkowycz et al. 2022); without an `Answer:` line the
   last `\\boxed{...}` of the last 100 characters, compared as written. +1 when right, -1 otherwise,
-  with "acc" and "pred".
+  with "acc" and "pred"; an `Answer:` line that normalises to `[INVALID]` falls back to the box, and
+  a ground truth that is not a string is an error (verl raises too).
 
 These follow verl 0.9.1's scorers (verl/utils/reward_score), checked side by side on the same strings.
 
@@ -33,15 +35,18 @@ TAIL_CHARS = 300  # answers sit at the end; regexes over a whole long response a
 # -- GSM8K ---------------------------------------------------------------------------------------
 
 def gsm8k_answer(response: str, method: str = "strict") -> str | None:
-    """The final answer of a GSM8K response, commas and dollar signs dropped; None if there is none."""
+    """The final answer of a GSM8K response; None if there is none. strict: the number after the last
+    `#### `, commas dropped. flexible: the last run of digits, `.` and `,` that is not a lone `.`, as
+    written (verl 0.9.1: "1,000" stays "1,000"; with only lone dots, the first of them)."""
     tail = response[-TAIL_CHARS:]
     if method == "strict":
         found = re.findall(r"#### (-?[0-9.,]+)", tail)
-    elif method == "flexible":
-        found = [s for s in re.findall(r"-?[0-9.,]+", tail) if s not in (".", ",")]
-    else:
+        return found[-1].replace(",", "").replace("$", "") if found else None
+    if method != "flexible":
         raise ValueError(f"gsm8k method must be 'strict' or 'flexible', not {method!r}")
-    return found[-1].replace(",", "").replace("$", "") if found else None
+    found = re.findall(r"-?[0-9.,]+", tail)
+    valid = [s for s in found if s != "."]
+    return valid[-1] if valid else (found[0] if found else None)
 
 
 def gsm8k_score(solution_str: str, ground_truth: str, method: str = "strict",
@@ -53,11 +58,14 @@ def gsm8k_score(solution_str: str, ground_truth: str, method: str = "strict",
 
 
 def gsm8k_synthetic_score(solution_str: str, ground_truth: str) -> dict:
-    """plait's synthetic word problems (word_problems.py): verl's GSM8K rule in its flexible mode
-    (the last number of the response must be the answer: 1, else 0). `acc` is that score, which
-    verl's validation reports as the core metric (val-core/gsm8k_synthetic/acc/mean@N) when a reward
-    returns it; `strict` is verl's default strict rule (the number after the last "####")."""
-    score = gsm8k_score(solution_str, ground_truth, method="flexible")
+    """plait's synthetic word problems (word_problems.py): the last number of the response must be the
+    answer (1, else 0), its thousands separators dropped ("1,000" is 1000: plait's rule for its own task;
+    verl's flexible GSM8K mode compares the text as written). `acc` is that score, which verl's validation
+    reports as the core metric (val-core/gsm8k_synthetic/acc/mean@N) when a reward returns it; `strict` is
+    verl's default strict rule (the number after the last "####")."""
+    numbers = [s.replace(",", "") for s in re.findall(r"-?[0-9.,]+", solution_str[-TAIL_CHARS:])]
+    numbers = [s for s in numbers if s.strip(".")]
+    score = 1.0 if numbers and numbers[-1].rstrip(".") == ground_truth else 0.0
     return {"score": score, "acc": score, "strict": gsm8k_score(solution_str, ground_truth)}
 
 
@@ -85,10 +93,13 @@ def _braced(rest: str) -> str | None:
 
 
 def _braced_fracs(s: str) -> str:
-    r"""\frac12 -> \frac{1}{2}, \frac1{2} -> \frac{1}{2}: single-character arguments get braces."""
+    r"""\frac12 -> \frac{1}{2}, \frac1{2} -> \frac{1}{2}: single-character arguments get braces.
+    ValueError for a \frac with nothing after it (verl then compares the raw strings)."""
     out, parts = [], s.split("\\frac")
     out.append(parts[0])
     for part in parts[1:]:
+        if not part:
+            raise ValueError("\\frac with nothing after it")
         if part.startswith("{"):
             out.append("\\frac" + part)
             continue
@@ -101,10 +112,12 @@ def _braced_fracs(s: str) -> str:
 
 
 def _braced_sqrt(s: str) -> str:
-    r"""\sqrt3 -> \sqrt{3} (any one character after \sqrt gets braces)."""
-    if s.endswith("\\sqrt"):
+    r"""\sqrt3 -> \sqrt{3} (any one character after \sqrt gets braces). ValueError for a \sqrt with
+    nothing after it before the next \sqrt or the end (\sqrt\sqrt3: verl then compares the raw strings)."""
+    head, *parts = s.split("\\sqrt")
+    if any(not part for part in parts):
         raise ValueError("\\sqrt with nothing after it")
-    return re.sub(r"\\sqrt([^{])", r"\\sqrt{\1}", s)
+    return head + "".join("\\sqrt" + (part if part[0] == "{" else f"{{{part[0]}}}{part[1:]}") for part in parts)
 
 
 def normalize_math_answer(s: str) -> str:
@@ -119,7 +132,7 @@ def normalize_math_answer(s: str) -> str:
         if s.count("\\text{ ") > 1:
             raise ValueError("more than one unit")
         s = s.split("\\text{ ")[0]
-    s = s.replace("\\%", "")  # a bare % stays
+    s = s.replace("\\\\%", "").replace("\\%", "")  # \\% (3 or 4 backslashes written) then \%; a bare % stays
     s = s.replace(" .", " 0.").replace("{.", "{0.")
     if s.startswith("."):
         s = "0" + s
@@ -182,15 +195,18 @@ def normalize_final_answer(answer: str) -> str:
 def dapo_score(solution_str: str, ground_truth: str) -> dict:
     """+1 when the text after the last 'Answer:' matches the ground truth after normalisation, else -1;
     without an 'Answer:' line, the last `\\boxed{...}` of the last 100 characters as written."""
+    if not isinstance(ground_truth, str):  # verl 0.9.1 raises here too (its normalisation splits the string)
+        raise TypeError(f"the DAPO/AIME/math scorer needs a string ground truth, got {type(ground_truth).__name__} "
+                        f"{ground_truth!r:.40}; store reward_model.ground_truth as a string")
     tail = solution_str[-TAIL_CHARS:]
     found = re.findall(r"(?i)Answer\s*:\s*([^\n]+)", tail)
-    if found:
-        pred = normalize_final_answer(found[-1])
-        correct = pred == normalize_final_answer(str(ground_truth))
-    else:
+    pred = normalize_final_answer(found[-1] if found else "[INVALID]")
+    correct = pred == normalize_final_answer(ground_truth)
+    if pred == "[INVALID]":  # no Answer: line, or one that normalises to [INVALID]: the box decides
         start = tail[-100:].rfind("\\boxed{")
         boxed = _braced(tail[-100:][start + len("\\boxed"):]) if start >= 0 else None
-        pred, correct = ("[INVALID]", False) if boxed is None else (boxed, boxed == ground_truth)
+        if boxed is not None:
+            pred, correct = boxed, boxed == ground_truth
     return {"score": 1.0 if correct else -1.0, "acc": correct, "pred": pred}
 
 

@@ -19,6 +19,7 @@ and logging are not here: they are the lifecycle's.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -30,7 +31,7 @@ from typing import Callable
 
 import torch
 
-from plait.algorithms.advantages import NEEDS_GREEDY_BASELINE, compute_advantages
+from plait.algorithms.advantages import NEEDS_GREEDY_BASELINE, NEEDS_SUM_PI_SQUARED, compute_advantages, pf_ppo_weights
 from plait.algorithms.kl import apply_kl_penalty, make_kl_controller
 from plait.algorithms.rollout_correction import rollout_correction
 from plait.config import PlaitConfig, SamplingConfig
@@ -97,6 +98,7 @@ class LMTrainer:
         self.cursor = DataCursor(train_data, cfg.data.train_batch_size, cfg.data.shuffle, cfg.data.seed)
         kl = cfg.algorithm.kl_ctrl
         self.kl_ctrl = make_kl_controller(kl.type, kl.kl_coef, kl.target_kl, kl.horizon)
+        self.pf_ppo_rng = torch.Generator().manual_seed(cfg.trainer.seed)  # PF-PPO's draws
         r = cfg.actor_rollout_ref.rollout
         self.sampling = SamplingConfig(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, do_sample=r.do_sample)
         self.correction = cfg.algorithm.rollout_correction
@@ -324,14 +326,16 @@ class LMTrainer:
         correction (IS weights, rejection) works on the whole batch's pi_old, so it keeps the pass."""
         actor, c = self.cfg.actor_rollout_ref.actor, self.correction
         return (actor.ppo_epochs == 1 and actor.ppo_mini_batch_size * self.sampling.n >= len(batch)
-                and not self.cfg.algorithm.use_kl_in_reward and c.rollout_is is None and c.rollout_rs is None)
+                and not self.cfg.algorithm.use_kl_in_reward and c.rollout_is is None and c.rollout_rs is None
+                and self.cfg.algorithm.adv_estimator not in NEEDS_SUM_PI_SQUARED)
 
     def compute_old_log_prob(self, batch: RolloutBatch) -> dict[str, float]:
         r = self.cfg.actor_rollout_ref.rollout
-        old_logp, entropy = self.roles.actor.call(
+        with_sum_pi_squared = self.cfg.algorithm.adv_estimator in NEEDS_SUM_PI_SQUARED
+        old_logp, entropy, *sum_pi_squared = self.roles.actor.call(
             Actor.compute_log_prob, batch, r.log_prob_micro_batch_size_per_gpu,
-            r.log_prob_max_token_len_per_gpu if r.log_prob_use_dynamic_bsz else None)
-        batch.old_logprobs = old_logp
+            r.log_prob_max_token_len_per_gpu if r.log_prob_use_dynamic_bsz else None, with_sum_pi_squared)
+        batch.old_logprobs, batch.sum_pi_squared = old_logp, (sum_pi_squared or [None])[0]
         mask = batch.response_mask
         metrics = {"actor/entropy": masked_mean(entropy, mask), **rollout_probs_diff(old_logp, batch.rollout_logprobs, mask)}
         c = self.correction  # decoupled mode: weights and rejection of pi_old vs pi_rollout, for the whole batch
@@ -373,7 +377,13 @@ class LMTrainer:
             alg.adv_estimator, token_rewards=batch.token_rewards, response_mask=batch.response_mask,
             group_ids=batch.group_ids, values=batch.values, gamma=alg.gamma, lam=alg.lam,
             norm_by_std=alg.norm_adv_by_std_in_grpo, baselines=baselines, components=components,
-            component_weights=weights)
+            component_weights=weights, old_logprobs=batch.old_logprobs, sum_pi_squared=batch.sum_pi_squared,
+            is_weights=batch.rollout_is_weights)
+        if alg.use_pf_ppo:  # PF-PPO: the step trains on its responses drawn again, weighted by score
+            weights = pf_ppo_weights(batch.token_scores.sum(-1), alg.pf_ppo.reweight_method, alg.pf_ppo.weight_pow)
+            drawn = batch.select(torch.multinomial(weights, len(batch), replacement=True, generator=self.pf_ppo_rng))
+            for f in dataclasses.fields(batch):
+                setattr(batch, f.name, getattr(drawn, f.name))
         return metrics
 
 
@@ -518,6 +528,17 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def resolve_model(cfg: PlaitConfig) -> str:
+    """The policy's starting weights, with `model.override_config` set over their config (models.config_overlay)."""
+    from plait.models import config_overlay
+    path, overrides = base_model(cfg), cfg.actor_rollout_ref.model.override_config
+    if not overrides:
+        return path
+    folder = config_overlay(path, overrides, os.path.join(cfg.output_dir, "model_override"))
+    print(f"plait: actor_rollout_ref.model.override_config {overrides} set over {path}'s config: {folder}", file=sys.stderr)
+    return folder
+
+
+def base_model(cfg: PlaitConfig) -> str:
     """The policy's starting weights: the user's directory, a built-in model (built once, cached), or
     the demo model warm-started once and cached."""
     from plait.data.warmstart import sft_warmstart
@@ -581,7 +602,8 @@ def build_lm_trainer(cfg: PlaitConfig, backend, device: str):
     d = cfg.data
     options = dict(prompt_key=d.prompt_key, max_prompt_length=d.max_prompt_length, truncation=d.truncation,
                    filter_overlong_prompts=d.filter_overlong_prompts, return_raw_chat=d.return_raw_chat,
-                   reward_fn_key=d.reward_fn_key)
+                   reward_fn_key=d.reward_fn_key, chat_template_kwargs=d.apply_chat_template_kwargs, media_keys={"data.image_key": d.image_key,
+                                                              "data.video_key": d.video_key, "data.audio_key": d.audio_key})
     train_data = load_dataset("data.train_files", train_files, tokenizer, **options)
     val_data = load_dataset("data.val_files", val_files, tokenizer, **options) if val_files else None
     if d.filter_overlong_prompts:

@@ -29,7 +29,7 @@ from plait.models import add_lora, enable_activation_checkpointing, load_causal_
 from plait.safeload import load_tensors
 from plait.types import RolloutBatch
 from plait.workers.flops import ModelFlops
-from plait.workers.logprobs import check_lm_head, response_logprobs
+from plait.workers.logprobs import check_lm_head, response_logprobs, response_stats
 from plait.workers.packing import MicroBatching, checked_remove_padding
 from plait.workers.parallel import (SHARDED_DIR, EvenMicroBatching, all_reduce_grads, check_same_batch, checkpoint_state,
                                     clip_grads, data_parallel, dp_rank_size, dp_share, even_micro_batches, full_state_dict,
@@ -38,18 +38,25 @@ from plait.workers.parallel import (SHARDED_DIR, EvenMicroBatching, all_reduce_g
 
 
 def response_forward(model, batch: RolloutBatch, temperature: float, layout: MicroBatching,
-                     with_entropy: bool, grad: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probs [batch, resp_len] (and entropy) of the batch's responses under `model`."""
+                     with_entropy: bool, grad: bool = False,
+                     with_sum_pi_squared: bool = False) -> tuple[torch.Tensor, ...]:
+    """Log-probs [batch, resp_len] (and entropy) of the batch's responses under `model`; with
+    `with_sum_pi_squared` (no grad) a third tensor, the sum of squared probabilities [batch, resp_len]."""
     device = next(model.parameters()).device
     logp = torch.zeros(batch.responses.shape, device=device)               # [batch, resp_len]
     ent = torch.zeros(batch.responses.shape, device=device) if with_entropy else None
+    spsq = torch.zeros(batch.responses.shape, device=device) if with_sum_pi_squared else None
     for rows in layout.split(batch):
+        micro = batch.select(rows)
         with torch.set_grad_enabled(grad):
-            logp[rows], micro_ent = micro_forward(model, batch.select(rows), temperature, with_entropy,
-                                                  layout.remove_padding)
+            logp[rows], micro_ent, micro_sq = response_stats(
+                model, micro.input_ids.to(device), micro.attention_mask.to(device), micro.responses.shape[1],
+                temperature, with_entropy, with_sum_pi_squared, layout.remove_padding)
         if with_entropy:
             ent[rows] = micro_ent
-    return logp, ent
+        if with_sum_pi_squared:
+            spsq[rows] = micro_sq
+    return (logp, ent, spsq) if with_sum_pi_squared else (logp, ent)
 
 
 def micro_forward(model, micro: RolloutBatch, temperature: float, with_entropy: bool, remove_padding: bool = False):
@@ -112,7 +119,7 @@ class Actor:
         self.lora = model_cfg is not None and model_cfg.lora_rank > 0
         if self.lora:
             self.model = add_lora(self.model, model_cfg.lora_rank, model_cfg.lora_alpha,
-                                  model_cfg.target_modules, model_cfg.lora_adapter_path)
+                                  model_cfg.target_modules, model_cfg.lora_adapter_path, model_cfg.exclude_modules)
         self.model.train()
         remove_padding = checked_remove_padding(self.model, remove_padding)
         self.layout = MicroBatching(cfg.ppo_micro_batch_size_per_gpu, max_token_len, remove_padding)
@@ -130,13 +137,15 @@ class Actor:
         self.offload_optimizer = offloads_optimizer(cfg.fsdp_config, device)
         self.shuffle_gen = torch.Generator().manual_seed(seed)
 
-    def compute_log_prob(self, batch: RolloutBatch, micro_batch_size: int,
-                         max_token_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Old log-probs and entropy [batch, resp_len] before the update."""
+    def compute_log_prob(self, batch: RolloutBatch, micro_batch_size: int, max_token_len: int | None = None,
+                         with_sum_pi_squared: bool = False) -> tuple[torch.Tensor, ...]:
+        """Old log-probs and entropy [batch, resp_len] before the update (and the sum of squared
+        probabilities with `with_sum_pi_squared`: verl's calculate_sum_pi_squared)."""
         with self.profiler.annotate("old_log_prob"):
             layout = EvenMicroBatching(MicroBatching(micro_batch_size, max_token_len, self.layout.remove_padding), self.model)
-            return data_parallel(batch, lambda share: response_forward(self.model, share, self.temperature, layout,
-                                                                       with_entropy=True), "Actor.compute_log_prob")
+            return data_parallel(batch, lambda share: response_forward(
+                self.model, share, self.temperature, layout, with_entropy=True,
+                with_sum_pi_squared=with_sum_pi_squared), "Actor.compute_log_prob")
 
     def model_flops(self) -> ModelFlops:
         return self.flops

@@ -34,6 +34,16 @@ def response_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tens
     [left-padded prompt | right-padded response]), of softmax(logits / temperature); 0 at padding.
 
     `remove_padding`: the rows' real tokens go through the model packed (plait/workers/packing.py)."""
+    return response_stats(model, input_ids, attention_mask, resp_len, temperature, with_entropy, False,
+                          remove_padding)[:2]
+
+
+def response_stats(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, resp_len: int,
+                   temperature: float, with_entropy: bool, with_sum_pi_squared: bool,
+                   remove_padding: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """`response_logprobs`, plus with `with_sum_pi_squared` the sum over the vocabulary of the squared
+    probabilities [batch, resp_len] at each response token (verl's sum_pi_squared: optimal-token-baseline
+    estimators), from the same chunked LM head; no gradient flows through it."""
     resp_mask = attention_mask[:, -resp_len:]                                 # [batch, resp_len]
     rows, cols = resp_mask.nonzero(as_tuple=True)                             # [N] each: the real response tokens
     width = input_ids.shape[1]
@@ -49,17 +59,19 @@ def response_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tens
                       position_ids=(attention_mask.cumsum(-1) - 1).clamp(min=0))
     tokens = input_ids[:, -resp_len:][rows, cols]                             # [N]
     if is_sharded(model):
-        logp, ent = _sharded_logprobs(model, inputs, before, tokens, temperature, with_entropy)
+        logp, ent, spsq = _sharded_logprobs(model, inputs, before, tokens, temperature, with_entropy, with_sum_pi_squared)
     else:
         hidden = last_hidden(model, **inputs).flatten(0, 1)[before]          # [N, hidden]
-        logp, ent = chunked_logprobs(hidden, tokens, model.get_output_embeddings(), temperature, with_entropy)
+        logp, ent, spsq = _chunked(hidden, tokens, model.get_output_embeddings(), temperature, with_entropy,
+                                   with_sum_pi_squared)
     zeros = resp_mask.new_zeros(resp_mask.shape, dtype=logp.dtype)
     logp = zeros.index_put((rows, cols), logp)                                # [batch, resp_len]
-    return logp, (zeros.index_put((rows, cols), ent) if with_entropy else None)
+    return (logp, zeros.index_put((rows, cols), ent) if with_entropy else None,
+            zeros.index_put((rows, cols), spsq) if with_sum_pi_squared else None)
 
 
 def _sharded_logprobs(model, inputs: dict, before: torch.Tensor, tokens: torch.Tensor, temperature: float,
-                      with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+                      with_entropy: bool, with_sum_pi_squared: bool = False) -> tuple[torch.Tensor, ...]:
     """FSDP2: the LM head runs inside the root's forward, at the response positions only
     (`logits_to_keep` as a mask), so [N, vocab] logits exist at once. A head called per chunk after
     the root's forward (its own fully_shard group) gave wrong gradients of the head's group after a
@@ -69,7 +81,8 @@ def _sharded_logprobs(model, inputs: dict, before: torch.Tensor, tokens: torch.T
     logits = model(**inputs, use_cache=False, logits_to_keep=keep.view_as(inputs["input_ids"])).logits
     order = torch.empty_like(before)
     order[before.argsort()] = torch.arange(len(before), device=before.device)  # mask order -> ours
-    return _LogpEntropy.apply(logits[order].float() / temperature, tokens, with_entropy)  # [N] each
+    z = logits[order].float() / temperature                                  # [N, vocab]
+    return (*_LogpEntropy.apply(z, tokens, with_entropy), _sum_squared_probs(z) if with_sum_pi_squared else None)
 
 
 def last_hidden(model, **inputs) -> torch.Tensor:
@@ -102,17 +115,36 @@ def chunked_logprobs(hidden: torch.Tensor, tokens: torch.Tensor, head, temperatu
     Logits are float32 whatever the model's dtype (a bf16 logsumexp is off by ~1e-2, which would
     show up in PPO ratios). Under grad each chunk is checkpointed: only `hidden` is kept, and the
     backward recomputes the chunk's logits."""
+    return _chunked(hidden, tokens, head, temperature, with_entropy, False, chunk_tokens)[:2]
+
+
+def _chunked(hidden: torch.Tensor, tokens: torch.Tensor, head, temperature: float, with_entropy: bool,
+             with_sum_pi_squared: bool, chunk_tokens: int | None = None) -> tuple[torch.Tensor, ...]:
+    """`chunked_logprobs`, plus the sum of squared probabilities [N] (None unless asked; never under grad)."""
     chunk_tokens = chunk_tokens or max(1, LOGITS_BUDGET // head.out_features)
     grad = torch.is_grad_enabled()
+    if grad and with_sum_pi_squared:
+        raise ValueError("sum_pi_squared is computed in the no-grad log-prob pass only")
 
     def one(h, tok):
         z = head(h).float() / temperature                                      # [chunk, vocab]
         return _LogpEntropy.apply(z, tok, with_entropy)
-    logp, ent = [], []
+    logp, ent, spsq = [], [], []
     for h, tok in zip(hidden.split(chunk_tokens), tokens.split(chunk_tokens)):
-        lp, e = checkpoint(one, h, tok, use_reentrant=False) if grad else one(h, tok)
+        if grad:
+            lp, e = checkpoint(one, h, tok, use_reentrant=False)
+        else:
+            z = head(h).float() / temperature                                  # [chunk, vocab]
+            (lp, e), sq = _LogpEntropy.apply(z, tok, with_entropy), _sum_squared_probs(z) if with_sum_pi_squared else None
+            spsq.append(sq)
         logp.append(lp), ent.append(e)
-    return torch.cat(logp), (torch.cat(ent) if with_entropy else None)           # [N]
+    return (torch.cat(logp), torch.cat(ent) if with_entropy else None,      # [N] each
+            torch.cat(spsq) if with_sum_pi_squared else None)
+
+
+def _sum_squared_probs(z: torch.Tensor) -> torch.Tensor:
+    """sum over the vocabulary of softmax(z)^2 [chunk] for logits z [chunk, vocab]."""
+    return torch.softmax(z, -1).square().sum(-1)
 
 
 class _LogpEntropy(torch.autograd.Function):

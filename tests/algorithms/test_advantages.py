@@ -8,7 +8,8 @@ from torch.testing import assert_close
 
 from plait.algorithms.advantages import (ESTIMATORS, compute_advantages, gae, gpg, grpo, grpo_passk,
                                          masked_mean, masked_whiten, opo, reinforce_plus_plus,
-                                         reinforce_plus_plus_baseline, remax, rloo, gdpo)
+                                         reinforce_plus_plus_baseline, remax, rloo, gdpo,
+                                         optimal_token_baseline, tir_optimal_token_baseline)
 
 torch.set_num_threads(1)
 T = torch.tensor
@@ -134,8 +135,12 @@ def test_compute_advantages_dispatches_to_each_estimator():
     baselines = torch.rand(4)
     PAIRS = T([7, 3, 7, 3])  # grpo_passk needs two samples per group
     components = torch.rand(2, 4)
-    kw = dict(token_rewards=REWARDS, response_mask=MASK, group_ids=PAIRS, components=components)
+    old, spsq = -torch.rand(4, 3), torch.rand(4, 3)
+    kw = dict(token_rewards=REWARDS, response_mask=MASK, group_ids=PAIRS, components=components, old_logprobs=old,
+              sum_pi_squared=spsq)
     direct = {
+        "optimal_token_baseline": optimal_token_baseline(REWARDS, MASK, PAIRS, old, spsq),
+        "tir_optimal_token_baseline": tir_optimal_token_baseline(REWARDS, MASK, PAIRS, old, spsq),
         "gdpo": gdpo(components, torch.ones(2), MASK, PAIRS, norm_by_std=False),
         "grpo": grpo(REWARDS, MASK, PAIRS, norm_by_std=False),
         "rloo": rloo(REWARDS, MASK, PAIRS),

@@ -13,14 +13,14 @@ T = torch.tensor
 ln = math.log
 
 
-def test_token_is_weights_truncate_and_report_before_truncation():
+def test_token_is_weights_truncate_and_report_the_applied_weights():
     log_ratio, mask = T([[ln(3.0), ln(0.5), 5.0]]), T([[1.0, 1.0, 0.0]])
     w, m = is_weights(log_ratio, mask, "token", threshold=2.0)
     assert_close(w, T([[2.0, 0.5, 0.0]]))
-    assert m["rollout_is_mean"] == pytest.approx(1.75)  # (3 + .5) / 2, before truncation
-    assert (m["rollout_is_max"], m["rollout_is_min"]) == pytest.approx((3.0, 0.5))
-    assert m["rollout_is_ratio_fraction_high"] == pytest.approx(0.5)
-    # ESS on weights bounded to [.5, 2]: [2, .5] / 1.25 = [1.6, .4]; 1 / mean of squares 1.36
+    assert m["rollout_is_mean"] == pytest.approx(1.25)  # (2 + .5) / 2: verl 0.9.1 reports the truncated weights
+    assert (m["rollout_is_max"], m["rollout_is_min"]) == pytest.approx((2.0, 0.5))
+    assert m["rollout_is_ratio_fraction_high"] == pytest.approx(0.5)  # the raw 3 > 2
+    # ESS on the applied weights: [2, .5] / 1.25 = [1.6, .4]; 1 / mean of squares 1.36
     assert m["rollout_is_eff_sample_size"] == pytest.approx(1 / 1.36)
 
 

@@ -99,6 +99,20 @@ def test_gdpo_normalises_each_reward_component_within_groups_then_whitens():
     assert_close(adv, T([[-s], [s], [-s], [s]]), atol=1e-4, rtol=1e-4)
 
 
+def test_gdpo_keeps_the_components_of_a_row_whose_first_token_is_masked():
+    # verl 0.9.1 places a component at the row's last attended position, whatever the response mask says
+    # there; rows 0 and 2 have their first token masked. Side by side with verl's compute_gdpo_outcome_advantage.
+    from plait.algorithms.advantages import gdpo
+    mask = T([[0, 1, 1], [1, 1, 0], [0, 0, 1], [1, 1, 1]])
+    adv, _ = gdpo(T([[1.0, 0.0, 2.0, 1.0], [0.0, 1.0, 3.0, 3.0]]), T([1.0, 0.5]), mask, T([0, 0, 1, 1]))
+    # a: +-1/sqrt2 in both groups; b: -+1/sqrt2 in group 0, 0 in group 1; a + b/2 = [r/2, -r/2, r, -r] (r = 0.70711)
+    # whitened over the 8 valid tokens: mean -r/4, unbiased var 2.25/7
+    r, mean, std = 0.70711, -0.70711 / 4, (2.25 / 7) ** 0.5
+    row = [(r / 2 - mean) / std, (-r / 2 - mean) / std, (r - mean) / std, (-r - mean) / std]  # 0.9354, -0.3118, ...
+    assert_close(adv, T(row)[:, None] * mask, atol=1e-4, rtol=1e-4)
+    assert_close(adv[0], T([0.0, 0.93541, 0.93541]), atol=1e-4, rtol=1e-4)
+
+
 def test_gdpo_needs_its_reward_keys():
     from plait.config import load_config
     from plait.configtree import ConfigError
@@ -121,3 +135,38 @@ def test_gdpo_trains_on_the_reward_functions_components(tmp_path, tiny_config):
     driver.build(cfg, progress=False).run()
     record, = read_metrics(os.path.join(tmp_path, "metrics.jsonl"))
     assert "actor/pg_loss" in record and record["critic/advantages/max"] != 0
+
+
+def test_pf_ppo_weights_as_verl():
+    from plait.algorithms.advantages import pf_ppo_weights
+    scores = T([1.0, -2.0, 0.0, 2.0])
+    assert_close(pf_ppo_weights(scores, "pow", 2.0), T([1.0, 4.0, 0.0, 4.0]) + 1e-8)
+    assert_close(pf_ppo_weights(scores, "max_min", 2.0), T([0.0, 1.0, 0.0, 1.0]) + 1e-8)
+    assert_close(pf_ppo_weights(scores, "max_random", 2.0), T([0.1, 0.1, 0.1, 0.4]) + 1e-8)
+
+
+def test_pf_ppo_trains_on_responses_drawn_by_score(tmp_path, tiny_config):
+    # verl 0.9.1 applies PF-PPO with gae only; with max_min only the batch's best and worst responses are drawn
+    from plait.config import load_config
+    from plait.configtree import ConfigError
+    with pytest.raises(ConfigError, match="use_pf_ppo=True: false with adv_estimator=grpo"):
+        load_config(None, ["algorithm.adv_estimator=grpo", "algorithm.use_pf_ppo=true"])
+    (tmp_path / "reward.py").write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                                        "    return float(sum(map(ord, solution_str)) % 7)\n")  # many distinct scores
+    cfg = tiny_config(tmp_path, "algorithm.adv_estimator=gae", "algorithm.use_pf_ppo=true",
+                      "algorithm.pf_ppo.reweight_method=max_min", "trainer.total_training_steps=1", "trainer.test_freq=-1",
+                      f"reward.custom_reward_function.path={tmp_path / 'reward.py'}", "reward.num_workers=0")
+    lifecycle = driver.build(cfg, progress=False)
+    seen = []
+    compute = lifecycle.trainer.compute_advantage
+
+    def spy(batch, *args):
+        before = batch.token_scores.sum(-1).clone()
+        metrics = compute(batch, *args)
+        seen.append((before, batch.token_scores.sum(-1)))
+        return metrics
+    lifecycle.trainer.compute_advantage = spy
+    lifecycle.run()
+    [(before, after)] = seen
+    assert len(set(before.tolist())) > 2 and len(after) == 16
+    assert set(after.tolist()) <= {before.max().item(), before.min().item()}  # only the extremes are drawn

@@ -66,6 +66,9 @@ def test_fsdp2_roles_on_two_cpu_ranks_equal_one_worker(ray_instance, tmp_path):
         logp, ent = actor.call(Actor.compute_log_prob, odd, 7)
         assert logp.shape == odd.responses.shape
         assert torch.allclose(logp, one_logp, atol=1e-5) and torch.allclose(ent, one_ent, atol=1e-5)
+        # the sum of squared probabilities (optimal token baselines) from the sharded LM head, as from one worker
+        _, _, sum_pi_squared = actor.call(Actor.compute_log_prob, odd, 7, None, True)
+        assert torch.allclose(sum_pi_squared, one_actor.compute_log_prob(odd, 7, None, True)[2], atol=1e-5)
         assert torch.allclose(ref.call(Ref.compute_ref_log_prob, odd), one_ref.compute_ref_log_prob(odd), atol=1e-5)
         assert torch.allclose(critic.call(Critic.compute_values, odd), one_values, atol=1e-6)
         assert reward.call(RewardModel.compute_rm_score, odd) == pytest.approx(one_rm.compute_rm_score(odd), abs=1e-5)

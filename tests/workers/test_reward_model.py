@@ -94,3 +94,47 @@ def test_a_missing_reward_model_directory_is_refused_before_any_work(tmp_path, t
     cfg = tiny_config(tmp_path, "reward_model.enable=true", f"reward_model.model.path={tmp_path / 'nope'}")
     with pytest.raises(ConfigError, match="reward.reward_model.model_path"):  # the 0.8 spelling, mapped
         driver.preflight(cfg)
+
+
+def _without_head(source, path):
+    """The classifier's checkpoint with its score head's weights taken out (a backbone saved as a classifier)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    shutil.copytree(source, path)
+    weights = load_file(os.path.join(path, "model.safetensors"))
+    save_file({k: v for k, v in weights.items() if not k.startswith("score.")}, os.path.join(path, "model.safetensors"),
+              metadata={"format": "pt"})
+    return str(path)
+
+
+def test_a_reward_model_that_is_not_a_trained_classifier_is_refused_in_one_line(tmp_path, rm_dir):
+    # verl's GenRM points reward_model.model_path at a causal LM; loaded as a classifier it would get a random head
+    from plait.configtree import ConfigError
+    from plait.models import check_reward_model_dir, create_tiny_model, load_reward_model
+    causal = create_tiny_model(tmp_path / "causal", size="xs")
+    for check in (check_reward_model_dir, load_reward_model):
+        with pytest.raises(ConfigError) as err:
+            check(causal)
+        message = str(err.value)
+        assert message.startswith(f"reward.reward_model.model_path={causal!r}: a Qwen2ForCausalLM checkpoint")
+        assert "GenRM" in message and "\n" not in message
+    headless = _without_head(rm_dir, tmp_path / "headless")
+    check_reward_model_dir(headless)  # its config says classifier; its weights do not hold the head
+    with pytest.raises(ConfigError, match=r"its weights lack score.weight: plait's reward model is a "
+                                          r"\*ForSequenceClassification checkpoint with its trained score head"):
+        load_reward_model(headless)
+    assert load_reward_model(rm_dir).score.weight.shape == (1, 32)  # the trained head loads
+
+
+def test_a_causal_lm_reward_model_is_refused_by_preflight_and_train(tmp_path, tiny_config, capsys):
+    from plait.cli import main
+    from plait.configtree import ConfigError
+    from plait.models import create_tiny_model
+    causal = create_tiny_model(tmp_path / "causal", size="xs")
+    cfg = tiny_config(tmp_path, "reward.reward_model.enable=true", f"reward.reward_model.model_path={causal}")
+    with pytest.raises(ConfigError, match="GenRM"):
+        driver.preflight(cfg)
+    assert main(["config", "show", "reward.reward_model.enable=true", f"reward.reward_model.model_path={causal}"]) == 2
+    err = capsys.readouterr().err
+    assert "GenRM" in err and "Traceback" not in err

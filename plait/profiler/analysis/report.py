@@ -9,6 +9,9 @@
 
 The profiler's save_path is found as DIR itself, DIR/profile, or given (`--profile`); the run's
 files as DIR itself or given (`--run`). Whatever is missing is left out of the page, and said so.
+A folder may come from someone else: every file read is below the folder it was found in (DIR,
+--profile, --run), symbolic links resolved; a manifest path or a recorded save_path that leads
+elsewhere (`..`, absolute, a link out) is not read, and the page says so.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from typing import Optional
 from plait.profiler.analysis import memory as mem
 from plait.profiler.analysis import svg
 from plait.profiler.analysis.traces import Trace, load_trace, merged_trace, top_ops, write_trace
-from plait.profiler.naming import MANIFEST, read_location, read_manifest
+from plait.profiler.naming import LOCATION, MANIFEST, read_location, read_manifest
 from plait.profiler.timeline import TIMELINE_FILE, read_timeline
 from plait.safeload import load_pickle
 
@@ -44,19 +47,40 @@ class Inputs:
 def locate(path: str, profile: Optional[str] = None, run: Optional[str] = None) -> Inputs:
     if not os.path.isdir(path):
         raise FileNotFoundError(f"{path}: not a directory")
-    has = lambda d, f: d is not None and os.path.exists(os.path.join(d, f))  # noqa: E731
+    has = lambda d, f: d is not None and below(d, f) is not None and os.path.exists(os.path.join(d, f))  # noqa: E731
     run = run or (path if has(path, TIMELINE_FILE) or has(path, "metrics.jsonl") else None)
-    # the save_path the run recorded wins: it may point anywhere
+    # the save_path the run recorded wins when it is inside DIR: a copied run's points at the original
+    recorded = read_location(run) if has(run, LOCATION) else None
+    outside = [f"{recorded} (the run's recorded save_path: outside {path}, not read; give --profile)"] \
+        if recorded and below(path, recorded) is None else []
     looked = [profile] if profile else list(dict.fromkeys(
-        d for d in (run and read_location(run), path, os.path.join(path, "profile")) if d))
+        d for d in (recorded if not outside else None, path, os.path.join(path, "profile")) if d))
     profile = next((d for d in looked if has(d, MANIFEST)), None)
+    looked += outside
     if run is None and profile is None:
         raise FileNotFoundError(f"{path}: no timeline.jsonl, metrics.jsonl or manifest.jsonl here, nor a "
                                 f"manifest in {', '.join(looked)} (give a run's output dir or a profiler save_path)")
     spans = read_timeline(os.path.join(run, TIMELINE_FILE)) if has(run, TIMELINE_FILE) else []
     metrics = _read_jsonl(os.path.join(run, "metrics.jsonl")) if has(run, "metrics.jsonl") else []
     return Inputs(run, profile, spans, [m for m in metrics if m.get("step", 0) >= 1],
-                  read_manifest(profile) if profile else [], looked)
+                  [r for r in read_manifest(profile) if _well_formed(r)] if profile else [], looked)
+
+
+RECORD_FIELDS = {"steps": list, "role": str, "rank": int, "pid": int, "tool": str, "complete": bool}
+
+
+def _well_formed(rec) -> bool:
+    """A manifest line as the profiler writes it (a hand-edited one is skipped, not a traceback)."""
+    return (isinstance(rec, dict) and all(isinstance(rec.get(k), t) for k, t in RECORD_FIELDS.items())
+            and all(isinstance(rec.get(k), (t, type(None))) for k, t in (("path", str), ("stage", str), ("policy_version", int))))
+
+
+def below(root: str, rel: str) -> Optional[str]:
+    """`root`/`rel` when it resolves (links followed) inside `root`; None when it leads out of it
+    (`..`, an absolute path, a symbolic link elsewhere)."""
+    full = os.path.join(root, rel)
+    real_root = os.path.realpath(root)
+    return full if os.path.commonpath([real_root, os.path.realpath(full)]) == real_root else None
 
 
 def _read_jsonl(path: str) -> list[dict]:
@@ -71,7 +95,10 @@ def build_report(path: str, profile: Optional[str] = None, run: Optional[str] = 
     os.makedirs(out_dir, exist_ok=True)
     traces, memories, notes = [], [], []
     for rec in inp.manifest:
-        file = os.path.join(inp.profile_dir, rec["path"]) if rec["path"] else None
+        file = below(inp.profile_dir, rec["path"]) if rec["path"] else None
+        if rec["path"] and file is None:
+            notes.append(f"{rec['path']}: outside the profile folder {inp.profile_dir}; not read")
+            continue
         if file is None or not os.path.exists(file):
             notes.append(f"{rec['path'] or rec['role']}: no file (complete={rec['complete']})")
             continue
@@ -343,7 +370,7 @@ def _learning_section(inp: Inputs) -> str:
 
 def _all_records(inp: Inputs) -> list[dict]:
     """metrics.jsonl with step 0 (validation before training), which `inp.metrics` leaves out."""
-    path = os.path.join(inp.run_dir, "metrics.jsonl") if inp.run_dir else None
+    path = below(inp.run_dir, "metrics.jsonl") if inp.run_dir else None
     return _read_jsonl(path) if path and os.path.exists(path) else []
 
 
@@ -387,7 +414,7 @@ def _summary_box(inp: Inputs, traces: list, memories: list) -> str:
 
 
 def _run_summary(run_dir: Optional[str]) -> Optional[dict]:
-    path = os.path.join(run_dir, "summary.json") if run_dir else None
+    path = below(run_dir, "summary.json") if run_dir else None
     if not path or not os.path.exists(path):
         return None
     try:

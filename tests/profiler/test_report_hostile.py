@@ -1,0 +1,67 @@
+"""`plait profile report` on someone else's folder reads only below the folder it was given: a
+manifest path with `..`, an absolute one, a symbolic link out, and a copied run's recorded save_path
+(which points at the original) are not followed, and their contents never reach the output."""
+
+import gzip
+import json
+import os
+import shutil
+
+from plait import cli
+
+
+def trace(op: str) -> str:
+    """A torch-style Chrome trace whose one operator is named `op` (the content a leak would copy)."""
+    return json.dumps({"traceEvents": [{"ph": "X", "cat": "cpu_op", "name": op, "ts": 10.0, "dur": 5.0,
+                                        "pid": 7, "tid": 7}], "baseTimeNanoseconds": 1_000_000_000})
+
+
+def record(path: str) -> dict:
+    return {"steps": [1, 1], "role": "actor", "stage": None, "rank": 0, "pid": 7, "tool": "torch",
+            "path": path, "start_time": 0.0, "end_time": 1.0, "policy_version": 0, "complete": True}
+
+
+def output(folder) -> str:
+    with gzip.open(folder / "report" / "timeline.json.gz") as f:
+        return (folder / "report" / "index.html").read_text() + f.read().decode()
+
+
+def test_manifest_paths_leading_out_of_the_folder_are_not_read(tmp_path, capsys):
+    (tmp_path / "secret_rel.json").write_text(trace("SECRET_RELATIVE"))
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "secret_abs.json").write_text(trace("SECRET_ABSOLUTE"))
+    (tmp_path / "elsewhere" / "secret_link.json").write_text(trace("SECRET_LINK"))
+    folder = tmp_path / "profile_folder"
+    (folder / "step1").mkdir(parents=True)
+    (folder / "step1" / "own.json").write_text(trace("OWN_OP"))
+    os.symlink(tmp_path / "elsewhere" / "secret_link.json", folder / "step1" / "link.json")
+    os.symlink(tmp_path / "elsewhere", folder / "dirlink")
+    paths = ["step1/own.json", "../secret_rel.json", str(tmp_path / "elsewhere" / "secret_abs.json"),
+             "step1/link.json", "dirlink/secret_abs.json"]
+    (folder / "manifest.jsonl").write_text("".join(json.dumps(record(p)) + "\n" for p in paths)
+                                           + json.dumps({"path": ["not", "a", "record"]}) + "\n")
+    assert cli.main(["profile", "report", str(folder)]) == 0
+    text = output(folder)
+    assert "OWN_OP" in text
+    assert "SECRET" not in text and "SECRET" not in capsys.readouterr().out
+    for p in paths[1:]:
+        assert f"{p}: outside the profile folder {folder}; not read" in text
+
+
+def test_a_copied_run_reads_its_own_folder_not_the_recorded_original(tmp_path, capsys):
+    original = tmp_path / "original"
+    (original / "profile" / "step1").mkdir(parents=True)
+    (original / "profile" / "step1" / "actor.json").write_text(trace("ORIGINAL_OP"))
+    (original / "profile" / "manifest.jsonl").write_text(json.dumps(record("step1/actor.json")) + "\n")
+    (original / "metrics.jsonl").write_text(json.dumps({"step": 1, "perf/time_per_step": 1.0}) + "\n")
+    (original / "profile_location.json").write_text(json.dumps({"save_path": str(original / "profile"),
+                                                                "tool": "torch"}))
+    copy = tmp_path / "copy"
+    shutil.copytree(original, copy)
+    (copy / "profile" / "step1" / "actor.json").write_text(trace("COPY_OP"))
+    assert cli.main(["profile", "report", str(copy)]) == 0
+    text = output(copy)
+    assert "COPY_OP" in text and "ORIGINAL_OP" not in text
+    summary = capsys.readouterr().out
+    assert f"{copy / 'profile'})" in summary
+    assert not (original / "report").exists()

@@ -625,6 +625,10 @@ def _default_entry(entry, where: str, search: list[str], read) -> dict:
         raise ConfigError("defaults", entry, "Megatron-LM is not supported: plait trains with PyTorch (fsdp or fsdp2)")
     if name.removesuffix(".yaml") in VERL_CONFIGS or group in VERL_GROUPS:
         return {}  # verl's own config: plait's tree holds its defaults
+    if os.path.isabs(name) or ".." in name.replace("\\", "/").split("/"):
+        raise ConfigError("defaults", entry, f"{where}: a defaults entry names a config inside the config search path "
+                                             f"({', '.join(dict.fromkeys(search))}), as Hydra resolves it; an absolute "
+                                             "path or '..' reaches outside it")
     for folder in search:
         path = os.path.join(folder, f"{name.removesuffix('.yaml')}.yaml")
         if os.path.isfile(path):

@@ -175,3 +175,17 @@ def test_no_traceback_from_the_command_line_for_a_verl_yaml_error(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "plait.cli", "config", "show", "--config", str(tmp_path / "c.yaml")],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr and "no.such.key" in proc.stderr
+
+
+@pytest.mark.parametrize("entry", ["../outside", "{outside}", "sub/../../outside", "{{'../grp': outside}}"])
+def test_yaml_defaults_reaching_outside_the_config_folder_are_refused(tmp_path, capsys, entry):
+    """Hydra resolves a defaults entry inside the config search path only: an entry that climbs out
+    (`..`) or names an absolute path is refused in one line, and the file outside is not applied."""
+    (tmp_path / "outside.yaml").write_text("data:\n  max_prompt_length: 999\n")
+    (tmp_path / "grp").mkdir()
+    (tmp_path / "grp" / "outside.yaml").write_text("data:\n  max_prompt_length: 999\n")
+    (tmp_path / "config" / "sub").mkdir(parents=True)
+    entry = entry.format(outside=tmp_path / "outside")
+    (tmp_path / "config" / "a.yaml").write_text(f"defaults:\n  - {entry}\n  - _self_\n")
+    one_line_exit_2(["config", "show", "--config", str(tmp_path / "config" / "a.yaml")], capsys,
+                    "a defaults entry names a config inside the config search path", "reaches outside it")

@@ -585,6 +585,54 @@ def entry_point_overrides(module: str | None) -> list[str]:
 # `hydra:` and every `_target_` are dropped; `${...}` interpolations are resolved against the file,
 # then plait's defaults; `???` (a value verl requires) is left to plait's default.
 
+MAX_YAML_VALUES = 1_000_000  # verl's whole trainer tree is a few thousand; aliases may not multiply past this
+
+
+class YamlBomb(yaml.YAMLError):
+    """A YAML document whose aliases expand past MAX_YAML_VALUES values, or refer to themselves."""
+
+
+def load_yaml(stream):
+    """yaml.safe_load, except that the document's size with every alias expanded is counted on the
+    node graph first (each node once), so an alias bomb is refused before anything is built."""
+    loader = yaml.SafeLoader(stream)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        _check_expansion(node)
+        return loader.construct_document(node)
+    except RecursionError:  # PyYAML composes and constructs recursively
+        raise YamlBomb("nested too deeply") from None
+    finally:
+        loader.dispose()
+
+
+def _check_expansion(root) -> None:
+    """YamlBomb unless `root` with its aliases expanded has at most MAX_YAML_VALUES nodes; iterative,
+    post-order, each distinct node sized once."""
+    def children(node):
+        if isinstance(node, yaml.SequenceNode):
+            return node.value
+        return [n for pair in node.value for n in pair] if isinstance(node, yaml.MappingNode) else []
+    sizes: dict[int, int] = {}
+    on_path: set[int] = set()
+    stack = [(root, False)]
+    while stack:
+        node, finished = stack.pop()
+        if finished:
+            sizes[id(node)] = 1 + sum(sizes[id(c)] for c in children(node))
+            on_path.discard(id(node))
+            if sizes[id(node)] > MAX_YAML_VALUES:
+                raise YamlBomb(f"its aliases expand to more than {MAX_YAML_VALUES} values (an alias bomb)")
+        elif id(node) in on_path:
+            raise YamlBomb(f"an alias refers to a node that contains it (line {node.start_mark.line + 1})")
+        elif id(node) not in sizes:
+            on_path.add(id(node))
+            stack.append((node, True))
+            stack.extend((c, False) for c in children(node))
+
+
 VERL_CONFIGS = ("ppo_trainer", "_generated_ppo_trainer", "legacy_reward_impl", "evaluation")
 VERL_GROUPS = ("actor", "critic", "data", "model", "ref", "reward", "rollout", "algorithm", "distillation",
                "transfer_queue", "model_engine", "engine", "optim", "profiler", "npu_profile", "reward_model")
@@ -655,43 +703,61 @@ def merge(base: dict, top: dict) -> dict:
 
 
 INTERPOLATION = re.compile(r"\$\{([^${}]*)\}")
+MAX_VALUE_CHARS = 100_000   # an interpolated value longer than this is a bomb, not a config
+MAX_SUBSTITUTIONS = 1_000   # per value: a key's value is resolved once, so only a runaway string gets here
 
 
 def resolve_interpolations(tree: dict, defaults: dict) -> dict:
     """Replace verl's `${key}`, `${.key}`, `${oc.select:key,default}` and `${oc.env:VAR,default}` with
-    their values (the tree's own, else plait's default for that key); drop `???` values."""
+    their values (the tree's own, else plait's default for that key); drop `???` values. Each key is
+    resolved once (memoised), a key that needs itself is an interpolation loop, and a value that
+    outgrows MAX_VALUE_CHARS is refused: one ConfigError line each, in time linear in the tree."""
+    done: dict[str, object] = {}
+    chain: list[str] = []  # the keys being resolved, outermost first
+
     def lookup(key: str, here: str):
         if key.startswith("."):
             key = here.rsplit(".", 1)[0] + key if "." in here else key[1:]
+        if key in done:
+            return done[key]
+        if key in chain:
+            loop = " -> ".join([*chain[chain.index(key):], key])
+            raise ConfigError(chain[-1], "${" + key + "}", f"an interpolation loop: {loop}")
         for source in (tree, defaults):
             node = source
             for part in key.split("."):
                 node = node.get(part, _MISSING) if isinstance(node, dict) else _MISSING
             if node is not _MISSING:
-                return resolve(node, key, 0)
+                chain.append(key)
+                done[key] = resolve(node, key)
+                chain.pop()
+                return done[key]
         return _MISSING
 
-    def one(expr: str, here: str, depth: int):
+    def one(expr: str, here: str):
         kind, _, rest = expr.partition(":") if expr.startswith("oc.") else ("", "", expr)
         key, _, fallback = rest.partition(",")
         if kind == "oc.env":
-            return os.environ.get(key.strip(), yaml.safe_load(fallback) if fallback else None)
+            return os.environ.get(key.strip(), load_yaml(fallback) if fallback else None)
         value = lookup(key.strip(), here)
         if value is _MISSING:
             if kind == "oc.select":
-                return resolve(yaml.safe_load(fallback), here, depth + 1) if fallback.strip() else None
+                return resolve(load_yaml(fallback), here) if fallback.strip() else None
             raise ConfigError(here, "${" + expr + "}", f"refers to {key.strip()}, which neither the file nor plait's tree has")
         return value
 
-    def resolve(value, here: str, depth: int):
-        match = INTERPOLATION.search(value) if isinstance(value, str) and depth <= 20 else None
-        if match is None:  # innermost first: ${oc.select:a,${oc.select:b,null}} resolves b, then a
-            return value
-        got = one(match.group(1), here, depth)
-        if match.span() == (0, len(value)):  # the whole value: keep the type (a number, a list)
-            return resolve(got, here, depth + 1)
-        text = value[:match.start()] + ("null" if got is None else str(got)) + value[match.end():]
-        return resolve(text, here, depth + 1)
+    def resolve(value, here: str):
+        for _ in range(MAX_SUBSTITUTIONS):
+            match = INTERPOLATION.search(value) if isinstance(value, str) else None
+            if match is None:  # innermost first: ${oc.select:a,${oc.select:b,null}} resolves b, then a
+                return value
+            got = one(match.group(1), here)
+            if match.span() == (0, len(value)):  # the whole value: keep the type (a number, a list)
+                return got
+            value = value[:match.start()] + ("null" if got is None else str(got)) + value[match.end():]
+            if len(value) > MAX_VALUE_CHARS:
+                raise ConfigError(here, value[:60] + "...", f"its interpolations expand past {MAX_VALUE_CHARS} characters")
+        raise ConfigError(here, value[:60] + "...", f"more than {MAX_SUBSTITUTIONS} interpolations in one value")
 
     def walk(node, prefix: str):
         out = {}
@@ -700,7 +766,9 @@ def resolve_interpolations(tree: dict, defaults: dict) -> dict:
             if isinstance(value, dict):
                 out[key] = walk(value, f"{here}.")
             else:
-                resolved = resolve(value, here, 0)
+                chain.append(here)
+                resolved = resolve(value, here)
+                chain.pop()
                 if resolved != "???":
                     out[key] = resolved
         return out

@@ -166,6 +166,9 @@ class PromptDataset:
             raise ValueError(f"row {i}: reward_model.ground_truth is missing or null; every row needs "
                              f"the answer its reward is scored against (reward_model: {reward_model!r})")
         prompt = row[prompt_key]
+        bad = not_text(prompt)
+        if bad:
+            raise ValueError(f"row {i}: '{prompt_key}' holds {bad}; prompts are text (UTF-8 strings)")
         if isinstance(prompt, str):  # used as is, with the tokenizer's own specials (Llama's BOS)
             text, ids = prompt, tokenizer(prompt)["input_ids"]
         else:
@@ -193,6 +196,26 @@ class PromptDataset:
                              f"max_prompt_length={max_len}; set data.max_prompt_length={len(item.prompt_ids)} or "
                              "data.truncation=left (or right, middle) or data.filter_overlong_prompts=true")
         return dataclasses.replace(item, prompt_ids=truncate(item.prompt_ids, max_len, truncation))
+
+
+def not_text(value: Any) -> str | None:
+    """What in a prompt is not text: bytes (a binary parquet column: a chat template would write
+    their repr, `b'...'`, into the prompt) or a string that is not valid Unicode (a lone surrogate
+    from a JSON escape); None when it is all text."""
+    if isinstance(value, (bytes, bytearray)):
+        try:
+            value.decode("utf-8")
+            return f"bytes, not a string ({bytes(value)[:40]!r})"
+        except UnicodeDecodeError as err:
+            return f"bytes that are not UTF-8 (byte {value[err.start]:#x} at offset {err.start})"
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as err:
+            return f"a string that is not valid Unicode (code point {ord(value[err.start]):#x} at offset {err.start})"
+        return None
+    parts = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else ()
+    return next((bad for bad in map(not_text, parts) if bad), None)
 
 
 def check_messages(i: int, prompt_key: str, prompt: Any) -> None:

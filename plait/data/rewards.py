@@ -339,8 +339,13 @@ def guard_reward(fn: Callable, name: str, timeout: float | None = None) -> Calla
     numeric "score" (a string, None, NaN), a `SystemExit` or `KeyboardInterrupt` raised by user
     code, or (with `timeout` seconds) a call that hangs, is a RunError naming the function, the
     data_source and the sample. The wrapper keeps `fn`'s signature for callers (positional and
-    keyword arguments pass through); a batch call's list of results is checked one by one."""
+    keyword arguments pass through); a batch call's list of results is checked one by one. Results
+    come back as `plain_result` makes them, so a reward gives the same record in-process and in a
+    worker (numpy scalars, bools and 0-d arrays alike)."""
+    from plait.data.reward_pool import plain_result  # it imports this module
+
     def checked(result, args, kwargs):
+        result = plain_result(result)
         if "data_sources" in kwargs and isinstance(result, (list, tuple)):  # the batch manager's call
             for i, one in enumerate(result):
                 check_score(one, lambda: describe_call(name, (), {"data_source": kwargs["data_sources"][i],

@@ -78,6 +78,19 @@ def read_rows(path: str | Path) -> list[dict]:
     return READERS[path.suffix](path)
 
 
+def read_column(path: str | Path, column: str) -> list:
+    """One column of a data file, None where a row lacks it (parquet reads that column alone)."""
+    path = Path(path)
+    if path.suffix == ".parquet":
+        try:
+            if column not in pq.read_schema(path).names:
+                return []
+            return pq.read_table(path, columns=[column]).column(column).to_pylist()
+        except (OSError, ValueError) as err:
+            raise ValueError(f"not a readable parquet file ({str(err).splitlines()[0]})") from None
+    return [row.get(column) for row in read_rows(path)]
+
+
 def load_dataset(key: str, paths: Sequence[str], tokenizer: PreTrainedTokenizerBase, **options) -> "PromptDataset":
     """One dataset over the files of config key `key`; any problem with a file (unreadable, empty,
     a bad row) is a ConfigError naming the file and its line or row, before training starts."""

@@ -170,11 +170,15 @@ def default_compute_score(data_source: str, solution_str: str, ground_truth: Any
     """Score a response to a built-in task or one of verl's math data sources."""
     if data_source in SCORERS:
         return SCORERS[data_source](solution_str, ground_truth)
-    if data_source.startswith("aime"):  # verl scores every AIME variant as DAPO does
+    if has_builtin_reward(data_source):  # verl scores every AIME variant as DAPO does
         return dapo_score(solution_str, ground_truth)
-    raise ValueError(
-        f"no built-in reward for data_source {data_source!r} (built-in: {', '.join(SCORERS)}, aime*); "
-        "score it with your own function via reward.custom_reward_function.path and .name")
+    raise ValueError(f"no built-in reward for data_source {data_source!r} ({BUILTIN}); score it with your "
+                     "own function via reward.custom_reward_function.path and .name")
+
+
+def has_builtin_reward(data_source: Any) -> bool:
+    """Whether default_compute_score scores this data source (the driver checks every row's at start)."""
+    return isinstance(data_source, str) and (data_source in SCORERS or data_source.startswith("aime"))
 
 
 def load_custom_reward(path: str | Path, name: str = "compute_score",
@@ -415,7 +419,7 @@ def _call(fn: Callable, args: tuple, kwargs: dict, timeout: float | None, where:
     return box["result"]
 
 
-SCORERS = {
+SCORERS = {  # data_source -> scorer; has_builtin_reward adds every aime* source
     "arithmetic": functools.partial(exact_match_score, "arithmetic"),
     "reverse": functools.partial(exact_match_score, "reverse"),
     "openai/gsm8k": gsm8k_score,
@@ -425,3 +429,4 @@ SCORERS = {
 }
 
 MANAGERS = {"naive": naive_manager, "batch": batch_manager, "dapo": dapo_manager}
+BUILTIN = f"built-in: {', '.join(SCORERS)}, aime*"

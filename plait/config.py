@@ -26,8 +26,8 @@ from plait.algorithms.names import (BYPASS_LOSS_TYPES, ESTIMATOR_NAMES as ESTIMA
                                     KL_ESTIMATOR_NAMES as KL_ESTIMATORS, LOSS_AGG_MODES,
                                     POLICY_LOSS_NAMES as POLICY_LOSSES, parse_rs)
 from plait.config_verl import (CPU_NO_EFFECT, CPU_RAY_NO_EFFECT, HF_ENGINE_NO_EFFECT, LEGACY_REWARD,
-                               LOCAL_BACKEND_NO_EFFECT, NO_EFFECT, RECIPE_ROLLOUT_POOL, compose_yaml, merge, refusal,
-                               load_yaml, resolve_interpolations)
+                               LOCAL_BACKEND_NO_EFFECT, NO_EFFECT, RECIPE_ROLLOUT_POOL, compose_yaml, drop_empty,
+                               load_yaml, merge, refusal, resolve_interpolations)
 from plait.configtree import ConfigError, build, check, raise_all, to_dict
 from plait.data.rewards import RewardConfig
 from plait.profiler.config import GlobalProfilerConfig, RoleProfilerConfig
@@ -866,6 +866,7 @@ def load_config(path: str | None = None, overrides: list[str] = (), search: list
     except ConfigError as err:
         raise_all([*errors, err])
     moved = map_legacy_reward(tree)
+    drop_empty(tree)
     try:
         map_recipe_rollout_pool(tree)
     except ConfigError as err:

@@ -576,6 +576,39 @@ def entry_point_overrides(module: str | None) -> list[str]:
     return ENTRY_POINTS[module]
 
 
+# -- an empty value where verl reads null ------------------------------------------------------------
+#
+# `key=$VAR` with VAR unset reaches Hydra as `key=`, the empty string. verl reads these keys by
+# truthiness (or never, in the mode that leaves them unset), so '' means what null means there;
+# plait drops them from the tree (its default, null, applies). Every other key keeps '' as a value
+# and is checked as one: an empty model path, data file or number is still refused.
+EMPTY_IS_NULL = (
+    "trainer.resume_from_path",              # read only with resume_mode=resume_path (ray_trainer._load_checkpoint)
+    "global_profiler.save_path",             # the profilers' `save_path or "outputs/profile"`
+    "reward.custom_reward_function.path",    # get_custom_reward_fn: `if not module_path: return None`
+    "trainer.rollout_data_dir", "trainer.validation_data_dir",   # `if rollout_data_dir:` / `if val_data_dir:`
+    "data.tool_config_path", "actor_rollout_ref.rollout.multi_turn.tool_config_path",  # `if tool_config_path`
+    "data.custom_cls.path",                  # `if data_config.custom_cls.get("path", None)`
+    "actor_rollout_ref.rollout.checkpoint_engine.custom_backend_module",  # `custom_backend_module or None`
+)
+
+
+def drop_empty(tree: dict) -> None:
+    """Take each EMPTY_IS_NULL key whose value is '' out of `tree`, in place (and the sections it
+    leaves empty: an empty section of a no-effect tree is not a key the user set)."""
+    for key in EMPTY_IS_NULL:
+        parts, path = key.split("."), [tree]
+        for part in parts[:-1]:
+            path.append(path[-1].get(part) if isinstance(path[-1], dict) else None)
+        if not isinstance(path[-1], dict) or path[-1].get(parts[-1]) != "":
+            continue
+        del path[-1][parts[-1]]
+        for node, parent, part in reversed(list(zip(path[1:], path[:-1], parts))):
+            if node:
+                break
+            del parent[part]
+
+
 # -- verl's YAML files: Hydra's defaults list, `hydra:` and `_target_` ------------------------------
 #
 # A verl YAML (a recipe's config, or a user's copy of one) composes verl's own config groups through

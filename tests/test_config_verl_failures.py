@@ -9,7 +9,8 @@ import pytest
 
 from plait.cli import main
 from plait.config import load_config
-from plait.configtree import ConfigError
+from plait.config_verl import EMPTY_IS_NULL
+from plait.configtree import ConfigError, to_dict
 
 
 def one_line_exit_2(argv, capsys, *words):
@@ -241,3 +242,29 @@ def test_an_alias_bomb_is_one_line_before_anything_is_built(tmp_path, capsys):
 def _flat(xs):
     for x in xs:
         yield from (_flat(x) if isinstance(x, list) else [x])
+
+
+@pytest.mark.parametrize("key", EMPTY_IS_NULL)
+def test_an_empty_value_where_verl_reads_null_is_null(key, capsys):
+    """`key=$VAR` with VAR unset: Hydra gives '', which verl reads as null on these keys (by
+    truthiness, or not at all in the mode that leaves them unset): the same run as without it."""
+    mode = ["trainer.resume_mode=disable"] if key == "trainer.resume_from_path" else []
+    assert to_dict(load_config(None, [*mode, f"{key}="])) == to_dict(load_config(None, mode))
+    assert to_dict(load_config(None, [*mode, f"{key}=''"])) == to_dict(load_config(None, mode))
+    assert key not in capsys.readouterr().err  # no notice names it: it is unset
+
+
+def test_the_legacy_reward_path_and_a_resume_path_empty_read_as_null(capsys):
+    assert load_config(None, ["custom_reward_function.path="]).reward.custom_reward_function.path is None
+    one_line_exit_2(["config", "show", "trainer.resume_mode=resume_path", "trainer.resume_from_path="], capsys,
+                    "a global_step_N checkpoint directory when resume_mode=resume_path")
+
+
+@pytest.mark.parametrize("override, said", [
+    ("actor_rollout_ref.model.path=", "actor_rollout_ref.model.path='': no config.json"),
+    ("data.train_files=", "data.train_files=''"),
+    ("trainer.total_training_steps=", "trainer.total_training_steps='': expected int or null"),
+    ("trainer.experiment_name=", "trainer.experiment_name='': a folder name"),
+])
+def test_an_empty_value_elsewhere_is_still_checked_as_a_value(override, said, capsys):
+    one_line_exit_2(["train", "--no-progress", override], capsys, said)

@@ -789,7 +789,8 @@ def resolve_interpolations(tree: dict, defaults: dict) -> dict:
                 return got
             value = value[:match.start()] + ("null" if got is None else str(got)) + value[match.end():]
             if len(value) > MAX_VALUE_CHARS:
-                raise ConfigError(here, value[:60] + "...", f"its interpolations expand past {MAX_VALUE_CHARS} characters")
+                raise ConfigError(here, value[:60] + "...",
+                                  f"its interpolations expand past {MAX_VALUE_CHARS} characters")
         raise ConfigError(here, value[:60] + "...", f"more than {MAX_SUBSTITUTIONS} interpolations in one value")
 
     def walk(node, prefix: str):

@@ -97,7 +97,8 @@ def preflight(cfg: PlaitConfig) -> None:
                     ROLE_KEYS[role], role, ABSENT_WHY[role])
     roles_cfg = role_profilers(cfg)
     for rule in (lambda: validate_environment(cfg.global_profiler, roles_cfg), lambda: check_memory_profiling(cfg, roles_cfg),
-                 lambda: check_data_files(cfg), lambda: check_data_sources(cfg), lambda: check_model_path(cfg), lambda: resolve_reward(cfg.reward, cfg.data.max_response_length),
+                 lambda: check_data_files(cfg), lambda: check_data_sources(cfg), lambda: check_model_path(cfg),
+                 lambda: resolve_reward(cfg.reward, cfg.data.max_response_length),
                  lambda: resolve_device(cfg), lambda: check_loggers(cfg.trainer.logger)):
         try:
             rule()

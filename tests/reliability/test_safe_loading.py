@@ -325,3 +325,17 @@ def test_a_sharded_index_naming_shards_outside_its_folder_is_refused(tmp_path):
         check_dcp_metadata(str(folder))
     assert str(err.value) == (f"{folder / '.metadata'}: refused to load: it names shard files outside its folder "
                               "('../../elsewhere.distcp'); nothing was read")
+
+
+@pytest.mark.parametrize("files, said", [
+    ({"../../outside.pt": {"size": 1, "crc32": 0}}, "the manifest names a file outside the checkpoint ('../../outside.pt')"),
+    ({"/etc/hostname": {"size": 1, "crc32": 0}}, "the manifest names a file outside the checkpoint ('/etc/hostname')"),
+    (["model.pt"], "manifest.json is not one plait wrote (each file needs its size and crc32)"),
+    ({"model.pt": {"size": "1"}}, "manifest.json is not one plait wrote (each file needs its size and crc32)"),
+])
+def test_a_crafted_manifest_names_only_the_checkpoints_files(tmp_path, files, said):
+    from plait.trainers.lifecycle import verify_checkpoint
+    (tmp_path / "manifest.json").write_text(json.dumps({"step": 1, "files": files}))
+    assert verify_checkpoint(str(tmp_path)) == said
+    (tmp_path / "manifest.json").write_text("[1, 2]")
+    assert verify_checkpoint(str(tmp_path)).startswith("no readable manifest.json (TypeError)")

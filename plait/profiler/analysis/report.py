@@ -67,12 +67,13 @@ def locate(path: str, profile: Optional[str] = None, run: Optional[str] = None) 
 
 
 RECORD_FIELDS = {"steps": list, "role": str, "rank": int, "pid": int, "tool": str, "complete": bool}
+NULLABLE_FIELDS = {"path": str, "stage": str, "policy_version": int}
 
 
 def _well_formed(rec) -> bool:
     """A manifest line as the profiler writes it (a hand-edited one is skipped, not a traceback)."""
     return (isinstance(rec, dict) and all(isinstance(rec.get(k), t) for k, t in RECORD_FIELDS.items())
-            and all(isinstance(rec.get(k), (t, type(None))) for k, t in (("path", str), ("stage", str), ("policy_version", int))))
+            and all(isinstance(rec.get(k), (t, type(None))) for k, t in NULLABLE_FIELDS.items()))
 
 
 def below(root: str, rel: str) -> Optional[str]:

@@ -65,3 +65,24 @@ def test_a_copied_run_reads_its_own_folder_not_the_recorded_original(tmp_path, c
     summary = capsys.readouterr().out
     assert f"{copy / 'profile'})" in summary
     assert not (original / "report").exists()
+
+
+def test_a_crafted_run_folder_is_read_as_data_and_written_only_inside(tmp_path, capsys):
+    """Links planted where the report is written are replaced, not written through; timeline and
+    metrics lines of another shape (a markup payload, a string step, a torn line) are skipped or
+    escaped, never a traceback or markup in the page."""
+    victim = tmp_path / "victim.html"
+    victim.write_text("precious")
+    folder = tmp_path / "run"
+    (folder / "report").mkdir(parents=True)
+    os.symlink(victim, folder / "report" / "index.html")
+    span = {"step": 1, "role": "trainer", "stage": "gen", "pid": 1, "thread": "MainThread", "start": 1.0,
+            "end": 2.0, "version": 0}
+    (folder / "timeline.jsonl").write_text("\n".join(json.dumps(s) for s in [
+        {**span, "stage": "step"}, span, {**span, "step": "<script>alert(1)</script>"}, {"role": 3}]) + "\n{torn")
+    (folder / "metrics.jsonl").write_text("\n".join(json.dumps(m) for m in [
+        {"step": 1, "perf/time_per_step": 1.0, "note": "<script>x</script>"}, {"step": "2"}, [1, 2]]) + "\n")
+    assert cli.main(["profile", "report", str(folder)]) == 0
+    assert victim.read_text() == "precious" and not (folder / "report" / "index.html").is_symlink()
+    page = (folder / "report" / "index.html").read_text()
+    assert "<script" not in page and "steps 1-1" in capsys.readouterr().out

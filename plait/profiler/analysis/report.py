@@ -28,7 +28,7 @@ from plait.profiler.analysis import memory as mem
 from plait.profiler.analysis import svg
 from plait.profiler.analysis.traces import Trace, load_trace, merged_trace, top_ops, write_trace
 from plait.profiler.naming import LOCATION, MANIFEST, read_location, read_manifest
-from plait.profiler.timeline import TIMELINE_FILE, read_timeline
+from plait.profiler.timeline import TIMELINE_FILE
 from plait.safeload import load_pickle
 
 MAX_GANTT_STEPS = 16
@@ -60,20 +60,33 @@ def locate(path: str, profile: Optional[str] = None, run: Optional[str] = None) 
     if run is None and profile is None:
         raise FileNotFoundError(f"{path}: no timeline.jsonl, metrics.jsonl or manifest.jsonl here, nor a "
                                 f"manifest in {', '.join(looked)} (give a run's output dir or a profiler save_path)")
-    spans = read_timeline(os.path.join(run, TIMELINE_FILE)) if has(run, TIMELINE_FILE) else []
+    spans = _read_jsonl(os.path.join(run, TIMELINE_FILE)) if has(run, TIMELINE_FILE) else []
     metrics = _read_jsonl(os.path.join(run, "metrics.jsonl")) if has(run, "metrics.jsonl") else []
-    return Inputs(run, profile, spans, [m for m in metrics if m.get("step", 0) >= 1],
+    spans = [s for s in spans if _typed(s, SPAN_FIELDS) and isinstance(s.get("version"), (int, type(None)))]
+    metrics = [_numbers(m) for m in metrics if isinstance(m.get("step"), int)]
+    return Inputs(run, profile, spans, [m for m in metrics if m["step"] >= 1],
                   [r for r in read_manifest(profile) if _well_formed(r)] if profile else [], looked)
 
 
+# The shapes plait writes; a line of another shape (hand-edited, crafted) is skipped, not a traceback.
 RECORD_FIELDS = {"steps": list, "role": str, "rank": int, "pid": int, "tool": str, "complete": bool}
 NULLABLE_FIELDS = {"path": str, "stage": str, "policy_version": int}
+SPAN_FIELDS = {"step": int, "role": str, "stage": str, "pid": int, "thread": str, "start": (int, float),
+               "end": (int, float)}
 
 
-def _well_formed(rec) -> bool:
-    """A manifest line as the profiler writes it (a hand-edited one is skipped, not a traceback)."""
-    return (isinstance(rec, dict) and all(isinstance(rec.get(k), t) for k, t in RECORD_FIELDS.items())
-            and all(isinstance(rec.get(k), (t, type(None))) for k, t in NULLABLE_FIELDS.items()))
+def _typed(rec: dict, fields: dict) -> bool:
+    return all(isinstance(rec.get(k), t) for k, t in fields.items())
+
+
+def _well_formed(rec: dict) -> bool:
+    """A manifest line as the profiler writes it."""
+    return _typed(rec, RECORD_FIELDS) and all(isinstance(rec.get(k), (t, type(None))) for k, t in NULLABLE_FIELDS.items())
+
+
+def _numbers(record: dict) -> dict:
+    """A metrics line's numbers (plait logs only numbers; anything else is not plotted)."""
+    return {k: v for k, v in record.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
 
 
 def below(root: str, rel: str) -> Optional[str]:
@@ -85,14 +98,26 @@ def below(root: str, rel: str) -> Optional[str]:
 
 
 def _read_jsonl(path: str) -> list[dict]:
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+    """The JSON objects of a JSONL file; a torn or foreign line is skipped."""
+    rows = []
+    with open(path, errors="replace") as f:
+        for line in f:
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(row, dict):
+                rows.append(row)
+    return rows
 
 
 def build_report(path: str, profile: Optional[str] = None, run: Optional[str] = None) -> str:
     """Write DIR/report/{index.html, timeline.json.gz}; returns the text summary."""
     inp = locate(path, profile, run)
     out_dir = os.path.join(path, "report")
+    for link in (out_dir, os.path.join(out_dir, "index.html"), os.path.join(out_dir, "timeline.json.gz")):
+        if os.path.islink(link):  # a planted link: the report is written in the folder, never through it
+            os.unlink(link)
     os.makedirs(out_dir, exist_ok=True)
     traces, memories, notes = [], [], []
     for rec in inp.manifest:
@@ -220,7 +245,7 @@ def _gantt_section(inp: Inputs) -> str:
             for s in inp.spans if s["stage"] != "step"]
     for step in shown:
         w = by_step[step]
-        out.append(f"<h3>step {step} · {w['end'] - w['start']:.3f} s · policy version {w['version']}</h3>")
+        out.append(f"<h3>step {step} · {w['end'] - w['start']:.3f} s · policy version {_esc(w['version'])}</h3>")
         out.append(svg.gantt(lanes, bars, w["start"], w["end"]))
     out.append(svg.key(sorted({b[1] for b in bars})))
     keys = ["trainer/idle_ratio", "rollouter/idle_ratio", "training/staleness/mean", "training/staleness/max"]

@@ -339,3 +339,17 @@ def test_a_crafted_manifest_names_only_the_checkpoints_files(tmp_path, files, sa
     assert verify_checkpoint(str(tmp_path)) == said
     (tmp_path / "manifest.json").write_text("[1, 2]")
     assert verify_checkpoint(str(tmp_path)).startswith("no readable manifest.json (TypeError)")
+
+
+def test_a_truncated_shard_falls_back_to_the_previous_checkpoint(trained, tmp_path, tiny_config_module, capsys):
+    """DCP wraps a rank's load failure in a CheckpointException, a BaseException that escaped the
+    resume's fallback as a traceback; now the shard's own error is the reason the checkpoint is skipped."""
+    out = copy_run(trained, tmp_path)
+    sharded = shard_the_actor(tiny_config_module, out, 2)
+    shard = next(p for p in sharded.iterdir() if p.suffix == ".distcp")
+    plant(sharded.parent.parent, f"actor/sharded/{shard.name}", truncated)
+    assert train(tiny_config_module, out, "trainer.total_training_steps=3") == 0
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "CheckpointException" not in err
+    assert f"plait: warning: skipping checkpoint {out / 'checkpoints' / 'global_step_2'}: it does not load (" in err
+    assert f"plait: resumed from {out / 'checkpoints' / 'global_step_1'} (next step 2)" in err

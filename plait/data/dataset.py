@@ -179,9 +179,11 @@ class PromptDataset:
             raise ValueError(f"row {i}: reward_model.ground_truth is missing or null; every row needs "
                              f"the answer its reward is scored against (reward_model: {reward_model!r})")
         prompt = row[prompt_key]
-        bad = not_text(prompt)
-        if bad:
-            raise ValueError(f"row {i}: '{prompt_key}' holds {bad}; prompts are text (UTF-8 strings)")
+        for name, value in ((f"'{prompt_key}'", prompt), ("reward_model.ground_truth", reward_model["ground_truth"]),
+                            (f"'{reward_fn_key}'", row[reward_fn_key])):
+            bad = not_text(value)
+            if bad:  # bytes would reach the prompt, or the reward's comparison, as their repr: b'...'
+                raise ValueError(f"row {i}: {name} holds {bad}; text fields are UTF-8 strings")
         if isinstance(prompt, str):  # used as is, with the tokenizer's own specials (Llama's BOS)
             text, ids = prompt, tokenizer(prompt)["input_ids"]
         else:

@@ -75,7 +75,7 @@ def test_a_prompt_of_bytes_is_refused_naming_file_and_row(tmp_path, tok, content
     pa.parquet.write_table(pa.Table.from_pylist(rows, schema=schema), path)
     with pytest.raises(ConfigError) as err:
         load(path, tok)
-    assert str(err.value) == f"data.train_files={path!r}: {said}; prompts are text (UTF-8 strings)"
+    assert str(err.value) == f"data.train_files={path!r}: {said}; text fields are UTF-8 strings"
     plain = parquet(tmp_path, [{**ROWS[0], "prompt": content}])  # a bytes prompt, no chat
     with pytest.raises(ConfigError, match=f"{plain}.*row 0: 'prompt' holds bytes"):
         load(plain, tok)
@@ -86,7 +86,10 @@ def test_a_prompt_that_is_not_valid_unicode_is_refused(tmp_path, tok):
     with pytest.raises(ConfigError) as err:
         load(path, tok)
     assert str(err.value) == (f"data.train_files={path!r}: row 1: 'prompt' holds a string that is not valid Unicode "
-                              "(code point 0xd800 at offset 2); prompts are text (UTF-8 strings)")
+                              "(code point 0xd800 at offset 2); text fields are UTF-8 strings")
+    gt = parquet(tmp_path, [{**ROWS[0], "reward_model": {"ground_truth": b"\xff42"}}])  # scored as "b'\\xff42'"
+    with pytest.raises(ConfigError, match=r"row 0: reward_model.ground_truth holds bytes that are not UTF-8"):
+        load(gt, tok)
 
 
 def test_an_unreadable_parquet_file_is_named(tmp_path, tok):

@@ -36,6 +36,7 @@ from plait.data.math_rewards import (DAPO_SOURCES, MATH_SOURCES, dapo_score, gsm
                                      math_score)
 from plait.errors import Interrupted, RunError
 from plait.profiler.config import RoleProfilerConfig
+from plait.safeload import first_line
 
 @dataclass
 class CustomRewardConfig:
@@ -362,7 +363,11 @@ def guard_reward(fn: Callable, name: str, timeout: float | None = None) -> Calla
         result = _call(fn, args, kwargs, timeout, lambda: describe_call(name, args, kwargs))
         if inspect.isawaitable(result):  # an `async def` reward, or a worker pool's call: checked once awaited
             async def awaited():
-                return checked(await result, args, kwargs)
+                try:
+                    value = await result
+                except Exception as err:  # noqa: BLE001 - as _call's
+                    raise_as_run_error(err, lambda: describe_call(name, args, kwargs))
+                return checked(value, args, kwargs)
             return awaited()
         return checked(result, args, kwargs)
     return guarded
@@ -390,6 +395,14 @@ def describe_call(name: str, args: tuple, kwargs: dict) -> str:
     return f"reward function {name} (data_source {data_source!r}, response {str(solution)[:80]!r})"
 
 
+def raise_as_run_error(err: Exception, where: Callable[[], str]) -> None:
+    """What user code raised, as the one line a worker's failure gives (reward_pool._run), so a
+    reward fails alike in-process and in workers; plait's own RunError and ConfigError pass."""
+    if isinstance(err, (RunError, ConfigError)):
+        raise err
+    raise RunError(f"{where()} raised {type(err).__name__}: {first_line(err)}") from None
+
+
 def _call(fn: Callable, args: tuple, kwargs: dict, timeout: float | None, where: Callable[[], str]):
     def call():
         try:
@@ -399,6 +412,8 @@ def _call(fn: Callable, args: tuple, kwargs: dict, timeout: float | None, where:
         except (SystemExit, KeyboardInterrupt) as err:
             raise RunError(f"{where()} raised {type(err).__name__}({err}); a reward function must "
                            "return a score, not end the process") from None
+        except Exception as err:  # noqa: BLE001 - what raise_as_run_error says
+            raise_as_run_error(err, where)
     if timeout is None:
         return call()
     box: dict = {}

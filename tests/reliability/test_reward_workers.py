@@ -270,3 +270,31 @@ def test_numpy_extras_give_the_same_record_in_process_and_in_workers(tmp_path):
     assert in_process == in_workers
     assert in_process == ([1.0, 0.0, 1.0], {"acc": [1.0, 0.0, 1.0], "len": [1.0, 2.0, 1.0], "half": [0.5] * 3,
                                             "zero_d": [2.0] * 3})
+
+
+RAISES = '''
+async def later(data_source, solution_str, ground_truth, extra_info=None):
+    raise KeyError("no such field")
+
+def now(data_source, solution_str, ground_truth, extra_info=None):
+    raise ValueError("bad\\nsecond line")
+'''
+
+
+@pytest.mark.parametrize("name, said", [("now", "raised ValueError: bad"), ("later", "raised KeyError: 'no such field'")])
+def test_a_reward_that_raises_is_the_same_one_line_in_process_and_in_workers(tmp_path, name, said):
+    from plait.configtree import build
+    from plait.data.rewards import RewardConfig, resolve_reward
+    path = tmp_path / "raises.py"
+    path.write_text(RAISES)
+    messages = []
+    try:
+        for workers in (0, 1):
+            reward = build(RewardConfig, {"num_workers": workers, "custom_reward_function": {"path": str(path), "name": name}})
+            with pytest.raises(RunError) as err:
+                resolve_reward(reward, 8)(REQUEST)
+            messages.append(str(err.value))
+    finally:
+        close_reward_workers()
+    assert messages[0] == messages[1]
+    assert messages[0] == f"reward function {name} (data_source 'mine', response 'a') {said}"

@@ -128,6 +128,9 @@ class RewardConfig:
         check(self.memory_limit_mb is None or self.memory_limit_mb >= 64, "memory_limit_mb", self.memory_limit_mb,
               "MiB >= 64, or null for no limit")
         check(self.max_processes > 0, "max_processes", self.max_processes, "must be > 0")
+        check(self.reward_manager.name != "batch" or bool(self.custom_reward_function.path), "reward_manager.name",
+              "batch", "a reward file to go with it (reward.custom_reward_function.path): the batch manager calls one "
+              "function with lists, and the built-in scorer takes one response at a time")
         unknown = set(self.reward_kwargs) - {"overlong_buffer_cfg", "max_resp_len"}
         check(not unknown, "reward_kwargs", self.reward_kwargs,
               f"only overlong_buffer_cfg and max_resp_len (unknown: {', '.join(sorted(unknown))})")

@@ -100,3 +100,10 @@ def test_data_sources_without_a_reward_are_one_line_each_before_any_model_loads(
     (tmp_path / "reward.py").write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
                                         "    return 0.0\n")
     driver.preflight(tiny_config(tmp_path / "out", *files, f"custom_reward_function.path={tmp_path / 'reward.py'}"))
+
+
+def test_the_batch_manager_without_a_reward_file_is_one_line(capsys):
+    assert cli.main(["config", "show", "reward.reward_manager.name=batch"]) == 2
+    assert last_line(capsys) == ("plait: config error: reward.reward_manager.name='batch': a reward file to go with it "
+                                 "(reward.custom_reward_function.path): the batch manager calls one function with "
+                                 "lists, and the built-in scorer takes one response at a time")

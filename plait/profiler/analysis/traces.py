@@ -37,10 +37,17 @@ def label(record: dict) -> str:
     return f"{record['role']} rank {record['rank']}"
 
 
+MAX_TRACE_BYTES = 1 << 30  # a trace past 1 GiB (decompressed) is not one a report can parse in memory
+
+
 def load_json(path: str) -> dict:
+    """A (gzipped) JSON file; a ValueError past MAX_TRACE_BYTES, read no further (a gzip bomb)."""
     opener = gzip.open if path.endswith(".gz") else open
     with opener(path, "rb") as f:
-        return json.loads(f.read())
+        data = f.read(MAX_TRACE_BYTES + 1)
+    if len(data) > MAX_TRACE_BYTES:
+        raise ValueError(f"larger than {MAX_TRACE_BYTES >> 20} MiB (decompressed); not read")
+    return json.loads(data)
 
 
 def load_trace(path: str, record: dict) -> Trace:

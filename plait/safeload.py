@@ -131,9 +131,16 @@ class _DcpMetadataUnpickler(_PlainUnpickler):
 
 
 def check_dcp_metadata(folder: str) -> None:
-    """UnsafeFileError (one line) unless `folder`/.metadata unpickles to DCP metadata alone, so that
-    torch's own unrestricted load of it afterwards runs nothing, and names shards in `folder` only."""
-    path = os.path.join(folder, ".metadata")
+    """UnsafeFileError (one line) unless `folder`/.metadata, and any rank-local `__<rank>.metadata`
+    (which torch falls back to, also unrestricted, when .metadata does not load), unpickles to DCP
+    metadata alone and names shards in `folder` only: torch's own load of them then runs nothing."""
+    local = [n for n in os.listdir(folder) if n.startswith("__") and n.endswith(".metadata")] \
+        if os.path.isdir(folder) else []
+    for name in [".metadata", *sorted(local)]:
+        _check_dcp_index(os.path.join(folder, name))
+
+
+def _check_dcp_index(path: str) -> None:
     try:
         with open(path, "rb") as f:
             metadata = _DcpMetadataUnpickler(f, path).load()

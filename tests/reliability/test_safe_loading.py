@@ -353,3 +353,18 @@ def test_a_truncated_shard_falls_back_to_the_previous_checkpoint(trained, tmp_pa
     assert "Traceback" not in err and "CheckpointException" not in err
     assert f"plait: warning: skipping checkpoint {out / 'checkpoints' / 'global_step_2'}: it does not load (" in err
     assert f"plait: resumed from {out / 'checkpoints' / 'global_step_1'} (next step 2)" in err
+
+
+def test_a_rank_local_dcp_index_is_vetted_too(tmp_path):
+    """torch falls back to `__<rank>.metadata` (unpickled unrestricted) when .metadata does not load."""
+    import torch.distributed.checkpoint as dcp
+
+    from plait.safeload import check_dcp_metadata
+    folder = tmp_path / "sharded"
+    dcp.save({"model": torch.nn.Linear(3, 2).state_dict()}, checkpoint_id=str(folder))
+    marker = tmp_path / "ran"
+    (folder / "__0.metadata").write_bytes(pickle.dumps(Payload(marker)))
+    with pytest.raises(UnsafeFileError) as err:
+        check_dcp_metadata(str(folder))
+    assert str(err.value).startswith(f"{folder / '__0.metadata'}: refused to load: it asks for posix.system")
+    assert not marker.exists()

@@ -618,7 +618,7 @@ def drop_empty(tree: dict) -> None:
 # `hydra:` and every `_target_` are dropped; `${...}` interpolations are resolved against the file,
 # then plait's defaults; `???` (a value verl requires) is left to plait's default.
 
-MAX_YAML_VALUES = 1_000_000  # verl's whole trainer tree is a few thousand; aliases may not multiply past this
+MAX_YAML_VALUES = 100_000  # verl's whole trainer tree is a few thousand values; aliases may not multiply past this
 
 
 class YamlBomb(yaml.YAMLError):

@@ -100,3 +100,17 @@ def test_a_gzip_bomb_trace_is_not_read_past_the_bound(tmp_path, monkeypatch):
     (folder / "manifest.jsonl").write_text(json.dumps(record("step1/bomb.json.gz")) + "\n")
     assert cli.main(["profile", "report", str(folder)]) == 0
     assert "step1/bomb.json.gz: could not be read (ValueError: larger than 1 MiB (decompressed)" in output(folder)
+
+
+def test_a_trace_with_malformed_events_keeps_its_good_ones(tmp_path):
+    folder = tmp_path / "profile"
+    (folder / "step1").mkdir(parents=True)
+    good = json.loads(trace("GOOD_OP"))["traceEvents"][0]
+    events = [good, {"ph": "X", "cat": "cpu_op", "name": "NO_DUR", "ts": 1.0, "pid": 7, "tid": 7},
+              {"ph": "M", "name": "thread_name", "pid": 7}, {"ph": "X", "pid": [1], "tid": 1, "ts": 1, "dur": 1,
+                                                              "name": "LIST_PID"}, "not an event", {"ts": "soon"}]
+    (folder / "step1" / "t.json").write_text(json.dumps({"traceEvents": events, "baseTimeNanoseconds": 0}))
+    (folder / "manifest.jsonl").write_text(json.dumps(record("step1/t.json")) + "\n")
+    assert cli.main(["profile", "report", str(folder)]) == 0
+    text = output(folder)
+    assert "GOOD_OP" in text and "NO_DUR" not in text and "LIST_PID" not in text

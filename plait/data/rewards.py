@@ -400,8 +400,10 @@ def describe_call(name: str, args: tuple, kwargs: dict) -> str:
 
 def raise_as_run_error(err: Exception, where: Callable[[], str]) -> None:
     """What user code raised, as the one line a worker's failure gives (reward_pool._run), so a
-    reward fails alike in-process and in workers; plait's own RunError and ConfigError pass."""
-    if isinstance(err, (RunError, ConfigError)):
+    reward fails alike in-process and in workers. plait's own RunError and ConfigError pass, and so
+    does running out of memory: in-process that is the trainer's, for its OOM dump (profiler)."""
+    import torch  # loaded already: the trainer's process
+    if isinstance(err, (RunError, ConfigError, MemoryError, torch.cuda.OutOfMemoryError)):
         raise err
     raise RunError(f"{where()} raised {type(err).__name__}: {first_line(err)}") from None
 

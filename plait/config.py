@@ -26,8 +26,8 @@ from plait.algorithms.names import (BYPASS_LOSS_TYPES, ESTIMATOR_NAMES as ESTIMA
                                     KL_ESTIMATOR_NAMES as KL_ESTIMATORS, LOSS_AGG_MODES,
                                     POLICY_LOSS_NAMES as POLICY_LOSSES, parse_is_threshold, parse_rs)
 from plait.config_verl import (CPU_NO_EFFECT, CPU_RAY_NO_EFFECT, FIELD_NO_EFFECT, HF_ENGINE_NO_EFFECT, LEGACY_REWARD,
-                               LOCAL_BACKEND_NO_EFFECT, NO_EFFECT, RECIPE_ROLLOUT_POOL, compose_yaml, merge, refusal,
-                               resolve_interpolations)
+                               LOCAL_BACKEND_NO_EFFECT, NO_EFFECT, RECIPE_ROLLOUT_POOL, compose_yaml, drop_empty,
+                               load_yaml, merge, refusal, resolve_interpolations)
 from plait.configtree import ConfigError, build, check, raise_all, to_dict
 from plait.data.rewards import RewardConfig
 from plait.profiler.config import GlobalProfilerConfig, RoleProfilerConfig
@@ -791,7 +791,7 @@ def parse_value(raw: str) -> Any:
     """A command-line value as verl's Hydra reads it: YAML (numbers, bools, lists with or without
     quotes), `null`/`None`/`~` for null, anything else a bare string."""
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        value = load_yaml(raw) if raw.strip() else ""
     except yaml.YAMLError:
         return raw
     if value == "None":
@@ -891,6 +891,7 @@ def load_config(path: str | None = None, overrides: list[str] = (), search: list
     except ConfigError as err:
         raise_all([*errors, err])
     moved = map_legacy_reward(tree)
+    drop_empty(tree)
     try:
         map_recipe_rollout_pool(tree)
     except ConfigError as err:
@@ -1034,11 +1035,11 @@ def _read_yaml(path: str | None, what: str) -> dict:
         return {}
     try:
         with open(path) as f:
-            tree = yaml.safe_load(f) or {}
+            tree = load_yaml(f) or {}
     except FileNotFoundError:
         raise ConfigError(what, path, "no such file") from None
-    except yaml.YAMLError as err:
-        raise ConfigError(what, path, f"not valid YAML: {err}") from None
+    except (yaml.YAMLError, UnicodeDecodeError) as err:
+        raise ConfigError(what, path, f"not valid YAML: {' '.join(str(err).split())}") from None
     if not isinstance(tree, dict):
         raise ConfigError(what, path, "the YAML file must hold a mapping at the top level")
     return tree

@@ -657,6 +657,39 @@ def entry_point_overrides(module: str | None) -> list[str]:
     return ENTRY_POINTS[module]
 
 
+# -- an empty value where verl reads null ------------------------------------------------------------
+#
+# `key=$VAR` with VAR unset reaches Hydra as `key=`, the empty string. verl reads these keys by
+# truthiness (or never, in the mode that leaves them unset), so '' means what null means there;
+# plait drops them from the tree (its default, null, applies). Every other key keeps '' as a value
+# and is checked as one: an empty model path, data file or number is still refused.
+EMPTY_IS_NULL = (
+    "trainer.resume_from_path",              # read only with resume_mode=resume_path (ray_trainer._load_checkpoint)
+    "global_profiler.save_path",             # the profilers' `save_path or "outputs/profile"`
+    "reward.custom_reward_function.path",    # get_custom_reward_fn: `if not module_path: return None`
+    "trainer.rollout_data_dir", "trainer.validation_data_dir",   # `if rollout_data_dir:` / `if val_data_dir:`
+    "data.tool_config_path", "actor_rollout_ref.rollout.multi_turn.tool_config_path",  # `if tool_config_path`
+    "data.custom_cls.path",                  # `if data_config.custom_cls.get("path", None)`
+    "actor_rollout_ref.rollout.checkpoint_engine.custom_backend_module",  # `custom_backend_module or None`
+)
+
+
+def drop_empty(tree: dict) -> None:
+    """Take each EMPTY_IS_NULL key whose value is '' out of `tree`, in place (and the sections it
+    leaves empty: an empty section of a no-effect tree is not a key the user set)."""
+    for key in EMPTY_IS_NULL:
+        parts, path = key.split("."), [tree]
+        for part in parts[:-1]:
+            path.append(path[-1].get(part) if isinstance(path[-1], dict) else None)
+        if not isinstance(path[-1], dict) or path[-1].get(parts[-1]) != "":
+            continue
+        del path[-1][parts[-1]]
+        for node, parent, part in reversed(list(zip(path[1:], path[:-1], parts))):
+            if node:
+                break
+            del parent[part]
+
+
 # -- verl's YAML files: Hydra's defaults list, `hydra:` and `_target_` ------------------------------
 #
 # A verl YAML (a recipe's config, or a user's copy of one) composes verl's own config groups through
@@ -665,6 +698,54 @@ def entry_point_overrides(module: str | None) -> list[str]:
 # is read and merged as Hydra does (the file's own keys last unless `_self_` says otherwise).
 # `hydra:` and every `_target_` are dropped; `${...}` interpolations are resolved against the file,
 # then plait's defaults; `???` (a value verl requires) is left to plait's default.
+
+MAX_YAML_VALUES = 100_000  # verl's whole trainer tree is a few thousand values; aliases may not multiply past this
+
+
+class YamlBomb(yaml.YAMLError):
+    """A YAML document whose aliases expand past MAX_YAML_VALUES values, or refer to themselves."""
+
+
+def load_yaml(stream):
+    """yaml.safe_load, except that the document's size with every alias expanded is counted on the
+    node graph first (each node once), so an alias bomb is refused before anything is built."""
+    loader = yaml.SafeLoader(stream)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        _check_expansion(node)
+        return loader.construct_document(node)
+    except RecursionError:  # PyYAML composes and constructs recursively
+        raise YamlBomb("nested too deeply") from None
+    finally:
+        loader.dispose()
+
+
+def _check_expansion(root) -> None:
+    """YamlBomb unless `root` with its aliases expanded has at most MAX_YAML_VALUES nodes; iterative,
+    post-order, each distinct node sized once."""
+    def children(node):
+        if isinstance(node, yaml.SequenceNode):
+            return node.value
+        return [n for pair in node.value for n in pair] if isinstance(node, yaml.MappingNode) else []
+    sizes: dict[int, int] = {}
+    on_path: set[int] = set()
+    stack = [(root, False)]
+    while stack:
+        node, finished = stack.pop()
+        if finished:
+            sizes[id(node)] = 1 + sum(sizes[id(c)] for c in children(node))
+            on_path.discard(id(node))
+            if sizes[id(node)] > MAX_YAML_VALUES:
+                raise YamlBomb(f"its aliases expand to more than {MAX_YAML_VALUES} values (an alias bomb)")
+        elif id(node) in on_path:
+            raise YamlBomb(f"an alias refers to a node that contains it (line {node.start_mark.line + 1})")
+        elif id(node) not in sizes:
+            on_path.add(id(node))
+            stack.append((node, True))
+            stack.extend((c, False) for c in children(node))
+
 
 VERL_CONFIGS = ("ppo_trainer", "_generated_ppo_trainer", "legacy_reward_impl", "evaluation")
 VERL_GROUPS = ("actor", "critic", "data", "model", "ref", "reward", "rollout", "algorithm", "distillation",
@@ -706,6 +787,10 @@ def _default_entry(entry, where: str, search: list[str], read) -> dict:
         raise ConfigError("defaults", entry, "Megatron-LM is not supported: plait trains with PyTorch (fsdp or fsdp2)")
     if name.removesuffix(".yaml") in VERL_CONFIGS or group in VERL_GROUPS:
         return {}  # verl's own config: plait's tree holds its defaults
+    if os.path.isabs(name) or ".." in name.replace("\\", "/").split("/"):
+        raise ConfigError("defaults", entry, f"{where}: a defaults entry names a config inside the config search path "
+                                             f"({', '.join(dict.fromkeys(search))}), as Hydra resolves it; an absolute "
+                                             "path or '..' reaches outside it")
     for folder in search:
         path = os.path.join(folder, f"{name.removesuffix('.yaml')}.yaml")
         if os.path.isfile(path):
@@ -732,43 +817,62 @@ def merge(base: dict, top: dict) -> dict:
 
 
 INTERPOLATION = re.compile(r"\$\{([^${}]*)\}")
+MAX_VALUE_CHARS = 100_000   # an interpolated value longer than this is a bomb, not a config
+MAX_SUBSTITUTIONS = 1_000   # per value: a key's value is resolved once, so only a runaway string gets here
 
 
 def resolve_interpolations(tree: dict, defaults: dict) -> dict:
     """Replace verl's `${key}`, `${.key}`, `${oc.select:key,default}` and `${oc.env:VAR,default}` with
-    their values (the tree's own, else plait's default for that key); drop `???` values."""
+    their values (the tree's own, else plait's default for that key); drop `???` values. Each key is
+    resolved once (memoised), a key that needs itself is an interpolation loop, and a value that
+    outgrows MAX_VALUE_CHARS is refused: one ConfigError line each, in time linear in the tree."""
+    done: dict[str, object] = {}
+    chain: list[str] = []  # the keys being resolved, outermost first
+
     def lookup(key: str, here: str):
         if key.startswith("."):
             key = here.rsplit(".", 1)[0] + key if "." in here else key[1:]
+        if key in done:
+            return done[key]
+        if key in chain:
+            loop = " -> ".join([*chain[chain.index(key):], key])
+            raise ConfigError(chain[-1], "${" + key + "}", f"an interpolation loop: {loop}")
         for source in (tree, defaults):
             node = source
             for part in key.split("."):
                 node = node.get(part, _MISSING) if isinstance(node, dict) else _MISSING
             if node is not _MISSING:
-                return resolve(node, key, 0)
+                chain.append(key)
+                done[key] = resolve(node, key)
+                chain.pop()
+                return done[key]
         return _MISSING
 
-    def one(expr: str, here: str, depth: int):
+    def one(expr: str, here: str):
         kind, _, rest = expr.partition(":") if expr.startswith("oc.") else ("", "", expr)
         key, _, fallback = rest.partition(",")
         if kind == "oc.env":
-            return os.environ.get(key.strip(), yaml.safe_load(fallback) if fallback else None)
+            return os.environ.get(key.strip(), load_yaml(fallback) if fallback else None)
         value = lookup(key.strip(), here)
         if value is _MISSING:
             if kind == "oc.select":
-                return resolve(yaml.safe_load(fallback), here, depth + 1) if fallback.strip() else None
+                return resolve(load_yaml(fallback), here) if fallback.strip() else None
             raise ConfigError(here, "${" + expr + "}", f"refers to {key.strip()}, which neither the file nor plait's tree has")
         return value
 
-    def resolve(value, here: str, depth: int):
-        match = INTERPOLATION.search(value) if isinstance(value, str) and depth <= 20 else None
-        if match is None:  # innermost first: ${oc.select:a,${oc.select:b,null}} resolves b, then a
-            return value
-        got = one(match.group(1), here, depth)
-        if match.span() == (0, len(value)):  # the whole value: keep the type (a number, a list)
-            return resolve(got, here, depth + 1)
-        text = value[:match.start()] + ("null" if got is None else str(got)) + value[match.end():]
-        return resolve(text, here, depth + 1)
+    def resolve(value, here: str):
+        for _ in range(MAX_SUBSTITUTIONS):
+            match = INTERPOLATION.search(value) if isinstance(value, str) else None
+            if match is None:  # innermost first: ${oc.select:a,${oc.select:b,null}} resolves b, then a
+                return value
+            got = one(match.group(1), here)
+            if match.span() == (0, len(value)):  # the whole value: keep the type (a number, a list)
+                return got
+            value = value[:match.start()] + ("null" if got is None else str(got)) + value[match.end():]
+            if len(value) > MAX_VALUE_CHARS:
+                raise ConfigError(here, value[:60] + "...",
+                                  f"its interpolations expand past {MAX_VALUE_CHARS} characters")
+        raise ConfigError(here, value[:60] + "...", f"more than {MAX_SUBSTITUTIONS} interpolations in one value")
 
     def walk(node, prefix: str):
         out = {}
@@ -777,7 +881,9 @@ def resolve_interpolations(tree: dict, defaults: dict) -> dict:
             if isinstance(value, dict):
                 out[key] = walk(value, f"{here}.")
             else:
-                resolved = resolve(value, here, 0)
+                chain.append(here)
+                resolved = resolve(value, here)
+                chain.pop()
                 if resolved != "???":
                     out[key] = resolved
         return out

@@ -19,7 +19,8 @@ import transformers
 from plait.config import PlaitConfig
 from plait.configtree import ConfigError, raise_all, to_dict
 from plait.data.reward_pool import close_reward_workers
-from plait.data.rewards import resolve_reward
+from plait.data.dataset import read_column
+from plait.data.rewards import BUILTIN, has_builtin_reward, resolve_reward
 from plait.models import builtin_model, check_model_dir, check_reward_model_dir
 from plait.profiler import RoleProfilerConfig, validate_environment
 from plait.profiler.config import ROLE_KEYS
@@ -43,6 +44,32 @@ def check_data_files(cfg: PlaitConfig) -> None:
         for path in files or []:
             if not os.path.isfile(path):
                 raise ConfigError(key, path, "no such file (parquet or JSONL rows in verl's format)")
+
+
+def check_data_sources(cfg: PlaitConfig) -> None:
+    """With neither a reward file nor a reward model, every row's data source (data.reward_fn_key)
+    needs a built-in reward: every train and val file is checked here, before any model loads,
+    rather than at the first reward. A file that does not read is left to load_dataset to name."""
+    if cfg.trainer.mode == "diffusion" or cfg.reward.custom_reward_function.path or cfg.reward.reward_model.enable:
+        return
+    key, errors = cfg.data.reward_fn_key, []
+    for files_key, files in (("data.train_files", cfg.data.train_files), ("data.val_files", cfg.data.val_files)):
+        for path in files or []:
+            try:
+                sources = read_column(path, key)
+            except (OSError, ValueError):
+                continue
+            unknown = {}  # data source -> its first row
+            for i, source in enumerate(sources):
+                if source is not None and not has_builtin_reward(source):
+                    unknown.setdefault(repr(source), i)
+            if unknown:
+                named = ", ".join(f"{s} (row {i})" for s, i in list(unknown.items())[:5])
+                errors.append(ConfigError(files_key, path, f"{key} {named}{' and more' if len(unknown) > 5 else ''} "
+                                  f"{'has' if len(unknown) == 1 else 'have'} no "
+                                  f"built-in reward ({BUILTIN}) and reward.custom_reward_function.path is unset: "
+                                  "give a reward file that scores it"))
+    raise_all(errors)
 
 
 def check_model_path(cfg: PlaitConfig) -> None:
@@ -72,7 +99,8 @@ def preflight(cfg: PlaitConfig) -> None:
                     ROLE_KEYS[role], role, ABSENT_WHY[role])
     roles_cfg = role_profilers(cfg)
     for rule in (lambda: validate_environment(cfg.global_profiler, roles_cfg), lambda: check_memory_profiling(cfg, roles_cfg),
-                 lambda: check_data_files(cfg), lambda: check_model_path(cfg), lambda: resolve_reward(cfg.reward, cfg.data.max_response_length),
+                 lambda: check_data_files(cfg), lambda: check_data_sources(cfg), lambda: check_model_path(cfg),
+                 lambda: resolve_reward(cfg.reward, cfg.data.max_response_length),
                  lambda: resolve_device(cfg), lambda: check_loggers(cfg.trainer.logger)):
         try:
             rule()

@@ -7,7 +7,9 @@ class or function with one line naming the file and what it asked for, before an
 `load_tensors` (torch's `weights_only` loader), whose failures become one line naming the file.
 A sharded (torch.distributed.checkpoint) checkpoint's `.metadata` is a pickle that torch loads
 without restriction: `check_dcp_metadata` reads it first with an unpickler that allows only DCP's
-own metadata classes and torch's size/dtype/layout names.
+own metadata classes and torch's size/dtype/layout names, and checks that every shard it names is a
+file of that folder. The shards' byte items (non-tensor state such as an optimizer's lr) are
+pickles too, which DCP's default planner loads unrestricted: `loads_tensors` is their loader.
 Left out: a "trust this file" switch; a file that needs code to load is not an artifact plait reads.
 """
 
@@ -79,6 +81,16 @@ def load_tensors(path: str, map_location: Any = None) -> Any:
         raise UnsafeFileError(f"{path}: does not load as tensors ({type(err).__name__}: {torch_reason(err)})") from None
 
 
+def loads_tensors(data, what: str) -> Any:
+    """torch.load of an in-memory file (a DCP shard's byte item) with weights_only=True; `what` names
+    its source in the one-line UnsafeFileError."""
+    import torch
+    try:
+        return torch.load(data, map_location="cpu", weights_only=True)
+    except Exception as err:  # noqa: BLE001 - as in load_tensors
+        raise UnsafeFileError(f"{what}: does not load as tensors ({type(err).__name__}: {torch_reason(err)})") from None
+
+
 def torch_reason(err: BaseException) -> str:
     """The line of torch's (multi-paragraph) load error that says what is wrong. Its advice to
     retry with weights_only=False is left out on purpose: that would run the file's code."""
@@ -119,15 +131,28 @@ class _DcpMetadataUnpickler(_PlainUnpickler):
 
 
 def check_dcp_metadata(folder: str) -> None:
-    """UnsafeFileError (one line) unless `folder`/.metadata unpickles to DCP metadata alone,
-    so that torch's own unrestricted load of it afterwards runs nothing."""
-    path = os.path.join(folder, ".metadata")
+    """UnsafeFileError (one line) unless `folder`/.metadata, and any rank-local `__<rank>.metadata`
+    (which torch falls back to, also unrestricted, when .metadata does not load), unpickles to DCP
+    metadata alone and names shards in `folder` only: torch's own load of them then runs nothing."""
+    local = [n for n in os.listdir(folder) if n.startswith("__") and n.endswith(".metadata")] \
+        if os.path.isdir(folder) else []
+    for name in [".metadata", *sorted(local)]:
+        _check_dcp_index(os.path.join(folder, name))
+
+
+def _check_dcp_index(path: str) -> None:
     try:
         with open(path, "rb") as f:
-            _DcpMetadataUnpickler(f, path).load()
+            metadata = _DcpMetadataUnpickler(f, path).load()
+        shards = {info.relative_path for info in metadata.storage_data.values()}
     except UnsafeFileError:
         raise
     except OSError as err:
         raise UnsafeFileError(f"{path}: unreadable ({type(err).__name__}: {first_line(err)})") from None
     except Exception as err:  # noqa: BLE001 - any unpickling failure is a damaged file
         raise UnsafeFileError(f"{path}: not a readable checkpoint index ({type(err).__name__}: {first_line(err)})") from None
+    outside = sorted(str(name) for name in shards if not isinstance(name, str) or os.path.basename(name) != name
+                     or name in ("", ".", ".."))
+    if outside:
+        raise UnsafeFileError(f"{path}: refused to load: it names shard files outside its folder ({outside[0]!r}); "
+                              "nothing was read")

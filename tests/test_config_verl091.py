@@ -92,8 +92,8 @@ def test_verl_0_8_reward_keys_map_onto_the_0_9_tree_named_once(old, new, value, 
 def test_legacy_nulls_are_unset_as_in_verl(capsys):
     cfg = load_config(None, ["custom_reward_function.path=null", "custom_reward_function.name=null",
                              "reward_model.enable=null", "reward_model.reward_manager=null",
-                             "reward.reward_manager.name=batch"])
-    assert cfg.reward.reward_manager.name == "batch" and cfg.reward.custom_reward_function.name == "compute_score"
+                             "reward.reward_manager.name=dapo"])  # batch needs a reward file: one of its own
+    assert cfg.reward.reward_manager.name == "dapo" and cfg.reward.custom_reward_function.name == "compute_score"
     assert "mapped onto" not in capsys.readouterr().err
 
 

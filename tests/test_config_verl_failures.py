@@ -9,7 +9,8 @@ import pytest
 
 from plait.cli import main
 from plait.config import load_config
-from plait.configtree import ConfigError
+from plait.config_verl import EMPTY_IS_NULL
+from plait.configtree import ConfigError, to_dict
 
 
 def one_line_exit_2(argv, capsys, *words):
@@ -175,3 +176,95 @@ def test_no_traceback_from_the_command_line_for_a_verl_yaml_error(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "plait.cli", "config", "show", "--config", str(tmp_path / "c.yaml")],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr and "no.such.key" in proc.stderr
+
+
+@pytest.mark.parametrize("entry", ["../outside", "{outside}", "sub/../../outside", "{{'../grp': outside}}"])
+def test_yaml_defaults_reaching_outside_the_config_folder_are_refused(tmp_path, capsys, entry):
+    """Hydra resolves a defaults entry inside the config search path only: an entry that climbs out
+    (`..`) or names an absolute path is refused in one line, and the file outside is not applied."""
+    (tmp_path / "outside.yaml").write_text("data:\n  max_prompt_length: 999\n")
+    (tmp_path / "grp").mkdir()
+    (tmp_path / "grp" / "outside.yaml").write_text("data:\n  max_prompt_length: 999\n")
+    (tmp_path / "config" / "sub").mkdir(parents=True)
+    entry = entry.format(outside=tmp_path / "outside")
+    (tmp_path / "config" / "a.yaml").write_text(f"defaults:\n  - {entry}\n  - _self_\n")
+    one_line_exit_2(["config", "show", "--config", str(tmp_path / "config" / "a.yaml")], capsys,
+                    "a defaults entry names a config inside the config search path", "reaches outside it")
+
+
+def test_an_interpolation_loop_is_one_line(tmp_path, capsys):
+    (tmp_path / "loop.yaml").write_text("trainer:\n  project_name: ${trainer.experiment_name}\n"
+                                        "  experiment_name: x-${trainer.project_name}\n")
+    one_line_exit_2(["config", "show", "--config", str(tmp_path / "loop.yaml")], capsys, "an interpolation loop: "
+                    "trainer.project_name -> trainer.experiment_name -> trainer.project_name")
+    (tmp_path / "self.yaml").write_text("data:\n  train_batch_size: ${data.train_batch_size}\n")
+    one_line_exit_2(["config", "show", "--config", str(tmp_path / "self.yaml")], capsys,
+                    "an interpolation loop: data.train_batch_size -> data.train_batch_size")
+
+
+def test_interpolations_are_resolved_once_per_key_and_bounded(tmp_path, capsys):
+    """Each level doubles the string: 2**60 characters if expanded, and 2**60 lookups without the
+    memo; finishing at all shows neither happens (each key is resolved once, the length is bounded)."""
+    levels = "".join(f"  k{i}: ${{trainer.k{i + 1}}}${{trainer.k{i + 1}}}\n" for i in range(60))
+    (tmp_path / "bomb.yaml").write_text(f"trainer:\n  experiment_name: ${{trainer.k0}}\n{levels}  k60: ab\n")
+    one_line_exit_2(["config", "show", "--config", str(tmp_path / "bomb.yaml")], capsys,
+                    "its interpolations expand past 100000 characters")
+    many = "-".join("${data.max_prompt_length}" for _ in range(40))  # more than the 20 the old resolver stopped at
+    (tmp_path / "many.yaml").write_text(f"trainer:\n  experiment_name: {many}\n")
+    cfg = load_config(str(tmp_path / "many.yaml"), [])
+    assert cfg.trainer.experiment_name == "-".join(["512"] * 40)
+
+
+def alias_bomb(levels: int, width: int = 10) -> str:
+    """The billion-laughs document: level i is a list of `width` aliases of level i-1."""
+    lines = ["l0: &l0 [lol, lol, lol, lol, lol, lol, lol, lol, lol, lol]"]
+    lines += [f"l{i}: &l{i} [{', '.join([f'*l{i - 1}'] * width)}]" for i in range(1, levels + 1)]
+    return "\n".join(lines) + "\n"
+
+
+def test_an_alias_bomb_is_one_line_before_anything_is_built(tmp_path, capsys):
+    """10**13 values if expanded: the loader sizes the node graph (each of its 14 lists once) and
+    refuses before constructing, so finishing at all is the proof."""
+    from plait.config_verl import YamlBomb, load_yaml
+    (tmp_path / "bomb.yaml").write_text(alias_bomb(12))
+    one_line_exit_2(["config", "show", "--config", str(tmp_path / "bomb.yaml")], capsys,
+                    "not valid YAML: its aliases expand to more than 100000 values (an alias bomb)")
+    with pytest.raises(YamlBomb, match="refers to a node that contains it"):
+        load_yaml("a: &x [1, *x]\n")
+    assert len(list(_flat(load_yaml(alias_bomb(3))["l3"]))) == 10 ** 4  # a small one still loads whole
+    # on the command line too: the value is not expanded, it stays the text it was
+    flow = "[&a0 [x, x, x, x, x, x, x, x, x, x], " + ", ".join(
+        f"&a{i} [{', '.join([f'*a{i - 1}'] * 10)}]" for i in range(1, 13)) + "]"
+    cfg = load_config(None, [f"trainer.experiment_name={flow}"])
+    assert cfg.trainer.experiment_name == flow
+
+
+def _flat(xs):
+    for x in xs:
+        yield from (_flat(x) if isinstance(x, list) else [x])
+
+
+@pytest.mark.parametrize("key", EMPTY_IS_NULL)
+def test_an_empty_value_where_verl_reads_null_is_null(key, capsys):
+    """`key=$VAR` with VAR unset: Hydra gives '', which verl reads as null on these keys (by
+    truthiness, or not at all in the mode that leaves them unset): the same run as without it."""
+    mode = ["trainer.resume_mode=disable"] if key == "trainer.resume_from_path" else []
+    assert to_dict(load_config(None, [*mode, f"{key}="])) == to_dict(load_config(None, mode))
+    assert to_dict(load_config(None, [*mode, f"{key}=''"])) == to_dict(load_config(None, mode))
+    assert key not in capsys.readouterr().err  # no notice names it: it is unset
+
+
+def test_the_legacy_reward_path_and_a_resume_path_empty_read_as_null(capsys):
+    assert load_config(None, ["custom_reward_function.path="]).reward.custom_reward_function.path is None
+    one_line_exit_2(["config", "show", "trainer.resume_mode=resume_path", "trainer.resume_from_path="], capsys,
+                    "a global_step_N checkpoint directory when resume_mode=resume_path")
+
+
+@pytest.mark.parametrize("override, said", [
+    ("actor_rollout_ref.model.path=", "actor_rollout_ref.model.path='': no config.json"),
+    ("data.train_files=", "data.train_files=''"),
+    ("trainer.total_training_steps=", "trainer.total_training_steps='': expected int or null"),
+    ("trainer.experiment_name=", "trainer.experiment_name='': a folder name"),
+])
+def test_an_empty_value_elsewhere_is_still_checked_as_a_value(override, said, capsys):
+    one_line_exit_2(["train", "--no-progress", override], capsys, said)

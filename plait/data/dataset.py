@@ -79,6 +79,19 @@ def read_rows(path: str | Path) -> list[dict]:
     return READERS[path.suffix](path)
 
 
+def read_column(path: str | Path, column: str) -> list:
+    """One column of a data file, None where a row lacks it (parquet reads that column alone)."""
+    path = Path(path)
+    if path.suffix == ".parquet":
+        try:
+            if column not in pq.read_schema(path).names:
+                return []
+            return pq.read_table(path, columns=[column]).column(column).to_pylist()
+        except (OSError, ValueError) as err:
+            raise ValueError(f"not a readable parquet file ({str(err).splitlines()[0]})") from None
+    return [row.get(column) for row in read_rows(path)]
+
+
 def load_dataset(key: str, paths: Sequence[str], tokenizer: PreTrainedTokenizerBase, **options) -> "PromptDataset":
     """One dataset over the files of config key `key`; any problem with a file (unreadable, empty,
     a bad row) is a ConfigError naming the file and its line or row, before training starts."""
@@ -170,6 +183,11 @@ class PromptDataset:
             raise ValueError(f"row {i}: reward_model.ground_truth is missing or null; every row needs "
                              f"the answer its reward is scored against (reward_model: {reward_model!r})")
         prompt = row[prompt_key]
+        for name, value in ((f"'{prompt_key}'", prompt), ("reward_model.ground_truth", reward_model["ground_truth"]),
+                            (f"'{reward_fn_key}'", row[reward_fn_key])):
+            bad = not_text(value)
+            if bad:  # bytes would reach the prompt, or the reward's comparison, as their repr: b'...'
+                raise ValueError(f"row {i}: {name} holds {bad}; text fields are UTF-8 strings")
         if isinstance(prompt, str):  # used as is, with the tokenizer's own specials (Llama's BOS)
             text, ids = prompt, tokenizer(prompt)["input_ids"]
         else:
@@ -208,6 +226,26 @@ def check_text_only(i: int, row: dict, media_keys: dict[str, str]) -> None:
             raise ValueError(f"row {i}: column {column!r} ({key}) holds {type(value).__name__} media; plait trains "
                              "text-only models (vision-language RL is not implemented), so training would drop them: "
                              "remove the column's values or the rows")
+
+
+def not_text(value: Any) -> str | None:
+    """What in a prompt is not text: bytes (a binary parquet column: a chat template would write
+    their repr, `b'...'`, into the prompt) or a string that is not valid Unicode (a lone surrogate
+    from a JSON escape); None when it is all text."""
+    if isinstance(value, (bytes, bytearray)):
+        try:
+            value.decode("utf-8")
+            return f"bytes, not a string ({bytes(value)[:40]!r})"
+        except UnicodeDecodeError as err:
+            return f"bytes that are not UTF-8 (byte {value[err.start]:#x} at offset {err.start})"
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as err:
+            return f"a string that is not valid Unicode (code point {ord(value[err.start]):#x} at offset {err.start})"
+        return None
+    parts = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else ()
+    return next((bad for bad in map(not_text, parts) if bad), None)
 
 
 def check_messages(i: int, prompt_key: str, prompt: Any) -> None:

@@ -287,7 +287,7 @@ def _run(fn, args: tuple, kwargs: dict) -> tuple[str, Any]:
         result = fn(*args, **kwargs)
         if inspect.isawaitable(result):
             result = asyncio.run(_awaited(result))
-        return "ok", _plain(result)
+        return "ok", plain_result(result)
     except (SystemExit, KeyboardInterrupt) as err:
         return "error", (f"raised {type(err).__name__}({err}); a reward function must return a score, "
                          "not end the process")
@@ -301,22 +301,26 @@ async def _awaited(awaitable):
     return await awaitable
 
 
-def _plain(value: Any) -> Any:
-    """The result as plain data for the trainer's plain-data unpickler: numpy and other number
-    types become int/float; anything else unknown its repr (so the trainer names what came back)."""
+def plain_result(value: Any) -> Any:
+    """A reward's result as plain data, the one form the trainer sees whether the reward ran in a
+    worker (for its plain-data unpickler) or in-process (rewards.guard_reward): numpy and other
+    number types become int/float, numpy bools bool, arrays and tensors their values; anything else
+    unknown its repr (so the trainer names what came back)."""
     import numbers
-    if value is None or isinstance(value, (bool, str, int, float)):
+    if value is None or type(value) in (bool, str, int, float):  # exactly: np.float64 is a float subclass
         return value
+    if isinstance(value, str):  # np.str_
+        return str(value)
     if isinstance(value, dict):
-        return {str(k): _plain(v) for k, v in value.items()}
+        return {str(k): plain_result(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
+        return [plain_result(v) for v in value]
     if isinstance(value, numbers.Integral):
         return int(value)
     if isinstance(value, numbers.Real):
         return float(value)
     if hasattr(value, "tolist"):  # a numpy array or tensor: its values
-        return _plain(value.tolist())
+        return plain_result(value.tolist())
     return f"<{type(value).__name__}: {value!r:.60}>"
 
 

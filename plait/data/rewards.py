@@ -36,6 +36,7 @@ from plait.data.math_rewards import (DAPO_SOURCES, MATH_SOURCES, dapo_score, gsm
                                      math_score)
 from plait.errors import Interrupted, RunError
 from plait.profiler.config import RoleProfilerConfig
+from plait.safeload import first_line
 
 @dataclass
 class CustomRewardConfig:
@@ -127,6 +128,9 @@ class RewardConfig:
         check(self.memory_limit_mb is None or self.memory_limit_mb >= 64, "memory_limit_mb", self.memory_limit_mb,
               "MiB >= 64, or null for no limit")
         check(self.max_processes > 0, "max_processes", self.max_processes, "must be > 0")
+        check(self.reward_manager.name != "batch" or bool(self.custom_reward_function.path), "reward_manager.name",
+              "batch", "a reward file to go with it (reward.custom_reward_function.path): the batch manager calls one "
+              "function with lists, and the built-in scorer takes one response at a time")
         unknown = set(self.reward_kwargs) - {"overlong_buffer_cfg", "max_resp_len"}
         check(not unknown, "reward_kwargs", self.reward_kwargs,
               f"only overlong_buffer_cfg and max_resp_len (unknown: {', '.join(sorted(unknown))})")
@@ -170,11 +174,15 @@ def default_compute_score(data_source: str, solution_str: str, ground_truth: Any
     """Score a response to a built-in task or one of verl's math data sources."""
     if data_source in SCORERS:
         return SCORERS[data_source](solution_str, ground_truth)
-    if data_source.startswith("aime"):  # verl scores every AIME variant as DAPO does
+    if has_builtin_reward(data_source):  # verl scores every AIME variant as DAPO does
         return dapo_score(solution_str, ground_truth)
-    raise ValueError(
-        f"no built-in reward for data_source {data_source!r} (built-in: {', '.join(SCORERS)}, aime*); "
-        "score it with your own function via reward.custom_reward_function.path and .name")
+    raise ValueError(f"no built-in reward for data_source {data_source!r} ({BUILTIN}); score it with your "
+                     "own function via reward.custom_reward_function.path and .name")
+
+
+def has_builtin_reward(data_source: Any) -> bool:
+    """Whether default_compute_score scores this data source (the driver checks every row's at start)."""
+    return isinstance(data_source, str) and (data_source in SCORERS or data_source.startswith("aime"))
 
 
 def load_custom_reward(path: str | Path, name: str = "compute_score",
@@ -339,8 +347,13 @@ def guard_reward(fn: Callable, name: str, timeout: float | None = None) -> Calla
     numeric "score" (a string, None, NaN), a `SystemExit` or `KeyboardInterrupt` raised by user
     code, or (with `timeout` seconds) a call that hangs, is a RunError naming the function, the
     data_source and the sample. The wrapper keeps `fn`'s signature for callers (positional and
-    keyword arguments pass through); a batch call's list of results is checked one by one."""
+    keyword arguments pass through); a batch call's list of results is checked one by one. Results
+    come back as `plain_result` makes them, so a reward gives the same record in-process and in a
+    worker (numpy scalars, bools and 0-d arrays alike)."""
+    from plait.data.reward_pool import plain_result  # it imports this module
+
     def checked(result, args, kwargs):
+        result = plain_result(result)
         if "data_sources" in kwargs and isinstance(result, (list, tuple)):  # the batch manager's call
             for i, one in enumerate(result):
                 check_score(one, lambda: describe_call(name, (), {"data_source": kwargs["data_sources"][i],
@@ -353,7 +366,11 @@ def guard_reward(fn: Callable, name: str, timeout: float | None = None) -> Calla
         result = _call(fn, args, kwargs, timeout, lambda: describe_call(name, args, kwargs))
         if inspect.isawaitable(result):  # an `async def` reward, or a worker pool's call: checked once awaited
             async def awaited():
-                return checked(await result, args, kwargs)
+                try:
+                    value = await result
+                except Exception as err:  # noqa: BLE001 - as _call's
+                    raise_as_run_error(err, lambda: describe_call(name, args, kwargs))
+                return checked(value, args, kwargs)
             return awaited()
         return checked(result, args, kwargs)
     return guarded
@@ -381,6 +398,16 @@ def describe_call(name: str, args: tuple, kwargs: dict) -> str:
     return f"reward function {name} (data_source {data_source!r}, response {str(solution)[:80]!r})"
 
 
+def raise_as_run_error(err: Exception, where: Callable[[], str]) -> None:
+    """What user code raised, as the one line a worker's failure gives (reward_pool._run), so a
+    reward fails alike in-process and in workers. plait's own RunError and ConfigError pass, and so
+    does running out of memory: in-process that is the trainer's, for its OOM dump (profiler)."""
+    import torch  # loaded already: the trainer's process
+    if isinstance(err, (RunError, ConfigError, MemoryError, torch.cuda.OutOfMemoryError)):
+        raise err
+    raise RunError(f"{where()} raised {type(err).__name__}: {first_line(err)}") from None
+
+
 def _call(fn: Callable, args: tuple, kwargs: dict, timeout: float | None, where: Callable[[], str]):
     def call():
         try:
@@ -390,6 +417,8 @@ def _call(fn: Callable, args: tuple, kwargs: dict, timeout: float | None, where:
         except (SystemExit, KeyboardInterrupt) as err:
             raise RunError(f"{where()} raised {type(err).__name__}({err}); a reward function must "
                            "return a score, not end the process") from None
+        except Exception as err:  # noqa: BLE001 - what raise_as_run_error says
+            raise_as_run_error(err, where)
     if timeout is None:
         return call()
     box: dict = {}
@@ -410,7 +439,7 @@ def _call(fn: Callable, args: tuple, kwargs: dict, timeout: float | None, where:
     return box["result"]
 
 
-SCORERS = {
+SCORERS = {  # data_source -> scorer; has_builtin_reward adds every aime* source
     "arithmetic": functools.partial(exact_match_score, "arithmetic"),
     "reverse": functools.partial(exact_match_score, "reverse"),
     "openai/gsm8k": gsm8k_score,
@@ -420,3 +449,4 @@ SCORERS = {
 }
 
 MANAGERS = {"naive": naive_manager, "batch": batch_manager, "dapo": dapo_manager}
+BUILTIN = f"built-in: {', '.join(SCORERS)}, aime*"

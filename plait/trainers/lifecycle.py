@@ -403,9 +403,14 @@ def verify_checkpoint(path: str) -> str | None:
     try:
         with open(os.path.join(path, MANIFEST)) as f:
             files = json.load(f)["files"]
-    except (OSError, ValueError, KeyError) as err:
+    except (OSError, ValueError, KeyError, TypeError) as err:
         return f"no readable {MANIFEST} ({type(err).__name__}); the save did not finish"
+    if not isinstance(files, dict) or not all(isinstance(w, dict) and isinstance(w.get("size"), int)
+                                              and isinstance(w.get("crc32"), int) for w in files.values()):
+        return f"{MANIFEST} is not one plait wrote (each file needs its size and crc32)"
     for rel, want in files.items():
+        if os.path.isabs(rel) or ".." in rel.split(os.sep):  # crafted: plait reads the checkpoint's own files only
+            return f"the manifest names a file outside the checkpoint ({rel!r})"
         full = os.path.join(path, rel)
         if not os.path.isfile(full):
             return f"{rel} is missing"

@@ -16,15 +16,19 @@ function here is the identity, so the local backend pays nothing.
 
 from __future__ import annotations
 
+import os
+from contextlib import contextmanager
 from dataclasses import asdict
 from typing import Callable
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.tensor import DTensor
 
 from plait.config import FsdpConfig
-from plait.safeload import check_dcp_metadata
+from plait.safeload import check_dcp_metadata, loads_tensors
 from plait.types import RolloutBatch
 from plait.workers.packing import MicroBatching
 
@@ -236,7 +240,8 @@ def save_sharded(path: str, model, optimizer) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
     model_state, optim_state = get_state_dict(model, optimizer)
-    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=path)
+    with rank_failure():
+        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=path)
 
 
 def load_sharded(path: str, model, optimizer) -> None:
@@ -247,8 +252,39 @@ def load_sharded(path: str, model, optimizer) -> None:
     check_dcp_metadata(path)  # torch unpickles .metadata without restriction: vet it first
     model_state, optim_state = get_state_dict(model, optimizer)  # the layout to fill (optimizer state initialised)
     state = {"model": model_state, "optim": optim_state}
-    dcp.load(state, checkpoint_id=path)
+    with rank_failure():
+        dcp.load(state, checkpoint_id=path, planner=_TensorsOnlyPlanner(path))
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
+class _TensorsOnlyPlanner(DefaultLoadPlanner):
+    """DCP's default planner, except that a shard's byte items (pickled non-tensor state) load with
+    torch's weights_only loader: its default unpickles them unrestricted, so a crafted shard ran code."""
+
+    def __init__(self, folder: str):
+        super().__init__()
+        self.folder = folder
+
+    def load_bytes(self, read_item, value) -> None:
+        shard = self.metadata.storage_data[read_item.storage_index].relative_path
+        loaded = loads_tensors(value, f"{os.path.join(self.folder, shard)} (item {read_item.dest_index.fqn})")
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = loaded
+
+
+@contextmanager
+def rank_failure():
+    """DCP wraps any rank's failure in a CheckpointException (a BaseException whose text is every
+    rank's traceback): re-raise the first rank's own error, so a full disk or a refused file reads
+    as the one line it is."""
+    from torch.distributed.checkpoint.api import CheckpointException
+    try:
+        yield
+    except CheckpointException as err:
+        rank = min(err.failures)
+        raise err.failures[rank][0] from None
 
 
 def load_checkpoint_state(model, optimizer, model_state: dict, optim_state: dict) -> None:

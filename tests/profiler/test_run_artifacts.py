@@ -41,11 +41,16 @@ def test_two_profiled_runs_in_one_output_dir_keep_both_sets(tmp_path, tiny_confi
     assert "moved an earlier run's profiler artifacts" in capsys.readouterr().err
 
 
-def test_report_finds_artifacts_under_a_custom_save_path(tmp_path, tiny_config):
+def test_report_names_a_custom_save_path_outside_the_run_and_reads_it_when_given(tmp_path, tiny_config):
+    """A report reads only below the folders it is given: the recorded save_path outside the run's
+    folder is named (with the flag that reads it), and read once given."""
     out, elsewhere = tmp_path / "run", tmp_path / "somewhere" / "else"
     run(tiny_config(out, *TORCH, f"global_profiler.save_path={elsewhere}"))
     assert json.loads((out / LOCATION).read_text())["save_path"] == str(elsewhere)
     text = build_report(str(out))
+    assert f"profiled artifacts: 0 (0 torch traces; no manifest.jsonl in {out}, {out / 'profile'}, {elsewhere} " \
+           f"(the run's recorded save_path: outside {out}, not read; give --profile))" in text
+    text = build_report(str(out), profile=str(elsewhere))
     assert "profiled artifacts: 1 (1 torch traces; " + str(elsewhere) in text
 
 

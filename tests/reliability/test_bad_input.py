@@ -50,6 +50,48 @@ def test_a_bad_jsonl_file_names_itself_and_the_line_or_row(tmp_path, tok, lines,
     assert str(err.value).startswith(f"data.train_files={path!r}: ") and said in str(err.value)
 
 
+def parquet(tmp_path, rows):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    path = tmp_path / "plain.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return str(path)
+
+
+@pytest.mark.parametrize("content, said", [
+    (b"\xff\xfe 1+1=", "row 0: 'prompt' holds bytes that are not UTF-8 (byte 0xff at offset 0)"),
+    (b"1+1=", "row 0: 'prompt' holds bytes, not a string (b'1+1=')"),  # a chat template would write "b'1+1='"
+])
+def test_a_prompt_of_bytes_is_refused_naming_file_and_row(tmp_path, tok, content, said):
+    """A binary parquet column gives bytes, which a chat template renders as their repr
+    (`user b'\\xff...' assistant`): refused in one line, whatever the bytes."""
+    import pyarrow as pa
+    message = pa.struct([("role", pa.string()), ("content", pa.binary())])  # a binary column
+    schema = pa.schema([("data_source", pa.string()), ("prompt", pa.list_(message)),
+                        ("reward_model", pa.struct([("ground_truth", pa.string())]))])
+    rows = [{"data_source": "arithmetic", "prompt": [{"role": "user", "content": text}],
+             "reward_model": {"ground_truth": "2"}} for text in (content, b"2+2=")]
+    path = str(tmp_path / "rows.parquet")
+    pa.parquet.write_table(pa.Table.from_pylist(rows, schema=schema), path)
+    with pytest.raises(ConfigError) as err:
+        load(path, tok)
+    assert str(err.value) == f"data.train_files={path!r}: {said}; text fields are UTF-8 strings"
+    plain = parquet(tmp_path, [{**ROWS[0], "prompt": content}])  # a bytes prompt, no chat
+    with pytest.raises(ConfigError, match=f"{plain}.*row 0: 'prompt' holds bytes"):
+        load(plain, tok)
+
+
+def test_a_prompt_that_is_not_valid_unicode_is_refused(tmp_path, tok):
+    path = jsonl(tmp_path, row(), row(prompt=[{"role": "user", "content": "1+\ud800="}]))  # a JSON escape: lone surrogate
+    with pytest.raises(ConfigError) as err:
+        load(path, tok)
+    assert str(err.value) == (f"data.train_files={path!r}: row 1: 'prompt' holds a string that is not valid Unicode "
+                              "(code point 0xd800 at offset 2); text fields are UTF-8 strings")
+    gt = parquet(tmp_path, [{**ROWS[0], "reward_model": {"ground_truth": b"\xff42"}}])  # scored as "b'\\xff42'"
+    with pytest.raises(ConfigError, match=r"row 0: reward_model.ground_truth holds bytes that are not UTF-8"):
+        load(gt, tok)
+
+
 def test_an_unreadable_parquet_file_is_named(tmp_path, tok):
     path = tmp_path / "rows.parquet"
     path.write_bytes(b"PAR1 not really")

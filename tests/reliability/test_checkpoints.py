@@ -169,3 +169,38 @@ def test_verls_per_role_limits_keep_whole_checkpoints(tmp_path, walk, tiny_confi
     assert checkpoints_to_keep(tiny_config(tmp_path, "trainer.max_ckpt_to_keep=null")) is None
     walk(tmp_path, steps=3, max_ckpt_to_keep=1).run()
     assert sorted(p for p in os.listdir(tmp_path / "checkpoints") if p.startswith("global")) == ["global_step_3"]
+
+
+def test_a_full_disk_during_a_sharded_save_is_the_same_one_line(tmp_path, walk, monkeypatch):
+    """The DCP writer opens each shard with pathlib's open (FileSystem.create_stream); here the open of
+    step 3's shard is pointed at /dev/full, where every write fails in the kernel with ENOSPC, as on a
+    full disk. DCP wraps that in a CheckpointException (a BaseException, all ranks' tracebacks);
+    plait says the unsharded save's line, and step 2 stays latest."""
+    from pathlib import Path
+
+    import torch
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    from plait.workers.parallel import save_sharded
+    linear = torch.nn.Linear(64, 64)
+    optim = torch.optim.AdamW(linear.parameters())
+
+    def with_shards(lc):  # the walk's own files, and a model and optimizer saved as plait's FSDP2 roles are
+        walk_save = lc.trainer.save_checkpoint
+        lc.trainer.save_checkpoint = lambda path, step: (walk_save(path, step),
+                                                         save_sharded(os.path.join(path, "sharded"), linear, optim))
+        return lc
+    with_shards(walk(tmp_path, steps=2)).run()
+    real_open = FileSystem.create_stream
+
+    def full_disk(self, path, mode):
+        full = "global_step_3" in str(path) and str(path).endswith(".distcp") and mode == "wb"
+        return real_open(self, Path("/dev/full") if full else path, mode)
+    monkeypatch.setattr(FileSystem, "create_stream", full_disk)
+    with pytest.raises(Exception) as err:
+        with_shards(walk(tmp_path, steps=3)).run()
+    message = f"{type(err.value).__name__}: {err.value}"
+    assert message.startswith("RunError: checkpoint of step 3 not written to ")
+    assert "\n" not in message and message.endswith(": No space left on device; the previous checkpoint stays latest")
+    assert (tmp_path / "checkpoints" / "latest_checkpointed_iteration.txt").read_text() == "2"
+    assert verify_checkpoint(str(ckpt(tmp_path, 2))) is None

@@ -73,3 +73,37 @@ def test_a_malformed_chat_row_names_the_file_and_row(tmp_path, prompt, said):
         load_dataset("data.train_files", [str(path)], build_char_tokenizer())
     assert str(err.value).startswith(f"data.train_files={str(path)!r}: {said}")
     assert "\n" not in str(err.value)
+
+
+def test_data_sources_without_a_reward_are_one_line_each_before_any_model_loads(tmp_path, tiny_config, capsys):
+    """No reward file and no reward model: every row's data_source in the train and val files needs
+    a built-in reward, checked at start (it was a traceback at the first reward, the model loaded)."""
+    from plait import driver
+    rows = make_task_rows("arithmetic", "train", 6, 0)
+    rows[2] = {**rows[2], "data_source": "my_task"}
+    rows[4] = {**rows[4], "data_source": "my_task"}
+    rows[5] = {**rows[5], "data_source": 7}
+    train_file, val_file = tmp_path / "train.jsonl", tmp_path / "val.jsonl"
+    train_file.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    val_file.write_text(json.dumps({**rows[0], "data_source": "val_only"}) + "\n")
+    files = [f"data.train_files={train_file}", f"data.val_files={val_file}"]
+    with pytest.raises(ConfigError) as err:
+        driver.preflight(tiny_config(tmp_path / "out", *files))  # the CLI's check before the trainer is built
+    lines = str(err.value).splitlines()
+    assert len(lines) == 2
+    assert lines[0].startswith(f"data.train_files='{train_file}': data_source 'my_task' (row 2), 7 (row 5) have no "
+                               "built-in reward (built-in: arithmetic, reverse, ")
+    assert lines[0].endswith("aime*) and reward.custom_reward_function.path is unset: give a reward file that scores it")
+    assert lines[1].startswith(f"data.val_files='{val_file}': data_source 'val_only' (row 0) has no built-in reward")
+    assert train(tmp_path, tiny_config, *files) == 2
+    assert "Traceback" not in capsys.readouterr().err
+    (tmp_path / "reward.py").write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                                        "    return 0.0\n")
+    driver.preflight(tiny_config(tmp_path / "out", *files, f"custom_reward_function.path={tmp_path / 'reward.py'}"))
+
+
+def test_the_batch_manager_without_a_reward_file_is_one_line(capsys):
+    assert cli.main(["config", "show", "reward.reward_manager.name=batch"]) == 2
+    assert last_line(capsys) == ("plait: config error: reward.reward_manager.name='batch': a reward file to go with it "
+                                 "(reward.custom_reward_function.path): the batch manager calls one function with "
+                                 "lists, and the built-in scorer takes one response at a time")

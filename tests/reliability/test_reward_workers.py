@@ -238,3 +238,63 @@ def test_sigterm_while_a_reward_hangs_exits_143_and_ends_its_workers(tmp_path, t
     assert trainer.wait(timeout=30) == 143
     assert "Traceback" not in trainer.stderr.read()
     assert not [p for p in workers if alive(p)]
+
+
+NUMPY_EXTRAS = '''
+import numpy as np
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    right = solution_str == ground_truth
+    return {"score": np.float32(right), "acc": np.bool_(right), "len": np.int64(len(solution_str)),
+            "half": np.float64(0.5), "zero_d": np.array(2.0), "label": np.str_("x"), "vec": np.ones(2)}
+'''
+
+
+def test_numpy_extras_give_the_same_record_in_process_and_in_workers(tmp_path):
+    """numpy scalars, numpy bools and 0-d arrays in a reward's extra fields: reward.num_workers=0
+    (in-process) and =2 (workers, whose results pass a plain-data unpickler) log the same metrics
+    (numpy bools were 1.0 from workers and absent in-process)."""
+    from plait.configtree import build
+    from plait.data.rewards import RewardConfig, resolve_reward
+    path = tmp_path / "numpy_reward.py"
+    path.write_text(NUMPY_EXTRAS)
+    request = ScoreRequest(["mine"] * 3, ["a", "bb", "c"], ["a", "b", "c"], [None] * 3, [1] * 3)
+    records = []
+    try:
+        for workers in (0, 2):
+            reward = build(RewardConfig, {"num_workers": workers, "custom_reward_function": {"path": str(path)}})
+            records.append(resolve_reward(reward, 8)(request))
+    finally:
+        close_reward_workers()
+    in_process, in_workers = records
+    assert in_process == in_workers
+    assert in_process == ([1.0, 0.0, 1.0], {"acc": [1.0, 0.0, 1.0], "len": [1.0, 2.0, 1.0], "half": [0.5] * 3,
+                                            "zero_d": [2.0] * 3})
+
+
+RAISES = '''
+async def later(data_source, solution_str, ground_truth, extra_info=None):
+    raise KeyError("no such field")
+
+def now(data_source, solution_str, ground_truth, extra_info=None):
+    raise ValueError("bad\\nsecond line")
+'''
+
+
+@pytest.mark.parametrize("name, said", [("now", "raised ValueError: bad"), ("later", "raised KeyError: 'no such field'")])
+def test_a_reward_that_raises_is_the_same_one_line_in_process_and_in_workers(tmp_path, name, said):
+    from plait.configtree import build
+    from plait.data.rewards import RewardConfig, resolve_reward
+    path = tmp_path / "raises.py"
+    path.write_text(RAISES)
+    messages = []
+    try:
+        for workers in (0, 1):
+            reward = build(RewardConfig, {"num_workers": workers, "custom_reward_function": {"path": str(path), "name": name}})
+            with pytest.raises(RunError) as err:
+                resolve_reward(reward, 8)(REQUEST)
+            messages.append(str(err.value))
+    finally:
+        close_reward_workers()
+    assert messages[0] == messages[1]
+    assert messages[0] == f"reward function {name} (data_source 'mine', response 'a') {said}"

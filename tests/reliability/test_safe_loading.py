@@ -249,3 +249,122 @@ def test_a_sharded_checkpoints_index_is_vetted_before_torch_unpickles_it(tmp_pat
         check_dcp_metadata(str(bad))
     assert "refused to load" in str(err.value) and "\n" not in str(err.value)
     assert not ran.exists()
+
+
+def shard_the_actor(make, out, step):
+    """Give checkpoint `step` of a local run the actor's sharded (DCP) folder, which its resume then
+    reads instead of model.pt: the actor loaded from the checkpoint, saved by plait's save_sharded."""
+    from plait import driver
+    from plait.workers.parallel import SHARDED_DIR, save_sharded
+    ckpt = out / "checkpoints" / f"global_step_{step}"
+    lc = driver.build(make(out), progress=False, checked=True)
+    try:
+        actor = lc.trainer.roles.actor.worker
+        actor.load_checkpoint(str(ckpt / "actor"))
+        save_sharded(str(ckpt / "actor" / SHARDED_DIR), actor.model, actor.optimizer)
+    finally:
+        lc.trainer.close()
+        lc.shutdown()
+    (ckpt / "manifest.json").unlink()
+    write_manifest(str(ckpt), step)
+    return ckpt / "actor" / SHARDED_DIR
+
+
+def plant_in_a_byte_item(folder, payload: bytes) -> str:
+    """Replace the first byte item (pickled non-tensor state, e.g. an lr) of a DCP folder's shards by
+    `payload`, padded to its length so that the index's offsets stay true; the shard file's name."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+    with open(folder / ".metadata", "rb") as f:
+        metadata = pickle.load(f)  # the index plait's own save just wrote
+    fqn = next(k for k, v in metadata.state_dict_metadata.items() if isinstance(v, BytesStorageMetadata))
+    info = next(v for k, v in metadata.storage_data.items() if k.fqn == fqn)
+    assert len(payload) <= info.length
+    data = bytearray((folder / info.relative_path).read_bytes())
+    data[info.offset:info.offset + info.length] = payload.ljust(info.length, b".")  # pickle stops at its STOP
+    (folder / info.relative_path).write_bytes(bytes(data))
+    return info.relative_path
+
+
+def test_a_crafted_byte_item_in_a_sharded_checkpoint_runs_nothing_on_resume(trained, tmp_path, tiny_config_module,
+                                                                          capsys):
+    """DCP's default planner unpickles a shard's byte items unrestricted: a real sharded checkpoint
+    resumes through plait's loader, and one whose byte item became a payload pickle (the manifest
+    rewritten to match, as an attacker would) is refused in one line, the payload never run."""
+    out = copy_run(trained, tmp_path)
+    sharded = shard_the_actor(tiny_config_module, out, 2)
+    shutil.copytree(out, tmp_path / "clean")
+    assert train(tiny_config_module, tmp_path / "clean", "trainer.total_training_steps=3") == 0
+    assert f"plait: resumed from {tmp_path / 'clean' / 'checkpoints' / 'global_step_2'}" in capsys.readouterr().err
+
+    marker = tmp_path / "ran"
+    shard = plant_in_a_byte_item(sharded, pickle.dumps(Payload(marker)))
+    ckpt = sharded.parent.parent
+    (ckpt / "manifest.json").unlink()
+    write_manifest(str(ckpt), 2)
+    code = train(tiny_config_module, out, "trainer.resume_mode=resume_path", f"trainer.resume_from_path={ckpt}")
+    err = capsys.readouterr().err
+    assert code == 2 and not marker.exists() and "Traceback" not in err
+    assert err.strip().splitlines()[-1].startswith(
+        f"plait: config error: trainer.resume_from_path='{ckpt}': actor/sharded/{shard} (item optim.")
+    assert "does not load as tensors (UnpicklingError: " in err.strip().splitlines()[-1]
+
+
+def test_a_sharded_index_naming_shards_outside_its_folder_is_refused(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    from plait.safeload import check_dcp_metadata
+    folder = tmp_path / "sharded"
+    dcp.save({"model": torch.nn.Linear(3, 2).state_dict()}, checkpoint_id=str(folder))
+    with open(folder / ".metadata", "rb") as f:
+        metadata = pickle.load(f)
+    for info in metadata.storage_data.values():
+        info.relative_path = "../../elsewhere.distcp"
+    with open(folder / ".metadata", "wb") as f:
+        pickle.dump(metadata, f)
+    with pytest.raises(UnsafeFileError) as err:
+        check_dcp_metadata(str(folder))
+    assert str(err.value) == (f"{folder / '.metadata'}: refused to load: it names shard files outside its folder "
+                              "('../../elsewhere.distcp'); nothing was read")
+
+
+@pytest.mark.parametrize("files, said", [
+    ({"../../outside.pt": {"size": 1, "crc32": 0}}, "the manifest names a file outside the checkpoint ('../../outside.pt')"),
+    ({"/etc/hostname": {"size": 1, "crc32": 0}}, "the manifest names a file outside the checkpoint ('/etc/hostname')"),
+    (["model.pt"], "manifest.json is not one plait wrote (each file needs its size and crc32)"),
+    ({"model.pt": {"size": "1"}}, "manifest.json is not one plait wrote (each file needs its size and crc32)"),
+])
+def test_a_crafted_manifest_names_only_the_checkpoints_files(tmp_path, files, said):
+    from plait.trainers.lifecycle import verify_checkpoint
+    (tmp_path / "manifest.json").write_text(json.dumps({"step": 1, "files": files}))
+    assert verify_checkpoint(str(tmp_path)) == said
+    (tmp_path / "manifest.json").write_text("[1, 2]")
+    assert verify_checkpoint(str(tmp_path)).startswith("no readable manifest.json (TypeError)")
+
+
+def test_a_truncated_shard_falls_back_to_the_previous_checkpoint(trained, tmp_path, tiny_config_module, capsys):
+    """DCP wraps a rank's load failure in a CheckpointException, a BaseException that escaped the
+    resume's fallback as a traceback; now the shard's own error is the reason the checkpoint is skipped."""
+    out = copy_run(trained, tmp_path)
+    sharded = shard_the_actor(tiny_config_module, out, 2)
+    shard = next(p for p in sharded.iterdir() if p.suffix == ".distcp")
+    plant(sharded.parent.parent, f"actor/sharded/{shard.name}", truncated)
+    assert train(tiny_config_module, out, "trainer.total_training_steps=3") == 0
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "CheckpointException" not in err
+    assert f"plait: warning: skipping checkpoint {out / 'checkpoints' / 'global_step_2'}: it does not load (" in err
+    assert f"plait: resumed from {out / 'checkpoints' / 'global_step_1'} (next step 2)" in err
+
+
+def test_a_rank_local_dcp_index_is_vetted_too(tmp_path):
+    """torch falls back to `__<rank>.metadata` (unpickled unrestricted) when .metadata does not load."""
+    import torch.distributed.checkpoint as dcp
+
+    from plait.safeload import check_dcp_metadata
+    folder = tmp_path / "sharded"
+    dcp.save({"model": torch.nn.Linear(3, 2).state_dict()}, checkpoint_id=str(folder))
+    marker = tmp_path / "ran"
+    (folder / "__0.metadata").write_bytes(pickle.dumps(Payload(marker)))
+    with pytest.raises(UnsafeFileError) as err:
+        check_dcp_metadata(str(folder))
+    assert str(err.value).startswith(f"{folder / '__0.metadata'}: refused to load: it asks for posix.system")
+    assert not marker.exists()

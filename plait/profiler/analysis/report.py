@@ -10,6 +10,9 @@
 
 The profiler's save_path is found as DIR itself, DIR/profile, or given (`--profile`); the run's
 files as DIR itself or given (`--run`). Whatever is missing is left out of the page, and said so.
+A folder may come from someone else: every file read is below the folder it was found in (DIR,
+--profile, --run), symbolic links resolved; a manifest path or a recorded save_path that leads
+elsewhere (`..`, absolute, a link out) is not read, and the page says so.
 """
 
 from __future__ import annotations
@@ -25,8 +28,8 @@ from typing import Optional
 from plait.profiler.analysis import memory as mem
 from plait.profiler.analysis import svg, verdict
 from plait.profiler.analysis.traces import Trace, load_trace, merged_trace, top_ops, write_trace
-from plait.profiler.naming import MANIFEST, read_location, read_manifest
-from plait.profiler.timeline import TIMELINE_FILE, read_timeline
+from plait.profiler.naming import LOCATION, MANIFEST, read_location, read_manifest
+from plait.profiler.timeline import TIMELINE_FILE
 from plait.safeload import load_pickle
 
 MAX_GANTT_STEPS = 16
@@ -46,34 +49,84 @@ class Inputs:
 def locate(path: str, profile: Optional[str] = None, run: Optional[str] = None) -> Inputs:
     if not os.path.isdir(path):
         raise FileNotFoundError(f"{path}: not a directory")
-    has = lambda d, f: d is not None and os.path.exists(os.path.join(d, f))  # noqa: E731
+    has = lambda d, f: d is not None and below(d, f) is not None and os.path.exists(os.path.join(d, f))  # noqa: E731
     run = run or (path if has(path, TIMELINE_FILE) or has(path, "metrics.jsonl") else None)
-    # the save_path the run recorded wins: it may point anywhere
+    # the save_path the run recorded wins when it is inside DIR: a copied run's points at the original
+    recorded = read_location(run) if has(run, LOCATION) else None
+    outside = [f"{recorded} (the run's recorded save_path: outside {path}, not read; give --profile)"] \
+        if recorded and below(path, recorded) is None else []
     looked = [profile] if profile else list(dict.fromkeys(
-        d for d in (run and read_location(run), path, os.path.join(path, "profile")) if d))
+        d for d in (recorded if not outside else None, path, os.path.join(path, "profile")) if d))
     profile = next((d for d in looked if has(d, MANIFEST)), None)
+    looked += outside
     if run is None and profile is None:
         raise FileNotFoundError(f"{path}: no timeline.jsonl, metrics.jsonl or manifest.jsonl here, nor a "
                                 f"manifest in {', '.join(looked)} (give a run's output dir or a profiler save_path)")
-    spans = read_timeline(os.path.join(run, TIMELINE_FILE)) if has(run, TIMELINE_FILE) else []
+    spans = _read_jsonl(os.path.join(run, TIMELINE_FILE)) if has(run, TIMELINE_FILE) else []
     metrics = _read_jsonl(os.path.join(run, "metrics.jsonl")) if has(run, "metrics.jsonl") else []
-    return Inputs(run, profile, spans, [m for m in metrics if m.get("step", 0) >= 1],
-                  read_manifest(profile) if profile else [], looked)
+    spans = [s for s in spans if _typed(s, SPAN_FIELDS) and isinstance(s.get("version"), (int, type(None)))]
+    metrics = [_numbers(m) for m in metrics if isinstance(m.get("step"), int)]
+    return Inputs(run, profile, spans, [m for m in metrics if m["step"] >= 1],
+                  [r for r in read_manifest(profile) if _well_formed(r)] if profile else [], looked)
+
+
+# The shapes plait writes; a line of another shape (hand-edited, crafted) is skipped, not a traceback.
+RECORD_FIELDS = {"steps": list, "role": str, "rank": int, "pid": int, "tool": str, "complete": bool}
+NULLABLE_FIELDS = {"path": str, "stage": str, "policy_version": int}
+SPAN_FIELDS = {"step": int, "role": str, "stage": str, "pid": int, "thread": str, "start": (int, float),
+               "end": (int, float)}
+
+
+def _typed(rec: dict, fields: dict) -> bool:
+    return all(isinstance(rec.get(k), t) for k, t in fields.items())
+
+
+def _well_formed(rec: dict) -> bool:
+    """A manifest line as the profiler writes it."""
+    return _typed(rec, RECORD_FIELDS) and all(isinstance(rec.get(k), (t, type(None))) for k, t in NULLABLE_FIELDS.items())
+
+
+def _numbers(record: dict) -> dict:
+    """A metrics line's numbers (plait logs only numbers; anything else is not plotted)."""
+    return {k: v for k, v in record.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
+def below(root: str, rel: str) -> Optional[str]:
+    """`root`/`rel` when it resolves (links followed) inside `root`; None when it leads out of it
+    (`..`, an absolute path, a symbolic link elsewhere)."""
+    full = os.path.join(root, rel)
+    real_root = os.path.realpath(root)
+    return full if os.path.commonpath([real_root, os.path.realpath(full)]) == real_root else None
 
 
 def _read_jsonl(path: str) -> list[dict]:
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+    """The JSON objects of a JSONL file; a torn or foreign line is skipped."""
+    rows = []
+    with open(path, errors="replace") as f:
+        for line in f:
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(row, dict):
+                rows.append(row)
+    return rows
 
 
 def build_report(path: str, profile: Optional[str] = None, run: Optional[str] = None) -> str:
     """Write DIR/report/{index.html, timeline.json.gz}; returns the text summary."""
     inp = locate(path, profile, run)
     out_dir = os.path.join(path, "report")
+    for link in (out_dir, os.path.join(out_dir, "index.html"), os.path.join(out_dir, "timeline.json.gz")):
+        if os.path.islink(link):  # a planted link: the report is written in the folder, never through it
+            os.unlink(link)
     os.makedirs(out_dir, exist_ok=True)
     traces, memories, notes = [], [], []
     for rec in inp.manifest:
-        file = os.path.join(inp.profile_dir, rec["path"]) if rec["path"] else None
+        file = below(inp.profile_dir, rec["path"]) if rec["path"] else None
+        if rec["path"] and file is None:
+            notes.append(f"{rec['path']}: outside the profile folder {inp.profile_dir}; not read")
+            continue
         if file is None or not os.path.exists(file):
             notes.append(f"{rec['path'] or rec['role']}: no file (complete={rec['complete']})")
             continue
@@ -201,7 +254,7 @@ def _gantt_section(inp: Inputs) -> str:
             for s in inp.spans if s["stage"] != "step"]
     for step in shown:
         w = by_step[step]
-        out.append(f"<h3>step {step} · {w['end'] - w['start']:.3f} s · policy version {w['version']}</h3>")
+        out.append(f"<h3>step {step} · {w['end'] - w['start']:.3f} s · policy version {_esc(w['version'])}</h3>")
         out.append(svg.gantt(lanes, bars, w["start"], w["end"]))
     out.append(svg.key(sorted({b[1] for b in bars})))
     keys = ["trainer/idle_ratio", "rollouter/idle_ratio", "training/staleness/mean", "training/staleness/max"]
@@ -372,7 +425,7 @@ def _learning_section(inp: Inputs) -> str:
 
 def _all_records(inp: Inputs) -> list[dict]:
     """metrics.jsonl with step 0 (validation before training), which `inp.metrics` leaves out."""
-    path = os.path.join(inp.run_dir, "metrics.jsonl") if inp.run_dir else None
+    path = below(inp.run_dir, "metrics.jsonl") if inp.run_dir else None
     return _read_jsonl(path) if path and os.path.exists(path) else []
 
 
@@ -416,7 +469,7 @@ def _summary_box(inp: Inputs, traces: list, memories: list) -> str:
 
 
 def _run_summary(run_dir: Optional[str]) -> Optional[dict]:
-    path = os.path.join(run_dir, "summary.json") if run_dir else None
+    path = below(run_dir, "summary.json") if run_dir else None
     if not path or not os.path.exists(path):
         return None
     try:

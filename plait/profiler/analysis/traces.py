@@ -37,21 +37,42 @@ def label(record: dict) -> str:
     return f"{record['role']} rank {record['rank']}"
 
 
+MAX_TRACE_BYTES = 1 << 30  # a trace past 1 GiB (decompressed) is not one a report can parse in memory
+
+
 def load_json(path: str) -> dict:
+    """A (gzipped) JSON file; a ValueError past MAX_TRACE_BYTES, read no further (a gzip bomb)."""
     opener = gzip.open if path.endswith(".gz") else open
     with opener(path, "rb") as f:
-        return json.loads(f.read())
+        data = f.read(MAX_TRACE_BYTES + 1)
+    if len(data) > MAX_TRACE_BYTES:
+        raise ValueError(f"larger than {MAX_TRACE_BYTES >> 20} MiB (decompressed); not read")
+    return json.loads(data)
 
 
 def load_trace(path: str, record: dict) -> Trace:
     data = load_json(path)
     base = data.get("baseTimeNanoseconds", 0) / 1000  # absent in old exports: ts is then absolute
     events = []
-    for e in data["traceEvents"]:
+    for e in filter(_well_formed, data["traceEvents"]):
         if "ts" in e and e.get("ph") != "M":
             e = {**e, "ts": base + float(e["ts"])}
         events.append(e)
     return Trace(record, events, label(record))
+
+
+def _well_formed(e) -> bool:
+    """An event with the fields the merge and top_ops read, of their types (Kineto's always are;
+    a crafted trace's other events are dropped rather than a traceback)."""
+    ids = lambda *keys: all(isinstance(e.get(k), (int, str)) for k in keys)  # noqa: E731
+    if not isinstance(e, dict) or ("ts" in e and not isinstance(e["ts"], (int, float))):
+        return False
+    if e.get("ph") == "M":
+        return ids("pid", "tid") and isinstance(e.get("args"), dict) and isinstance(e["args"].get("name"), str)
+    if e.get("ph") == "X":
+        return ids("pid", "tid") and isinstance(e.get("name"), str) and isinstance(e.get("ts"), (int, float)) \
+            and isinstance(e.get("dur"), (int, float)) and isinstance(e.get("args", {}), dict)
+    return "pid" not in e or ids("pid")
 
 
 def merged_trace(spans: list[dict], traces: list[Trace], pid_labels: dict[int, str]) -> dict:

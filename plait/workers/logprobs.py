@@ -100,13 +100,15 @@ def chunked_logprobs(hidden: torch.Tensor, tokens: torch.Tensor, head, temperatu
     """log softmax(head(h) / T)[token] and the softmax's entropy [N] for hidden states [N, hidden].
 
     Logits are float32 whatever the model's dtype (a bf16 logsumexp is off by ~1e-2, which would
-    show up in PPO ratios). Under grad each chunk is checkpointed: only `hidden` is kept, and the
-    backward recomputes the chunk's logits."""
+    show up in PPO ratios); under autocast (mixed precision) the head itself runs outside it, in its
+    float32 weights. Under grad each chunk is checkpointed: only `hidden` is kept, and the backward
+    recomputes the chunk's logits."""
     chunk_tokens = chunk_tokens or max(1, LOGITS_BUDGET // head.out_features)
     grad = torch.is_grad_enabled()
 
     def one(h, tok):
-        z = head(h).float() / temperature                                      # [chunk, vocab]
+        with torch.autocast(h.device.type, enabled=False):
+            z = head(h.to(head.weight.dtype)).float() / temperature            # [chunk, vocab]
         return _LogpEntropy.apply(z, tok, with_entropy)
     logp, ent = [], []
     for h, tok in zip(hidden.split(chunk_tokens), tokens.split(chunk_tokens)):

@@ -122,6 +122,22 @@ def test_explicit_dtypes_are_honoured_per_role(tmp_path, tiny_config):
     assert roles.rollout.call(lambda r: next(r.engine.model.parameters()).dtype) == torch.bfloat16
 
 
+def test_a_bf16_ppo_run_with_critic_and_reference_trains(tmp_path, tiny_config):
+    cfg = tiny_config(tmp_path, "actor_rollout_ref.model.dtype=bfloat16", "algorithm.adv_estimator=gae",
+                      "actor_rollout_ref.actor.use_kl_loss=true", "trainer.total_training_steps=2", "trainer.test_freq=-1")
+    lifecycle = driver.build(cfg, progress=False)
+    roles = lifecycle.trainer.roles
+    before = {k: v.clone() for k, v in roles.actor.call(Actor.state_dict).items()}
+    lifecycle.run()
+    after = roles.actor.call(Actor.state_dict)
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+    assert {v.dtype for v in after.values()} == {torch.float32}
+    last = read_metrics(os.path.join(tmp_path, "metrics.jsonl"))[-1]
+    for key in ("actor/pg_loss", "actor/kl_loss", "critic/vf_loss", "actor/grad_norm", "critic/grad_norm"):
+        assert torch.isfinite(torch.tensor(last[key])), key
+    assert roles.critic.call(lambda c: next(c.model.parameters()).dtype) == torch.float32
+
+
 @pytest.mark.parametrize("key, value, valid", [
     ("actor_rollout_ref.model.dtype", "bf16", "'auto', 'float32', 'bfloat16', 'float16'"),
     ("actor_rollout_ref.rollout.dtype", "half", "auto, float32, bfloat16, float16 or null"),
@@ -193,10 +209,20 @@ def _fsdp2_bf16_rank(rank: int, model_dir: str, rdzv: str, want: dict) -> None:
     assert all(isinstance(p, DTensor) and p.dtype == torch.float32 for p in a.model.parameters())
     moments = [s["exp_avg"] for s in a.optimizer.state.values()]
     assert moments and {m.dtype for m in moments} == {torch.float32}
+    # strategy=fsdp on CPU: whole replicas under autocast, float32 gradients all-reduced
+    replica = actor(model_dir, torch.bfloat16)
+    assert not is_sharded(replica.model)
+    logp, _ = replica.compute_log_prob(batch, 4)
+    assert (logp - want["bf16"])[mask].abs().max() < 2e-2 and (logp - want["fp32"])[mask].abs().max() > 1e-4
+    replica.update(batch)
+    weights = torch.cat([p.detach().reshape(-1) for p in replica.model.parameters()])
+    both = [torch.empty_like(weights) for _ in range(2)]
+    dist.all_gather(both, weights)
+    assert weights.dtype == torch.float32 and torch.equal(both[0], both[1])  # the replicas stay in step
     dist.destroy_process_group()
 
 
-def test_fsdp2_mixed_precision_on_two_gloo_ranks(model_dir, tmp_path):
+def test_fsdp2_and_replicas_in_bf16_on_two_gloo_ranks(model_dir, tmp_path):
     import torch.multiprocessing as mp
     batch = train_batch()
     want = {"fp32": actor(model_dir, torch.float32).compute_log_prob(batch, 4)[0],

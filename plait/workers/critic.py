@@ -58,6 +58,7 @@ class Critic:
         self.layout = MicroBatching(cfg.ppo_micro_batch_size_per_gpu, max_token_len)
         self.forward_layout = MicroBatching(cfg.ppo_micro_batch_size_per_gpu, forward_max_token_len)
         mp = cfg.model.fsdp_config.mixed_precision
+        dtype = role_dtype(mp, dtype)  # the compute dtype
         lm = load_causal_lm(model_path, dtype=torch.float32, device=device, key="critic.model.path")  # float32 master weights
         cast_buffers(lm, mp)
         self.model = ValueModel(lm, checked_remove_padding(lm, remove_padding)).to(device)
@@ -65,8 +66,8 @@ class Critic:
             self.model.train()
             enable_activation_checkpointing(self.model.lm)
         if use_fsdp(cfg.strategy, device):  # data parallelism as in the actor (plait/workers/actor.py)
-            shard_model(self.model, self.model.lm._no_split_modules or [], cfg.model.fsdp_config, device, role_dtype(mp, dtype))
-        self.autocast = functools.partial(compute_autocast, device, role_dtype(mp, dtype), is_sharded(self.model))
+            shard_model(self.model, self.model.lm._no_split_modules or [], cfg.model.fsdp_config, device, dtype)
+        self.autocast = functools.partial(compute_autocast, device, dtype, is_sharded(self.model))
         self.optimizer, self.scheduler = make_optimizer(self.model.parameters(), cfg.optim)
         self.offload_optimizer = offloads_optimizer(cfg.model.fsdp_config, device)
 

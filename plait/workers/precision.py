@@ -18,26 +18,14 @@ from __future__ import annotations
 import contextlib
 import functools
 import sys
-import time
 
 import torch
 
+from plait.workers.flops import device_peak_flops
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 AUTO_MARGIN = 1.2   # bfloat16 must beat float32 by this factor to be chosen: the probe is short and noisy
-
-
-def matmul_flops(device: str, dtype: torch.dtype, size: int = 256, repeats: int = 5) -> float:
-    """FLOP/s of the best of `repeats` [size x size] matmuls (one warm-up): ~34 MFLOP each, milliseconds."""
-    a, b = (torch.randn(size, size, device=device, dtype=dtype) for _ in range(2))
-    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
-    best = float("inf")
-    for _ in range(repeats + 1):
-        sync()
-        start = time.perf_counter()
-        a @ b
-        sync()
-        best = min(best, time.perf_counter() - start)
-    return 2 * size ** 3 / best
+PROBE_SIZE = 256    # ~34 MFLOP a matmul: milliseconds even where bf16 runs at 1 GFLOP/s (AVX2)
 
 
 @functools.cache
@@ -49,8 +37,8 @@ def auto_dtype(device: str) -> tuple[str, str]:
         return "float32", f"{torch.cuda.get_device_name(device)} has no bfloat16 support"
     if device != "cpu":
         return "float32", f"no bfloat16 probe for device {device}"
-    f32, bf16 = matmul_flops(device, torch.float32), matmul_flops(device, torch.bfloat16)
-    measured = (f"a 256x256 matmul ran {bf16 / 1e9:.1f} GFLOP/s in bfloat16 vs {f32 / 1e9:.1f} in float32 "
+    f32, bf16 = (device_peak_flops(device, dtype, size=PROBE_SIZE) for dtype in (torch.float32, torch.bfloat16))
+    measured = (f"a {PROBE_SIZE}x{PROBE_SIZE} matmul ran {bf16 / 1e9:.1f} GFLOP/s in bfloat16 vs {f32 / 1e9:.1f} in float32 "
                 f"(torch CPU capability {torch.backends.cpu.get_cpu_capability()})")
     return ("bfloat16", measured) if bf16 >= AUTO_MARGIN * f32 else ("float32", measured)
 

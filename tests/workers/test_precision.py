@@ -91,7 +91,8 @@ def test_lm_head_and_log_softmax_stay_float32_under_autocast(model_dir):
 def test_auto_measures_and_says_which_and_why(capsys):
     name, why = auto_dtype("cpu")
     bf16, f32 = map(float, re.search(r"([\d.]+) GFLOP/s in bfloat16 vs ([\d.]+) in float32", why).groups())
-    assert name == ("bfloat16" if bf16 >= AUTO_MARGIN * f32 - 0.1 else "float32")
+    near = abs(bf16 - AUTO_MARGIN * f32) < 0.2  # the line rounds to 0.1 GFLOP/s
+    assert name == ("bfloat16" if bf16 >= AUTO_MARGIN * f32 else "float32") or near
     assert resolve_dtype("actor_rollout_ref.model.dtype", "auto", "cpu") == getattr(torch, name)
     lines = capsys.readouterr().err.splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"plait: actor_rollout_ref.model.dtype=auto -> {name} on cpu: ")

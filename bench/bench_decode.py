@@ -38,7 +38,7 @@ import torch
 import transformers
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from machine import measured, verdict
+from machine import capability, measured, verdict
 from plait.workers.flops import ModelFlops, device_peak_flops
 from plait.workers.rollout_engine import (SamplingParams, TransformersEngine, _HFStepper, _LlamaStepper,
                                           sample_tokens)
@@ -196,7 +196,9 @@ def main():
     torch.set_num_threads(1)
     result = {
         "machine": {"platform": platform.platform(), "python": platform.python_version(),
-                    "cpu": _cpu_name(), "cpu_count": os.cpu_count(), "load_avg_start": os.getloadavg()},
+                    "cpu": _cpu_name(), "cpu_count": os.cpu_count(), "load_avg_start": os.getloadavg(),
+                    **capability()},
+        "dtype": "float32",
         "torch": torch.__version__, "transformers": transformers.__version__,
         "threads": torch.get_num_threads(), "runs": args.runs, "prompt_len": PROMPT_LEN, "vocab": VOCAB,
         "configs": [], "step_breakdown": [],

@@ -26,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from machine import measured, verdict
+from machine import capability, measured, verdict
 
 MODES = {"sync": ["trainer.mode=sync"],
          "fully_async": ["trainer.mode=fully_async", "trainer.placement=separated", "async_training.staleness_threshold=1",
@@ -74,7 +74,8 @@ def main():
     if args.model is None:
         from plait.models import smollm2_dir
         args.model = smollm2_dir()
-    result = {"machine": {"platform": platform.platform(), "cpu_count": os.cpu_count(), "load_avg_start": os.getloadavg()},
+    result = {"machine": {"platform": platform.platform(), "cpu_count": os.cpu_count(), "load_avg_start": os.getloadavg(),
+                          **capability()},
               "model": os.path.basename(os.path.normpath(args.model)), "runs": []}
     with tempfile.TemporaryDirectory() as tmp:
         for mode in args.modes.split(","):

@@ -33,7 +33,7 @@ import tempfile
 
 import torch
 
-from machine import measured, verdict
+from machine import capability, measured, verdict
 
 MODES = {
     "sync": ["trainer.mode=sync"],
@@ -138,6 +138,7 @@ def run_workload(workload: str, args) -> None:
         summary[mode]["share_of_overlap_bound"] = summary[mode]["samples_per_s_vs_sync"] / bound
     setting = f"{workload}: {args.backend}, {args.device}, torch threads {args.threads}, {os.cpu_count()} cores"
     result = {"setting": setting, "cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
+              "capability": capability(args.device),
               "workload": WORKLOADS[workload][0], "modes": MODES, "steps": args.steps, "summary": summary,
               "rounds": rounds, **verdict([r[mode] for r in rounds for mode in MODES])}
     results = json.load(open(args.out)) if os.path.exists(args.out) else {}

@@ -27,7 +27,7 @@ import time
 
 import torch
 
-from machine import measured, verdict
+from machine import capability, measured, verdict
 
 RUN = ["demo.warmstart_steps=0", "data.train_size=256", "data.val_size=4", "data.train_batch_size=8",
        "data.max_response_length=32", "actor_rollout_ref.rollout.n=4", "actor_rollout_ref.rollout.ignore_eos=true",
@@ -111,7 +111,7 @@ def main() -> None:
                "sync_process_group_vs_object_store": median["sync_object_store"]["s_per_sync"]
                / median["sync_process_group"]["s_per_sync"]}
     result = {"args": vars(args), "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
-                                              "torch": torch.__version__},
+                                              "torch": torch.__version__, **capability()},
               **verdict([r for rs in runs.values() for r in rs]), "summary": summary, "median": median, "runs": runs}
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:

@@ -28,7 +28,7 @@ import textwrap
 import threading
 import time
 
-from machine import busy_limit
+from machine import busy_limit, capability
 
 ACC = "val-core/gsm8k_synthetic/acc/mean@1"
 VAL_LEN = "val-aux/response_length/mean"
@@ -121,14 +121,18 @@ def main() -> None:
     wall, loads, rc = run_preset(args.run_dir, args.overrides)
     if rc != 0:
         sys.exit(f"plait train exited with {rc}; no result written")
-    result = {"preset": "smollm2_gsm8k", "overrides": args.overrides, "wall_s": round(wall, 1), **curves(args.run_dir)}
+    dtype = next((o.split("=", 1)[1] for o in reversed(args.overrides) if o.startswith("actor_rollout_ref.model.dtype=")),
+                 "float32")  # the preset keeps the default
+    result = {"preset": "smollm2_gsm8k", "overrides": args.overrides, "dtype": dtype, "wall_s": round(wall, 1),
+              **curves(args.run_dir)}
     accs = [v["accuracy"] for v in result["val"]]
     result["accuracy"] = {"first": accs[0], "best": max(accs), "last": accs[-1], "gain": round(max(accs) - accs[0], 4)}
     mean_load = sum(loads) / len(loads)
     result["load"] = {"mean": round(mean_load, 2), "max": round(max(loads), 2), "samples_every_s": 30,
                       "busy_limit": busy_limit()}
     result["valid"] = mean_load <= busy_limit() + 2  # + the run's own threads
-    result["machine"] = {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()}
+    result["machine"] = {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
+                         **capability()}
     if not result["valid"]:
         print(f"INVALID for timing: mean load {mean_load:.1f} over {busy_limit() + 2}; the wall time measures "
               "neighbours. The curve by step stands.", flush=True)

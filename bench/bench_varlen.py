@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from llama_model import create_model
-from machine import measured, verdict
+from machine import capability, measured, verdict
 from plait.config import ActorConfig, OptimConfig
 from plait.profiler import GlobalProfilerConfig, ProfilerSession, RoleProfilerConfig
 from plait.types import RolloutBatch
@@ -67,6 +67,8 @@ def main() -> None:
     ap.add_argument("--micro", type=int, default=8, help="padded path: rows per micro-batch")
     ap.add_argument("--max-tokens", type=int, default=2048, help="packed path: real tokens per micro-batch")
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="the actor's compute dtype (float32 weights; MFU against this dtype's matmul peak)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "varlen.json"))
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -76,9 +78,10 @@ def main() -> None:
     session = ProfilerSession(GlobalProfilerConfig(), {"actor": RoleProfilerConfig()}, rank=0)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = create_model(os.path.join(tmp, args.size), args.size, seed=0)
-        actors = {"padded": Actor(model_dir, cfg, 1, 1.0, session.for_role("actor")),
+        dtype = getattr(torch, args.dtype)
+        actors = {"padded": Actor(model_dir, cfg, 1, 1.0, session.for_role("actor"), dtype=dtype),
                   "packed": Actor(model_dir, cfg, 1, 1.0, session.for_role("actor"), remove_padding=True,
-                                  max_token_len=args.max_tokens)}
+                                  max_token_len=args.max_tokens, dtype=dtype)}
     runs = {name: [] for name in actors}
     for i in range(args.runs + 1):  # run 0 warms up
         for name, actor in actors.items():
@@ -95,6 +98,7 @@ def main() -> None:
                       "mfu": statistics.median(r["mfu"] for r in rs)} for name, rs in runs.items()}
     summary["ratio"] = summary["packed"]["tokens_per_s"] / summary["padded"]["tokens_per_s"]
     result = {"settings": {k: v for k, v in vars(args).items() if k != "out"}, "platform": platform.platform(), "torch": torch.__version__, "cpus": os.cpu_count(),
+              "dtype": args.dtype, "capability": capability(),
               "batch": {**seqlen_metrics(batch.attention_mask),
                         "response_length_mean": batch.response_mask.sum(-1).mean().item(),
                         "response_length_max": batch.response_mask.sum(-1).max().item()},

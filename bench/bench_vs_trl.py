@@ -49,7 +49,7 @@ import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from machine import measured, verdict
+from machine import capability, measured, verdict
 
 # plait's fastest settings for variable lengths: packed sequences (use_remove_padding, on by default)
 # and micro-batches by a real-token budget (use_dynamic_bsz) for the update and the log-prob passes
@@ -76,7 +76,7 @@ class Settings:
     max_prompt: int = 32    # prompt tokens at most (the real model's GSM8K-style prompts: 160)
     varlen: bool = False    # EOS honoured: responses end where the model stops, up to `length`
     device: str = "cpu"     # "cuda": bench/gpu_check.py runs these workers on a GPU
-    dtype: str = "float32"  # both frameworks hold the weights in it ("bfloat16" on the GPU)
+    dtype: str = "float32"  # both frameworks compute in it over float32 weights (bfloat16: autocast / TRL's bf16=True)
 
     @property
     def tokens_per_step(self) -> int:
@@ -202,7 +202,8 @@ def trl_worker(model_dir: str, data_file: str, s: Settings, out_dir: str) -> dic
         temperature=1.0, top_k=0, top_p=1.0,
         beta=0.0, epsilon=s.clip, loss_type="dapo", scale_rewards="group",
         learning_rate=s.lr, weight_decay=0.0, lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=1.0)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, s.dtype), local_files_only=True)
+    # float32 weights and bf16=True (autocast), as plait's mixed precision: the same dtype offered to both
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, local_files_only=True)
     trainer = TimedGRPOTrainer(model=model, processing_class=tokenizer, reward_funcs=arithmetic_reward, args=config,
                                train_dataset=data, callbacks=[Clock()])
     generate = trainer.model.generate
@@ -330,6 +331,8 @@ def main():
                     "side's fastest settings, trained tokens/s")
     ap.add_argument("--plait-override", action="append", default=[], metavar="KEY=VALUE",
                     help="an extra plait setting, e.g. algorithm.rollout_correction.bypass_mode=true")
+    ap.add_argument("--dtype", default=Settings.dtype, choices=["float32", "bfloat16"],
+                    help="both frameworks' compute dtype (float32 weights); plait's MFU uses its matmul peak")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "trl.json"))
     ap.add_argument("--worker", choices=list(WORKERS), help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
@@ -357,11 +360,11 @@ def main():
     import pyarrow.parquet as pq
 
     s = Settings(prompts=args.prompts, n=args.n, length=args.length, warmup=args.warmup, steps=args.steps,
-                 plait_overrides=tuple(args.plait_override), varlen=args.varlen)
+                 plait_overrides=tuple(args.plait_override), varlen=args.varlen, dtype=args.dtype)
     sizes = args.sizes.split(",")
     result = {
         "machine": {"platform": platform.platform(), "python": platform.python_version(), "nproc": os.cpu_count(),
-                    "load_avg_before": [round(x, 2) for x in os.getloadavg()]},
+                    "load_avg_before": [round(x, 2) for x in os.getloadavg()], **capability(s.device)},
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__, "trl": trl.__version__,
                      "plait_commit": _git_commit()},
         "threads": 1, "settings": {**asdict(s), "tokens_per_step": s.tokens_per_step,

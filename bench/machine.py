@@ -4,11 +4,16 @@ Every benchmark records the 1-minute load average before and after each run. A r
 the load before it is at most cores/2 + 0.5 (on 2 cores: 1.5 — the previous run's own process
 decays there within a minute) and after it at most that plus the threads the run used itself.
 Invalid runs stay in the results, marked, and the result as a whole says `valid: false`.
+
+Every benchmark also records the host's matmul capability (`capability`): the CPU's SIMD/matrix
+flags, torch's CPU kernel level and the measured matmul peak per dtype, so that numbers from hosts
+with and without fast bfloat16 (AMX, AVX-512 BF16) are never compared blind.
 """
 
 from __future__ import annotations
 
 import os
+import platform
 import time
 
 
@@ -42,3 +47,25 @@ def verdict(loads: list[dict]) -> dict:
               f"{busy_limit()}); these numbers measure contention, not plait. Rerun on a quiet machine.", flush=True)
     return {"valid": not bad, "busy_runs": bad, "busy_limit": busy_limit(),
             "load_max": max((max(r["load_before"], r["load_after"]) for r in loads), default=None)}
+
+
+# the flags that decide how fast float32 and bfloat16 matmuls run on x86 (AMX, AVX-512, AVX2)
+CPU_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "avx512_vnni", "amx_tile", "amx_bf16", "amx_fp16")
+
+
+def capability(device: str = "cpu", dtypes: tuple[str, ...] = ("float32", "bfloat16")) -> dict:
+    """The host's matmul capability: CPU model and flags, torch's CPU capability, the measured peak
+    (a 1024² matmul, best of 5: plait/workers/flops.py, what MFU divides by) per dtype, the GPU if any."""
+    import torch
+    from plait.workers.flops import device_peak_flops
+    flags, model = set(), platform.processor()
+    if os.path.exists("/proc/cpuinfo"):
+        text = open("/proc/cpuinfo").read()
+        flags = set(next((l.split(":", 1)[1].split() for l in text.splitlines() if l.startswith("flags")), []))
+        model = next((l.split(":", 1)[1].strip() for l in text.splitlines() if l.startswith("model name")), model)
+    out = {"cpu_model": model, "cpu_flags": [f for f in CPU_FLAGS if f in flags],
+           "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+           "matmul_peak_gflops": {d: round(device_peak_flops(device, getattr(torch, d)) / 1e9, 1) for d in dtypes}}
+    if device.startswith("cuda"):
+        out["gpu"] = torch.cuda.get_device_name(device)
+    return out

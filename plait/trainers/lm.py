@@ -44,6 +44,7 @@ from plait.types import PromptBatch, RolloutBatch
 from plait.workers.actor import Actor
 from plait.workers.critic import Critic
 from plait.workers.packing import seqlen_metrics
+from plait.workers.precision import resolve_dtype
 from plait.workers.ref import Ref
 from plait.workers.reward_model import RewardModel
 from plait.workers.rollout import Rollout
@@ -524,9 +525,6 @@ def data_metrics(batch: RolloutBatch, max_prompt_length: int) -> dict[str, float
 
 # Building the language-model modes (plait/trainers/diffusion.py builds the diffusion mode alike).
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
 def resolve_model(cfg: PlaitConfig) -> str:
     """The policy's starting weights, with `model.override_config` set over their config (models.config_overlay)."""
     from plait.models import config_overlay
@@ -590,7 +588,10 @@ def build_lm_trainer(cfg: PlaitConfig, backend, device: str):
     from plait.workers.rollout import Rollout
 
     reward_fn = resolve_reward(cfg.reward, cfg.data.max_response_length)
-    dtype = DTYPES[cfg.actor_rollout_ref.model.dtype]
+    arr = cfg.actor_rollout_ref
+    dtype = resolve_dtype("actor_rollout_ref.model.dtype", arr.model.dtype, device)
+    rollout_dtype = dtype if arr.rollout.dtype == arr.model.dtype else resolve_dtype(
+        "actor_rollout_ref.rollout.dtype", arr.rollout.dtype, device)
     model_path = resolve_model(cfg)
     try:
         tokenizer = load_tokenizer(model_path)
@@ -614,7 +615,6 @@ def build_lm_trainer(cfg: PlaitConfig, backend, device: str):
         raise ConfigError("data.train_batch_size", d.train_batch_size,
                           f"larger than the training set ({len(train_data)} prompts in {', '.join(map(str, train_files))}); "
                           "lower it or add prompts")
-    arr = cfg.actor_rollout_ref
     for optim in (arr.actor.optim, cfg.critic.optim):  # as verl: the lr schedule spans the trainer's steps
         if optim.total_training_steps == -1:
             optim.total_training_steps = cfg.total_steps(len(train_data) // cfg.data.train_batch_size)
@@ -628,7 +628,7 @@ def build_lm_trainer(cfg: PlaitConfig, backend, device: str):
                             max_token_len=budget(arr.actor.use_dynamic_bsz, arr.actor.ppo_max_token_len_per_gpu),
                             gradient_checkpointing=model.enable_gradient_checkpointing, model_cfg=model),
         rollout=backend.spawn("rollout", Rollout, model_path, d.max_response_length, tokenizer, device=device,
-                              dtype=DTYPES[arr.rollout.dtype], ignore_eos=arr.rollout.ignore_eos, cfg=arr.rollout,
+                              dtype=rollout_dtype, ignore_eos=arr.rollout.ignore_eos, cfg=arr.rollout,
                               colocated=cfg.trainer.placement == "colocated"),
         ref=backend.spawn("ref", Ref, model_path, arr.ref, temp, device=device, dtype=dtype,
                           remove_padding=model.use_remove_padding,

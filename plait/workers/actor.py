@@ -14,6 +14,7 @@ hold the adapter alone, and the rollout gets base + adapter merged (`state_dict`
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import time
@@ -35,6 +36,7 @@ from plait.workers.parallel import (SHARDED_DIR, EvenMicroBatching, all_reduce_g
                                     clip_grads, data_parallel, dp_rank_size, dp_share, even_micro_batches, full_state_dict,
                                     global_sum, is_sharded, load_checkpoint_state, load_sharded, offloads_optimizer,
                                     optimizer_step, save_sharded, shard_model, use_fsdp)
+from plait.workers.precision import cast_buffers, compute_autocast, role_dtype
 
 
 def response_forward(model, batch: RolloutBatch, temperature: float, layout: MicroBatching,
@@ -110,11 +112,14 @@ class Actor:
                  device: str = "cpu", dtype: torch.dtype = torch.float32, seed: int = 1,
                  remove_padding: bool = False, max_token_len: int | None = None,
                  gradient_checkpointing: bool = False, model_cfg: ModelConfig | None = None):
-        """`remove_padding`: packed forwards; `max_token_len`: token-budget micro-batches (use_dynamic_bsz);
-        `model_cfg.lora_rank > 0`: LoRA adapters."""
+        """`dtype`: the compute dtype (the weights and the optimizer state are float32); `remove_padding`:
+        packed forwards; `max_token_len`: token-budget micro-batches (use_dynamic_bsz); `model_cfg.lora_rank > 0`:
+        LoRA adapters."""
         self.cfg, self.n, self.temperature, self.profiler = cfg, n, temperature, profiler
+        self.dtype = role_dtype(cfg.fsdp_config.mixed_precision, dtype)
         torch.manual_seed(seed)  # also seeds the LoRA A matrices
-        self.model = load_causal_lm(model_path, dtype=dtype, device=device)
+        self.model = load_causal_lm(model_path, dtype=torch.float32, device=device)
+        cast_buffers(self.model, cfg.fsdp_config.mixed_precision)
         check_lm_head(self.model, "actor_rollout_ref.model.path")
         self.lora = model_cfg is not None and model_cfg.lora_rank > 0
         if self.lora:
@@ -125,13 +130,14 @@ class Actor:
         self.layout = MicroBatching(cfg.ppo_micro_batch_size_per_gpu, max_token_len, remove_padding)
         if gradient_checkpointing:  # recompute each block's activations in backward: memory for time
             enable_activation_checkpointing(self.model)
-        self.flops = ModelFlops.of(self.model)
+        self.flops = ModelFlops.of(self.model, dtype=self.dtype)
         if use_fsdp(cfg.strategy, device):
             if self.lora:  # merged_state_dict and the adapter checkpoint assume whole, unsharded tensors
                 raise ValueError("actor_rollout_ref.model.lora_rank > 0 with FSDP2 sharding (strategy=fsdp2, or "
                                  "several CUDA ranks) is not supported yet; train LoRA with whole replicas (CPU, "
                                  "strategy=fsdp) or on one GPU per actor")
-            shard_model(self.model, self.model._no_split_modules or [], cfg.fsdp_config, device)
+            shard_model(self.model, self.model._no_split_modules or [], cfg.fsdp_config, device, self.dtype)
+        self.autocast = functools.partial(compute_autocast, device, self.dtype, is_sharded(self.model))
         trainable = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer, self.scheduler = make_optimizer(trainable, cfg.optim)
         self.offload_optimizer = offloads_optimizer(cfg.fsdp_config, device)
@@ -143,9 +149,10 @@ class Actor:
         probabilities with `with_sum_pi_squared`: verl's calculate_sum_pi_squared)."""
         with self.profiler.annotate("old_log_prob"):
             layout = EvenMicroBatching(MicroBatching(micro_batch_size, max_token_len, self.layout.remove_padding), self.model)
-            return data_parallel(batch, lambda share: response_forward(
-                self.model, share, self.temperature, layout, with_entropy=True,
-                with_sum_pi_squared=with_sum_pi_squared), "Actor.compute_log_prob")
+            with self.autocast():
+                return data_parallel(batch, lambda share: response_forward(
+                    self.model, share, self.temperature, layout, with_entropy=True,
+                    with_sum_pi_squared=with_sum_pi_squared), "Actor.compute_log_prob")
 
     def model_flops(self) -> ModelFlops:
         return self.flops
@@ -153,7 +160,7 @@ class Actor:
     def compute_ref_log_prob(self, batch: RolloutBatch, micro_batch_size: int,
                              max_token_len: int | None = None) -> torch.Tensor:
         """LoRA only: log-probs [batch, resp_len] of the base model (adapters off), the reference."""
-        with self.profiler.annotate("ref"), self.model.disable_adapter():
+        with self.profiler.annotate("ref"), self.model.disable_adapter(), self.autocast():
             layout = MicroBatching(micro_batch_size, max_token_len, self.layout.remove_padding)  # LoRA: never sharded
             [logp] = data_parallel(batch, lambda share: response_forward(self.model, share, self.temperature, layout,
                                                                          with_entropy=False)[:1], "Actor.compute_ref_log_prob")
@@ -215,7 +222,8 @@ class Actor:
         fused = mini.old_logprobs is None
         for rows, padding in even_micro_batches(self.layout.split(mini), self.model):
             micro = mini.select(rows)
-            logp, ent = micro_forward(self.model, micro, self.temperature, True, self.layout.remove_padding)
+            with self.autocast():
+                logp, ent = micro_forward(self.model, micro, self.temperature, True, self.layout.remove_padding)
             if padding:  # FSDP2: this rank's collectives match the busiest rank's; the gradient gets nothing
                 (logp.sum() * 0.0).backward()
                 continue

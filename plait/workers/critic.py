@@ -6,6 +6,7 @@ linear layer on the last hidden state, zero-initialised so the first values are 
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -21,6 +22,7 @@ from plait.workers.parallel import (SHARDED_DIR, all_reduce_grads, check_same_ba
                                     data_parallel, dp_rank_size, dp_share, even_micro_batches, global_sum, is_sharded,
                                     load_checkpoint_state, load_sharded, offloads_optimizer, optimizer_step, save_sharded,
                                     shard_model, use_fsdp)
+from plait.workers.precision import cast_buffers, compute_autocast, role_dtype
 
 
 class ValueModel(torch.nn.Module):
@@ -55,13 +57,17 @@ class Critic:
         self.cfg, self.n, self.profiler = cfg, n, profiler
         self.layout = MicroBatching(cfg.ppo_micro_batch_size_per_gpu, max_token_len)
         self.forward_layout = MicroBatching(cfg.ppo_micro_batch_size_per_gpu, forward_max_token_len)
-        lm = load_causal_lm(model_path, dtype=dtype, device=device, key="critic.model.path")
+        mp = cfg.model.fsdp_config.mixed_precision
+        dtype = role_dtype(mp, dtype)  # the compute dtype
+        lm = load_causal_lm(model_path, dtype=torch.float32, device=device, key="critic.model.path")  # float32 master weights
+        cast_buffers(lm, mp)
         self.model = ValueModel(lm, checked_remove_padding(lm, remove_padding)).to(device)
         if gradient_checkpointing:  # HF checkpoints only in training mode (no dropout in these models)
             self.model.train()
             enable_activation_checkpointing(self.model.lm)
         if use_fsdp(cfg.strategy, device):  # data parallelism as in the actor (plait/workers/actor.py)
-            shard_model(self.model, self.model.lm._no_split_modules or [], cfg.model.fsdp_config, device)
+            shard_model(self.model, self.model.lm._no_split_modules or [], cfg.model.fsdp_config, device, dtype)
+        self.autocast = functools.partial(compute_autocast, device, dtype, is_sharded(self.model))
         self.optimizer, self.scheduler = make_optimizer(self.model.parameters(), cfg.optim)
         self.offload_optimizer = offloads_optimizer(cfg.model.fsdp_config, device)
 
@@ -73,7 +79,8 @@ class Critic:
     def _values(self, batch: RolloutBatch) -> torch.Tensor:
         values = torch.zeros(batch.responses.shape)                           # [batch, resp_len]
         for rows, _ in even_micro_batches(self.forward_layout.split(batch), self.model):
-            values[rows] = self.model(batch.select(rows)).float().cpu()
+            with self.autocast():
+                values[rows] = self.model(batch.select(rows)).float().cpu()
         return values
 
     def update(self, batch: RolloutBatch) -> dict[str, float]:
@@ -103,7 +110,8 @@ class Critic:
         stats = {"vf_loss": 0.0, "vf_clipfrac": 0.0, "vpred_mean": 0.0}
         for rows, padding in even_micro_batches(self.layout.split(mini), self.model):
             micro = mini.select(rows)
-            vpreds = self.model(micro)  # [micro, resp_len]
+            with self.autocast():
+                vpreds = self.model(micro)  # [micro, resp_len]
             if padding:  # FSDP2: match the busiest rank's collectives, add nothing to the gradient
                 (vpreds.sum() * 0.0).backward()
                 continue

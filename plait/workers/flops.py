@@ -41,12 +41,13 @@ class ModelFlops:
     peak: float        # device FLOP/s
 
     @classmethod
-    def of(cls, model, peak: float | None = None) -> "ModelFlops":
+    def of(cls, model, peak: float | None = None, dtype: torch.dtype | None = None) -> "ModelFlops":
+        """`dtype`: the dtype the matmuls run in (mixed precision: the compute dtype, not the weights')."""
         p = next(model.parameters())
         params = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
         cfg = model.config
         return cls(params, cfg.num_hidden_layers, cfg.hidden_size,
-                   peak or device_peak_flops(str(p.device), p.dtype))
+                   peak or device_peak_flops(str(p.device), dtype or p.dtype))
 
     def forward(self, lengths: list[int]) -> float:
         """FLOPs of one forward over sequences of these lengths (each attends to its own prefix)."""

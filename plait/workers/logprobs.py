@@ -113,8 +113,9 @@ def chunked_logprobs(hidden: torch.Tensor, tokens: torch.Tensor, head, temperatu
     """log softmax(head(h) / T)[token] and the softmax's entropy [N] for hidden states [N, hidden].
 
     Logits are float32 whatever the model's dtype (a bf16 logsumexp is off by ~1e-2, which would
-    show up in PPO ratios). Under grad each chunk is checkpointed: only `hidden` is kept, and the
-    backward recomputes the chunk's logits."""
+    show up in PPO ratios); under autocast (mixed precision) the head itself runs outside it, in its
+    float32 weights. Under grad each chunk is checkpointed: only `hidden` is kept, and the backward
+    recomputes the chunk's logits."""
     return _chunked(hidden, tokens, head, temperature, with_entropy, False, chunk_tokens)[:2]
 
 
@@ -126,15 +127,18 @@ def _chunked(hidden: torch.Tensor, tokens: torch.Tensor, head, temperature: floa
     if grad and with_sum_pi_squared:
         raise ValueError("sum_pi_squared is computed in the no-grad log-prob pass only")
 
+    def logits(h):
+        with torch.autocast(h.device.type, enabled=False):
+            return head(h.to(head.weight.dtype)).float() / temperature         # [chunk, vocab]
+
     def one(h, tok):
-        z = head(h).float() / temperature                                      # [chunk, vocab]
-        return _LogpEntropy.apply(z, tok, with_entropy)
+        return _LogpEntropy.apply(logits(h), tok, with_entropy)
     logp, ent, spsq = [], [], []
     for h, tok in zip(hidden.split(chunk_tokens), tokens.split(chunk_tokens)):
         if grad:
             lp, e = checkpoint(one, h, tok, use_reentrant=False)
         else:
-            z = head(h).float() / temperature                                  # [chunk, vocab]
+            z = logits(h)                                                      # [chunk, vocab]
             (lp, e), sq = _LogpEntropy.apply(z, tok, with_entropy), _sum_squared_probs(z) if with_sum_pi_squared else None
             spsq.append(sq)
         logp.append(lp), ent.append(e)

@@ -149,8 +149,10 @@ def use_fsdp(strategy: str, device: str) -> bool:
     return strategy == "fsdp2" or (device.startswith("cuda") and dp_rank_size()[1] > 1)
 
 
-def shard_model(model, block_names: list[str], cfg: FsdpConfig, device: str) -> None:
-    """FSDP2: shard each transformer block (HF `_no_split_modules`) and the root over the DP ranks.
+def shard_model(model, block_names: list[str], cfg: FsdpConfig, device: str, compute: torch.dtype | None = None) -> None:
+    """FSDP2: shard each transformer block (HF `_no_split_modules`) and the root over the DP ranks,
+    computing in `compute` (null: fsdp_config.mixed_precision.param_dtype) and reducing gradients in
+    mixed_precision.reduce_dtype (null: float32, verl's default).
 
     Gradients are reduced as plain sums, not averages: the losses are already normalised by global
     token counts. (A plain SUM also works on gloo, which lacks NCCL's pre-multiplied sum.)
@@ -164,7 +166,8 @@ def shard_model(model, block_names: list[str], cfg: FsdpConfig, device: str) -> 
     dtype = lambda name: None if name is None else getattr(torch, MP_DTYPES[name])  # noqa: E731
     kw = dict(reshard_after_forward=cfg.reshard_after_forward,
               offload_policy=CPUOffloadPolicy() if offload else OffloadPolicy(),
-              mp_policy=MixedPrecisionPolicy(param_dtype=dtype(mp.param_dtype), reduce_dtype=dtype(mp.reduce_dtype)))
+              mp_policy=MixedPrecisionPolicy(param_dtype=compute or dtype(mp.param_dtype),
+                                             reduce_dtype=dtype(mp.reduce_dtype) or torch.float32))
     blocks = [m for m in model.modules() if type(m).__name__ in block_names
               and sum(p.numel() for p in m.parameters()) >= cfg.wrap_policy.min_num_params]
     for block in blocks:

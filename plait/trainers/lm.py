@@ -150,9 +150,9 @@ class LMTrainer:
             scores += scored
             sources += batch.data_sources
             uids += batch.group_ids.tolist()
-            lengths += batch.response_mask.sum(-1).tolist()
+            lengths += batch.attended.sum(-1).tolist()
             if self.cfg.trainer.log_val_generations:
-                samples += zip(self.decode(batch.prompts, batch.prompt_mask), self.decode(batch.responses, batch.response_mask), scored)
+                samples += zip(self.decode(batch.prompts, batch.prompt_mask), self.decode(batch.responses, batch.attended), scored)
         out = validation_metrics(sources, uids, scores, extras)
         out["val-aux/response_length/mean"] = sum(lengths) / max(len(lengths), 1)
         if samples:
@@ -217,8 +217,8 @@ class LMTrainer:
     def score(self, batch: RolloutBatch) -> Scores:
         if self.roles.reward_model is not None:  # as in verl, a reward model's score replaces the rule reward
             return self.roles.reward_model.call(RewardModel.compute_rm_score, batch), {}
-        texts = self.decode(batch.responses, batch.response_mask)
-        lengths = batch.response_mask.sum(-1).long().tolist()
+        texts = self.decode(batch.responses, batch.attended)  # tool / user turns included, as verl's reward managers see it
+        lengths = batch.attended.sum(-1).long().tolist()
         return self.reward_fn(ScoreRequest(batch.data_sources, texts, batch.ground_truths, batch.extra_infos, lengths))
 
     def greedy_baselines(self, batch: RolloutBatch) -> torch.Tensor:
@@ -451,9 +451,12 @@ def prompt_batch(items) -> PromptBatch:
 
 
 def last_token_scores(scores: list[float], response_mask: torch.Tensor) -> torch.Tensor:
-    """Put each sequence's score on its last response token: [batch, resp_len]."""
+    """Put each sequence's score on its last trained response token: [batch, resp_len]. In an agent
+    trajectory that is the last sampled token, not a tool message after it (the mask has holes), so
+    the score survives the KL penalty's and the estimators' masking."""
     out = torch.zeros_like(response_mask, dtype=torch.float32)
-    last = (response_mask.sum(-1).long() - 1).clamp(min=0)
+    width = response_mask.shape[-1]
+    last = width - 1 - response_mask.bool().flip(-1).long().argmax(-1)      # [batch] last index where the mask is 1
     out[torch.arange(len(scores)), last] = torch.tensor(scores, dtype=torch.float32)
     return out * (response_mask.sum(-1, keepdim=True) > 0)
 
@@ -493,7 +496,7 @@ def data_metrics(batch: RolloutBatch, max_prompt_length: int) -> dict[str, float
         # 1 - Var(returns - values) / Var(returns) over valid tokens: 1 is a perfect critic, 0 a constant one
         ret, val = batch.returns[mask], batch.values[mask]
         out["critic/vf_explained_var"] = (1.0 - (ret - val).var() / (ret.var() + 1e-5)).item()
-    resp_len = batch.response_mask.sum(-1).float()
+    resp_len = batch.attended.sum(-1).float()  # verl's response_length: from the attention mask (tool turns count)
     prompt_len = batch.prompt_mask.sum(-1).float()
     aborted = resp_len == 0
     kept = resp_len[~aborted] if (~aborted).any() else resp_len.new_zeros(1)

@@ -69,7 +69,7 @@ class Rollout:
         rows = [i for i, reason in enumerate(batch.stop_reasons) if reason == "aborted"]
         if not rows:
             return batch
-        lengths = batch.response_mask.sum(-1).long().tolist()                 # [batch]
+        lengths = batch.attended.sum(-1).long().tolist()                      # [batch]
         ids = [batch.prompts[i][batch.prompt_mask[i].bool()].tolist() + batch.responses[i, :lengths[i]].tolist()
                for i in rows]
         budget = self.max_response_length - min(lengths[i] for i in rows)

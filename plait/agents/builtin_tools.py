@@ -1,0 +1,112 @@
+"""plait's own tools: verl's GSM8K answer checker (for verl's multi-turn GSM8K example, where
+`class_name: verl.tools.gsm8k_tool.Gsm8kTool` lands here when verl does not provide it) and a
+calculator (the SmolLM2 tool preset's).
+
+Left out: verl's other built-ins (compat.py says why each is refused).
+"""
+
+from __future__ import annotations
+
+import ast
+import operator
+from typing import Any, Optional
+from uuid import uuid4
+
+from plait.agents.tools import BaseTool, OpenAIFunctionToolSchema, ToolResponse
+from plait.data.math_rewards import gsm8k_score
+
+
+class Gsm8kTool(BaseTool):
+    """verl's `calc_gsm8k_reward`: the model submits its answer; the tool scores it with verl's GSM8K
+    rule (flexible: the last number) against the row's `tools_kwargs.calc_gsm8k_reward.create_kwargs
+    .ground_truth`, answers "Current parsed answer='..' reward=.." and gives a step reward of 0.0
+    when the score beats the instance's previous one, else -0.05 (verl 0.9.1 makes one instance per
+    call, so: 0.0 for a right answer, -0.05 for a wrong one)."""
+
+    def __init__(self, config: dict, tool_schema: Optional[OpenAIFunctionToolSchema]):
+        super().__init__(config, tool_schema)
+        self._instances: dict[str, dict] = {}
+
+    def get_openai_tool_schema(self) -> OpenAIFunctionToolSchema:
+        return OpenAIFunctionToolSchema.model_validate({
+            "type": "function",
+            "function": {"name": "calc_gsm8k_reward", "description": "A tool for calculating the reward of gsm8k",
+                         "parameters": {"type": "object", "required": ["answer"], "properties": {
+                             "answer": {"type": "string", "description": "The answer to the question"}}}}})
+
+    async def create(self, instance_id: Optional[str] = None, ground_truth: Optional[str] = None,
+                     **kwargs) -> tuple[str, ToolResponse]:
+        instance_id = instance_id if instance_id is not None else str(uuid4())
+        if ground_truth is None:
+            ground_truth = kwargs.get("create_kwargs", {}).get("ground_truth")
+        self._instances[instance_id] = {"response": "", "ground_truth": ground_truth, "reward": 0.0}
+        return instance_id, ToolResponse()
+
+    async def execute(self, instance_id: str, parameters: dict[str, Any], **kwargs) -> tuple[ToolResponse, float, dict]:
+        answer = parameters.get("answer", "")
+        answer = answer if isinstance(answer, str) else str(answer)
+        state = self._instances[instance_id]
+        state["response"] = answer if answer.startswith("#### ") else "#### " + answer
+        reward = await self.calc_reward(instance_id)
+        tool_reward = 0.0 if reward > state["reward"] else -0.05  # no better than before: a small penalty
+        state["reward"] = reward
+        return ToolResponse(text=f"Current parsed answer={answer!r} reward={reward!r}"), tool_reward, {}
+
+    async def calc_reward(self, instance_id: str, **kwargs) -> float:
+        state = self._instances[instance_id]
+        return gsm8k_score(state["response"], state["ground_truth"], method="flexible", format_score=0.0, score=1.0)
+
+    async def release(self, instance_id: str, **kwargs) -> None:
+        del self._instances[instance_id]
+
+
+class CalculatorTool(BaseTool):
+    """`calculator`: evaluates one arithmetic expression (numbers, + - * / // %, parentheses) and
+    answers its value; anything else raises, which the model reads as verl's error text."""
+
+    def get_openai_tool_schema(self) -> OpenAIFunctionToolSchema:
+        return OpenAIFunctionToolSchema.model_validate({
+            "type": "function",
+            "function": {"name": "calculator", "description": "Evaluate an arithmetic expression.",
+                         "parameters": {"type": "object", "required": ["expression"], "properties": {
+                             "expression": {"type": "string", "description": "e.g. (12 + 30) * 4 / 3"}}}}})
+
+    async def execute(self, instance_id: str, parameters: dict[str, Any], **kwargs) -> tuple[ToolResponse, float, dict]:
+        return ToolResponse(text=format_number(evaluate(str(parameters.get("expression", ""))))), 0.0, {}
+
+
+_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
+        ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod}
+MAX_MAGNITUDE = 1e15  # bigger numbers are refused: a calculator for word problems, not a bignum engine
+
+
+def evaluate(expression: str) -> float:
+    """The value of an arithmetic expression; ValueError for anything else (names, calls, powers)."""
+    if len(expression) > 200:
+        raise ValueError("expression longer than 200 characters")
+    try:
+        tree = ast.parse(expression.replace(",", ""), mode="eval")
+    except SyntaxError:
+        raise ValueError(f"not an arithmetic expression: {expression!r}") from None
+    return _eval(tree.body)
+
+
+def _eval(node: ast.AST) -> float:
+    if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)) and not isinstance(node.value, bool):
+        value = node.value
+    elif isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+        value = -_eval(node.operand) if isinstance(node.op, ast.USub) else _eval(node.operand)
+    elif isinstance(node, ast.BinOp) and type(node.op) in _OPS:
+        value = _OPS[type(node.op)](_eval(node.left), _eval(node.right))  # ZeroDivisionError says itself
+    else:
+        raise ValueError(f"only numbers, + - * / // % and parentheses are allowed, not {ast.unparse(node)!r}")
+    if abs(value) > MAX_MAGNITUDE:
+        raise ValueError(f"a number beyond {MAX_MAGNITUDE:g}")
+    return value
+
+
+def format_number(value: float) -> str:
+    """42.0 -> "42"; 2/3 -> "0.666667" (six significant decimals, trailing zeros dropped)."""
+    if float(value).is_integer():
+        return str(int(value))
+    return f"{value:.6f}".rstrip("0").rstrip(".")

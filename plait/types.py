@@ -22,6 +22,7 @@ class PromptBatch:
     ground_truths: list[Any]               # as each row stores it: str, list or dict
     extra_infos: list[dict]
     indices: list[int]                     # row index in the dataset; stable ids for groups and logs
+    agent_names: list = field(default_factory=list)  # a row's agent_name column (None: the default loop); []: none
 
     def __len__(self) -> int:
         return len(self.prompt_ids)
@@ -57,6 +58,8 @@ class RolloutBatch:
     #   (sampled ones and the tool / user messages an agent loop put between them); None: response_mask
     token_versions: Optional[torch.Tensor] = None  # [batch, resp_len] long, policy version each sampled token came from
     #   (agent loops; -1 off sampled tokens); None: `versions` for every token
+    agent_infos: Optional[list[dict]] = None  # per row, from an agent loop: num_turns, reward_score, seconds in
+    #   generate_sequences / tool_calls (plait/agents/worker.py); None: no agent loop ran
     scores: list[float] = field(default_factory=list)
 
     def __len__(self) -> int:
@@ -116,7 +119,7 @@ class RolloutBatch:
             elif isinstance(values[0], torch.Tensor):
                 out[f.name] = torch.cat([_pad_to(v, f.name, pad_p, pad_r) for v in values], dim=0)
             else:
-                out[f.name] = [x for v in values for x in v]
+                out[f.name] = [x for p, v in zip(parts, values) for x in (v if v is not None else [{}] * len(p))]
         return RolloutBatch(**out)
 
     def replace(self, **changes) -> "RolloutBatch":

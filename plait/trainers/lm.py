@@ -219,7 +219,8 @@ class LMTrainer:
             return self.roles.reward_model.call(RewardModel.compute_rm_score, batch), {}
         texts = self.decode(batch.responses, batch.attended)  # tool / user turns included, as verl's reward managers see it
         lengths = batch.attended.sum(-1).long().tolist()
-        return self.reward_fn(ScoreRequest(batch.data_sources, texts, batch.ground_truths, batch.extra_infos, lengths))
+        scores, extra = self.reward_fn(ScoreRequest(batch.data_sources, texts, batch.ground_truths, batch.extra_infos, lengths))
+        return loop_scores(batch, scores), extra
 
     def greedy_baselines(self, batch: RolloutBatch) -> torch.Tensor:
         """ReMax's baseline [batch]: the score of one greedy response per prompt, generated now."""
@@ -314,6 +315,7 @@ class LMTrainer:
                     actor_metrics.pop("actor/entropy")
                 metrics.update(actor_metrics)
         metrics.update(data_metrics(batch, cfg.data.max_prompt_length))
+        metrics.update(agent_metrics(batch))
         metrics.update(seqlen_metrics(batch.attention_mask))
         num_tokens = int(batch.attention_mask.sum())
         return StepResult(metrics, num_tokens=num_tokens, response_tokens=int(batch.response_mask.sum()))
@@ -444,10 +446,50 @@ def merge_results(results: list[StepResult]) -> StepResult:
                       response_tokens=sum(r.response_tokens for r in results))
 
 
+def uses_agent_loops(cfg: PlaitConfig, *datasets) -> bool:
+    """Rows run agent loops (plait/agents) when the rollout.multi_turn / rollout.agent keys ask for them or
+    a row names its loop in an agent_name column; otherwise plain generation (single_turn_agent's result)."""
+    named = any(it.agent_name for d in datasets if d is not None for it in d.items)
+    return cfg.actor_rollout_ref.rollout.agent_loops or named
+
+
+def loop_scores(batch: RolloutBatch, scores: list[float]) -> list[float]:
+    """An agent loop's reward_score replaces the reward function's score of its row (verl's rm_scores)."""
+    if batch.agent_infos is None:
+        return scores
+    return [s if info.get("reward_score") is None else float(info["reward_score"])
+            for s, info in zip(scores, batch.agent_infos)]
+
+
+def agent_metrics(batch: RolloutBatch) -> dict[str, float]:
+    """verl's num_turns/{min,max,mean}, agent_loop/{generate_sequences,tool_calls,num_preempted}/{min,max,mean}
+    and agent_loop/slowest/* (the trajectory with the most generate + tool seconds), plus plait's
+    agent_loop/tool_calls_per_trajectory and agent_loop/tool_error_rate."""
+    infos = batch.agent_infos
+    if not infos or not any(infos):
+        return {}
+    out = {}
+    for name, key in (("num_turns", "num_turns"), ("agent_loop/generate_sequences", "generate_sequences"),
+                      ("agent_loop/tool_calls", "tool_calls"), ("agent_loop/num_preempted", "num_preempted")):
+        values = [float(i.get(key, 0.0)) for i in infos if i]
+        out.update({f"{name}/min": min(values), f"{name}/max": max(values), f"{name}/mean": sum(values) / len(values)})
+    total = [i.get("generate_sequences", 0.0) + i.get("tool_calls", 0.0) if i else -1.0 for i in infos]
+    slow = total.index(max(total))
+    out.update({"agent_loop/slowest/generate_sequences": infos[slow]["generate_sequences"],
+                "agent_loop/slowest/tool_calls": infos[slow]["tool_calls"],
+                "agent_loop/slowest/num_preempted": infos[slow]["num_preempted"],
+                "agent_loop/slowest/prompt_length": float(batch.prompt_mask[slow].sum()),
+                "agent_loop/slowest/response_length": float(batch.attended[slow].sum())})
+    calls = sum(i.get("tool_calls_made", 0) for i in infos if i)
+    out["agent_loop/tool_calls_per_trajectory"] = calls / max(1, sum(1 for i in infos if i))
+    out["agent_loop/tool_error_rate"] = sum(i.get("tool_errors", 0) for i in infos if i) / max(calls, 1)
+    return out
+
+
 def prompt_batch(items) -> PromptBatch:
     return PromptBatch(prompt_ids=[it.prompt_ids for it in items], data_sources=[it.data_source for it in items],
                        ground_truths=[it.ground_truth for it in items], extra_infos=[it.extra_info for it in items],
-                       indices=[it.index for it in items])
+                       indices=[it.index for it in items], agent_names=[it.agent_name for it in items])
 
 
 def last_token_scores(scores: list[float], response_mask: torch.Tensor) -> torch.Tensor:
@@ -609,7 +651,8 @@ def build_lm_trainer(cfg: PlaitConfig, backend, device: str):
                             gradient_checkpointing=model.enable_gradient_checkpointing, model_cfg=model),
         rollout=backend.spawn("rollout", Rollout, model_path, d.max_response_length, tokenizer, device=device,
                               dtype=DTYPES[arr.rollout.dtype], ignore_eos=arr.rollout.ignore_eos, cfg=arr.rollout,
-                              colocated=cfg.trainer.placement == "colocated"),
+                              colocated=cfg.trainer.placement == "colocated",
+                              agent_cfg=cfg if uses_agent_loops(cfg, train_data, val_data) else None),
         ref=backend.spawn("ref", Ref, model_path, arr.ref, temp, device=device, dtype=dtype,
                           remove_padding=model.use_remove_padding,
                           max_token_len=budget(arr.ref.log_prob_use_dynamic_bsz, arr.ref.log_prob_max_token_len_per_gpu))

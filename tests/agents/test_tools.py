@@ -317,3 +317,19 @@ def test_function_file_without_tools_and_tool_without_schema(tmp_path, toolbox):
                                      "    config: {type: native}\n")
     box = toolbox(calc)
     assert box.names == ["calculator"] and call(box, ("calculator", '{"expression": "6*7"}'))[0].text == "42"
+
+
+@pytest.mark.parametrize("import_line, fix", [
+    ("from verl.tools.schemas import OpenAIFunctionToolSchema, ToolResponse",
+     "change `from verl.tools.schemas import OpenAIFunctionToolSchema, ToolResponse` to "
+     "`from plait.agents.tools import OpenAIFunctionToolSchema, ToolResponse`"),
+    ("from verl.tools.base_tool import BaseTool", "to `from plait.agents.tools import BaseTool`"),
+    ("import verl.utils.reward_score", "install verl, or import"),
+])
+def test_a_verl_tool_class_without_verl_names_the_import_to_change(tmp_path, toolbox, monkeypatch, import_line, fix):
+    (tmp_path / "verl_written.py").write_text(f"import json\n{import_line}\n\n\nclass MyTool:\n    pass\n")
+    path = write(tmp_path, "t.yaml", "tools:\n  - class_name: verl_written.MyTool\n    config: {type: native}\n")
+    monkeypatch.chdir(tmp_path)  # tool workers import from the working directory, as verl does
+    with pytest.raises(ConfigError) as err:
+        toolbox(path)
+    assert fix in str(err.value) and "verl_written.MyTool imports verl" in str(err.value)

@@ -1,6 +1,8 @@
 """plait's own tools: verl's GSM8K answer checker (for verl's multi-turn GSM8K example, where
 `class_name: verl.tools.gsm8k_tool.Gsm8kTool` lands here when verl does not provide it) and a
-calculator (the SmolLM2 tool preset's).
+calculator, with the worked transcripts a supervised warm start teaches it from: for each of
+plait's synthetic word problems (plait/data/word_problems.py) one calculator call with the
+problem's arithmetic, the tool's answer, and a final line "#### N".
 
 Left out: verl's other built-ins (compat.py says why each is refused).
 """
@@ -8,7 +10,9 @@ Left out: verl's other built-ins (compat.py says why each is refused).
 from __future__ import annotations
 
 import ast
+import json
 import operator
+import re
 from typing import Any, Optional
 from uuid import uuid4
 
@@ -110,3 +114,43 @@ def format_number(value: float) -> str:
     if float(value).is_integer():
         return str(int(value))
     return f"{value:.6f}".rstrip("0").rstrip(".")
+
+
+# -- calculator transcripts for a supervised warm start ------------------------------------------
+
+CALCULATOR_SYSTEM = ('You can use a calculator. To call it, write <tool_call>{"name": "calculator", "arguments": '
+                     '{"expression": "<arithmetic>"}}</tool_call> and wait for its answer.')
+
+# The arithmetic of each of word_problems._story's six templates, most specific first: the numbers
+# in the order the story states them, and how they combine.
+_TEMPLATES = (
+    (re.compile(r"has (\d+) .* buys (\d+) more and then gives (\d+) to"), "{} + {} - {}"),
+    (re.compile(r"has (\d+) \w+s with (\d+) .* and (\d+) loose"), "{} * {} + {}"),
+    (re.compile(r"has (\d+) .*\. \w+ gives \w+ (\d+) more"), "{} + {}"),
+    (re.compile(r"had (\d+) .* gave (\d+) of them"), "{} - {}"),
+    (re.compile(r"buys (\d+) \w+s of .* holds (\d+)"), "{} * {}"),
+    (re.compile(r"shares (\d+) .* among (\d+) friends"), "{} / {}"),
+)
+
+
+def expression_of(question: str) -> Optional[str]:
+    """The arithmetic expression a synthetic word problem asks for; None for another text."""
+    for pattern, form in _TEMPLATES:
+        match = pattern.search(question)
+        if match:
+            return form.format(*match.groups())
+    return None
+
+
+def calculator_transcript(question: str, answer: str) -> Optional[list[dict]]:
+    """The conversation a tool-using model should have on `question`: the call, the calculator's
+    answer, and the final line; None when the problem's expression is unknown or gives another answer."""
+    expression = expression_of(question)
+    if expression is None or format_number(evaluate(expression)) != answer:
+        return None
+    call = json.dumps({"name": "calculator", "arguments": {"expression": expression}})
+    return [{"role": "system", "content": CALCULATOR_SYSTEM},
+            {"role": "user", "content": question},
+            {"role": "assistant", "content": f"<tool_call>{call}</tool_call>"},
+            {"role": "tool", "content": answer},
+            {"role": "assistant", "content": f"{expression} = {answer}.\n#### {answer}"}]

@@ -2,6 +2,7 @@
 truncation, tool_selection, verl's class names. Tools run in real worker processes here."""
 
 import asyncio
+import json
 import textwrap
 from types import SimpleNamespace
 
@@ -333,3 +334,26 @@ def test_a_verl_tool_class_without_verl_names_the_import_to_change(tmp_path, too
     with pytest.raises(ConfigError) as err:
         toolbox(path)
     assert fix in str(err.value) and "verl_written.MyTool imports verl" in str(err.value)
+
+
+def test_calculator_transcripts_for_every_synthetic_word_problem():
+    import random
+
+    from plait.agents.builtin_tools import calculator_transcript, expression_of
+    from plait.agents.tool_parser import parse_tool_calls
+    from plait.data.word_problems import word_problem
+    rng = random.Random(0)
+    problems = [word_problem(rng) for _ in range(600)]
+    kinds = set()
+    for question, answer in problems:
+        messages = calculator_transcript(question, answer)
+        assert messages is not None, question
+        content, calls = parse_tool_calls(messages[2]["content"])
+        assert content == "" and calls[0].name == "calculator"
+        expression = json.loads(calls[0].arguments)["expression"]
+        assert format_number(evaluate(expression)) == answer == messages[3]["content"]
+        assert messages[4]["content"].endswith(f"#### {answer}")
+        kinds.add(expression.replace(" ", "").translate(str.maketrans("", "", "0123456789")))
+    assert kinds == {"+", "-", "*", "/", "+-", "*+"}  # all six of the stories' templates
+    assert expression_of("What is the capital of France?") is None
+    assert calculator_transcript(problems[0][0], "-1") is None

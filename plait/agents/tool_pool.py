@@ -171,7 +171,8 @@ def serve(op: str, tool_config_path: Optional[str] = None, function_tool_path: O
     if op == "describe":
         return {"schemas": [t.tool_schema.model_dump(exclude_unset=True, exclude_none=True) for t in tools.values()]}
     view = AgentDataView(call["messages"] or [], call["tools_kwargs"], call["row"])
-    create_kwargs = call["tools_kwargs"].get(call["name"], {}).get("create_kwargs", {})
+    # a parquet struct column fills a row's missing tools with null: none given, then
+    create_kwargs = (call["tools_kwargs"].get(call["name"]) or {}).get("create_kwargs") or {}
     out = _STATE["loop"].run_until_complete(run_call(tools[call["name"]], call["arguments"], create_kwargs, view))
     if out["failure"] is None:
         out["text"] = truncate_text(out["text"], call["max_length"], call["side"])

@@ -100,9 +100,9 @@ def _required(f) -> bool:
     return f.default is MISSING and f.default_factory is MISSING
 
 
-def _check_type(value: Any, kinds, where: str) -> None:
-    if not isinstance(value, kinds):
-        raise ValueError(f"{where} must be {getattr(kinds, '__name__', 'a string or a list of strings')}, not {value!r:.60}")
+def _check_str(value: Any, where: str) -> None:
+    if not isinstance(value, str):
+        raise ValueError(f"{where} must be str, not {value!r:.60}")
 
 
 @dataclass
@@ -134,8 +134,8 @@ class OpenAIFunctionSchema(_Schema):
     _nested = {"parameters": OpenAIFunctionParametersSchema}
 
     def _check(self, where):
-        _check_type(self.name, str, f"{where}.name")
-        _check_type(self.description, str, f"{where}.description")
+        _check_str(self.name, f"{where}.name")
+        _check_str(self.description, f"{where}.description")
 
 
 @dataclass

@@ -145,6 +145,8 @@ def test_gsm8k_tool_from_verls_config(tmp_path, toolbox):
     assert (unknown.reward, "row 7" in unknown.error) == (0.0, True)
     assert bad.text.startswith("Invalid JSON in arguments for 'calc_gsm8k_reward': Expecting property name")
     assert bad.reward == 0.0 and bad.error
+    nulls = call(box, ("calc_gsm8k_reward", '{"answer": "72"}'), tools_kwargs={"calc_gsm8k_reward": None})[0]
+    assert nulls.text == "Current parsed answer='72' reward=0.0" and nulls.error is None  # a parquet null: no kwargs
 
 
 def test_tool_selection_and_truncation(tmp_path, toolbox):

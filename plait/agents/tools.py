@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import inspect
 import json
 import logging
@@ -341,21 +342,25 @@ class ToolBox:
         paths = {"tool_config_path": multi_turn.tool_config_path, "function_tool_path": multi_turn.function_tool_path}
         if not any(paths.values()):
             return None
+        from plait.errors import RunError
         limits = limits or ToolLimits()
         wording = PoolWording(describe=_describe_call, timeout_key=limits.timeout_key, memory_key=limits.memory_key,
                               must="a tool must return its answer")
         pool = RewardPool(RewardSpec(tool_pool.__file__, "serve", paths), "tools", limits.num_workers,
-                          limits.load_timeout_s, limits.memory_limit_mb, limits.max_processes, wording)
+                          limits.load_timeout_s, limits.memory_limit_mb, limits.max_processes,
+                          dataclasses.replace(wording, timeout_key="the tools' load time limit"))
         try:
             replies = _run_now([pool(op="describe") for _ in range(limits.num_workers)])  # one per worker
+        except RunError as err:  # loading crashed, hung or ran out of memory
+            replies = [{"load_error": str(err)}]
         except BaseException:
             pool.close()
             raise
-        pool.timeout = limits.timeout_s  # loading done: from now on each call has the call's limit
         failed = [r for r in replies if not isinstance(r, dict) or "schemas" not in r]
         if failed:
             pool.close()
             raise _load_error(failed[0], paths)
+        pool.timeout, pool.wording = limits.timeout_s, wording  # loaded: from now on each call has the call's limit
         return cls(pool, replies[0]["schemas"], multi_turn.max_tool_response_length,
                    multi_turn.tool_response_truncate_side)
 
@@ -429,5 +434,6 @@ def _run_now(awaitables: list) -> list:
 def _load_error(reply: Any, paths: dict):
     from plait.configtree import ConfigError
     line = reply.get("load_error", f"{reply!r:.100}") if isinstance(reply, dict) else f"{reply!r:.100}"
-    key = "function_tool_path" if paths["function_tool_path"] and paths["function_tool_path"] in line else "tool_config_path"
+    given = [k for k, v in paths.items() if v]  # with both files given, the one the line names
+    key = given[0] if len(given) == 1 else "function_tool_path" if paths["function_tool_path"] in line else "tool_config_path"
     return ConfigError(f"actor_rollout_ref.rollout.multi_turn.{key}", paths[key], line)

@@ -95,3 +95,19 @@ def test_a_hanging_call_does_not_hold_up_the_others(box):
     assert "did not return" in hung.text and fine.error is None
     assert fine.seconds < hung.seconds
     assert time.monotonic() - start < 30
+
+
+@pytest.mark.parametrize("code, match", [
+    ("import os\nos._exit(4)\n", "loading the tools ended its worker process with exit status 4"),
+    ("import time\ntime.sleep(600)\n", "loading the tools did not return within the tools' load time limit=2 s"),
+    ("x = bytearray(2**33)\n", "loading the tools raised MemoryError"),
+])
+def test_a_tool_file_that_breaks_its_worker_while_loading_is_one_config_error(tmp_path, code, match):
+    from plait.configtree import ConfigError
+    path = tmp_path / "bad.py"
+    path.write_text(code)
+    multi_turn = SimpleNamespace(tool_config_path=None, function_tool_path=str(path), max_tool_response_length=256,
+                                 tool_response_truncate_side="middle")
+    with pytest.raises(ConfigError, match=match) as err:
+        ToolBox.from_config(multi_turn, ToolLimits(num_workers=1, memory_limit_mb=512, load_timeout_s=2))
+    assert err.value.key == "actor_rollout_ref.rollout.multi_turn.function_tool_path" and "\n" not in str(err.value)

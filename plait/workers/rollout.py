@@ -51,20 +51,20 @@ class Rollout:
         self.agents = None if agent_cfg is None else _agent_worker(agent_cfg, tokenizer, model_path)
 
     def generate(self, prompts: PromptBatch, sampling: SamplingConfig, seed: int) -> RolloutBatch:
-        if self.agents is not None:  # the lock is taken per engine round: a weight load may come between turns
-            with self.profiler.annotate("gen"):
+        if self.agents is not None:  # an abort() between or inside turns makes it return; resume() goes on
+            with self._lock, self.profiler.annotate("gen"):
                 return self.agents.generate(prompts, sampling, self._round(seed), lambda: self.version)
         with self._lock, self.profiler.annotate("gen"):
             return self._generate(prompts, sampling, seed)
 
     def _round(self, seed: int):
-        """One engine batch for the agent loops' scheduler (plait/agents/runner.py), under the lock."""
+        """One engine batch for the agent loops' scheduler (plait/agents/runner.py); the caller holds the lock."""
         generator = torch.Generator().manual_seed(seed)
 
         def engine_round(ids: list[list[int]], max_new_tokens: int, sampling: dict):
-            params = self._params(SamplingConfig(n=1, **sampling), max_new_tokens)
-            with self._lock:
-                return self.engine.generate(ids, params, generator=generator)
+            keys = ("temperature", "top_p", "top_k", "do_sample")  # verl's other keys (logprobs, ...): always on / n.a.
+            params = self._params(SamplingConfig(n=1, **{k: sampling[k] for k in keys if k in sampling}), max_new_tokens)
+            return self.engine.generate(ids, params, generator=generator)
         return engine_round
 
     def resume(self, batch: RolloutBatch, sampling: SamplingConfig, seed: int) -> RolloutBatch:
@@ -72,7 +72,7 @@ class Rollout:
         weights. Their earlier tokens keep the log-probs they were sampled with; a finished row takes
         this worker's version (the version that finished it). Other rows are returned unchanged."""
         if self.agents is not None:
-            with self.profiler.annotate("gen"):
+            with self._lock, self.profiler.annotate("gen"):
                 return self.agents.resume(batch, self._round(seed), lambda: self.version)
         with self._lock, self.profiler.annotate("gen"):
             return self._resume(batch, sampling, seed)

@@ -351,3 +351,45 @@ def test_a_tool_file_written_for_verl_runs_unchanged_where_verl_imports(setup):
     assert with_verl[0] == ["checked '5': right", 1.0, None]
     assert with_verl[3][0] == "HO HO HO HO HO ...(truncated)... HO HO HO HO HO"  # 15 + 15 characters
     assert with_verl[4][0] == "Error executing tool 'fail': tool broke" and "RuntimeError" in with_verl[4][2]
+
+
+PARSER_SIDE = '''
+import asyncio, json, sys
+from verl.experimental.agent_loop.tool_parser import HermesToolParser
+
+
+class Text:  # the parser decodes ids; here the "ids" are the text
+    def decode(self, text):
+        return text
+
+
+parser = HermesToolParser(Text())
+out = [asyncio.run(parser.extract_tool_calls(t)) for t in json.loads(sys.argv[1])]
+print("RESULT " + json.dumps([[content, [[c.name, c.arguments] for c in calls]] for content, calls in out]))
+'''
+TURNS = [
+    "The answer is 42.<|im_end|>", 'cut <tool_call>{"name": "calc", "arguments": {"x": 1}}',
+    'Check.\n<tool_call>\n{"name": "c", "arguments": {"answer": "72"}}\n</tool_call><|im_end|>',
+    '<tool_call>{"name":"f","arguments":{"b":[1,2],"a":"é"}}</tool_call>',
+    '<tool_call>{"name": "f", "arguments": "{\\"x\\": 1}"}</tool_call><tool_call>{"name": "g", "arguments": null}</tool_call>',
+    'a<tool_call>{"name": "one", "arguments": {}}</tool_call>b<tool_call>{not json}</tool_call>c'
+    '<tool_call>{"name": "no_args"}</tool_call>d<tool_call>["a list"]</tool_call>e'
+    '<tool_call>{"name": 5, "arguments": {}}</tool_call>f<tool_call>{"name": "two", "arguments": {"k": 2}}</tool_call>g',
+    '<tool_call>{"name": "a",\n "arguments": {"s": "x"}}</tool_call> mid <tool_call>\n{"name": "b", "arguments": {}}\n</tool_call>',
+    '<tool_call>{"name": "a", "arguments": {}}</tool_call> then <tool_call>{"name": "b"',
+    "</tool_call> oops <tool_call>", '<tool_call>{"name": "x", "arguments": NaN}</tool_call>',
+    '<tool_call>{"name": "x", "arguments": {}, "name": "y"}</tool_call>',
+    '<tool_call>  {"name": "x", "arguments": 1.0e5} </tool_call>', '<tool_call>{"name": "x", "arguments": {}} tail</tool_call>',
+]
+
+
+def test_hermes_parser_equals_verls():
+    from plait.agents.tool_parser import parse_tool_calls
+    env = {**os.environ, "PYTHONPATH": VERL_SITE, "VERL_LOGGING_LEVEL": "CRITICAL"}
+    done = subprocess.run([sys.executable, "-c", PARSER_SIDE, json.dumps(TURNS)], env=env, capture_output=True,
+                          text=True, timeout=300)
+    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert done.returncode == 0 and lines, done.stderr[-3000:]
+    theirs = json.loads(lines[0][len("RESULT "):])
+    ours = [[content, [[c.name, c.arguments] for c in calls]] for content, calls in map(parse_tool_calls, TURNS)]
+    assert ours == theirs

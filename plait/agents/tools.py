@@ -410,6 +410,9 @@ class ToolBox:
         except RunError as err:  # the worker died, hung or broke: it is replaced at the next call
             reason = str(err).removeprefix(_describe_call("tools", (), {"name": call.name, "row": row})).strip()
             return answer(f"Error executing tool '{call.name}': {reason}", error=str(err))
+        if "load_error" in out:  # a replaced worker could not load the tools again
+            return answer(f"Error executing tool '{call.name}': the tools could not be loaded",
+                          error=f"tool {call.name} on {row}: its worker could not load the tools: {out['load_error']}")
         error = None if out["failure"] is None else f"tool {call.name} on {row} {out['failure']}"
         return answer(out["text"], out["reward"], out["metrics"], error)
 

@@ -111,3 +111,31 @@ def test_a_tool_file_that_breaks_its_worker_while_loading_is_one_config_error(tm
     with pytest.raises(ConfigError, match=match) as err:
         ToolBox.from_config(multi_turn, ToolLimits(num_workers=1, memory_limit_mb=512, load_timeout_s=2))
     assert err.value.key == "actor_rollout_ref.rollout.multi_turn.function_tool_path" and "\n" not in str(err.value)
+
+
+def test_a_replaced_worker_that_cannot_load_the_tools_again_is_one_line(tmp_path):
+    path = tmp_path / "flaky.py"
+    flag = tmp_path / "loaded_once"
+    path.write_text(textwrap.dedent(f'''
+        import os
+        from pathlib import Path
+        from plait.agents.tools import function_tool
+        if Path({str(flag)!r}).exists():
+            raise ImportError("the second load fails")
+        Path({str(flag)!r}).touch()
+
+        @function_tool(schema={{"type": "function", "function": {{"name": "die", "description": "d"}}}})
+        def die():
+            os._exit(1)
+    '''))
+    multi_turn = SimpleNamespace(tool_config_path=None, function_tool_path=str(path), max_tool_response_length=256,
+                                 tool_response_truncate_side="middle")
+    box = ToolBox.from_config(multi_turn, ToolLimits(num_workers=1))
+    try:
+        first, again = run(box, "die")[0], run(box, "die")[0]
+    finally:
+        box.close()
+    assert "exit status 1" in first.error
+    assert again.text == "Error executing tool 'die': the tools could not be loaded"
+    assert again.error.startswith("tool die on row 5 (uid a1): its worker could not load the tools: ")
+    assert "the second load fails" in again.error

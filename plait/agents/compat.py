@@ -69,7 +69,7 @@ def import_user_module(module_name: str, what: str):
     try:
         return importlib.import_module(module_name)
     except ModuleNotFoundError as err:
-        raise ToolLoadError(_missing_module(err, what)) from None
+        raise ToolLoadError(missing_module_line(err, what)) from None
 
 
 def exec_user_file(path: str, module_name: str):
@@ -81,7 +81,7 @@ def exec_user_file(path: str, module_name: str):
         spec.loader.exec_module(module)
     except ModuleNotFoundError as err:
         sys.modules.pop(module_name, None)
-        raise ToolLoadError(_missing_module(err, path)) from None
+        raise ToolLoadError(missing_module_line(err, path)) from None
     return module
 
 
@@ -92,7 +92,9 @@ def _imports(module_name: str) -> bool:
         return False
 
 
-def _missing_module(err: ModuleNotFoundError, what: str) -> str:
+def missing_module_line(err: ModuleNotFoundError, what: str) -> str:
+    """One line for a user file (`what`) whose import failed: for verl's modules, the import line to
+    change to plait's (agent loops' files too: AgentLoopBase, AgentLoopOutput, register)."""
     missing = err.name or ""
     if missing != "verl" and not missing.startswith("verl."):
         return f"{what}: it imports {missing or err}, which is not installed here ({err})"

@@ -13,7 +13,12 @@ PENDING -> GENERATING -> PROCESSING_TOOLS -> GENERATING ... -> TERMINATED:
 A user loop subclasses `AgentLoopBase`, is decorated with `@register("name")` or listed in
 `rollout.agent.agent_loop_config_path`, and may set `reward_score` to replace the reward function.
 
-Left out: multimodal inputs, verl's interaction (user simulator) loop, tool_call ids (hermes has none).
+Each tool call batch is a "tool_calls" span of the rollout role in timeline.jsonl (one per turn and
+trajectory, on the agent-loop thread), beside the rollout's "gen" span, so a report can tell how much
+of generation went to tools.
+
+Left out: multimodal inputs, verl's interaction (user simulator) loop, tool_call ids (hermes has none),
+tool spans in the torch profiler's trace (the timeline has them).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from typing import Any, Optional
 
 from plait.agents.tokens import ContinuousTokens, Trajectory
 from plait.agents.tool_parser import parse_tool_calls
+from plait.profiler.timeline import TIMELINE
 
 
 @dataclass
@@ -222,7 +228,7 @@ class ToolAgentLoop(AgentLoopBase):
     async def processing_tools(self, data: AgentData) -> AgentState:
         previous = list(data.messages)
         calls = data.calls[:self.max_parallel_calls]
-        with Timer(data.metrics, "tool_calls"):
+        with Timer(data.metrics, "tool_calls"), TIMELINE.span("rollout", "tool_calls"):
             if self.tools is None:
                 results = [_no_tools(c) for c in calls]
             else:

@@ -233,3 +233,37 @@ def test_abort_inside_a_turn_resumes_with_new_weights_and_versions(tokenizer, to
     assert batch.stop_reasons == ["eos"] and batch.versions.tolist() == [1]
     text = tokenizer.decode(batch.responses[0, :n])
     assert text.startswith(CALL) and text.endswith("#### 5<eos>".replace("<eos>", tokenizer.eos_token))
+
+
+def test_rollout_worker_cut_by_a_weight_sync_resumes_on_the_new_weights(tmp_path, tokenizer):
+    """The real engine: a sync aborts a rollout mid-turn; resume finishes it with the loaded weights
+    (version 1) and its tokens carry the version that sampled each."""
+    from plait.models import create_tiny_model, load_causal_lm
+    from plait.profiler import GlobalProfilerConfig, ProfilerSession, RoleProfilerConfig
+    from plait.workers.rollout import Rollout
+    path = create_tiny_model(tmp_path / "m", size="xs", seed=0)
+    cfg = config(40)
+    cfg.actor_rollout_ref.rollout.multi_turn.enable = True
+    profiler = ProfilerSession(GlobalProfilerConfig(), {"rollout": RoleProfilerConfig()}, rank=0).for_role("rollout")
+    rollout = Rollout(path, 40, tokenizer, profiler, ignore_eos=True, agent_cfg=cfg)
+    started, generate = threading.Event(), rollout.engine.generate
+
+    def flagged(*args, **kwargs):
+        started.set()
+        return generate(*args, on_forward=lambda i: time.sleep(0.01), **kwargs)
+    rollout.engine.generate = flagged
+    out = {}
+    worker = threading.Thread(target=lambda: out.update(b=rollout.generate(prompts(2), SamplingConfig(n=1), seed=3)))
+    worker.start()
+    assert started.wait(30)
+    time.sleep(0.05)
+    rollout.abort()
+    worker.join(30)
+    assert out["b"].stop_reasons == ["aborted", "aborted"]
+    state = {k: v + 0.01 for k, v in load_causal_lm(path).state_dict().items()}
+    rollout.load_weights(state, version=1)
+    batch = rollout.resume(out["b"], SamplingConfig(n=1), seed=4)
+    rollout.close()
+    assert batch.stop_reasons == ["length", "length"] and (batch.attended.sum(-1) == 40).all()
+    for row in batch.token_versions.tolist():
+        assert row[0] == 0 and row[-1] == 1 and row == sorted(row)  # version 0 first, then 1

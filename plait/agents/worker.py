@@ -50,6 +50,9 @@ def resolve_class(target: str):
     module, _, name = target.rpartition(".")
     try:
         return getattr(importlib.import_module(module), name)
+    except ModuleNotFoundError as err:  # a loop file written against verl, without verl here: the line to change
+        from plait.agents.compat import missing_module_line
+        raise ValueError(missing_module_line(err, f"agent loop {target}")) from None
     except (ImportError, AttributeError, ValueError) as err:
         raise ValueError(f"agent loop _target_ {target!r} cannot be imported: {err}") from None
 

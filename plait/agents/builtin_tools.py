@@ -13,6 +13,7 @@ import ast
 import json
 import operator
 import re
+import sys
 from typing import Any, Optional
 from uuid import uuid4
 
@@ -154,3 +155,26 @@ def calculator_transcript(question: str, answer: str) -> Optional[list[dict]]:
             {"role": "assistant", "content": f"<tool_call>{call}</tool_call>"},
             {"role": "tool", "content": answer},
             {"role": "assistant", "content": f"{expression} = {answer}.\n#### {answer}"}]
+
+
+def transcript_trajectory(tokenizer, messages: list[dict], model_type: Optional[str] = None,
+                          tools: Optional[list[dict]] = None):
+    """A transcript's token ids and loss mask exactly as plait's tool_agent lays out a trajectory
+    (plait/agents/tokens.py): the prompt rendered with the generation prompt, each assistant turn's
+    content encoded plus eos (mask 1), everything else as the chat template's suffix diff (mask 0),
+    so a warm start trains on the token layout RL then samples in."""
+    from plait.agents.tokens import ContinuousTokens
+    ct = ContinuousTokens(tokenizer, model_type)
+    start = next(i for i, m in enumerate(messages) if m["role"] == "assistant")
+    trajectory = ct.initial(messages[:start], tools, prompt_length=sys.maxsize)  # the whole prompt
+    i = start
+    while i < len(messages):
+        if messages[i]["role"] == "assistant":
+            ids = tokenizer.encode(messages[i]["content"], add_special_tokens=False) + [tokenizer.eos_token_id]
+            ct.add_assistant(trajectory, ids, [0.0] * len(ids), [0] * len(ids))
+            i += 1
+            continue
+        end = next((j for j in range(i, len(messages)) if messages[j]["role"] == "assistant"), len(messages))
+        ct.add_messages(trajectory, messages[:i], messages[:end], tools)
+        i = end
+    return trajectory

@@ -359,3 +359,53 @@ def test_calculator_transcripts_for_every_synthetic_word_problem():
     assert kinds == {"+", "-", "*", "/", "+-", "*+"}  # all six of the stories' templates
     assert expression_of("What is the capital of France?") is None
     assert calculator_transcript(problems[0][0], "-1") is None
+
+
+SMOL_LIKE = ("{% for m in messages %}{% if loop.first and m['role'] != 'system' %}{{ '<|im_start|>system\\nYou are a "
+             "helpful assistant.<|im_end|>\\n' }}{% endif %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + "
+             "'<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+
+def test_a_transcript_tokenizes_as_the_tool_loop_lays_it_out(tmp_path):
+    """The warm start's ids and mask for a calculator transcript equal the trajectory plait's
+    tool_agent builds when the model writes the transcript's turns and the calculator answers."""
+    import random
+
+    import torch
+
+    from plait.agents.builtin_tools import calculator_transcript, transcript_trajectory
+    from plait.agents.worker import AgentWorker
+    from plait.config import PlaitConfig, SamplingConfig
+    from plait.data.word_problems import word_problem
+    from plait.models import build_char_tokenizer
+    from plait.types import PromptBatch
+    from plait.workers.rollout_engine import Generation
+    tok = build_char_tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tok.eos_token, tok.chat_template = "<|im_end|>", SMOL_LIKE
+    messages = calculator_transcript(*word_problem(random.Random(3)))
+    expected = transcript_trajectory(tok, messages, "llama")
+    turns = [m["content"] for m in messages if m["role"] == "assistant"]
+
+    def engine(ids, max_new_tokens, sampling):  # the model writes the transcript's turns, in order
+        text = turns[tok.decode(ids[0]).count("<|im_start|>assistant") - 1]
+        row = tok.encode(text, add_special_tokens=False) + [tok.eos_token_id]
+        return Generation(torch.tensor([row]), torch.ones(1, len(row)), torch.zeros(1, len(row)), ["eos"])
+
+    cfg = PlaitConfig()
+    cfg.data.max_prompt_length, cfg.data.max_response_length = 512, 256
+    cfg.actor_rollout_ref.rollout.agent.default_agent_loop = "tool_agent"
+    tools = write(tmp_path, "calc.yaml", "tools:\n  - class_name: plait.agents.builtin_tools.CalculatorTool\n"
+                                         "    config: {type: native}\n")
+    worker = AgentWorker(cfg, tok, "llama", ToolBox.from_config(multi_turn(tools), ToolLimits(num_workers=1)))
+    try:
+        batch = worker.generate(PromptBatch(prompt_ids=[[1]], data_sources=["t"], ground_truths=[messages[3]["content"]],
+                                            extra_infos=[{"raw_prompt": messages[:2]}], indices=[0], agent_names=[]),
+                                SamplingConfig(n=1), engine, lambda: 0)
+    finally:
+        worker.close()
+    n = int(batch.response_attention[0].sum())
+    prompt = batch.prompts[0][batch.prompt_mask[0].bool()].tolist()
+    assert prompt + batch.responses[0, :n].tolist() == expected.ids
+    assert [int(x) for x in batch.response_mask[0, :n].tolist()] == expected.mask
+    assert 0 in expected.mask and expected.mask[-1] == 1

@@ -124,6 +124,8 @@ async def run_call(tool: Any, arguments: Any, create_kwargs: dict, agent_data: A
 def _outcome(response: Any, reward: Any, metrics: Any) -> dict:
     if not is_tool_response(response):
         raise TypeError(f"execute returned {type(response).__name__}, not (ToolResponse, reward, metrics)")
+    if response.text is not None and not isinstance(response.text, str):
+        raise TypeError(f"its ToolResponse.text is {type(response.text).__name__}, not a string")
     if response.image or response.video:
         raise TypeError("it answered with images or video; plait's tool loop takes text responses only")
     if reward is not None and (isinstance(reward, bool) or not isinstance(reward, numbers.Real)):

@@ -50,6 +50,11 @@ def segv():
 @function_tool(schema=schema("garbage"))
 def garbage():
     return (object(), "not a number")
+
+@function_tool(schema=schema("not_text"))
+def not_text():
+    from plait.agents.tools import ToolResponse
+    return ToolResponse(text=123)
 '''
 
 
@@ -76,6 +81,7 @@ def run(box, *names, row="row 5 (uid a1)"):
     ("die", "ended its worker process with exit status 7", "a tool must return its answer"),
     ("segv", "crashed with SIGSEGV", "crashed with SIGSEGV"),
     ("garbage", "Error executing tool 'garbage': could not convert string to float", "raised ValueError"),
+    ("not_text", "Error executing tool 'not_text': its ToolResponse.text is int", "raised TypeError"),
 ])
 def test_a_hostile_tool_is_one_line_and_the_next_call_works(box, name, text, error):
     trainer = os.getpid()

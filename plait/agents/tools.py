@@ -47,7 +47,8 @@ class _Schema:
     """model_validate / model_dump as pydantic's, for the fields a subclass declares: unknown keys
     are dropped (pydantic's default, so `items` or `minimum` never reach the chat template, as in
     verl) and `model_dump(exclude_unset=True)` keeps only the keys that were given."""
-    _nested: dict = {}  # field -> schema class (or ("dict", class) for a mapping of them)
+    _nested: dict = {}       # field -> the schema class of its value
+    _nested_maps: dict = {}  # field -> the schema class of each value of its mapping
 
     def __post_init__(self):
         self._given = {f.name for f in fields(self)}  # built by hand: every field counts as set
@@ -61,13 +62,12 @@ class _Schema:
         for key, value in data.items():
             if key not in known:
                 continue
-            nested = cls._nested.get(key)
-            if isinstance(nested, tuple):
+            if key in cls._nested_maps:
                 if not isinstance(value, dict):
                     raise ValueError(f"{where}.{key} must be a mapping, not {value!r:.60}")
-                value = {k: nested[1].model_validate(v, f"{where}.{key}.{k}") for k, v in value.items()}
-            elif nested is not None:
-                value = nested.model_validate(value, f"{where}.{key}")
+                value = {k: cls._nested_maps[key].model_validate(v, f"{where}.{key}.{k}") for k, v in value.items()}
+            elif key in cls._nested:
+                value = cls._nested[key].model_validate(value, f"{where}.{key}")
             values[key] = value
         missing = [name for name, f in known.items() if name not in values and _required(f)]
         if missing:
@@ -122,7 +122,7 @@ class OpenAIFunctionParametersSchema(_Schema):
     type: str
     properties: dict[str, OpenAIFunctionPropertySchema]
     required: list[str] = field(default_factory=list)
-    _nested = {"properties": ("dict", OpenAIFunctionPropertySchema)}
+    _nested_maps = {"properties": OpenAIFunctionPropertySchema}
 
 
 @dataclass

@@ -103,9 +103,15 @@ def verl_command(tmp_path: Path, *extra: str) -> list[str]:
             f"trainer.default_local_dir={tmp_path / 'run'}", *extra]
 
 
-@pytest.mark.parametrize("mode", ["sync", "one_step_off", "fully_async"])
+RAY = ["trainer.backend=ray", "trainer.ray.num_cpu_workers=1", "trainer.ray.cpus_per_worker=0.5"]
+
+
+@pytest.mark.parametrize("mode", ["sync", "one_step_off", "fully_async", "fully_async_ray"])
 def test_verls_gsm8k_multiturn_command_line_runs(tmp_path, mode):
     extra = {"sync": [], "one_step_off": ["trainer.mode=one_step_off", "trainer.placement=separated"],
+             "fully_async_ray": [*RAY, "trainer.mode=fully_async", "trainer.placement=separated",
+                                 "async_training.partial_rollout=True", "async_training.trigger_parameter_sync_step=1",
+                                 "async_training.staleness_threshold=1"],
              "fully_async": ["trainer.mode=fully_async", "trainer.placement=separated", "async_training.partial_rollout=True",
                              "async_training.trigger_parameter_sync_step=1", "async_training.staleness_threshold=1"]}[mode]
     env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
@@ -119,3 +125,25 @@ def test_verls_gsm8k_multiturn_command_line_runs(tmp_path, mode):
                 "agent_loop/slowest/generate_sequences", "agent_loop/slowest/response_length"):
         assert key in train[-1], key
     assert train[-1]["num_turns/min"] >= 2
+
+
+VLLM = ["actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.gpu_memory_utilization=0.6",
+        "actor_rollout_ref.rollout.max_num_batched_tokens=2048", "actor_rollout_ref.rollout.enforce_eager=True",
+        "actor_rollout_ref.rollout.max_model_len=512", "actor_rollout_ref.rollout.enable_prefix_caching=True"]
+
+
+@pytest.mark.parametrize("mode", ["sync", "fully_async"])
+def test_verls_gsm8k_multiturn_command_line_on_vllm(tmp_path, mode, vllm_model_path):
+    """The same command line with rollout.name=vllm (run with the vLLM environment's python)."""
+    pytest.importorskip("vllm")
+    extra = [] if mode == "sync" else ["trainer.mode=fully_async", "trainer.placement=separated",
+                                       "async_training.partial_rollout=True", "async_training.trigger_parameter_sync_step=1",
+                                       "async_training.staleness_threshold=1"]
+    cmd = [c.replace("actor_rollout_ref.rollout.name=hf", VLLM[0]) for c in verl_command(tmp_path, *VLLM[1:], *extra)]
+    cmd.append(f"actor_rollout_ref.model.path={vllm_model_path}")
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "multi_turn" not in proc.stderr and "rollout.agent" not in proc.stderr, proc.stderr[-3000:]
+    train = [r for r in read_metrics(str(tmp_path / "run" / "metrics.jsonl")) if "num_turns/mean" in r]
+    assert len(train) == 2 and train[-1]["agent_loop/generate_sequences/mean"] > 0

@@ -15,7 +15,10 @@ tokens they got (with their log-probs and policy versions) and the call returns,
 unfinished trajectories "aborted"; their coroutines stay suspended. `resume()` (after new weights
 loaded) re-queues the cut requests, which continue from their tokens so far, with the new weights.
 
-Left out: priorities, preemption, per-step admission into a running decode batch.
+With vLLM (`drive_stream`) there are no rounds: vLLM's engine batches continuously, so a request
+joins the running batch at the next engine step and is answered the step it finishes.
+
+Left out: priorities, preemption, per-step admission into the hf engine's running decode batch.
 """
 
 from __future__ import annotations
@@ -156,6 +159,31 @@ def drive(run: Run, engine_round: Round, version: Callable[[], int], grace_s: fl
             return True
         if not requests:
             return False
+
+
+def drive_stream(run: Run, serve, version: Callable[[], int], aborted: Callable[[], bool]) -> bool:
+    """As `drive`, over an engine with continuous batching (vLLM's `serve`): a request joins the running
+    batch at the next engine step and is answered the step it finishes. True when an abort cut in."""
+    sched, cut = run.scheduler, []
+
+    def admit():
+        with sched.cond:
+            reqs, sched.queue = sched.queue, []
+        return [(r, r.prompt_ids + r.tokens, r.sampling, r.max_tokens - len(r.tokens)) for r in reqs]
+
+    def deliver(r: Request, tokens: list[int], logprobs: list[float], reason: str) -> None:
+        r.tokens, r.logprobs, r.versions = r.tokens + tokens, r.logprobs + logprobs, r.versions + [version()] * len(tokens)
+        if reason == "aborted" and len(r.tokens) < r.max_tokens:
+            cut.append(r)
+            return
+        out = TokenOutput(token_ids=r.tokens, log_probs=r.logprobs, stop_reason=reason, versions=r.versions)
+        r.loop.call_soon_threadsafe(_resolve, r.future, out)
+
+    if serve(admit, deliver, lambda: run.done() or aborted()) or cut or aborted():
+        with sched.cond:
+            sched.held, sched.queue = cut + sched.queue, []
+        return True
+    return False
 
 
 def release_held(sched: Scheduler) -> None:

@@ -22,7 +22,7 @@ import torch
 import yaml
 
 from plait.agents.loop import AgentLoopOutput, ConfigWrap, registered
-from plait.agents.runner import EventLoopThread, Run, Scheduler, drive, outputs, release_held
+from plait.agents.runner import EventLoopThread, Run, Scheduler, drive, drive_stream, outputs, release_held
 from plait.config import SamplingConfig
 from plait.configtree import ConfigError
 from plait.types import PromptBatch, RolloutBatch
@@ -111,7 +111,10 @@ class AgentWorker:
 
     def _drive(self, run: Run, prompts: PromptBatch, n: int, engine_round, version) -> RolloutBatch:
         self.suspended = None
-        cut = drive(run, engine_round, version, GRACE_S, lambda: self.abort_flag)
+        aborted = lambda: self.abort_flag  # noqa: E731
+        serve = getattr(engine_round, "serve", None)  # an engine with continuous batching (vLLM)
+        cut = drive(run, engine_round, version, GRACE_S, aborted) if serve is None else \
+            drive_stream(run, serve, version, aborted)
         if cut:
             self.suspended = (run, prompts, n)
         return to_batch(outputs(run), prompts, n, self.tokenizer.pad_token_id, version(), self.cfg.data.max_response_length)

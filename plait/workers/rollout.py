@@ -61,10 +61,19 @@ class Rollout:
         """One engine batch for the agent loops' scheduler (plait/agents/runner.py); the caller holds the lock."""
         generator = torch.Generator().manual_seed(seed)
 
-        def engine_round(ids: list[list[int]], max_new_tokens: int, sampling: dict):
+        def params(sampling: dict, max_new_tokens: int) -> SamplingParams:
             keys = ("temperature", "top_p", "top_k", "do_sample")  # verl's other keys (logprobs, ...): always on / n.a.
-            params = self._params(SamplingConfig(n=1, **{k: sampling[k] for k in keys if k in sampling}), max_new_tokens)
-            return self.engine.generate(ids, params, generator=generator)
+            return self._params(SamplingConfig(n=1, **{k: sampling[k] for k in keys if k in sampling}), max_new_tokens)
+
+        def engine_round(ids: list[list[int]], max_new_tokens: int, sampling: dict):
+            return self.engine.generate(ids, params(sampling, max_new_tokens), generator=generator)
+        if isinstance(self.engine, TransformersEngine):
+            return engine_round
+
+        def serve(admit, deliver, stop):  # vLLM: continuous batching instead of rounds
+            return self.engine.serve(lambda: [(r, ids, params(s, budget)) for r, ids, s, budget in admit()],
+                                     deliver, stop, generator=generator)
+        engine_round.serve = serve
         return engine_round
 
     def resume(self, batch: RolloutBatch, sampling: SamplingConfig, seed: int) -> RolloutBatch:

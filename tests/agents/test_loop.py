@@ -267,3 +267,53 @@ def test_rollout_worker_cut_by_a_weight_sync_resumes_on_the_new_weights(tmp_path
     assert batch.stop_reasons == ["length", "length"] and (batch.attended.sum(-1) == 40).all()
     for row in batch.token_versions.tolist():
         assert row[0] == 0 and row[-1] == 1 and row == sorted(row)  # version 0 first, then 1
+
+
+class ScriptedStream(ScriptedEngine):
+    """A continuous-batching engine (vLLM's `serve` contract): one token per live request per step;
+    requests join at the next step. Records (step, row text tail) of each admission."""
+
+    def serve(self, admit, deliver, stop):
+        live, step, self.admitted = [], 0, []
+        while True:
+            for key, ids, sampling, budget in admit():
+                head, _, partial = self.tok.decode(ids).rpartition("<|assistant|>")
+                text = self.script(head + "<|assistant|>")[len(partial):]
+                live.append([key, self.tok.encode(text, add_special_tokens=False) + [self.tok.eos_token_id], [], budget])
+                self.admitted.append((step, self.tok.decode(ids)[-12:]))
+            if not live:
+                if stop():
+                    return False
+                time.sleep(0.002)
+                continue
+            step += 1
+            time.sleep(0.005)  # a decode step takes time: tools answer meanwhile
+            for item in list(live):
+                key, todo, done, budget = item
+                done.append(todo.pop(0))
+                if not todo or len(done) >= budget:
+                    live.remove(item)
+                    deliver(key, done, [-0.5] * len(done), "eos" if not todo else "length")
+
+
+def test_continuous_batching_admits_a_next_turn_while_others_decode(tokenizer, tools):
+    """Row 0 calls the tool at once and answers briefly; row 1 writes a long first turn. Row 0's second
+    turn joins the running batch long before row 1's first turn ends."""
+    def script(text):
+        if "(1)" in text:
+            return "x" * 150
+        return "#### 5" if "<|tool|>" in text else CALL
+    engine = ScriptedStream(tokenizer, script)
+
+    def engine_round(*args):
+        raise AssertionError("a continuous engine is served, not run in rounds")
+    engine_round.serve = engine.serve
+    cfg = config(400)
+    cfg.actor_rollout_ref.rollout.agent.default_agent_loop = "tool_agent"
+    worker = AgentWorker(cfg, tokenizer, "qwen2", tools)
+    try:
+        batch = worker.generate(prompts(2), SamplingConfig(n=1), engine_round, lambda: 0)
+    finally:
+        worker.thread.close()
+    assert len(engine.admitted) == 3 and 0 < engine.admitted[-1][0] < 150
+    assert [i["num_turns"] for i in batch.agent_infos] == [4, 2] and batch.attended[1].sum() == 151

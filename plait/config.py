@@ -281,9 +281,13 @@ class MultiTurnConfig:
     interaction_config_path: Optional[str] = None
     use_inference_chat_template: bool = False
     num_repeat_rollouts: Optional[int] = None
+    tool_timeout: Optional[float] = 60.0      # plait's own: seconds a call (create + execute + release) may take; null: none
+    tool_num_workers: int = 2                 # plait's own: tool worker processes (calls in flight at once)
 
     def __post_init__(self):
         from plait.agents.tool_parser import SUPPORTED_FORMATS
+        check(self.tool_timeout is None or self.tool_timeout > 0, "tool_timeout", self.tool_timeout, "> 0 seconds or null")
+        positive(self, "tool_num_workers")
         one_of(self, "format", SUPPORTED_FORMATS)
         one_of(self, "tool_response_truncate_side", TRUNCATE_SIDES)
         for key in ("max_assistant_turns", "max_user_turns"):

@@ -184,7 +184,7 @@ class ToolAgentLoop(AgentLoopBase):
         selection = extra.get("tool_selection") or None
         schemas = self.tools.schemas(selection) if self.tools is not None else []
         data = AgentData(messages=list(kwargs["raw_prompt"]), tools_kwargs=kwargs.get("tools_kwargs") or {},
-                         schemas=schemas, selection=selection, row=str(kwargs.get("index")),
+                         schemas=schemas, selection=selection, row=f"row {kwargs.get('index')}",
                          request_id=kwargs.get("request_id"))
         state = AgentState.PENDING
         while state != AgentState.TERMINATED:

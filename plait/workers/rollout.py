@@ -168,8 +168,11 @@ class Rollout:
 
 def _agent_worker(cfg, tokenizer, model_path: str):
     """The agent side of this worker: the loops, and the tools of rollout.multi_turn (plait/agents)."""
-    from plait.agents.tools import ToolBox
+    from plait.agents.tools import ToolBox, ToolLimits
     from plait.agents.worker import AgentWorker
     from transformers import AutoConfig
     model_type = AutoConfig.from_pretrained(model_path, local_files_only=True).model_type
-    return AgentWorker(cfg, tokenizer, model_type, ToolBox.from_config(cfg.actor_rollout_ref.rollout.multi_turn))
+    mt = cfg.actor_rollout_ref.rollout.multi_turn  # tools get the limits rewards have (reward.memory_limit_mb, ...)
+    limits = ToolLimits(num_workers=mt.tool_num_workers, timeout_s=mt.tool_timeout,
+                        memory_limit_mb=cfg.reward.memory_limit_mb, max_processes=cfg.reward.max_processes)
+    return AgentWorker(cfg, tokenizer, model_type, ToolBox.from_config(mt, limits))

@@ -132,6 +132,7 @@ VLLM = ["actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.gpu_me
         "actor_rollout_ref.rollout.max_model_len=512", "actor_rollout_ref.rollout.enable_prefix_caching=True"]
 
 
+@pytest.mark.vllm
 @pytest.mark.parametrize("mode", ["sync", "fully_async"])
 def test_verls_gsm8k_multiturn_command_line_on_vllm(tmp_path, mode, vllm_model_path):
     """The same command line with rollout.name=vllm (run with the vLLM environment's python)."""

@@ -47,14 +47,27 @@ def load_loop_configs(path: str | None) -> dict[str, dict]:
 
 
 def resolve_class(target: str):
+    key = "actor_rollout_ref.rollout.agent.agent_loop_config_path"
     module, _, name = target.rpartition(".")
     try:
         return getattr(importlib.import_module(module), name)
     except ModuleNotFoundError as err:  # a loop file written against verl, without verl here: the line to change
         from plait.agents.compat import missing_module_line
-        raise ValueError(missing_module_line(err, f"agent loop {target}")) from None
+        raise ConfigError(key, target, missing_module_line(err, f"agent loop {target}")) from None
     except (ImportError, AttributeError, ValueError) as err:
-        raise ValueError(f"agent loop _target_ {target!r} cannot be imported: {err}") from None
+        raise ConfigError(key, target, f"its _target_ cannot be imported: {err}") from None
+
+
+def check_agent_names(path: str | None, default: str, names: set) -> None:
+    """Every agent_name of the data, and the default loop, must be a known loop: a ConfigError at start."""
+    loops = load_loop_configs(path)
+    if default not in loops:
+        raise ConfigError("actor_rollout_ref.rollout.agent.default_agent_loop", default,
+                          f"one of the registered agent loops: {', '.join(sorted(loops))} (add yours with agent_loop_config_path)")
+    unknown = sorted(n for n in names if n not in loops)
+    if unknown:
+        raise ConfigError("agent_name", unknown[0], f"a row names an agent loop that is not registered; registered: "
+                          f"{', '.join(sorted(loops))} (add yours with actor_rollout_ref.rollout.agent.agent_loop_config_path)")
 
 
 class AgentWorker:
@@ -62,6 +75,9 @@ class AgentWorker:
         """`cfg`: the whole PlaitConfig (loops read it as verl's trainer config); `tools`: a ToolBox or None."""
         self.cfg, self.tokenizer, self.model_type, self.tools = cfg, tokenizer, model_type, tools
         self.loops = load_loop_configs(cfg.actor_rollout_ref.rollout.agent.agent_loop_config_path)
+        for name, entry in self.loops.items():  # import every loop now: a bad _target_ fails before any work
+            if "cls" not in entry:
+                entry["cls"] = resolve_class(entry["_target_"])
         self.default = cfg.actor_rollout_ref.rollout.agent.default_agent_loop
         self.thread = EventLoopThread()
         self.suspended: tuple[Run, PromptBatch, int] | None = None

@@ -449,8 +449,13 @@ def merge_results(results: list[StepResult]) -> StepResult:
 def uses_agent_loops(cfg: PlaitConfig, *datasets) -> bool:
     """Rows run agent loops (plait/agents) when the rollout.multi_turn / rollout.agent keys ask for them or
     a row names its loop in an agent_name column; otherwise plain generation (single_turn_agent's result)."""
-    named = any(it.agent_name for d in datasets if d is not None for it in d.items)
-    return cfg.actor_rollout_ref.rollout.agent_loops or named
+    names = {it.agent_name for d in datasets if d is not None for it in d.items if it.agent_name}
+    agent = cfg.actor_rollout_ref.rollout.agent
+    if not (cfg.actor_rollout_ref.rollout.agent_loops or names):
+        return False
+    from plait.agents.worker import check_agent_names
+    check_agent_names(agent.agent_loop_config_path, agent.default_agent_loop, names)
+    return True
 
 
 def loop_scores(batch: RolloutBatch, scores: list[float]) -> list[float]:
@@ -636,6 +641,7 @@ def build_lm_trainer(cfg: PlaitConfig, backend, device: str):
         raise ConfigError("data.train_batch_size", d.train_batch_size,
                           f"larger than the training set ({len(train_data)} prompts in {', '.join(map(str, train_files))}); "
                           "lower it or add prompts")
+    agent_loops = uses_agent_loops(cfg, train_data, val_data)  # unknown agent names: a config error, before any model
     arr = cfg.actor_rollout_ref
     for optim in (arr.actor.optim, cfg.critic.optim):  # as verl: the lr schedule spans the trainer's steps
         if optim.total_training_steps == -1:
@@ -652,7 +658,7 @@ def build_lm_trainer(cfg: PlaitConfig, backend, device: str):
         rollout=backend.spawn("rollout", Rollout, model_path, d.max_response_length, tokenizer, device=device,
                               dtype=DTYPES[arr.rollout.dtype], ignore_eos=arr.rollout.ignore_eos, cfg=arr.rollout,
                               colocated=cfg.trainer.placement == "colocated",
-                              agent_cfg=cfg if uses_agent_loops(cfg, train_data, val_data) else None),
+                              agent_cfg=cfg if agent_loops else None),
         ref=backend.spawn("ref", Ref, model_path, arr.ref, temp, device=device, dtype=dtype,
                           remove_padding=model.use_remove_padding,
                           max_token_len=budget(arr.ref.log_prob_use_dynamic_bsz, arr.ref.log_prob_max_token_len_per_gpu))

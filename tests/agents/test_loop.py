@@ -317,3 +317,20 @@ def test_continuous_batching_admits_a_next_turn_while_others_decode(tokenizer, t
         worker.thread.close()
     assert len(engine.admitted) == 3 and 0 < engine.admitted[-1][0] < 150
     assert [i["num_turns"] for i in batch.agent_infos] == [4, 2] and batch.attended[1].sum() == 151
+
+
+def test_unknown_loops_and_targets_are_config_errors(tmp_path):
+    from plait.agents.worker import check_agent_names, resolve_class
+    from plait.configtree import ConfigError
+    with pytest.raises(ConfigError, match="default_agent_loop='nope'"):
+        check_agent_names(None, "nope", set())
+    with pytest.raises(ConfigError, match="^agent_name='other'"):
+        check_agent_names(None, "single_turn_agent", {"tool_agent", "other"})
+    (tmp_path / "verl_loop.py").write_text("from verl.experimental.agent_loop import AgentLoopBase, register\n")
+    import sys
+    sys.path.insert(0, str(tmp_path))
+    try:
+        with pytest.raises(ConfigError, match="from plait.agents.loop import AgentLoopBase, register"):
+            resolve_class("verl_loop.Mine")
+    finally:
+        sys.path.remove(str(tmp_path))

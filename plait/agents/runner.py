@@ -52,7 +52,9 @@ class Request:
 class Scheduler:
     """The engine as the loops see it (verl's server_manager): `await generate(...)` per turn."""
 
-    def __init__(self):
+    def __init__(self, max_tokens: int):
+        """`max_tokens`: a request's budget when its sampling params name none (the response length)."""
+        self.max_tokens = max_tokens
         self.cond = threading.Condition()
         self.queue: list[Request] = []
         self.held: list[Request] = []   # cut by an abort, waiting for resume
@@ -61,7 +63,8 @@ class Scheduler:
     async def generate(self, request_id=None, prompt_ids=(), sampling_params=None, **_ignored) -> TokenOutput:
         sampling = dict(sampling_params or {})
         loop = asyncio.get_running_loop()
-        req = Request(list(prompt_ids), int(sampling.get("max_tokens") or 1), sampling, loop.create_future(), loop)
+        budget = min(int(sampling.get("max_tokens") or self.max_tokens), self.max_tokens)
+        req = Request(list(prompt_ids), budget, sampling, loop.create_future(), loop)
         with self.cond:
             if not self.queue:
                 self.first_wait = time.perf_counter()

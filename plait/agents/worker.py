@@ -105,7 +105,7 @@ class AgentWorker:
 
     def generate(self, prompts: PromptBatch, sampling: SamplingConfig, engine_round, version: Callable[[], int]) -> RolloutBatch:
         self.abort_flag = False
-        self.scheduler = Scheduler()
+        self.scheduler = Scheduler(self.cfg.data.max_response_length)
         names, n = self.agent_names(prompts), sampling.n
         params = dict(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
                       do_sample=sampling.do_sample)

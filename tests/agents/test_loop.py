@@ -197,6 +197,7 @@ def test_user_loop_from_yaml_with_kwargs_and_its_reward_score(tokenizer, tools, 
     cfg.actor_rollout_ref.rollout.agent.agent_loop_config_path = str(path)
     batch, _ = run(tokenizer, tools, lambda t: "hi", cfg, names=["mine", "single_turn_agent"], n_rows=2)
     assert loop_scores(batch, [0.0, 0.25]) == [3.5, 0.25]
+    assert batch.attended[0].sum() == 3  # "hi" + EOS: no max_tokens given, the response length bounds it
     metrics = agent_metrics(batch)
     assert metrics["num_turns/max"] == 2 and "agent_loop/slowest/response_length" in metrics
 

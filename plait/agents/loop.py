@@ -61,6 +61,17 @@ class AgentLoopOutput:
     response_versions: Optional[list[int]] = None  # plait: policy version per response token (-1: not sampled)
 
 
+@dataclass
+class MergeResult:
+    """verl's Continuous Token merge result (the boundary token a ChatML merge inserts is counted in
+    appended_token_count here; it has mask 0 either way)."""
+    token_ids: list[int]
+    appended_token_count: int
+    kind: str = "context"
+    inserted_token_ids: list[int] = field(default_factory=list)
+    removed_prefix_token_count: int = 0
+
+
 _registry: dict[str, dict] = {}
 
 
@@ -103,6 +114,24 @@ class AgentLoopBase(ABC):
 
     async def ct_build_initial_tokens(self, messages: list[dict], tools: list[dict] | None = None, **_mm) -> list[int]:
         return self.ct.initial(messages, tools, self.prompt_length).ids
+
+    async def ct_merge_assistant_token(self, runtime_token_ids: list[int], assistant_token_ids: list[int],
+                                       response_mask: list[int], response_logprobs: list[float] | None = None,
+                                       assistant_logprobs: list[float] | None = None):
+        """verl's: append sampled ids (mask 1, their log-probs) -> (MergeResult, mask, log-probs)."""
+        n = len(assistant_token_ids)
+        logprobs = None if response_logprobs is None else [*response_logprobs, *(assistant_logprobs or [0.0] * n)]
+        return (MergeResult(list(runtime_token_ids) + list(assistant_token_ids), n, "assistant"),
+                [*response_mask, *[1] * n], logprobs)
+
+    async def ct_merge_context_msg(self, previous_messages: list[dict], updated_messages: list[dict],
+                                   runtime_token_ids: list[int], response_mask: list[int],
+                                   response_logprobs: list[float] | None = None, tools: list[dict] | None = None):
+        """verl's: append the new messages as the template's suffix diff (mask 0) -> (MergeResult, mask, log-probs)."""
+        t = Trajectory(ids=list(runtime_token_ids), mask=list(response_mask),
+                       logprobs=list(response_logprobs or [0.0] * len(response_mask)), versions=[-1] * len(response_mask))
+        added = self.ct.add_messages(t, previous_messages, updated_messages, tools)
+        return MergeResult(t.ids, added, "context"), t.mask, (None if response_logprobs is None else t.logprobs)
 
     @abstractmethod
     async def run(self, sampling_params: dict[str, Any], **kwargs) -> AgentLoopOutput:

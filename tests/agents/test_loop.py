@@ -335,3 +335,18 @@ def test_unknown_loops_and_targets_are_config_errors(tmp_path):
             resolve_class("verl_loop.Mine")
     finally:
         sys.path.remove(str(tmp_path))
+
+
+def test_verls_ct_merge_methods_for_user_loops(tokenizer):
+    """A loop written against verl's AgentLoopBase merges turns with ct_merge_*: same ids and masks as
+    tool_agent's bookkeeping."""
+    import asyncio
+    loop = ScoredEcho(__import__("plait.agents.loop", fromlist=["ConfigWrap"]).ConfigWrap(config()), None, tokenizer)
+    messages = [{"role": "user", "content": "q"}]
+    ids = asyncio.run(loop.ct_build_initial_tokens(messages))
+    merged, mask, lps = asyncio.run(loop.ct_merge_assistant_token(ids, [70, 71], [], [], [-0.1, -0.2]))
+    updated = [*messages, {"role": "assistant", "content": "FG"}, {"role": "tool", "content": "7"}]
+    merged2, mask2, lps2 = asyncio.run(loop.ct_merge_context_msg(messages + updated[1:2], updated, merged.token_ids, mask, lps))
+    tool = ContinuousTokens(tokenizer, "qwen2").delta([{"role": "tool", "content": "7"}], None)
+    assert merged2.token_ids == ids + [70, 71] + tool and mask2 == [1, 1] + [0] * len(tool)
+    assert lps2 == [-0.1, -0.2] + [0.0] * len(tool) and merged2.appended_token_count == len(tool)

@@ -13,9 +13,9 @@ PENDING -> GENERATING -> PROCESSING_TOOLS -> GENERATING ... -> TERMINATED:
 A user loop subclasses `AgentLoopBase`, is decorated with `@register("name")` or listed in
 `rollout.agent.agent_loop_config_path`, and may set `reward_score` to replace the reward function.
 
-Each tool call batch is a "tool_calls" span of the rollout role in timeline.jsonl (one per turn and
-trajectory, on the agent-loop thread), beside the rollout's "gen" span, so a report can tell how much
-of generation went to tools.
+Each batch of tool calls is timed (wall clock, `metrics["tool_spans"]`); the trainer writes them as
+"tool_calls" spans of the rollout role into timeline.jsonl, beside the rollout's "gen" span, so a
+report can tell how much of generation went to tools.
 
 Left out: multimodal inputs, verl's interaction (user simulator) loop, tool_call ids (hermes has none),
 tool spans in the torch profiler's trace (the timeline has them).
@@ -31,7 +31,6 @@ from typing import Any, Optional
 
 from plait.agents.tokens import ContinuousTokens, Trajectory
 from plait.agents.tool_parser import parse_tool_calls
-from plait.profiler.timeline import TIMELINE
 
 
 @dataclass
@@ -257,12 +256,14 @@ class ToolAgentLoop(AgentLoopBase):
     async def processing_tools(self, data: AgentData) -> AgentState:
         previous = list(data.messages)
         calls = data.calls[:self.max_parallel_calls]
-        with Timer(data.metrics, "tool_calls"), TIMELINE.span("rollout", "tool_calls"):
+        start = time.time()
+        with Timer(data.metrics, "tool_calls"):
             if self.tools is None:
                 results = [_no_tools(c) for c in calls]
             else:
                 results = await self.tools.call(calls, data.tools_kwargs, data.row, messages=previous,
                                                 selection=data.selection)
+        data.metrics.setdefault("tool_spans", []).append((start, time.time()))  # wall clock: any process
         for result in results:
             data.messages.append({"role": "tool", "content": result.text or ""})
             if result.reward is not None:

@@ -197,6 +197,7 @@ def to_batch(outs: list[AgentLoopOutput | None], prompts: PromptBatch, n: int, p
             k: float(o.metrics.get(k, 0.0)) for k in ("generate_sequences", "tool_calls")},
             "num_preempted": float(o.metrics.get("num_preempted", -1)),
             "tool_calls_made": len(o.extra_fields.get("tool_rewards", [])),
+            "tool_spans": list(o.metrics.get("tool_spans", [])),
             "tool_errors": len(o.extra_fields.get("tool_errors", []))})
     reasons = ["aborted" if o is None else "length" if len(o.response_ids) >= response_length else "eos" for o in outs]
     return RolloutBatch(prompts=prompts_t, prompt_mask=prompt_mask, responses=responses, response_mask=mask,

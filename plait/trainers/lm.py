@@ -38,6 +38,7 @@ from plait.configtree import ConfigError
 from plait.errors import RunError
 from plait.data.dataset import PromptDataset, iterate_batches
 from plait.data.rewards import ScoreRequest, Scores, resolve_reward
+from plait.profiler.timeline import TIMELINE, WALL0
 from plait.trainers.lifecycle import StageTimer, StepResult
 from plait.types import PromptBatch, RolloutBatch
 from plait.workers.actor import Actor
@@ -275,6 +276,7 @@ class LMTrainer:
               scored: Scores | None = None) -> StepResult:
         cfg, roles = self.cfg, self.roles
         metrics: dict[str, float] = {}
+        record_tool_spans(batch)
         with timer.stage("reward"):
             scores, extra = self.score(batch) if scored is None else scored
             batch.scores = scores
@@ -464,6 +466,14 @@ def loop_scores(batch: RolloutBatch, scores: list[float]) -> list[float]:
         return scores
     return [s if info.get("reward_score") is None else float(info["reward_score"])
             for s, info in zip(scores, batch.agent_infos)]
+
+
+def record_tool_spans(batch: RolloutBatch) -> None:
+    """The agent loops' tool calls (wall clock, timed in the rollout's process) as "tool_calls" spans of
+    the rollout role in timeline.jsonl."""
+    for info, version in zip(batch.agent_infos or [], batch.versions.tolist()):
+        for start, end in info.get("tool_spans", []) if info else []:
+            TIMELINE.add("rollout", "tool_calls", start - WALL0, end - WALL0, version)
 
 
 def agent_metrics(batch: RolloutBatch) -> dict[str, float]:

@@ -125,6 +125,20 @@ def test_tool_agent_ids_masks_and_logprobs(tokenizer, tools):
     assert engine.rounds == [1, 1] and batch.stop_reasons == ["eos"]
 
 
+def test_tool_calls_are_timeline_spans(tokenizer, tools, tmp_path):
+    from plait.profiler.timeline import TIMELINE, read_timeline
+    from plait.trainers.lm import record_tool_spans
+    batch, _ = run(tokenizer, tools, tool_then_answer)
+    TIMELINE.open(str(tmp_path / "timeline.jsonl"))
+    try:
+        record_tool_spans(batch)
+    finally:
+        TIMELINE.close(1)
+    [span] = read_timeline(str(tmp_path / "timeline.jsonl"))
+    assert (span["role"], span["stage"], span["step"]) == ("rollout", "tool_calls", 1)
+    assert 0 < span["end"] - span["start"] <= batch.agent_infos[0]["tool_calls"] + 0.01
+
+
 def test_turn_limits(tokenizer, tools):
     always_call = lambda text: CALL  # noqa: E731
     batch, _ = run(tokenizer, tools, always_call, config(max_assistant_turns=2))

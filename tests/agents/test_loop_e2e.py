@@ -1,6 +1,7 @@
 """verl's GSM8K multi-turn example (examples/sglang_multiturn: gsm8k_multiturn_grpo.yaml, its tool
 config and its command line) on this CPU: the demo's tiny model and generated GSM8K-style rows in
-verl's gsm8k_tool_agent_loop format swapped in, sizes shrunk, rollout.name=hf. The run must train
+verl's gsm8k_tool_agent_loop format swapped in, sizes shrunk, rollout.name=hf (and vllm, run with the
+vLLM environment's python), in every LM mode, on the local and the Ray backend. The run must train
 through the tool agent loop, report verl's agent metrics and name no multi_turn key as having no
 effect. The tiny random model does not write tool calls; tests/agents/test_loop.py covers the calls."""
 
@@ -106,9 +107,10 @@ def verl_command(tmp_path: Path, *extra: str) -> list[str]:
 RAY = ["trainer.backend=ray", "trainer.ray.num_cpu_workers=1", "trainer.ray.cpus_per_worker=0.5"]
 
 
-@pytest.mark.parametrize("mode", ["sync", "one_step_off", "fully_async", "fully_async_ray"])
+@pytest.mark.parametrize("mode", ["sync", "one_step_off", "fully_async", "sync_ray", "one_step_off_ray", "fully_async_ray"])
 def test_verls_gsm8k_multiturn_command_line_runs(tmp_path, mode):
     extra = {"sync": [], "one_step_off": ["trainer.mode=one_step_off", "trainer.placement=separated"],
+             "sync_ray": RAY, "one_step_off_ray": [*RAY, "trainer.mode=one_step_off", "trainer.placement=separated"],
              "fully_async_ray": [*RAY, "trainer.mode=fully_async", "trainer.placement=separated",
                                  "async_training.partial_rollout=True", "async_training.trigger_parameter_sync_step=1",
                                  "async_training.staleness_threshold=1"],

@@ -26,7 +26,8 @@ PLAIT_BUILTINS = {  # verl's class name -> plait's implementation of it
     "verl.tools.gsm8k_tool.Gsm8kTool": "plait.agents.builtin_tools.Gsm8kTool",
 }
 
-_NEEDS_SERVICE = "it calls an outside service, which plait neither runs nor reaches; write a BaseTool or @function_tool for yours"
+_NEEDS_SERVICE = ("it calls an outside service, which plait neither runs nor reaches; "
+                  "write a BaseTool or @function_tool for yours")
 REFUSED = {  # verl's tools that plait does not run, and why
     "verl.tools.search_tool.SearchTool": f"verl's retrieval tool: {_NEEDS_SERVICE}",
     "verl.tools.sandbox_fusion_tools.SandboxFusionTool": f"verl's remote code sandbox (SandboxFusion): {_NEEDS_SERVICE}",

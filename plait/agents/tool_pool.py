@@ -13,8 +13,8 @@ raises comes back as verl's error text; what it does to its process (exit, crash
 time limit, memory past RLIMIT_AS) is a RunError from the pool, which ToolBox turns into one line
 naming the tool and the row; the worker is replaced at the next call.
 
-Left out: calls of one worker run one at a time (the pool's `num_workers` is the parallelism;
-verl runs async tools concurrently on one event loop).
+Left out: calls of one worker run one at a time (`multi_turn.tool_num_workers` is the
+parallelism; verl runs async tools concurrently on one event loop).
 """
 
 from __future__ import annotations

@@ -129,3 +129,22 @@ def test_packed_and_dynamic_batches_cover_tool_tokens(model_path):
     # attended lengths 11 and 7: a budget of 14 tokens cannot hold both (trained lengths 7 + 7 could)
     assert MicroBatching(None, 14, False).split(b) == [[0], [1]]
     assert MicroBatching(None, 14, False).split(b.replace(response_attention=None)) == [[0, 1]]
+
+
+def test_critic_values_and_loss_ignore_tool_tokens(model_path):
+    from plait.config import CriticConfig
+    from plait.workers.critic import Critic
+    session = ProfilerSession(GlobalProfilerConfig(), {"critic": RoleProfilerConfig()}, rank=0)
+    cfg = CriticConfig(optim=OptimConfig(lr=1e-2, total_training_steps=4), ppo_mini_batch_size=2, ppo_epochs=1)
+    g = torch.Generator().manual_seed(1)
+    returns = torch.randn(2, 8, generator=g) * TRAINED
+    runs, control = [], returns.clone()
+    control[0, 5] = 50.0  # wild on a trained token: must change the update
+    for r in (returns, torch.where(TOOL, torch.full_like(returns, 50.0), returns), control):
+        critic = Critic(model_path, cfg, 1, session.for_role("critic"))
+        b = batch(values=torch.zeros(2, 8), returns=r)
+        values = critic.compute_values(b)
+        assert (values[TOOL] == 0).all()  # no value on tool tokens
+        critic.update(b)
+        runs.append(torch.cat([p.detach().flatten() for p in critic.model.parameters()]))
+    assert torch.allclose(runs[0], runs[1]) and not torch.allclose(runs[0], runs[2])

@@ -24,6 +24,7 @@ tool spans in the torch profiler's trace (the timeline has them).
 from __future__ import annotations
 
 import enum
+import json
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
@@ -282,7 +283,6 @@ class ToolAgentLoop(AgentLoopBase):
 
 def _arguments(call) -> Any:
     """The arguments as the chat template wants them: the parsed object when it is JSON, else the text."""
-    import json
     try:
         value = json.loads(call.arguments)
     except (TypeError, ValueError):

@@ -134,14 +134,17 @@ VLLM = ["actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.gpu_me
         "actor_rollout_ref.rollout.max_model_len=512", "actor_rollout_ref.rollout.enable_prefix_caching=True"]
 
 
+FULLY_ASYNC = ["trainer.mode=fully_async", "trainer.placement=separated", "async_training.partial_rollout=True",
+               "async_training.trigger_parameter_sync_step=1", "async_training.staleness_threshold=1"]
+
+
 @pytest.mark.vllm
-@pytest.mark.parametrize("mode", ["sync", "fully_async"])
+@pytest.mark.parametrize("mode", ["sync", "one_step_off", "fully_async", "fully_async_ray"])
 def test_verls_gsm8k_multiturn_command_line_on_vllm(tmp_path, mode, vllm_model_path):
     """The same command line with rollout.name=vllm (run with the vLLM environment's python)."""
     pytest.importorskip("vllm")
-    extra = [] if mode == "sync" else ["trainer.mode=fully_async", "trainer.placement=separated",
-                                       "async_training.partial_rollout=True", "async_training.trigger_parameter_sync_step=1",
-                                       "async_training.staleness_threshold=1"]
+    extra = {"sync": [], "one_step_off": ["trainer.mode=one_step_off", "trainer.placement=separated"],
+             "fully_async": FULLY_ASYNC, "fully_async_ray": [*RAY, *FULLY_ASYNC]}[mode]
     cmd = [c.replace("actor_rollout_ref.rollout.name=hf", VLLM[0]) for c in verl_command(tmp_path, *VLLM[1:], *extra)]
     cmd.append(f"actor_rollout_ref.model.path={vllm_model_path}")
     env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}

@@ -272,6 +272,77 @@ class EngineKwargsConfig:
     vllm: dict[str, Any] = field(default_factory=dict)  # passed to vllm.LLM as given, over plait's settings
 
 
+TRUNCATE_SIDES = ("left", "right", "middle")
+UNSUPPORTED_WHY = "is not implemented in plait's agent loops (docs/agents.md)"
+
+
+@dataclass
+class MultiTurnConfig:
+    """`rollout.multi_turn`: the tool_agent loop's limits and tools (plait/agents, docs/agents.md)."""
+    enable: bool = False                      # true: rows run agent loops (default_agent_loop unless agent_name)
+    max_assistant_turns: Optional[int] = None  # null: no limit but the response budget
+    max_user_turns: Optional[int] = None       # tool answers count as user turns
+    max_parallel_calls: int = 1                # calls run per assistant turn (the first ones)
+    max_tool_response_length: int = 256        # characters of a tool's text before truncation
+    tool_response_truncate_side: str = "middle"
+    tool_config_path: Optional[str] = None     # verl's tool YAML (class_name, config, tool_schema)
+    function_tool_path: Optional[str] = None   # a Python file of @function_tool functions
+    format: str = "hermes"
+    tokenization_sanity_check_mode: str = "strict"  # the Continuous Token prefix check always runs
+    interaction_config_path: Optional[str] = None
+    use_inference_chat_template: bool = False
+    num_repeat_rollouts: Optional[int] = None
+    tool_timeout: Optional[float] = 60.0      # plait's own: seconds a call (create + execute + release) may take; null: none
+    tool_num_workers: int = 2                 # plait's own: tool worker processes (calls in flight at once)
+
+    def __post_init__(self):
+        from plait.agents.tool_parser import SUPPORTED_FORMATS
+        check(self.tool_timeout is None or self.tool_timeout > 0, "tool_timeout", self.tool_timeout, "> 0 seconds or null")
+        positive(self, "tool_num_workers")
+        one_of(self, "format", SUPPORTED_FORMATS)
+        one_of(self, "tool_response_truncate_side", TRUNCATE_SIDES)
+        for key in ("max_assistant_turns", "max_user_turns"):
+            check(getattr(self, key) is None or getattr(self, key) >= 1, key, getattr(self, key), "an integer >= 1 or null")
+        positive(self, "max_parallel_calls", "max_tool_response_length")
+        check(self.tokenization_sanity_check_mode == "strict", "tokenization_sanity_check_mode",
+              self.tokenization_sanity_check_mode, "strict: plait always checks that the chat template is prefix-stable")
+        check(self.interaction_config_path is None, "interaction_config_path", self.interaction_config_path,
+              f"null: verl's interaction (simulated user) loop {UNSUPPORTED_WHY}")
+        check(not self.use_inference_chat_template, "use_inference_chat_template", self.use_inference_chat_template,
+              f"false: re-rendering turns with the inference template {UNSUPPORTED_WHY} (tokens are kept as sampled)")
+        check(self.num_repeat_rollouts is None, "num_repeat_rollouts", self.num_repeat_rollouts,
+              f"null: verl's sglang-rollout repeat count {UNSUPPORTED_WHY}; use rollout.n")
+
+
+@dataclass
+class CustomAsyncServerConfig:
+    path: Optional[str] = None
+    name: Optional[str] = None
+
+    def __post_init__(self):
+        for key in ("path", "name"):
+            check(getattr(self, key) is None, key, getattr(self, key),
+                  "null: plait's rollout serves the loops from its own engine (custom async servers are not implemented)")
+
+
+@dataclass
+class AgentConfig:
+    """`rollout.agent`: which agent loop a row runs (plait/agents/worker.py)."""
+    default_agent_loop: str = "single_turn_agent"  # for rows without an agent_name column
+    agent_loop_config_path: Optional[str] = None    # YAML list of {name, _target_, **kwargs}
+    num_workers: int = 8
+    custom_async_server: CustomAsyncServerConfig = field(default_factory=CustomAsyncServerConfig)
+
+    def __post_init__(self):
+        check(self.num_workers == 8, "num_workers", self.num_workers,
+              "8 (verl's default): plait runs every agent loop of a rollout on one event loop beside its one engine, "
+              "so there are no agent-loop worker processes to count; drop the key")
+
+    @property
+    def on(self) -> bool:
+        return self.default_agent_loop != "single_turn_agent" or self.agent_loop_config_path is not None
+
+
 @dataclass
 class RolloutConfig:
     # hf: plait's engine (transformers); vllm: vLLM's engine (plait/workers/vllm_engine.py).
@@ -310,6 +381,14 @@ class RolloutConfig:
     # engine, so at most one node, whose n_gpus_per_node devices (CPU: cpus_per_worker slots) it holds.
     nnodes: int = 0
     n_gpus_per_node: int = 8
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
+    agent: AgentConfig = field(default_factory=AgentConfig)
+
+    @property
+    def agent_loops(self) -> bool:
+        """Whether rows run through agent loops (plait/agents) rather than plain generation."""
+        mt = self.multi_turn
+        return mt.enable or mt.tool_config_path is not None or mt.function_tool_path is not None or self.agent.on
 
     def __post_init__(self):
         SamplingConfig(self.n, self.temperature, self.top_p, self.top_k, self.do_sample)  # same checks

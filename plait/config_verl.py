@@ -157,24 +157,8 @@ _GROUPS = {
         actor_rollout_ref.rollout.quantization_config_file
         reward.reward_model.rollout
     """,
-    ("agent loops, multi-turn chat and tool calling: plait's rollout is single-turn generation"): """
-        actor_rollout_ref.rollout.multi_turn.enable
-        actor_rollout_ref.rollout.multi_turn.max_assistant_turns
-        actor_rollout_ref.rollout.multi_turn.tool_config_path
-        actor_rollout_ref.rollout.multi_turn.max_user_turns
-        actor_rollout_ref.rollout.multi_turn.max_parallel_calls
-        actor_rollout_ref.rollout.multi_turn.max_tool_response_length
-        actor_rollout_ref.rollout.multi_turn.tool_response_truncate_side
-        actor_rollout_ref.rollout.multi_turn.interaction_config_path
-        actor_rollout_ref.rollout.multi_turn.use_inference_chat_template
-        actor_rollout_ref.rollout.multi_turn.tokenization_sanity_check_mode
-        actor_rollout_ref.rollout.multi_turn.format
-        actor_rollout_ref.rollout.multi_turn.num_repeat_rollouts
-        actor_rollout_ref.rollout.agent.num_workers
-        actor_rollout_ref.rollout.agent.default_agent_loop
-        actor_rollout_ref.rollout.agent.agent_loop_config_path
-        actor_rollout_ref.rollout.agent.custom_async_server.path
-        actor_rollout_ref.rollout.agent.custom_async_server.name
+    ("rollout traces and data-side tool lists: plait's agent loops (rollout.multi_turn, rollout.agent) take "
+     "their tools from rollout.multi_turn and keep no rollout trace"): """
         actor_rollout_ref.rollout.trace.backend
         actor_rollout_ref.rollout.trace.token2text
         actor_rollout_ref.rollout.trace.max_samples_per_step_per_worker
@@ -398,13 +382,12 @@ _GROUPS = {
      "work implements these)"): """
     """,
     ("verl 0.9 serving, routing and agent machinery (prefill/decode disaggregation, routers, MoE load metrics, "
-     "tool functions, rollout traces, custom checkpoint-engine backends): plait's rollout is single-turn "
-     "generation in its own engine"): """
+     "rollout traces, custom checkpoint-engine backends): plait's rollout serves "
+     "generation from its own engine"): """
         actor_rollout_ref.rollout.disaggregation
         actor_rollout_ref.rollout.router_config_path
         actor_rollout_ref.rollout.moe_load_balance_metrics_interval
         actor_rollout_ref.rollout.full_determinism
-        actor_rollout_ref.rollout.multi_turn.function_tool_path
         actor_rollout_ref.rollout.trace.project_name
         actor_rollout_ref.rollout.trace.experiment_name
         actor_rollout_ref.rollout.checkpoint_engine.custom_backend_module

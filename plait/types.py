@@ -22,20 +22,22 @@ class PromptBatch:
     ground_truths: list[Any]               # as each row stores it: str, list or dict
     extra_infos: list[dict]
     indices: list[int]                     # row index in the dataset; stable ids for groups and logs
+    agent_names: list = field(default_factory=list)  # a row's agent_name column (None: the default loop); []: none
 
     def __len__(self) -> int:
         return len(self.prompt_ids)
 
 
 _OPTIONAL_TENSORS = ("token_scores", "token_rewards", "old_logprobs", "ref_logprobs", "values",
-                     "advantages", "returns", "rollout_is_weights", "loss_mask", "sum_pi_squared")
+                     "advantages", "returns", "rollout_is_weights", "loss_mask", "sum_pi_squared",
+                     "response_attention", "token_versions")
 
 
 @dataclass
 class RolloutBatch:
     prompts: torch.Tensor                  # [batch, prompt_len] left-padded
     responses: torch.Tensor                # [batch, resp_len] right-padded
-    response_mask: torch.Tensor            # [batch, resp_len] float, 1 on generated tokens (EOS included)
+    response_mask: torch.Tensor            # [batch, resp_len] float, 1 on tokens TRAINED ON: the ones the policy sampled (EOS included)
     prompt_mask: torch.Tensor              # [batch, prompt_len] 1 on real prompt tokens
     rollout_logprobs: torch.Tensor         # [batch, resp_len] log-probs the rollout sampled with
     group_ids: torch.Tensor                # [batch] long; samples of one prompt share an id
@@ -54,6 +56,12 @@ class RolloutBatch:
     rollout_is_weights: Optional[torch.Tensor] = None  # [batch, resp_len] truncated IS weights (rollout correction)
     loss_mask: Optional[torch.Tensor] = None      # [batch, resp_len] response_mask less rejected samples; None: response_mask
     sum_pi_squared: Optional[torch.Tensor] = None  # [batch, resp_len] sum_v pi_old(v)^2 (optimal token baselines)
+    response_attention: Optional[torch.Tensor] = None  # [batch, resp_len] float, 1 on every response token ATTENDED
+    #   (sampled ones and the tool / user messages an agent loop put between them); None: response_mask
+    token_versions: Optional[torch.Tensor] = None  # [batch, resp_len] long, policy version each sampled token came from
+    #   (agent loops; -1 off sampled tokens); None: `versions` for every token
+    agent_infos: Optional[list[dict]] = None  # per row, from an agent loop: num_turns, reward_score, seconds in
+    #   generate_sequences / tool_calls (plait/agents/worker.py); None: no agent loop ran
     scores: list[float] = field(default_factory=list)
 
     def __len__(self) -> int:
@@ -64,8 +72,13 @@ class RolloutBatch:
         return torch.cat([self.prompts, self.responses], dim=1)  # [batch, prompt_len + resp_len]
 
     @property
+    def attended(self) -> torch.Tensor:
+        """Response tokens the model attends to [batch, resp_len]; response_mask is the subset trained on."""
+        return self.response_mask if self.response_attention is None else self.response_attention
+
+    @property
     def attention_mask(self) -> torch.Tensor:
-        return torch.cat([self.prompt_mask, self.response_mask.to(self.prompt_mask.dtype)], dim=1)  # [batch, prompt_len + resp_len]
+        return torch.cat([self.prompt_mask, self.attended.to(self.prompt_mask.dtype)], dim=1)  # [batch, prompt_len + resp_len]
 
     def select(self, idx: torch.Tensor | list[int] | slice) -> "RolloutBatch":
         """Rows `idx` of every field."""
@@ -102,14 +115,28 @@ class RolloutBatch:
             values = [getattr(p, f.name) for p in parts]
             if all(v is None for v in values):
                 out[f.name] = None
+            elif f.name in _DEFAULTED and any(v is None for v in values):  # some parts single-turn: fill in the default
+                values = [_default(p, f.name) if v is None else v for p, v in zip(parts, values)]
+                out[f.name] = torch.cat([_pad_to(v, f.name, pad_p, pad_r) for v in values], dim=0)
             elif isinstance(values[0], torch.Tensor):
                 out[f.name] = torch.cat([_pad_to(v, f.name, pad_p, pad_r) for v in values], dim=0)
             else:
-                out[f.name] = [x for v in values for x in v]
+                out[f.name] = [x for p, v in zip(parts, values) for x in (v if v is not None else [{}] * len(p))]
         return RolloutBatch(**out)
 
     def replace(self, **changes) -> "RolloutBatch":
         return dataclasses.replace(self, **changes)
+
+
+_DEFAULTED = ("response_attention", "token_versions")  # None means a default (see the field comments)
+
+
+def _default(batch: RolloutBatch, name: str) -> torch.Tensor:
+    """What a None `response_attention` / `token_versions` stands for, as a tensor [batch, resp_len]."""
+    if name == "response_attention":
+        return batch.response_mask
+    sampled = batch.response_mask.bool()
+    return torch.where(sampled, batch.versions[:, None].expand_as(sampled), torch.full_like(sampled, -1, dtype=torch.long))
 
 
 def _pad_to(t: torch.Tensor, name: str, prompt_len: int, resp_len: int) -> torch.Tensor:

@@ -17,7 +17,7 @@ import random
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import pyarrow.parquet as pq
 from transformers import PreTrainedTokenizerBase
@@ -125,6 +125,7 @@ class PromptItem:
     ground_truth: Any  # as the row stores it: a string, a list, a dict
     extra_info: dict   # the row's, plus "raw_prompt" (its messages) with return_raw_chat
     index: int
+    agent_name: Optional[str] = None  # the row's agent_name column: the agent loop it runs (plait/agents)
 
 
 TRUNCATIONS = ("error", "left", "right", "middle")
@@ -204,7 +205,8 @@ class PromptDataset:
             extra_info["raw_prompt"] = prompt if isinstance(prompt, str) else list(prompt)
         return PromptItem(prompt_ids=ids, prompt_text=text, data_source=row[reward_fn_key],
                           ground_truth=reward_model["ground_truth"],
-                          extra_info=extra_info, index=int(extra_info.get("index", first_index + i)))
+                          extra_info=extra_info, index=int(extra_info.get("index", first_index + i)),
+                          agent_name=row.get("agent_name"))
 
     @staticmethod
     def _fit(item: PromptItem, max_len: int, truncation: str) -> PromptItem:

@@ -37,7 +37,7 @@ import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from multiprocessing.connection import Connection
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from plait.errors import RunError
 from plait.safeload import UnsafeFileError, first_line, loads_plain
@@ -53,12 +53,23 @@ class RewardSpec:
     reward_kwargs: dict = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class PoolWording:
+    """How a pool's failures name the call and the limits: a reward's by default; the tool pool
+    (plait/agents/tool_pool.py) names the tool, the row and its own keys."""
+    describe: Optional[Callable[[str, tuple, dict], str]] = None  # (label, args, kwargs) -> "reward function NAME (...)"
+    timeout_key: str = "reward.custom_reward_function.timeout"
+    memory_key: str = "reward.memory_limit_mb"
+    must: str = "a reward function must return a score"
+
+
 class RewardPool:
     """`num_workers` processes calling one reward function; `pool(**kwargs)` is an awaitable result."""
 
     def __init__(self, spec: RewardSpec, label: str, num_workers: int, timeout: Optional[float] = None,
-                 memory_limit_mb: Optional[int] = None, max_processes: int = 64):
-        self.spec, self.label, self.timeout = spec, label, timeout
+                 memory_limit_mb: Optional[int] = None, max_processes: int = 64,
+                 wording: PoolWording = PoolWording()):
+        self.spec, self.label, self.timeout, self.wording = spec, label, timeout, wording
         self.memory_limit_mb, self.max_processes = memory_limit_mb, max_processes
         self.workers = [_Worker(self) for _ in range(num_workers)]
         self.requests: queue.SimpleQueue = queue.SimpleQueue()
@@ -143,8 +154,10 @@ class _Worker:
                 future.set_exception(err)
 
     def call(self, args: tuple, kwargs: dict) -> Any:
-        from plait.data.rewards import describe_call  # not at the top: a worker never imports it (or torch)
-        where = describe_call(self.pool.label, args, kwargs)
+        describe = self.pool.wording.describe
+        if describe is None:
+            from plait.data.rewards import describe_call as describe  # not at the top: a worker never imports it (or torch)
+        where = describe(self.pool.label, args, kwargs)
         if self.proc is None or self.proc.poll() is not None:
             self.start(where)
         conn = self.conn  # a local: close() may take self.conn away mid-call
@@ -154,7 +167,7 @@ class _Worker:
             conn.send_bytes(pickle.dumps((args, kwargs)))
             if not conn.poll(self.pool.timeout):
                 self.kill()
-                raise RunError(f"{where} did not return within reward.custom_reward_function.timeout={self.pool.timeout} s; "
+                raise RunError(f"{where} did not return within {self.pool.wording.timeout_key}={self.pool.timeout} s; "
                                "its worker process was killed")
             kind, detail = loads_plain(conn.recv_bytes(), "a reward worker's reply")
         except (EOFError, OSError):
@@ -206,9 +219,9 @@ class _Worker:
             if -code == signal.SIGKILL:
                 limit = self.pool.memory_limit_mb
                 return (f"was killed by {name} in its worker process (out of memory? each worker may use "
-                        f"reward.memory_limit_mb={limit} MiB)")
+                        f"{self.pool.wording.memory_key}={limit} MiB)")
             return f"crashed with {name} in its worker process"
-        return f"ended its worker process with exit status {code} (os._exit?); a reward function must return a score"
+        return f"ended its worker process with exit status {code} (os._exit?); {self.pool.wording.must}"
 
     def kill(self) -> None:
         """SIGKILL the worker's process group (it leads its own session), and close the socket."""

@@ -39,6 +39,7 @@ from plait.configtree import ConfigError
 from plait.errors import RunError
 from plait.data.dataset import PromptDataset, iterate_batches
 from plait.data.rewards import ScoreRequest, Scores, resolve_reward
+from plait.profiler.timeline import TIMELINE, WALL0
 from plait.trainers.lifecycle import StageTimer, StepResult
 from plait.types import PromptBatch, RolloutBatch
 from plait.workers.actor import Actor
@@ -152,9 +153,9 @@ class LMTrainer:
             scores += scored
             sources += batch.data_sources
             uids += batch.group_ids.tolist()
-            lengths += batch.response_mask.sum(-1).tolist()
+            lengths += batch.attended.sum(-1).tolist()
             if self.cfg.trainer.log_val_generations:
-                samples += zip(self.decode(batch.prompts, batch.prompt_mask), self.decode(batch.responses, batch.response_mask), scored)
+                samples += zip(self.decode(batch.prompts, batch.prompt_mask), self.decode(batch.responses, batch.attended), scored)
         out = validation_metrics(sources, uids, scores, extras)
         out["val-aux/response_length/mean"] = sum(lengths) / max(len(lengths), 1)
         if samples:
@@ -219,9 +220,10 @@ class LMTrainer:
     def score(self, batch: RolloutBatch) -> Scores:
         if self.roles.reward_model is not None:  # as in verl, a reward model's score replaces the rule reward
             return self.roles.reward_model.call(RewardModel.compute_rm_score, batch), {}
-        texts = self.decode(batch.responses, batch.response_mask)
-        lengths = batch.response_mask.sum(-1).long().tolist()
-        return self.reward_fn(ScoreRequest(batch.data_sources, texts, batch.ground_truths, batch.extra_infos, lengths))
+        texts = self.decode(batch.responses, batch.attended)  # tool / user turns included, as verl's reward managers see it
+        lengths = batch.attended.sum(-1).long().tolist()
+        scores, extra = self.reward_fn(ScoreRequest(batch.data_sources, texts, batch.ground_truths, batch.extra_infos, lengths))
+        return loop_scores(batch, scores), extra
 
     def greedy_baselines(self, batch: RolloutBatch) -> torch.Tensor:
         """ReMax's baseline [batch]: the score of one greedy response per prompt, generated now."""
@@ -276,6 +278,7 @@ class LMTrainer:
               scored: Scores | None = None) -> StepResult:
         cfg, roles = self.cfg, self.roles
         metrics: dict[str, float] = {}
+        record_tool_spans(batch)
         with timer.stage("reward"):
             scores, extra = self.score(batch) if scored is None else scored
             batch.scores = scores
@@ -316,6 +319,7 @@ class LMTrainer:
                     actor_metrics.pop("actor/entropy")
                 metrics.update(actor_metrics)
         metrics.update(data_metrics(batch, cfg.data.max_prompt_length))
+        metrics.update(agent_metrics(batch))
         metrics.update(seqlen_metrics(batch.attention_mask))
         num_tokens = int(batch.attention_mask.sum())
         return StepResult(metrics, num_tokens=num_tokens, response_tokens=int(batch.response_mask.sum()))
@@ -454,16 +458,72 @@ def merge_results(results: list[StepResult]) -> StepResult:
                       response_tokens=sum(r.response_tokens for r in results))
 
 
+def uses_agent_loops(cfg: PlaitConfig, *datasets) -> bool:
+    """Rows run agent loops (plait/agents) when the rollout.multi_turn / rollout.agent keys ask for them or
+    a row names its loop in an agent_name column; otherwise plain generation (single_turn_agent's result)."""
+    names = {it.agent_name for d in datasets if d is not None for it in d.items if it.agent_name}
+    agent = cfg.actor_rollout_ref.rollout.agent
+    if not (cfg.actor_rollout_ref.rollout.agent_loops or names):
+        return False
+    from plait.agents.worker import check_agent_names
+    check_agent_names(agent.agent_loop_config_path, agent.default_agent_loop, names)
+    return True
+
+
+def loop_scores(batch: RolloutBatch, scores: list[float]) -> list[float]:
+    """An agent loop's reward_score replaces the reward function's score of its row (verl's rm_scores)."""
+    if batch.agent_infos is None:
+        return scores
+    return [s if info.get("reward_score") is None else float(info["reward_score"])
+            for s, info in zip(scores, batch.agent_infos)]
+
+
+def record_tool_spans(batch: RolloutBatch) -> None:
+    """The agent loops' tool calls (wall clock, timed in the rollout's process) as "tool_calls" spans of
+    the rollout role in timeline.jsonl."""
+    for info, version in zip(batch.agent_infos or [], batch.versions.tolist()):
+        for start, end in info.get("tool_spans", []) if info else []:
+            TIMELINE.add("rollout", "tool_calls", start - WALL0, end - WALL0, version)
+
+
+def agent_metrics(batch: RolloutBatch) -> dict[str, float]:
+    """verl's num_turns/{min,max,mean}, agent_loop/{generate_sequences,tool_calls,num_preempted}/{min,max,mean}
+    and agent_loop/slowest/* (the trajectory with the most generate + tool seconds), plus plait's
+    agent_loop/tool_calls_per_trajectory and agent_loop/tool_error_rate."""
+    infos = batch.agent_infos
+    if not infos or not any(infos):
+        return {}
+    out = {}
+    for name, key in (("num_turns", "num_turns"), ("agent_loop/generate_sequences", "generate_sequences"),
+                      ("agent_loop/tool_calls", "tool_calls"), ("agent_loop/num_preempted", "num_preempted")):
+        values = [float(i.get(key, 0.0)) for i in infos if i]
+        out.update({f"{name}/min": min(values), f"{name}/max": max(values), f"{name}/mean": sum(values) / len(values)})
+    total = [i.get("generate_sequences", 0.0) + i.get("tool_calls", 0.0) if i else -1.0 for i in infos]
+    slow = total.index(max(total))
+    out.update({"agent_loop/slowest/generate_sequences": infos[slow]["generate_sequences"],
+                "agent_loop/slowest/tool_calls": infos[slow]["tool_calls"],
+                "agent_loop/slowest/num_preempted": infos[slow]["num_preempted"],
+                "agent_loop/slowest/prompt_length": float(batch.prompt_mask[slow].sum()),
+                "agent_loop/slowest/response_length": float(batch.attended[slow].sum())})
+    calls = sum(i.get("tool_calls_made", 0) for i in infos if i)
+    out["agent_loop/tool_calls_per_trajectory"] = calls / max(1, sum(1 for i in infos if i))
+    out["agent_loop/tool_error_rate"] = sum(i.get("tool_errors", 0) for i in infos if i) / max(calls, 1)
+    return out
+
+
 def prompt_batch(items) -> PromptBatch:
     return PromptBatch(prompt_ids=[it.prompt_ids for it in items], data_sources=[it.data_source for it in items],
                        ground_truths=[it.ground_truth for it in items], extra_infos=[it.extra_info for it in items],
-                       indices=[it.index for it in items])
+                       indices=[it.index for it in items], agent_names=[it.agent_name for it in items])
 
 
 def last_token_scores(scores: list[float], response_mask: torch.Tensor) -> torch.Tensor:
-    """Put each sequence's score on its last response token: [batch, resp_len]."""
+    """Put each sequence's score on its last trained response token: [batch, resp_len]. In an agent
+    trajectory that is the last sampled token, not a tool message after it (the mask has holes), so
+    the score survives the KL penalty's and the estimators' masking."""
     out = torch.zeros_like(response_mask, dtype=torch.float32)
-    last = (response_mask.sum(-1).long() - 1).clamp(min=0)
+    width = response_mask.shape[-1]
+    last = width - 1 - response_mask.bool().flip(-1).long().argmax(-1)      # [batch] last index where the mask is 1
     out[torch.arange(len(scores)), last] = torch.tensor(scores, dtype=torch.float32)
     return out * (response_mask.sum(-1, keepdim=True) > 0)
 
@@ -503,7 +563,7 @@ def data_metrics(batch: RolloutBatch, max_prompt_length: int) -> dict[str, float
         # 1 - Var(returns - values) / Var(returns) over valid tokens: 1 is a perfect critic, 0 a constant one
         ret, val = batch.returns[mask], batch.values[mask]
         out["critic/vf_explained_var"] = (1.0 - (ret - val).var() / (ret.var() + 1e-5)).item()
-    resp_len = batch.response_mask.sum(-1).float()
+    resp_len = batch.attended.sum(-1).float()  # verl's response_length: from the attention mask (tool turns count)
     prompt_len = batch.prompt_mask.sum(-1).float()
     aborted = resp_len == 0
     kept = resp_len[~aborted] if (~aborted).any() else resp_len.new_zeros(1)
@@ -615,6 +675,7 @@ def build_lm_trainer(cfg: PlaitConfig, backend, device: str):
         raise ConfigError("data.train_batch_size", d.train_batch_size,
                           f"larger than the training set ({len(train_data)} prompts in {', '.join(map(str, train_files))}); "
                           "lower it or add prompts")
+    agent_loops = uses_agent_loops(cfg, train_data, val_data)  # unknown agent names: a config error, before any model
     for optim in (arr.actor.optim, cfg.critic.optim):  # as verl: the lr schedule spans the trainer's steps
         if optim.total_training_steps == -1:
             optim.total_training_steps = cfg.total_steps(len(train_data) // cfg.data.train_batch_size)
@@ -629,7 +690,8 @@ def build_lm_trainer(cfg: PlaitConfig, backend, device: str):
                             gradient_checkpointing=model.enable_gradient_checkpointing, model_cfg=model),
         rollout=backend.spawn("rollout", Rollout, model_path, d.max_response_length, tokenizer, device=device,
                               dtype=rollout_dtype, ignore_eos=arr.rollout.ignore_eos, cfg=arr.rollout,
-                              colocated=cfg.trainer.placement == "colocated"),
+                              colocated=cfg.trainer.placement == "colocated",
+                              agent_cfg=cfg if agent_loops else None),
         ref=backend.spawn("ref", Ref, model_path, arr.ref, temp, device=device, dtype=dtype,
                           remove_padding=model.use_remove_padding,
                           max_token_len=budget(arr.ref.log_prob_use_dynamic_bsz, arr.ref.log_prob_max_token_len_per_gpu))

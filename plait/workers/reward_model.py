@@ -58,7 +58,7 @@ class RewardModel:
         decode = lambda ids: self.input_tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
         out = []
         for i in range(len(batch)):
-            response = decode(batch.responses[i][batch.response_mask[i].bool()].tolist())
+            response = decode(batch.responses[i][batch.attended[i].bool()].tolist())
             raw = (batch.extra_infos[i] or {}).get("raw_prompt")
             if isinstance(raw, list) and self.tokenizer.chat_template is not None:
                 chat = [*raw, {"role": "assistant", "content": response}]

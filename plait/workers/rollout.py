@@ -29,8 +29,9 @@ from plait.workers.rollout_engine import SamplingParams, TransformersEngine
 class Rollout:
     def __init__(self, model_path: str, max_response_length: int, tokenizer, profiler,
                  device: str = "cpu", dtype: torch.dtype = torch.float32, ignore_eos: bool = False,
-                 cfg: RolloutConfig | None = None, colocated: bool = True):
-        """`cfg` (the rollout node) names the engine and its settings; None: plait's engine (hf)."""
+                 cfg: RolloutConfig | None = None, colocated: bool = True, agent_cfg=None):
+        """`cfg` (the rollout node) names the engine and its settings; None: plait's engine (hf).
+        `agent_cfg`: the whole PlaitConfig when rows run agent loops (plait/agents), else None."""
         self.max_response_length, self.pad_token_id, self.profiler = max_response_length, tokenizer.pad_token_id, profiler
         eos = [] if ignore_eos else eos_token_ids(tokenizer, load_generation_config(model_path))
         if cfg is not None and cfg.name == "vllm":
@@ -47,15 +48,41 @@ class Rollout:
             self.engine = TransformersEngine(model, pad_token_id=self.pad_token_id, eos_token_ids=eos)
         self.version = 0
         self._lock = threading.Lock()
+        self.agents = None if agent_cfg is None else _agent_worker(agent_cfg, tokenizer, model_path)
 
     def generate(self, prompts: PromptBatch, sampling: SamplingConfig, seed: int) -> RolloutBatch:
+        if self.agents is not None:  # an abort() between or inside turns makes it return; resume() goes on
+            with self._lock, self.profiler.annotate("gen"):
+                return self.agents.generate(prompts, sampling, self._round(seed), lambda: self.version)
         with self._lock, self.profiler.annotate("gen"):
             return self._generate(prompts, sampling, seed)
+
+    def _round(self, seed: int):
+        """One engine batch for the agent loops' scheduler (plait/agents/runner.py); the caller holds the lock."""
+        generator = torch.Generator().manual_seed(seed)
+
+        def params(sampling: dict, max_new_tokens: int) -> SamplingParams:
+            keys = ("temperature", "top_p", "top_k", "do_sample")  # verl's other keys (logprobs, ...): always on / n.a.
+            return self._params(SamplingConfig(n=1, **{k: sampling[k] for k in keys if k in sampling}), max_new_tokens)
+
+        def engine_round(ids: list[list[int]], max_new_tokens: int, sampling: dict):
+            return self.engine.generate(ids, params(sampling, max_new_tokens), generator=generator)
+        if isinstance(self.engine, TransformersEngine):
+            return engine_round
+
+        def serve(admit, deliver, stop):  # vLLM: continuous batching instead of rounds
+            return self.engine.serve(lambda: [(r, ids, params(s, budget)) for r, ids, s, budget in admit()],
+                                     deliver, stop, generator=generator)
+        engine_round.serve = serve
+        return engine_round
 
     def resume(self, batch: RolloutBatch, sampling: SamplingConfig, seed: int) -> RolloutBatch:
         """Finish the rows of `batch` that an abort cut short, from their tokens so far, with the current
         weights. Their earlier tokens keep the log-probs they were sampled with; a finished row takes
         this worker's version (the version that finished it). Other rows are returned unchanged."""
+        if self.agents is not None:
+            with self._lock, self.profiler.annotate("gen"):
+                return self.agents.resume(batch, self._round(seed), lambda: self.version)
         with self._lock, self.profiler.annotate("gen"):
             return self._resume(batch, sampling, seed)
 
@@ -69,7 +96,7 @@ class Rollout:
         rows = [i for i, reason in enumerate(batch.stop_reasons) if reason == "aborted"]
         if not rows:
             return batch
-        lengths = batch.response_mask.sum(-1).long().tolist()                 # [batch]
+        lengths = batch.attended.sum(-1).long().tolist()                      # [batch]
         ids = [batch.prompts[i][batch.prompt_mask[i].bool()].tolist() + batch.responses[i, :lengths[i]].tolist()
                for i in rows]
         budget = self.max_response_length - min(lengths[i] for i in rows)
@@ -126,10 +153,26 @@ class Rollout:
             self.version = version
 
     def close(self) -> None:
-        """Stop the engine's own processes, if it has any (vLLM's engine core)."""
+        """Stop the engine's own processes, if it has any (vLLM's engine core), and the agent loops' tools."""
+        if self.agents is not None:
+            self.agents.close()
         self.engine.close()
 
     @out_of_band
     def abort(self) -> None:
         """Cut a running generate or resume short (no lock: it must reach the call holding it)."""
+        if self.agents is not None:
+            self.agents.abort()
         self.engine.abort()
+
+
+def _agent_worker(cfg, tokenizer, model_path: str):
+    """The agent side of this worker: the loops, and the tools of rollout.multi_turn (plait/agents)."""
+    from plait.agents.tools import ToolBox, ToolLimits
+    from plait.agents.worker import AgentWorker
+    from transformers import AutoConfig
+    model_type = AutoConfig.from_pretrained(model_path, local_files_only=True).model_type
+    mt = cfg.actor_rollout_ref.rollout.multi_turn  # tools get the limits rewards have (reward.memory_limit_mb, ...)
+    limits = ToolLimits(num_workers=mt.tool_num_workers, timeout_s=mt.tool_timeout,
+                        memory_limit_mb=cfg.reward.memory_limit_mb, max_processes=cfg.reward.max_processes)
+    return AgentWorker(cfg, tokenizer, model_type, ToolBox.from_config(mt, limits))

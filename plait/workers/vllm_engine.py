@@ -21,7 +21,8 @@ KV computed with the old weights would otherwise be reused silently (an off-poli
 Device-specific parts are the two small functions at the bottom: `cpu_settings` (KV-cache size
 and OpenMP binding env vars, eager mode) and `gpu_settings` (memory fraction, sleep mode).
 Left out: tensor parallelism on CPU, an NCCL/IPC weight path (vLLM's `weight_transfer_config`)
-for GPUs, LoRA adapters in the engine, multi-turn and tools.
+for GPUs, LoRA adapters in the engine. Agent loops (multi-turn, tools) use `serve`: continuous
+batching of their per-turn requests, with prefix caching reusing earlier turns' KV blocks.
 """
 
 from __future__ import annotations
@@ -84,9 +85,7 @@ class VLLMEngine:
     def generate(self, prompts: list[list[int]], params: SamplingParams,
                  generator: torch.Generator | None = None) -> Generation:
         """One response per prompt; `generator` draws each request's seed (reproducible per call)."""
-        from vllm import SamplingParams as VLLMParams
         from vllm.inputs import TokensPrompt
-        from vllm.sampling_params import RequestOutputKind
         if not prompts or min(len(p) for p in prompts) == 0:
             raise ValueError("generate needs at least one prompt and no empty prompts")
         self._abort.clear()
@@ -99,11 +98,7 @@ class VLLMEngine:
         reasons: dict[str, str] = {}
         with self._io:
             for rid, prompt, seed in zip(ids, prompts, seeds):
-                sp = VLLMParams(max_tokens=params.max_new_tokens, temperature=params.temperature if params.do_sample else 0.0,
-                                top_p=params.top_p, top_k=params.top_k if params.top_k > 0 else -1, seed=seed,
-                                logprobs=0, stop_token_ids=self.eos_token_ids, ignore_eos=self.ignore_eos,
-                                detokenize=False, output_kind=RequestOutputKind.DELTA)
-                self._engine.add_request(rid, TokensPrompt(prompt_token_ids=list(prompt)), sp)
+                self._engine.add_request(rid, TokensPrompt(prompt_token_ids=list(prompt)), self._params(params, seed))
         while len(reasons) < len(ids):
             if self._abort.is_set():
                 with self._io:
@@ -129,6 +124,53 @@ class VLLMEngine:
             responses[row, :n], mask[row, :n] = torch.tensor(tokens[rid], dtype=torch.long), 1.0
             lp[row, :n] = torch.tensor(logprobs[rid])
         return Generation(responses=responses, response_mask=mask, logprobs=lp, stop_reasons=[reasons[i] for i in ids])
+
+    def _params(self, params: SamplingParams, seed: int):
+        from vllm import SamplingParams as VLLMParams
+        from vllm.sampling_params import RequestOutputKind
+        return VLLMParams(max_tokens=params.max_new_tokens, temperature=params.temperature if params.do_sample else 0.0,
+                          top_p=params.top_p, top_k=params.top_k if params.top_k > 0 else -1, seed=seed,
+                          logprobs=0, stop_token_ids=self.eos_token_ids, ignore_eos=self.ignore_eos,
+                          detokenize=False, output_kind=RequestOutputKind.DELTA)
+
+    def serve(self, admit, deliver, stop, generator: torch.Generator | None = None) -> bool:
+        """Continuous batching for agent loops (plait/agents/runner.py): before every engine step the
+        requests `admit()` returns ((key, prompt ids, SamplingParams) each) join the running batch, and
+        a request is handed to `deliver(key, tokens, logprobs, reason)` the step it finishes, so its
+        loop can call tools and send its next turn while the others decode. Returns False once nothing
+        is in flight and `stop()`; True when `abort()` cut it (in-flight requests delivered "aborted")."""
+        from vllm.inputs import TokensPrompt
+        self._abort.clear()
+        self.wake()
+        live: dict[str, tuple] = {}  # request id -> (key, tokens, log-probs)
+        while True:
+            for key, prompt, params in admit():
+                self._calls += 1
+                rid, seed = f"{self._calls}-s", int(torch.randint(0, 2**31 - 1, (1,), generator=generator))
+                with self._io:
+                    self._engine.add_request(rid, TokensPrompt(prompt_token_ids=list(prompt)), self._params(params, seed))
+                live[rid] = (key, [], [])
+            if self._abort.is_set() or (not live and stop()):
+                with self._io:
+                    self._engine.abort_request(list(live))
+                for key, tokens, logprobs in live.values():
+                    deliver(key, tokens, logprobs, "aborted")
+                if self.sleep_between_calls:
+                    self.sleep()
+                return bool(live) or self._abort.is_set()
+            if not live:
+                time.sleep(0.002)  # every trajectory is in its tools: wait for the next turn
+                continue
+            with self._io:
+                outputs = self._engine.step()
+            for out in outputs:
+                key, tokens, logprobs = live[out.request_id]
+                c = out.outputs[0]
+                tokens += c.token_ids
+                logprobs += [step[tok].logprob for step, tok in zip(c.logprobs, c.token_ids)]
+                if c.finish_reason is not None:
+                    del live[out.request_id]
+                    deliver(key, tokens, logprobs, STOP_REASONS.get(c.finish_reason, "length"))
 
     def load_weights(self, state_dict: dict[str, torch.Tensor], share: bool = False) -> None:
         """Reload the engine's weights in place from `state_dict` (HF names), then drop the prefix

@@ -1,0 +1,208 @@
+"""The rollout role's agent side: which loop runs each row, and the RolloutBatch of their outputs.
+
+A row runs the loop its `agent_name` column names, else `rollout.agent.default_agent_loop`. Loops
+are the registered ones (plait/agents/loop.py) plus those in `rollout.agent.agent_loop_config_path`:
+a YAML list of `{name, _target_: module.Class, **kwargs}` (the kwargs go to the constructor). Each
+row gets verl's keyword arguments: raw_prompt, extra_info, tools_kwargs (extra_info's), index,
+data_source, reward_model, agent_name. The batch built from the outputs has the two masks
+(response_mask: sampled tokens; response_attention: all response tokens), the rollout's log-probs
+(0 off sampled tokens), per-token policy versions, and per row in `agent_infos` the loop's metrics,
+num_turns and reward_score; turn_scores, tool_rewards and num_turns are also added to the row's
+extra_info, where reward functions read them (as verl's reward managers pass them).
+"""
+
+from __future__ import annotations
+
+import importlib
+import uuid
+from pathlib import Path
+from typing import Callable
+
+import torch
+import yaml
+
+from plait.agents.loop import AgentLoopOutput, ConfigWrap, registered
+from plait.agents.runner import EventLoopThread, Run, Scheduler, drive, drive_stream, outputs, release_held
+from plait.config import SamplingConfig
+from plait.configtree import ConfigError
+from plait.types import PromptBatch, RolloutBatch
+
+GRACE_S = 0.05  # how long a ready request waits for trajectories still in tools before a round starts
+
+
+def load_loop_configs(path: str | None) -> dict[str, dict]:
+    """The registry plus the user's YAML list of loops ({name, _target_, **kwargs})."""
+    loops = registered()
+    if path is None:
+        return loops
+    key = "actor_rollout_ref.rollout.agent.agent_loop_config_path"
+    if not Path(path).is_file():
+        raise ConfigError(key, path, "no such file: a YAML list of {name, _target_: module.Class, ...kwargs}")
+    entries = yaml.safe_load(Path(path).read_text()) or []
+    if not isinstance(entries, list) or not all(isinstance(e, dict) and "name" in e and "_target_" in e for e in entries):
+        raise ConfigError(key, path, "must hold a YAML list of mappings, each with `name` and `_target_` (module.Class)")
+    for e in entries:
+        loops[e["name"]] = {k: v for k, v in e.items() if k != "name"}
+    return loops
+
+
+def resolve_class(target: str):
+    key = "actor_rollout_ref.rollout.agent.agent_loop_config_path"
+    module, _, name = target.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except ModuleNotFoundError as err:  # a loop file written against verl, without verl here: the line to change
+        from plait.agents.compat import missing_module_line
+        raise ConfigError(key, target, missing_module_line(err, f"agent loop {target}")) from None
+    except (ImportError, AttributeError, ValueError) as err:
+        raise ConfigError(key, target, f"its _target_ cannot be imported: {err}") from None
+
+
+def check_agent_names(path: str | None, default: str, names: set) -> None:
+    """Every agent_name of the data, and the default loop, must be a known loop: a ConfigError at start."""
+    loops = load_loop_configs(path)
+    if default not in loops:
+        raise ConfigError("actor_rollout_ref.rollout.agent.default_agent_loop", default,
+                          f"one of the registered agent loops: {', '.join(sorted(loops))} (add yours with agent_loop_config_path)")
+    unknown = sorted(n for n in names if n not in loops)
+    if unknown:
+        raise ConfigError("agent_name", unknown[0], f"a row names an agent loop that is not registered; registered: "
+                          f"{', '.join(sorted(loops))} (add yours with actor_rollout_ref.rollout.agent.agent_loop_config_path)")
+
+
+class AgentWorker:
+    def __init__(self, cfg, tokenizer, model_type: str | None, tools=None):
+        """`cfg`: the whole PlaitConfig (loops read it as verl's trainer config); `tools`: a ToolBox or None."""
+        self.cfg, self.tokenizer, self.model_type, self.tools = cfg, tokenizer, model_type, tools
+        self.loops = load_loop_configs(cfg.actor_rollout_ref.rollout.agent.agent_loop_config_path)
+        for name, entry in self.loops.items():  # import every loop now: a bad _target_ fails before any work
+            if "cls" not in entry:
+                entry["cls"] = resolve_class(entry["_target_"])
+        self.default = cfg.actor_rollout_ref.rollout.agent.default_agent_loop
+        self.thread = EventLoopThread()
+        self.suspended: tuple[Run, PromptBatch, int] | None = None
+        self.abort_flag = False
+        self.warned_single_turn = False
+
+    def make_loop(self, name: str):
+        entry = self.loops.get(name)
+        if entry is None:
+            raise ValueError(f"agent_name {name!r} is not a registered agent loop; registered: {', '.join(sorted(self.loops))} "
+                             "(add yours with rollout.agent.agent_loop_config_path)")
+        cls = entry.get("cls") or resolve_class(entry["_target_"])
+        kwargs = {k: v for k, v in entry.items() if k not in ("_target_", "cls")}
+        return cls(ConfigWrap(self.cfg), self.scheduler, self.tokenizer, processor=None, dataset_cls=None,
+                   data_config=ConfigWrap(self.cfg.data), hf_model_type=self.model_type, tools=self.tools, **kwargs)
+
+    def agent_names(self, prompts: PromptBatch) -> list[str]:
+        names = [n or self.default for n in (prompts.agent_names or [None] * len(prompts))]
+        if self.tools is not None and "single_turn_agent" in names and not self.warned_single_turn:
+            self.warned_single_turn = True
+            print(f"plait: {names.count('single_turn_agent')} of {len(names)} rows run single_turn_agent (no agent_name "
+                  f"column, rollout.agent.default_agent_loop={self.default}): the configured tools are not offered to "
+                  "them; set agent_name=tool_agent in the data or rollout.agent.default_agent_loop=tool_agent")
+        return names
+
+    def generate(self, prompts: PromptBatch, sampling: SamplingConfig, engine_round, version: Callable[[], int]) -> RolloutBatch:
+        self.abort_flag = False
+        self.scheduler = Scheduler(self.cfg.data.max_response_length)
+        names, n = self.agent_names(prompts), sampling.n
+        params = dict(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
+                      do_sample=sampling.do_sample)
+        futures = []
+        for i in range(len(prompts)):
+            for _ in range(n):
+                loop = self.make_loop(names[i])
+                futures.append(self.thread.submit(loop.run(params, **self.row_kwargs(prompts, i, names[i]))))
+        run = Run(futures, self.scheduler)
+        return self._drive(run, prompts, n, engine_round, version)
+
+    def resume(self, batch: RolloutBatch, engine_round, version: Callable[[], int]) -> RolloutBatch:
+        if self.suspended is None:
+            return batch
+        run, prompts, n = self.suspended
+        self.abort_flag = False
+        release_held(run.scheduler)
+        return self._drive(run, prompts, n, engine_round, version)
+
+    def _drive(self, run: Run, prompts: PromptBatch, n: int, engine_round, version) -> RolloutBatch:
+        self.suspended = None
+        aborted = lambda: self.abort_flag  # noqa: E731
+        serve = getattr(engine_round, "serve", None)  # an engine with continuous batching (vLLM)
+        cut = drive(run, engine_round, version, GRACE_S, aborted) if serve is None else \
+            drive_stream(run, serve, version, aborted)
+        if cut:
+            self.suspended = (run, prompts, n)
+        return to_batch(outputs(run), prompts, n, self.tokenizer.pad_token_id, version(), self.cfg.data.max_response_length)
+
+    def abort(self) -> None:
+        self.abort_flag = True
+        scheduler = getattr(self, "scheduler", None)
+        if scheduler is not None:
+            scheduler.notify()
+
+    @staticmethod
+    def row_kwargs(prompts: PromptBatch, i: int, name: str) -> dict:
+        extra = dict(prompts.extra_infos[i] or {})
+        raw = extra.get("raw_prompt")
+        if raw is None:
+            raise ValueError(f"row {prompts.indices[i]}: agent loops need the row's chat messages "
+                             "(data.return_raw_chat=true and a list-of-messages prompt)")
+        messages = [{"role": "user", "content": raw}] if isinstance(raw, str) else [dict(m) for m in raw]
+        return dict(raw_prompt=messages, extra_info=extra, tools_kwargs=extra.get("tools_kwargs") or {},
+                    index=prompts.indices[i], data_source=prompts.data_sources[i],
+                    reward_model={"ground_truth": prompts.ground_truths[i]}, agent_name=name,
+                    request_id=uuid.uuid4().hex)
+
+    def close(self) -> None:
+        self.thread.close()
+        if self.tools is not None:
+            self.tools.close()
+
+
+def to_batch(outs: list[AgentLoopOutput | None], prompts: PromptBatch, n: int, pad: int, version: int,
+             response_length: int) -> RolloutBatch:
+    """The RolloutBatch of one generate call; an unfinished row (None) is an empty, "aborted" one."""
+    rows = len(outs)
+    prompt_ids = [o.prompt_ids if o is not None else prompts.prompt_ids[i // n] for i, o in enumerate(outs)]
+    resp = [o.response_ids if o is not None else [] for o in outs]
+    pw, rw = max(len(p) for p in prompt_ids), max(1, max(len(r) for r in resp))
+    prompts_t = torch.full((rows, pw), pad, dtype=torch.long)
+    prompt_mask = torch.zeros((rows, pw), dtype=torch.long)
+    responses = torch.full((rows, rw), pad, dtype=torch.long)
+    mask, attn, logp = torch.zeros(rows, rw), torch.zeros(rows, rw), torch.zeros(rows, rw)
+    token_versions = torch.full((rows, rw), -1, dtype=torch.long)
+    for i, (p, o) in enumerate(zip(prompt_ids, outs)):
+        prompts_t[i, pw - len(p):], prompt_mask[i, pw - len(p):] = torch.tensor(p, dtype=torch.long), 1
+        if o is None or not o.response_ids:
+            continue
+        k = len(o.response_ids)
+        responses[i, :k] = torch.tensor(o.response_ids)
+        mask[i, :k] = torch.tensor(o.response_mask, dtype=torch.float)
+        attn[i, :k] = 1.0
+        if o.response_logprobs:
+            logp[i, :k] = torch.tensor(o.response_logprobs, dtype=torch.float) * mask[i, :k]
+        if o.response_versions:
+            token_versions[i, :k] = torch.tensor(o.response_versions)
+    rep = lambda xs: [x for x in xs for _ in range(n)]  # noqa: E731
+    extra = [dict(e or {}) for e in rep(prompts.extra_infos)]
+    infos = []
+    for e, o in zip(extra, outs):
+        if o is None:
+            infos.append({})
+            continue
+        e.update(num_turns=o.num_turns, turn_scores=o.extra_fields.get("turn_scores", []),
+                 tool_rewards=o.extra_fields.get("tool_rewards", []))
+        infos.append({"num_turns": o.num_turns, "reward_score": o.reward_score, **{
+            k: float(o.metrics.get(k, 0.0)) for k in ("generate_sequences", "tool_calls")},
+            "num_preempted": float(o.metrics.get("num_preempted", -1)),
+            "tool_calls_made": len(o.extra_fields.get("tool_rewards", [])),
+            "tool_spans": list(o.metrics.get("tool_spans", [])),
+            "tool_errors": len(o.extra_fields.get("tool_errors", []))})
+    reasons = ["aborted" if o is None else "length" if len(o.response_ids) >= response_length else "eos" for o in outs]
+    return RolloutBatch(prompts=prompts_t, prompt_mask=prompt_mask, responses=responses, response_mask=mask,
+                        response_attention=attn, rollout_logprobs=logp, token_versions=token_versions,
+                        group_ids=torch.tensor(rep(prompts.indices), dtype=torch.long),
+                        versions=torch.full((rows,), version, dtype=torch.long),
+                        data_sources=rep(prompts.data_sources), ground_truths=rep(prompts.ground_truths),
+                        extra_infos=extra, stop_reasons=reasons, agent_infos=infos)

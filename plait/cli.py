@@ -1,5 +1,5 @@
 """The `plait` command: `plait train [--config FILE] key=value ...`, `plait config show ...`,
-`plait profile report DIR`.
+`plait profile report DIR`, `plait export CHECKPOINT OUT`.
 
 Overrides take verl's Hydra forms (`key=value`, `+key=value`, `~key`). Bad config keys, types or
 values exit with status 2 and one line each naming the key, the value and what would be valid,
@@ -49,7 +49,15 @@ def main(argv: list[str] | None = None) -> int:
     report.add_argument("dir", help="a run's output dir or a profiler save_path")
     report.add_argument("--profile", help="the profiler save_path, when it is not DIR or DIR/profile")
     report.add_argument("--run", help="the run's output dir (timeline.jsonl, metrics.jsonl), when it is not DIR")
+    export = sub.add_parser("export", help="write a checkpoint's policy as a Hugging Face folder (transformers, vLLM)")
+    export.add_argument("checkpoint", help="a checkpoints/global_step_N folder (or checkpoints/: its newest)")
+    export.add_argument("out", help="the folder to write: config.json, model.safetensors, tokenizer, generation config")
+    export.add_argument("--lora", choices=("merge", "adapter"), default="merge",
+                        help="a LoRA checkpoint: merge the adapter into the base weights (default) or write the peft adapter")
+    export.add_argument("--base", help="a LoRA checkpoint's base model folder, when it moved since training")
     args = parser.parse_args(argv)
+    if args.command == "export":
+        return export_command(args)
     if args.command == "profile":
         from plait.profiler.analysis import build_report
         try:
@@ -81,6 +89,18 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt as err:  # 143 for SIGTERM, 130 for SIGINT: the shells' convention
         print("plait: interrupted; the last checkpoint and closed artifacts are intact", file=sys.stderr)
         return 128 + (err.signum if isinstance(err, Interrupted) else signal.SIGINT)
+    return 0
+
+
+def export_command(args) -> int:
+    from plait.export import ExportError, export_checkpoint
+    try:
+        out = export_checkpoint(args.checkpoint, args.out, lora=args.lora, base=args.base)
+    except ExportError as err:
+        print(f"plait: export: {err}", file=sys.stderr)
+        return 2
+    print(f"plait: exported {args.checkpoint} to {out}: AutoModelForCausalLM.from_pretrained({out!r}) or "
+          f"vllm serve {out}", file=sys.stderr)
     return 0
 
 

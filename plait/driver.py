@@ -17,14 +17,15 @@ import torch
 import transformers
 
 from plait.config import PlaitConfig
-from plait.configtree import ConfigError, raise_all, to_dict
+from plait.configtree import ConfigError, ConfigErrors, raise_all, to_dict
 from plait.data.reward_pool import close_reward_workers
 from plait.data.rewards import resolve_reward
+from plait.checks import check_data_files, check_loggers, not_a_directory
 from plait.models import builtin_model, check_model_dir
 from plait.profiler import RoleProfilerConfig, validate_environment
 from plait.profiler.config import ROLE_KEYS
 from plait.trainers.lifecycle import Lifecycle, LifecycleConfig, output_dir_lock
-from plait.trainers.tracking import Tracker, check_loggers
+from plait.trainers.tracking import Tracker
 
 log = logging.getLogger("plait")
 
@@ -38,32 +39,37 @@ def resolve_device(cfg: PlaitConfig) -> str:
     return device
 
 
-def check_data_files(cfg: PlaitConfig) -> None:
-    for key, files in (("data.train_files", cfg.data.train_files), ("data.val_files", cfg.data.val_files)):
-        for path in files or []:
-            if not os.path.isfile(path):
-                raise ConfigError(key, path, "no such file (parquet or JSONL rows in verl's format)")
-
-
 def check_model_path(cfg: PlaitConfig) -> None:
     """A model dir without config, weights or tokenizer, or not a causal LM, is refused before any work;
     so is a built-in model name (models.BUILTIN_MODELS) whose package is missing."""
     model, rm = cfg.actor_rollout_ref.model, cfg.reward.reward_model
     builtin = builtin_model(model.path)
+    checks = []
     if builtin is not None:  # built on first use (trainers/lm.py); here only what it needs is checked
-        builtin.check("actor_rollout_ref.model.path", model.path)
+        checks.append(lambda: builtin.check("actor_rollout_ref.model.path", model.path))
     elif model.path is not None and cfg.trainer.mode != "diffusion":
-        check_model_dir("actor_rollout_ref.model.path", model.path)
+        checks.append(lambda: check_model_dir("actor_rollout_ref.model.path", model.path))
     if cfg.critic.enable and cfg.critic.model.path:
-        check_model_dir("critic.model.path", cfg.critic.model.path, tokenizer=False)
+        checks.append(lambda: check_model_dir("critic.model.path", cfg.critic.model.path, tokenizer=False))
+    errors = []
+    for check in checks:
+        try:
+            check()
+        except ConfigError as err:
+            errors.append(err)
     for key, path in (("actor_rollout_ref.model.lora_adapter_path", model.lora_adapter_path if model.lora_rank else None),
                       ("reward.reward_model.model_path", rm.model_path if rm.enable else None)):
         if path is not None and not os.path.isdir(path):
-            raise ConfigError(key, path, "not a directory; give a local Hugging Face model directory")
+            errors.append(ConfigError(key, path, not_a_directory(path)))
+    raise_all(errors)
 
 
 def preflight(cfg: PlaitConfig) -> None:
     """Everything refused before any training work, all errors together."""
+    raise_all(preflight_errors(cfg))
+
+
+def preflight_errors(cfg: PlaitConfig) -> list[ConfigError]:
     errors = []
     for role in absent_profiled_roles(cfg):
         log.warning("profiler: %s.profiler.enable is true but this run has no %s role (%s); it is not profiled",
@@ -74,9 +80,11 @@ def preflight(cfg: PlaitConfig) -> None:
                  lambda: resolve_device(cfg), lambda: check_loggers(cfg.trainer.logger)):
         try:
             rule()
+        except ConfigErrors as err:
+            errors += err.errors
         except ConfigError as err:
             errors.append(err)
-    raise_all(errors)
+    return errors
 
 
 def build(cfg: PlaitConfig, progress: bool = True, checked: bool = False) -> Lifecycle:

@@ -9,7 +9,6 @@ cut back to the checkpoint's step (`keep_until`), a torn line dropped with a war
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -17,21 +16,14 @@ import re
 import sys
 from typing import Iterable
 
+from plait.checks import check_loggers
 from plait.configtree import ConfigError
 
 CONSOLE_KEYS = {"critic/score/mean": "score", "actor/pg_loss": "pg_loss", "response_length/mean": "resp_len",
                 "perf/time_per_step": "s/step"}
 
 
-PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow", "swanlab": "swanlab"}
 FILE_LOGGERS = ("file", "json_eval")  # verl's JSON-lines loggers: plait's metrics.jsonl is one
-
-
-def check_loggers(loggers: list[str]) -> None:
-    """A logger whose package is missing is a config error at start (train and config show alike)."""
-    for name in loggers:
-        if name in PACKAGES and importlib.util.find_spec(PACKAGES[name]) is None:
-            raise ConfigError("trainer.logger", name, f"needs the {PACKAGES[name]} package: pip install {PACKAGES[name]}")
 
 
 class MlflowSink:
@@ -65,7 +57,12 @@ class Tracker:
             self.sinks["tensorboard"] = SummaryWriter(os.path.join(output_dir, "tensorboard"))
         if "wandb" in loggers:
             import wandb
-            self.sinks["wandb"] = wandb.init(project=project, name=experiment, config=config or {})
+            try:
+                self.sinks["wandb"] = wandb.init(project=project, name=experiment, config=config or {})
+            except Exception as err:  # noqa: BLE001 - a login the preflight could not see, the network, the server
+                raise ConfigError("trainer.logger", "wandb", f"wandb.init failed ({type(err).__name__}: "
+                                  f"{str(err).strip().splitlines()[0] if str(err).strip() else ''}); `wandb login`, or "
+                                  "WANDB_MODE=offline") from None
         if "mlflow" in loggers:
             self.sinks["mlflow"] = MlflowSink(project, experiment, config or {})
         if "swanlab" in loggers:

@@ -27,11 +27,13 @@ def main(argv: list[str] | None = None) -> int:
     # profiling started" at every memory window) are read from this once, at torch's import; set it to
     # WARNING to see them. Worker processes of a Ray instance plait starts inherit it.
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    from plait import __version__
     parser = argparse.ArgumentParser(prog="plait", description="RL post-training: one step lifecycle for every trainer mode.")
+    parser.add_argument("--version", action="version", version=f"plait {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="train (the built-in demo when no config is given)")
-    train.add_argument("--config", help="a YAML config file, or a built-in one by name (diffusion_demo); "
-                                        "key=value overrides apply on top")
+    train.add_argument("--config", help="a YAML config file, or a built-in one by name: "
+                                        f"{', '.join(builtin_configs())} (plait/configs/); key=value overrides apply on top")
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
     config = sub.add_parser("config", help="inspect configuration")
     config_sub = config.add_subparsers(dest="action", required=True)
@@ -134,6 +136,12 @@ def config_file(config: str | None, name: str | None, folder: str | None) -> str
         raise ConfigError("--config-name", name, f"no {name}.yaml in --config-path {folder or '(not given: .)'}; "
                                                  "verl's ppo_trainer is plait's built-in tree")
     return path
+
+
+def builtin_configs() -> list[str]:
+    """The names of the configs shipped in plait/configs/ (demo is the default's preset)."""
+    folder = os.path.join(os.path.dirname(__file__), "configs")
+    return sorted(name.removesuffix(".yaml") for name in os.listdir(folder) if name.endswith(".yaml"))
 
 
 def builtin_config(name: str | None) -> str | None:

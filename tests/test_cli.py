@@ -54,3 +54,51 @@ def test_wandb_without_the_package_or_a_login_is_one_line(tmp_path, capsys):
     assert not wandb_logged_in({"WANDB_BASE_URL": "https://wandb.example.com"}, str(netrc))  # another server
     assert wandb_logged_in({"WANDB_API_KEY": "k"}, str(tmp_path / "none"))
     assert wandb_logged_in({"WANDB_MODE": "offline"}, str(tmp_path / "none"))
+
+
+class Terminal:
+    """A stream that says it is a terminal, for the progress bar, and keeps what was written."""
+
+    def __init__(self):
+        import io
+        self.buffer = io.StringIO()
+
+    def isatty(self):
+        return True
+
+    def write(self, text):
+        return self.buffer.write(text)
+
+    def flush(self):
+        pass
+
+
+def test_the_progress_bar_counts_each_step_when_its_line_prints_and_ends_drawn_once(tmp_path, monkeypatch):
+    import re
+    import sys
+    from plait.trainers.tracking import Tracker
+    term = Terminal()
+    monkeypatch.setattr(sys, "stderr", term)
+    tracker = Tracker(str(tmp_path), ["console"], "p", "e")
+    for step in tracker.progress(range(1, 4), total=3, initial=0):
+        tracker.log({"actor/pg_loss": 0.5}, step=step)
+    tracker.close()
+    frames = [f.strip() for f in re.split(r"[\r\n]", term.buffer.getvalue()) if f.strip()]
+    bars = [f for f in frames if f.startswith("plait:")]
+    assert sum("3/3" in f for f in bars) == 1 and "3/3" in bars[-1], frames  # the finished bar: drawn once
+    for i, frame in enumerate(frames):  # the bar drawn after step N's line counts N (tqdm alone: N - 1)
+        if frame.startswith("step ") and i + 1 < len(frames) and frames[i + 1].startswith("plait:"):
+            assert f"{frame.split()[1]}/3" in frames[i + 1], frames
+    assert frames[-1].startswith("step 3"), frames  # nothing drawn under the last step's line
+
+
+def test_version_and_a_train_help_that_names_every_built_in_config(capsys):
+    from plait import __version__
+    with pytest.raises(SystemExit) as exit:
+        main(["--version"])
+    assert exit.value.code == 0 and capsys.readouterr().out.strip() == f"plait {__version__}"
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    shipped = sorted(n.removesuffix(".yaml") for n in os.listdir(os.path.join(os.path.dirname(__import__("plait").__file__), "configs")))
+    assert len(shipped) >= 3 and all(name in text for name in shipped), text

@@ -77,8 +77,10 @@ class Tracker:
         if not self.show_progress or not sys.stderr.isatty():  # redraws in a log file are noise: step lines suffice
             return steps
         from tqdm import tqdm
-        self._bar = tqdm(steps, total=total, initial=initial, desc="plait", unit="step", dynamic_ncols=True, file=sys.stderr)
-        return self._bar
+        # advanced by `log`, not by iterating: tqdm counts a step when the next one starts, so the redraw
+        # under the last step's line showed one step short and the closing draw a second, different bar
+        self._bar = tqdm(total=total, initial=initial, desc="plait", unit="step", dynamic_ncols=True, file=sys.stderr)
+        return steps
 
     def keep_until(self, step: int, record_path: str = "") -> None:
         """Keep the records of steps up to `step` (a resumed run rewrites later ones). When the
@@ -100,6 +102,11 @@ class Tracker:
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         record = as_record(metrics, step)
+        if self._bar is not None and step > self._bar.n:
+            self._bar.update(step - self._bar.n)
+            if self._bar.n >= self._bar.total:  # done: its last draw stays, once, above the last step's line
+                self._bar.close()
+                self._bar = None
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
             f.flush()

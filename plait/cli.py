@@ -72,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from plait.config import load_config
     from plait.config_verl import entry_point_overrides
+    cfg = None
     try:
         implied = entry_point_overrides(args.entry_point)
         path = config_file(args.config, args.config_name, args.config_path)
@@ -90,9 +91,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"plait: error: {err}", file=sys.stderr)
         return 1
     except KeyboardInterrupt as err:  # 143 for SIGTERM, 130 for SIGINT: the shells' convention
-        print("plait: interrupted; the last checkpoint and closed artifacts are intact", file=sys.stderr)
+        print(f"plait: interrupted; {kept(cfg.output_dir) if cfg is not None else 'nothing was started'}", file=sys.stderr)
         return 128 + (err.signum if isinstance(err, Interrupted) else signal.SIGINT)
     return 0
+
+
+def kept(output_dir: str) -> str:
+    """What an interrupted run leaves to resume from, said as it is (no checkpoint is no checkpoint)."""
+    from plait.trainers.lifecycle import _checkpoint_steps
+    steps = _checkpoint_steps(os.path.join(output_dir, "checkpoints"))
+    if not steps:
+        return (f"no checkpoint was saved (trainer.save_freq), so a rerun starts from step 1; metrics.jsonl and "
+                f"summary.json in {output_dir} hold what ran")
+    return (f"the newest checkpoint is {os.path.join(output_dir, 'checkpoints', f'global_step_{max(steps)}')} "
+            f"(a checkpoint is whole or absent); the same command resumes after step {max(steps)}")
 
 
 def all_errors(err: ConfigError) -> list[ConfigError]:

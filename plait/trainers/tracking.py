@@ -149,6 +149,10 @@ class Tracker:
                 line = f"[validation step {step}] score={score:.4g}\n  input:  {inp!r}\n  output: {out!r}"
                 self._bar.write(line, file=sys.stderr) if self._bar is not None else print(line, file=sys.stderr)
 
+    def note(self, line: str) -> None:
+        """A line on the console, above the progress bar when there is one."""
+        self._bar.write(line, file=sys.stderr) if self._bar is not None else print(line, file=sys.stderr)
+
     def _print(self, record: dict) -> None:
         parts = [f"step {record['step']}"]
         parts += [f"{label}={record[k]:.3g}" for k, label in CONSOLE_KEYS.items()

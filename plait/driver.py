@@ -24,7 +24,7 @@ from plait.checks import check_data_files, check_loggers, not_a_directory
 from plait.models import builtin_model, check_model_dir
 from plait.profiler import RoleProfilerConfig, validate_environment
 from plait.profiler.config import ROLE_KEYS
-from plait.trainers.lifecycle import Lifecycle, LifecycleConfig, output_dir_lock
+from plait.trainers.lifecycle import Lifecycle, LifecycleConfig, _checkpoint_steps, output_dir_lock
 from plait.trainers.tracking import Tracker
 
 log = logging.getLogger("plait")
@@ -96,6 +96,7 @@ def build(cfg: PlaitConfig, progress: bool = True, checked: bool = False) -> Lif
         torch.set_num_threads(cfg.trainer.num_threads)
     t = cfg.trainer
     tracker = Tracker(cfg.output_dir, t.logger, t.project_name, t.experiment_name or t.mode, to_dict(cfg), progress=progress)
+    announce_resume(cfg)  # before Ray's start-up: a reused output dir is said while it is cheap to stop
     backend = make_backend(cfg)
     try:
         if t.mode == "diffusion":
@@ -118,6 +119,15 @@ def build(cfg: PlaitConfig, progress: bool = True, checked: bool = False) -> Lif
         backend.shutdown()
         close_reward_workers()
     return Lifecycle(lc, trainer, cfg.global_profiler, tracker, shutdown=shutdown, started=started)
+
+
+def announce_resume(cfg: PlaitConfig) -> None:
+    """One line when the output dir already holds checkpoints that resume_mode=auto will continue from:
+    two commands with the same experiment name (the default: the mode's) share one output dir."""
+    steps = _checkpoint_steps(os.path.join(cfg.output_dir, "checkpoints"))
+    if cfg.trainer.resume_mode == "auto" and steps:
+        print(f"plait: {cfg.output_dir} holds checkpoints of an earlier run (newest: step {max(steps)}); this run "
+              "continues it (trainer.resume_mode=auto); a new trainer.experiment_name starts afresh", file=sys.stderr)
 
 
 def checkpoints_to_keep(cfg: PlaitConfig) -> int | None:

@@ -139,3 +139,13 @@ def test_ctrl_c_before_any_checkpoint_does_not_claim_one(tmp_path):
     assert proc.wait(timeout=120) == 130, err
     last = err.strip().splitlines()[-1]
     assert last.startswith("plait: interrupted; no checkpoint was saved"), err
+
+
+def test_a_reused_output_dir_is_named_before_the_backend_starts(tmp_path, tiny_config, capsys):
+    from plait import driver
+    driver.build(tiny_config(tmp_path, "trainer.total_training_steps=1", "trainer.save_freq=1"), progress=False).run()
+    capsys.readouterr()
+    lifecycle = driver.build(tiny_config(tmp_path, "trainer.total_training_steps=2", "trainer.save_freq=1"), progress=False)
+    err = capsys.readouterr().err  # said at build, before the lifecycle (and a Ray backend) starts anything
+    assert f"{tmp_path} holds checkpoints of an earlier run (newest: step 1)" in err and "experiment_name" in err
+    lifecycle.shutdown()

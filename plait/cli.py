@@ -101,8 +101,9 @@ def kept(output_dir: str) -> str:
     from plait.trainers.lifecycle import _checkpoint_steps
     steps = _checkpoint_steps(os.path.join(output_dir, "checkpoints"))
     if not steps:
-        return (f"no checkpoint was saved (trainer.save_freq), so a rerun starts from step 1; metrics.jsonl and "
-                f"summary.json in {output_dir} hold what ran")
+        ran = os.path.join(output_dir, "summary.json")
+        return ("no checkpoint was saved (trainer.save_freq), so a rerun starts from step 1"
+                + (f"; {ran} says what ran" if os.path.exists(ran) else ""))
     return (f"the newest checkpoint is {os.path.join(output_dir, 'checkpoints', f'global_step_{max(steps)}')} "
             f"(a checkpoint is whole or absent); the same command resumes after step {max(steps)}")
 

@@ -121,13 +121,18 @@ def all_errors(err: ConfigError) -> list[ConfigError]:
 
 def export_command(args) -> int:
     from plait.export import ExportError, export_checkpoint
+    if os.path.isdir(args.out) and os.listdir(args.out):  # files of another model would mix with this one's
+        print(f"plait: export: {args.out} exists and is not empty; give a new folder", file=sys.stderr)
+        return 2
     try:
         out = export_checkpoint(args.checkpoint, args.out, lora=args.lora, base=args.base)
     except ExportError as err:
         print(f"plait: export: {err}", file=sys.stderr)
         return 2
-    print(f"plait: exported {args.checkpoint} to {out}: AutoModelForCausalLM.from_pretrained({out!r}) or "
-          f"vllm serve {out}", file=sys.stderr)
+    how = (f"PeftModel.from_pretrained(base_model, {out!r})" if args.lora == "adapter" and
+           os.path.isfile(os.path.join(out, "adapter_config.json")) else
+           f"AutoModelForCausalLM.from_pretrained({out!r}) or vllm serve {out}")
+    print(f"plait: exported {args.checkpoint} to {out}: load it with {how} (docs/export.md)", file=sys.stderr)
     return 0
 
 

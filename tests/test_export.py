@@ -73,6 +73,8 @@ def test_export_refuses_a_damaged_checkpoint_in_one_line(tmp_path, tiny_config, 
     assert len(err) == 1 and "model.pt does not match its checksum" in err[0], err
     assert main(["export", str(tmp_path), str(tmp_path / "out")]) == 2
     assert "not a plait actor checkpoint" in capsys.readouterr().err
+    assert main(["export", str(step), str(tmp_path / "checkpoints")]) == 2  # never into a folder that holds files
+    assert "exists and is not empty" in capsys.readouterr().err
 
 
 def test_lora_export_merged_and_as_adapter(tmp_path, tiny_config):

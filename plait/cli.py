@@ -120,7 +120,9 @@ def all_errors(err: ConfigError) -> list[ConfigError]:
 
 
 def export_command(args) -> int:
+    import transformers
     from plait.export import ExportError, export_checkpoint
+    transformers.utils.logging.disable_progress_bar()  # "Writing model shards" for one file
     if os.path.isdir(args.out) and os.listdir(args.out):  # files of another model would mix with this one's
         print(f"plait: export: {args.out} exists and is not empty; give a new folder", file=sys.stderr)
         return 2

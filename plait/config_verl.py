@@ -335,7 +335,6 @@ _GROUPS = {
     """,
     ("not implemented in plait yet (docs/verl.md lists them)"): """
         actor_rollout_ref.actor.calculate_entropy
-        actor_rollout_ref.actor.checkpoint.save_contents
         actor_rollout_ref.actor.checkpoint.load_contents
         actor_rollout_ref.rollout.skip_rollout
         actor_rollout_ref.rollout.skip_dump_dir

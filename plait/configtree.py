@@ -17,7 +17,11 @@ from typing import Any, Literal, Union, get_args, get_origin
 
 
 class ConfigError(ValueError):
-    """A bad config key, type or value. `key` is the dotted path once the tree builder sees it."""
+    """A bad config key, type or value. `key` is the dotted path once the tree builder sees it.
+    `partial`: the config built with the bad keys at their defaults, when one builds (load_config sets
+    it), so the checks that need a built config (files, model dirs) report in the same pass."""
+
+    partial: Any = None
 
     def __init__(self, key: str, value: Any, expected: str):
         self.key, self.value, self.expected = key, value, expected
@@ -81,6 +85,34 @@ def build(cls: type, data: dict | None, prefix: str = "") -> Any:
         return cls(**kwargs)
     except ConfigError as err:
         raise err.under(prefix) from None
+
+
+def build_without(cls: type, tree: dict, errors: list[ConfigError], rounds: int = 6) -> tuple[list[ConfigError], Any]:
+    """`cls` built from `tree` with each erroneous key dropped (its default instead): the errors that were
+    hidden behind the first ones (a node's `__post_init__` stops at its first failed check), and the
+    config when it builds (None when dropping a key does not clear its error), for checks that need one."""
+    import copy
+    tree, seen, hidden = copy.deepcopy(tree), {str(e) for e in errors}, []
+    for _ in range(rounds):
+        for err in [*errors, *hidden]:
+            _drop(tree, err.key.split("[")[0])
+        try:
+            return hidden, build(cls, tree)
+        except ConfigError as err:
+            new = [e for e in (err.errors if isinstance(err, ConfigErrors) else [err]) if str(e) not in seen]
+            if not new:
+                return hidden, None
+            seen |= {str(e) for e in new}
+            hidden += new
+    return hidden, None
+
+
+def _drop(tree: dict, key: str) -> None:
+    *parents, last = key.split(".")
+    for part in parents:
+        tree = tree.get(part) if isinstance(tree, dict) else None
+    if isinstance(tree, dict):
+        tree.pop(last, None)
 
 
 def to_dict(node: Any) -> Any:

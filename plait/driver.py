@@ -17,15 +17,16 @@ import torch
 import transformers
 
 from plait.config import PlaitConfig
-from plait.configtree import ConfigError, raise_all, to_dict
+from plait.configtree import ConfigError, ConfigErrors, raise_all, to_dict
 from plait.data.reward_pool import close_reward_workers
+from plait.checks import check_data_files, check_loggers, not_a_directory
 from plait.data.dataset import read_column
 from plait.data.rewards import BUILTIN, has_builtin_reward, resolve_reward
 from plait.models import builtin_model, check_model_dir, check_reward_model_dir
 from plait.profiler import RoleProfilerConfig, validate_environment
 from plait.profiler.config import ROLE_KEYS
-from plait.trainers.lifecycle import Lifecycle, LifecycleConfig, output_dir_lock
-from plait.trainers.tracking import Tracker, check_loggers
+from plait.trainers.lifecycle import Lifecycle, LifecycleConfig, _checkpoint_steps, output_dir_lock
+from plait.trainers.tracking import Tracker
 
 log = logging.getLogger("plait")
 
@@ -37,13 +38,6 @@ def resolve_device(cfg: PlaitConfig) -> str:
     if device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("trainer.device", device, "CUDA is not available on this machine; use cpu or auto")
     return device
-
-
-def check_data_files(cfg: PlaitConfig) -> None:
-    for key, files in (("data.train_files", cfg.data.train_files), ("data.val_files", cfg.data.val_files)):
-        for path in files or []:
-            if not os.path.isfile(path):
-                raise ConfigError(key, path, "no such file (parquet or JSONL rows in verl's format)")
 
 
 def check_data_sources(cfg: PlaitConfig) -> None:
@@ -77,22 +71,34 @@ def check_model_path(cfg: PlaitConfig) -> None:
     so is a built-in model name (models.BUILTIN_MODELS) whose package is missing."""
     model, rm = cfg.actor_rollout_ref.model, cfg.reward.reward_model
     builtin = builtin_model(model.path)
+    checks = []
     if builtin is not None:  # built on first use (trainers/lm.py); here only what it needs is checked
-        builtin.check("actor_rollout_ref.model.path", model.path)
+        checks.append(lambda: builtin.check("actor_rollout_ref.model.path", model.path))
     elif model.path is not None and cfg.trainer.mode != "diffusion":
-        check_model_dir("actor_rollout_ref.model.path", model.path)
+        checks.append(lambda: check_model_dir("actor_rollout_ref.model.path", model.path))
     if cfg.critic.enable and cfg.critic.model.path:
-        check_model_dir("critic.model.path", cfg.critic.model.path, tokenizer=False)
+        checks.append(lambda: check_model_dir("critic.model.path", cfg.critic.model.path, tokenizer=False))
+    if rm.enable and rm.model_path is not None and os.path.isdir(rm.model_path):
+        checks.append(lambda: check_reward_model_dir(rm.model_path))
+    errors = []
+    for check in checks:
+        try:
+            check()
+        except ConfigError as err:
+            errors.append(err)
     for key, path in (("actor_rollout_ref.model.lora_adapter_path", model.lora_adapter_path if model.lora_rank else None),
                       ("reward.reward_model.model_path", rm.model_path if rm.enable else None)):
         if path is not None and not os.path.isdir(path):
-            raise ConfigError(key, path, "not a directory; give a local Hugging Face model directory")
-    if rm.enable and rm.model_path is not None:
-        check_reward_model_dir(rm.model_path)
+            errors.append(ConfigError(key, path, not_a_directory(path)))
+    raise_all(errors)
 
 
 def preflight(cfg: PlaitConfig) -> None:
     """Everything refused before any training work, all errors together."""
+    raise_all(preflight_errors(cfg))
+
+
+def preflight_errors(cfg: PlaitConfig) -> list[ConfigError]:
     errors = []
     for role in absent_profiled_roles(cfg):
         log.warning("profiler: %s.profiler.enable is true but this run has no %s role (%s); it is not profiled",
@@ -104,9 +110,11 @@ def preflight(cfg: PlaitConfig) -> None:
                  lambda: resolve_device(cfg), lambda: check_loggers(cfg.trainer.logger)):
         try:
             rule()
+        except ConfigErrors as err:
+            errors += err.errors
         except ConfigError as err:
             errors.append(err)
-    raise_all(errors)
+    return errors
 
 
 def build(cfg: PlaitConfig, progress: bool = True, checked: bool = False) -> Lifecycle:
@@ -118,6 +126,7 @@ def build(cfg: PlaitConfig, progress: bool = True, checked: bool = False) -> Lif
         torch.set_num_threads(cfg.trainer.num_threads)
     t = cfg.trainer
     tracker = Tracker(cfg.output_dir, t.logger, t.project_name, t.experiment_name or t.mode, to_dict(cfg), progress=progress)
+    announce_resume(cfg)  # before Ray's start-up: a reused output dir is said while it is cheap to stop
     backend = make_backend(cfg)
     try:
         if t.mode == "diffusion":
@@ -140,6 +149,15 @@ def build(cfg: PlaitConfig, progress: bool = True, checked: bool = False) -> Lif
         backend.shutdown()
         close_reward_workers()
     return Lifecycle(lc, trainer, cfg.global_profiler, tracker, shutdown=shutdown, started=started)
+
+
+def announce_resume(cfg: PlaitConfig) -> None:
+    """One line when the output dir already holds checkpoints that resume_mode=auto will continue from:
+    two commands with the same experiment name (the default: the mode's) share one output dir."""
+    steps = _checkpoint_steps(os.path.join(cfg.output_dir, "checkpoints"))
+    if cfg.trainer.resume_mode == "auto" and steps:
+        print(f"plait: {cfg.output_dir} holds checkpoints of an earlier run (newest: step {max(steps)}); this run "
+              "continues it (trainer.resume_mode=auto); a new trainer.experiment_name starts afresh", file=sys.stderr)
 
 
 def checkpoints_to_keep(cfg: PlaitConfig) -> int | None:

@@ -31,6 +31,7 @@ from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequence
                           Qwen2ForCausalLM)
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+from plait.checks import BUILTIN_MODEL_NAMES, not_a_directory
 from plait.configtree import ConfigError
 from plait.safeload import torch_reason
 
@@ -191,7 +192,7 @@ def check_model_dir(key: str, path: str | Path, tokenizer: bool = True) -> None:
     that is not JSON, an architecture that is not a causal LM, no weights, no tokenizer."""
     p = Path(path)
     if not p.is_dir():
-        raise ConfigError(key, str(path), "not a directory; give a local Hugging Face model directory")
+        raise ConfigError(key, str(path), not_a_directory(path))
     try:
         config = json.loads((p / "config.json").read_text())
     except FileNotFoundError:
@@ -274,7 +275,7 @@ class BuiltinModel(NamedTuple):
 
 # Names `actor_rollout_ref.model.path` may take instead of a directory: a model plait builds once
 # from an installed package (an existing directory of the same name wins).
-BUILTIN_MODELS = {"smollm2-135m-instruct": BuiltinModel(smollm2_gguf, smollm2_dir)}
+BUILTIN_MODELS = dict(zip(BUILTIN_MODEL_NAMES, [BuiltinModel(smollm2_gguf, smollm2_dir)]))
 
 
 def builtin_model(path: str | None) -> BuiltinModel | None:

@@ -37,6 +37,7 @@ from plait.algorithms.rollout_correction import rollout_correction
 from plait.config import PlaitConfig, SamplingConfig
 from plait.configtree import ConfigError
 from plait.errors import RunError
+from plait.export import HF_DIR, export_checkpoint
 from plait.data.dataset import PromptDataset, iterate_batches
 from plait.data.rewards import ScoreRequest, Scores, resolve_reward
 from plait.profiler.timeline import TIMELINE, WALL0
@@ -144,8 +145,10 @@ class LMTrainer:
         val = self.cfg.actor_rollout_ref.rollout.val_kwargs
         size = self.cfg.data.val_batch_size or len(self.val_data)
         scores, sources, uids, lengths, samples, extras = [], [], [], [], [], {}
-        for start in range(0, len(self.val_data), size):
-            prompts = prompt_batch([self.val_data[i] for i in range(start, min(start + size, len(self.val_data)))])
+        started, total = time.perf_counter(), len(self.val_data)
+        for start in range(0, total, size):
+            self.live_validation(start, total, size, time.perf_counter() - started)
+            prompts = prompt_batch([self.val_data[i] for i in range(start, min(start + size, total))])
             batch = self.roles.rollout.call(Rollout.generate, prompts, val, self.cfg.trainer.seed)
             scored, extra = self.score(batch)
             for key, values in extra.items():
@@ -162,6 +165,15 @@ class LMTrainer:
             self.log_val_generations(samples)
         return out
 
+    def live_validation(self, done: int, total: int, size: int, elapsed: float) -> None:
+        """A line as each validation batch starts, so a long validation does not look hung: always before
+        training (the first one, with nothing else on screen yet), later only once it has run LIVE_AFTER_S."""
+        if self.tracker is None or (self.version > 0 and elapsed < LIVE_AFTER_S):
+            return
+        batches = -(-total // size)
+        self.tracker.note(f"plait: validation (policy version {self.version}): batch {done // size + 1}/{batches}, "
+                          f"{done}/{total} prompts answered, {elapsed:.0f} s")
+
     def log_val_generations(self, samples: list[tuple[str, str, float]]) -> None:
         """`trainer.log_val_generations` samples (input, output, score), picked as verl does (sorted,
         then a fixed-seed shuffle), to the tracker's loggers and val_generations.jsonl."""
@@ -173,6 +185,10 @@ class LMTrainer:
     def save_checkpoint(self, path: str, step: int) -> None:
         os.makedirs(path, exist_ok=True)
         self.roles.actor.call(Actor.save_checkpoint, os.path.join(path, "actor"))
+        hf = os.path.join(path, "actor", HF_DIR)
+        self.tokenizer.save_pretrained(hf)
+        if "hf_model" in self.cfg.actor_rollout_ref.actor.checkpoint.save_contents:  # verl's: the policy, ready to serve
+            export_checkpoint(path, hf)
         if self.roles.critic is not None:
             self.roles.critic.call(Critic.save_checkpoint, os.path.join(path, "critic"))
         with open(os.path.join(path, "trainer_state.json"), "w") as f:
@@ -584,6 +600,9 @@ def data_metrics(batch: RolloutBatch, max_prompt_length: int) -> dict[str, float
 
 
 # Building the language-model modes (plait/trainers/diffusion.py builds the diffusion mode alike).
+
+LIVE_AFTER_S = 10.0  # a validation running longer says where it is at each batch
+
 
 def resolve_model(cfg: PlaitConfig) -> str:
     """The policy's starting weights, with `model.override_config` set over their config (models.config_overlay)."""

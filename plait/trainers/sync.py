@@ -7,8 +7,9 @@ One step, each stage one call (timed by the lifecycle, annotated in the workers)
 Everything from reward to update_actor is the shared LM pipeline (`plait/trainers/lm.py`); this
 mode adds only where the batch comes from (generated now, with the current weights) and the
 weight push after the update. Idle is measured as in the async modes, and here it is the other
-side's stages: `trainer/idle_ratio` is gen's share of the step, `rollouter/idle_ratio` the
-training stages' share.
+side's stages: `trainer/idle_ratio` is gen's share of the step, and with the rollout on workers of
+its own (placement=separated) `rollouter/idle_ratio` the training stages' share; colocated, no
+rollouter exists and the metric is not logged.
 """
 
 from __future__ import annotations
@@ -37,5 +38,7 @@ class SyncTrainer(LMTrainer):
         # every training stage; update_weights is work for both (the step's outer "step" is still open).
         busy = sum(t for name, t in timer.times.items() if name != "step") or 1.0
         gen = timer.times.get("gen", 0.0)
+        if self.cfg.trainer.placement == "colocated":  # one set of workers does both: no rollouter to sit idle
+            return {"trainer/idle_ratio": gen / busy}
         return {"trainer/idle_ratio": gen / busy,
                 "rollouter/idle_ratio": (busy - gen - timer.times.get("update_weights", 0.0)) / busy}

@@ -9,7 +9,6 @@ cut back to the checkpoint's step (`keep_until`), a torn line dropped with a war
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -17,21 +16,14 @@ import re
 import sys
 from typing import Iterable
 
+from plait.checks import check_loggers
 from plait.configtree import ConfigError
 
 CONSOLE_KEYS = {"critic/score/mean": "score", "actor/pg_loss": "pg_loss", "response_length/mean": "resp_len",
                 "perf/time_per_step": "s/step"}
 
 
-PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow", "swanlab": "swanlab"}
 FILE_LOGGERS = ("file", "json_eval")  # verl's JSON-lines loggers: plait's metrics.jsonl is one
-
-
-def check_loggers(loggers: list[str]) -> None:
-    """A logger whose package is missing is a config error at start (train and config show alike)."""
-    for name in loggers:
-        if name in PACKAGES and importlib.util.find_spec(PACKAGES[name]) is None:
-            raise ConfigError("trainer.logger", name, f"needs the {PACKAGES[name]} package: pip install {PACKAGES[name]}")
 
 
 class MlflowSink:
@@ -65,7 +57,12 @@ class Tracker:
             self.sinks["tensorboard"] = SummaryWriter(os.path.join(output_dir, "tensorboard"))
         if "wandb" in loggers:
             import wandb
-            self.sinks["wandb"] = wandb.init(project=project, name=experiment, config=config or {})
+            try:
+                self.sinks["wandb"] = wandb.init(project=project, name=experiment, config=config or {})
+            except Exception as err:  # noqa: BLE001 - a login the preflight could not see, the network, the server
+                raise ConfigError("trainer.logger", "wandb", f"wandb.init failed ({type(err).__name__}: "
+                                  f"{str(err).strip().splitlines()[0] if str(err).strip() else ''}); `wandb login`, or "
+                                  "WANDB_MODE=offline") from None
         if "mlflow" in loggers:
             self.sinks["mlflow"] = MlflowSink(project, experiment, config or {})
         if "swanlab" in loggers:
@@ -80,8 +77,10 @@ class Tracker:
         if not self.show_progress or not sys.stderr.isatty():  # redraws in a log file are noise: step lines suffice
             return steps
         from tqdm import tqdm
-        self._bar = tqdm(steps, total=total, initial=initial, desc="plait", unit="step", dynamic_ncols=True, file=sys.stderr)
-        return self._bar
+        # advanced by `log`, not by iterating: tqdm counts a step when the next one starts, so the redraw
+        # under the last step's line showed one step short and the closing draw a second, different bar
+        self._bar = tqdm(total=total, initial=initial, desc="plait", unit="step", dynamic_ncols=True, file=sys.stderr)
+        return steps
 
     def keep_until(self, step: int, record_path: str = "") -> None:
         """Keep the records of steps up to `step` (a resumed run rewrites later ones). When the
@@ -103,6 +102,11 @@ class Tracker:
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         record = as_record(metrics, step)
+        if self._bar is not None and step > self._bar.n:
+            self._bar.update(step - self._bar.n)
+            if self._bar.n >= self._bar.total:  # done: its last draw stays, once, above the last step's line
+                self._bar.close()
+                self._bar = None
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
             f.flush()
@@ -144,6 +148,10 @@ class Tracker:
             for inp, out, score in samples:
                 line = f"[validation step {step}] score={score:.4g}\n  input:  {inp!r}\n  output: {out!r}"
                 self._bar.write(line, file=sys.stderr) if self._bar is not None else print(line, file=sys.stderr)
+
+    def note(self, line: str) -> None:
+        """A line on the console, above the progress bar when there is one."""
+        self._bar.write(line, file=sys.stderr) if self._bar is not None else print(line, file=sys.stderr)
 
     def _print(self, record: dict) -> None:
         parts = [f"step {record['step']}"]

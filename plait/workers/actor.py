@@ -9,7 +9,8 @@ what happens to the weights afterwards, is the trainer's business.
 Data parallelism (the Ray backend initialises torch.distributed) is plait/workers/parallel.py.
 With LoRA (`model.lora_rank > 0`) only the adapters train; the reference policy is this same model
 with its adapters switched off (`compute_ref_log_prob`), so no second copy is loaded; checkpoints
-hold the adapter alone, and the rollout gets base + adapter merged (`state_dict`).
+hold the adapter alone (beside huggingface/: the model config, for plait/export.py), and the rollout
+gets base + adapter merged (`state_dict`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from plait.algorithms.kl import kl_estimate
 from plait.algorithms.losses import PolicyLossKnobs, agg_loss, gpg_loss, policy_loss
 from plait.algorithms.rollout_correction import rollout_correction
 from plait.config import ActorConfig, ModelConfig, OptimConfig, RolloutCorrectionConfig
+from plait.export import HF_DIR
 from plait.models import add_lora, enable_activation_checkpointing, load_causal_lm, merged_state_dict
 from plait.safeload import load_tensors
 from plait.types import RolloutBatch
@@ -301,6 +303,9 @@ class Actor:
         if dp_rank_size()[0] != 0:  # replicas hold the same weights: one writer
             return
         os.makedirs(path, exist_ok=True)
+        plain = self.model.get_base_model() if self.lora else self.model
+        plain.config.save_pretrained(os.path.join(path, HF_DIR))  # what plait/export.py builds the model from
+        plain.generation_config.save_pretrained(os.path.join(path, HF_DIR))
         if self.lora:  # the adapter alone, in peft's format (loadable with PeftModel.from_pretrained)
             self.model.save_pretrained(os.path.join(path, LORA_DIR))
         elif not sharded:

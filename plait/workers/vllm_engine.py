@@ -38,6 +38,7 @@ import torch
 from transformers import AutoConfig
 
 from plait.workers.rollout_engine import Generation, SamplingParams
+from plait.workers.vllm_noise import quiet_known_warnings
 
 log = logging.getLogger("plait.rollout")
 
@@ -53,7 +54,7 @@ class VLLMEngine:
         """`profile_tool`: the plait profiler tool the engine core's own profiler stands in for (see
         `engine_profiler`), `trace_dir` where its traces go (EngineTrace moves them);
         `sleep_between_calls`: GPU colocation, the engine sleeps after each generate."""
-        os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")  # vLLM's INFO lines would drown the step lines
+        quiet_known_warnings()  # vLLM's INFO lines would drown the step lines; its known noise said once
         from vllm import LLM
         self.eos_token_ids, self.ignore_eos, self.pad_token_id = list(eos_token_ids), ignore_eos, pad_token_id
         self.device = device

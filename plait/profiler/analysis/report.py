@@ -27,9 +27,9 @@ from typing import Optional
 
 from plait.profiler.analysis import memory as mem
 from plait.profiler.analysis import svg, verdict
-from plait.profiler.analysis.traces import Trace, load_trace, merged_trace, top_ops, write_trace
+from plait.profiler.analysis.traces import Trace, load_trace, merged_trace, top_ops, top_ops_overall, write_trace
 from plait.profiler.naming import LOCATION, MANIFEST, read_location, read_manifest
-from plait.profiler.timeline import TIMELINE_FILE
+from plait.profiler.timeline import TIMELINE_FILE, read_timeline
 from plait.safeload import load_pickle
 
 MAX_GANTT_STEPS = 16
@@ -320,8 +320,12 @@ def _windows_section(traces: list[Trace], profile_dir: Optional[str], out_dir: s
                    f"{' · ' + _esc(r['stage']) if r['stage'] else ''} · pid {r['pid']} · policy version "
                    f"{r['policy_version']} · {'complete' if r['complete'] else 'INCOMPLETE'}</h3>"
                    f"<p class='note'>raw: <a href='{_esc(link)}'>{_esc(r['path'])}</a></p>")
+        overall = top_ops_overall(t, n=10)
+        out.append("<p class='note'>Top operators across every stage of the window (self time):</p>")
+        out.append(_table(["operator", "ms", "calls", "most in stage"], [[op, us / 1000, c, st] for op, us, c, st in overall]))
         ops = top_ops(t, n=8)
         rows = [[stage, op, us / 1000, calls] for stage in sorted(ops) for op, us, calls in ops[stage]]
+        out.append("<p class='note'>Per stage (an update's mini-batch ranges count in the update):</p>")
         out.append(_table(["stage", "operator (self time)", "ms", "calls"], rows))
     return "".join(out)
 

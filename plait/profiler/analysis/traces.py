@@ -7,7 +7,7 @@
                                  named "<role> rank <r>", the policy version in each stage's args;
                                  each process's GPU rows (Kineto uses the device index as their
                                  pid) get a pid of their own, so ranks' "GPU 0" rows stay apart
-    top_ops(trace)               self time per operator per stage of one window
+    top_ops(trace)               self time per operator per stage of one window (top_ops_overall: across stages)
 
 Times in a merged trace are µs since its `origin` (the earliest event), kept in
 `otherData.wall_clock_origin_us`, so a reader can map any event back to the wall clock.
@@ -130,12 +130,14 @@ def stage_ranges(events: list[dict]) -> list[dict]:
     return [e for e in events if e.get("cat") == "user_annotation" and "/" in e.get("name", "")]
 
 
-def top_ops(trace: Trace, n: int = 10) -> dict[str, list[tuple[str, float, int]]]:
-    """stage -> [(operator, self time µs, calls)], largest first.
+def op_totals(trace: Trace) -> dict[str, dict[str, list]]:
+    """stage -> operator -> [self time µs, calls], every operator of the window.
 
     CPU operators' self time is their duration minus their child operators' on the same thread;
     an operator belongs to the innermost stage range open on its thread when it starts. GPU
     kernels (no thread of their own) count whole, in the stage range that contains their start.
+    An update's mini-batch ranges ("<role>/mini_batch<i>") are part of the stage they run in (the
+    update's), where the update's work is: on their own they would leave it the loop's crumbs.
     """
     by_thread: dict[tuple, list[dict]] = defaultdict(list)
     kernels = []
@@ -162,15 +164,54 @@ def top_ops(trace: Trace, n: int = 10) -> dict[str, list[tuple[str, float, int]]
         for e in events:
             close_until(e["ts"])
             parent_stage = stack[-1][2] if stack else "(no stage)"
-            stage = e["name"] if e["cat"] == "user_annotation" and "/" in e["name"] else parent_stage
-            stack.append([e, 0.0, stage])
+            stack.append([e, 0.0, _stage_of(e, parent_stage)])
         close_until(float("inf"))
     ranges = stage_ranges(trace.events)
     for k in kernels:
-        inside = [r for r in ranges if r["ts"] <= k["ts"] < r["ts"] + r["dur"]]
-        stage = min(inside, key=lambda r: r["dur"])["name"] if inside else "(no stage)"
+        inside = [r for r in ranges if r["ts"] <= k["ts"] < r["ts"] + r["dur"] and not is_mini_batch(r["name"])]
+        batches = [r for r in ranges if r["ts"] <= k["ts"] < r["ts"] + r["dur"] and is_mini_batch(r["name"])]
+        stage = (min(inside, key=lambda r: r["dur"])["name"] if inside
+                 else mini_batch_stage(batches[0]["name"]) if batches else "(no stage)")
         total = totals[stage]["[gpu] " + k["name"]]
         total[0] += k["dur"]
         total[1] += 1
+    return totals
+
+
+def top_ops(trace: Trace, n: int = 10) -> dict[str, list[tuple[str, float, int]]]:
+    """stage -> [(operator, self time µs, calls)], largest first (op_totals, the first `n`)."""
     return {stage: sorted(((op, t, c) for op, (t, c) in ops.items()), key=lambda x: -x[1])[:n]
-            for stage, ops in totals.items()}
+            for stage, ops in op_totals(trace).items()}
+
+
+def top_ops_overall(trace: Trace, n: int = 10) -> list[tuple[str, float, int, str]]:
+    """[(operator, self time µs, calls, the stage it took most time in)] over every stage, largest first."""
+    summed: dict[str, list] = defaultdict(lambda: [0.0, 0, "", 0.0])
+    for stage, ops in op_totals(trace).items():
+        for op, (t, c) in ops.items():
+            row = summed[op]
+            row[0] += t
+            row[1] += c
+            if t > row[3]:
+                row[2], row[3] = stage, t
+    return sorted(((op, t, c, stage) for op, (t, c, stage, _) in summed.items()), key=lambda x: -x[1])[:n]
+
+
+def _stage_of(e: dict, parent: str) -> str:
+    """The stage an event runs in: a stage range opens its own, a mini-batch range stays in its parent's
+    (or its role's update when recorded alone), anything else is in its parent's."""
+    if e["cat"] != "user_annotation" or "/" not in e["name"]:
+        return parent
+    if is_mini_batch(e["name"]):
+        return mini_batch_stage(e["name"]) if parent == "(no stage)" else parent
+    return e["name"]
+
+
+def is_mini_batch(name: str) -> bool:
+    return "/mini_batch" in name and name.rsplit("mini_batch", 1)[-1].isdigit()
+
+
+def mini_batch_stage(name: str) -> str:
+    """A mini-batch range recorded without its stage around it: the role's update ("actor/update_actor")."""
+    role = name.split("/", 1)[0]
+    return f"{role}/update_{role}"

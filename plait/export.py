@@ -1,0 +1,164 @@
+"""The trained policy out of a checkpoint: a Hugging Face folder that transformers and vLLM load.
+
+`plait export CHECKPOINT OUT` (and `actor.checkpoint.save_contents` with `hf_model`, which writes the
+same folder into the checkpoint as `actor/huggingface/`, as verl does) turns an actor checkpoint
+into config.json, model.safetensors, generation_config.json and the tokenizer. The weights come from
+whichever form the actor saved:
+
+    actor/model.pt        whole state dict (one process)        -> loaded as tensors (weights_only)
+    actor/sharded/        FSDP2 shards (torch DCP), any ranks  -> index vetted, shards gathered here
+    actor/lora_adapter/   peft adapter over the base model      -> merged into the base, or kept as an
+                                                                   adapter folder (lora="adapter")
+
+Every file is read as data (plait/safeload.py): nothing in a checkpoint runs. The checkpoint's
+manifest is verified first, so a torn or edited save is refused in one line.
+Left out: the critic (a value model is not a policy to serve) and quantised or sharded outputs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import warnings
+
+import torch
+
+from plait.configtree import ConfigError
+
+HF_DIR = "huggingface"     # inside an actor checkpoint: config, generation config, tokenizer (+ weights with hf_model)
+LORA_MODES = ("merge", "adapter")
+
+
+class ExportError(ValueError):
+    """A checkpoint that cannot be exported; the message is one line naming the file."""
+
+
+def actor_dir(checkpoint: str) -> str:
+    """The actor folder of `checkpoint`: a global_step_N folder, its actor/ folder, or a checkpoints/
+    folder (its newest step)."""
+    path = os.path.normpath(checkpoint)
+    if not os.path.isdir(path):
+        raise ExportError(f"{checkpoint}: no such directory (give a checkpoints/global_step_N folder)")
+    if os.path.basename(path) == "checkpoints":
+        steps = sorted(int(n.removeprefix("global_step_")) for n in os.listdir(path)
+                       if n.startswith("global_step_") and n.removeprefix("global_step_").isdigit())
+        if not steps:
+            raise ExportError(f"{checkpoint}: holds no global_step_N checkpoint")
+        path = os.path.join(path, f"global_step_{steps[-1]}")
+    if os.path.isdir(os.path.join(path, "actor")):
+        path = os.path.join(path, "actor")
+    if not os.path.isfile(os.path.join(path, "optim.pt")):
+        raise ExportError(f"{checkpoint}: not a plait actor checkpoint (no actor/optim.pt); "
+                          "give a checkpoints/global_step_N folder")
+    return path
+
+
+def export_checkpoint(checkpoint: str, out: str, lora: str = "merge", base: str | None = None) -> str:
+    """Write the policy of `checkpoint` as a Hugging Face folder at `out`; returns `out`.
+    `lora`: "merge" (base + adapter, one plain model) or "adapter" (the peft adapter folder);
+    `base`: the base model folder when the checkpoint's own record of it has moved."""
+    from plait.trainers.lifecycle import verify_checkpoint
+    if lora not in LORA_MODES:
+        raise ExportError(f"--lora {lora}: choose one of {', '.join(LORA_MODES)}")
+    actor = actor_dir(checkpoint)
+    step_dir = os.path.dirname(actor)
+    if os.path.isfile(os.path.join(step_dir, "manifest.json")):
+        problem = verify_checkpoint(step_dir)
+        if problem:
+            raise ExportError(f"{step_dir}: {problem}; not exported")
+    hf = os.path.join(actor, HF_DIR)
+    if not os.path.isfile(os.path.join(hf, "config.json")):
+        raise ExportError(f"{actor}: no {HF_DIR}/config.json (a checkpoint from before plait saved its model "
+                          "config); resume it for one step with a newer plait to write one")
+    os.makedirs(out, exist_ok=True)
+    lora_dir = os.path.join(actor, "lora_adapter")
+    if os.path.isdir(lora_dir) and lora == "adapter":
+        copy_adapter(lora_dir, out, base)
+    else:
+        model = merged_lora_model(lora_dir, base) if os.path.isdir(lora_dir) else whole_model(actor, hf)
+        model.save_pretrained(out)  # safetensors
+    if os.path.abspath(hf) != os.path.abspath(out):  # save_contents hf_model writes into huggingface/ itself
+        copy_tokenizer_and_generation(hf, out)
+    return out
+
+
+def whole_model(actor: str, hf: str):
+    """The actor's model built from its saved config and filled from model.pt or the DCP shards."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    config = AutoConfig.from_pretrained(hf, local_files_only=True)
+    model = AutoModelForCausalLM.from_config(config, dtype=config.dtype or torch.float32)
+    state = model.state_dict()
+    if os.path.isdir(os.path.join(actor, "sharded")):
+        load_dcp_model(os.path.join(actor, "sharded"), state)
+    else:
+        from plait.safeload import UnsafeFileError, load_tensors
+        try:
+            saved = load_tensors(os.path.join(actor, "model.pt"), map_location="cpu")
+        except UnsafeFileError as err:
+            raise ExportError(str(err)) from None
+        missing, unexpected = set(state) - set(saved), set(saved) - set(state)
+        if missing or unexpected:
+            raise ExportError(f"{actor}/model.pt does not fit {hf}/config.json (missing {sorted(missing)[:3]}, "
+                              f"unexpected {sorted(unexpected)[:3]})")
+        state = saved
+    model.load_state_dict(state)
+    return model.eval()
+
+
+def load_dcp_model(path: str, state: dict[str, torch.Tensor]) -> None:
+    """Fill `state` (whole tensors) in place from the "model" part of a torch DCP folder written at any
+    world size: the index is vetted before torch unpickles it, the shards are read as tensors."""
+    import torch.distributed.checkpoint as dcp
+    from plait.safeload import UnsafeFileError, check_dcp_metadata
+    try:
+        check_dcp_metadata(path)
+    except UnsafeFileError as err:
+        raise ExportError(str(err)) from None
+    try:  # one process, no process group: DCP reads every shard into the whole tensors
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load({"model": state}, checkpoint_id=path, no_dist=True)
+    except Exception as err:  # noqa: BLE001 - DCP raises CheckpointException with per-rank tracebacks
+        raise ExportError(f"{path}: the shards do not load into the model's config ({type(err).__name__}: "
+                          f"{str(err).strip().splitlines()[0][:200]})") from None
+
+
+def adapter_base(lora_dir: str, base: str | None) -> str:
+    """The base model folder an adapter was trained on: `base`, else the one its adapter_config records."""
+    from plait.models import check_model_dir
+    with open(os.path.join(lora_dir, "adapter_config.json")) as f:
+        recorded = json.load(f).get("base_model_name_or_path")
+    path = base or recorded
+    try:
+        check_model_dir("--base", path, tokenizer=False)
+    except ConfigError as err:
+        raise ExportError(f"the LoRA adapter's base model: {err}; pass --base MODEL_DIR") from None
+    return path
+
+
+def merged_lora_model(lora_dir: str, base: str | None):
+    """Base + adapter merged into one plain model (peft's merge_and_unload)."""
+    from peft import PeftModel
+    from plait.models import load_causal_lm
+    model = PeftModel.from_pretrained(load_causal_lm(adapter_base(lora_dir, base)), lora_dir)
+    return model.merge_and_unload().eval()
+
+
+def copy_adapter(lora_dir: str, out: str, base: str | None) -> None:
+    """The adapter folder as peft saves it, its base_model_name_or_path the absolute base folder."""
+    path = os.path.abspath(adapter_base(lora_dir, base))
+    for name in os.listdir(lora_dir):
+        shutil.copy2(os.path.join(lora_dir, name), os.path.join(out, name))
+    with open(os.path.join(out, "adapter_config.json")) as f:
+        config = json.load(f)
+    config["base_model_name_or_path"] = path
+    with open(os.path.join(out, "adapter_config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+
+
+def copy_tokenizer_and_generation(hf: str, out: str) -> None:
+    """Everything of the saved huggingface/ folder but the config and weights (written from the model)."""
+    for name in os.listdir(hf):
+        if name != "config.json" and not name.endswith((".safetensors", ".bin")) and name != "model.safetensors.index.json":
+            shutil.copy2(os.path.join(hf, name), os.path.join(out, name))

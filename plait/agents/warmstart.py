@@ -44,18 +44,20 @@ def transcript_examples(tokenizer, model_type: str | None, task: str, n: int, se
 
 def transcript_warmstart(model_dir: str | Path, task: str, out_dir: str | Path, steps: int, batch_size: int,
                          lr: float, seed: int = 0) -> str:
-    """Train `model_dir` for `steps` steps of `batch_size` transcripts; save to `out_dir`, return it."""
+    """Train `model_dir` for `steps` steps of `batch_size` transcripts (of up to steps x batch_size
+    distinct problems, at most plait.data.warmstart.POOL); save to `out_dir`, return it."""
     from transformers import AutoConfig
 
     from plait.models import load_causal_lm, load_tokenizer
+    pool = min(POOL, steps * batch_size)  # distinct problems; building one costs ~0.1 s of chat-template renders
     settings = {"model": _fingerprint(Path(model_dir)), "task": task, "steps": steps, "batch_size": batch_size,
-                "lr": lr, "seed": seed, "pool": POOL, "kind": "tool transcripts"}
+                "lr": lr, "seed": seed, "pool": pool, "kind": "tool transcripts"}
     marker = Path(out_dir) / MARKER
     if marker.is_file() and json.loads(marker.read_text())["settings"] == settings:
         return str(out_dir)
     tokenizer, model = load_tokenizer(model_dir), load_causal_lm(model_dir)
     model_type = AutoConfig.from_pretrained(model_dir, local_files_only=True).model_type
-    examples = transcript_examples(tokenizer, model_type, task, POOL, seed)
+    examples = transcript_examples(tokenizer, model_type, task, pool, seed)
     rng = random.Random(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     model.train()

@@ -91,6 +91,20 @@ class DemoConfig:
 
 
 @dataclass
+class WarmStartConfig:
+    """plait's own `warmstart`: supervised steps on the task's generated tool transcripts before RL
+    (plait/agents/warmstart.py: loss on assistant tokens only, tool messages attended), applied to
+    whatever model the run starts from; cached in <output dir>/warmstart. 0 steps: none."""
+    steps: int = 0
+    batch_size: int = 8
+    lr: float = 1.0e-5
+
+    def __post_init__(self):
+        check(self.steps >= 0, "steps", self.steps, "must be >= 0 (0: no warm start)")
+        positive(self, "batch_size", "lr")
+
+
+@dataclass
 class ModelConfig:
     path: Optional[str] = None                # a local Hugging Face causal LM directory; null: the demo model (configs/demo.yaml)
     # the workers' compute dtype (weights and optimizer state stay float32, plait/workers/precision.py);
@@ -294,6 +308,15 @@ TRUNCATE_SIDES = ("left", "right", "middle")
 UNSUPPORTED_WHY = "is not implemented in plait's agent loops (docs/agents.md)"
 
 
+def shipped_tool_config(path: Optional[str]) -> Optional[str]:
+    """`calculator` names plait/configs/tools/calculator.yaml (shipped in the package, so a packaged
+    preset needs no user path); an existing path, or a name with no shipped file, is kept as given."""
+    shipped = os.path.join(os.path.dirname(__file__), "configs", "tools", f"{path}.yaml")
+    if path is None or os.path.exists(path) or os.sep in path or not os.path.isfile(shipped):
+        return path
+    return shipped
+
+
 @dataclass
 class MultiTurnConfig:
     """`rollout.multi_turn`: the tool_agent loop's limits and tools (plait/agents, docs/agents.md)."""
@@ -303,7 +326,8 @@ class MultiTurnConfig:
     max_parallel_calls: int = 1                # calls run per assistant turn (the first ones)
     max_tool_response_length: int = 256        # characters of a tool's text before truncation
     tool_response_truncate_side: str = "middle"
-    tool_config_path: Optional[str] = None     # verl's tool YAML (class_name, config, tool_schema)
+    tool_config_path: Optional[str] = None     # verl's tool YAML (class_name, config, tool_schema); a bare name
+                                               # that is no path: a file shipped in plait/configs/tools/<name>.yaml
     function_tool_path: Optional[str] = None   # a Python file of @function_tool functions
     format: str = "hermes"
     tokenization_sanity_check_mode: str = "strict"  # the Continuous Token prefix check always runs
@@ -315,6 +339,7 @@ class MultiTurnConfig:
 
     def __post_init__(self):
         from plait.agents.tool_parser import SUPPORTED_FORMATS
+        self.tool_config_path = shipped_tool_config(self.tool_config_path)
         check(self.tool_timeout is None or self.tool_timeout > 0, "tool_timeout", self.tool_timeout, "> 0 seconds or null")
         positive(self, "tool_num_workers")
         one_of(self, "format", SUPPORTED_FORMATS)
@@ -759,6 +784,7 @@ class PlaitConfig:
     reward: RewardConfig = field(default_factory=RewardConfig)
     global_profiler: GlobalProfilerConfig = field(default_factory=GlobalProfilerConfig)
     demo: DemoConfig = field(default_factory=DemoConfig)
+    warmstart: WarmStartConfig = field(default_factory=WarmStartConfig)
     diffusion: DiffusionConfig = field(default_factory=DiffusionConfig)
     async_training: AsyncTrainingConfig = field(default_factory=AsyncTrainingConfig)
 
@@ -770,6 +796,11 @@ class PlaitConfig:
                   "async_training.require_batches)")
             self.data.train_batch_size = actor.ppo_mini_batch_size * self.async_training.require_batches
         self._inherit()
+        if self.warmstart.steps:
+            from plait.agents.warmstart import TRANSCRIPT_TASKS
+            check(self.data.task in TRANSCRIPT_TASKS and self.data.train_files is None, "warmstart.steps", self.warmstart.steps,
+                  f"0 here: the warm start trains on generated tool transcripts, which only the built-in task(s) "
+                  f"{', '.join(TRANSCRIPT_TASKS)} have (data.task={self.data.task}, data.train_files={self.data.train_files})")
         # Diffusion mode has no critic and updates on the whole batch with diffusion.actor's settings.
         lm = self.trainer.mode != "diffusion"
         check(not lm or self.data.train_batch_size % actor.ppo_mini_batch_size == 0, "actor_rollout_ref.actor.ppo_mini_batch_size",

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from plait.agents.tokens import ContinuousTokens, Trajectory
-from plait.agents.tool_parser import parse_tool_calls
+from plait.agents.tool_parser import count_call_blocks, parse_tool_calls
 
 
 @dataclass
@@ -196,6 +196,7 @@ class AgentData:
     turn_scores: list[float] = field(default_factory=list)
     tool_rewards: list[float] = field(default_factory=list)
     tool_errors: list[str] = field(default_factory=list)
+    call_attempts: int = 0  # call blocks written in turns the loop read (parsed or not)
     user_turns: int = 0
     assistant_turns: int = 0
 
@@ -225,7 +226,7 @@ class ToolAgentLoop(AgentLoopBase):
             else:
                 state = await self.processing_tools(data)
         extra_fields = {"turn_scores": data.turn_scores, "tool_rewards": data.tool_rewards,
-                        "tool_errors": data.tool_errors}
+                        "tool_errors": data.tool_errors, "tool_call_attempts": data.call_attempts}
         return output_of(data.trajectory, self.response_length, data.user_turns + data.assistant_turns + 1,
                          data.metrics, extra_fields)
 
@@ -243,7 +244,9 @@ class ToolAgentLoop(AgentLoopBase):
             return AgentState.TERMINATED
         if self.max_user_turns and data.user_turns >= self.max_user_turns:
             return AgentState.TERMINATED
-        content, data.calls = parse_tool_calls(self.tokenizer.decode(out.token_ids), self.format)
+        text = self.tokenizer.decode(out.token_ids)
+        content, data.calls = parse_tool_calls(text, self.format)
+        data.call_attempts += count_call_blocks(text, self.format)
         data.messages.append(self.assistant_message(content, data.calls))
         return AgentState.PROCESSING_TOOLS if data.calls else AgentState.TERMINATED
 

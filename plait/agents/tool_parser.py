@@ -55,6 +55,14 @@ def parse_tool_calls(text: str, fmt: str = "hermes") -> tuple[str, list[Function
     return _HERMES_BLOCK.sub("", text), calls
 
 
+def count_call_blocks(text: str, fmt: str = "hermes") -> int:
+    """How many calls the turn tried to write: its opening tags, parsed or not (a cut or malformed
+    block counts), the denominator of the valid-call rate."""
+    if fmt not in SUPPORTED_FORMATS:
+        raise ValueError(f"multi_turn.format={fmt!r} is not supported; valid: {', '.join(SUPPORTED_FORMATS)}")
+    return text.count(_HERMES_OPEN)
+
+
 def _hermes_call(body: str) -> FunctionCall | None:
     try:
         parsed = json.loads(body)

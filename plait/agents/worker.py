@@ -160,6 +160,19 @@ class AgentWorker:
             self.tools.close()
 
 
+def tool_call_rates(infos: list[dict]) -> dict[str, float]:
+    """Over the finished trajectories of a batch: agent_loop/tool_call_rate, the share that wrote at
+    least one tool call; agent_loop/valid_call_rate, the share of written calls that parsed and ran
+    without error (0 when none was written). {} without agent loops."""
+    done = [i for i in infos if i]
+    if not done:
+        return {}
+    attempts = sum(i["tool_call_attempts"] for i in done)
+    valid = sum(i["tool_calls_made"] - i["tool_errors"] for i in done)
+    return {"agent_loop/tool_call_rate": sum(i["tool_call_attempts"] > 0 for i in done) / len(done),
+            "agent_loop/valid_call_rate": valid / max(attempts, 1)}
+
+
 def to_batch(outs: list[AgentLoopOutput | None], prompts: PromptBatch, n: int, pad: int, version: int,
              response_length: int) -> RolloutBatch:
     """The RolloutBatch of one generate call; an unfinished row (None) is an empty, "aborted" one."""
@@ -197,6 +210,7 @@ def to_batch(outs: list[AgentLoopOutput | None], prompts: PromptBatch, n: int, p
             k: float(o.metrics.get(k, 0.0)) for k in ("generate_sequences", "tool_calls")},
             "num_preempted": float(o.metrics.get("num_preempted", -1)),
             "tool_calls_made": len(o.extra_fields.get("tool_rewards", [])),
+            "tool_call_attempts": int(o.extra_fields.get("tool_call_attempts", 0)),
             "tool_spans": list(o.metrics.get("tool_spans", [])),
             "tool_errors": len(o.extra_fields.get("tool_errors", []))})
     reasons = ["aborted" if o is None else "length" if len(o.response_ids) >= response_length else "eos" for o in outs]

@@ -5,7 +5,8 @@ A row is `{"data_source", "prompt": [{"role": "user", "content"}], "ability",
 files written here and a verl user's own parquet files go through the same dataset and reward
 code. The arithmetic and reverse prompts are a few characters ("12+7=") because the built-in model
 reads characters; `gsm8k_synthetic` is short word problems for a real pretrained model
-(word_problems.py; synthetic, in GSM8K's format, not GSM8K).
+(word_problems.py; synthetic, in GSM8K's format, not GSM8K); `gsm8k_synthetic_tools` is the same
+rows with a system line offering a calculator and an `agent_name` column (tool_agent).
 A question's split is a hash of its text, so train and test never share a question whatever
 the seeds and sizes.
 """
@@ -16,11 +17,12 @@ import hashlib
 import random
 import string
 from pathlib import Path
-from typing import Callable, NamedTuple
+from typing import Callable, NamedTuple, Optional
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from plait.agents.builtin_tools import CALCULATOR_SYSTEM
 from plait.data.word_problems import word_problem
 
 SPLITS = ("train", "test")  # verl's names; the test file is what `data.val_files` points to
@@ -45,6 +47,9 @@ def reverse_question(rng: random.Random) -> tuple[str, str]:
 class Task(NamedTuple):
     question: Callable[[random.Random], tuple[str, str]]  # rng -> (prompt text, answer)
     ability: str
+    variant_of: Optional[str] = None  # serve that task's questions (same rows, same data_source and reward)
+    system: Optional[str] = None      # a system message before the question
+    agent_name: Optional[str] = None  # the agent loop each row runs (its agent_name column)
 
 
 def split_of(question: str) -> str:
@@ -59,7 +64,10 @@ def make_task_rows(task: str, split: str, n: int, seed: int) -> list[dict]:
         raise ValueError(f"unknown task {task!r}; built-in tasks: {', '.join(TASKS)}")
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r}; expected one of {', '.join(SPLITS)}")
-    rng = random.Random(f"{task}/{split}/{seed}")
+    spec = TASKS[task]
+    source = spec.variant_of or task
+    rng = random.Random(f"{source}/{split}/{seed}")
+    head = [{"role": "system", "content": spec.system}] if spec.system else []
     rows, seen = [], set()
     for _ in range(100 * n):  # rejection sampling; the bound only stops an exhausted question space
         if len(rows) == n:
@@ -69,11 +77,12 @@ def make_task_rows(task: str, split: str, n: int, seed: int) -> list[dict]:
             continue
         seen.add(question)
         rows.append({
-            "data_source": task,
-            "prompt": [{"role": "user", "content": question}],
-            "ability": TASKS[task].ability,
+            "data_source": source,
+            "prompt": [*head, {"role": "user", "content": question}],
+            "ability": spec.ability,
             "reward_model": {"style": "rule", "ground_truth": answer},
             "extra_info": {"split": split, "index": len(rows)},
+            **({"agent_name": spec.agent_name} if spec.agent_name else {}),
         })
     if len(rows) < n:
         raise ValueError(f"task {task!r} has too few distinct {split} questions: drew {len(rows)} "
@@ -98,4 +107,8 @@ TASKS = {
     "reverse": Task(reverse_question, ability="string"),
     # synthetic word problems in GSM8K's format (word_problems.py), scored with verl's GSM8K reward
     "gsm8k_synthetic": Task(word_problem, ability="math"),
+    # the same problems (same rows, data_source and reward) offered a calculator: a system line and
+    # agent_name=tool_agent (plait/agents/builtin_tools.py; the smollm2_gsm8k_tools preset)
+    "gsm8k_synthetic_tools": Task(word_problem, ability="math", variant_of="gsm8k_synthetic",
+                                  system=CALCULATOR_SYSTEM, agent_name="tool_agent"),
 }

@@ -140,11 +140,12 @@ class LMTrainer:
         return result
 
     def validate(self) -> dict[str, float]:
+        from plait.agents.worker import tool_call_rates
         if self.val_data is None:
             return {}
         val = self.cfg.actor_rollout_ref.rollout.val_kwargs
         size = self.cfg.data.val_batch_size or len(self.val_data)
-        scores, sources, uids, lengths, samples, extras = [], [], [], [], [], {}
+        scores, sources, uids, lengths, samples, extras, infos = [], [], [], [], [], {}, []
         started, total = time.perf_counter(), len(self.val_data)
         for start in range(0, total, size):
             self.live_validation(start, total, size, time.perf_counter() - started)
@@ -157,10 +158,12 @@ class LMTrainer:
             sources += batch.data_sources
             uids += batch.group_ids.tolist()
             lengths += batch.attended.sum(-1).tolist()
+            infos += batch.agent_infos or []
             if self.cfg.trainer.log_val_generations:
                 samples += zip(self.decode(batch.prompts, batch.prompt_mask), self.decode(batch.responses, batch.attended), scored)
         out = validation_metrics(sources, uids, scores, extras)
         out["val-aux/response_length/mean"] = sum(lengths) / max(len(lengths), 1)
+        out.update({f"val-aux/{k}": v for k, v in tool_call_rates(infos).items()})  # {} without agent loops
         if samples:
             self.log_val_generations(samples)
         return out
@@ -505,7 +508,9 @@ def record_tool_spans(batch: RolloutBatch) -> None:
 def agent_metrics(batch: RolloutBatch) -> dict[str, float]:
     """verl's num_turns/{min,max,mean}, agent_loop/{generate_sequences,tool_calls,num_preempted}/{min,max,mean}
     and agent_loop/slowest/* (the trajectory with the most generate + tool seconds), plus plait's
-    agent_loop/tool_calls_per_trajectory and agent_loop/tool_error_rate."""
+    agent_loop/tool_calls_per_trajectory, agent_loop/tool_error_rate and the tool-call and valid-call
+    rates (agents/worker.py tool_call_rates)."""
+    from plait.agents.worker import tool_call_rates
     infos = batch.agent_infos
     if not infos or not any(infos):
         return {}
@@ -524,6 +529,7 @@ def agent_metrics(batch: RolloutBatch) -> dict[str, float]:
     calls = sum(i.get("tool_calls_made", 0) for i in infos if i)
     out["agent_loop/tool_calls_per_trajectory"] = calls / max(1, sum(1 for i in infos if i))
     out["agent_loop/tool_error_rate"] = sum(i.get("tool_errors", 0) for i in infos if i) / max(calls, 1)
+    out.update(tool_call_rates(infos))
     return out
 
 
@@ -616,8 +622,21 @@ def resolve_model(cfg: PlaitConfig) -> str:
 
 
 def base_model(cfg: PlaitConfig) -> str:
-    """The policy's starting weights: the user's directory, a built-in model (built once, cached), or
-    the demo model warm-started once and cached."""
+    """The policy's starting weights, then `warmstart.steps` of supervised training on the task's tool
+    transcripts when asked (plait/agents/warmstart.py; cached)."""
+    path, ws = start_model(cfg), cfg.warmstart
+    if ws.steps == 0:
+        return path
+    from plait.agents.warmstart import transcript_warmstart
+    print(f"plait: warmstart.steps={ws.steps}: supervised steps on {cfg.data.task}'s calculator transcripts "
+          f"(loss on assistant tokens only) before RL", file=sys.stderr)
+    return transcript_warmstart(path, cfg.data.task, os.path.join(cfg.output_dir, "warmstart"), steps=ws.steps,
+                                batch_size=ws.batch_size, lr=ws.lr, seed=cfg.trainer.seed)
+
+
+def start_model(cfg: PlaitConfig) -> str:
+    """The user's directory, a built-in model (built once, cached), or the demo model warm-started
+    once and cached."""
     from plait.data.warmstart import sft_warmstart
     from plait.models import builtin_model, create_tiny_model
     path = cfg.actor_rollout_ref.model.path

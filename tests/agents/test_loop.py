@@ -364,3 +364,17 @@ def test_verls_ct_merge_methods_for_user_loops(tokenizer):
     tool = ContinuousTokens(tokenizer, "qwen2").delta([{"role": "tool", "content": "7"}], None)
     assert merged2.token_ids == ids + [70, 71] + tool and mask2 == [1, 1] + [0] * len(tool)
     assert lps2 == [-0.1, -0.2] + [0.0] * len(tool) and merged2.appended_token_count == len(tool)
+
+
+def test_tool_call_and_valid_call_rates(tokenizer, tools):
+    """Four rows: a malformed call (written, never parsed), a good call, a call of an unknown tool (parsed,
+    failed), no call. Three of four wrote a call; one of the three calls parsed and ran."""
+    turns = {"(0)": "<tool_call>{not json</tool_call>", "(1)": CALL,
+             "(2)": '<tool_call>{"name": "mul", "arguments": {"a": 2}}</tool_call>', "(3)": "#### 5"}
+
+    def script(text):
+        return "#### 5" if "<|tool|>" in text else next(v for k, v in turns.items() if k in text)
+    batch, _ = run(tokenizer, tools, script, n_rows=4)
+    assert [i["tool_call_attempts"] for i in batch.agent_infos] == [1, 1, 1, 0]
+    metrics = agent_metrics(batch)
+    assert metrics["agent_loop/tool_call_rate"] == 0.75 and metrics["agent_loop/valid_call_rate"] == pytest.approx(1 / 3)

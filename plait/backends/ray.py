@@ -54,7 +54,7 @@ from plait.config import PlaitConfig, RayConfig
 from plait.configtree import ConfigError
 from plait.errors import RunError
 from plait.profiler.config import ROLE_KEYS
-from plait.workers.engine import spec
+from plait.workers.engine import ENGINES
 
 DATA_PARALLEL_ROLES = ("actor", "critic", "ref", "reward_model")
 LOOPBACK = "127.0.0.1"
@@ -357,7 +357,7 @@ class RayBackend:
         # parallelism), or without CUDA that many CPU slots of cpus_per_worker (its torch threads).
         slots = rollout.n_gpus_per_node if rollout.nnodes else 1
         if gpu and separated:
-            engine = spec(rollout.name)
+            engine = ENGINES[rollout.name]
             need = engine.devices(rollout)
             if slots != need:
                 raise ConfigError("actor_rollout_ref.rollout.n_gpus_per_node", slots,

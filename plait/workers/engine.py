@@ -76,10 +76,6 @@ class EngineSpec:
 PLAIT_ENGINE = "hf"  # plait's own engine (workers/rollout_engine.py): the rollout's when no node names one
 
 
-def spec(name: str) -> EngineSpec:
-    return ENGINES[name]
-
-
 def engine_no_effect() -> dict[str, str]:
     """Every engine's no-effect keys with their reasons (the start notice looks reasons up here)."""
     return {key: why for row in ENGINES.values() for key, why in row.no_effect.items()}

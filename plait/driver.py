@@ -130,11 +130,12 @@ def build(cfg: PlaitConfig, progress: bool = True, checked: bool = False) -> Lif
     backend = make_backend(cfg)
     try:
         if t.mode == "diffusion":
-            from plait.trainers.diffusion import build_diffusion_trainer as build_trainer
+            from plait.trainers.diffusion import build_diffusion_trainer
+            trainer = build_diffusion_trainer(cfg, backend, resolve_device(cfg))
         else:
-            from plait.trainers.lm import build_lm_trainer as build_trainer
-        trainer = build_trainer(cfg, backend, resolve_device(cfg))
-        if t.mode != "diffusion":
+            from plait.trainers import MODES
+            from plait.trainers.lm import build_lm_trainer
+            trainer = build_lm_trainer(cfg, backend, resolve_device(cfg), MODES[t.mode])
             trainer.tracker = tracker  # validation generations (trainer.log_val_generations) are logged there
     except BaseException:
         backend.shutdown()

@@ -33,12 +33,15 @@ import dataclasses
 import inspect
 import json
 import logging
+import os
 import time
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, Callable, Optional
 from uuid import uuid4
 
 logger = logging.getLogger(__name__)
+# The tool workers' module, by path: they load it; this module never imports it (it imports this one).
+TOOL_WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tool_pool.py")
 
 
 # -- OpenAI tool schemas (verl's pydantic models, as plain classes with the same calls) ----------
@@ -337,7 +340,6 @@ class ToolBox:
     def from_config(cls, multi_turn, limits: Optional[ToolLimits] = None) -> Optional["ToolBox"]:
         """The tools of `multi_turn.tool_config_path` and `function_tool_path` (None if neither),
         loaded in every worker now, so a bad file is a ConfigError before any work."""
-        from plait.agents import tool_pool
         from plait.data.reward_pool import PoolWording, RewardPool, RewardSpec
         paths = {"tool_config_path": multi_turn.tool_config_path, "function_tool_path": multi_turn.function_tool_path}
         if not any(paths.values()):
@@ -346,7 +348,7 @@ class ToolBox:
         limits = limits or ToolLimits()
         wording = PoolWording(describe=_describe_call, timeout_key=limits.timeout_key, memory_key=limits.memory_key,
                               must="a tool must return its answer")
-        pool = RewardPool(RewardSpec(tool_pool.__file__, "serve", paths), "tools", limits.num_workers,
+        pool = RewardPool(RewardSpec(TOOL_WORKER, "serve", paths), "tools", limits.num_workers,
                           limits.load_timeout_s, limits.memory_limit_mb, limits.max_processes,
                           dataclasses.replace(wording, timeout_key="the tools' load time limit"))
         try:

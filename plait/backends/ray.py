@@ -54,6 +54,7 @@ from plait.config import PlaitConfig, RayConfig
 from plait.configtree import ConfigError
 from plait.errors import RunError
 from plait.profiler.config import ROLE_KEYS
+from plait.workers.engine import ENGINES
 
 DATA_PARALLEL_ROLES = ("actor", "critic", "ref", "reward_model")
 LOOPBACK = "127.0.0.1"
@@ -356,11 +357,12 @@ class RayBackend:
         # parallelism), or without CUDA that many CPU slots of cpus_per_worker (its torch threads).
         slots = rollout.n_gpus_per_node if rollout.nnodes else 1
         if gpu and separated:
-            need = rollout.tensor_model_parallel_size if rollout.name == "vllm" else 1
+            engine = ENGINES[rollout.name]
+            need = engine.devices(rollout)
             if slots != need:
                 raise ConfigError("actor_rollout_ref.rollout.n_gpus_per_node", slots,
                                   f"{need} here: plait's rollout is one {rollout.name} engine, which uses {need} GPU(s) "
-                                  "(rollout.tensor_model_parallel_size with vllm, 1 with hf)")
+                                  f"({engine.devices_rule} with {rollout.name})")
         one = {"CPU": cpus, **({"GPU": 1} if gpu else {})}
         specs = {"train": (t.nnodes * t.n_gpus_per_node if gpu else self.cfg.num_cpu_workers, one),
                  "rollout": (1 if separated else 0, {"CPU": cpus, "GPU": slots} if gpu else {"CPU": cpus * slots}),

@@ -45,6 +45,16 @@ from plait.safeload import UnsafeFileError, first_line, loads_plain
 PIDS_CGROUP = "/sys/fs/cgroup/pids"
 
 
+def describe_call(name: str, args: tuple, kwargs: dict) -> str:
+    """"reward function NAME (data_source '...', response '<first 80 chars>')" for one call (or a
+    batch call: its first sample)."""
+    data_source = kwargs.get("data_source", args[0] if args else None)
+    solution = kwargs.get("solution_str", args[1] if len(args) > 1 else None)
+    if "data_sources" in kwargs:
+        data_source, solution = (kwargs["data_sources"] or [None])[0], (kwargs.get("solution_strs") or [None])[0]
+    return f"reward function {name} (data_source {data_source!r}, response {str(solution)[:80]!r})"
+
+
 @dataclass
 class RewardSpec:
     """What a worker loads: the user's function `name` from the file at `path`."""
@@ -57,7 +67,7 @@ class RewardSpec:
 class PoolWording:
     """How a pool's failures name the call and the limits: a reward's by default; the tool pool
     (plait/agents/tool_pool.py) names the tool, the row and its own keys."""
-    describe: Optional[Callable[[str, tuple, dict], str]] = None  # (label, args, kwargs) -> "reward function NAME (...)"
+    describe: Optional[Callable[[str, tuple, dict], str]] = None  # (label, args, kwargs) -> line; None: describe_call
     timeout_key: str = "reward.custom_reward_function.timeout"
     memory_key: str = "reward.memory_limit_mb"
     must: str = "a reward function must return a score"
@@ -154,9 +164,7 @@ class _Worker:
                 future.set_exception(err)
 
     def call(self, args: tuple, kwargs: dict) -> Any:
-        describe = self.pool.wording.describe
-        if describe is None:
-            from plait.data.rewards import describe_call as describe  # not at the top: a worker never imports it (or torch)
+        describe = self.pool.wording.describe or describe_call
         where = describe(self.pool.label, args, kwargs)
         if self.proc is None or self.proc.poll() is not None:
             self.start(where)

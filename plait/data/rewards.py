@@ -34,9 +34,11 @@ from typing import Any, Callable, Optional
 from plait.configtree import ConfigError, build, check
 from plait.data.math_rewards import (DAPO_SOURCES, MATH_SOURCES, dapo_score, gsm8k_score, gsm8k_synthetic_score,
                                      math_score)
+from plait.data.reward_pool import RewardPool, RewardSpec, describe_call, plain_result
 from plait.errors import Interrupted, RunError
 from plait.profiler.config import RoleProfilerConfig
 from plait.safeload import first_line
+
 
 @dataclass
 class CustomRewardConfig:
@@ -325,7 +327,6 @@ def resolve_reward_fn(reward: RewardConfig) -> Callable:
     """The guarded reward function, called in `reward.num_workers` worker processes (0: in this one,
     docs/reliability.md). A custom file is imported here once too, so a missing file, an import
     error or a missing function is a config error before any work."""
-    from plait.data.reward_pool import RewardPool, RewardSpec  # it imports this module
     custom = reward.custom_reward_function
     name, fn = "default_compute_score", default_compute_score
     if custom.path:
@@ -350,7 +351,6 @@ def guard_reward(fn: Callable, name: str, timeout: float | None = None) -> Calla
     keyword arguments pass through); a batch call's list of results is checked one by one. Results
     come back as `plain_result` makes them, so a reward gives the same record in-process and in a
     worker (numpy scalars, bools and 0-d arrays alike)."""
-    from plait.data.reward_pool import plain_result  # it imports this module
 
     def checked(result, args, kwargs):
         result = plain_result(result)
@@ -386,16 +386,6 @@ def check_score(result: Any, where: Callable[[], str]) -> None:
     shown = f"a dict without 'score' (keys: {', '.join(map(str, result)) or 'none'})" if isinstance(result, dict) \
         and "score" not in result else f"{result!r:.80}"
     raise RunError(f"{where()} returned {shown}; a reward must be a number or a dict with a numeric 'score'")
-
-
-def describe_call(name: str, args: tuple, kwargs: dict) -> str:
-    """"reward function NAME (data_source '...', response '<first 80 chars>')" for one call (or a
-    batch call: its first sample)."""
-    data_source = kwargs.get("data_source", args[0] if args else None)
-    solution = kwargs.get("solution_str", args[1] if len(args) > 1 else None)
-    if "data_sources" in kwargs:
-        data_source, solution = (kwargs["data_sources"] or [None])[0], (kwargs.get("solution_strs") or [None])[0]
-    return f"reward function {name} (data_source {data_source!r}, response {str(solution)[:80]!r})"
 
 
 def raise_as_run_error(err: Exception, where: Callable[[], str]) -> None:

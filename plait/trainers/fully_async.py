@@ -58,9 +58,9 @@ from dataclasses import dataclass
 import torch
 
 from plait.profiler.timeline import TIMELINE
+from plait.trainers.async_common import BusyClock, RolloutError
 from plait.trainers.lifecycle import StageTimer
-from plait.trainers.one_step_off import BusyClock, RolloutError
-from plait.trainers.lm import DataCursor, LMTrainer
+from plait.trainers.lm import DataCursor, LMTrainer, call_quietly
 from plait.types import RolloutBatch
 from plait.workers.rollout import Rollout
 from plait.workers.weight_sync import sync_weights
@@ -213,10 +213,7 @@ class FullyAsyncTrainer(LMTrainer):
             discarded = self.queued + self.in_flight
             self.cond.notify_all()
         if self.thread.is_alive():
-            try:
-                self.roles.rollout.call(Rollout.abort)
-            except Exception:  # the backend may already be down after the failure that brought us here
-                pass
+            call_quietly(self.roles.rollout, Rollout.abort)
         self.thread.join()
         self.thread = None
         if discarded:

@@ -64,6 +64,15 @@ class Roles:
     reward_model: object | None = None
 
 
+def call_quietly(role, method) -> None:
+    """A clean-up call on a role while stopping: the backend may already be down after the failure that
+    brought us here, and that failure, not this one, is the one to report."""
+    try:
+        role.call(method)
+    except Exception:
+        pass
+
+
 class DataCursor:
     """Where the trainer is in its data: epoch and batch index, all a resume needs."""
 
@@ -213,11 +222,8 @@ class LMTrainer:
         return self.targets
 
     def close(self) -> None:
-        """Stop the rollout engine's own processes (vLLM's engine core); the backend may already be down."""
-        try:
-            self.roles.rollout.call(Rollout.close)
-        except Exception:
-            pass
+        """Stop the rollout engine's own processes (vLLM's engine core)."""
+        call_quietly(self.roles.rollout, Rollout.close)
 
     # -- what the modes change -----------------------------------------------------------------
 
@@ -675,11 +681,10 @@ def resolve_data(cfg: PlaitConfig) -> tuple[list[str], list[str] | None]:
     return [train], [val]
 
 
-def build_lm_trainer(cfg: PlaitConfig, backend, device: str):
-    """Model, data, reward and the four language-model roles, handed to the trainer mode."""
+def build_lm_trainer(cfg: PlaitConfig, backend, device: str, mode: type[LMTrainer]) -> LMTrainer:
+    """Model, data, reward and the four language-model roles, handed to the trainer `mode` (the driver's pick)."""
     from plait.data.dataset import load_dataset
     from plait.models import load_tokenizer
-    from plait.trainers import MODES
     from plait.workers.actor import Actor
     from plait.workers.critic import Critic
     from plait.workers.ref import Ref
@@ -744,4 +749,4 @@ def build_lm_trainer(cfg: PlaitConfig, backend, device: str):
                                     max_length=rm.max_length, input_tokenizer=rm.input_tokenizer, device=device, dtype=dtype,
                                     strategy=arr.actor.strategy, fsdp_config=arr.actor.fsdp_config)
                       if rm.enable else None))
-    return MODES[cfg.trainer.mode](cfg, roles, tokenizer, train_data, val_data, reward_fn, backend.profile_targets())
+    return mode(cfg, roles, tokenizer, train_data, val_data, reward_fn, backend.profile_targets())

@@ -27,9 +27,7 @@ which is n-1 for step n, the version the rollout generates with during step n.
 
 from __future__ import annotations
 
-import contextlib
 import os
-import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -37,40 +35,12 @@ import torch
 
 from plait.profiler.timeline import TIMELINE
 from plait.safeload import load_tensors
+from plait.trainers.async_common import BusyClock, RolloutError
 from plait.trainers.lifecycle import StageTimer
-from plait.trainers.lm import LMTrainer
+from plait.trainers.lm import LMTrainer, call_quietly
 from plait.types import PromptBatch, RolloutBatch
 from plait.workers.rollout import Rollout
 from plait.workers.weight_sync import sync_weights
-
-
-class RolloutError(RuntimeError):
-    """Generation running beside the trainer failed; the cause is chained."""
-
-
-class BusyClock:
-    """When one thread was busy, so its idle share of any later wall-clock window can be measured."""
-
-    def __init__(self):
-        self._lock = threading.Lock()
-        self._spans: list[list] = []  # [start, end]; end None while busy
-
-    @contextlib.contextmanager
-    def busy(self):
-        span = [time.perf_counter(), None]
-        with self._lock:
-            self._spans.append(span)
-        try:
-            yield
-        finally:
-            span[1] = time.perf_counter()
-
-    def idle_ratio(self, start: float, end: float) -> float:
-        """Idle share of [start, end]; spans ending before `start` are dropped (windows move forward)."""
-        with self._lock:
-            self._spans = [s for s in self._spans if s[1] is None or s[1] > start]
-            busy = sum(max(0.0, min(end if e is None else e, end) - max(s, start)) for s, e in self._spans)
-        return max(0.0, 1.0 - busy / max(end - start, 1e-9))
 
 
 class OneStepOffTrainer(LMTrainer):
@@ -150,10 +120,7 @@ class OneStepOffTrainer(LMTrainer):
         if self.pool is None:
             return
         if self.pending is not None and not self.pending.done():
-            try:
-                self.roles.rollout.call(Rollout.abort)
-            except Exception:  # the backend may already be down after the failure that brought us here
-                pass
+            call_quietly(self.roles.rollout, Rollout.abort)
         self.pool.submit(self._waited_for_trainer)  # its idle tail, on its own thread's lane
         self.pool.shutdown(wait=True, cancel_futures=True)
         self.pool, self.pending = None, None

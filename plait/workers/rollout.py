@@ -1,10 +1,9 @@
 """The rollout role: sample n responses per prompt with token log-probs, and take new weights.
 
-Generation itself is the engine's job, chosen by `rollout.name`: `hf` is plait's lean KV-cached
-decode loop over a transformers model in this process (plait/workers/rollout_engine.py), `vllm`
-is vLLM's engine with its model in a process of its own (plait/workers/vllm_engine.py). This
-worker turns prompts into a `RolloutBatch`, keeps the policy version its weights belong to, and
-loads weights pushed by the trainer.
+Generation itself is the engine's job, chosen by `rollout.name` from the table in
+plait/workers/engine.py (plait's own KV-cached decode loop, vLLM, ...). This worker turns prompts
+into a `RolloutBatch`, keeps the policy version its weights belong to, and loads weights pushed by
+the trainer.
 
 Thread safety (async modes generate in one thread while the trainer syncs weights from another):
 `generate`, `resume` and `load_weights` hold one lock, so a weight load waits for a running
@@ -20,32 +19,24 @@ import torch
 import torch.nn.functional as F
 
 from plait.config import RolloutConfig, SamplingConfig
-from plait.models import eos_token_ids, load_causal_lm, load_generation_config
-from plait.workers import out_of_band
+from plait.models import eos_token_ids, load_generation_config
 from plait.types import PromptBatch, RolloutBatch
-from plait.workers.rollout_engine import SamplingParams, TransformersEngine
+from plait.workers import out_of_band
+from plait.workers.engine import ENGINES, PLAIT_ENGINE, EngineArgs
+from plait.workers.rollout_engine import SamplingParams
 
 
 class Rollout:
     def __init__(self, model_path: str, max_response_length: int, tokenizer, profiler,
                  device: str = "cpu", dtype: torch.dtype = torch.float32, ignore_eos: bool = False,
                  cfg: RolloutConfig | None = None, colocated: bool = True, agent_cfg=None):
-        """`cfg` (the rollout node) names the engine and its settings; None: plait's engine (hf).
+        """`cfg` (the rollout node) names the engine and its settings; None: plait's own engine.
         `agent_cfg`: the whole PlaitConfig when rows run agent loops (plait/agents), else None."""
         self.max_response_length, self.pad_token_id, self.profiler = max_response_length, tokenizer.pad_token_id, profiler
         eos = [] if ignore_eos else eos_token_ids(tokenizer, load_generation_config(model_path))
-        if cfg is not None and cfg.name == "vllm":
-            from plait.workers.vllm_engine import EngineTrace, VLLMEngine
-            tool = profiler.engine_tool
-            trace = EngineTrace(profiler.role, tool, profiler.token_range) if tool is not None else None
-            self.engine = VLLMEngine(model_path, cfg, dtype, device, eos, ignore_eos, pad_token_id=self.pad_token_id,
-                                     trace_dir=None if trace is None else trace.dir, profile_tool=tool,
-                                     sleep_between_calls=colocated and device != "cpu" and cfg.free_cache_engine)
-            if trace is not None:
-                profiler.attach(trace.bind(self.engine))
-        else:
-            model = load_causal_lm(model_path, dtype=dtype, device=device).eval().requires_grad_(False)
-            self.engine = TransformersEngine(model, pad_token_id=self.pad_token_id, eos_token_ids=eos)
+        name = PLAIT_ENGINE if cfg is None else cfg.name
+        self.engine = ENGINES[name].build(EngineArgs(
+            model_path, cfg, dtype, device, eos, ignore_eos, self.pad_token_id, profiler, colocated))
         self.version = 0
         self._lock = threading.Lock()
         self.agents = None if agent_cfg is None else _agent_worker(agent_cfg, tokenizer, model_path)
@@ -67,10 +58,10 @@ class Rollout:
 
         def engine_round(ids: list[list[int]], max_new_tokens: int, sampling: dict):
             return self.engine.generate(ids, params(sampling, max_new_tokens), generator=generator)
-        if isinstance(self.engine, TransformersEngine):
+        if not self.engine.continuous:
             return engine_round
 
-        def serve(admit, deliver, stop):  # vLLM: continuous batching instead of rounds
+        def serve(admit, deliver, stop):  # continuous batching (vLLM) instead of rounds
             return self.engine.serve(lambda: [(r, ids, params(s, budget)) for r, ids, s, budget in admit()],
                                      deliver, stop, generator=generator)
         engine_round.serve = serve
@@ -120,8 +111,6 @@ class Rollout:
 
     def _engine_generate(self, ids: list[list[int]], params: SamplingParams, seed: int):
         generator = torch.Generator().manual_seed(seed)
-        if not isinstance(self.engine, TransformersEngine):  # vLLM: the token range is named as no effect
-            return self.engine.generate(ids, params, generator=generator)
         with self.profiler.decode_steps() as gate:  # profile_token_start/end: which decode steps are traced
             return self.engine.generate(ids, params, generator=generator, on_forward=gate)
 

@@ -16,7 +16,7 @@ bench/bench_decode.py has the numbers against HF generate.
 
 Finished rows leave the batch once they are half of it; no new prompts join (no continuous
 batching). Left out: beam search, repetition penalties, stop strings, min_new_tokens, speculative
-decoding, CUDA graphs. `RolloutEngine` is the seam; plait/workers/vllm_engine.py is vLLM behind it.
+decoding, CUDA graphs. plait/workers/engine.py is the seam (the `hf` row); vllm_engine.py is vLLM behind it.
 """
 
 from __future__ import annotations
@@ -25,13 +25,14 @@ import functools
 import inspect
 import threading
 from dataclasses import dataclass
-from typing import NamedTuple, Protocol
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from transformers import DynamicCache, PreTrainedModel
 
 from plait.configtree import check
+from plait.models import load_causal_lm
 
 
 @dataclass
@@ -57,19 +58,15 @@ class Generation:
     stop_reasons: list[str]      # per row: "eos" | "length" | "aborted"
 
 
-class RolloutEngine(Protocol):
-    def generate(self, prompts: list[list[int]], params: SamplingParams,
-                 generator: torch.Generator | None = None) -> Generation: ...
-
-    def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None: ...
-
-    def abort(self) -> None: ...
-
-    def close(self) -> None: ...
+def build(args) -> TransformersEngine:
+    """The `hf` row's factory (args: workers/engine.py's EngineArgs): the model in this process, frozen."""
+    model = load_causal_lm(args.model_path, dtype=args.dtype, device=args.device).eval().requires_grad_(False)
+    return TransformersEngine(model, pad_token_id=args.pad_token_id, eos_token_ids=args.eos_token_ids)
 
 
 class TransformersEngine:
-    """RolloutEngine over an in-process transformers causal LM, on whatever device the model is on."""
+    """plait's Engine (workers/engine.py) over an in-process transformers causal LM, on the model's device."""
+    continuous = False  # agent loops batch its requests in rounds of `generate`
 
     def __init__(self, model: PreTrainedModel, pad_token_id: int, eos_token_ids: list[int]):
         self.model, self.pad_token_id, self.eos_token_ids = model, pad_token_id, list(eos_token_ids)

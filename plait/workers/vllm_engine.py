@@ -37,6 +37,7 @@ import time
 import torch
 from transformers import AutoConfig
 
+from plait.workers.vllm_notes import iteration_bounds
 from plait.workers.rollout_engine import Generation, SamplingParams
 from plait.workers.vllm_noise import quiet_known_warnings
 
@@ -45,8 +46,23 @@ log = logging.getLogger("plait.rollout")
 STOP_REASONS = {"stop": "eos", "length": "length", "abort": "aborted"}  # vLLM's finish_reason -> plait's
 
 
+def build(args) -> VLLMEngine:
+    """The `vllm` row's factory (args: workers/engine.py's EngineArgs): the engine, with its own profiler bound to the role's when one is on."""
+    profiler, cfg = args.profiler, args.cfg
+    tool = profiler.engine_tool
+    trace = EngineTrace(profiler.role, tool, profiler.token_range) if tool is not None else None
+    engine = VLLMEngine(args.model_path, cfg, args.dtype, args.device, args.eos_token_ids, args.ignore_eos,
+                        pad_token_id=args.pad_token_id, trace_dir=None if trace is None else trace.dir,
+                        profile_tool=tool,
+                        sleep_between_calls=args.colocated and args.device != "cpu" and cfg.free_cache_engine)
+    if trace is not None:
+        profiler.attach(trace.bind(engine))
+    return engine
+
+
 class VLLMEngine:
-    """RolloutEngine over vLLM's offline engine; `cfg` is the `actor_rollout_ref.rollout` node."""
+    """plait's Engine (workers/engine.py) over vLLM's offline engine; `cfg` is the `actor_rollout_ref.rollout` node."""
+    continuous = True  # agent loops use `serve`
 
     def __init__(self, model_path: str, cfg, dtype: torch.dtype, device: str, eos_token_ids: list[int],
                  ignore_eos: bool, pad_token_id: int = 0, trace_dir: str | None = None, sleep_between_calls: bool = False,
@@ -84,8 +100,10 @@ class VLLMEngine:
         self._calls = 0  # request ids stay unique across calls
 
     def generate(self, prompts: list[list[int]], params: SamplingParams,
-                 generator: torch.Generator | None = None) -> Generation:
-        """One response per prompt; `generator` draws each request's seed (reproducible per call)."""
+                 generator: torch.Generator | None = None, on_forward=None) -> Generation:
+        """One response per prompt; `generator` draws each request's seed (reproducible per call).
+        `on_forward` is not called: the steps run in the engine-core process (the token range is the
+        engine profiler's there, see EngineTrace)."""
         from vllm.inputs import TokensPrompt
         if not prompts or min(len(p) for p in prompts) == 0:
             raise ValueError("generate needs at least one prompt and no empty prompts")
@@ -221,16 +239,6 @@ class VLLMEngine:
         shutil.rmtree(self._weights_dir, ignore_errors=True)
 
 
-def iteration_bounds(tokens: tuple[int | None, int | None] | None) -> dict:
-    """The rollout's (profile_token_start, profile_token_end) as verl passes them to vLLM's start_profile:
-    wait `start` engine iterations (one decode token per running sequence each), then record `end - start`
-    of them (max_iterations 0: to the window's end). None or (None, None): no bounds."""
-    if tokens is None or tokens == (None, None):
-        return {}
-    start, end = tokens[0] or 0, tokens[1]
-    return {"delay_iterations": start, "max_iterations": 0 if end is None else end - start}
-
-
 def engine_profiler(tool: str, trace_dir: str | None) -> dict:
     """vLLM's `profiler_config` standing in for plait's `tool` in the engine-core process:
     torch: vLLM's torch profiler; torch_memory: the same with profile_memory (every allocation in the
@@ -241,32 +249,6 @@ def engine_profiler(tool: str, trace_dir: str | None) -> dict:
         return {"profiler": "cuda"}
     return {"profiler": "torch", "torch_profiler_dir": os.path.abspath(trace_dir), "torch_profiler_with_stack": False,
             "torch_profiler_dump_cuda_time_total": False, "torch_profiler_with_memory": tool == "torch_memory"}
-
-
-def profiling_note(tool: str, discrete: bool, cuda: bool, tokens: tuple = (None, None)) -> str:
-    """The line said at start when rollout.name=vllm is profiled: what the engine-core process's
-    record holds and what it does not, and why."""
-    if tool == "nsys":
-        return ("rollout.name=vllm with nsys: the engine-core process marks each window with vLLM's CUDA profiler "
-                "range (launch plait under nsys with --capture-range=cudaProfilerApi); plait's NVTX stage ranges "
-                "are in the rollout worker's process only")
-    held = "its model ops" + (" and allocations" if tool == "torch_memory" else "")
-    missing = []
-    if discrete:
-        missing.append("no per-stage split there (discrete traces are the worker's; the engine's is one trace a window)")
-    if tool == "torch_memory":
-        missing.append("no CUDA allocator snapshot (.pickle) of it: vLLM's profiler has none" if cuda else
-                       f"not the KV cache ({os.environ.get('VLLM_CPU_KVCACHE_SPACE', '1')} GiB, "
-                       "VLLM_CPU_KVCACHE_SPACE): vLLM allocates it at start, before any window")
-    bounds = iteration_bounds(tokens) if tool == "torch" else {}
-    if bounds:
-        start, count = bounds["delay_iterations"], bounds["max_iterations"]
-        missing.append(f"only engine iterations {start} to {start + count - 1 if count else 'the last'} of each window: "
-                       "profile_token_start/end become vLLM's delay_iterations/max_iterations, counted from the "
-                       "window's start, not per generate call")
-    return (f"rollout.name=vllm with {tool}: the generation runs in vLLM's engine-core process, recorded by "
-            f"vLLM's own torch profiler as rollout_rank<r>_vllm_engine.pt.trace.json.gz ({held})"
-            + ("; " + "; ".join(missing) if missing else ""))
 
 
 class EngineTrace:

@@ -24,7 +24,7 @@ from plait.config import SamplingConfig
 from plait.errors import RunError
 from plait.profiler import GlobalProfilerConfig, ProfilerSession, RoleProfilerConfig
 from plait.trainers.lifecycle import read_metrics
-from plait.trainers.one_step_off import RolloutError
+from plait.trainers.async_common import RolloutError
 from plait.types import PromptBatch
 from plait.workers.actor import Actor
 from plait.workers.rollout import Rollout

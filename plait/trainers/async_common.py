@@ -1,0 +1,37 @@
+"""What both async modes (one_step_off, fully_async) share: the error a generation thread's failure
+becomes on the driver, and the clock that measures that thread's idle share (rollouter/idle_ratio)."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+
+
+class RolloutError(RuntimeError):
+    """Generation running beside the trainer failed; the cause is chained."""
+
+
+class BusyClock:
+    """When one thread was busy, so its idle share of any later wall-clock window can be measured."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._spans: list[list] = []  # [start, end]; end None while busy
+
+    @contextlib.contextmanager
+    def busy(self):
+        span = [time.perf_counter(), None]
+        with self._lock:
+            self._spans.append(span)
+        try:
+            yield
+        finally:
+            span[1] = time.perf_counter()
+
+    def idle_ratio(self, start: float, end: float) -> float:
+        """Idle share of [start, end]; spans ending before `start` are dropped (windows move forward)."""
+        with self._lock:
+            self._spans = [s for s in self._spans if s[1] is None or s[1] > start]
+            busy = sum(max(0.0, min(end if e is None else e, end) - max(s, start)) for s, e in self._spans)
+        return max(0.0, 1.0 - busy / max(end - start, 1e-9))

@@ -125,6 +125,9 @@ def test_partial_rollouts_resume_with_the_new_weights(tmp_path, tiny_config):
         decoding.wait(timeout=5)
         return sync(step, timer)
     engine._abort, engine.generate, trainer.after_update = Armed(), generate_flagged, sync_mid_generate
+    # Decode slower than the trainer updates (the rollout's own model copy), so the rollouter is still
+    # generating when a sync comes instead of already waiting on capacity, whatever the machine's speed.
+    engine.model.register_forward_pre_hook(lambda module, args: time.sleep(0.02))
     lifecycle.run()
     records = read_metrics(os.path.join(tmp_path, "metrics.jsonl"))
     assert sum(r["fully_async/partial/partial_ratio"] for r in records) > 0

@@ -80,7 +80,11 @@ def curves(run_dir: str) -> dict:
 
 
 def plot(result: dict, png: str) -> None:
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:  # the result file is written already; the picture is optional
+        print("no PNG: matplotlib is not installed (pip install matplotlib, then --plot-only)", file=sys.stderr)
+        return
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator

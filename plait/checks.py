@@ -38,8 +38,14 @@ def model_dirs_exist(cfg) -> None:
 
 def light_errors(cfg) -> list[ConfigError]:
     """Every error these checks find in `cfg`."""
+    return collect_errors((lambda: check_data_files(cfg), lambda: model_dirs_exist(cfg),
+                           lambda: check_loggers(cfg.trainer.logger)))
+
+
+def collect_errors(rules) -> list[ConfigError]:
+    """Every rule run, and what each raised gathered: one pass of errors, not the first one."""
     errors = []
-    for rule in (lambda: check_data_files(cfg), lambda: model_dirs_exist(cfg), lambda: check_loggers(cfg.trainer.logger)):
+    for rule in rules:
         try:
             rule()
         except ConfigErrors as err:

@@ -17,9 +17,9 @@ import torch
 import transformers
 
 from plait.config import PlaitConfig
-from plait.configtree import ConfigError, ConfigErrors, raise_all, to_dict
+from plait.configtree import ConfigError, raise_all, to_dict
 from plait.data.reward_pool import close_reward_workers
-from plait.checks import check_data_files, check_loggers, not_a_directory
+from plait.checks import check_data_files, check_loggers, collect_errors, not_a_directory
 from plait.data.dataset import read_column
 from plait.data.rewards import BUILTIN, has_builtin_reward, resolve_reward
 from plait.models import builtin_model, check_model_dir, check_reward_model_dir
@@ -99,22 +99,15 @@ def preflight(cfg: PlaitConfig) -> None:
 
 
 def preflight_errors(cfg: PlaitConfig) -> list[ConfigError]:
-    errors = []
     for role in absent_profiled_roles(cfg):
         log.warning("profiler: %s.profiler.enable is true but this run has no %s role (%s); it is not profiled",
                     ROLE_KEYS[role], role, ABSENT_WHY[role])
     roles_cfg = role_profilers(cfg)
-    for rule in (lambda: validate_environment(cfg.global_profiler, roles_cfg), lambda: check_memory_profiling(cfg, roles_cfg),
-                 lambda: check_data_files(cfg), lambda: check_data_sources(cfg), lambda: check_model_path(cfg),
-                 lambda: resolve_reward(cfg.reward, cfg.data.max_response_length),
-                 lambda: resolve_device(cfg), lambda: check_loggers(cfg.trainer.logger)):
-        try:
-            rule()
-        except ConfigErrors as err:
-            errors += err.errors
-        except ConfigError as err:
-            errors.append(err)
-    return errors
+    return collect_errors((lambda: validate_environment(cfg.global_profiler, roles_cfg),
+                           lambda: check_memory_profiling(cfg, roles_cfg), lambda: check_data_files(cfg),
+                           lambda: check_data_sources(cfg), lambda: check_model_path(cfg),
+                           lambda: resolve_reward(cfg.reward, cfg.data.max_response_length),
+                           lambda: resolve_device(cfg), lambda: check_loggers(cfg.trainer.logger)))
 
 
 def build(cfg: PlaitConfig, progress: bool = True, checked: bool = False) -> Lifecycle:

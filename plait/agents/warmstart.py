@@ -15,12 +15,9 @@ Left out: LR schedules, packing, other tools' transcripts, devices other than CP
 from __future__ import annotations
 
 import json
-import random
 from pathlib import Path
 
-import torch
-
-from plait.data.warmstart import MARKER, POOL, _fingerprint
+from plait.data.warmstart import MARKER, POOL, _fingerprint, train_and_save
 
 TRANSCRIPT_TASKS = ("gsm8k_synthetic_tools",)  # tasks whose problems have generated tool transcripts
 
@@ -58,32 +55,4 @@ def transcript_warmstart(model_dir: str | Path, task: str, out_dir: str | Path, 
     tokenizer, model = load_tokenizer(model_dir), load_causal_lm(model_dir)
     model_type = AutoConfig.from_pretrained(model_dir, local_files_only=True).model_type
     examples = transcript_examples(tokenizer, model_type, task, pool, seed)
-    rng = random.Random(seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
-    model.train()
-    losses = []
-    for _ in range(steps):
-        input_ids, attention_mask, labels = collate(rng.sample(examples, min(batch_size, len(examples))),
-                                                    tokenizer.pad_token_id)
-        loss = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-    model.save_pretrained(out_dir)
-    tokenizer.save_pretrained(out_dir)
-    marker.write_text(json.dumps({"settings": settings, "losses": losses}))  # last: marks complete
-    return str(out_dir)
-
-
-def collate(examples: list[tuple[list[int], list[int]]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Right-padded ids; attention on every real token; labels -100 wherever the loss mask is 0."""
-    width = max(len(ids) for ids, _ in examples)
-    input_ids = torch.full((len(examples), width), pad_id)                 # [batch, seq]
-    attention_mask = torch.zeros((len(examples), width), dtype=torch.long)  # [batch, seq]
-    labels = torch.full((len(examples), width), -100)                       # [batch, seq]
-    for i, (ids, mask) in enumerate(examples):
-        row = torch.tensor(ids)
-        input_ids[i, :len(ids)], attention_mask[i, :len(ids)] = row, 1
-        labels[i, :len(ids)] = torch.where(torch.tensor(mask, dtype=torch.bool), row, torch.tensor(-100))
-    return input_ids, attention_mask, labels
+    return train_and_save(model, tokenizer, examples, steps, batch_size, lr, seed, Path(out_dir), settings)

@@ -46,37 +46,42 @@ def sft_warmstart(model_dir: str | Path, task: str, out_dir: str | Path, steps: 
         answer = tokenizer(row["reward_model"]["ground_truth"], add_special_tokens=False)
         examples.append((prompt, answer["input_ids"] + [tokenizer.eos_token_id]))
 
+    pairs = [(prompt + answer, [0] * len(prompt) + [1] * len(answer)) for prompt, answer in examples]
+    return train_and_save(model, tokenizer, pairs, steps, batch_size, lr, seed, Path(out_dir), settings)
+
+
+def train_and_save(model, tokenizer, examples: list[tuple[list[int], list[int]]], steps: int, batch_size: int,
+                   lr: float, seed: int, out_dir: Path, settings: dict) -> str:
+    """`steps` AdamW steps on batches of (ids, loss mask) examples, then the model, tokenizer and the
+    settings marker (written last: it marks the folder complete) saved to `out_dir`."""
     rng = random.Random(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     model.train()
     losses = []
     for _ in range(steps):
-        input_ids, attention_mask, labels = _collate(rng.sample(examples, batch_size),
-                                                     tokenizer.pad_token_id)
+        input_ids, attention_mask, labels = collate(rng.sample(examples, min(batch_size, len(examples))),
+                                                    tokenizer.pad_token_id)
         loss = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.item())
-
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
-    marker.write_text(json.dumps({"settings": settings, "losses": losses}))  # last: marks complete
+    (out_dir / MARKER).write_text(json.dumps({"settings": settings, "losses": losses}))
     return str(out_dir)
 
 
-def _collate(pairs: list[tuple[list[int], list[int]]], pad_id: int
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Right-padded prompt+answer ids; labels are -100 outside the answer so only it is learned."""
-    width = max(len(p) + len(a) for p, a in pairs)
-    input_ids = torch.full((len(pairs), width), pad_id)  # [batch, seq]
-    attention_mask = torch.zeros((len(pairs), width), dtype=torch.long)  # [batch, seq]
-    labels = torch.full((len(pairs), width), -100)  # [batch, seq]
-    for i, (prompt, answer) in enumerate(pairs):
-        n = len(prompt) + len(answer)
-        input_ids[i, :n] = torch.tensor(prompt + answer)
-        attention_mask[i, :n] = 1
-        labels[i, len(prompt):n] = torch.tensor(answer)
+def collate(examples: list[tuple[list[int], list[int]]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded ids; attention on every real token; labels -100 wherever the loss mask is 0."""
+    width = max(len(ids) for ids, _ in examples)
+    input_ids = torch.full((len(examples), width), pad_id)                 # [batch, seq]
+    attention_mask = torch.zeros((len(examples), width), dtype=torch.long)  # [batch, seq]
+    labels = torch.full((len(examples), width), -100)                       # [batch, seq]
+    for i, (ids, mask) in enumerate(examples):
+        row = torch.tensor(ids)
+        input_ids[i, :len(ids)], attention_mask[i, :len(ids)] = row, 1
+        labels[i, :len(ids)] = torch.where(torch.tensor(mask, dtype=torch.bool), row, torch.tensor(-100))
     return input_ids, attention_mask, labels
 
 

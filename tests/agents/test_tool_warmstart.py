@@ -7,7 +7,8 @@ import os
 import pytest
 import torch
 
-from plait.agents.warmstart import collate, transcript_examples, transcript_warmstart
+from plait.agents.warmstart import transcript_examples, transcript_warmstart
+from plait.data.warmstart import collate
 from plait.models import create_tiny_model, load_causal_lm, load_tokenizer
 
 

@@ -29,7 +29,7 @@ from plait.profiler.analysis import memory as mem
 from plait.profiler.analysis import svg, verdict
 from plait.profiler.analysis.traces import Trace, load_trace, merged_trace, top_ops, top_ops_overall, write_trace
 from plait.profiler.naming import LOCATION, MANIFEST, read_location, read_manifest
-from plait.profiler.timeline import TIMELINE_FILE, read_timeline
+from plait.profiler.timeline import TIMELINE_FILE
 from plait.safeload import load_pickle
 
 MAX_GANTT_STEPS = 16

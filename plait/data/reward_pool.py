@@ -162,6 +162,9 @@ class _Worker:
                 future.set_result(self.call(args, kwargs))
             except BaseException as err:  # noqa: BLE001 - handed to the awaiting caller
                 future.set_exception(err)
+        # close() kills every worker, but one this thread was starting for a call in flight at that
+        # moment had no process yet: end it here, once that call is over and the pool said stop.
+        self.kill()
 
     def call(self, args: tuple, kwargs: dict) -> Any:
         describe = self.pool.wording.describe or describe_call

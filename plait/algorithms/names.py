@@ -33,8 +33,8 @@ def parse_is_threshold(threshold: float | str) -> tuple[float, float | None]:
         upper, lower = float(upper_text), float(lower_text) if lower_text else None
     except ValueError:
         raise ValueError("a number (truncation) or a 'lower_upper' string (IcePop), e.g. 2.0 or '0.5_5.0'") from None
-    if not upper > 0 or (lower is not None and not 0 < lower <= upper):
-        raise ValueError("bounds must be > 0 with lower <= upper")
+    if not 0 < upper < float("inf") or (lower is not None and not 0 < lower <= upper):
+        raise ValueError("bounds must be finite and > 0 with lower <= upper (rollout_is: null turns weighting off)")
     return upper, lower
 
 

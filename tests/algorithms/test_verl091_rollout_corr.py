@@ -81,6 +81,6 @@ def test_icepop_threshold_loads_and_a_bad_one_is_one_line():
     cfg = load_config(None, ["algorithm.rollout_correction.rollout_is=token",
                              "algorithm.rollout_correction.rollout_is_threshold='0.5_2'"])
     assert cfg.algorithm.rollout_correction.rollout_is_threshold == "0.5_2"  # quoted: IcePop, not the number 0.52
-    with pytest.raises(ConfigError, match=r"rollout_is_threshold='2_0.5': bounds must be > 0 with lower <= upper"):
+    with pytest.raises(ConfigError, match=r"rollout_is_threshold='2_0.5': bounds must be finite and > 0 with lower <= upper"):
         load_config(None, ["algorithm.rollout_correction.rollout_is=token",
                            "algorithm.rollout_correction.rollout_is_threshold='2_0.5'"])

@@ -75,6 +75,7 @@ class Settings:
     plait_overrides: tuple[str, ...] = ()  # extra plait key=value settings, after the bench's own
     max_prompt: int = 32    # prompt tokens at most (the real model's GSM8K-style prompts: 160)
     varlen: bool = False    # EOS honoured: responses end where the model stops, up to `length`
+    mix: bool = False       # smollm2: every other row a one-line sum (short answers) beside the word problems
     device: str = "cpu"     # "cuda": bench/gpu_check.py runs these workers on a GPU
     dtype: str = "float32"  # both frameworks compute in it over float32 weights (bfloat16: autocast / TRL's bf16=True)
 
@@ -112,6 +113,7 @@ def plait_worker(model_dir: str, data_file: str, s: Settings, out_dir: str) -> d
         "trainer.resume_mode=disable", f"trainer.seed={s.seed}", f"trainer.default_local_dir={out_dir}",
         f"actor_rollout_ref.rollout.ignore_eos={not s.varlen}",  # fixed length: exactly L tokens for every row
         *(PLAIT_VARLEN if s.varlen else ()),
+        *(["data.shuffle=false"] if s.mix else []),  # mix: rows in file order on both sides, half short each batch
         "actor_rollout_ref.model.enable_gradient_checkpointing=false",  # as TRL here (verl's default is on)
         *s.plait_overrides,
     ])
@@ -199,7 +201,7 @@ def trl_worker(model_dir: str, data_file: str, s: Settings, out_dir: str) -> dic
         per_device_train_batch_size=s.prompts * s.n, num_generations=s.n, steps_per_generation=1,
         gradient_accumulation_steps=1, num_iterations=1, max_steps=s.warmup + s.steps + 1,
         max_completion_length=s.length, generation_kwargs={} if s.varlen else {"min_new_tokens": s.length},
-        temperature=1.0, top_k=0, top_p=1.0,
+        temperature=1.0, top_k=0, top_p=1.0, shuffle_dataset=not s.mix,
         beta=0.0, epsilon=s.clip, loss_type="dapo", scale_rewards="group",
         learning_rate=s.lr, weight_decay=0.0, lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=1.0)
     # float32 weights and bf16=True (autocast), as plait's mixed precision: the same dtype offered to both
@@ -262,6 +264,21 @@ def gsm8k_style_rows(n: int, seed: int = 0) -> list[dict]:
                                                                        "final answer after \"####\"."}],
                      "reward_model": {"style": "rule", "ground_truth": str((a + b * c) * price)},
                      "extra_info": {"split": "train", "index": i}})
+    return rows
+
+
+def mixed_rows(n: int, seed: int = 0) -> list[dict]:
+    """GSM8K-style word problems (long answers: SmolLM2 reasons for 100+ tokens) alternating with one-line
+    sums that ask for the answer alone (answers of 10-60 tokens), so a batch's response lengths spread
+    over the whole range: the variable-length workload where padding costs and packing pays."""
+    import random
+    rng = random.Random(seed + 1)
+    rows = gsm8k_style_rows(n, seed)
+    for i in range(1, n, 2):
+        a, b = rng.randint(10, 99), rng.randint(10, 99)
+        rows[i] = {**rows[i], "prompt": [{"role": "user", "content": f"What is {a} + {b}? Answer with \"#### \" "
+                                                                      "and the number, nothing else."}],
+                   "reward_model": {"style": "rule", "ground_truth": str(a + b)}}
     return rows
 
 
@@ -329,6 +346,8 @@ def main():
     ap.add_argument("--steps", type=int, default=Settings.steps)
     ap.add_argument("--varlen", action="store_true", help="EOS honoured: variable response lengths, each "
                     "side's fastest settings, trained tokens/s")
+    ap.add_argument("--mix", action="store_true", help="smollm2: every other prompt a one-line sum asking for "
+                    "the number alone, so response lengths spread (use with --varlen)")
     ap.add_argument("--plait-override", action="append", default=[], metavar="KEY=VALUE",
                     help="an extra plait setting, e.g. algorithm.rollout_correction.bypass_mode=true")
     ap.add_argument("--dtype", default=Settings.dtype, choices=["float32", "bfloat16"],
@@ -360,7 +379,8 @@ def main():
     import pyarrow.parquet as pq
 
     s = Settings(prompts=args.prompts, n=args.n, length=args.length, warmup=args.warmup, steps=args.steps,
-                 plait_overrides=tuple(args.plait_override), varlen=args.varlen, dtype=args.dtype)
+                 plait_overrides=tuple(args.plait_override), varlen=args.varlen, dtype=args.dtype,
+                 mix=args.mix)
     sizes = args.sizes.split(",")
     result = {
         "machine": {"platform": platform.platform(), "python": platform.python_version(), "nproc": os.cpu_count(),
@@ -368,7 +388,8 @@ def main():
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__, "trl": trl.__version__,
                      "plait_commit": _git_commit()},
         "threads": 1, "settings": {**asdict(s), "tokens_per_step": s.tokens_per_step,
-                                   "task": f"arithmetic ({REAL}: GSM8K-style word problems, up to 160 prompt tokens)",
+                                   "task": f"arithmetic ({REAL}: GSM8K-style word problems, up to 160 prompt tokens"
+                                           + (", every other row a one-line sum asking for the number alone)" if s.mix else ")"),
                                    "loss": "GRPO token-mean (TRL loss_type=dapo), beta=0, std-normalised advantages",
                                    "plait_varlen_settings": list(PLAIT_VARLEN) if s.varlen else [],
                                    "trl_settings": "GRPOTrainer on CPU, no gradient checkpointing, one generation "
@@ -379,7 +400,7 @@ def main():
         data_file = os.path.join(scratch, "arithmetic_train.parquet")
         pq.write_table(pa.Table.from_pylist(make_task_rows("arithmetic", "train", s.data_rows, seed=0)), data_file)
         gsm8k_file = os.path.join(scratch, "gsm8k_style_train.parquet")
-        pq.write_table(pa.Table.from_pylist(gsm8k_style_rows(s.data_rows)), gsm8k_file)
+        pq.write_table(pa.Table.from_pylist((mixed_rows if s.mix else gsm8k_style_rows)(s.data_rows)), gsm8k_file)
         models = {size: smollm2_dir() if size == REAL else create_model(os.path.join(scratch, f"model_{size}"), size, seed=0)
                   for size in sizes}
         for i in range(args.runs):

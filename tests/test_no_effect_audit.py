@@ -19,8 +19,8 @@ CLASSES = [
     # owned by the agent-loop issue (issue 28), which implements them: refused or implemented there
     ("agent loop", "agent-loop", r"rollout\.(multi_turn|agent)\.|^data\.(tool_config_path|function_tool_path)$"),
     ("semantic switch, refused when set away from verl's default", "refused", None),  # SEMANTIC / ENABLES / recipes
-    ("multimodal options, inert: rows with images, videos or audio are refused (data.image_key)", "inert",
-     r"freeze_vision_tower|image_patch_size|return_multi_modal_inputs|mm_processor_kwargs|num_images_in_input"),
+    ("multimodal options, inert: images take the processor's saved settings; videos and audio are refused",
+     "inert", r"return_multi_modal_inputs|mm_processor_kwargs|num_images_in_input"),
     ("options read only when a refused switch is on", "inert",
      r"^algorithm\.pf_ppo\.|critic\.model\.(lora_alpha|target_modules|exclude_modules)$|\.(qat|lora)$|"
      r"router_replay\.(record|replay)_file$|^(distillation|transfer_queue|skip|trainer\.v1)$|\.mtp$|"

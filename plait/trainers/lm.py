@@ -257,7 +257,9 @@ class LMTrainer:
         prompts = PromptBatch(prompt_ids=[batch.prompts[i][batch.prompt_mask[i].bool()].tolist() for i in rows],
                               data_sources=[batch.data_sources[i] for i in rows],
                               ground_truths=[batch.ground_truths[i] for i in rows],
-                              extra_infos=[batch.extra_infos[i] for i in rows], indices=list(first))
+                              extra_infos=[batch.extra_infos[i] for i in rows], indices=list(first),
+                              multi_modal=[] if batch.multi_modal_inputs is None else
+                              [batch.multi_modal_inputs[i] for i in rows])
         greedy = self.roles.rollout.call(Rollout.generate, prompts, SamplingConfig(n=1, do_sample=False),
                                          self.cfg.trainer.seed)
         scores, _ = self.score(greedy)
@@ -540,9 +542,11 @@ def agent_metrics(batch: RolloutBatch) -> dict[str, float]:
 
 
 def prompt_batch(items) -> PromptBatch:
+    media = [it.multi_modal for it in items]
     return PromptBatch(prompt_ids=[it.prompt_ids for it in items], data_sources=[it.data_source for it in items],
                        ground_truths=[it.ground_truth for it in items], extra_infos=[it.extra_info for it in items],
-                       indices=[it.index for it in items], agent_names=[it.agent_name for it in items])
+                       indices=[it.index for it in items], agent_names=[it.agent_name for it in items],
+                       multi_modal=media if any(media) else [])
 
 
 def last_token_scores(scores: list[float], response_mask: torch.Tensor) -> torch.Tensor:
@@ -685,6 +689,7 @@ def build_lm_trainer(cfg: PlaitConfig, backend, device: str, mode: type[LMTraine
     """Model, data, reward and the four language-model roles, handed to the trainer `mode` (the driver's pick)."""
     from plait.data.dataset import load_dataset
     from plait.models import load_tokenizer
+    from plait.models_vl import is_vl_dir, load_processor
     from plait.workers.actor import Actor
     from plait.workers.critic import Critic
     from plait.workers.ref import Ref
@@ -706,8 +711,10 @@ def build_lm_trainer(cfg: PlaitConfig, backend, device: str, mode: type[LMTraine
     d = cfg.data
     options = dict(prompt_key=d.prompt_key, max_prompt_length=d.max_prompt_length, truncation=d.truncation,
                    filter_overlong_prompts=d.filter_overlong_prompts, return_raw_chat=d.return_raw_chat,
-                   reward_fn_key=d.reward_fn_key, chat_template_kwargs=d.apply_chat_template_kwargs, media_keys={"data.image_key": d.image_key,
-                                                              "data.video_key": d.video_key, "data.audio_key": d.audio_key})
+                   reward_fn_key=d.reward_fn_key, chat_template_kwargs=d.apply_chat_template_kwargs,
+                   media_keys={"data.image_key": d.image_key, "data.video_key": d.video_key, "data.audio_key": d.audio_key},
+                   processor=load_processor(model_path) if is_vl_dir(model_path) else None,
+                   image_patch_size=d.image_patch_size)
     train_data = load_dataset("data.train_files", train_files, tokenizer, **options)
     val_data = load_dataset("data.val_files", val_files, tokenizer, **options) if val_files else None
     if d.filter_overlong_prompts:
@@ -719,6 +726,9 @@ def build_lm_trainer(cfg: PlaitConfig, backend, device: str, mode: type[LMTraine
                           f"larger than the training set ({len(train_data)} prompts in {', '.join(map(str, train_files))}); "
                           "lower it or add prompts")
     agent_loops = uses_agent_loops(cfg, train_data, val_data)  # unknown agent names: a config error, before any model
+    if agent_loops and any(it.multi_modal for data in (train_data, val_data) if data for it in data.items):
+        raise ConfigError("actor_rollout_ref.rollout.multi_turn.enable", True, "agent loops with images are not "
+                          "implemented; rows with images run single-turn generation (drop the agent loop keys)")
     for optim in (arr.actor.optim, cfg.critic.optim):  # as verl: the lr schedule spans the trainer's steps
         if optim.total_training_steps == -1:
             optim.total_training_steps = cfg.total_steps(len(train_data) // cfg.data.train_batch_size)

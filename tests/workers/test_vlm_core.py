@@ -3,6 +3,7 @@ log-probs equal to each row alone in HF's own forward, the hf engine's log-probs
 and the model-folder checks."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -156,6 +157,13 @@ def test_model_dir_checks_accept_qwen_vl_and_refuse_other_vlms_by_name(vl, tmp_p
         "LlavaForConditionalGeneration"], "vision_config": {}, "text_config": {}}))
     with pytest.raises(ConfigError, match="a llava vision-language model: plait trains qwen2_vl and qwen2_5_vl"):
         check_model_dir("actor_rollout_ref.model.path", other)
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for item in Path(path).iterdir():
+        if item.name != "preprocessor_config.json":
+            (bare / item.name).symlink_to(item)
+    with pytest.raises(ConfigError, match=r"no image processor \(preprocessor_config.json\)"):
+        check_model_dir("actor_rollout_ref.model.path", bare)
 
 
 def test_images_resize_as_verls_process_image(tmp_path):

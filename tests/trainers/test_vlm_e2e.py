@@ -138,3 +138,10 @@ def test_geo3k_grpo_fully_async_local(vl_setup, tmp_path):
     assert [r["step"] for r in records if "actor/pg_loss" in r] == [1, 2, 3]
     fresh = [r for r in records if "actor/pg_loss" in r and r["training/staleness/max"] == 0]
     assert fresh and all(r["training/rollout_probs_diff_max"] < 1e-3 for r in fresh)  # stale ones differ by design
+
+
+def test_agent_loops_with_images_are_refused_at_start(vl_setup, tmp_path):
+    root, model = vl_setup
+    with pytest.raises(ConfigError, match=r"^actor_rollout_ref.rollout.multi_turn.enable=True: agent loops with images"):
+        driver.build(geo3k_config(root, model, tmp_path, "actor_rollout_ref.rollout.multi_turn.enable=True"),
+                     progress=False)

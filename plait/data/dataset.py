@@ -225,7 +225,7 @@ class PromptDataset:
                      patch_size: int, folder: Path | None, chat_template_kwargs: dict) -> PromptItem:
         """`item` with the row's images: placed at its `<image>` placeholders, decoded, resized, their tokens
         in the prompt (the processor expands each image's pad token to the image's token count)."""
-        from plait.models_vl import fetch_image
+        from plait.models_vl import fetch_image  # here: models_vl imports torch (seconds), text-only runs never need it
         entries = row.get(column)
         if entries in (None, [], ""):
             return item

@@ -112,13 +112,15 @@ def test_engine_log_probs_are_the_actors(vl):
     decode loop also drops finished rows with their rope deltas."""
     _, model, processor = vl
     ids, media, _ = prompts(processor)
-    eos = [int(model.config.get_text_config().eos_token_id)]
+    eos = list(range(4, 100))  # many end ids: rows end at different steps
     engine = TransformersEngine(model, pad_token_id=0, eos_token_ids=eos)
     gen = engine.generate(ids, SamplingParams(max_new_tokens=8, temperature=0.7),
                           generator=torch.Generator().manual_seed(3), multi_modal=media)
     pads = torch.tensor([model.config.image_token_id, model.config.video_token_id])
     assert not torch.isin(gen.responses, pads).any()  # one would take an image's features in every later forward
     responses = [r[m.bool()].tolist() for r, m in zip(gen.responses, gen.response_mask)]
+    lengths = sorted(map(len, responses))
+    assert lengths[1] < lengths[2] and len(lengths) == 3  # two rows ended first: the third decoded alone
     inp, mask, resp_len = padded(ids, responses)
     for remove_padding in (False, True):
         with torch.no_grad():

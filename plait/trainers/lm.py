@@ -24,6 +24,7 @@ import json
 import math
 import os
 import random
+import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -200,6 +201,7 @@ class LMTrainer:
         self.roles.actor.call(Actor.save_checkpoint, os.path.join(path, "actor"))
         hf = os.path.join(path, "actor", HF_DIR)
         self.tokenizer.save_pretrained(hf)
+        save_image_processor(self.cfg.actor_rollout_ref.model.path, hf)  # a VL policy's: the export loads as one
         if "hf_model" in self.cfg.actor_rollout_ref.actor.checkpoint.save_contents:  # verl's: the policy, ready to serve
             export_checkpoint(path, hf)
         if self.roles.critic is not None:
@@ -484,6 +486,13 @@ def merge_results(results: list[StepResult]) -> StepResult:
         metrics[key] = reduce(values)
     return StepResult(metrics, num_tokens=sum(r.num_tokens for r in results),
                       response_tokens=sum(r.response_tokens for r in results))
+
+
+def save_image_processor(model_path: str | None, out: str) -> None:
+    """Copy the model folder's image processor config (a VL model's preprocessor_config.json) into `out`."""
+    source = os.path.join(model_path or "", "preprocessor_config.json")
+    if model_path and os.path.isfile(source):
+        shutil.copy2(source, os.path.join(out, "preprocessor_config.json"))
 
 
 def check_images(cfg: PlaitConfig, agent_loops: bool, *datasets) -> None:

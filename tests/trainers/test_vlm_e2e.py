@@ -13,7 +13,9 @@ from PIL import Image
 from plait import driver
 from plait.config import load_config
 from plait.configtree import ConfigError
-from plait.models import create_tiny_model, create_tiny_vl_model
+from plait.export import export_checkpoint
+from plait.models import check_model_dir, create_tiny_model, create_tiny_vl_model, load_causal_lm
+from plait.models_vl import load_processor
 from plait.trainers.lifecycle import read_metrics
 from plait.workers.actor import Actor
 
@@ -36,7 +38,7 @@ GEO3K = [
     "actor_rollout_ref.ref.fsdp_config.param_offload=True", "algorithm.use_kl_in_reward=False",
     "trainer.critic_warmup=0", "trainer.logger=[console]", "trainer.project_name=verl_grpo_example_geo3k",
     "trainer.experiment_name=qwen2_5_vl_7b_function_rm", "trainer.n_gpus_per_node=1", "trainer.nnodes=1",
-    "trainer.save_freq=-1", "trainer.test_freq=2", "trainer.total_training_steps=2",
+    "trainer.save_freq=2", "trainer.test_freq=2", "trainer.total_training_steps=2",
 ]
 COLOURS = {"red": (220, 30, 30), "blue": (30, 30, 220)}
 # dense, so every group has an advantage to learn from (geo3k's own scorer is plait/data/rewards.py's)
@@ -100,6 +102,12 @@ def test_geo3k_grpo_sync_local_trains_with_images(vl_setup, tmp_path):
     # the rollout's log-probs are the actor's: images and rope positions went through both the same way
     assert last["training/rollout_probs_diff_max"] < 1e-3
     assert all(r["actor/pg_loss"] != 0 for r in records if "actor/pg_loss" in r)
+    # the checkpoint exports as a VL folder plait loads again, with the trained weights
+    out = export_checkpoint(str(tmp_path / "checkpoints" / "global_step_2"), str(tmp_path / "export"))
+    check_model_dir("actor_rollout_ref.model.path", out)
+    assert load_processor(out).image_processor.merge_size == 2
+    exported = load_causal_lm(out).state_dict()
+    assert all(torch.equal(exported[k], after[k]) for k in visual)
 
 
 def test_freeze_vision_tower_keeps_the_encoder(vl_setup, tmp_path):

@@ -9,16 +9,23 @@ import pytest
 import torch
 from PIL import Image
 
+from plait.config import ActorConfig, OptimConfig
 from plait.configtree import ConfigError
+from plait.profiler import GlobalProfilerConfig, ProfilerSession, RoleProfilerConfig
+from plait.types import RolloutBatch
 from plait.models import check_model_dir, create_tiny_model, create_tiny_vl_model, load_causal_lm
 from plait.models_vl import fetch_image, load_processor, rope_index, smart_resize, vl_inputs
-from plait.workers.actor import freeze_vision_tower
+from plait.workers.actor import Actor, freeze_vision_tower
 from plait.workers.logprobs import response_logprobs
 from plait.workers.packing import packing_works
 from plait.workers.rollout_engine import SamplingParams, TransformersEngine
 
 torch.set_num_threads(1)
 KINDS = ["qwen2_5_vl", "qwen2_vl"]
+
+
+def profiler(role: str):
+    return ProfilerSession(GlobalProfilerConfig(), {role: RoleProfilerConfig()}, rank=0).for_role(role)
 
 
 @pytest.fixture(scope="module", params=KINDS)
@@ -176,3 +183,44 @@ def test_images_resize_as_verls_process_image(tmp_path):
     assert image.mode == "RGB" and image.size == (56, 28)
     with pytest.raises(ValueError, match="an image does not decode"):
         fetch_image({"bytes": b"not an image"})
+
+
+def vl_batch(processor, n=2):
+    """A RolloutBatch of the three rows, each sampled `n` times (adjacent, as the rollout makes them)."""
+    ids, media, responses = prompts(processor, ((70, 71, 5), (72,), (73, 74, 75, 76)))
+    ids, media, responses = ([x for x in xs for _ in range(n)] for xs in (ids, media, responses))
+    p, r = max(map(len, ids)), max(map(len, responses))
+    mask = torch.tensor([[1.0] * len(b) + [0.0] * (r - len(b)) for b in responses])
+    rows = len(ids)
+    return RolloutBatch(
+        prompts=torch.tensor([[0] * (p - len(a)) + a for a in ids]),
+        prompt_mask=torch.tensor([[0] * (p - len(a)) + [1] * len(a) for a in ids]),
+        responses=torch.tensor([b + [0] * (r - len(b)) for b in responses]), response_mask=mask,
+        rollout_logprobs=torch.zeros(rows, r), group_ids=torch.arange(rows) // n, versions=torch.zeros(rows, dtype=torch.long),
+        data_sources=["x"] * rows, ground_truths=["1"] * rows, extra_infos=[{}] * rows, stop_reasons=["eos"] * rows,
+        advantages=torch.linspace(-1, 1, rows)[:, None].expand(rows, r).contiguous() * mask,
+        multi_modal_inputs=media)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_micro_batches_dynamic_bsz_and_packing_agree(kind, tmp_path):
+    """Old log-probs in any layout (fixed micro-batches, token-budget bins, packed) are one set of numbers, and
+    one update packed equals one padded: the images follow the rows through every split."""
+    path = create_tiny_vl_model(tmp_path / kind, kind, seed=1)
+    batch = vl_batch(load_processor(path))
+    cfg = ActorConfig(optim=OptimConfig(lr=1e-2, weight_decay=0.0), ppo_mini_batch_size=3,
+                      ppo_micro_batch_size_per_gpu=2)
+    actors = {pad: Actor(path, cfg, 2, 1.0, profiler("actor"), remove_padding=pad, max_token_len=max_tokens)
+              for pad, max_tokens in ((False, None), (True, 60))}
+    reference, _ = actors[False].compute_log_prob(batch, micro_batch_size=6)
+    for actor, micro, budget in ((actors[False], 1, None), (actors[True], 4, None), (actors[True], 6, 50)):
+        logp, _ = actor.compute_log_prob(batch, micro_batch_size=micro, max_token_len=budget)
+        torch.testing.assert_close(logp, reference, atol=1e-5, rtol=1e-5)
+    batch = batch.replace(old_logprobs=reference)
+    for actor in actors.values():
+        actor.update(batch)
+    padded, packed = (actors[k].state_dict() for k in (False, True))
+    assert any(not torch.equal(padded[k], Actor(path, cfg, 2, 1.0, profiler("actor")).state_dict()[k])
+               for k in padded if ".visual." in k)
+    for k in padded:  # Adam divides by sqrt(v): a near-zero gradient's rounding moves a weight by up to ~1e-5
+        torch.testing.assert_close(packed[k], padded[k], atol=1e-4, rtol=1e-4)

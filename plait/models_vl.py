@@ -1,10 +1,9 @@
 """Vision-language policies: Qwen2-VL and Qwen2.5-VL, their processor, images and rope positions.
 
-- `create_tiny_vl_model` builds a tiny Qwen2-VL or Qwen2.5-VL (random weights, a one-block vision
-  tower) with plait's char tokenizer plus Qwen's vision special tokens, a chat template that renders
-  image content parts as Qwen's does, and the Qwen2-VL image processor config: the tests' VLM.
-- `load_processor` loads a model folder's processor, local files only, with the PIL image processor
-  (`use_fast=False`: the fast one needs torchvision, which plait does not depend on).
+- `VLProcessor` / `load_processor`: a model folder's tokenizer and Qwen2-VL image processor, local files
+  only, the PIL one (transformers' default needs torchvision, which plait does not depend on).
+  plait/models.py `create_tiny_vl_model` builds the tests' tiny Qwen2-VL / Qwen2.5-VL with the tokens
+  and chat template below.
 - `fetch_image` decodes a row's image (PIL, {"bytes": ...}, {"path"/"image": ...}) and resizes it to a
   multiple of 2 x data.image_patch_size within its min_pixels / max_pixels, as verl's process_image.
 - `rope_index`: the 3-axis rotary positions [3, B, L] (verl's get_rope_index for Qwen2-VL): a text
@@ -12,6 +11,8 @@
   position after the text before it; the text after an image starts at that image's largest + 1.
 - `vl_inputs`: the forward kwargs of a micro-batch's rows (pixel values in the row order the model
   sees them, grids, rope positions), padded or packed.
+- `never_sampled` / `mask_logits`: the image and video pad tokens, which no engine samples and no
+  training pass scores.
 Only these two classes are trained; any other vision-language checkpoint is refused by name.
 """
 
@@ -24,9 +25,7 @@ from pathlib import Path
 
 import torch
 from PIL import Image
-from transformers import (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLConfig,
-                          Qwen2VLForConditionalGeneration)
-
+from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2VLForConditionalGeneration
 
 VL_CLASSES = {"qwen2_vl": Qwen2VLForConditionalGeneration, "qwen2_5_vl": Qwen2_5_VLForConditionalGeneration}
 VL_TOKENS = ["<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]

@@ -153,3 +153,17 @@ def test_agent_loops_with_images_are_refused_at_start(vl_setup, tmp_path):
     with pytest.raises(ConfigError, match=r"^actor_rollout_ref.rollout.multi_turn.enable=True: agent loops with images"):
         driver.build(geo3k_config(root, model, tmp_path, "actor_rollout_ref.rollout.multi_turn.enable=True"),
                      progress=False)
+
+
+def test_ppo_critic_dynamic_bsz_padded_and_qwen2_vl(vl_setup, tmp_path):
+    """GAE (the critic reads the images too), token-budget micro-batches, padded batches, and Qwen2-VL."""
+    root, _ = vl_setup
+    model = create_tiny_vl_model(tmp_path / "qwen2_vl", "qwen2_vl", seed=0)
+    cfg = geo3k_config(root, model, tmp_path / "run", "algorithm.adv_estimator=gae", "critic.ppo_mini_batch_size=2",
+                       "actor_rollout_ref.actor.use_dynamic_bsz=True", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=200",
+                       "critic.use_dynamic_bsz=True", "critic.ppo_max_token_len_per_gpu=200",
+                       "actor_rollout_ref.model.use_remove_padding=False", "trainer.test_freq=-1")
+    driver.build(cfg, progress=False).run()
+    records = [r for r in read_metrics(os.path.join(tmp_path, "run", "metrics.jsonl")) if "actor/pg_loss" in r]
+    assert [r["step"] for r in records] == [1, 2]
+    assert all("critic/vf_loss" in r and r["training/rollout_probs_diff_max"] < 1e-3 for r in records)

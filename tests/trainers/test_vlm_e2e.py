@@ -167,3 +167,14 @@ def test_ppo_critic_dynamic_bsz_padded_and_qwen2_vl(vl_setup, tmp_path):
     records = [r for r in read_metrics(os.path.join(tmp_path, "run", "metrics.jsonl")) if "actor/pg_loss" in r]
     assert [r["step"] for r in records] == [1, 2]
     assert all("critic/vf_loss" in r and r["training/rollout_probs_diff_max"] < 1e-3 for r in records)
+
+
+def test_lora_on_a_vl_policy(vl_setup, tmp_path):
+    """LoRA adapters (all-linear: the vision tower's too); the rollout gets base + adapters merged, so its
+    log-probs after the first update are still the actor's."""
+    root, model = vl_setup
+    cfg = geo3k_config(root, model, tmp_path, "actor_rollout_ref.model.lora_rank=4", "actor_rollout_ref.model.lora_alpha=8",
+                       "trainer.test_freq=-1", "trainer.save_freq=-1")
+    driver.build(cfg, progress=False).run()
+    records = [r for r in read_metrics(os.path.join(tmp_path, "metrics.jsonl")) if "actor/pg_loss" in r]
+    assert [r["step"] for r in records] == [1, 2] and records[1]["training/rollout_probs_diff_max"] < 1e-3

@@ -34,16 +34,23 @@ def ray_up(tmp_path_factory):
     stop_local_ray(link_dir)
 
 
-@pytest.mark.parametrize("mode", ["sync", "fully_async"])
+MODES = {"sync": ["trainer.placement=separated"], "fully_async": FULLY_ASYNC,
+         # two actor ranks sharding the VL model with FSDP2 (gloo), each with its share of the rows and images
+         "sync_fsdp2": ["trainer.placement=separated", "actor_rollout_ref.actor.strategy=fsdp2",
+                        "trainer.ray.num_cpu_workers=2", "trainer.total_training_steps=1", "trainer.test_freq=-1",
+                        "trainer.save_freq=-1"]}
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_geo3k_grpo_on_ray(ray_up, vl_setup, tmp_path, mode):
     root, model = vl_setup
-    extra = FULLY_ASYNC if mode == "fully_async" else ["trainer.placement=separated"]
-    lifecycle = driver.build(geo3k_config(root, model, tmp_path, *RAY, *extra), progress=False)
+    lifecycle = driver.build(geo3k_config(root, model, tmp_path, *RAY, *MODES[mode]), progress=False)
     roles = lifecycle.trainer.roles
-    assert len({*roles.actor.pids, *roles.rollout.pids, os.getpid()}) == 3  # images cross processes
+    ranks = 2 if mode == "sync_fsdp2" else 1
+    assert len({*roles.actor.pids, *roles.rollout.pids, os.getpid()}) == 2 + ranks  # images cross processes
     lifecycle.run()
     records = [r for r in read_metrics(os.path.join(tmp_path, "metrics.jsonl")) if "actor/pg_loss" in r]
-    assert [r["step"] for r in records] == [1, 2]
+    assert [r["step"] for r in records] == ([1] if mode == "sync_fsdp2" else [1, 2])
     fresh = [r for r in records if r.get("training/staleness/max", 0) == 0]  # stale samples differ by design
     assert fresh and all(r["training/rollout_probs_diff_max"] < 1e-3 for r in fresh)
     assert all("actor/kl_loss" in r and "critic/score/mean" in r for r in records)

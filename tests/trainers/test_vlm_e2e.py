@@ -21,7 +21,8 @@ from plait.workers.actor import Actor
 
 pytestmark = pytest.mark.slow
 
-# run_qwen2_5_vl-7b.sh's keys, with the sizes, model and data swapped for tiny ones
+# run_qwen2_5_vl-7b.sh's keys, with the sizes, model and data swapped for tiny ones (ENGINE=hf; the
+# console logger alone: wandb is not installed here)
 GEO3K = [
     "algorithm.adv_estimator=grpo", "data.train_batch_size=4", "data.max_prompt_length=256",
     "data.max_response_length=6", "data.filter_overlong_prompts=True", "data.truncation=error",
@@ -33,12 +34,16 @@ GEO3K = [
     "actor_rollout_ref.model.enable_gradient_checkpointing=True",
     "actor_rollout_ref.actor.fsdp_config.param_offload=False",
     "actor_rollout_ref.actor.fsdp_config.optimizer_offload=False",
-    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=5", "actor_rollout_ref.rollout.name=hf",
+    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=5",
+    "actor_rollout_ref.rollout.tensor_model_parallel_size=2", "actor_rollout_ref.rollout.name=hf",
+    "+actor_rollout_ref.rollout.engine_kwargs.vllm.disable_mm_preprocessor_cache=True",
+    "actor_rollout_ref.rollout.gpu_memory_utilization=0.6", "actor_rollout_ref.rollout.enable_chunked_prefill=False",
+    "actor_rollout_ref.rollout.enforce_eager=False", "actor_rollout_ref.rollout.free_cache_engine=True",
     "actor_rollout_ref.rollout.n=3", "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=5",
     "actor_rollout_ref.ref.fsdp_config.param_offload=True", "algorithm.use_kl_in_reward=False",
     "trainer.critic_warmup=0", "trainer.logger=[console]", "trainer.project_name=verl_grpo_example_geo3k",
     "trainer.experiment_name=qwen2_5_vl_7b_function_rm", "trainer.n_gpus_per_node=1", "trainer.nnodes=1",
-    "trainer.save_freq=2", "trainer.test_freq=2", "trainer.total_training_steps=2",
+    "trainer.save_freq=2", "trainer.test_freq=2", "trainer.total_epochs=15", "trainer.total_training_steps=2",
 ]
 COLOURS = {"red": (220, 30, 30), "blue": (30, 30, 220)}
 # dense, so every group has an advantage to learn from (geo3k's own scorer is plait/data/rewards.py's)

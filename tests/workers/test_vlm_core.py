@@ -224,3 +224,33 @@ def test_micro_batches_dynamic_bsz_and_packing_agree(kind, tmp_path):
                for k in padded if ".visual." in k)
     for k in padded:  # Adam divides by sqrt(v): a near-zero gradient's rounding moves a weight by up to ~1e-5
         torch.testing.assert_close(packed[k], padded[k], atol=1e-4, rtol=1e-4)
+
+
+def test_rollout_worker_generates_and_resumes_with_images(tmp_path):
+    """The Rollout role turns a PromptBatch's images into processor outputs once per prompt, repeats them with
+    the n samples, and finishes aborted rows (fully_async's partial rollout) with them: every sampled token's
+    log-prob is the training forward's."""
+    from plait.config import SamplingConfig
+    from plait.models import load_tokenizer
+    from plait.types import PromptBatch
+    from plait.workers.rollout import Rollout
+    path = create_tiny_vl_model(tmp_path / "model", "qwen2_5_vl", seed=2)
+    processor, model = load_processor(path), load_causal_lm(path).eval()
+    ids, media, _ = prompts(processor)
+    images = [{"images": [fetch_image(Image.new("RGB", (28, 28), (200, 0, 0)))]},
+              {"images": [fetch_image(Image.new("RGB", (84, 56), (0, 0, 200))),
+                          fetch_image(Image.new("RGB", (28, 28), (200, 0, 0)))]}, {}]
+    worker = Rollout(path, 6, load_tokenizer(path), profiler("rollout"), ignore_eos=True)
+    batch = worker.generate(PromptBatch(ids, ["x"] * 3, ["1"] * 3, [{}] * 3, [0, 1, 2], multi_modal=images),
+                            SamplingConfig(n=2), seed=0)
+    assert len(batch.multi_modal_inputs) == 6 and batch.multi_modal_inputs[5] == {}
+    assert torch.equal(batch.multi_modal_inputs[2]["pixel_values"], media[1]["pixel_values"])
+    cut = batch.replace(responses=batch.responses[:, :2], response_mask=batch.response_mask[:, :2],
+                        rollout_logprobs=batch.rollout_logprobs[:, :2], stop_reasons=["aborted"] * 6)
+    done = worker.resume(cut, SamplingConfig(n=1), seed=1)
+    assert done.responses.shape[1] == 6 and torch.equal(done.responses[:, :2], batch.responses[:, :2])
+    for out in (batch, done):
+        with torch.no_grad():
+            logp, _ = response_logprobs(model, out.input_ids, out.attention_mask, 6, 1.0, False, True,
+                                        out.multi_modal_inputs)
+        torch.testing.assert_close(logp, out.rollout_logprobs, atol=1e-4, rtol=1e-4)

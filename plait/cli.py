@@ -104,8 +104,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def kept(output_dir: str) -> str:
     """What an interrupted run leaves to resume from, said as it is (no checkpoint is no checkpoint)."""
-    from plait.trainers.lifecycle import _checkpoint_steps
-    steps = _checkpoint_steps(os.path.join(output_dir, "checkpoints"))
+    from plait.trainers.checkpoint import checkpoint_steps
+    steps = checkpoint_steps(os.path.join(output_dir, "checkpoints"))
     if not steps:
         ran = os.path.join(output_dir, "summary.json")
         return ("no checkpoint was saved (trainer.save_freq), so a rerun starts from step 1"

@@ -25,7 +25,8 @@ from plait.data.rewards import BUILTIN, has_builtin_reward, resolve_reward
 from plait.models import builtin_model, check_model_dir, check_reward_model_dir
 from plait.profiler import RoleProfilerConfig, validate_environment
 from plait.profiler.config import ROLE_KEYS
-from plait.trainers.lifecycle import Lifecycle, LifecycleConfig, _checkpoint_steps, output_dir_lock
+from plait.trainers.checkpoint import checkpoint_steps, output_dir_lock
+from plait.trainers.lifecycle import Lifecycle, LifecycleConfig
 from plait.trainers.tracking import Tracker
 
 log = logging.getLogger("plait")
@@ -137,6 +138,7 @@ def build(cfg: PlaitConfig, progress: bool = True, checked: bool = False) -> Lif
     lc = LifecycleConfig(output_dir=cfg.output_dir, test_freq=t.test_freq, save_freq=t.save_freq,
                          val_before_train=t.val_before_train, resume_mode=t.resume_mode,
                          resume_from_path=t.resume_from_path, max_ckpt_to_keep=checkpoints_to_keep(cfg),
+                         n_devices=backend.world_size,
                          run_config=to_dict(cfg), allow_config_change=t.resume_allow_config_change)
 
     def shutdown():
@@ -148,7 +150,7 @@ def build(cfg: PlaitConfig, progress: bool = True, checked: bool = False) -> Lif
 def announce_resume(cfg: PlaitConfig) -> None:
     """One line when the output dir already holds checkpoints that resume_mode=auto will continue from:
     two commands with the same experiment name (the default: the mode's) share one output dir."""
-    steps = _checkpoint_steps(os.path.join(cfg.output_dir, "checkpoints"))
+    steps = checkpoint_steps(os.path.join(cfg.output_dir, "checkpoints"))
     if cfg.trainer.resume_mode == "auto" and steps:
         print(f"plait: {cfg.output_dir} holds checkpoints of an earlier run (newest: step {max(steps)}); this run "
               "continues it (trainer.resume_mode=auto); a new trainer.experiment_name starts afresh", file=sys.stderr)

@@ -991,7 +991,18 @@ def _prefixes(key: str) -> list[str]:
 
 
 def load_config(path: str | None = None, overrides: list[str] = (), search: list[str] = ()) -> PlaitConfig:
-    """Defaults <- demo preset <- YAML file <- overrides, built and validated as one tree.
+    """Defaults <- demo preset <- YAML file <- overrides, built and validated as one tree (`parse_config`),
+    then the start notices said (`start_notices`)."""
+    cfg, user, no_effect, moved = parse_config(path, overrides, search)
+    for line in start_notices(cfg, user, no_effect, moved):
+        print(line, file=sys.stderr)
+    return cfg
+
+
+def parse_config(path: str | None = None, overrides: list[str] = (),
+                 search: list[str] = ()) -> tuple[PlaitConfig, dict, list[str], list[str]]:
+    """The config, the leaf keys the user set (key -> value), the verl keys set that have no effect
+    here, and the verl 0.8 reward keys moved ("old -> new").
 
     The demo preset (configs/demo.yaml) applies when actor_rollout_ref.model.path is null.
     Every error of the file and command line is raised at once (a ConfigErrors for several). A
@@ -1024,8 +1035,7 @@ def load_config(path: str | None = None, overrides: list[str] = (), search: list
                                   f"set ({', '.join(async_set)})"))
     no_effect = take_no_effect(tree)
     _inherit_from_actor(tree)
-    demo = user.get("actor_rollout_ref.model.path") is None
-    if demo:
+    if user.get("actor_rollout_ref.model.path") is None:
         tree = merge(_read_yaml(DEMO_PRESET, "preset"), tree)
     cfg = None
     try:
@@ -1038,14 +1048,22 @@ def load_config(path: str | None = None, overrides: list[str] = (), search: list
         first = errors[0] if len(errors) == 1 else ConfigErrors(errors)
         first.partial = cfg
         raise first
+    return cfg, user, no_effect, moved
+
+
+def start_notices(cfg: PlaitConfig, user: dict, no_effect: list[str], moved: list[str]) -> list[str]:
+    """The lines said at start, in order: the demo preset applies; which engine an unset rollout.name
+    chose; the engine's own notes; the keys set that have no effect here (taken from the tree, this
+    backend's and device's, the engine's); the verl 0.8 reward keys moved."""
+    demo = user.get("actor_rollout_ref.model.path") is None
+    lines = []
     if demo:
-        print("plait: actor_rollout_ref.model.path is null: the demo preset "
-              "(plait/configs/demo.yaml) applies under your settings", file=sys.stderr)
+        lines.append("plait: actor_rollout_ref.model.path is null: the demo preset "
+                     "(plait/configs/demo.yaml) applies under your settings")
     if not demo and user.get("actor_rollout_ref.rollout.name") is None and cfg.trainer.mode != "diffusion":
-        print(unset_note(cfg.actor_rollout_ref.rollout.name), file=sys.stderr)
+        lines.append(unset_note(cfg.actor_rollout_ref.rollout.name))
     engine = ENGINES[cfg.actor_rollout_ref.rollout.name]
-    for line in engine.notes(cfg):
-        print(line, file=sys.stderr)
+    lines += engine.notes(cfg)
     cluster = {}  # the process-count keys this backend and device do not read
     offload_set = any(key in CPU_NO_EFFECT for key in user)
     on_cpu = (cfg.trainer.backend == "ray" or offload_set) and (  # torch only where the answer matters
@@ -1056,15 +1074,15 @@ def load_config(path: str | None = None, overrides: list[str] = (), search: list
         cluster = CPU_RAY_NO_EFFECT
     if on_cpu and offload_set:
         cluster = {**cluster, **CPU_NO_EFFECT}
-    no_effect += [key for key in user if key in cluster]
+    no_effect = no_effect + [key for key in user if key in cluster]
     inert = {key: why for key, (default, why) in FIELD_NO_EFFECT.items() if user.get(key, default) != default}
     no_effect, cluster = no_effect + list(inert), {**cluster, **inert}
     no_effect += [key for key in user if any(p in engine.no_effect for p in _prefixes(key))]
     if no_effect:
-        print(no_effect_notice(no_effect, cluster), file=sys.stderr)
+        lines.append(no_effect_notice(no_effect, cluster))
     if moved:
-        print("plait: verl 0.8 reward keys mapped onto verl 0.9's reward tree: " + ", ".join(moved), file=sys.stderr)
-    return cfg
+        lines.append("plait: verl 0.8 reward keys mapped onto verl 0.9's reward tree: " + ", ".join(moved))
+    return lines
 
 
 def map_legacy_reward(tree: dict) -> list[str]:

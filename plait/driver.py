@@ -2,8 +2,8 @@
 
 `preflight` refuses, before any training work, what cannot run here (a profiler tool, missing
 data files, model directory or reward function); `plait config show` runs the same checks. `build`
-then starts the backend, has the mode's module build its trainer (plait/trainers/lm.py for the
-language-model modes, plait/trainers/diffusion.py for diffusion) and hands it to the lifecycle.
+then starts the backend, builds the mode's trainer (plait/build.py's MODES: one row per mode,
+diffusion included) with the tracker it logs to, and hands it to the lifecycle.
 """
 
 from __future__ import annotations
@@ -123,14 +123,8 @@ def build(cfg: PlaitConfig, progress: bool = True, checked: bool = False) -> Lif
     announce_resume(cfg)  # before Ray's start-up: a reused output dir is said while it is cheap to stop
     backend = make_backend(cfg)
     try:
-        if t.mode == "diffusion":
-            from plait.trainers.diffusion import build_diffusion_trainer
-            trainer = build_diffusion_trainer(cfg, backend, resolve_device(cfg))
-        else:
-            from plait.trainers import MODES
-            from plait.trainers.lm import build_lm_trainer
-            trainer = build_lm_trainer(cfg, backend, resolve_device(cfg), MODES[t.mode])
-            trainer.tracker = tracker  # validation generations (trainer.log_val_generations) are logged there
+        from plait.build import MODES  # here, not at the top: `plait config show` needs no trainer or worker
+        trainer = MODES[t.mode](cfg, backend, resolve_device(cfg), tracker)
     except BaseException:
         backend.shutdown()
         close_reward_workers()

@@ -23,6 +23,8 @@ from plait.errors import Interrupted, RunError
 
 
 def main(argv: list[str] | None = None) -> int:
+    """`plait train | config show | profile report | export`; the exit status. Over 60 lines: the parser is
+    defined in one piece, read top to bottom as the command's help; the dispatch after it is short."""
     # PyTorch's C++ warnings (CPUAllocator's "Memory block of unknown size was allocated before the
     # profiling started" at every memory window) are read from this once, at torch's import; set it to
     # WARNING to see them. Worker processes of a Ray instance plait starts inherit it.

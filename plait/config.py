@@ -814,23 +814,40 @@ class PlaitConfig:
               "needs trainer.placement=separated")
         check(not self.reward.reward_model.enable_resource_pool or self.reward.reward_model.enable,
               "reward.reward_model.enable_resource_pool", True, "needs reward.reward_model.enable=true (the pool hosts it)")
-        if mode in ASYNC_MODES and self.trainer.backend == "local" and self.global_profiler.tool == "torch":
-            # The rollout generates in a thread of the driver there, and torch.profiler runs one
-            # collection per process: per-stage traces of concurrent stages cannot be taken.
-            roles = {"actor_rollout_ref.actor": self.actor_rollout_ref.actor, "actor_rollout_ref.rollout":
-                     self.actor_rollout_ref.rollout, "actor_rollout_ref.ref": self.actor_rollout_ref.ref,
-                     "critic": self.critic}
-            for key, node in roles.items():
-                check(not (node.profiler.enable and node.profiler.tool_config.torch.discrete),
-                      f"{key}.profiler.tool_config.torch.discrete", True,
-                      f"false with trainer.mode={mode} on the local backend (its rollout thread's stages overlap "
-                      "the trainer's, and torch profiles one collection per process); use trainer.backend=ray")
+        self._check_discrete_profiling(mode)
         check(self.algorithm.adv_estimator != "grpo_passk" or self.actor_rollout_ref.rollout.n >= 2,
               "actor_rollout_ref.rollout.n", self.actor_rollout_ref.rollout.n,
               ">= 2 with algorithm.adv_estimator=grpo_passk (best minus second best of each prompt's responses)")
         check(lm or not self.algorithm.filter_groups.enable, "algorithm.filter_groups.enable", True,
               "false with trainer.mode=diffusion (DAPO's dynamic sampling runs in the language-model modes)")
-        correction = self.algorithm.rollout_correction
+        self._resolve_correction(mode)
+        self._resolve_engine()
+        if mode == "fully_async":
+            a = self.async_training
+            required = actor.ppo_mini_batch_size * a.require_batches
+            a.gen_batch_size = a.gen_batch_size or actor.ppo_mini_batch_size
+            check(required % a.gen_batch_size == 0, "async_training.gen_batch_size", a.gen_batch_size,
+                  f"must divide ppo_mini_batch_size x require_batches = {required} (a local update takes whole "
+                  "generate calls)")
+
+    def _check_discrete_profiling(self, mode: str) -> None:
+        """Per-stage torch traces (tool_config.torch.discrete) of an async mode on the local backend are refused:
+        the rollout generates in a thread of the driver there, and torch.profiler runs one collection per
+        process, so traces of concurrent stages cannot be taken."""
+        if mode not in ASYNC_MODES or self.trainer.backend != "local" or self.global_profiler.tool != "torch":
+            return
+        roles = {"actor_rollout_ref.actor": self.actor_rollout_ref.actor, "actor_rollout_ref.rollout":
+                 self.actor_rollout_ref.rollout, "actor_rollout_ref.ref": self.actor_rollout_ref.ref,
+                 "critic": self.critic}
+        for key, node in roles.items():
+            check(not (node.profiler.enable and node.profiler.tool_config.torch.discrete),
+                  f"{key}.profiler.tool_config.torch.discrete", True,
+                  f"false with trainer.mode={mode} on the local backend (its rollout thread's stages overlap "
+                  "the trainer's, and torch profiles one collection per process); use trainer.backend=ray")
+
+    def _resolve_correction(self, mode: str) -> None:
+        """verl's bypass-mode loss name, and token-level rollout correction by default in the async modes."""
+        actor, correction = self.actor_rollout_ref.actor, self.algorithm.rollout_correction
         if actor.policy_loss.loss_mode == "bypass_mode":  # verl's name for the loss its bypass mode selects
             actor.policy_loss.loss_mode, correction.bypass_mode = "vanilla", True
         # bypass mode takes rollout_is too, as verl does: the actor weighs pi_current / pi_rollout with
@@ -841,14 +858,6 @@ class PlaitConfig:
         if correction.rollout_is is None and mode in ASYNC_MODES and not correction.bypass_mode:
             correction.rollout_is = "token"
             correction.rollout_is_threshold = correction.rollout_is_threshold or 2.0  # verl's default C
-        self._resolve_engine()
-        if mode == "fully_async":
-            a = self.async_training
-            required = actor.ppo_mini_batch_size * a.require_batches
-            a.gen_batch_size = a.gen_batch_size or actor.ppo_mini_batch_size
-            check(required % a.gen_batch_size == 0, "async_training.gen_batch_size", a.gen_batch_size,
-                  f"must divide ppo_mini_batch_size x require_batches = {required} (a local update takes whole "
-                  "generate calls)")
 
     def _resolve_engine(self) -> None:
         """rollout.name unset: the engine table's default (workers/engine.py); the rollout's dtype follows

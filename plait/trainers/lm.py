@@ -683,7 +683,7 @@ def resolve_data(cfg: PlaitConfig) -> tuple[list[str], list[str] | None]:
 
 def build_lm_trainer(cfg: PlaitConfig, backend, device: str, tracker, mode: type[LMTrainer]) -> LMTrainer:
     """Model, data, reward and the four language-model roles, handed to the trainer `mode` (plait/build.py's
-    MODES). One list of the roles' arguments: split, it would hide which config keys reach which role."""
+    MODES). Over 60 lines: the model and data resolution half is to move to plait/build.py (issue 29)."""
     from plait.data.dataset import load_dataset
     from plait.models import load_tokenizer
     from plait.workers.actor import Actor

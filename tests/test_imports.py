@@ -146,3 +146,11 @@ def test_the_size_checks_see_what_they_count(tmp_path):
     path.write_text(f'"""doc\n\nmore doc"""\n\n\ndef f():\n{body}\n\n\ndef g():\n    """Over 60 lines: a test."""\n{body}\n')
     assert [f.split()[-3] for f in long_functions(str(path))] == ["f"]  # g says why
     assert code_lines(str(path)) == 2 + 2 * FUNCTION_LINES  # def f, def g and their bodies; not the docstrings
+
+
+def test_every_mode_the_config_accepts_has_a_row_in_the_table_of_modes():
+    import typing
+
+    from plait.build import MODES
+    from plait.config import TrainerConfig
+    assert set(MODES) == set(typing.get_args(typing.get_type_hints(TrainerConfig)["mode"]))

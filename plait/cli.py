@@ -23,6 +23,8 @@ from plait.errors import Interrupted, RunError
 
 
 def main(argv: list[str] | None = None) -> int:
+    """`plait train | config show | profile report | export`; the exit status. Over 60 lines: the parser is
+    defined in one piece, read top to bottom as the command's help; the dispatch after it is short."""
     # PyTorch's C++ warnings (CPUAllocator's "Memory block of unknown size was allocated before the
     # profiling started" at every memory window) are read from this once, at torch's import; set it to
     # WARNING to see them. Worker processes of a Ray instance plait starts inherit it.
@@ -104,8 +106,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def kept(output_dir: str) -> str:
     """What an interrupted run leaves to resume from, said as it is (no checkpoint is no checkpoint)."""
-    from plait.trainers.lifecycle import _checkpoint_steps
-    steps = _checkpoint_steps(os.path.join(output_dir, "checkpoints"))
+    from plait.trainers.checkpoint import checkpoint_steps
+    steps = checkpoint_steps(os.path.join(output_dir, "checkpoints"))
     if not steps:
         ran = os.path.join(output_dir, "summary.json")
         return ("no checkpoint was saved (trainer.save_freq), so a rerun starts from step 1"

@@ -816,23 +816,40 @@ class PlaitConfig:
               "needs trainer.placement=separated")
         check(not self.reward.reward_model.enable_resource_pool or self.reward.reward_model.enable,
               "reward.reward_model.enable_resource_pool", True, "needs reward.reward_model.enable=true (the pool hosts it)")
-        if mode in ASYNC_MODES and self.trainer.backend == "local" and self.global_profiler.tool == "torch":
-            # The rollout generates in a thread of the driver there, and torch.profiler runs one
-            # collection per process: per-stage traces of concurrent stages cannot be taken.
-            roles = {"actor_rollout_ref.actor": self.actor_rollout_ref.actor, "actor_rollout_ref.rollout":
-                     self.actor_rollout_ref.rollout, "actor_rollout_ref.ref": self.actor_rollout_ref.ref,
-                     "critic": self.critic}
-            for key, node in roles.items():
-                check(not (node.profiler.enable and node.profiler.tool_config.torch.discrete),
-                      f"{key}.profiler.tool_config.torch.discrete", True,
-                      f"false with trainer.mode={mode} on the local backend (its rollout thread's stages overlap "
-                      "the trainer's, and torch profiles one collection per process); use trainer.backend=ray")
+        self._check_discrete_profiling(mode)
         check(self.algorithm.adv_estimator != "grpo_passk" or self.actor_rollout_ref.rollout.n >= 2,
               "actor_rollout_ref.rollout.n", self.actor_rollout_ref.rollout.n,
               ">= 2 with algorithm.adv_estimator=grpo_passk (best minus second best of each prompt's responses)")
         check(lm or not self.algorithm.filter_groups.enable, "algorithm.filter_groups.enable", True,
               "false with trainer.mode=diffusion (DAPO's dynamic sampling runs in the language-model modes)")
-        correction = self.algorithm.rollout_correction
+        self._resolve_correction(mode)
+        self._resolve_engine()
+        if mode == "fully_async":
+            a = self.async_training
+            required = actor.ppo_mini_batch_size * a.require_batches
+            a.gen_batch_size = a.gen_batch_size or actor.ppo_mini_batch_size
+            check(required % a.gen_batch_size == 0, "async_training.gen_batch_size", a.gen_batch_size,
+                  f"must divide ppo_mini_batch_size x require_batches = {required} (a local update takes whole "
+                  "generate calls)")
+
+    def _check_discrete_profiling(self, mode: str) -> None:
+        """Per-stage torch traces (tool_config.torch.discrete) of an async mode on the local backend are refused:
+        the rollout generates in a thread of the driver there, and torch.profiler runs one collection per
+        process, so traces of concurrent stages cannot be taken."""
+        if mode not in ASYNC_MODES or self.trainer.backend != "local" or self.global_profiler.tool != "torch":
+            return
+        roles = {"actor_rollout_ref.actor": self.actor_rollout_ref.actor, "actor_rollout_ref.rollout":
+                 self.actor_rollout_ref.rollout, "actor_rollout_ref.ref": self.actor_rollout_ref.ref,
+                 "critic": self.critic}
+        for key, node in roles.items():
+            check(not (node.profiler.enable and node.profiler.tool_config.torch.discrete),
+                  f"{key}.profiler.tool_config.torch.discrete", True,
+                  f"false with trainer.mode={mode} on the local backend (its rollout thread's stages overlap "
+                  "the trainer's, and torch profiles one collection per process); use trainer.backend=ray")
+
+    def _resolve_correction(self, mode: str) -> None:
+        """verl's bypass-mode loss name, and token-level rollout correction by default in the async modes."""
+        actor, correction = self.actor_rollout_ref.actor, self.algorithm.rollout_correction
         if actor.policy_loss.loss_mode == "bypass_mode":  # verl's name for the loss its bypass mode selects
             actor.policy_loss.loss_mode, correction.bypass_mode = "vanilla", True
         # bypass mode takes rollout_is too, as verl does: the actor weighs pi_current / pi_rollout with
@@ -843,14 +860,6 @@ class PlaitConfig:
         if correction.rollout_is is None and mode in ASYNC_MODES and not correction.bypass_mode:
             correction.rollout_is = "token"
             correction.rollout_is_threshold = correction.rollout_is_threshold or 2.0  # verl's default C
-        self._resolve_engine()
-        if mode == "fully_async":
-            a = self.async_training
-            required = actor.ppo_mini_batch_size * a.require_batches
-            a.gen_batch_size = a.gen_batch_size or actor.ppo_mini_batch_size
-            check(required % a.gen_batch_size == 0, "async_training.gen_batch_size", a.gen_batch_size,
-                  f"must divide ppo_mini_batch_size x require_batches = {required} (a local update takes whole "
-                  "generate calls)")
 
     def _resolve_engine(self) -> None:
         """rollout.name unset: the engine table's default (workers/engine.py); the rollout's dtype follows
@@ -993,7 +1002,18 @@ def _prefixes(key: str) -> list[str]:
 
 
 def load_config(path: str | None = None, overrides: list[str] = (), search: list[str] = ()) -> PlaitConfig:
-    """Defaults <- demo preset <- YAML file <- overrides, built and validated as one tree.
+    """Defaults <- demo preset <- YAML file <- overrides, built and validated as one tree (`parse_config`),
+    then the start notices said (`start_notices`)."""
+    cfg, user, no_effect, moved = parse_config(path, overrides, search)
+    for line in start_notices(cfg, user, no_effect, moved):
+        print(line, file=sys.stderr)
+    return cfg
+
+
+def parse_config(path: str | None = None, overrides: list[str] = (),
+                 search: list[str] = ()) -> tuple[PlaitConfig, dict, list[str], list[str]]:
+    """The config, the leaf keys the user set (key -> value), the verl keys set that have no effect
+    here, and the verl 0.8 reward keys moved ("old -> new").
 
     The demo preset (configs/demo.yaml) applies when actor_rollout_ref.model.path is null.
     Every error of the file and command line is raised at once (a ConfigErrors for several). A
@@ -1026,8 +1046,7 @@ def load_config(path: str | None = None, overrides: list[str] = (), search: list
                                   f"set ({', '.join(async_set)})"))
     no_effect = take_no_effect(tree)
     _inherit_from_actor(tree)
-    demo = user.get("actor_rollout_ref.model.path") is None
-    if demo:
+    if user.get("actor_rollout_ref.model.path") is None:
         tree = merge(_read_yaml(DEMO_PRESET, "preset"), tree)
     cfg = None
     try:
@@ -1040,14 +1059,22 @@ def load_config(path: str | None = None, overrides: list[str] = (), search: list
         first = errors[0] if len(errors) == 1 else ConfigErrors(errors)
         first.partial = cfg
         raise first
+    return cfg, user, no_effect, moved
+
+
+def start_notices(cfg: PlaitConfig, user: dict, no_effect: list[str], moved: list[str]) -> list[str]:
+    """The lines said at start, in order: the demo preset applies; which engine an unset rollout.name
+    chose; the engine's own notes; the keys set that have no effect here (taken from the tree, this
+    backend's and device's, the engine's); the verl 0.8 reward keys moved."""
+    demo = user.get("actor_rollout_ref.model.path") is None
+    lines = []
     if demo:
-        print("plait: actor_rollout_ref.model.path is null: the demo preset "
-              "(plait/configs/demo.yaml) applies under your settings", file=sys.stderr)
+        lines.append("plait: actor_rollout_ref.model.path is null: the demo preset "
+                     "(plait/configs/demo.yaml) applies under your settings")
     if not demo and user.get("actor_rollout_ref.rollout.name") is None and cfg.trainer.mode != "diffusion":
-        print(unset_note(cfg.actor_rollout_ref.rollout.name), file=sys.stderr)
+        lines.append(unset_note(cfg.actor_rollout_ref.rollout.name))
     engine = ENGINES[cfg.actor_rollout_ref.rollout.name]
-    for line in engine.notes(cfg):
-        print(line, file=sys.stderr)
+    lines += engine.notes(cfg)
     cluster = {}  # the process-count keys this backend and device do not read
     offload_set = any(key in CPU_NO_EFFECT for key in user)
     on_cpu = (cfg.trainer.backend == "ray" or offload_set) and (  # torch only where the answer matters
@@ -1058,15 +1085,15 @@ def load_config(path: str | None = None, overrides: list[str] = (), search: list
         cluster = CPU_RAY_NO_EFFECT
     if on_cpu and offload_set:
         cluster = {**cluster, **CPU_NO_EFFECT}
-    no_effect += [key for key in user if key in cluster]
+    no_effect = no_effect + [key for key in user if key in cluster]
     inert = {key: why for key, (default, why) in FIELD_NO_EFFECT.items() if user.get(key, default) != default}
     no_effect, cluster = no_effect + list(inert), {**cluster, **inert}
     no_effect += [key for key in user if any(p in engine.no_effect for p in _prefixes(key))]
     if no_effect:
-        print(no_effect_notice(no_effect, cluster), file=sys.stderr)
+        lines.append(no_effect_notice(no_effect, cluster))
     if moved:
-        print("plait: verl 0.8 reward keys mapped onto verl 0.9's reward tree: " + ", ".join(moved), file=sys.stderr)
-    return cfg
+        lines.append("plait: verl 0.8 reward keys mapped onto verl 0.9's reward tree: " + ", ".join(moved))
+    return lines
 
 
 def map_legacy_reward(tree: dict) -> list[str]:

@@ -131,6 +131,7 @@ def _join(prefix: str, key: str) -> str:
 
 
 def _coerce(tp: Any, value: Any, key: str) -> Any:
+    """`value` as the type `tp` (a dataclass, union, Literal, list, dict or scalar), or a ConfigError naming `key`."""
     origin, args = get_origin(tp), get_args(tp)
     if dataclasses.is_dataclass(tp):
         return build(tp, value, key)
@@ -165,6 +166,11 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
         return dict(value)
     if tp is Any:
         return value
+    return _coerce_scalar(tp, value, key)
+
+
+def _coerce_scalar(tp: Any, value: Any, key: str) -> Any:
+    """A bool, int, float or str leaf: YAML's value checked and, where verl's loader would, converted."""
     if tp is bool:
         if isinstance(value, bool):
             return value

@@ -2,8 +2,8 @@
 
 `preflight` refuses, before any training work, what cannot run here (a profiler tool, missing
 data files, model directory or reward function); `plait config show` runs the same checks. `build`
-then starts the backend, has the mode's module build its trainer (plait/trainers/lm.py for the
-language-model modes, plait/trainers/diffusion.py for diffusion) and hands it to the lifecycle.
+then starts the backend, builds the mode's trainer (plait/build.py's MODES: one row per mode,
+diffusion included) with the tracker it logs to, and hands it to the lifecycle.
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ from plait.data.rewards import BUILTIN, has_builtin_reward, resolve_reward
 from plait.models import builtin_model, check_model_dir, check_reward_model_dir
 from plait.profiler import RoleProfilerConfig, validate_environment
 from plait.profiler.config import ROLE_KEYS
-from plait.trainers.lifecycle import Lifecycle, LifecycleConfig, _checkpoint_steps, output_dir_lock
+from plait.trainers.checkpoint import checkpoint_steps, output_dir_lock
+from plait.trainers.lifecycle import Lifecycle, LifecycleConfig
 from plait.trainers.tracking import Tracker
 
 log = logging.getLogger("plait")
@@ -122,14 +123,8 @@ def build(cfg: PlaitConfig, progress: bool = True, checked: bool = False) -> Lif
     announce_resume(cfg)  # before Ray's start-up: a reused output dir is said while it is cheap to stop
     backend = make_backend(cfg)
     try:
-        if t.mode == "diffusion":
-            from plait.trainers.diffusion import build_diffusion_trainer
-            trainer = build_diffusion_trainer(cfg, backend, resolve_device(cfg))
-        else:
-            from plait.trainers import MODES
-            from plait.trainers.lm import build_lm_trainer
-            trainer = build_lm_trainer(cfg, backend, resolve_device(cfg), MODES[t.mode])
-            trainer.tracker = tracker  # validation generations (trainer.log_val_generations) are logged there
+        from plait.build import MODES  # here, not at the top: `plait config show` needs no trainer or worker
+        trainer = MODES[t.mode](cfg, backend, resolve_device(cfg), tracker)
     except BaseException:
         backend.shutdown()
         close_reward_workers()
@@ -137,6 +132,7 @@ def build(cfg: PlaitConfig, progress: bool = True, checked: bool = False) -> Lif
     lc = LifecycleConfig(output_dir=cfg.output_dir, test_freq=t.test_freq, save_freq=t.save_freq,
                          val_before_train=t.val_before_train, resume_mode=t.resume_mode,
                          resume_from_path=t.resume_from_path, max_ckpt_to_keep=checkpoints_to_keep(cfg),
+                         n_devices=backend.world_size,
                          run_config=to_dict(cfg), allow_config_change=t.resume_allow_config_change)
 
     def shutdown():
@@ -148,7 +144,7 @@ def build(cfg: PlaitConfig, progress: bool = True, checked: bool = False) -> Lif
 def announce_resume(cfg: PlaitConfig) -> None:
     """One line when the output dir already holds checkpoints that resume_mode=auto will continue from:
     two commands with the same experiment name (the default: the mode's) share one output dir."""
-    steps = _checkpoint_steps(os.path.join(cfg.output_dir, "checkpoints"))
+    steps = checkpoint_steps(os.path.join(cfg.output_dir, "checkpoints"))
     if cfg.trainer.resume_mode == "auto" and steps:
         print(f"plait: {cfg.output_dir} holds checkpoints of an earlier run (newest: step {max(steps)}); this run "
               "continues it (trainer.resume_mode=auto); a new trainer.experiment_name starts afresh", file=sys.stderr)

@@ -58,7 +58,7 @@ def export_checkpoint(checkpoint: str, out: str, lora: str = "merge", base: str 
     """Write the policy of `checkpoint` as a Hugging Face folder at `out`; returns `out`.
     `lora`: "merge" (base + adapter, one plain model) or "adapter" (the peft adapter folder);
     `base`: the base model folder when the checkpoint's own record of it has moved."""
-    from plait.trainers.lifecycle import verify_checkpoint
+    from plait.trainers.checkpoint import verify_checkpoint
     if lora not in LORA_MODES:
         raise ExportError(f"--lora {lora}: choose one of {', '.join(LORA_MODES)}")
     actor = actor_dir(checkpoint)

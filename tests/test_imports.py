@@ -1,5 +1,6 @@
 """plait's modules import one another without a circle: every import counts, the lazy ones inside
-functions too (a lazy import hides a circle, it does not remove it)."""
+functions too (a lazy import hides a circle, it does not remove it). And the sizes the design keeps
+visible: each function fits a screen or says why, each trainer mode's own code stays small."""
 
 import ast
 import os
@@ -97,3 +98,59 @@ def test_the_cycle_finder_finds_a_circle_and_sees_lazy_imports():
     graph = import_graph()
     assert "plait.workers.vllm_engine" in graph["plait.workers.engine"]  # imported inside a function only
     assert "plait.config" in graph["plait.cli"]
+
+
+FUNCTION_LINES = 60  # a function longer than this says why in its docstring ("Over 60 lines: ...")
+MODE_LINES = 150     # a mode's own code: lines that are not blank, comments or docstrings
+MODE_FILES = ("sync.py", "one_step_off.py", "fully_async.py", "diffusion.py")
+
+
+def code_lines(path: str) -> int:
+    """Lines of code in a module: not blank, not a comment, not in a docstring."""
+    with open(path) as f:
+        source = f.read()
+    docstrings = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
+                docstrings.update(range(first.lineno, first.end_lineno + 1))
+    return sum(1 for i, line in enumerate(source.splitlines(), 1)
+               if line.strip() and not line.strip().startswith("#") and i not in docstrings)
+
+
+def long_functions(path: str) -> list[str]:
+    """Functions over FUNCTION_LINES lines whose docstring does not say why."""
+    with open(path) as f:
+        tree = ast.parse(f.read())
+    return [f"{path}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1} lines)"
+            for node in ast.walk(tree) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and node.end_lineno - node.lineno + 1 > FUNCTION_LINES
+            and "Over 60 lines:" not in (ast.get_docstring(node) or "")]
+
+
+def test_functions_fit_a_screen_or_say_why():
+    found = [f for path in module_files().values() for f in long_functions(path)]
+    assert found == [], f"functions over {FUNCTION_LINES} lines without 'Over 60 lines: <why>' in the docstring:\n" + \
+        "\n".join(found)
+
+
+def test_each_mode_is_small():
+    sizes = {name: code_lines(os.path.join(PACKAGE, "trainers", name)) for name in MODE_FILES}
+    assert all(n <= MODE_LINES for n in sizes.values()), f"a mode over {MODE_LINES} lines of code: {sizes}"
+
+
+def test_the_size_checks_see_what_they_count(tmp_path):
+    body = "\n".join(f"    x{i} = {i}  # a comment" for i in range(FUNCTION_LINES))
+    path = tmp_path / "m.py"
+    path.write_text(f'"""doc\n\nmore doc"""\n\n\ndef f():\n{body}\n\n\ndef g():\n    """Over 60 lines: a test."""\n{body}\n')
+    assert [f.split()[-3] for f in long_functions(str(path))] == ["f"]  # g says why
+    assert code_lines(str(path)) == 2 + 2 * FUNCTION_LINES  # def f, def g and their bodies; not the docstrings
+
+
+def test_every_mode_the_config_accepts_has_a_row_in_the_table_of_modes():
+    import typing
+
+    from plait.build import MODES
+    from plait.config import TrainerConfig
+    assert set(MODES) == set(typing.get_args(typing.get_type_hints(TrainerConfig)["mode"]))

@@ -34,6 +34,7 @@ class LocalWorkerGroup:
 class LocalBackend:
     def __init__(self, session: ProfilerSession):
         self.session = session
+        self.world_size = 1  # training ranks (perf/throughput is per device): one process
 
     def spawn(self, role: str, cls: type, *args, **kwargs) -> LocalWorkerGroup:
         return LocalWorkerGroup(cls(*args, profiler=self.session.for_role(role), **kwargs))

@@ -472,6 +472,11 @@ class RayBackend:
     def profile_targets(self) -> list["RayProfileTarget"]:
         return [RayProfileTarget(self)]
 
+    @property
+    def world_size(self) -> int:
+        """The training ranks (the actor's data-parallel processes): perf/throughput is per device."""
+        return len(self.pools["train"])
+
     def shutdown(self) -> None:
         """Stop every worker process and, if plait started the Ray instance, Ray itself. Idempotent."""
         atexit.unregister(self.shutdown)

@@ -1,7 +1,2 @@
-"""Trainer modes. Each supplies only what differs; all run plait/trainers/lifecycle.py."""
-
-from plait.trainers.fully_async import FullyAsyncTrainer
-from plait.trainers.one_step_off import OneStepOffTrainer
-from plait.trainers.sync import SyncTrainer
-
-MODES = {"sync": SyncTrainer, "one_step_off": OneStepOffTrainer, "fully_async": FullyAsyncTrainer}
+"""Trainer modes. Each supplies only what differs; all run plait/trainers/lifecycle.py. The table of
+modes, name -> the function that builds its trainer, is plait/build.py's MODES."""

@@ -78,8 +78,8 @@ class Chunk:
 
 
 class FullyAsyncTrainer(LMTrainer):
-    def __init__(self, cfg, roles, tokenizer, train_data, val_data, reward_fn, targets):
-        super().__init__(cfg, roles, tokenizer, train_data, val_data, reward_fn, targets)
+    def __init__(self, cfg, roles, tokenizer, train_data, val_data, reward_fn, targets, tracker):
+        super().__init__(cfg, roles, tokenizer, train_data, val_data, reward_fn, targets, tracker)
         a, mini = cfg.async_training, cfg.actor_rollout_ref.actor.ppo_mini_batch_size
         self.chunk = a.gen_batch_size
         self.per_update = mini * a.require_batches                   # verl's required_samples

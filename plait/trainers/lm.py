@@ -106,9 +106,10 @@ class LMTrainer:
     """Everything an LM mode shares; subclasses define next_batch and after_update."""
 
     def __init__(self, cfg: PlaitConfig, roles: Roles, tokenizer, train_data: PromptDataset,
-                 val_data: PromptDataset | None, reward_fn: Callable, targets):
+                 val_data: PromptDataset | None, reward_fn: Callable, targets, tracker):
         self.cfg, self.roles, self.tokenizer, self.reward_fn = cfg, roles, tokenizer, reward_fn
         self.val_data, self.targets = val_data, targets
+        self.tracker = tracker  # the lifecycle's Tracker (or None): validation lines and generations go there
         self.cursor = DataCursor(train_data, cfg.data.train_batch_size, cfg.data.shuffle, cfg.data.seed)
         kl = cfg.algorithm.kl_ctrl
         self.kl_ctrl = make_kl_controller(kl.type, kl.kl_coef, kl.target_kl, kl.horizon)
@@ -118,7 +119,6 @@ class LMTrainer:
         self.correction = cfg.algorithm.rollout_correction
         self.updates_per_step = 1  # fully async: several local updates per policy version
         self.version = 0
-        self.tracker = None  # the lifecycle's Tracker, set by the driver: validation generations go there
         self.model_flops = None  # the policy's FLOPs per token (asked of the actor at start)
 
     # -- the Trainer protocol -------------------------------------------------------------------
@@ -638,7 +638,7 @@ def data_metrics(batch: RolloutBatch, max_prompt_length: int) -> dict[str, float
     return out
 
 
-# Building the language-model modes (plait/trainers/diffusion.py builds the diffusion mode alike).
+# Building the language-model modes (plait/build.py builds the diffusion mode alike and holds the table of modes).
 
 LIVE_AFTER_S = 10.0  # a validation running longer says where it is at each batch
 
@@ -708,8 +708,9 @@ def resolve_data(cfg: PlaitConfig) -> tuple[list[str], list[str] | None]:
     return [train], [val]
 
 
-def build_lm_trainer(cfg: PlaitConfig, backend, device: str, mode: type[LMTrainer]) -> LMTrainer:
-    """Model, data, reward and the four language-model roles, handed to the trainer `mode` (the driver's pick)."""
+def build_lm_trainer(cfg: PlaitConfig, backend, device: str, tracker, mode: type[LMTrainer]) -> LMTrainer:
+    """Model, data, reward and the four language-model roles, handed to the trainer `mode` (plait/build.py's
+    MODES). Over 60 lines: the model and data resolution half is to move to plait/build.py (issue 29)."""
     from plait.data.dataset import load_dataset
     from plait.models import load_tokenizer
     from plait.models_vl import is_vl_dir, load_processor
@@ -780,4 +781,4 @@ def build_lm_trainer(cfg: PlaitConfig, backend, device: str, mode: type[LMTraine
                                     max_length=rm.max_length, input_tokenizer=rm.input_tokenizer, device=device, dtype=dtype,
                                     strategy=arr.actor.strategy, fsdp_config=arr.actor.fsdp_config)
                       if rm.enable else None))
-    return mode(cfg, roles, tokenizer, train_data, val_data, reward_fn, backend.profile_targets())
+    return mode(cfg, roles, tokenizer, train_data, val_data, reward_fn, backend.profile_targets(), tracker)

@@ -2,8 +2,10 @@
 
     lifecycle:  clock = RunClock()                       wall time of the parts outside steps
                 with clock.part("startup"): ...          resume, trainer start
-                summarise(records, clock, ...) -> dict    from this run's metrics.jsonl records
-                write_summary(out_dir, summary)           summary.json, and a few console lines
+                summarise_run(out_dir, ...)              at the run's end, whatever ended it:
+                  summarise(records, clock, ...) -> dict   from this run's metrics.jsonl records
+                  + settings, the profile report's verdict
+                  write_summary(out_dir, summary)          summary.json, and a few console lines
 
 Step, validation and checkpoint time come from the records' `timing_s/*` (the same numbers as
 metrics.jsonl); start-up, the validation before step 1 and the profiler's own start/stop/write time
@@ -23,6 +25,12 @@ import time
 from collections import defaultdict
 from typing import Optional
 
+from plait.profiler.analysis.verdict import of_run, settings_of, verdicts
+from plait.profiler.naming import MANIFEST as PROFILE_MANIFEST
+from plait.profiler.timeline import TIMELINE_FILE, read_timeline
+from plait.trainers.checkpoint import flatten
+from plait.trainers.tracking import read_records
+
 SUMMARY_FILE = "summary.json"
 
 
@@ -41,6 +49,38 @@ class RunClock:
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.start
+
+
+def summarise_run(output_dir: str, metrics_path: str, checkpoint: Optional[str], profile_path: Optional[str],
+                  run_config: Optional[dict], first: int, last: int, clock: RunClock, profiler_s: float,
+                  status: str) -> None:
+    """summary.json in the output dir, with the console lines unless the run failed (its error is then the
+    last word). `checkpoint` is the newest one, `profile_path` global_profiler.save_path."""
+    tb = os.path.join(output_dir, "tensorboard")
+    profiled = profile_path and os.path.exists(os.path.join(profile_path, PROFILE_MANIFEST))
+    paths = {"output_dir": output_dir, "metrics": metrics_path, "timeline": os.path.join(output_dir, TIMELINE_FILE),
+             "checkpoint": checkpoint, "tensorboard": tb if os.path.isdir(tb) else None,
+             "profile": profile_path if profiled else None}
+    try:
+        records = read_records(metrics_path) if os.path.exists(metrics_path) else []
+        summary = summarise(records, first, last, clock, profiler_s, paths, status)
+        summary["settings"] = settings_of(flatten(run_config or {}), memory_capacity_gb())
+        summary["verdict"] = run_verdict(output_dir, records, first, summary)
+        write_summary(output_dir, summary, console=status != "failed")
+    except (OSError, ValueError) as err:  # the summary never hides the run's own outcome
+        print(f"plait: warning: no run summary written: {type(err).__name__}: {err}", file=sys.stderr)
+
+
+def run_verdict(output_dir: str, records: list[dict], first: int, summary: dict) -> list[dict]:
+    """The profile report's verdict on this run's steps (profiler/analysis/verdict.py); a rule that
+    fails says so in one line and leaves the summary whole."""
+    path = os.path.join(output_dir, TIMELINE_FILE)
+    try:
+        spans = [s for s in read_timeline(path) if s["step"] >= first] if os.path.exists(path) else []
+        return [v.as_dict() for v in verdicts(of_run(spans, [r for r in records if r.get("step", 0) >= first], summary))]
+    except Exception as err:  # noqa: BLE001 - advice must never cost the run its summary
+        print(f"plait: warning: no verdict: {type(err).__name__}: {err}", file=sys.stderr)
+        return []
 
 
 def summarise(records: list[dict], first_step: int, last_step: int, clock: RunClock, profiler_s: float,

@@ -118,8 +118,9 @@ def test_two_ranks_update_exactly_like_one_worker(ray_instance, tmp_path):
 
 def test_sync_grpo_on_ray_is_the_local_run_with_per_rank_profiles(ray_instance, tmp_path):
     """3 GRPO steps, 2 DP actor ranks and a separated rollout process: step 1's metrics are the local
-    backend's, the rollout ends on the last weights, a checkpoint is written, and the profiler
-    writes one artifact per selected (role, rank) process: actor on rank 1 only, rollout on 0."""
+    backend's, throughput is per training rank, the rollout ends on the last weights, a checkpoint is
+    written, and the profiler writes one artifact per selected (role, rank) process: actor on rank 1
+    only, rollout on 0."""
     from plait import driver
     from plait.trainers.lifecycle import read_metrics
     reward = tmp_path / "reward.py"  # varied rewards, so advantages and gradients are not all zero
@@ -151,6 +152,10 @@ def test_sync_grpo_on_ray_is_the_local_run_with_per_rank_profiles(ray_instance, 
     for key in ("critic/score/mean", "response_length/mean", "actor/pg_loss", "actor/grad_norm", "actor/entropy"):
         assert remote[0][key] == pytest.approx(local[0][key], rel=1e-4, abs=1e-6), key
     assert os.path.isfile(tmp_path / "ray" / "checkpoints" / "global_step_3" / "actor" / "model.pt")
+    # verl's perf/throughput is tokens / s / device: 2 training ranks on Ray, one process locally
+    for records, devices in ((remote, 2), (local, 1)):
+        for r in records:
+            assert r["perf/throughput"] == pytest.approx(r["perf/total_num_tokens"] / r["perf/time_per_step"] / devices)
     manifest = read_manifest(str(save))
     assert sorted((r["role"], r["rank"]) for r in manifest) == [("actor", 1), ("rollout", 0)]
     assert len({r["pid"] for r in manifest}) == 2 and all(r["complete"] and r["steps"] == [2, 2] for r in manifest)

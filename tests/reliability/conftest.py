@@ -58,7 +58,7 @@ class WalkTrainer:
 
 def make_lifecycle(out, steps=4, pause=0.0, **cfg):
     cfg = {"save_freq": 1, "test_freq": 2, "max_ckpt_to_keep": 2, **cfg}
-    lc = LifecycleConfig(output_dir=str(out), progress=False, loggers=[], **cfg)
+    lc = LifecycleConfig(output_dir=str(out), **cfg)
     tracker = Tracker(str(out), [], "p", "e", progress=False)
     return Lifecycle(lc, WalkTrainer(steps, pause), GlobalProfilerConfig(), tracker)
 

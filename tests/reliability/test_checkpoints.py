@@ -8,7 +8,8 @@ import time
 
 import pytest
 
-from plait.trainers.lifecycle import read_metrics, retired, verify_checkpoint
+from plait.trainers.checkpoint import retired, verify_checkpoint
+from plait.trainers.lifecycle import read_metrics
 
 
 def ckpt(out, step):

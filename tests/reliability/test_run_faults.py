@@ -10,7 +10,8 @@ import yaml
 
 from plait import cli
 from plait.configtree import ConfigError, to_dict
-from plait.trainers.lifecycle import output_dir_lock, read_metrics, verify_checkpoint
+from plait.trainers.checkpoint import output_dir_lock, verify_checkpoint
+from plait.trainers.lifecycle import read_metrics
 
 
 def config_file(tmp_path, tiny_config, *overrides):

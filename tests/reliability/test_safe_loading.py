@@ -12,7 +12,7 @@ import torch
 
 from plait import cli
 from plait.safeload import UnsafeFileError, load_pickle, load_tensors
-from plait.trainers.lifecycle import write_manifest
+from plait.trainers.checkpoint import write_manifest
 
 
 class Payload:
@@ -334,7 +334,7 @@ def test_a_sharded_index_naming_shards_outside_its_folder_is_refused(tmp_path):
     ({"model.pt": {"size": "1"}}, "manifest.json is not one plait wrote (each file needs its size and crc32)"),
 ])
 def test_a_crafted_manifest_names_only_the_checkpoints_files(tmp_path, files, said):
-    from plait.trainers.lifecycle import verify_checkpoint
+    from plait.trainers.checkpoint import verify_checkpoint
     (tmp_path / "manifest.json").write_text(json.dumps({"step": 1, "files": files}))
     assert verify_checkpoint(str(tmp_path)) == said
     (tmp_path / "manifest.json").write_text("[1, 2]")

@@ -26,7 +26,7 @@ from plait.algorithms.names import (BYPASS_LOSS_TYPES, ESTIMATOR_NAMES as ESTIMA
                                     POLICY_LOSS_NAMES as POLICY_LOSSES, parse_is_threshold, parse_rs)
 from plait.config_verl import (CPU_NO_EFFECT, CPU_RAY_NO_EFFECT, FIELD_NO_EFFECT, LEGACY_REWARD,
                                LOCAL_BACKEND_NO_EFFECT, NO_EFFECT, RECIPE_ROLLOUT_POOL, compose_yaml, drop_empty,
-                               load_yaml, merge, refusal, resolve_interpolations)
+                               load_yaml, machine_notes, merge, refusal, resolve_interpolations)
 from plait.configtree import ConfigError, build, ConfigErrors, build_without, check, raise_all, to_dict
 from plait.data.rewards import RewardConfig
 from plait.profiler.config import GlobalProfilerConfig, RoleProfilerConfig
@@ -1004,12 +1004,14 @@ def load_config(path: str | None = None, overrides: list[str] = (), search: list
             apply_override(tree, text)
         except ConfigError as err:
             errors.append(err)
+    defaults = to_dict(PlaitConfig())
     try:
-        tree = resolve_interpolations(tree, to_dict(PlaitConfig()))
+        tree = resolve_interpolations(tree, defaults)
     except ConfigError as err:
         raise_all([*errors, err])
     moved = map_legacy_reward(tree)
     drop_empty(tree)
+    machine = [*empty_booleans(tree, defaults), *machine_notes(tree)]
     try:
         map_recipe_rollout_pool(tree)
     except ConfigError as err:
@@ -1062,9 +1064,31 @@ def load_config(path: str | None = None, overrides: list[str] = (), search: list
     no_effect += [key for key in user if any(p in engine.no_effect for p in _prefixes(key))]
     if no_effect:
         print(no_effect_notice(no_effect, cluster), file=sys.stderr)
+    for line in machine:
+        print(line, file=sys.stderr)
     if moved:
         print("plait: verl 0.8 reward keys mapped onto verl 0.9's reward tree: " + ", ".join(moved), file=sys.stderr)
     return cfg
+
+
+def empty_booleans(tree: dict, defaults: dict) -> list[str]:
+    """'' on a boolean key (`key=$VAR` with VAR unset): verl reads its booleans by truthiness, so it
+    runs them false; so does plait, in place, and names them in one line."""
+    named = []
+    for key, value in _leaf_items(tree, ""):
+        if value == "" and isinstance(_lookup(defaults, key), bool):
+            _set(tree, key, False)
+            named.append(key)
+    if not named:
+        return []
+    return [f"plait: {', '.join(named)} {'is' if len(named) == 1 else 'are'} empty (as an unset shell variable "
+            f"gives): read as false, as verl reads {'it' if len(named) == 1 else 'them'}"]
+
+
+def _lookup(tree: dict, dotted: str):
+    for part in dotted.split("."):
+        tree = tree.get(part) if isinstance(tree, dict) else None
+    return tree
 
 
 def map_legacy_reward(tree: dict) -> list[str]:

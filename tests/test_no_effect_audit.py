@@ -33,7 +33,8 @@ CLASSES = [
     ("engine tuning, serving and traces", "machinery",
      r"rollout\.(cudagraph|data_parallel|expert_parallel|pipeline_model|scheduling_policy|disable_log_stats|"
      r"multi_stage_wake_up|engine_kwargs|skip_tokenizer_init|prometheus|prompt_length|response_length|"
-     r"disaggregation|router_config_path|moe_load_balance|full_determinism|checkpoint_engine|skip_dump_dir|trace)|"
+     r"disaggregation|router_config_path|moe_load_balance|full_determinism|checkpoint_engine|skip_dump_dir|trace|"
+     r"sglang_rollout_mode$|server$)|"
      r"^reward\.reward_model\.rollout$"),
     ("profiler", "machinery", r"profiler"),
     # speculative decoding with a model's MTP heads samples the same distribution; training them is refused
@@ -56,7 +57,7 @@ CLASSES = [
     # rollout_rs_threshold) and over_sample_rate (a field of its rollout config only)
     ("keys verl 0.9.1 does not read either", "machinery",
      r"^algorithm\.rollout_correction\.(rollout_rs_threshold_lower|rollout_token_veto_threshold)$|"
-     r"^actor_rollout_ref\.rollout\.over_sample_rate$"),
+     r"^actor_rollout_ref\.rollout\.over_sample_rate$|^data\.min_response_length$"),
     ("deprecated global micro-batch sizes and derived keys", "machinery",
      r"(ppo_micro_batch_size|log_prob_micro_batch_size|forward_micro_batch_size|forward_micro_batch_size_per_gpu)$"),
 ]

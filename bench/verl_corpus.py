@@ -191,14 +191,22 @@ def load(module: str, args: list[str]) -> tuple[bool, str]:
     return False, (lines or err.getvalue().strip().splitlines()[-1:] or [f"exit status {code}"])[0]
 
 
+NOT_TRAINERS = ("main_eval", "main_generation", "main_generation_server", "data_process", "model_merger", "proxy")
+
+
 def classify(module: str | None) -> str:
+    """main_ppo: verl's trainer or one plait runs as it; own_trainer: a recipe's own trainer (refused
+    recipes, and any other `main*` module); other: generation, evaluation, data and merge scripts."""
     from plait.config_verl import ENTRY_POINTS, REFUSED_RECIPES
     if module is None:
         return "other"
     module = module.replace("/", ".")
     if module in ENTRY_POINTS:
         return "main_ppo"
-    return "own_trainer" if module in REFUSED_RECIPES else "other"
+    last = module.split(".")[-1]
+    if module in REFUSED_RECIPES or (last.startswith("main") and last not in NOT_TRAINERS):
+        return "own_trainer"
+    return "other"
 
 
 def measure_script(script: Path, root: Path, work: Path, fixtures: dict[str, str]) -> dict | None:
@@ -267,7 +275,7 @@ def main() -> int:
             root = Path(root).resolve()
             records = [r for s in sorted((root / sub).rglob("*.sh")) if (r := measure_script(s, root, work, fixtures))]
             for r in records:
-                r["refusal"] = r.get("refusal", "").replace(tmp, "<fixtures>")
+                r["refusal"] = r.get("refusal", "").replace(tmp, "<fixtures>").replace(str(root), "<root>")
             result[name] = {"summary": summary(records), "scripts": records}
             print(name, json.dumps(result[name]["summary"]), file=sys.stderr)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -10,19 +10,22 @@ what cannot exist here replaced, and recorded as such: model and data paths (a t
 classifier, a few arithmetic rows), a reward file (one defining the function the script names: the
 recipes' reward files import verl), the output folder, `rollout.name` (`hf`: vLLM and SGLang are not
 installed here) and `trainer.logger` (`console`: wandb is not installed here). Relative config and
-tool paths are read against the corpus folder's root, as the scripts run from their repository root.
+tool paths are read against the corpus folder's root, as the scripts run from their repository root;
+a --config-path under a folder the user is to fill in (`BASEDIR=base_dir`) is found by its
+examples/ or recipe/ part.
 
 The variables a SLURM launcher sets (LAUNCHER below: one node of 8 GPUs) are set, as the scripts
 that read them are submitted with sbatch; every other unset variable is empty.
 
 Counted: scripts whose trainer is verl's main_ppo or an entry point plait runs as it
 (config_verl.ENTRY_POINTS), Megatron ones apart (skipped), and the scripts verl itself cannot run
-(VERL_REJECTS, each with why) apart. Recipes with a trainer of their own (config_verl.REFUSED_RECIPES)
-are listed and counted separately. verl-recipe's scripts run from verl's root with the recipes as
+(VERL_REJECTS, each with why) apart. Recipes with a trainer of their own (config_verl.REFUSED_RECIPES,
+and any other `main*` module) are listed and counted separately. verl-recipe's scripts run from verl's root with the recipes as
 its `recipe/` folder (verl's submodule layout: `data.custom_cls.path=recipe/retool/retool.py`). Get
 the corpus and run:
 
     git clone https://github.com/volcengine/verl && git clone https://github.com/verl-project/verl-recipe verl/recipe
+    # bench/results/verl_corpus.json: verl b178a3c, verl-recipe 48ea0a7 (git checkout them for the same scripts)
     python bench/verl_corpus.py --corpus examples=verl:examples --corpus recipes=verl:recipe \
         [--out bench/results/verl_corpus.json]
 """
@@ -34,7 +37,6 @@ import contextlib
 import io
 import json
 import os
-import shlex
 import subprocess
 import sys
 import tempfile
@@ -46,6 +48,7 @@ command_not_found_handle() {  # `ray job submit ... -- python3 -m ...`, `nohup p
   for ((i = 1; i <= $#; i++)); do
     case "${!i}" in python|python3|python3.*|*/python|*/python3) "$CORPUS_STUBS/python3" "${@:i+1}"; return 0;; esac
   done
+  if [[ -p /dev/stdin ]]; then while IFS= read -r _; do :; done; fi  # `... | tee log`: read what the call writes
   return 0
 }
 set() {  # no errexit, nounset or trace: an unset variable is empty, a failing stub is no stop
@@ -135,8 +138,7 @@ def substitute(args: list[str], fixtures: dict[str, str], root: Path) -> tuple[l
         if a in ("--config-path", "--config-name"):  # the space-separated form
             a = f"{a}={next(flags, '')}"
         if a.startswith("--config-path="):
-            folder = a.split("=", 1)[1]
-            out.append(f"--config-path={root / folder if folder and not os.path.isabs(folder) else folder}")
+            out.append(f"--config-path={config_folder(a.split('=', 1)[1], root)}")
             continue
         if "=" not in a or a.startswith("-"):
             out.append(a)
@@ -164,6 +166,17 @@ def substitute(args: list[str], fixtures: dict[str, str], root: Path) -> tuple[l
             a = f"{raw}={new}"
         out.append(a)
     return out, replaced
+
+
+def config_folder(folder: str, root: Path) -> str:
+    """A script's --config-path here: relative to the repository root, and a folder under a path the
+    user is to fill in (`BASEDIR=base_dir`, `$HOME/verl/...`) found by its examples/ or recipe/ part."""
+    path = root / folder if folder and not os.path.isabs(folder) else Path(folder)
+    parts = path.parts
+    for top in ("recipe", "examples"):
+        if not path.is_dir() and top in parts and (root.joinpath(*parts[parts.index(top):])).is_dir():
+            return str(root.joinpath(*parts[parts.index(top):]))
+    return str(path)
 
 
 def reward_file(name: str, folder: str) -> str:

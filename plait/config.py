@@ -119,9 +119,13 @@ class ModelConfig:
     lora_adapter_path: Optional[str] = None   # a saved peft adapter to start from (with lora_rank > 0)
     exclude_modules: Union[str, list[str], None] = None  # modules target_modules matches that get no adapter (peft)
     override_config: dict[str, Any] = field(default_factory=dict)  # set over the checkpoint's config.json (verl's)
+    custom_chat_template: Optional[str] = None  # a Jinja chat template used instead of the tokenizer's (verl's)
 
     def __post_init__(self):
         check(self.lora_rank >= 0, "lora_rank", self.lora_rank, "0 (off) or the LoRA rank")
+        check(self.custom_chat_template is None or (isinstance(self.custom_chat_template, str) and
+                                                    self.custom_chat_template.strip() != ""),
+              "custom_chat_template", self.custom_chat_template, "null or a Jinja chat template (a string)")
 
 
 @dataclass

@@ -276,7 +276,6 @@ _GROUPS = {
         actor_rollout_ref.actor.optim.optimizer_impl
         actor_rollout_ref.actor.optim.override_optimizer_config
         actor_rollout_ref.model.hf_config_path
-        actor_rollout_ref.model.custom_chat_template
         actor_rollout_ref.model.external_lib
         data.custom_cls.path
         data.custom_cls.name
@@ -461,8 +460,9 @@ CPU_RAY_NO_EFFECT = {
 _DEFAULT_ONLY = {
     "tokenizer (plait tokenizes with the model's own tokenizer)": ((None,), """
         actor_rollout_ref.model.tokenizer_path data.tokenizer critic.model.tokenizer_path"""),
-    "chat template (plait renders prompts with the tokenizer's own template)": ((None, {}), """
-        actor_rollout_ref.model.custom_chat_template critic.model.custom_chat_template"""),
+    "chat template (the critic scores the actor's tokens; the actor's is actor_rollout_ref.model.custom_chat_template)": (
+        (None, {}), """
+        critic.model.custom_chat_template"""),
     "model config (plait loads the checkpoint's config.json as is)": ((None, {}), """
         critic.model.override_config reward_model.model.override_config
         actor_rollout_ref.model.hf_config_path critic.model.hf_config_path"""),

@@ -695,7 +695,7 @@ def resolve_data(cfg: PlaitConfig) -> tuple[list[str], list[str] | None]:
 def build_lm_trainer(cfg: PlaitConfig, backend, device: str, mode: type[LMTrainer]) -> LMTrainer:
     """Model, data, reward and the four language-model roles, handed to the trainer `mode` (the driver's pick)."""
     from plait.data.dataset import load_dataset
-    from plait.models import load_tokenizer
+    from plait.models import load_tokenizer, use_chat_template
     from plait.workers.actor import Actor
     from plait.workers.critic import Critic
     from plait.workers.ref import Ref
@@ -713,6 +713,7 @@ def build_lm_trainer(cfg: PlaitConfig, backend, device: str, mode: type[LMTraine
         raise ConfigError("actor_rollout_ref.model.path", model_path,
                           f"its tokenizer does not load ({type(err).__name__}: {str(err).splitlines()[0]})") from None
     check_vocabulary(model_path, tokenizer)
+    use_chat_template(tokenizer, arr.model.custom_chat_template)
     train_files, val_files = resolve_data(cfg)
     d = cfg.data
     options = dict(prompt_key=d.prompt_key, max_prompt_length=d.max_prompt_length, truncation=d.truncation,

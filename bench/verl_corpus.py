@@ -17,6 +17,10 @@ examples/ or recipe/ part.
 The variables a SLURM launcher sets (LAUNCHER below: one node of 8 GPUs) are set, as the scripts
 that read them are submitted with sbatch; every other unset variable is empty.
 
+A script whose own model or data are a vision-language model or image data (MULTIMODAL) is marked:
+its config loads, but plait's text-only trainers refuse its image rows at start, so it is counted
+apart in `accepted_text_data` (the data are replaced here, so only the config is measured).
+
 Counted: scripts whose trainer is verl's main_ppo or an entry point plait runs as it
 (config_verl.ENTRY_POINTS), Megatron ones apart (skipped), and the scripts verl itself cannot run
 (VERL_REJECTS, each with why) apart. Recipes with a trainer of their own (config_verl.REFUSED_RECIPES,
@@ -37,6 +41,7 @@ import contextlib
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -82,6 +87,9 @@ VERL_REJECTS = {
         "sets actor_rollout_ref.actor.loss_mode without '+': a key of neither verl's ppo_trainer nor "
         "entropy_trainer.yaml (it is actor.policy_loss.loss_mode), so Hydra refuses the override",
 }
+# A vision-language model or image data in the script's own model path and data files: plait loads
+# the config, but refuses image rows at start (text-only trainers) until the VLM work lands.
+MULTIMODAL = re.compile(r"(?i)(^|[^a-z])vl([^a-z]|$)|glm-?4\.?1v|minicpm-?o|geo3k|omniact")
 TINY_LM_KEYS = ("actor_rollout_ref.model.path", "critic.model.path", "critic.model.tokenizer_path",
                 "reward_model.model.input_tokenizer", "reward.reward_model.input_tokenizer")
 CLASSIFIER_KEYS = ("reward_model.model.path", "reward.reward_model.model_path")
@@ -235,6 +243,8 @@ def measure_script(script: Path, root: Path, work: Path, fixtures: dict[str, str
     if any(is_megatron(a) for _, a in calls):
         return {**record, "status": "megatron"}
     status, first, replaced = "accepted", "", set()
+    record["multimodal"] = any(MULTIMODAL.search(a.split("=", 1)[1]) for _, args in calls for a in args if
+                               a.split("=", 1)[0].lstrip("+") in ("actor_rollout_ref.model.path", "data.train_files"))
     for module, args in calls:
         args, keys = substitute(args, fixtures, root)
         replaced |= set(keys)
@@ -264,9 +274,12 @@ def summary(records: list[dict]) -> dict:
     counted = [r for r in records if r["kind"] == "main_ppo" and r["status"] != "megatron"]
     own = [r for r in records if r["kind"] == "own_trainer" and r["status"] != "megatron"]
     accepted = sum(r["status"] == "accepted" for r in counted)
+    text = sum(r["status"] == "accepted" and not r["multimodal"] for r in counted)
     return {"scripts": len(records), "megatron_skipped": sum(r["status"] == "megatron" for r in records),
             "counted": len(counted), "accepted": accepted,
             "accepted_fraction": round(accepted / len(counted), 3) if counted else None,
+            # of those accepted, the ones whose own data are text: image rows are refused at start
+            "accepted_text_data": text, "accepted_text_data_fraction": round(text / len(counted), 3) if counted else None,
             "own_trainer_recipes": len(own), "own_trainer_accepted": sum(r["status"] == "accepted" for r in own),
             "verl_rejects": sum(r["kind"] == "verl_rejects" for r in records)}
 

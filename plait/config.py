@@ -26,7 +26,7 @@ from plait.algorithms.names import (BYPASS_LOSS_TYPES, ESTIMATOR_NAMES as ESTIMA
                                     POLICY_LOSS_NAMES as POLICY_LOSSES, parse_is_threshold, parse_rs)
 from plait.config_verl import (CPU_NO_EFFECT, CPU_RAY_NO_EFFECT, FIELD_NO_EFFECT, LEGACY_REWARD,
                                LOCAL_BACKEND_NO_EFFECT, NO_EFFECT, RECIPE_ROLLOUT_POOL, compose_yaml, drop_empty,
-                               load_yaml, merge, refusal, resolve_interpolations)
+                               load_yaml, machine_notes, merge, refusal, resolve_interpolations)
 from plait.configtree import ConfigError, build, ConfigErrors, build_without, check, raise_all, to_dict
 from plait.data.rewards import RewardConfig
 from plait.profiler.config import GlobalProfilerConfig, RoleProfilerConfig
@@ -120,9 +120,13 @@ class ModelConfig:
     lora_adapter_path: Optional[str] = None   # a saved peft adapter to start from (with lora_rank > 0)
     exclude_modules: Union[str, list[str], None] = None  # modules target_modules matches that get no adapter (peft)
     override_config: dict[str, Any] = field(default_factory=dict)  # set over the checkpoint's config.json (verl's)
+    custom_chat_template: Optional[str] = None  # a Jinja chat template used instead of the tokenizer's (verl's)
 
     def __post_init__(self):
         check(self.lora_rank >= 0, "lora_rank", self.lora_rank, "0 (off) or the LoRA rank")
+        check(self.custom_chat_template is None or (isinstance(self.custom_chat_template, str) and
+                                                    self.custom_chat_template.strip() != ""),
+              "custom_chat_template", self.custom_chat_template, "null or a Jinja chat template (a string)")
 
 
 @dataclass
@@ -1004,8 +1008,8 @@ def _prefixes(key: str) -> list[str]:
 def load_config(path: str | None = None, overrides: list[str] = (), search: list[str] = ()) -> PlaitConfig:
     """Defaults <- demo preset <- YAML file <- overrides, built and validated as one tree (`parse_config`),
     then the start notices said (`start_notices`)."""
-    cfg, user, no_effect, moved = parse_config(path, overrides, search)
-    for line in start_notices(cfg, user, no_effect, moved):
+    cfg, user, no_effect, moved, machine = parse_config(path, overrides, search)
+    for line in start_notices(cfg, user, no_effect, moved, machine):
         print(line, file=sys.stderr)
     return cfg
 
@@ -1026,12 +1030,14 @@ def parse_config(path: str | None = None, overrides: list[str] = (),
             apply_override(tree, text)
         except ConfigError as err:
             errors.append(err)
+    defaults = to_dict(PlaitConfig())
     try:
-        tree = resolve_interpolations(tree, to_dict(PlaitConfig()))
+        tree = resolve_interpolations(tree, defaults)
     except ConfigError as err:
         raise_all([*errors, err])
     moved = map_legacy_reward(tree)
     drop_empty(tree)
+    machine = [*empty_booleans(tree, defaults), *machine_notes(tree)]
     try:
         map_recipe_rollout_pool(tree)
     except ConfigError as err:
@@ -1059,13 +1065,15 @@ def parse_config(path: str | None = None, overrides: list[str] = (),
         first = errors[0] if len(errors) == 1 else ConfigErrors(errors)
         first.partial = cfg
         raise first
-    return cfg, user, no_effect, moved
+    return cfg, user, no_effect, moved, machine
 
 
-def start_notices(cfg: PlaitConfig, user: dict, no_effect: list[str], moved: list[str]) -> list[str]:
+def start_notices(cfg: PlaitConfig, user: dict, no_effect: list[str], moved: list[str],
+                  machine: list[str]) -> list[str]:
     """The lines said at start, in order: the demo preset applies; which engine an unset rollout.name
     chose; the engine's own notes; the keys set that have no effect here (taken from the tree, this
-    backend's and device's, the engine's); the verl 0.8 reward keys moved."""
+    backend's and device's, the engine's); the machine notices (an NPU device, empty booleans); the verl 0.8
+    reward keys moved."""
     demo = user.get("actor_rollout_ref.model.path") is None
     lines = []
     if demo:
@@ -1091,9 +1099,30 @@ def start_notices(cfg: PlaitConfig, user: dict, no_effect: list[str], moved: lis
     no_effect += [key for key in user if any(p in engine.no_effect for p in _prefixes(key))]
     if no_effect:
         lines.append(no_effect_notice(no_effect, cluster))
+    lines += machine
     if moved:
         lines.append("plait: verl 0.8 reward keys mapped onto verl 0.9's reward tree: " + ", ".join(moved))
     return lines
+
+
+def empty_booleans(tree: dict, defaults: dict) -> list[str]:
+    """'' on a boolean key (`key=$VAR` with VAR unset): verl reads its booleans by truthiness, so it
+    runs them false; so does plait, in place, and names them in one line."""
+    named = []
+    for key, value in _leaf_items(tree, ""):
+        if value == "" and isinstance(_lookup(defaults, key), bool):
+            _set(tree, key, False)
+            named.append(key)
+    if not named:
+        return []
+    return [f"plait: {', '.join(named)} {'is' if len(named) == 1 else 'are'} empty (as an unset shell variable "
+            f"gives): read as false, as verl reads {'it' if len(named) == 1 else 'them'}"]
+
+
+def _lookup(tree: dict, dotted: str):
+    for part in dotted.split("."):
+        tree = tree.get(part) if isinstance(tree, dict) else None
+    return tree
 
 
 def map_legacy_reward(tree: dict) -> list[str]:

@@ -146,6 +146,7 @@ _GROUPS = {
         actor_rollout_ref.rollout.over_sample_rate
         actor_rollout_ref.rollout.multi_stage_wake_up
         actor_rollout_ref.rollout.engine_kwargs.sglang
+        actor_rollout_ref.rollout.sglang_rollout_mode
         actor_rollout_ref.rollout.engine_kwargs.trtllm
         actor_rollout_ref.rollout.skip_tokenizer_init
         actor_rollout_ref.rollout.enable_rollout_routing_replay
@@ -273,7 +274,6 @@ _GROUPS = {
         actor_rollout_ref.actor.optim.optimizer_impl
         actor_rollout_ref.actor.optim.override_optimizer_config
         actor_rollout_ref.model.hf_config_path
-        actor_rollout_ref.model.custom_chat_template
         actor_rollout_ref.model.external_lib
         data.custom_cls.path
         data.custom_cls.name
@@ -385,6 +385,7 @@ _GROUPS = {
         actor_rollout_ref.rollout.router_config_path
         actor_rollout_ref.rollout.moe_load_balance_metrics_interval
         actor_rollout_ref.rollout.full_determinism
+        actor_rollout_ref.rollout.server
         actor_rollout_ref.rollout.trace.project_name
         actor_rollout_ref.rollout.trace.experiment_name
         actor_rollout_ref.rollout.checkpoint_engine.custom_backend_module
@@ -418,6 +419,10 @@ _GROUPS = {
         trainer.debug
         algorithm.rollout_correction.rollout_rs_threshold_lower
         algorithm.rollout_correction.rollout_token_veto_threshold
+    """,
+    ("keys no code of verl (volcengine/verl b178a3c) or verl-recipe reads: a script adds them with '+', and "
+     "verl ignores them too"): """
+        data.min_response_length
     """,
 }
 
@@ -453,8 +458,9 @@ CPU_RAY_NO_EFFECT = {
 _DEFAULT_ONLY = {
     "tokenizer (plait tokenizes with the model's own tokenizer)": ((None,), """
         actor_rollout_ref.model.tokenizer_path data.tokenizer critic.model.tokenizer_path"""),
-    "chat template (plait renders prompts with the tokenizer's own template)": ((None, {}), """
-        actor_rollout_ref.model.custom_chat_template critic.model.custom_chat_template"""),
+    "chat template (the critic scores the actor's tokens; the actor's is actor_rollout_ref.model.custom_chat_template)": (
+        (None, {}), """
+        critic.model.custom_chat_template"""),
     "model config (plait loads the checkpoint's config.json as is)": ((None, {}), """
         critic.model.override_config reward_model.model.override_config
         actor_rollout_ref.model.hf_config_path critic.model.hf_config_path"""),
@@ -533,9 +539,6 @@ def refusal(user: dict[str, object]) -> tuple[str, object, str] | None:
             return key, value, why
         if key in ENABLES and value not in (None, False, "sync"):
             return key, value, f"{ENABLES[key]} is not supported in plait (docs/verl.md); drop the key or set it off"
-        if key in ("global_profiler.tool", "trainer.device") and value == "npu":
-            return key, value, ("Ascend NPU is not supported: plait runs on CPU and CUDA (global_profiler.tool: "
-                                "torch, torch_memory, nsys; trainer.device: auto, cpu, cuda)")
     return None
 
 
@@ -565,6 +568,39 @@ LEGACY_REWARD = {
     "reward_model.profiler": "reward.reward_model.profiler",
     "reward_model.rollout": "reward.reward_model.rollout",
 }
+
+
+# -- where verl's scripts name their machine ------------------------------------------------------
+#
+# An Ascend script (trainer.device=npu, global_profiler.tool=npu) trains the same model with the same
+# algorithm as on a GPU: the device is machinery. plait runs on what this machine has and says so.
+# A checkpoint that verl would write without the optimizer (save_contents=[hf_model]) is written whole.
+
+def machine_notes(tree: dict) -> list[str]:
+    """Take the machine choices plait does not make from `tree`, in place; one notice line for each."""
+    notes = []
+    trainer, profiler = tree.get("trainer"), tree.get("global_profiler")
+    if isinstance(trainer, dict) and trainer.get("device") == "npu":
+        del trainer["device"]
+        notes.append("plait: trainer.device=npu: Ascend NPUs are not supported; plait runs on what this machine has "
+                     "(trainer.device=auto: CUDA when available, else CPU) with the same model and algorithm")
+    if isinstance(profiler, dict) and profiler.get("tool") == "npu":
+        profiler["tool"] = None
+        notes.append("plait: global_profiler.tool=npu: Ascend's profiler does not run here, so no profile is taken "
+                     "(global_profiler.tool=torch, torch_memory or nsys profile on this machine)")
+    node, whole = _node(tree, "actor_rollout_ref.actor.checkpoint"), ["model", "optimizer", "extra"]
+    contents = node.get("save_contents") if node is not None else None
+    if isinstance(contents, list) and set(contents) <= {*whole, "hf_model"} and not set(whole) <= set(contents):
+        node["save_contents"] = [*whole, *(c for c in contents if c not in whole)]
+        notes.append(f"plait: actor_rollout_ref.actor.checkpoint.save_contents={contents}: plait's checkpoints always "
+                     "hold the model, optimizer and extra (what a resume needs), so they are written too")
+    return notes
+
+
+def _node(tree: dict, dotted: str) -> dict | None:
+    for part in dotted.split("."):
+        tree = tree.get(part) if isinstance(tree, dict) else None
+    return tree if isinstance(tree, dict) else None
 
 
 # verl's and verl-recipe's entry points (`plait train --entry-point MODULE`, the module verl's script

@@ -21,7 +21,7 @@ from plait.configtree import ConfigError, raise_all, to_dict
 from plait.data.reward_pool import close_reward_workers
 from plait.checks import check_data_files, check_loggers, collect_errors, not_a_directory
 from plait.data.dataset import read_column
-from plait.data.rewards import BUILTIN, has_builtin_reward, resolve_reward
+from plait.data.rewards import BUILTIN, has_builtin_reward, needs_string_truth, resolve_reward
 from plait.models import builtin_model, check_model_dir, check_reward_model_dir
 from plait.profiler import RoleProfilerConfig, validate_environment
 from plait.profiler.config import ROLE_KEYS
@@ -43,28 +43,43 @@ def resolve_device(cfg: PlaitConfig) -> str:
 
 def check_data_sources(cfg: PlaitConfig) -> None:
     """With neither a reward file nor a reward model, every row's data source (data.reward_fn_key)
-    needs a built-in reward: every train and val file is checked here, before any model loads,
-    rather than at the first reward. A file that does not read is left to load_dataset to name."""
+    needs a built-in reward, and the scorers that read the ground truth as text (DAPO, aime*, math)
+    a string one: every train and val file is checked here, before any model loads, rather than at
+    the first reward. A file that does not read is left to load_dataset to name."""
     if cfg.trainer.mode == "diffusion" or cfg.reward.custom_reward_function.path or cfg.reward.reward_model.enable:
         return
-    key, errors = cfg.data.reward_fn_key, []
+    errors = []
     for files_key, files in (("data.train_files", cfg.data.train_files), ("data.val_files", cfg.data.val_files)):
         for path in files or []:
             try:
-                sources = read_column(path, key)
+                errors += source_errors(files_key, path, cfg.data.reward_fn_key)
             except (OSError, ValueError):
                 continue
-            unknown = {}  # data source -> its first row
-            for i, source in enumerate(sources):
-                if source is not None and not has_builtin_reward(source):
-                    unknown.setdefault(repr(source), i)
-            if unknown:
-                named = ", ".join(f"{s} (row {i})" for s, i in list(unknown.items())[:5])
-                errors.append(ConfigError(files_key, path, f"{key} {named}{' and more' if len(unknown) > 5 else ''} "
-                                  f"{'has' if len(unknown) == 1 else 'have'} no "
-                                  f"built-in reward ({BUILTIN}) and reward.custom_reward_function.path is unset: "
-                                  "give a reward file that scores it"))
     raise_all(errors)
+
+
+def source_errors(files_key: str, path: str, key: str) -> list[ConfigError]:
+    """The file's data sources without a built-in reward (the first five, each with its first row),
+    and its first row whose scorer needs a string ground truth and has another type."""
+    sources, unknown, errors = read_column(path, key), {}, []
+    for i, source in enumerate(sources):
+        if source is not None and not has_builtin_reward(source):
+            unknown.setdefault(repr(source), i)
+    if unknown:
+        named = ", ".join(f"{s} (row {i})" for s, i in list(unknown.items())[:5])
+        errors.append(ConfigError(files_key, path, f"{key} {named}{' and more' if len(unknown) > 5 else ''} "
+                                  f"{'has' if len(unknown) == 1 else 'have'} no built-in reward ({BUILTIN}) and "
+                                  "reward.custom_reward_function.path is unset: give a reward file that scores it"))
+    if not any(map(needs_string_truth, sources)):
+        return errors
+    for i, (source, rm) in enumerate(zip(sources, read_column(path, "reward_model"))):
+        truth = rm.get("ground_truth") if isinstance(rm, dict) else None
+        if needs_string_truth(source) and truth is not None and not isinstance(truth, str):
+            errors.append(ConfigError(files_key, path, f"row {i}: {key} {source!r} is scored by the DAPO/AIME/math "
+                                      f"scorer, which needs a string reward_model.ground_truth; this one is a "
+                                      f"{type(truth).__name__} ({truth!r:.40}): store it as a string"))
+            break
+    return errors
 
 
 def check_model_path(cfg: PlaitConfig) -> None:

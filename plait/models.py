@@ -147,6 +147,21 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     return tokenizer
 
 
+def use_chat_template(tokenizer: PreTrainedTokenizerBase, template: str | None,
+                      key: str = "actor_rollout_ref.model.custom_chat_template") -> None:
+    """Set verl's custom_chat_template on `tokenizer` (every prompt, turn and saved checkpoint uses it);
+    a template that does not render a user turn is a ConfigError naming `key`, at start."""
+    if template is None:
+        return
+    tokenizer.chat_template = template
+    try:
+        tokenizer.apply_chat_template([{"role": "user", "content": "1+1="}], add_generation_prompt=True, tokenize=False)
+    except Exception as err:  # noqa: BLE001 - jinja's syntax and render errors, said in one line
+        raise ConfigError(key, template[:60] + ("..." if len(template) > 60 else ""),
+                          f"does not render a chat ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}); "
+                          "give a Jinja chat template over `messages`") from None
+
+
 def load_causal_lm(path: str | Path, dtype: torch.dtype = torch.float32,
                    device: str | torch.device = "cpu", key: str = "actor_rollout_ref.model.path") -> PreTrainedModel:
     """Any local HF causal LM (safetensors or bin), in `dtype`, on `device`. A `.bin` that asks for

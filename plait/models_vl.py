@@ -100,10 +100,12 @@ class VLProcessor:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def load_processor(path: str | Path) -> VLProcessor:
-    """The VL model folder's processor: its tokenizer (left-padded) and PIL image processor, local files only."""
+def load_processor(path: str | Path, tokenizer=None) -> VLProcessor:
+    """The VL model folder's processor: its tokenizer (left-padded; or `tokenizer`, the one the trainer renders
+    with, custom chat template included) and PIL image processor, local files only."""
     from transformers import AutoImageProcessor, AutoTokenizer
-    tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True, padding_side="left")
+    if tokenizer is None:
+        tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True, padding_side="left")
     images = AutoImageProcessor.from_pretrained(str(path), local_files_only=True, backend="pil")
     return VLProcessor(tokenizer, images)
 

@@ -2,7 +2,8 @@
 
 tests/fixtures/verl_scripts/ holds the arguments of verl's example scripts and recipes (facts
 about verl's interface), with model/data paths, sizes and the engine name changed for a tiny CPU
-run. Each one must load; the Megatron and NPU ones are refused with one line; a few train 2 steps.
+run. Each one must load; the Megatron one is refused with one line, the Ascend (NPU) ones load with one
+notice line each; a few train 2 steps.
 """
 
 import importlib.util
@@ -19,7 +20,7 @@ from plait.config import load_config, parse_value
 from plait.configtree import ConfigError, ConfigErrors
 
 SCRIPTS = Path(__file__).parent / "fixtures" / "verl_scripts"
-REFUSED = {"ppo_megatron_nsys": "Megatron-LM is not supported", "npu_discrete_profiling": "Ascend NPU is not supported"}
+REFUSED = {"ppo_megatron_nsys": "Megatron-LM is not supported"}
 # verl 0.9 failure classes that `plait train` refuses at start, in one config-error line naming what to fix
 REFUSED_AT_START = {"sppo": "SPPO", "prime": "PRIME recipe", "loggers_swanlab_mlflow": "pip install",
                     "filter_overlong_all_rows": "shortest prompt has", "minicpmo_custom_dataset": "data.custom_cls.path"}
@@ -68,8 +69,8 @@ def tiny_paths(tmp_path_factory):
             "OUT": str(root / "out")}
 
 
-def test_there_are_twenty_three_recorded_scripts():
-    assert len(list(SCRIPTS.glob("*.sh"))) == 23
+def test_there_are_twenty_five_recorded_scripts():
+    assert len(list(SCRIPTS.glob("*.sh"))) == 25
 
 
 @pytest.mark.parametrize("name", sorted(p.stem for p in SCRIPTS.glob("*.sh")
@@ -82,8 +83,23 @@ def test_every_recorded_verl_script_loads(name, tiny_paths, capsys):
     assert capsys.readouterr().err.count("accepted but have no effect here") <= 1
 
 
+@pytest.mark.parametrize("name, said", [
+    ("npu_discrete_profiling", "plait: global_profiler.tool=npu: Ascend's profiler does not run here, so no profile is taken"),
+    ("dapo_qwen2_5_7b_npu", "plait: trainer.device=npu: Ascend NPUs are not supported; plait runs on what this machine has"),
+    ("gmpo_qwen2_5_7b_math", "plait: actor_rollout_ref.actor.checkpoint.save_contents=['hf_model']: plait's checkpoints "
+                             "always hold the model, optimizer and extra"),
+])
+def test_a_scripts_machine_choices_load_with_one_notice_line(name, said, tiny_paths, capsys):
+    """verl's Ascend scripts train the same model with the same algorithm: the device is machinery, so
+    they run on what this machine has; a checkpoint verl would write without its optimizer is whole."""
+    cfg = load_config(None, script_overrides(name, tiny_paths))
+    assert [line for line in capsys.readouterr().err.splitlines() if line.startswith(said)] != []
+    assert cfg.trainer.device == "auto" and cfg.global_profiler.tool != "npu"
+    assert {"model", "optimizer", "extra"} <= set(cfg.actor_rollout_ref.actor.checkpoint.save_contents)
+
+
 @pytest.mark.parametrize("name", sorted(REFUSED))
-def test_megatron_and_npu_scripts_are_refused_with_one_line(name, tiny_paths, capsys):
+def test_megatron_scripts_are_refused_with_one_line(name, tiny_paths, capsys):
     assert main(["train", *script_args(name, tiny_paths)]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and REFUSED[name] in err
@@ -189,7 +205,6 @@ def test_no_effect_keys_are_named_once_grouped_by_reason(capsys):
     ("actor_rollout_ref.rollout.name=sglang", "actor_rollout_ref.rollout.name", "use rollout.name=vllm"),
     ("actor_rollout_ref.rollout.name=trtllm", "actor_rollout_ref.rollout.name", "one of hf, vllm, sglang"),
     ("actor_rollout_ref.actor.strategy=megatron", "actor_rollout_ref.actor.strategy", "Megatron-LM is not supported"),
-    ("global_profiler.tool=npu", "global_profiler.tool", "Ascend NPU is not supported"),
     ("async_training.staleness_threshold=0.5", "trainer.mode", "async_training.staleness_threshold"),
 ])
 def test_verl_choices_plait_cannot_run_are_clear_errors(override, key, words):

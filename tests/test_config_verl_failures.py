@@ -260,6 +260,17 @@ def test_the_legacy_reward_path_and_a_resume_path_empty_read_as_null(capsys):
                     "a global_step_N checkpoint directory when resume_mode=resume_path")
 
 
+def test_an_empty_boolean_is_false_as_verl_reads_it_and_named(capsys):
+    """verl's examples/sglang_multiturn/run_qwen2.5-3b_gsm8k_multiturn_vllm_fsdp.sh passes
+    use_kl_loss=True, then use_kl_loss=${use_kl_loss} with the variable set nowhere: verl reads the
+    last value, '', by truthiness and trains without the KL loss. So does plait, saying so."""
+    cfg = load_config(None, ["actor_rollout_ref.actor.use_kl_loss=True", "actor_rollout_ref.actor.use_kl_loss=",
+                             "data.shuffle=''"])
+    assert cfg.actor_rollout_ref.actor.use_kl_loss is False and cfg.data.shuffle is False
+    assert ("plait: actor_rollout_ref.actor.use_kl_loss, data.shuffle are empty (as an unset shell variable gives): "
+            "read as false, as verl reads them") in capsys.readouterr().err.splitlines()
+
+
 @pytest.mark.parametrize("override, said", [
     ("actor_rollout_ref.model.path=", "actor_rollout_ref.model.path='': no config.json"),
     ("data.train_files=", "data.train_files=''"),

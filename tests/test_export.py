@@ -144,10 +144,16 @@ def test_sharded_checkpoint_exports_equal_to_its_unsharded_twin(tmp_path):
     assert any(not torch.equal(whole[k], original[k]) for k in whole)
 
 
-def test_save_contents_refuses_what_plait_cannot_leave_out(tmp_path):
+def test_save_contents_without_what_a_resume_needs_still_saves_it(capsys):
+    """verl's examples save only hf_model (gmpo); plait's checkpoint is always resumable: it writes
+    model, optimizer and extra too, and says so in one line. A name plait does not know is refused."""
     from plait.config import load_config
     from plait.configtree import ConfigError
-    with pytest.raises(ConfigError, match="actor_rollout_ref.actor.checkpoint.save_contents.*must keep model, optimizer and extra"):
-        load_config(None, ["actor_rollout_ref.actor.checkpoint.save_contents=[hf_model]"])
+    cfg = load_config(None, ["actor_rollout_ref.actor.checkpoint.save_contents=[hf_model]"])
+    assert cfg.actor_rollout_ref.actor.checkpoint.save_contents == ["model", "optimizer", "extra", "hf_model"]
+    assert ("plait: actor_rollout_ref.actor.checkpoint.save_contents=['hf_model']: plait's checkpoints always hold "
+            "the model, optimizer and extra (what a resume needs), so they are written too") in capsys.readouterr().err
     with pytest.raises(ConfigError, match="each one of model, optimizer, extra, hf_model"):
         load_config(None, ["actor_rollout_ref.actor.checkpoint.save_contents=[model,optimizer,extra,weights]"])
+    with pytest.raises(ConfigError, match="each one of model, optimizer, extra, hf_model"):
+        load_config(None, ["actor_rollout_ref.actor.checkpoint.save_contents=[weights]"])

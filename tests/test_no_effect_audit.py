@@ -5,6 +5,7 @@ it; this test walks config_verl.NO_EFFECT and fails on any key in a class marked
 plait would accept away from verl's default.
 """
 
+import json
 import re
 
 import pytest
@@ -33,7 +34,8 @@ CLASSES = [
     ("engine tuning, serving and traces", "machinery",
      r"rollout\.(cudagraph|data_parallel|expert_parallel|pipeline_model|scheduling_policy|disable_log_stats|"
      r"multi_stage_wake_up|engine_kwargs|skip_tokenizer_init|prometheus|prompt_length|response_length|"
-     r"disaggregation|router_config_path|moe_load_balance|full_determinism|checkpoint_engine|skip_dump_dir|trace)|"
+     r"disaggregation|router_config_path|moe_load_balance|full_determinism|checkpoint_engine|skip_dump_dir|trace|"
+     r"sglang_rollout_mode$|server$)|"
      r"^reward\.reward_model\.rollout$"),
     ("profiler", "machinery", r"profiler"),
     # speculative decoding with a model's MTP heads samples the same distribution; training them is refused
@@ -56,7 +58,7 @@ CLASSES = [
     # rollout_rs_threshold) and over_sample_rate (a field of its rollout config only)
     ("keys verl 0.9.1 does not read either", "machinery",
      r"^algorithm\.rollout_correction\.(rollout_rs_threshold_lower|rollout_token_veto_threshold)$|"
-     r"^actor_rollout_ref\.rollout\.over_sample_rate$"),
+     r"^actor_rollout_ref\.rollout\.over_sample_rate$|^data\.min_response_length$"),
     ("deprecated global micro-batch sizes and derived keys", "machinery",
      r"(ppo_micro_batch_size|log_prob_micro_batch_size|forward_micro_batch_size|forward_micro_batch_size_per_gpu)$"),
 ]
@@ -94,7 +96,7 @@ def test_no_key_of_a_semantic_class_has_no_effect_silently():
 # One value each that turns a semantic key on; every SEMANTIC key is listed (checked below).
 ON = {
     "actor_rollout_ref.model.tokenizer_path": "/elsewhere", "data.tokenizer": "/elsewhere",
-    "critic.model.tokenizer_path": "/elsewhere", "actor_rollout_ref.model.custom_chat_template": "{{ x }}",
+    "critic.model.tokenizer_path": "/elsewhere",
     "critic.model.custom_chat_template": "{{ x }}", "critic.model.override_config.x": 1,
     "reward_model.model.override_config.x": 1, "actor_rollout_ref.model.hf_config_path": "/elsewhere",
     "critic.model.hf_config_path": "/elsewhere", "actor_rollout_ref.actor.optim.optimizer": "SGD",
@@ -263,3 +265,29 @@ def test_image_rows_are_refused_before_training_in_every_mode(tmp_path, mode, ca
     lines = [line for line in err.splitlines() if line.startswith("plait: config error")]
     assert rc == 2 and len(lines) == 1 and "row 3" in lines[0] and "'images' (data.image_key)" in lines[0], err
     assert "Traceback" not in err and not (tmp_path / "out" / "metrics.jsonl").exists()
+
+
+TEMPLATE = "{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}=>{% endif %}"
+
+
+def test_custom_chat_template_renders_every_prompt_and_trains(tmp_path, tiny_config):
+    """verl's actor_rollout_ref.model.custom_chat_template replaces the tokenizer's template: every
+    prompt is rendered with it (and the rollout, the agent loops and the checkpoint get that tokenizer)."""
+    from plait import driver
+    cfg = tiny_config(tmp_path / "out", f"actor_rollout_ref.model.custom_chat_template={json.dumps(TEMPLATE)}",
+                      "trainer.total_training_steps=1")
+    lc = driver.build(cfg, progress=False)
+    item = lc.trainer.cursor.dataset[0]
+    assert item.prompt_text.startswith("[user]") and item.prompt_text.endswith("=>")
+    assert lc.trainer.tokenizer.decode(item.prompt_ids) == item.prompt_text
+    assert lc.run()["training/global_step"] == 1
+
+
+def test_a_custom_chat_template_that_does_not_render_is_one_line(tmp_path, tiny_config):
+    from plait import driver
+    cfg = tiny_config(tmp_path / "out", "actor_rollout_ref.model.custom_chat_template='{% for m in messages %}'")
+    with pytest.raises(ConfigError) as err:
+        driver.build(cfg, progress=False)
+    assert str(err.value).startswith("actor_rollout_ref.model.custom_chat_template='{% for m in messages %}': does not "
+                                     "render a chat (TemplateSyntaxError: ")
+    assert "\n" not in str(err.value)

@@ -62,7 +62,11 @@ LOOPBACK = "127.0.0.1"
 
 class WorkerError(RunError):
     """A worker process died or raised; the Ray backend has been shut down. One line; the remote
-    traceback (or Ray's account of the death) goes to `<output_dir>/worker_errors.log`."""
+    traceback (or Ray's account of the death) goes to `<output_dir>/worker_errors.log` (`log`), and
+    `cause` is the exception the worker raised (None when it died)."""
+
+    cause: BaseException | None = None
+    log: str = ""
 
 
 @ray.remote(concurrency_groups={"control": 1})
@@ -544,10 +548,13 @@ class RayBackend:
         os.makedirs(os.path.dirname(self.error_log) or ".", exist_ok=True)
         with open(self.error_log, "a") as f:
             f.write(f"== {time.strftime('%Y-%m-%d %H:%M:%S')} {who} rank {rank} during {what}\n{err}\n")
-        return WorkerError(
+        error = WorkerError(
             f"{who} rank {rank} {summary} during {what}; every Ray worker was stopped"
             f"{' and the Ray instance plait started was shut down' if started else ''}; "
             f"details in {self.error_log}")
+        error.cause = err.cause if isinstance(err, RayTaskError) else None  # what the worker raised
+        error.log = self.error_log
+        return error
 
 
 def pool_of(role: str, reward_pool: bool) -> str:

@@ -187,6 +187,12 @@ def has_builtin_reward(data_source: Any) -> bool:
     return isinstance(data_source, str) and (data_source in SCORERS or data_source.startswith("aime"))
 
 
+def needs_string_truth(data_source: Any) -> bool:
+    """Whether the built-in scorer of this data source raises on a ground truth that is not a string
+    (DAPO's, which verl 0.9.1 uses for math_dapo, math and aime*, raises as verl's does)."""
+    return has_builtin_reward(data_source) and SCORERS.get(data_source, dapo_score) is dapo_score
+
+
 def load_custom_reward(path: str | Path, name: str = "compute_score",
                        reward_kwargs: dict | None = None) -> Callable:
     """Import the file at `path` and return its function `name`, with `reward_kwargs` bound."""

@@ -197,6 +197,17 @@ class LMTrainer:
             self.tracker.log_generations(samples[:self.cfg.trainer.log_val_generations], step=self.version)
 
     def save_checkpoint(self, path: str, step: int) -> None:
+        try:
+            self._save_checkpoint(path, step)
+        except RunError as err:  # a Ray worker's failed write (a full disk): the line the in-process save gives
+            cause = getattr(err, "cause", None)
+            if not isinstance(cause, OSError):
+                raise
+            raise RunError(f"checkpoint of step {step} not written to {path}: {cause.strerror or cause}; the previous "
+                           f"checkpoint stays latest (the Ray workers were stopped; details in "
+                           f"{getattr(err, 'log', '') or 'worker_errors.log'})") from err
+
+    def _save_checkpoint(self, path: str, step: int) -> None:
         os.makedirs(path, exist_ok=True)
         self.roles.actor.call(Actor.save_checkpoint, os.path.join(path, "actor"))
         hf = os.path.join(path, "actor", HF_DIR)
@@ -712,7 +723,7 @@ def build_lm_trainer(cfg: PlaitConfig, backend, device: str, tracker, mode: type
     """Model, data, reward and the four language-model roles, handed to the trainer `mode` (plait/build.py's
     MODES). Over 60 lines: the model and data resolution half is to move to plait/build.py (issue 29)."""
     from plait.data.dataset import load_dataset
-    from plait.models import load_tokenizer
+    from plait.models import load_tokenizer, use_chat_template
     from plait.models_vl import is_vl_dir, load_processor
     from plait.workers.actor import Actor
     from plait.workers.critic import Critic
@@ -731,13 +742,14 @@ def build_lm_trainer(cfg: PlaitConfig, backend, device: str, tracker, mode: type
         raise ConfigError("actor_rollout_ref.model.path", model_path,
                           f"its tokenizer does not load ({type(err).__name__}: {str(err).splitlines()[0]})") from None
     check_vocabulary(model_path, tokenizer)
+    use_chat_template(tokenizer, arr.model.custom_chat_template)
     train_files, val_files = resolve_data(cfg)
     d = cfg.data
     options = dict(prompt_key=d.prompt_key, max_prompt_length=d.max_prompt_length, truncation=d.truncation,
                    filter_overlong_prompts=d.filter_overlong_prompts, return_raw_chat=d.return_raw_chat,
                    reward_fn_key=d.reward_fn_key, chat_template_kwargs=d.apply_chat_template_kwargs,
                    media_keys={"data.image_key": d.image_key, "data.video_key": d.video_key, "data.audio_key": d.audio_key},
-                   processor=load_processor(model_path) if is_vl_dir(model_path) else None,
+                   processor=load_processor(model_path, tokenizer) if is_vl_dir(model_path) else None,
                    image_patch_size=d.image_patch_size)
     train_data = load_dataset("data.train_files", train_files, tokenizer, **options)
     val_data = load_dataset("data.val_files", val_files, tokenizer, **options) if val_files else None

@@ -104,6 +104,8 @@ class DiffusionActorConfig:
 
     def __post_init__(self):
         self.sde_window_range = tuple(self.sde_window_range)
+        check(len(self.sde_window_range) == 2, "sde_window_range", list(self.sde_window_range),
+              "[lo, hi]: two step indices")
         steps, size, (lo, hi) = self.num_inference_steps, self.sde_window_size, self.sde_window_range
         check(steps >= 1, "num_inference_steps", steps, "an integer >= 1")
         check(self.noise_level > 0, "noise_level", self.noise_level, "a number > 0")

@@ -166,6 +166,40 @@ def test_trainer_checkpoint_at_two_sharded_ranks_resumes_in_one_process(ray_inst
     assert (tmp_path / "checkpoints" / "global_step_3" / "actor" / "model.pt").is_file()  # one process: whole
 
 
+def test_a_full_disk_during_a_sharded_save_on_ray_is_the_one_line_with_the_previous_checkpoint_latest(
+        ray_instance, tmp_path):
+    """Two FSDP2 ranks in Ray workers write step 2's shards into files that are links to /dev/full,
+    where every write fails in the kernel with ENOSPC, as on a full disk (step 2's save folder is made
+    a link to a folder holding them as the save starts). The message is the in-process save's line,
+    and step 1 stays latest and verifies."""
+    from plait import driver
+    from plait.errors import RunError
+    from plait.trainers.lifecycle import verify_checkpoint
+    crafted = tmp_path / "crafted" / "actor" / SHARDED_DIR
+    crafted.mkdir(parents=True)
+    for rank in (0, 1):
+        (crafted / f"__{rank}_0.distcp").symlink_to("/dev/full")
+    cfg = tiny_config(tmp_path, "actor_rollout_ref.actor.strategy=fsdp2", "trainer.save_freq=1",
+                      "trainer.total_training_steps=2")
+    lc = driver.build(cfg, progress=False)
+    save = lc.trainer.save_checkpoint
+
+    def onto_a_full_disk(path, step):
+        if step == 2:
+            os.symlink(tmp_path / "crafted", path, target_is_directory=True)
+        return save(path, step)
+    lc.trainer.save_checkpoint = onto_a_full_disk
+    with pytest.raises(RunError) as err:
+        lc.run()
+    message, tmp = str(err.value), tmp_path / "checkpoints" / f"global_step_2.tmp-{os.getpid()}"
+    assert "\n" not in message and message.startswith(f"checkpoint of step 2 not written to {tmp}: No space left on "
+                                                      "device; the previous checkpoint stays latest (the Ray workers "
+                                                      "were stopped; details in ")
+    assert (tmp_path / "checkpoints" / "latest_checkpointed_iteration.txt").read_text() == "1"
+    assert verify_checkpoint(str(tmp_path / "checkpoints" / "global_step_1")) is None
+    assert not (tmp_path / "checkpoints" / "global_step_2").exists()
+
+
 def _no_reshard_rank(rank: int, model_dir: str, rdzv: str) -> None:
     import torch.distributed as dist
     from plait.config import FsdpConfig

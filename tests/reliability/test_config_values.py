@@ -5,7 +5,7 @@ import math
 import os
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from plait.config import PlaitConfig, load_config
@@ -45,6 +45,7 @@ def sane(cfg: PlaitConfig) -> list[str]:
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@example([("diffusion.actor.sde_window_range", "[]")])  # found by this test: a ValueError unpacking []
 @given(st.lists(st.tuples(st.sampled_from(KEYS), st.sampled_from(HOSTILE) | st.floats().map(repr)),
                 min_size=1, max_size=3))
 def test_malformed_overrides_build_a_sane_config_or_are_one_named_error(overrides):

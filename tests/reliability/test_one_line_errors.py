@@ -102,6 +102,33 @@ def test_data_sources_without_a_reward_are_one_line_each_before_any_model_loads(
     driver.preflight(tiny_config(tmp_path / "out", *files, f"custom_reward_function.path={tmp_path / 'reward.py'}"))
 
 
+def test_a_non_string_ground_truth_for_the_dapo_scorer_is_one_line_at_start(tmp_path, tiny_config, capsys):
+    """DAPO / aime* / math score the ground truth as text and raise on another type, as verl's do:
+    caught at start, naming file, row, data source and type (it was an error at the first reward)."""
+    from plait import driver
+    rows = make_task_rows("arithmetic", "train", 4, 0)
+    rows[1] = {**rows[1], "data_source": "math_dapo", "reward_model": {"ground_truth": "42"}}  # a string: fine
+    rows[3] = {**rows[3], "data_source": "aime2024", "reward_model": {"ground_truth": 42}}
+    val = {**rows[0], "data_source": "math", "reward_model": {"ground_truth": [1, 2]}}
+    train_file, val_file = tmp_path / "train.jsonl", tmp_path / "val.jsonl"
+    train_file.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    val_file.write_text(json.dumps(val) + "\n")
+    files = [f"data.train_files={train_file}", f"data.val_files={val_file}"]
+    with pytest.raises(ConfigError) as err:
+        driver.preflight(tiny_config(tmp_path / "out", *files))
+    assert str(err.value).splitlines() == [
+        f"data.train_files='{train_file}': row 3: data_source 'aime2024' is scored by the DAPO/AIME/math scorer, "
+        "which needs a string reward_model.ground_truth; this one is a int (42): store it as a string",
+        f"data.val_files='{val_file}': row 0: data_source 'math' is scored by the DAPO/AIME/math scorer, "
+        "which needs a string reward_model.ground_truth; this one is a list ([1, 2]): store it as a string"]
+    assert train(tmp_path, tiny_config, *files) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.count("plait: config error") == 2
+    rows[3]["data_source"] = "openai/gsm8k"  # GSM8K's scorer: a non-string never matches (as verl's), no error
+    train_file.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    driver.preflight(tiny_config(tmp_path / "out", f"data.train_files={train_file}"))
+
+
 def test_the_batch_manager_without_a_reward_file_is_one_line(capsys):
     assert cli.main(["config", "show", "reward.reward_manager.name=batch"]) == 2
     assert last_line(capsys) == ("plait: config error: reward.reward_manager.name='batch': a reward file to go with it "

@@ -1,0 +1,58 @@
+"""bench/verl_corpus.py reads a verl script's trainer call as bash expands it: variables as the
+script sets them, an unset one empty, a launcher's SLURM variables set, calls behind `ray job
+submit --`, piped to tee or put in the background, and a script's own shell mistakes kept (verl gets them too)."""
+
+import importlib.util
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+
+spec = importlib.util.spec_from_file_location("verl_corpus", Path(__file__).parents[1] / "bench" / "verl_corpus.py")
+corpus = importlib.util.module_from_spec(spec)
+sys.modules["verl_corpus"] = corpus
+spec.loader.exec_module(corpus)
+
+SCRIPT = r"""set -xeuo pipefail
+export LD_PRELOAD="/no/such/libjemalloc.so.2"  # the loader complains on stderr, into the pipe to tee
+MODEL=${MODEL:-"$HOME/models/Qwen2.5-7B"}
+n_resp=$((2 * 8))
+GPUS=$(nvidia-smi -L | wc -l)
+rm -f KEEP
+python3 -c "import torch; print(torch.cuda.device_count())"
+ray job submit --address=http://127.0.0.1:8265 -- python3 -m verl.trainer.main_ppo \
+    actor_rollout_ref.model.path="$MODEL" \
+    actor_rollout_ref.rollout.n=${n_resp} \
+    trainer.n_gpus_per_node=$GPUS \
+    trainer.nnodes=${SLURM_JOB_NUM_NODES} \
+    trainer.experiment_name='a b' \
+    trainer.resume_from_path=$RESUME_PATH "$@" 2>&1 | tee "$HOME/train.log"
+python3 -m recipe.dapo.main_dapo algorithm.filter_groups.enable=True \  # a comment after an escaped space
+    data.train_batch_size=4 &
+"""
+
+
+def test_a_scripts_trainer_calls_are_read_as_bash_expands_them(tmp_path):
+    (tmp_path / "keep").write_text("no external command runs")
+    (tmp_path / "run.sh").write_text(SCRIPT.replace("KEEP", str(tmp_path / "keep")))
+    (tmp_path / "work").mkdir()
+    calls = corpus.trainer_calls(tmp_path / "run.sh", tmp_path, tmp_path / "work")
+    modules = [corpus.module_of(c) for c in calls]
+    trainers = [(m, a) for m, a in modules if corpus.classify(m) != "other"]
+    assert [m for m, _ in modules] == [None, "verl.trainer.main_ppo", "recipe.dapo.main_dapo"]  # python3 -c is no trainer
+    (ppo, ppo_args), (dapo, dapo_args) = trainers
+    assert ppo_args == [f"actor_rollout_ref.model.path={tmp_path / 'work' / 'home'}/models/Qwen2.5-7B",
+                        "actor_rollout_ref.rollout.n=16", "trainer.n_gpus_per_node=", "trainer.nnodes=1",
+                        "trainer.experiment_name=a b", "trainer.resume_from_path="]
+    assert dapo_args == ["algorithm.filter_groups.enable=True", " "]  # bash's `\ ` and the comment end the call
+    assert (tmp_path / "keep").exists()  # `rm` did not run
+
+
+def test_megatron_calls_are_told_apart():
+    assert corpus.is_megatron(["--config-name=ppo_megatron_trainer", "a=1"])
+    assert corpus.is_megatron(["actor_rollout_ref.actor.strategy=megatron"])
+    assert corpus.is_megatron(["actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2"])
+    assert not corpus.is_megatron(["actor_rollout_ref.actor.strategy=fsdp2", "trainer.experiment_name=x"])

@@ -151,7 +151,8 @@ class RewardConfig:
 VERL_BESIDE = ("verl's scorers import beside plait after `pip install --no-deps verl==0.9.1 tensordict pyvers "
                "cloudpickle omegaconf antlr4-python3-runtime==4.9.3` (docs/verl.md), or copy the scorer into the file")
 
-ANSWER = {"arithmetic": re.compile(r"-?\d+"), "reverse": re.compile(r"[a-z]+")}
+ANSWER = {"arithmetic": re.compile(r"-?\d+"), "reverse": re.compile(r"[a-z]+"),
+          "larger_shape": re.compile(r"[a-z]+"), "count_dots": re.compile(r"\d+")}  # the last two: vision_tasks.py
 
 
 def extract_answer(data_source: str, solution_str: str) -> str | None:
@@ -432,6 +433,8 @@ def _call(fn: Callable, args: tuple, kwargs: dict, timeout: float | None, where:
 SCORERS = {  # data_source -> scorer; has_builtin_reward adds every aime* source
     "arithmetic": functools.partial(exact_match_score, "arithmetic"),
     "reverse": functools.partial(exact_match_score, "reverse"),
+    "larger_shape": functools.partial(exact_match_score, "larger_shape"),  # "red" / "blue" at the start
+    "count_dots": functools.partial(exact_match_score, "count_dots"),      # the count at the start
     "openai/gsm8k": gsm8k_score,
     "gsm8k_synthetic": gsm8k_synthetic_score,  # plait's synthetic word problems: GSM8K's flexible rule, acc, strict
     **{source: math_score for source in MATH_SOURCES},

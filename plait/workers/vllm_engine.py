@@ -88,7 +88,7 @@ class VLLMEngine:
         # a vision-language model: the placeholder tokens whose runs `vllm_prompt` cuts to one
         self.media_tokens = media_tokens(config)
         if config.tie_word_embeddings:
-            model_path = untied_copy(model_path, os.path.join(self._weights_dir, "model"))
+            model_path = untied_copy(model_path, os.path.join(self._weights_dir, "model"), bool(self.media_tokens))
         args = dict(model=model_path, dtype=str(dtype).removeprefix("torch."), seed=cfg.seed,
                     # vLLM's multimodal processors need the tokenizer (it refuses skip_tokenizer_init for them)
                     skip_tokenizer_init=not self.media_tokens, logprobs_mode="processed_logprobs",
@@ -265,22 +265,22 @@ def media_tokens(config) -> frozenset[int]:
     return frozenset({config.image_token_id})
 
 
-def vllm_prompt(ids: list[int], media: dict | None, placeholders: frozenset[int]):
-    """vLLM's input for one row: its token ids and, with images, `multi_modal_data` and each run of
-    placeholder tokens cut to one (vLLM expands one placeholder per image itself, from the image)."""
-    from vllm.inputs import TokensPrompt
+def vllm_prompt(ids: list[int], media: dict | None, placeholders: frozenset[int]) -> dict:
+    """vLLM's input for one row (its TokensPrompt, a plain dict): the token ids and, with images,
+    `multi_modal_data` and each run of placeholder tokens cut to one (vLLM expands one placeholder per
+    image itself, from the image). Raises ValueError for videos, or placeholders that do not match the images."""
     ids = list(ids)
     if not media or not (media.get("images") or media.get("videos")):
-        return TokensPrompt(prompt_token_ids=ids)
+        return {"prompt_token_ids": ids}
     if media.get("videos"):
         raise ValueError("rollout.name=vllm: video inputs are not passed to vLLM; use rollout.name=hf for rows with videos")
     if not placeholders:
         raise ValueError("rollout.name=vllm: a row has images but the model has no vision tower (no vision_config)")
     cut = [t for i, t in enumerate(ids) if not (t in placeholders and i > 0 and ids[i - 1] == t)]
-    if sum(t in placeholders for t in cut) != len(media["images"]):
-        raise ValueError(f"a prompt has {sum(t in placeholders for t in cut)} image placeholders and "
-                         f"{len(media['images'])} images")
-    return TokensPrompt(prompt_token_ids=cut, multi_modal_data={"image": list(media["images"])})
+    found = sum(t in placeholders for t in cut)
+    if found != len(media["images"]):
+        raise ValueError(f"a prompt has {found} image placeholders and {len(media['images'])} images")
+    return {"prompt_token_ids": cut, "multi_modal_data": {"image": list(media["images"])}}
 
 
 def engine_profiler(tool: str, trace_dir: str | None) -> dict:
@@ -340,20 +340,32 @@ def save_weights(state_dict: dict[str, torch.Tensor], folder: str) -> None:
     save_file(tensors, os.path.join(folder, "model.safetensors"))
 
 
-def untied_copy(model_path: str, folder: str) -> str:
+def untied_copy(model_path: str, folder: str, multimodal: bool = False) -> str:
     """The checkpoint at `model_path` with its output head written out and untied, for vLLM to load.
 
     vLLM's in-place reload restores a tied head's old kernel tensors instead of re-tying it (the
     head skips checkpoint weights when tied), so after a weight load the head would keep the
     initial weights. Untied, it loads lm_head.weight like any other weight. Costs one copy of the
-    embedding matrix and, once, a load of the model in this process."""
-    from plait.models import load_causal_lm
-    model = load_causal_lm(model_path)
+    embedding matrix and, once, a load of the model in this process. A `multimodal` model's
+    tokenizer and processor files are copied too: vLLM's image processing reads them."""
+    if multimodal:
+        from transformers import AutoModelForImageTextToText
+        model = AutoModelForImageTextToText.from_pretrained(model_path, dtype=torch.float32)
+    else:
+        from plait.models import load_causal_lm
+        model = load_causal_lm(model_path)
     model.config.tie_word_embeddings = False
+    model.config.get_text_config().tie_word_embeddings = False
     os.makedirs(folder, exist_ok=True)
     model.config.save_pretrained(folder)
     model.generation_config.save_pretrained(folder)
     save_weights(model.state_dict(), folder)
+    if multimodal:
+        weights = ("config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json")
+        for name in os.listdir(model_path):
+            if name not in weights and not name.endswith((".safetensors", ".bin")) and \
+                    os.path.isfile(os.path.join(model_path, name)):
+                shutil.copy(os.path.join(model_path, name), folder)
     return folder
 
 

@@ -8,7 +8,10 @@ an `images` column of `{"bytes": PNG, "path": None}`, one per placeholder.
 - `larger_shape`: a red and a blue square (or disc) of clearly different sizes on white; "red" or
   "blue", whichever is larger. The difference of the red and blue areas is the difference of the
   image's mean red and blue channels, so a tiny model built from a config can pick it up on a CPU.
-- `count_dots`: 1 to 4 black dots of one size on white; the count.
+  Supervised on the first answer token, a Qwen2-VL with a 64-wide text model and one vision block
+  built from a config reached 0.98 validation accuracy in 50 steps of 32 rows (majority answer: 0.58).
+- `count_dots`: 1 to 4 black dots of one size on white; the count. Harder: the same model and
+  training stayed at chance after 150 steps (0.23; majority answer 0.34).
 - `geo3k_synthetic`: a geometry figure (a right triangle, a triangle's angles, a rectangle, a
   circle) with its lengths written on it, and a geometry3k-style question about it ("Find x.");
   data_source `hiyouga/geometry3k`, so verl's geometry3k reward scores it. These are NOT

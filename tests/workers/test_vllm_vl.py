@@ -16,8 +16,11 @@ from plait.data.tasks import make_task_rows
 from plait.workers.rollout_engine import SamplingParams
 
 pytest.importorskip("vllm")
-pytest.importorskip("torchvision", reason="vLLM 0.32's Qwen2-VL imports torchvision: install its CPU build "
-                    "(torchvision==0.28.0+cpu for torch 2.13.0+cpu) beside vLLM", exc_type=ImportError)
+try:
+    import torchvision  # noqa: F401
+except Exception as err:  # noqa: BLE001 - PyPI's CUDA build beside CPU torch raises RuntimeError, not ImportError
+    pytest.skip(f"vLLM 0.32's Qwen2-VL imports torchvision ({type(err).__name__}: {err}); install its CPU build "
+                "(torchvision==0.28.0+cpu for torch 2.13.0+cpu) beside vLLM", allow_module_level=True)
 pytestmark = pytest.mark.vllm
 
 VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]

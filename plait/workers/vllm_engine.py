@@ -28,8 +28,9 @@ from the image (given the expanded run, vLLM expands its first token and keeps t
 vLLM's multimodal processor needs the tokenizer, so the engine starts with it for these models, and
 vLLM 0.32's Qwen2-VL code imports torchvision (on CPU: torchvision's CPU build).
 Left out: tensor parallelism on CPU, an NCCL/IPC weight path (vLLM's `weight_transfer_config`)
-for GPUs, LoRA adapters in the engine, videos, and images in agent loops (`serve`). Agent loops (multi-turn, tools) use `serve`: continuous
-batching of their per-turn requests, with prefix caching reusing earlier turns' KV blocks.
+for GPUs, LoRA adapters in the engine, videos, and images in agent loops. Agent loops (multi-turn,
+tools) use `serve`: continuous batching of their per-turn requests, with prefix caching reusing
+earlier turns' KV blocks.
 """
 
 from __future__ import annotations

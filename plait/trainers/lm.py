@@ -511,9 +511,9 @@ def check_images(cfg: PlaitConfig, agent_loops: bool, *datasets) -> None:
     if not any(it.multi_modal for d in datasets if d is not None for it in d.items):
         return
     name = cfg.actor_rollout_ref.rollout.name
-    if not ENGINES[name].images:
-        raise ConfigError("actor_rollout_ref.rollout.name", name, "does not take images yet; rows with images "
-                          "generate with rollout.name=hf (docs/vlm.md)")
+    why = ENGINES[name].images()
+    if why:
+        raise ConfigError("actor_rollout_ref.rollout.name", name, f"{why} (docs/vlm.md)")
     if agent_loops:
         raise ConfigError("actor_rollout_ref.rollout.multi_turn.enable", True, "agent loops with images are not "
                           "implemented; rows with images run single-turn generation (drop the agent loop keys)")

@@ -71,7 +71,8 @@ class EngineSpec:
     devices_rule: str = "1"                             # the same, said in a config error
     notes: Callable[[Any], list[str]] = lambda cfg: []  # start lines for this run's PlaitConfig
     no_effect: dict[str, str] = field(default_factory=dict)  # rollout keys it does not read -> why
-    images: bool = False  # generate takes multi_modal= (per prompt: images, pixel_values, image_grid_thw)
+    # None: generate takes multi_modal= (per prompt: images, pixel_values, image_grid_thw); else the one-line why not
+    images: Callable[[], Optional[str]] = lambda: "does not take images; rows with images generate with rollout.name=hf"
 
 
 PLAIT_ENGINE = "hf"  # plait's own engine (workers/rollout_engine.py): the rollout's when no node names one
@@ -132,6 +133,17 @@ def _vllm_notes(cfg) -> list[str]:
                                        (torch_cfg.profile_token_start, torch_cfg.profile_token_end))]
 
 
+def _vllm_images() -> Optional[str]:
+    """vLLM's Qwen2-VL code and transformers' Qwen2-VL processor import torchvision; PyPI's torchvision is a
+    CUDA build that does not import beside the CPU torch (docs/rollout.md "Images")."""
+    try:
+        import torchvision  # noqa: F401
+    except Exception as err:  # ImportError, or the CUDA build's RuntimeError beside a CPU torch
+        return (f"takes images only where torchvision imports (here: {type(err).__name__}: "
+                f"{str(err).splitlines()[0] if str(err) else ''}); rows with images generate with rollout.name=hf")
+    return None
+
+
 def _vllm_unavailable() -> Optional[str]:
     return None if _vllm_installed() else (
         f"vllm is not installed here: {VLLM_INSTALL}, or use rollout.name=hf")
@@ -149,9 +161,9 @@ SGLANG_WHY = ("sglang does not run here: its PyPI release (0.5.23) is a CUDA bui
               f"rollout.name=vllm ({VLLM_INSTALL}) or hf (docs/rollout.md)")
 
 ENGINES: dict[str, EngineSpec] = {
-    "hf": EngineSpec(build=_build_hf, unavailable=lambda: None, no_effect=VLLM_ONLY_KEYS, images=True),
+    "hf": EngineSpec(build=_build_hf, unavailable=lambda: None, no_effect=VLLM_ONLY_KEYS, images=lambda: None),
     "vllm": EngineSpec(build=_build_vllm, unavailable=_vllm_unavailable,
                        devices=lambda rollout: rollout.tensor_model_parallel_size,
-                       devices_rule="rollout.tensor_model_parallel_size", notes=_vllm_notes),
+                       devices_rule="rollout.tensor_model_parallel_size", notes=_vllm_notes, images=_vllm_images),
     "sglang": EngineSpec(build=_refused, unavailable=lambda: SGLANG_WHY),
 }

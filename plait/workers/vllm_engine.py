@@ -45,6 +45,7 @@ import time
 import torch
 from transformers import AutoConfig
 
+from plait.models_vl import never_sampled
 from plait.workers.vllm_notes import iteration_bounds
 from plait.workers.rollout_engine import Generation, SamplingParams
 from plait.workers.vllm_noise import quiet_known_warnings
@@ -88,6 +89,9 @@ class VLLMEngine:
         config = AutoConfig.from_pretrained(model_path)
         # a vision-language model: the placeholder tokens whose runs `vllm_prompt` cuts to one
         self.media_tokens = media_tokens(config)
+        # a VL policy never samples its image / video pads (models_vl.never_sampled; the training passes score
+        # over the same reduced vocabulary): bias them out, before vLLM's processed log-probs are taken
+        self.banned = {t: -100.0 for t in never_sampled(config) or []}
         if config.tie_word_embeddings:
             model_path = untied_copy(model_path, os.path.join(self._weights_dir, "model"), bool(self.media_tokens))
         args = dict(model=model_path, dtype=str(dtype).removeprefix("torch."), seed=cfg.seed,
@@ -166,7 +170,7 @@ class VLLMEngine:
         return VLLMParams(max_tokens=params.max_new_tokens, temperature=params.temperature if params.do_sample else 0.0,
                           top_p=params.top_p, top_k=params.top_k if params.top_k > 0 else -1, seed=seed,
                           logprobs=0, stop_token_ids=self.eos_token_ids, ignore_eos=self.ignore_eos,
-                          detokenize=False, output_kind=RequestOutputKind.DELTA)
+                          logit_bias=self.banned or None, detokenize=False, output_kind=RequestOutputKind.DELTA)
 
     def serve(self, admit, deliver, stop, generator: torch.Generator | None = None) -> bool:
         """Continuous batching for agent loops (plait/agents/runner.py): before every engine step the

@@ -254,3 +254,19 @@ def test_rollout_worker_generates_and_resumes_with_images(tmp_path):
             logp, _ = response_logprobs(model, out.input_ids, out.attention_mask, 6, 1.0, False, True,
                                         out.multi_modal_inputs)
         torch.testing.assert_close(logp, out.rollout_logprobs, atol=1e-4, rtol=1e-4)
+
+
+def test_vllm_takes_images_only_where_torchvision_imports():
+    """vLLM's Qwen2-VL code imports torchvision: without an importable one, rows with images are refused at
+    start with the reason and the engine that takes them; the hf engine always takes them."""
+    from plait.workers.engine import ENGINES
+    try:
+        import torchvision  # noqa: F401
+        importable = True
+    except Exception:  # noqa: BLE001 - a CUDA build beside CPU torch raises RuntimeError
+        importable = False
+    why = ENGINES["vllm"].images()
+    assert (why is None) == importable
+    if not importable:
+        assert "torchvision" in why and "rollout.name=hf" in why
+    assert ENGINES["hf"].images() is None

@@ -2,17 +2,18 @@
 that builds that mode's trainer from (config, backend, device, tracker).
 
     driver.build ─▶ MODES[trainer.mode](cfg, backend, device, tracker) ─▶ a Trainer for the lifecycle
-                     sync · one_step_off · fully_async: trainers/lm.build_lm_trainer with the mode's class
+                     sync · one_step_off · fully_async: build_lm_trainer below with the mode's class
                      diffusion: build_diffusion_trainer below (flow model, conditions, image reward)
 
-The language-model modes' model and data resolution (resolve_model, resolve_data) is still in
-plait/trainers/lm.py; the diffusion mode's is here. A new mode is a row here and its name in
-TrainerConfig.mode (plait/config.py).
+Each builder resolves its model and data here: the language-model modes' (resolve_model, load_lm_data,
+then the roles) and the diffusion mode's (flow model, conditions, image reward). A new mode is a row
+here and its name in TrainerConfig.mode (plait/config.py).
 """
 
 from __future__ import annotations
 
 import os
+import sys
 from functools import partial
 from typing import Callable
 
@@ -23,7 +24,17 @@ from plait.data.prompts import load_prompts
 from plait.data.rewards import load_custom_reward
 from plait.trainers.diffusion import Conditions, DiffusionTrainer
 from plait.trainers.fully_async import FullyAsyncTrainer
-from plait.trainers.lm import build_lm_trainer
+from plait.data.dataset import PromptDataset, load_dataset
+from plait.data.rewards import resolve_reward
+from plait.models import load_tokenizer, use_chat_template
+from plait.models_vl import is_vl_dir, load_processor
+from plait.trainers.lm import LMTrainer, Roles, check_images, uses_agent_loops
+from plait.workers.actor import Actor
+from plait.workers.critic import Critic
+from plait.workers.precision import resolve_dtype
+from plait.workers.ref import Ref
+from plait.workers.reward_model import RewardModel
+from plait.workers.rollout import Rollout
 from plait.trainers.one_step_off import OneStepOffTrainer
 from plait.trainers.sync import SyncTrainer
 from plait.workers.diffusers_policy import is_diffusers_policy
@@ -115,6 +126,166 @@ def build_diffusion_trainer(cfg: PlaitConfig, backend, device: str, tracker) -> 
     if d.actor.kl_loss_coef > 0 and not d.lora.enable:
         ref = backend.spawn("ref", DiffusionRef, model_path, device=device, pipeline=d.pipeline)
     return DiffusionTrainer(cfg, actor, ref, reward_name, reward_fn, train_conds, val_conds, backend.profile_targets())
+
+
+# -- the language-model modes ----------------------------------------------------------------
+
+
+def resolve_model(cfg: PlaitConfig) -> str:
+    """The policy's starting weights, with `model.override_config` set over their config (models.config_overlay)."""
+    from plait.models import config_overlay
+    path, overrides = base_model(cfg), cfg.actor_rollout_ref.model.override_config
+    if not overrides:
+        return path
+    folder = config_overlay(path, overrides, os.path.join(cfg.output_dir, "model_override"))
+    print(f"plait: actor_rollout_ref.model.override_config {overrides} set over {path}'s config: {folder}", file=sys.stderr)
+    return folder
+
+
+def base_model(cfg: PlaitConfig) -> str:
+    """The policy's starting weights, then `warmstart.steps` of supervised training on the task's tool
+    transcripts when asked (plait/agents/warmstart.py; cached)."""
+    path, ws = start_model(cfg), cfg.warmstart
+    if ws.steps == 0:
+        return path
+    from plait.agents.warmstart import transcript_warmstart
+    print(f"plait: warmstart.steps={ws.steps}: supervised steps on {cfg.data.task}'s calculator transcripts "
+          f"(loss on assistant tokens only) before RL", file=sys.stderr)
+    return transcript_warmstart(path, cfg.data.task, os.path.join(cfg.output_dir, "warmstart"), steps=ws.steps,
+                                batch_size=ws.batch_size, lr=ws.lr, seed=cfg.trainer.seed)
+
+
+def start_model(cfg: PlaitConfig) -> str:
+    """The user's directory, a built-in model (built once, cached), or the demo model warm-started
+    once and cached."""
+    from plait.data.warmstart import sft_warmstart
+    from plait.models import builtin_model, create_tiny_model
+    path = cfg.actor_rollout_ref.model.path
+    builtin = builtin_model(path)
+    if builtin is not None:
+        folder = builtin.build()
+        print(f"plait: actor_rollout_ref.model.path={path}: {folder}", file=sys.stderr)
+        return folder
+    if path is not None:
+        return path  # checked by driver.preflight
+    demo = cfg.demo
+    cache = os.path.join(cfg.output_dir, "demo_model")
+    base = create_tiny_model(os.path.join(cache, f"init_{demo.model_size}"), size=demo.model_size, seed=cfg.trainer.seed)
+    if demo.warmstart_steps == 0:
+        return base
+    return sft_warmstart(base, cfg.data.task, os.path.join(cache, "warmstart"), steps=demo.warmstart_steps,
+                         batch_size=demo.warmstart_batch_size, lr=demo.warmstart_lr, seed=cfg.trainer.seed)
+
+
+def check_vocabulary(model_path: str, tokenizer) -> None:
+    """A tokenizer with more tokens than the model's embedding would index past it in the first step."""
+    from transformers import AutoConfig
+    vocab = AutoConfig.from_pretrained(model_path, local_files_only=True).get_text_config().vocab_size
+    if vocab is not None and len(tokenizer) > vocab:
+        raise ConfigError("actor_rollout_ref.model.path", model_path,
+                          f"the model's vocabulary has {vocab} tokens but its tokenizer has {len(tokenizer)}: ids "
+                          f"from {vocab} on have no embedding; use the tokenizer the model was trained with")
+
+
+def resolve_data(cfg: PlaitConfig) -> tuple[list[str], list[str] | None]:
+    from plait.data.tasks import write_task_files
+    d = cfg.data
+    if d.train_files is not None:
+        return d.train_files, d.val_files
+    train, val = write_task_files(d.task, os.path.join(cfg.output_dir, "data"), d.train_size, d.val_size, d.seed)
+    return [train], [val]
+
+
+def build_lm_trainer(cfg: PlaitConfig, backend, device: str, tracker, mode: type[LMTrainer]) -> LMTrainer:
+    """Model, data, reward and the four language-model roles, handed to the trainer `mode` (a row of MODES).
+    In order: the model's folder, its tokenizer and the data (both checked before any model loads), the
+    schedule's length, then the roles."""
+    reward_fn = resolve_reward(cfg.reward, cfg.data.max_response_length)
+    model_path = resolve_model(cfg)
+    tokenizer = load_lm_tokenizer(cfg, model_path)
+    train_data, val_data = load_lm_data(cfg, model_path, tokenizer)
+    agent_loops = uses_agent_loops(cfg, train_data, val_data)  # unknown agent names: a config error, before any model
+    check_images(cfg, agent_loops, train_data, val_data)
+    resolve_schedule(cfg, len(train_data))
+    roles = spawn_lm_roles(cfg, backend, device, model_path, tokenizer, agent_loops)
+    return mode(cfg, roles, tokenizer, train_data, val_data, reward_fn, backend.profile_targets(), tracker)
+
+
+def load_lm_tokenizer(cfg: PlaitConfig, model_path: str):
+    """The model folder's tokenizer, checked against the model's vocabulary, with model.custom_chat_template."""
+    try:
+        tokenizer = load_tokenizer(model_path)
+    except (OSError, ValueError) as err:  # the files exist (preflight) but do not load
+        raise ConfigError("actor_rollout_ref.model.path", model_path,
+                          f"its tokenizer does not load ({type(err).__name__}: {str(err).splitlines()[0]})") from None
+    check_vocabulary(model_path, tokenizer)
+    use_chat_template(tokenizer, cfg.actor_rollout_ref.model.custom_chat_template)
+    return tokenizer
+
+
+def load_lm_data(cfg: PlaitConfig, model_path: str, tokenizer) -> tuple[PromptDataset, PromptDataset | None]:
+    """The training and validation prompts, tokenized (with a VL model's processor for rows with images)."""
+    train_files, val_files = resolve_data(cfg)
+    d = cfg.data
+    options = dict(prompt_key=d.prompt_key, max_prompt_length=d.max_prompt_length, truncation=d.truncation,
+                   filter_overlong_prompts=d.filter_overlong_prompts, return_raw_chat=d.return_raw_chat,
+                   reward_fn_key=d.reward_fn_key, chat_template_kwargs=d.apply_chat_template_kwargs,
+                   media_keys={"data.image_key": d.image_key, "data.video_key": d.video_key, "data.audio_key": d.audio_key},
+                   processor=load_processor(model_path, tokenizer) if is_vl_dir(model_path) else None,
+                   image_patch_size=d.image_patch_size)
+    train_data = load_dataset("data.train_files", train_files, tokenizer, **options)
+    val_data = load_dataset("data.val_files", val_files, tokenizer, **options) if val_files else None
+    if d.filter_overlong_prompts:
+        print(f"plait: data.filter_overlong_prompts dropped {train_data.filtered} training and "
+              f"{val_data.filtered if val_data else 0} validation prompts longer than "
+              f"max_prompt_length={d.max_prompt_length}", file=sys.stderr)
+    if len(train_data) < d.train_batch_size:  # before any model loads
+        raise ConfigError("data.train_batch_size", d.train_batch_size,
+                          f"larger than the training set ({len(train_data)} prompts in {', '.join(map(str, train_files))}); "
+                          "lower it or add prompts")
+    return train_data, val_data
+
+
+def resolve_schedule(cfg: PlaitConfig, n_train: int) -> None:
+    """As verl: an optimizer's lr schedule spans the trainer's steps unless its total_training_steps is set."""
+    for optim in (cfg.actor_rollout_ref.actor.optim, cfg.critic.optim):
+        if optim.total_training_steps == -1:
+            optim.total_training_steps = cfg.total_steps(n_train // cfg.data.train_batch_size)
+
+
+def spawn_lm_roles(cfg: PlaitConfig, backend, device: str, model_path: str, tokenizer, agent_loops: bool) -> Roles:
+    """The actor, rollout, ref, critic and reward model, each spawned on the backend (None where not used)."""
+    arr = cfg.actor_rollout_ref
+    dtype = resolve_dtype("actor_rollout_ref.model.dtype", arr.model.dtype, device)
+    rollout_dtype = dtype if arr.rollout.dtype == arr.model.dtype else resolve_dtype(
+        "actor_rollout_ref.rollout.dtype", arr.rollout.dtype, device)
+    temp, n = arr.rollout.temperature or 1.0, arr.rollout.n
+    model, critic, rm = arr.model, cfg.critic, cfg.reward.reward_model
+    lora = model.lora_rank > 0  # the actor's base model with adapters off is the reference: no Ref role
+    budget = lambda dynamic, tokens: tokens if dynamic else None  # noqa: E731  use_dynamic_bsz: a token budget
+    return Roles(
+        actor=backend.spawn("actor", Actor, model_path, arr.actor, n, temp, device=device, dtype=dtype, seed=cfg.trainer.seed,
+                            remove_padding=model.use_remove_padding,
+                            max_token_len=budget(arr.actor.use_dynamic_bsz, arr.actor.ppo_max_token_len_per_gpu),
+                            gradient_checkpointing=model.enable_gradient_checkpointing, model_cfg=model),
+        rollout=backend.spawn("rollout", Rollout, model_path, cfg.data.max_response_length, tokenizer, device=device,
+                              dtype=rollout_dtype, ignore_eos=arr.rollout.ignore_eos, cfg=arr.rollout,
+                              colocated=cfg.trainer.placement == "colocated",
+                              agent_cfg=cfg if agent_loops else None),
+        ref=backend.spawn("ref", Ref, model_path, arr.ref, temp, device=device, dtype=dtype,
+                          remove_padding=model.use_remove_padding,
+                          max_token_len=budget(arr.ref.log_prob_use_dynamic_bsz, arr.ref.log_prob_max_token_len_per_gpu))
+        if cfg.uses_ref and not lora else None,
+        critic=(backend.spawn("critic", Critic, critic.model.path or model_path, critic, n, device=device, dtype=dtype,
+                              remove_padding=critic.model.use_remove_padding,
+                              max_token_len=budget(critic.use_dynamic_bsz, critic.ppo_max_token_len_per_gpu),
+                              forward_max_token_len=budget(critic.use_dynamic_bsz, critic.forward_max_token_len_per_gpu),
+                              gradient_checkpointing=critic.model.enable_gradient_checkpointing)
+                if critic.enable else None),
+        reward_model=(backend.spawn("reward_model", RewardModel, rm.model_path, tokenizer, micro_batch_size=rm.micro_batch_size_per_gpu,
+                                    max_length=rm.max_length, input_tokenizer=rm.input_tokenizer, device=device, dtype=dtype,
+                                    strategy=arr.actor.strategy, fsdp_config=arr.actor.fsdp_config)
+                      if rm.enable else None))
 
 
 MODES = {

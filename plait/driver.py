@@ -88,7 +88,7 @@ def check_model_path(cfg: PlaitConfig) -> None:
     model, rm = cfg.actor_rollout_ref.model, cfg.reward.reward_model
     builtin = builtin_model(model.path)
     checks = []
-    if builtin is not None:  # built on first use (trainers/lm.py); here only what it needs is checked
+    if builtin is not None:  # built on first use (plait/build.py); here only what it needs is checked
         checks.append(lambda: builtin.check("actor_rollout_ref.model.path", model.path))
     elif model.path is not None and cfg.trainer.mode != "diffusion":
         checks.append(lambda: check_model_dir("actor_rollout_ref.model.path", model.path))

@@ -12,7 +12,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from plait import driver
 from plait.cli import main
-from plait.trainers.lm import prompt_batch, resolve_model
+from plait.build import resolve_model
+from plait.trainers.lm import prompt_batch
 from plait.workers.actor import Actor, response_forward
 from plait.workers.packing import MicroBatching
 from plait.workers.rollout import Rollout

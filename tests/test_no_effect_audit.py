@@ -189,7 +189,7 @@ def test_a_row_with_media_is_refused_in_one_line(tmp_path, column):
 def test_override_config_is_set_over_the_checkpoints_config(tmp_path):
     # verl's actor_rollout_ref.model.override_config: every role loads the model with the keys set over config.json
     from plait.models import create_tiny_model, load_causal_lm
-    from plait.trainers.lm import resolve_model
+    from plait.build import resolve_model
     base = create_tiny_model(tmp_path / "m", size="xs")
     cfg = load_config(None, [f"actor_rollout_ref.model.path={base}", f"trainer.default_local_dir={tmp_path}/out",
                              "+actor_rollout_ref.model.override_config.attention_dropout=0.25",

@@ -66,9 +66,10 @@ class DataConfig:
     shuffle: bool = True
     seed: Optional[int] = None                # null: trainer.seed
     apply_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # passed to the chat template
-    image_key: str = "images"                 # verl's multimodal columns: a row holding any is refused (text-only
-    video_key: str = "videos"                 # trainers; the images would otherwise be dropped without a word)
-    audio_key: str = "audios"
+    image_key: str = "images"                 # a row's images (Qwen2-VL / Qwen2.5-VL policies; a text model refuses them)
+    video_key: str = "videos"                 # verl's video and audio columns: a row holding any is refused
+    audio_key: str = "audios"                 #   (training would drop them without a word)
+    image_patch_size: int = 14                # images are resized to multiples of 2 x this (verl's process_image)
 
     def __post_init__(self):
         # 0 is verl's fully-async setting (the rollouter streams); PlaitConfig checks the mode and sizes it
@@ -232,6 +233,7 @@ class ActorConfig:
     strategy: str = "fsdp"                    # fsdp2: FSDP2 with >1 rank on any device; fsdp: FSDP2 on CUDA, whole replicas on CPU
     fsdp_config: FsdpConfig = field(default_factory=FsdpConfig)
     ppo_mini_batch_size: int = 256            # prompts per optimizer step (x rollout.n samples)
+    freeze_vision_tower: bool = False         # a VL policy's vision encoder stays as loaded (not trained)
     ppo_micro_batch_size_per_gpu: Optional[int] = None  # samples per forward/backward; null: the whole mini-batch
     use_dynamic_bsz: bool = False
     ppo_max_token_len_per_gpu: int = 16384

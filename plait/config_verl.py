@@ -192,9 +192,7 @@ _GROUPS = {
         actor_rollout_ref.ref.fsdp_config.turbo_config
         critic.fsdp
     """,
-    ("multimodal (image/video) inputs: plait's LM trainers take text prompts"): """
-        actor_rollout_ref.actor.freeze_vision_tower
-        data.image_patch_size
+    ("multimodal plumbing: plait always passes a VL model's processor outputs to every forward"): """
         data.return_multi_modal_inputs
     """,
     ("profiler options plait takes from global_profiler for every role (tool, save_path, the finish "
@@ -392,8 +390,8 @@ _GROUPS = {
         actor_rollout_ref.rollout.checkpoint_engine.custom_backend_module
         data.function_tool_path
     """,
-    ("verl 0.9 multimodal inputs (audio, processor arguments, images per prompt): plait's LM trainers take "
-     "text prompts"): """
+    ("verl 0.9 multimodal inputs (audio, processor arguments, images per prompt): plait takes images with "
+     "the processor's saved settings"): """
         data.mm_processor_kwargs
         actor_rollout_ref.actor.num_images_in_input
     """,
@@ -467,6 +465,9 @@ _DEFAULT_ONLY = {
     "dataset, sampler or data generator class (plait reads the rows of data.train_files in its own order)": ((None,), """
         data.custom_cls.path data.custom_cls.name data.sampler.class_path data.sampler.class_name
         data.datagen.path data.datagen.name"""),
+    "image processing (plait resizes each image by its own min_pixels / max_pixels and the processor's saved "
+    "settings)": ((None, {}), """
+        data.mm_processor_kwargs"""),
     "rows kept (plait trains and validates on every row)": ((None, -1), """
         data.train_max_samples data.val_max_samples"""),
     "adapters (plait's LoRA is actor_rollout_ref.model.lora_rank on the actor only)": ((None, 0, [], "none"), """

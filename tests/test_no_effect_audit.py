@@ -19,8 +19,8 @@ CLASSES = [
     # owned by the agent-loop issue (issue 28), which implements them: refused or implemented there
     ("agent loop", "agent-loop", r"rollout\.(multi_turn|agent)\.|^data\.(tool_config_path|function_tool_path)$"),
     ("semantic switch, refused when set away from verl's default", "refused", None),  # SEMANTIC / ENABLES / recipes
-    ("multimodal options, inert: rows with images, videos or audio are refused (data.image_key)", "inert",
-     r"freeze_vision_tower|image_patch_size|return_multi_modal_inputs|mm_processor_kwargs|num_images_in_input"),
+    ("multimodal options, inert: images take the processor's saved settings; videos and audio are refused",
+     "inert", r"return_multi_modal_inputs|mm_processor_kwargs|num_images_in_input"),
     ("options read only when a refused switch is on", "inert",
      r"^algorithm\.pf_ppo\.|critic\.model\.(lora_alpha|target_modules|exclude_modules)$|\.(qat|lora)$|"
      r"router_replay\.(record|replay)_file$|^(distillation|transfer_queue|skip|trainer\.v1)$|\.mtp$|"
@@ -113,7 +113,7 @@ ON = {
     "actor_rollout_ref.actor.router_replay.mode": "R3", "actor_rollout_ref.ref.router_replay.mode": "R2",
     "actor_rollout_ref.rollout.enable_rollout_routing_replay": True, "actor_rollout_ref.rollout.skip_rollout": True, "actor_rollout_ref.rollout.logprobs_mode": "raw_logprobs",
     "reward.sandbox_fusion.url": "http://sandbox",
-    "trainer.val_only": True,
+    "trainer.val_only": True, "data.mm_processor_kwargs": "{max_pixels: 3136}",
 }
 
 
@@ -144,7 +144,8 @@ COLUMNS = {
     "reward_model": "read: ground_truth, the reward's answer; style is verl's label for it, read by no verl scorer",
     "extra_info": "read: handed to the reward function; index names the row",
     "ability": "machinery: a label no verl scorer reads",
-    "images": "refused (data.image_key): text-only trainers", "videos": "refused (data.video_key)",
+    "images": "refused (data.image_key) with a text model; read with Qwen2-VL / Qwen2.5-VL (docs/vlm.md)",
+    "videos": "refused (data.video_key)",
     "audios": "refused (data.audio_key)",
     # owned by the agent loop (issue 28), which implements them: the agent_name column and the tool and
     # interaction arguments verl's multi-turn rows carry in extra_info
@@ -176,7 +177,8 @@ def test_a_row_with_media_is_refused_in_one_line(tmp_path, column):
     with pytest.raises(ConfigError) as err:
         load_dataset("data.train_files", [str(path)], tokenizer, media_keys=keys)
     message = str(err.value)
-    assert "\n" not in message and "row 1" in message and repr(column) in message and "text-only" in message
+    assert "\n" not in message and "row 1" in message and repr(column) in message
+    assert "training would drop them" in message
     rows[1][column] = []  # an empty column is a text row
     path.write_text("\n".join(json.dumps(r) for r in rows))
     assert len(load_dataset("data.train_files", [str(path)], tokenizer, media_keys=keys)) == 2

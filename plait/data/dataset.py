@@ -4,9 +4,11 @@ Rows follow verl's format (see tasks.py); `prompt` is a list of chat messages (r
 tokenizer's chat template) or a plain string (used as is). Every prompt is tokenized when the
 dataset is built, so a prompt that is too long fails (or is truncated, or filtered out, as
 `data.truncation` and `data.filter_overlong_prompts` say) before training starts. Batches drop
-the incomplete last one, as verl does. Left out: multimodal inputs (a row
-holding images, videos or audio is refused), tool schemas, streaming datasets
-too large for memory, and padding (the rollout pads).
+the incomplete last one, as verl does. With a vision-language model's processor, a row's images
+(`data.image_key`) fill the `<image>` placeholders of its messages (verl's format, see
+`image_messages`); each is decoded and resized once here and travels with the prompt. Left out:
+videos and audio (refused; with a text model images are refused too), tool schemas, streaming
+datasets too large for memory, and padding (the rollout pads).
 """
 
 from __future__ import annotations
@@ -14,8 +16,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
+import re
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
@@ -102,7 +105,7 @@ def load_dataset(key: str, paths: Sequence[str], tokenizer: PreTrainedTokenizerB
             rows = read_rows(path)
             if not rows:
                 raise ValueError("the file holds no rows")
-            part = PromptDataset(rows, tokenizer, first_index=len(items) + filtered, **options)
+            part = PromptDataset(rows, tokenizer, first_index=len(items) + filtered, folder=Path(path).parent, **options)
             items, filtered = items + part.items, filtered + part.filtered
             shortest.append(part.shortest)
         except (KeyError, ValueError) as err:
@@ -126,6 +129,7 @@ class PromptItem:
     extra_info: dict   # the row's, plus "raw_prompt" (its messages) with return_raw_chat
     index: int
     agent_name: Optional[str] = None  # the row's agent_name column: the agent loop it runs (plait/agents)
+    multi_modal: dict = field(default_factory=dict)  # {"images": [PIL RGB]} of a row with images; {}: text only
 
 
 TRUNCATIONS = ("error", "left", "right", "middle")
@@ -151,13 +155,21 @@ class PromptDataset:
                  prompt_key: str = "prompt", max_prompt_length: int = 512,
                  truncation: str = "error", filter_overlong_prompts: bool = False,
                  return_raw_chat: bool = False, reward_fn_key: str = "data_source", first_index: int = 0,
-                 media_keys: dict[str, str] | None = None, chat_template_kwargs: dict | None = None):
+                 media_keys: dict[str, str] | None = None, chat_template_kwargs: dict | None = None,
+                 processor=None, image_patch_size: int = 14, folder: Path | None = None):
+        """`processor` (plait/models_vl.VLProcessor): a vision-language model's; rows' images then go with their
+        prompts. None: a text model, and a row holding media is refused."""
         check(max_prompt_length > 0, "max_prompt_length", max_prompt_length, "a positive integer")
         check(truncation in TRUNCATIONS, "truncation", truncation, f"one of {', '.join(TRUNCATIONS)}")
+        media_keys = dict(media_keys or {})
+        image_column = media_keys.pop("data.image_key", "images") if processor is not None else None
         for i, row in enumerate(rows):
-            check_text_only(first_index + i, row, media_keys or {})
+            check_text_only(first_index + i, row, media_keys)
         items = [self._item(i, row, tokenizer, prompt_key, return_raw_chat, reward_fn_key, first_index,
                             chat_template_kwargs or {}) for i, row in enumerate(rows)]
+        if image_column is not None:
+            items = [self._with_images(it, i, row, image_column, prompt_key, processor, image_patch_size, folder,
+                                       chat_template_kwargs or {}) for i, (it, row) in enumerate(zip(items, rows))]
         self.shortest = min((len(it.prompt_ids) for it in items), default=0)  # tokens; names the limit when all are dropped
         if filter_overlong_prompts:
             kept = [it for it in items if len(it.prompt_ids) <= max_prompt_length]
@@ -209,9 +221,43 @@ class PromptDataset:
                           agent_name=row.get("agent_name"))
 
     @staticmethod
+    def _with_images(item: PromptItem, i: int, row: dict, column: str, prompt_key: str, processor,
+                     patch_size: int, folder: Path | None, chat_template_kwargs: dict) -> PromptItem:
+        """`item` with the row's images: placed at its `<image>` placeholders, decoded, resized, their tokens
+        in the prompt (the processor expands each image's pad token to the image's token count)."""
+        from plait.models_vl import fetch_image  # here: models_vl imports torch (seconds), text-only runs never need it
+        entries = row.get(column)
+        if entries in (None, [], ""):
+            return item
+        if not isinstance(entries, (list, tuple)):
+            raise ValueError(f"row {i}: column {column!r} (data.image_key) holds {type(entries).__name__}; "
+                             "expected a list of images")
+        prompt = row[prompt_key]
+        if isinstance(prompt, str):
+            raise ValueError(f"row {i}: '{prompt_key}' is a plain string and the row has images; images go in "
+                             "chat messages at <image> placeholders")
+        images = []
+        for j, entry in enumerate(entries):
+            try:
+                images.append(fetch_image(entry, patch_size, folder))
+            except ValueError as err:
+                raise ValueError(f"row {i}: image {j}: {err}") from None
+        text = processor.apply_chat_template(image_messages(i, prompt, len(images)), add_generation_prompt=True,
+                                             **chat_template_kwargs)
+        try:
+            ids = processor.tokens(text, processor.images(images))
+        except ValueError as err:
+            raise ValueError(f"row {i}: {err}") from None
+        return dataclasses.replace(item, prompt_ids=ids, prompt_text=text, multi_modal={"images": images})
+
+    @staticmethod
     def _fit(item: PromptItem, max_len: int, truncation: str) -> PromptItem:
         if len(item.prompt_ids) <= max_len:
             return item
+        if item.multi_modal and truncation != "error":  # a cut would split an image's tokens from its pixels
+            raise ValueError(f"row {item.index}: prompt with images is {len(item.prompt_ids)} tokens, longer than "
+                             f"max_prompt_length={max_len}, and is not truncated; set data.max_prompt_length="
+                             f"{len(item.prompt_ids)} or data.filter_overlong_prompts=true")
         if truncation == "error":
             raise ValueError(f"row {item.index}: prompt is {len(item.prompt_ids)} tokens, longer than "
                              f"max_prompt_length={max_len}; set data.max_prompt_length={len(item.prompt_ids)} or "
@@ -220,14 +266,34 @@ class PromptDataset:
 
 
 def check_text_only(i: int, row: dict, media_keys: dict[str, str]) -> None:
-    """Row `i` holds no images, videos or audio in the columns `media_keys` names ({config key: column}):
-    plait's LM trainers are text-only, and training on the text alone would drop them without a word."""
+    """Row `i` holds no media in the columns `media_keys` names ({config key: column}): training on the text
+    alone would drop them without a word. Images need a vision-language model (Qwen2-VL, Qwen2.5-VL); videos
+    and audio are not implemented for any model."""
     for key, column in media_keys.items():
         value = row.get(column)
         if value not in (None, [], {}, ""):
-            raise ValueError(f"row {i}: column {column!r} ({key}) holds {type(value).__name__} media; plait trains "
-                             "text-only models (vision-language RL is not implemented), so training would drop them: "
-                             "remove the column's values or the rows")
+            needs = ("a vision-language model (Qwen2-VL or Qwen2.5-VL) and actor_rollout_ref.model.path is a text "
+                     "model" if key == "data.image_key" else "what plait does not implement (it trains on text and "
+                     "images)")
+            raise ValueError(f"row {i}: column {column!r} ({key}) holds {type(value).__name__} media, which needs "
+                             f"{needs}; training would drop them: remove the column's values or the rows")
+
+
+def image_messages(i: int, prompt: list, count: int) -> list[dict]:
+    """Row `i`'s messages with each `<image>` placeholder of a string content turned into an image content part
+    and the text around it into text parts (verl's RLHFDataset); the placeholders must number `count`."""
+    out, seen = [], 0
+    for message in prompt:
+        content = message["content"]
+        if isinstance(content, str):
+            parts = [p for p in re.split("(<image>)", content) if p]
+            seen += parts.count("<image>")
+            content = [{"type": "image"} if p == "<image>" else {"type": "text", "text": p} for p in parts]
+        out.append({**message, "content": content})
+    if seen != count:
+        raise ValueError(f"row {i}: the prompt has {seen} <image> placeholders and the row {count} images; "
+                         "they must match")
+    return out
 
 
 def not_text(value: Any) -> str | None:

@@ -224,7 +224,20 @@ def resolve_conditions(cfg: PlaitConfig, model_path: str) -> tuple[Conditions, C
         val = load_prompts(data.val_files, data.prompt_key) if data.val_files else train[:data.val_size]
     except ValueError as err:
         raise ConfigError("data.train_files", data.train_files, str(err)) from None
+    media = (data.image_key, data.video_key, data.audio_key)
+    refuse_media("data.train_files", data.train_files, train, media)
+    refuse_media("data.val_files" if data.val_files else "data.train_files", data.val_files or data.train_files, val, media)
     return train, val
+
+
+def refuse_media(key: str, files, rows: list, columns: tuple[str, ...]) -> None:
+    """A prompt row holding images, videos or audio is a ConfigError: a text-to-image pipeline generates from
+    the prompt alone and would drop them without a word."""
+    for i, row in enumerate(rows):
+        held = [c for c in columns if row.metadata.get(c) not in (None, [], {}, "")]
+        if held:
+            raise ConfigError(key, files, f"prompt row {i}: column {held[0]!r} holds media; trainer.mode=diffusion "
+                              "generates from the text prompt alone and would drop it: remove the column's values")
 
 
 def resolve_image_reward(cfg: PlaitConfig, prompted: bool) -> tuple[str, Callable]:

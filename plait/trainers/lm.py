@@ -24,6 +24,7 @@ import json
 import math
 import os
 import random
+import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -45,6 +46,7 @@ from plait.trainers.lifecycle import StageTimer, StepResult
 from plait.types import PromptBatch, RolloutBatch
 from plait.workers.actor import Actor
 from plait.workers.critic import Critic
+from plait.workers.engine import ENGINES
 from plait.workers.packing import seqlen_metrics
 from plait.workers.precision import resolve_dtype
 from plait.workers.ref import Ref
@@ -199,6 +201,7 @@ class LMTrainer:
         self.roles.actor.call(Actor.save_checkpoint, os.path.join(path, "actor"))
         hf = os.path.join(path, "actor", HF_DIR)
         self.tokenizer.save_pretrained(hf)
+        save_image_processor(self.cfg.actor_rollout_ref.model.path, hf)  # a VL policy's: the export loads as one
         if "hf_model" in self.cfg.actor_rollout_ref.actor.checkpoint.save_contents:  # verl's: the policy, ready to serve
             export_checkpoint(path, hf)
         if self.roles.critic is not None:
@@ -257,7 +260,9 @@ class LMTrainer:
         prompts = PromptBatch(prompt_ids=[batch.prompts[i][batch.prompt_mask[i].bool()].tolist() for i in rows],
                               data_sources=[batch.data_sources[i] for i in rows],
                               ground_truths=[batch.ground_truths[i] for i in rows],
-                              extra_infos=[batch.extra_infos[i] for i in rows], indices=list(first))
+                              extra_infos=[batch.extra_infos[i] for i in rows], indices=list(first),
+                              multi_modal=[] if batch.multi_modal_inputs is None else
+                              [batch.multi_modal_inputs[i] for i in rows])
         greedy = self.roles.rollout.call(Rollout.generate, prompts, SamplingConfig(n=1, do_sample=False),
                                          self.cfg.trainer.seed)
         scores, _ = self.score(greedy)
@@ -483,6 +488,26 @@ def merge_results(results: list[StepResult]) -> StepResult:
                       response_tokens=sum(r.response_tokens for r in results))
 
 
+def save_image_processor(model_path: str | None, out: str) -> None:
+    """Copy the model folder's image processor config (a VL model's preprocessor_config.json) into `out`."""
+    source = os.path.join(model_path or "", "preprocessor_config.json")
+    if model_path and os.path.isfile(source):
+        shutil.copy2(source, os.path.join(out, "preprocessor_config.json"))
+
+
+def check_images(cfg: PlaitConfig, agent_loops: bool, *datasets) -> None:
+    """Rows with images need an engine that takes them and single-turn generation: a ConfigError otherwise."""
+    if not any(it.multi_modal for d in datasets if d is not None for it in d.items):
+        return
+    name = cfg.actor_rollout_ref.rollout.name
+    if not ENGINES[name].images:
+        raise ConfigError("actor_rollout_ref.rollout.name", name, "does not take images yet; rows with images "
+                          "generate with rollout.name=hf (docs/vlm.md)")
+    if agent_loops:
+        raise ConfigError("actor_rollout_ref.rollout.multi_turn.enable", True, "agent loops with images are not "
+                          "implemented; rows with images run single-turn generation (drop the agent loop keys)")
+
+
 def uses_agent_loops(cfg: PlaitConfig, *datasets) -> bool:
     """Rows run agent loops (plait/agents) when the rollout.multi_turn / rollout.agent keys ask for them or
     a row names its loop in an agent_name column; otherwise plain generation (single_turn_agent's result)."""
@@ -540,9 +565,11 @@ def agent_metrics(batch: RolloutBatch) -> dict[str, float]:
 
 
 def prompt_batch(items) -> PromptBatch:
+    media = [it.multi_modal for it in items]
     return PromptBatch(prompt_ids=[it.prompt_ids for it in items], data_sources=[it.data_source for it in items],
                        ground_truths=[it.ground_truth for it in items], extra_infos=[it.extra_info for it in items],
-                       indices=[it.index for it in items], agent_names=[it.agent_name for it in items])
+                       indices=[it.index for it in items], agent_names=[it.agent_name for it in items],
+                       multi_modal=media if any(media) else [])
 
 
 def last_token_scores(scores: list[float], response_mask: torch.Tensor) -> torch.Tensor:
@@ -685,6 +712,7 @@ def build_lm_trainer(cfg: PlaitConfig, backend, device: str, mode: type[LMTraine
     """Model, data, reward and the four language-model roles, handed to the trainer `mode` (the driver's pick)."""
     from plait.data.dataset import load_dataset
     from plait.models import load_tokenizer
+    from plait.models_vl import is_vl_dir, load_processor
     from plait.workers.actor import Actor
     from plait.workers.critic import Critic
     from plait.workers.ref import Ref
@@ -706,8 +734,10 @@ def build_lm_trainer(cfg: PlaitConfig, backend, device: str, mode: type[LMTraine
     d = cfg.data
     options = dict(prompt_key=d.prompt_key, max_prompt_length=d.max_prompt_length, truncation=d.truncation,
                    filter_overlong_prompts=d.filter_overlong_prompts, return_raw_chat=d.return_raw_chat,
-                   reward_fn_key=d.reward_fn_key, chat_template_kwargs=d.apply_chat_template_kwargs, media_keys={"data.image_key": d.image_key,
-                                                              "data.video_key": d.video_key, "data.audio_key": d.audio_key})
+                   reward_fn_key=d.reward_fn_key, chat_template_kwargs=d.apply_chat_template_kwargs,
+                   media_keys={"data.image_key": d.image_key, "data.video_key": d.video_key, "data.audio_key": d.audio_key},
+                   processor=load_processor(model_path) if is_vl_dir(model_path) else None,
+                   image_patch_size=d.image_patch_size)
     train_data = load_dataset("data.train_files", train_files, tokenizer, **options)
     val_data = load_dataset("data.val_files", val_files, tokenizer, **options) if val_files else None
     if d.filter_overlong_prompts:
@@ -719,6 +749,7 @@ def build_lm_trainer(cfg: PlaitConfig, backend, device: str, mode: type[LMTraine
                           f"larger than the training set ({len(train_data)} prompts in {', '.join(map(str, train_files))}); "
                           "lower it or add prompts")
     agent_loops = uses_agent_loops(cfg, train_data, val_data)  # unknown agent names: a config error, before any model
+    check_images(cfg, agent_loops, train_data, val_data)
     for optim in (arr.actor.optim, cfg.critic.optim):  # as verl: the lr schedule spans the trainer's steps
         if optim.total_training_steps == -1:
             optim.total_training_steps = cfg.total_steps(len(train_data) // cfg.data.train_batch_size)

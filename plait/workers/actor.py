@@ -27,8 +27,10 @@ from plait.algorithms.kl import kl_estimate
 from plait.algorithms.losses import PolicyLossKnobs, agg_loss, gpg_loss, policy_loss
 from plait.algorithms.rollout_correction import rollout_correction
 from plait.config import ActorConfig, ModelConfig, OptimConfig, RolloutCorrectionConfig
+from plait.configtree import ConfigError
 from plait.export import HF_DIR
 from plait.models import add_lora, enable_activation_checkpointing, load_causal_lm, merged_state_dict
+from plait.models_vl import is_vl
 from plait.safeload import load_tensors
 from plait.types import RolloutBatch
 from plait.workers.flops import ModelFlops
@@ -55,7 +57,7 @@ def response_forward(model, batch: RolloutBatch, temperature: float, layout: Mic
         with torch.set_grad_enabled(grad):
             logp[rows], micro_ent, micro_sq = response_stats(
                 model, micro.input_ids.to(device), micro.attention_mask.to(device), micro.responses.shape[1],
-                temperature, with_entropy, with_sum_pi_squared, layout.remove_padding)
+                temperature, with_entropy, with_sum_pi_squared, layout.remove_padding, micro.multi_modal_inputs)
         if with_entropy:
             ent[rows] = micro_ent
         if with_sum_pi_squared:
@@ -67,7 +69,15 @@ def micro_forward(model, micro: RolloutBatch, temperature: float, with_entropy: 
     """Log-probs (and entropy) [micro, resp_len], 0 at padding; packed: only the real tokens go through the model."""
     device = next(model.parameters()).device
     return response_logprobs(model, micro.input_ids.to(device), micro.attention_mask.to(device),
-                             micro.responses.shape[1], temperature, with_entropy, remove_padding)
+                             micro.responses.shape[1], temperature, with_entropy, remove_padding, micro.multi_modal_inputs)
+
+
+def freeze_vision_tower(model) -> None:
+    """Stop a VL model's vision encoder (model.model.visual) from training; a text model is a ConfigError."""
+    if not is_vl(model.config):
+        raise ConfigError("actor_rollout_ref.actor.freeze_vision_tower", True, f"a {model.config.model_type} model "
+                          "has no vision tower; set it false (it applies to Qwen2-VL / Qwen2.5-VL policies)")
+    model.model.visual.requires_grad_(False)
 
 
 def lr_factor(step: int, total_steps: int, warmup_steps: int, kind: str = "constant",
@@ -123,6 +133,8 @@ class Actor:
         self.model = load_causal_lm(model_path, dtype=torch.float32, device=device)
         cast_buffers(self.model, cfg.fsdp_config.mixed_precision)
         check_lm_head(self.model, "actor_rollout_ref.model.path")
+        if cfg.freeze_vision_tower:  # verl's: the vision encoder keeps its weights; its optimizer gets none of them
+            freeze_vision_tower(self.model)
         self.lora = model_cfg is not None and model_cfg.lora_rank > 0
         if self.lora:
             self.model = add_lora(self.model, model_cfg.lora_rank, model_cfg.lora_alpha,

@@ -14,6 +14,7 @@ import torch
 from plait.algorithms.losses import value_loss
 from plait.config import CriticConfig
 from plait.models import enable_activation_checkpointing, load_causal_lm
+from plait.models_vl import is_vl, vl_inputs
 from plait.safeload import load_tensors
 from plait.types import RolloutBatch
 from plait.workers.actor import make_optimizer
@@ -29,7 +30,7 @@ class ValueModel(torch.nn.Module):
     def __init__(self, lm, remove_padding: bool = False):
         super().__init__()
         self.lm, self.remove_padding = lm, remove_padding
-        self.head = torch.nn.Linear(lm.config.hidden_size, 1)
+        self.head = torch.nn.Linear(lm.config.get_text_config().hidden_size, 1)
         torch.nn.init.zeros_(self.head.weight)
         torch.nn.init.zeros_(self.head.bias)
 
@@ -37,13 +38,17 @@ class ValueModel(torch.nn.Module):
         device = self.head.weight.device
         input_ids, mask = micro.input_ids.to(device), micro.attention_mask.to(device)
         resp_len = micro.responses.shape[1]
+        packed = pack(input_ids, mask) if self.remove_padding else None
+        # a VL model: the rows' images and 3-axis rope positions (plait/models_vl.py)
+        media = (vl_inputs(self.lm.config, micro.multi_modal_inputs or [{}] * len(micro), input_ids, mask, packed)
+                 if is_vl(self.lm.config) else {})
         if self.remove_padding:  # the real tokens packed into rows (plait/workers/packing.py)
-            packed = pack(input_ids, mask)
-            out = self.lm.base_model(input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False)
+            inputs = {"position_ids": packed.position_ids, **media}
+            out = self.lm.base_model(input_ids=packed.input_ids, use_cache=False, **inputs)
             hidden = unpack(out.last_hidden_state, packed, mask.shape)[:, -resp_len - 1:-1]  # [micro, resp_len, hidden]
         else:
-            position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
-            out = self.lm.base_model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, use_cache=False)
+            inputs = {"position_ids": (mask.cumsum(-1) - 1).clamp(min=0), **media}
+            out = self.lm.base_model(input_ids=input_ids, attention_mask=mask, use_cache=False, **inputs)
             hidden = out.last_hidden_state[:, -resp_len - 1:-1]   # [micro, resp_len, hidden]: state before each token
         # fp32 head unless FSDP2 mixed precision casts its weight (then hidden takes that dtype)
         return self.head(hidden.to(self.head.weight.dtype)).float().squeeze(-1)  # [micro, resp_len]

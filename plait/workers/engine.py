@@ -71,6 +71,7 @@ class EngineSpec:
     devices_rule: str = "1"                             # the same, said in a config error
     notes: Callable[[Any], list[str]] = lambda cfg: []  # start lines for this run's PlaitConfig
     no_effect: dict[str, str] = field(default_factory=dict)  # rollout keys it does not read -> why
+    images: bool = False  # generate takes multi_modal= (per prompt: images, pixel_values, image_grid_thw)
 
 
 PLAIT_ENGINE = "hf"  # plait's own engine (workers/rollout_engine.py): the rollout's when no node names one
@@ -148,7 +149,7 @@ SGLANG_WHY = ("sglang does not run here: its PyPI release (0.5.23) is a CUDA bui
               f"rollout.name=vllm ({VLLM_INSTALL}) or hf (docs/rollout.md)")
 
 ENGINES: dict[str, EngineSpec] = {
-    "hf": EngineSpec(build=_build_hf, unavailable=lambda: None, no_effect=VLLM_ONLY_KEYS),
+    "hf": EngineSpec(build=_build_hf, unavailable=lambda: None, no_effect=VLLM_ONLY_KEYS, images=True),
     "vllm": EngineSpec(build=_build_vllm, unavailable=_vllm_unavailable,
                        devices=lambda rollout: rollout.tensor_model_parallel_size,
                        devices_rule="rollout.tensor_model_parallel_size", notes=_vllm_notes),

@@ -45,7 +45,7 @@ class ModelFlops:
         """`dtype`: the dtype the matmuls run in (mixed precision: the compute dtype, not the weights')."""
         p = next(model.parameters())
         params = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
-        cfg = model.config
+        cfg = model.config.get_text_config()  # a VL model: its language model (the vision tower counts in params)
         return cls(params, cfg.num_hidden_layers, cfg.hidden_size,
                    peak or device_peak_flops(str(p.device), dtype or p.dtype))
 

@@ -21,6 +21,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from plait.configtree import ConfigError
+from plait.models_vl import is_vl, mask_logits, never_sampled, vl_inputs
 from plait.workers.packing import pack
 from plait.workers.parallel import is_sharded
 
@@ -28,19 +29,20 @@ LOGITS_BUDGET = 2 ** 23  # logits per chunk (32 MiB in float32): 170 tokens of S
 
 
 def response_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, resp_len: int,
-                      temperature: float, with_entropy: bool,
-                      remove_padding: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                      temperature: float, with_entropy: bool, remove_padding: bool = False,
+                      multi_modal: list[dict] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs and entropy [batch, resp_len] of the last `resp_len` tokens of each row (rows are
     [left-padded prompt | right-padded response]), of softmax(logits / temperature); 0 at padding.
 
-    `remove_padding`: the rows' real tokens go through the model packed (plait/workers/packing.py)."""
+    `remove_padding`: the rows' real tokens go through the model packed (plait/workers/packing.py).
+    `multi_modal`: a VL model's per-row processor outputs (RolloutBatch.multi_modal_inputs; None: text rows)."""
     return response_stats(model, input_ids, attention_mask, resp_len, temperature, with_entropy, False,
-                          remove_padding)[:2]
+                          remove_padding, multi_modal)[:2]
 
 
 def response_stats(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, resp_len: int,
-                   temperature: float, with_entropy: bool, with_sum_pi_squared: bool,
-                   remove_padding: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+                   temperature: float, with_entropy: bool, with_sum_pi_squared: bool, remove_padding: bool = False,
+                   multi_modal: list[dict] | None = None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """`response_logprobs`, plus with `with_sum_pi_squared` the sum over the vocabulary of the squared
     probabilities [batch, resp_len] at each response token (verl's sum_pi_squared: optimal-token-baseline
     estimators), from the same chunked LM head; no gradient flows through it."""
@@ -48,8 +50,8 @@ def response_stats(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     rows, cols = resp_mask.nonzero(as_tuple=True)                             # [N] each: the real response tokens
     width = input_ids.shape[1]
     before = rows * width + width - resp_len + cols - 1                       # [N] flat index of the token before each
+    packed = pack(input_ids, attention_mask) if remove_padding else None
     if remove_padding:
-        packed = pack(input_ids, attention_mask)
         inputs = dict(input_ids=packed.input_ids, position_ids=packed.position_ids)
         where = torch.empty(input_ids.numel(), dtype=torch.long, device=input_ids.device)
         where[packed.source] = packed.target                                  # padded place -> packed place
@@ -57,13 +59,17 @@ def response_stats(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     else:
         inputs = dict(input_ids=input_ids, attention_mask=attention_mask,
                       position_ids=(attention_mask.cumsum(-1) - 1).clamp(min=0))
+    if is_vl(model.config):  # images and the 3-axis rope positions, for text rows too (packed rows need them)
+        media = multi_modal if multi_modal is not None else [{}] * input_ids.shape[0]
+        inputs.update(vl_inputs(model.config, media, input_ids, attention_mask, packed))
     tokens = input_ids[:, -resp_len:][rows, cols]                             # [N]
     if is_sharded(model):
-        logp, ent, spsq = _sharded_logprobs(model, inputs, before, tokens, temperature, with_entropy, with_sum_pi_squared)
+        logp, ent, spsq = _sharded_logprobs(model, inputs, before, tokens, temperature, with_entropy, with_sum_pi_squared,
+                                            never_sampled(model.config))
     else:
         hidden = last_hidden(model, **inputs).flatten(0, 1)[before]          # [N, hidden]
         logp, ent, spsq = _chunked(hidden, tokens, model.get_output_embeddings(), temperature, with_entropy,
-                                   with_sum_pi_squared)
+                                   with_sum_pi_squared, banned=never_sampled(model.config))
     zeros = resp_mask.new_zeros(resp_mask.shape, dtype=logp.dtype)
     logp = zeros.index_put((rows, cols), logp)                                # [batch, resp_len]
     return (logp, zeros.index_put((rows, cols), ent) if with_entropy else None,
@@ -71,7 +77,8 @@ def response_stats(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
 
 
 def _sharded_logprobs(model, inputs: dict, before: torch.Tensor, tokens: torch.Tensor, temperature: float,
-                      with_entropy: bool, with_sum_pi_squared: bool = False) -> tuple[torch.Tensor, ...]:
+                      with_entropy: bool, with_sum_pi_squared: bool = False,
+                      banned: list[int] | None = None) -> tuple[torch.Tensor, ...]:
     """FSDP2: the LM head runs inside the root's forward, at the response positions only
     (`logits_to_keep` as a mask), so [N, vocab] logits exist at once. A head called per chunk after
     the root's forward (its own fully_shard group) gave wrong gradients of the head's group after a
@@ -81,7 +88,7 @@ def _sharded_logprobs(model, inputs: dict, before: torch.Tensor, tokens: torch.T
     logits = model(**inputs, use_cache=False, logits_to_keep=keep.view_as(inputs["input_ids"])).logits
     order = torch.empty_like(before)
     order[before.argsort()] = torch.arange(len(before), device=before.device)  # mask order -> ours
-    z = logits[order].float() / temperature                                  # [N, vocab]
+    z = mask_logits(logits[order].float() / temperature, banned)             # [N, vocab]
     return (*_LogpEntropy.apply(z, tokens, with_entropy), _sum_squared_probs(z) if with_sum_pi_squared else None)
 
 
@@ -98,7 +105,7 @@ def check_lm_head(model, key: str) -> None:
     """A ConfigError naming `key` when the model's logits are not its output embedding applied to the
     last hidden state (Gemma 2's soft-capping, Granite's scaling): the log-probs here would differ."""
     device = next(model.parameters()).device
-    ids = torch.arange(8, device=device).view(2, 4) % model.config.vocab_size
+    ids = torch.arange(8, device=device).view(2, 4) % model.config.get_text_config().vocab_size
     with torch.no_grad():
         out = model(input_ids=ids, use_cache=False, output_hidden_states=-1)
         logits = model.get_output_embeddings()(out.hidden_states[-1])
@@ -120,8 +127,10 @@ def chunked_logprobs(hidden: torch.Tensor, tokens: torch.Tensor, head, temperatu
 
 
 def _chunked(hidden: torch.Tensor, tokens: torch.Tensor, head, temperature: float, with_entropy: bool,
-             with_sum_pi_squared: bool, chunk_tokens: int | None = None) -> tuple[torch.Tensor, ...]:
-    """`chunked_logprobs`, plus the sum of squared probabilities [N] (None unless asked; never under grad)."""
+             with_sum_pi_squared: bool, chunk_tokens: int | None = None,
+             banned: list[int] | None = None) -> tuple[torch.Tensor, ...]:
+    """`chunked_logprobs`, plus the sum of squared probabilities [N] (None unless asked; never under grad);
+    tokens `banned` (models_vl.never_sampled) get no probability."""
     chunk_tokens = chunk_tokens or max(1, LOGITS_BUDGET // head.out_features)
     grad = torch.is_grad_enabled()
     if grad and with_sum_pi_squared:
@@ -129,7 +138,7 @@ def _chunked(hidden: torch.Tensor, tokens: torch.Tensor, head, temperature: floa
 
     def logits(h):
         with torch.autocast(h.device.type, enabled=False):
-            return head(h.to(head.weight.dtype)).float() / temperature         # [chunk, vocab]
+            return mask_logits(head(h.to(head.weight.dtype)).float() / temperature, banned)  # [chunk, vocab]
 
     def one(h, tok):
         return _LogpEntropy.apply(logits(h), tok, with_entropy)

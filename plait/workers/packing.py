@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from plait.models_vl import is_vl, vl_inputs
 from plait.types import RolloutBatch
 
 
@@ -113,7 +114,7 @@ def packing_works(model) -> bool:
     """Whether `model` keeps packed sequences apart: a model whose attention ignores the position
     jumps would let sequences see each other, silently. Checked once, on three tiny sequences."""
     device = next(model.parameters()).device
-    ids = torch.arange(12, device=device).view(3, 4) % model.config.vocab_size
+    ids = torch.arange(12, device=device).view(3, 4) % model.config.get_text_config().vocab_size
     mask = torch.tensor([[1, 1, 1, 1], [0, 0, 1, 1], [0, 0, 1, 1]], device=device)  # rows 2 and 3 share a packed row
     packed = pack(ids, mask)
     was_training = model.training
@@ -122,7 +123,9 @@ def packing_works(model) -> bool:
         padded = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
                        use_cache=False).logits
         # use_cache=False as in training: transformers looks for packed positions only without a cache
-        out = model(input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False).logits
+        positions = (vl_inputs(model.config, [{}] * 3, ids, mask, packed)["position_ids"] if is_vl(model.config)
+                     else packed.position_ids)  # a VL model finds packed sequences in its text positions
+        out = model(input_ids=packed.input_ids, position_ids=positions, use_cache=False).logits
         out = unpack(out, packed, mask.shape)
     model.train(was_training)
     keep = mask.bool()

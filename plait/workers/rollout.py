@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from plait.config import RolloutConfig, SamplingConfig
 from plait.models import eos_token_ids, load_generation_config
+from plait.models_vl import is_vl_dir, load_processor
 from plait.types import PromptBatch, RolloutBatch
 from plait.workers import out_of_band
 from plait.workers.engine import ENGINES, PLAIT_ENGINE, EngineArgs
@@ -40,8 +41,11 @@ class Rollout:
         self.version = 0
         self._lock = threading.Lock()
         self.agents = None if agent_cfg is None else _agent_worker(agent_cfg, tokenizer, model_path)
+        self.processor = load_processor(model_path) if is_vl_dir(model_path) else None  # images -> pixel values
 
     def generate(self, prompts: PromptBatch, sampling: SamplingConfig, seed: int) -> RolloutBatch:
+        if self.agents is not None and any(prompts.multi_modal):
+            raise ValueError("agent loops with images are not implemented (build_lm_trainer refuses them)")
         if self.agents is not None:  # an abort() between or inside turns makes it return; resume() goes on
             with self._lock, self.profiler.annotate("gen"):
                 return self.agents.generate(prompts, sampling, self._round(seed), lambda: self.version)
@@ -91,7 +95,8 @@ class Rollout:
         ids = [batch.prompts[i][batch.prompt_mask[i].bool()].tolist() + batch.responses[i, :lengths[i]].tolist()
                for i in rows]
         budget = self.max_response_length - min(lengths[i] for i in rows)
-        out = self._engine_generate(ids, self._params(sampling, budget), seed)
+        media = None if batch.multi_modal_inputs is None else [batch.multi_modal_inputs[i] for i in rows]
+        out = self._engine_generate(ids, self._params(sampling, budget), seed, media)
         grow = (0, self.max_response_length - batch.responses.shape[1])
         responses = F.pad(batch.responses, grow, value=self.pad_token_id)    # [batch, max_response_length]
         mask, logprobs = F.pad(batch.response_mask, grow), F.pad(batch.rollout_logprobs, grow)
@@ -109,23 +114,37 @@ class Rollout:
         return batch.replace(responses=responses[:, :width], response_mask=mask[:, :width],
                              rollout_logprobs=logprobs[:, :width], versions=versions, stop_reasons=reasons)
 
-    def _engine_generate(self, ids: list[list[int]], params: SamplingParams, seed: int):
+    def _engine_generate(self, ids: list[list[int]], params: SamplingParams, seed: int,
+                         multi_modal: list[dict] | None = None):
+        """`multi_modal`: per prompt {"images": [PIL], "pixel_values", "image_grid_thw"} (each engine reads what
+        it takes: the hf engine the processor outputs, vLLM the images); None: text only."""
         generator = torch.Generator().manual_seed(seed)
+        media = {} if multi_modal is None else {"multi_modal": multi_modal}
         with self.profiler.decode_steps() as gate:  # profile_token_start/end: which decode steps are traced
-            return self.engine.generate(ids, params, generator=generator, on_forward=gate)
+            return self.engine.generate(ids, params, generator=generator, on_forward=gate, **media)
+
+    def _media(self, rows: list[dict]) -> list[dict] | None:
+        """Per prompt its images and their processor outputs (computed here once per prompt); None: no media."""
+        if not rows or not any(rows):
+            return None
+        if self.processor is None:
+            raise ValueError("prompts with images reached a text model's rollout (the dataset refuses them)")
+        return [m if not m or "pixel_values" in m else {**m, **self.processor.images(m["images"])} for m in rows]
 
     def _generate(self, prompts: PromptBatch, sampling: SamplingConfig, seed: int) -> RolloutBatch:
         n = sampling.n
         ids = [p for p in prompts.prompt_ids for _ in range(n)]   # each prompt n times, adjacent
         params = self._params(sampling, self.max_response_length)
-        out = self._engine_generate(ids, params, seed)
+        media = self._media(prompts.multi_modal)
+        rep = lambda xs: [x for x in xs for _ in range(n)]  # noqa: E731
+        out = self._engine_generate(ids, params, seed, None if media is None else rep(media))
         width = max(len(p) for p in ids)
         prompt_t = torch.full((len(ids), width), self.pad_token_id, dtype=torch.long)
         prompt_mask = torch.zeros((len(ids), width), dtype=torch.long)
         for i, p in enumerate(ids):
             prompt_t[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
             prompt_mask[i, width - len(p):] = 1
-        rep = lambda xs: [x for x in xs for _ in range(n)]  # noqa: E731
+        inputs = None if media is None else [{k: v for k, v in m.items() if k != "images"} for m in media]
         return RolloutBatch(
             prompts=prompt_t, prompt_mask=prompt_mask,
             responses=out.responses.cpu(), response_mask=out.response_mask.float().cpu(),
@@ -133,7 +152,8 @@ class Rollout:
             group_ids=torch.tensor(rep(prompts.indices), dtype=torch.long),
             versions=torch.full((len(ids),), self.version, dtype=torch.long),
             data_sources=rep(prompts.data_sources), ground_truths=rep(prompts.ground_truths),
-            extra_infos=rep(prompts.extra_infos), stop_reasons=list(out.stop_reasons))
+            extra_infos=rep(prompts.extra_infos), stop_reasons=list(out.stop_reasons),
+            multi_modal_inputs=None if inputs is None else rep(inputs))
 
     def load_weights(self, state_dict: dict[str, torch.Tensor], version: int, share: bool = False) -> None:
         """`share`: alias tensors of the engine's dtype and device instead of copying (see weight_sync)."""

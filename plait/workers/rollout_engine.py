@@ -33,6 +33,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from plait.configtree import check
 from plait.models import load_causal_lm
+from plait.models_vl import is_vl, mask_logits, never_sampled, vl_inputs
 
 
 @dataclass
@@ -73,10 +74,12 @@ class TransformersEngine:
         self._abort = threading.Event()
 
     def generate(self, prompts: list[list[int]], params: SamplingParams,
-                 generator: torch.Generator | None = None, on_forward=None) -> Generation:
+                 generator: torch.Generator | None = None, on_forward=None,
+                 multi_modal: list[dict] | None = None) -> Generation:
         """Sample a response per prompt. `generator` makes it reproducible (CPU or model device).
         `on_forward(i)` is called before the forward that yields response token i (0: the prefill): the
-        profiler's token gate (RoleProfiler.decode_steps)."""
+        profiler's token gate (RoleProfiler.decode_steps). `multi_modal`: per prompt, a VL model's processor
+        outputs ({"pixel_values", "image_grid_thw"}, {} for a text prompt; Rollout makes them)."""
         if not prompts or min(len(p) for p in prompts) == 0:
             raise ValueError("generate needs at least one prompt and no empty prompts")
         self._abort.clear()  # an abort() while idle must not cut the next call short
@@ -85,8 +88,11 @@ class TransformersEngine:
             width = max(len(p) for p in prompts)
             ids = torch.tensor([[pad] * (width - len(p)) + list(p) for p in prompts], device=device)  # [batch, width]
             real = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
-            stepper = (_LlamaStepper if _is_llama_layout(self.model.config) else _HFStepper)(
-                self.model, real, width + n)
+            if is_vl(self.model.config):
+                stepper = _VLStepper(self.model, real, width + n, multi_modal or [{}] * len(prompts))
+            else:
+                stepper = (_LlamaStepper if _is_llama_layout(self.model.config) else _HFStepper)(
+                    self.model, real, width + n)
             eos = torch.tensor(self.eos_token_ids, dtype=torch.long, device=device)
             prompt_len = real.sum(-1)                                        # [active]
             tokens = torch.full((len(prompts), n), pad, device=device)       # [batch, n]
@@ -96,8 +102,9 @@ class TransformersEngine:
             if on_forward is not None:
                 on_forward(0)
             logits = stepper.prefill(ids, (real.cumsum(-1) - 1).clamp(min=0))  # [active, vocab]
+            banned = never_sampled(self.model.config)                          # a VL model's image / video pads
             for step in range(n):
-                tok, logp = sample_tokens(logits, params, generator)         # [active], [active]
+                tok, logp = sample_tokens(mask_logits(logits.float(), banned), params, generator)  # [active], [active]
                 tokens[rows, step] = tok.masked_fill(done, pad)
                 logprobs[rows, step] = logp.masked_fill(done, 0.0)
                 done |= torch.isin(tok, eos)
@@ -211,6 +218,34 @@ class _HFStepper:
         """Keep only these batch rows."""
         self.cache.batch_select_indices(keep)
         self.mask = self.mask[keep]
+
+
+class _VLStepper(_HFStepper):
+    """Qwen2-VL / Qwen2.5-VL: the prefill takes the images and the 3-axis rope positions
+    (models_vl.vl_inputs, as the training passes compute them); a decoded token continues the text, at
+    the row's largest prompt position + 1 + its index on all three axes (Qwen's rope delta)."""
+
+    def __init__(self, model: PreTrainedModel, real: torch.Tensor, total_len: int, rows: list[dict]):
+        super().__init__(model, real, total_len)
+        self.rows = rows
+        self.delta = torch.zeros(real.shape[0], dtype=torch.long, device=real.device)  # [active] rope - text position
+
+    def prefill(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        self.seen = ids.shape[1]
+        real = self.mask[:, :self.seen]
+        inputs = vl_inputs(self.model.config, self.rows, ids, real)
+        rope = inputs["position_ids"].masked_fill(~real.bool(), 0)            # [3, batch, width]
+        self.delta = rope.amax(dim=(0, 2)) + 1 - real.sum(-1)               # [batch]
+        out = self.model(input_ids=ids, attention_mask=real, **inputs, **cache_kwarg(self.model, self.cache),
+                         use_cache=True, logits_to_keep=1)
+        return out.logits[:, -1]
+
+    def decode(self, tok: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return super().decode(tok, positions + self.delta)                 # 2-D positions: the same on each axis
+
+    def select(self, keep: torch.Tensor) -> None:
+        super().select(keep)
+        self.delta = self.delta[keep]
 
 
 def cache_kwarg(model: PreTrainedModel, cache: DynamicCache) -> dict:

@@ -164,7 +164,8 @@ class PrefixMeanLM(torch.nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.config = type("Config", (), {"vocab_size": 16})()
+        self.config = type("Config", (), {"vocab_size": 16, "model_type": "prefix_mean",
+                                          "get_text_config": lambda config: config})()
         self.embed, self.head = torch.nn.Embedding(16, 8), torch.nn.Linear(8, 16)
 
     def forward(self, input_ids, attention_mask=None, position_ids=None, use_cache=False):

@@ -33,7 +33,8 @@ REFUSED = {  # verl's tools that plait does not run, and why
     "verl.tools.sandbox_fusion_tools.SandboxFusionTool": f"verl's remote code sandbox (SandboxFusion): {_NEEDS_SERVICE}",
     "verl.tools.mcp_search_tool.MCPSearchTool": "an MCP tool: verl 0.9.1 removed MCP tools and plait has none",
     "verl.tools.mcp_base_tool.MCPBaseTool": "an MCP tool: verl 0.9.1 removed MCP tools and plait has none",
-    "verl.tools.geo3k_tool.Geo3kTool": "it scores with verl's geo3k rule (mathruler), which plait does not have",
+    "verl.tools.geo3k_tool.Geo3kTool": ("not ported: plait scores geometry3k rows (data_source hiyouga/geometry3k) "
+                                         "but has no tool calling that scorer"),
     "verl.tools.image_zoom_in_tool.ImageZoomInTool": "it answers with images; plait's tool loop takes text responses only",
 }
 

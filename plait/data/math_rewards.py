@@ -19,10 +19,15 @@ MATH parquet trains against the same targets here:
   with "acc" and "pred"; an `Answer:` line that normalises to `[INVALID]` falls back to the box, and
   a ground truth that is not a string is an error (verl raises too).
 
+- Geometry3k (`hiyouga/geometry3k`): the last `\\boxed{...}` graded against the ground truth by
+  mathruler's `grade_answer` (PRM800K's grader: MATH normalisation, then LaTeX to text and sympy),
+  the grader verl calls, so the two agree; 0.9 for a right answer plus 0.1 when the whole response
+  is `<think>...</think>` followed by a box, as verl 0.9.1 weighs them.
+
 These follow verl 0.9.1's scorers (verl/utils/reward_score), checked side by side on the same strings.
 
-Left out: symbolic equivalence (math-verify, sympy), code execution, and the other sources verl
-routes (numina, code contests, geometry3k): score those with a custom reward function.
+Left out: symbolic equivalence outside geometry3k (math-verify), code execution, and the other
+sources verl routes (numina, code contests): score those with a custom reward function.
 """
 
 from __future__ import annotations
@@ -210,5 +215,28 @@ def dapo_score(solution_str: str, ground_truth: str) -> dict:
     return {"score": 1.0 if correct else -1.0, "acc": correct, "pred": pred}
 
 
+# -- Geometry3k ----------------------------------------------------------------------------------
+
+GEO3K_FORMAT = re.compile(r"<think>.*</think>.*\\boxed\{.*\}.*", re.DOTALL)  # the whole response must match
+
+
+def geo3k_score(solution_str: str, ground_truth: str, use_boxed: bool = True, format_score: float = 0.1) -> float:
+    """Geometry3k: (1 - format_score) for a right answer (the last box, or the whole response with
+    use_boxed=False, graded by mathruler) plus format_score for a `<think>...</think> ... \\boxed{...}` response."""
+    try:  # a dependency of plait; imported here because it pulls in sympy (a second or two)
+        from mathruler.grader import extract_boxed_content, grade_answer
+    except ModuleNotFoundError as err:
+        raise RuntimeError(f"the geometry3k scorer needs mathruler and pylatexenc (pip install mathruler "
+                           f"pylatexenc): {err}") from None
+    if not isinstance(ground_truth, str):  # verl 0.9.1 raises too (the grader strips the string)
+        raise TypeError(f"the geometry3k scorer needs a string ground truth, got {type(ground_truth).__name__} "
+                        f"{ground_truth!r:.40}; store reward_model.ground_truth as a string")
+    answer = extract_boxed_content(solution_str) if use_boxed else solution_str  # "None" when there is no box
+    right = 1.0 if grade_answer(answer, ground_truth) else 0.0
+    well_formed = 1.0 if GEO3K_FORMAT.fullmatch(solution_str) else 0.0
+    return (1.0 - format_score) * right + format_score * well_formed  # verl's order: the same float
+
+
 MATH_SOURCES = ("lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500")  # verl's names
 DAPO_SOURCES = ("math_dapo", "math", "math_dapo_reasoning")  # verl 0.9.1 scores these (and aime*) as DAPO
+GEO3K_SOURCES = ("hiyouga/geometry3k",)  # verl's examples/data_preprocess/geo3k.py writes this data_source

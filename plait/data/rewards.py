@@ -5,7 +5,7 @@ A reward function is a plain callable, called with keyword arguments
         -> float | dict                       (a dict holds "score" plus other numbers to log)
 and may be `async def` (awaited; a batch's calls run concurrently). `ground_truth` is passed as
 the row stored it (a string, a list, a dict). `default_compute_score` scores the built-in tasks
-and verl's math data sources (math_rewards.py); a user's function is loaded from a file with
+and verl's math and geometry3k data sources (math_rewards.py); a user's function is loaded from a file with
 `load_custom_reward`, as verl's `reward.custom_reward_function.{path,name,reward_kwargs}` does.
 
 A reward manager (`reward.reward_manager.name`) turns a batch of decoded responses into scores:
@@ -32,8 +32,8 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from plait.configtree import ConfigError, build, check
-from plait.data.math_rewards import (DAPO_SOURCES, MATH_SOURCES, dapo_score, gsm8k_score, gsm8k_synthetic_score,
-                                     math_score)
+from plait.data.math_rewards import (DAPO_SOURCES, GEO3K_SOURCES, MATH_SOURCES, dapo_score, geo3k_score, gsm8k_score,
+                                     gsm8k_synthetic_score, math_score)
 from plait.data.reward_pool import RewardPool, RewardSpec, describe_call, plain_result
 from plait.errors import Interrupted, RunError
 from plait.profiler.config import RoleProfilerConfig
@@ -151,7 +151,8 @@ class RewardConfig:
 VERL_BESIDE = ("verl's scorers import beside plait after `pip install --no-deps verl==0.9.1 tensordict pyvers "
                "cloudpickle omegaconf antlr4-python3-runtime==4.9.3` (docs/verl.md), or copy the scorer into the file")
 
-ANSWER = {"arithmetic": re.compile(r"-?\d+"), "reverse": re.compile(r"[a-z]+")}
+ANSWER = {"arithmetic": re.compile(r"-?\d+"), "reverse": re.compile(r"[a-z]+"),
+          "larger_shape": re.compile(r"[a-z]+"), "count_dots": re.compile(r"\d+")}  # the last two: vision_tasks.py
 
 
 def extract_answer(data_source: str, solution_str: str) -> str | None:
@@ -432,10 +433,13 @@ def _call(fn: Callable, args: tuple, kwargs: dict, timeout: float | None, where:
 SCORERS = {  # data_source -> scorer; has_builtin_reward adds every aime* source
     "arithmetic": functools.partial(exact_match_score, "arithmetic"),
     "reverse": functools.partial(exact_match_score, "reverse"),
+    "larger_shape": functools.partial(exact_match_score, "larger_shape"),  # "red" / "blue" at the start
+    "count_dots": functools.partial(exact_match_score, "count_dots"),      # the count at the start
     "openai/gsm8k": gsm8k_score,
     "gsm8k_synthetic": gsm8k_synthetic_score,  # plait's synthetic word problems: GSM8K's flexible rule, acc, strict
     **{source: math_score for source in MATH_SOURCES},
     **{source: dapo_score for source in DAPO_SOURCES},
+    **{source: geo3k_score for source in GEO3K_SOURCES},
 }
 
 MANAGERS = {"naive": naive_manager, "batch": batch_manager, "dapo": dapo_manager}

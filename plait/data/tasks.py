@@ -7,13 +7,16 @@ code. The arithmetic and reverse prompts are a few characters ("12+7=") because 
 reads characters; `gsm8k_synthetic` is short word problems for a real pretrained model
 (word_problems.py; synthetic, in GSM8K's format, not GSM8K); `gsm8k_synthetic_tools` is the same
 rows with a system line offering a calculator and an `agent_name` column (tool_agent).
-A question's split is a hash of its text, so train and test never share a question whatever
-the seeds and sizes.
+`larger_shape`, `count_dots` and `geo3k_synthetic` draw a picture per question (vision_tasks.py):
+their rows carry it in an `images` column, as verl's geo3k rows do.
+A question's split is a hash of its text (and its images' pixels), so train and test never share
+a question whatever the seeds and sizes.
 """
 
 from __future__ import annotations
 
 import hashlib
+import io
 import random
 import string
 from pathlib import Path
@@ -23,6 +26,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from plait.agents.builtin_tools import CALCULATOR_SYSTEM
+from plait.data.vision_tasks import GEO3K_SOURCE, Drawn, count_dots, geometry_problem, identity, larger_shape
 from plait.data.word_problems import word_problem
 
 SPLITS = ("train", "test")  # verl's names; the test file is what `data.val_files` points to
@@ -45,15 +49,16 @@ def reverse_question(rng: random.Random) -> tuple[str, str]:
 
 
 class Task(NamedTuple):
-    question: Callable[[random.Random], tuple[str, str]]  # rng -> (prompt text, answer)
+    question: Callable[[random.Random], tuple]  # rng -> (prompt text, answer) or a vision_tasks.Drawn
     ability: str
     variant_of: Optional[str] = None  # serve that task's questions (same rows, same data_source and reward)
     system: Optional[str] = None      # a system message before the question
     agent_name: Optional[str] = None  # the agent loop each row runs (its agent_name column)
+    data_source: Optional[str] = None  # the rows' data_source (and reward); default: the task's name
 
 
 def split_of(question: str) -> str:
-    """The split a question belongs to, fixed by its text alone."""
+    """The split a question belongs to, fixed by its text alone (with images: vision_tasks.identity)."""
     digest = hashlib.sha256(question.encode()).digest()
     return "test" if int.from_bytes(digest[:8], "big") % TEST_SHARE == 0 else "train"
 
@@ -72,22 +77,44 @@ def make_task_rows(task: str, split: str, n: int, seed: int) -> list[dict]:
     for _ in range(100 * n):  # rejection sampling; the bound only stops an exhausted question space
         if len(rows) == n:
             break
-        question, answer = TASKS[task].question(rng)
-        if question in seen or split_of(question) != split:
+        q = Drawn(*spec.question(rng))
+        key = identity(q.text, q.images)
+        if key in seen or split_of(key) != split:
             continue
-        seen.add(question)
+        seen.add(key)
         rows.append({
-            "data_source": source,
-            "prompt": [*head, {"role": "user", "content": question}],
+            "data_source": spec.data_source or source,
+            "prompt": [*head, {"role": "user", "content": q.text}],
+            **({"images": [{"bytes": png(image), "path": None} for image in q.images]} if q.images else {}),
             "ability": spec.ability,
-            "reward_model": {"style": "rule", "ground_truth": answer},
-            "extra_info": {"split": split, "index": len(rows)},
+            "reward_model": {"style": "rule", "ground_truth": q.answer},
+            "extra_info": {"split": split, "index": len(rows), **(q.extra or {})},
             **({"agent_name": spec.agent_name} if spec.agent_name else {}),
         })
     if len(rows) < n:
         raise ValueError(f"task {task!r} has too few distinct {split} questions: drew {len(rows)} "
                          f"of the {n} asked; ask for fewer")
     return rows
+
+
+def png(image) -> bytes:
+    """A PIL image as PNG bytes (what the `images` column of verl's rows holds)."""
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+# Parquet's type for the images column, spelled out: inferred, an all-None "path" would have no type.
+IMAGES_TYPE = pa.list_(pa.struct([("bytes", pa.binary()), ("path", pa.string())]))
+
+
+def rows_table(rows: list[dict]) -> pa.Table:
+    """Rows as a parquet table; an `images` column typed as the Hugging Face datasets Image feature writes it."""
+    table = pa.Table.from_pylist(rows)
+    if "images" in table.column_names:
+        i = table.column_names.index("images")
+        table = table.set_column(i, "images", pa.array([r["images"] for r in rows], type=IMAGES_TYPE))
+    return table
 
 
 def write_task_files(task: str, out_dir: str | Path, n_train: int, n_val: int,
@@ -97,7 +124,7 @@ def write_task_files(task: str, out_dir: str | Path, n_train: int, n_val: int,
     paths = []
     for split, n in (("train", n_train), ("test", n_val)):
         path = Path(out_dir) / f"{task}_{split}.parquet"
-        pq.write_table(pa.Table.from_pylist(make_task_rows(task, split, n, seed)), path)
+        pq.write_table(rows_table(make_task_rows(task, split, n, seed)), path)
         paths.append(str(path))
     return paths[0], paths[1]
 
@@ -111,4 +138,9 @@ TASKS = {
     # agent_name=tool_agent (plait/agents/builtin_tools.py; the smollm2_gsm8k_tools preset)
     "gsm8k_synthetic_tools": Task(word_problem, ability="math", variant_of="gsm8k_synthetic",
                                   system=CALCULATOR_SYSTEM, agent_name="tool_agent"),
+    # generated pictures (vision_tasks.py), for vision-language models: the VL demo's tasks
+    "larger_shape": Task(larger_shape, ability="vision"),
+    "count_dots": Task(count_dots, ability="vision"),
+    # geometry3k-format rows on drawn figures (data_source hiyouga/geometry3k, verl's geo3k reward)
+    "geo3k_synthetic": Task(geometry_problem, ability="math", data_source=GEO3K_SOURCE),
 }

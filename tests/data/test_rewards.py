@@ -36,7 +36,8 @@ def test_every_ground_truth_scores_one(task):
     for row in make_task_rows(task, "test", 20, seed=0):
         truth = row["reward_model"]["ground_truth"]
         source = row["data_source"]  # gsm8k_synthetic_tools serves gsm8k_synthetic's rows
-        response = f"#### {truth}" if source == "gsm8k_synthetic" else truth  # GSM8K's answer line
+        response = {"gsm8k_synthetic": f"#### {truth}",  # GSM8K's answer line; geometry3k's think block and box
+                    "hiyouga/geometry3k": f"<think>...</think> \\boxed{{{truth}}}"}.get(source, truth)
         result = default_compute_score(source, response, truth, row["extra_info"])
         assert (result["score"], result["acc"]) == (1.0, 1.0) if isinstance(result, dict) else result == 1.0
 

@@ -1,12 +1,18 @@
+import io
+
 import pyarrow.parquet as pq
 import pytest
+from PIL import Image
 
 from plait.data.tasks import (MAX_OPERAND, TASKS, TEST_SHARE, make_task_rows, split_of,
                               write_task_files)
+from plait.data.vision_tasks import identity
 
 
 def question(row: dict) -> str:
-    return row["prompt"][-1]["content"]  # the user turn (the _tools variant has a system line first)
+    """The user turn (the _tools variant has a system line first), with the pixels of the row's images."""
+    images = [Image.open(io.BytesIO(image["bytes"])).convert("RGB") for image in row.get("images", [])]
+    return identity(row["prompt"][-1]["content"], images)
 
 
 @pytest.mark.parametrize("task", ["arithmetic", "reverse"])  # gsm8k_synthetic: test_word_problems.py; its _tools variant: test_smollm2_tools_preset.py

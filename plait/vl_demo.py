@@ -97,25 +97,31 @@ def format_warmstart(model_dir: str | Path, task: str, out_dir: str | Path, step
     return str(out_dir)
 
 
-def vl_demo_model(out_dir: str | Path, task: str = "larger_shape", steps: int = 50, batch_size: int = 16,
-                  lr: float = 1e-3, seed: int = 0, labels: str = "true") -> str:
-    """The tiny Qwen2-VL built from `seed` under `out_dir`/init, format-warm-started into `out_dir`/warmstart."""
+def vl_demo_model(out_dir: str | Path, task: str = "larger_shape", steps: int = 60, batch_size: int = 16,
+                  lr: float = 3e-3, seed: int = 0, labels: str = "random", true_steps: int = 0,
+                  true_lr: float = 1e-3) -> str:
+    """The tiny Qwen2-VL built from `seed` under `out_dir`/init, format-warm-started into `out_dir`/warmstart
+    (`steps` at `lr` with `labels`), then, when `true_steps` > 0, that many steps on the true answers at
+    `true_lr` (a fresh optimizer) into `out_dir`/primed."""
     from plait.models import create_tiny_vl_model
     init = Path(out_dir) / "init"
     if not (init / "config.json").is_file():
         create_tiny_vl_model(init, "qwen2_vl", seed=seed)
-    return format_warmstart(init, task, Path(out_dir) / "warmstart", steps, batch_size, lr, seed, labels)
+    path = format_warmstart(init, task, Path(out_dir) / "warmstart", steps, batch_size, lr, seed, labels)
+    if true_steps == 0:
+        return path
+    return format_warmstart(path, task, Path(out_dir) / "primed", true_steps, batch_size, true_lr, seed, "true")
 
 
 # The warm start of `actor_rollout_ref.model.path: tiny-qwen2-vl-demo` (the vl_demo preset): see docs/vlm.md.
-DEMO_WARMSTART = dict(task="larger_shape", steps=60, batch_size=16, lr=3e-3, seed=0, labels="random")
+DEMO_WARMSTART = dict(task="larger_shape", steps=60, batch_size=16, lr=3e-3, seed=0, labels="random", true_steps=30)
 
 
 def vl_demo_dir(cache_dir: str | Path | None = None) -> str:
     """The built-in `tiny-qwen2-vl-demo`: vl_demo_model with DEMO_WARMSTART under `cache_dir` (default
     `$PLAIT_CACHE` or ~/.cache/plait), built on first use and reused after (the warm start's cache)."""
     root = Path(cache_dir or os.environ.get("PLAIT_CACHE") or Path.home() / ".cache" / "plait") / "tiny-qwen2-vl-demo"
-    marker = root / "warmstart" / MARKER
+    marker = root / ("primed" if DEMO_WARMSTART.get("true_steps") else "warmstart") / MARKER
     if not marker.is_file():
         print(f"plait: building tiny-qwen2-vl-demo in {root}: a tiny Qwen2-VL from a config, then the format warm "
               f"start ({DEMO_WARMSTART})", file=sys.stderr)

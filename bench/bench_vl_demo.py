@@ -135,7 +135,6 @@ def main() -> None:
         sys.exit(f"plait train exited with {rc}; no result written")
     result = {"preset": PRESET, "overrides": args.overrides, "wall_s": round(wall, 1), **curves(args.run_dir, lines)}
     starts = [t for t, line in lines if "the format warm start" in line]
-    result["model_ready_s"] = next((t for t, line in lines if line.startswith("plait: outputs in")), None)
     accs = [v["accuracy"] for v in result["val"]]
     result["accuracy"] = {"first": accs[0], "best": max(accs), "last": accs[-1], "gain": round(max(accs) - accs[0], 4),
                           "gain_last": round(accs[-1] - accs[0], 4)}
@@ -145,7 +144,7 @@ def main() -> None:
     result["valid"] = mean_load <= busy_limit() + 2  # + the run's own threads
     result["machine"] = {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
                          **capability()}
-    if starts:
+    if starts:  # the model build and warm start end where step 0's validation is printed (val[0]["wall_s"])
         result["warm_start_began_s"] = starts[0]
     if not result["valid"]:
         print(f"INVALID for timing: mean load {mean_load:.1f} over {busy_limit() + 2}; the wall time measures "

@@ -339,7 +339,13 @@ class BuiltinModel(NamedTuple):
 
 # Names `actor_rollout_ref.model.path` may take instead of a directory: a model plait builds once
 # from an installed package (an existing directory of the same name wins).
-BUILTIN_MODELS = dict(zip(BUILTIN_MODEL_NAMES, [BuiltinModel(smollm2_gguf, smollm2_dir)]))
+def _vl_demo_dir() -> str:
+    from plait.vl_demo import vl_demo_dir  # imports models_vl's torch pieces only when asked
+    return vl_demo_dir()
+
+
+BUILTIN_MODELS = dict(zip(BUILTIN_MODEL_NAMES, [BuiltinModel(smollm2_gguf, smollm2_dir),
+                                                BuiltinModel(lambda key, value: None, _vl_demo_dir)]))
 
 
 def builtin_model(path: str | None) -> BuiltinModel | None:

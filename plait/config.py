@@ -334,7 +334,7 @@ class MultiTurnConfig:
     function_tool_path: Optional[str] = None   # a Python file of @function_tool functions
     format: str = "hermes"
     tokenization_sanity_check_mode: str = "strict"  # the Continuous Token prefix check always runs
-    interaction_config_path: Optional[str] = None
+    interaction_config_path: Optional[str] = None  # verl's interaction YAML: a simulated user answers each turn
     use_inference_chat_template: bool = False
     num_repeat_rollouts: Optional[int] = None
     tool_timeout: Optional[float] = 60.0      # plait's own: seconds a call (create + execute + release) may take; null: none
@@ -352,8 +352,6 @@ class MultiTurnConfig:
         positive(self, "max_parallel_calls", "max_tool_response_length")
         check(self.tokenization_sanity_check_mode == "strict", "tokenization_sanity_check_mode",
               self.tokenization_sanity_check_mode, "strict: plait always checks that the chat template is prefix-stable")
-        check(self.interaction_config_path is None, "interaction_config_path", self.interaction_config_path,
-              f"null: verl's interaction (simulated user) loop {UNSUPPORTED_WHY}")
         check(not self.use_inference_chat_template, "use_inference_chat_template", self.use_inference_chat_template,
               f"false: re-rendering turns with the inference template {UNSUPPORTED_WHY} (tokens are kept as sampled)")
         check(self.num_repeat_rollouts is None, "num_repeat_rollouts", self.num_repeat_rollouts,

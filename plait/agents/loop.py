@@ -25,13 +25,17 @@ from __future__ import annotations
 
 import enum
 import json
+import logging
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, Optional
+from uuid import uuid4
 
 from plait.agents.tokens import ContinuousTokens, Trajectory
 from plait.agents.tool_parser import count_call_blocks, parse_tool_calls
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -102,12 +106,13 @@ class AgentLoopBase(ABC):
     returns a TokenOutput; `tools` is plait's ToolBox (or None); `ct` the Continuous Token builder."""
 
     def __init__(self, trainer_config: ConfigWrap, server_manager, tokenizer, processor=None, dataset_cls=None,
-                 data_config: ConfigWrap | None = None, hf_model_type: str | None = None, tools=None, **kwargs):
+                 data_config: ConfigWrap | None = None, hf_model_type: str | None = None, tools=None,
+                 interactions=None, **kwargs):
         self.config = trainer_config.config
         self.rollout_config = self.config.actor_rollout_ref.rollout
         self.server_manager, self.tokenizer, self.processor = server_manager, tokenizer, processor
         self.dataset_cls, self.data_config = dataset_cls, (data_config.config if data_config else self.config.data)
-        self.tools = tools
+        self.tools, self.interactions = tools, interactions  # ToolBox, InteractionBox (or None)
         self.prompt_length = self.config.data.max_prompt_length
         self.response_length = self.config.data.max_response_length
         self.ct = ContinuousTokens(tokenizer, hf_model_type)
@@ -178,6 +183,7 @@ class AgentState(enum.Enum):
     PENDING = "pending"
     GENERATING = "generating"
     PROCESSING_TOOLS = "processing_tools"
+    INTERACTING = "interacting"
     TERMINATED = "terminated"
 
 
@@ -199,6 +205,10 @@ class AgentData:
     call_attempts: int = 0  # call blocks written in turns the loop read (parsed or not)
     user_turns: int = 0
     assistant_turns: int = 0
+    interaction: str | None = None          # the row's interaction (None: none, or it failed)
+    interaction_kwargs: dict = field(default_factory=dict)
+    interaction_turns: int = 0
+    interaction_errors: list[str] = field(default_factory=list)
 
 
 @register("tool_agent")
@@ -215,7 +225,8 @@ class ToolAgentLoop(AgentLoopBase):
         schemas = self.tools.schemas(selection) if self.tools is not None else []
         data = AgentData(messages=list(kwargs["raw_prompt"]), tools_kwargs=kwargs.get("tools_kwargs") or {},
                          schemas=schemas, selection=selection, row=f"row {kwargs.get('index')}",
-                         request_id=kwargs.get("request_id"))
+                         request_id=str(kwargs.get("request_id") or uuid4().hex))
+        await self.start_interaction(data, extra)
         state = AgentState.PENDING
         while state != AgentState.TERMINATED:
             if state == AgentState.PENDING:
@@ -223,10 +234,16 @@ class ToolAgentLoop(AgentLoopBase):
                 state = AgentState.GENERATING
             elif state == AgentState.GENERATING:
                 state = await self.generating(data, sampling_params)
+            elif state == AgentState.INTERACTING:
+                state = await self.interacting(data)
             else:
                 state = await self.processing_tools(data)
+        if data.interaction is not None:
+            await self.interaction_call(data, "finalize")
         extra_fields = {"turn_scores": data.turn_scores, "tool_rewards": data.tool_rewards,
                         "tool_errors": data.tool_errors, "tool_call_attempts": data.call_attempts}
+        if self.interactions is not None:
+            extra_fields.update(interaction_turns=data.interaction_turns, interaction_errors=data.interaction_errors)
         return output_of(data.trajectory, self.response_length, data.user_turns + data.assistant_turns + 1,
                          data.metrics, extra_fields)
 
@@ -247,8 +264,15 @@ class ToolAgentLoop(AgentLoopBase):
         text = self.tokenizer.decode(out.token_ids)
         content, data.calls = parse_tool_calls(text, self.format)
         data.call_attempts += count_call_blocks(text, self.format)
-        data.messages.append(self.assistant_message(content, data.calls))
-        return AgentState.PROCESSING_TOOLS if data.calls else AgentState.TERMINATED
+        if data.calls:
+            data.messages.append(self.assistant_message(content, data.calls))
+            return AgentState.PROCESSING_TOOLS
+        if data.interaction is None:
+            data.messages.append(self.assistant_message(content, []))
+            return AgentState.TERMINATED
+        # the interaction reads the turn as verl hands it: decoded without special tokens
+        data.messages.append({"role": "assistant", "content": self.tokenizer.decode(out.token_ids, skip_special_tokens=True)})
+        return AgentState.INTERACTING
 
     def assistant_message(self, content: str, calls: list) -> dict:
         message: dict[str, Any] = {"role": "assistant", "content": content or ""}
@@ -281,6 +305,46 @@ class ToolAgentLoop(AgentLoopBase):
             return AgentState.TERMINATED
         data.trajectory = trial
         data.user_turns += 1
+        return AgentState.GENERATING
+
+
+    async def start_interaction(self, data: AgentData, extra: dict) -> None:
+        """The row's interaction (extra_info.interaction_kwargs.name) started for this trajectory."""
+        if self.interactions is None:
+            return
+        kwargs = dict(extra.get("interaction_kwargs") or {})
+        data.interaction, data.interaction_kwargs = self.interactions.pick(kwargs, data.row), kwargs
+        await self.interaction_call(data, "start")
+
+    async def interaction_call(self, data: AgentData, op: str) -> Any:
+        """One call of the row's interaction in its worker; a failure is one warning line and ends
+        the conversation (data.interaction becomes None)."""
+        with Timer(data.metrics, "interaction"):
+            value, error = await self.interactions.call(op, data.interaction, data.request_id, data.interaction_kwargs,
+                                                        data.row, messages=list(data.messages) if op == "respond" else None)
+        if error is not None:
+            logger.warning(error)
+            data.interaction_errors.append(error)
+            data.interaction = None
+        return value
+
+    async def interacting(self, data: AgentData) -> AgentState:
+        """verl's INTERACTING state: the interaction answers the assistant as the user; its text is
+        appended as a user message (the template's suffix diff, mask 0) and its score to turn_scores."""
+        previous = list(data.messages)
+        reply = await self.interaction_call(data, "respond")
+        data.user_turns += 1
+        if reply is None:
+            return AgentState.TERMINATED
+        data.interaction_turns += 1
+        if reply["score"] is not None:
+            data.turn_scores.append(reply["score"])
+        for key, value in reply["metrics"].items():
+            data.metrics[f"interaction/{key}"] = value
+        data.messages.append({"role": "user", "content": reply["text"]})
+        self.ct.add_messages(data.trajectory, previous, data.messages, data.schemas)
+        if reply["terminate"] or len(data.trajectory.mask) >= self.response_length:
+            return AgentState.TERMINATED  # verl keeps a user turn past the budget; the output is cut to it
         return AgentState.GENERATING
 
 

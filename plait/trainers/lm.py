@@ -572,6 +572,12 @@ def agent_metrics(batch: RolloutBatch) -> dict[str, float]:
     out["agent_loop/tool_calls_per_trajectory"] = calls / max(1, sum(1 for i in infos if i))
     out["agent_loop/tool_error_rate"] = sum(i.get("tool_errors", 0) for i in infos if i) / max(calls, 1)
     out.update(tool_call_rates(infos))
+    talked = [i for i in infos if i and "interaction_turns" in i]
+    if talked:  # plait's: verl logs no interaction metrics of its own
+        turns = sum(i["interaction_turns"] for i in talked)
+        out["agent_loop/interaction/mean"] = sum(i["interaction"] for i in talked) / len(talked)
+        out["agent_loop/interaction_turns_per_trajectory"] = turns / len(talked)
+        out["agent_loop/interaction_error_rate"] = sum(i["interaction_errors"] for i in talked) / len(talked)
     return out
 
 

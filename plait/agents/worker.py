@@ -58,8 +58,15 @@ def resolve_class(target: str):
         raise ConfigError(key, target, f"its _target_ cannot be imported: {err}") from None
 
 
-def check_agent_names(path: str | None, default: str, names: set) -> None:
-    """Every agent_name of the data, and the default loop, must be a known loop: a ConfigError at start."""
+def check_agent_names(path: str | None, default: str, names: set, fmt: str = "hermes") -> None:
+    """Every agent_name of the data, and the default loop, must be a known loop; rows that run tool_agent
+    need a tool-call format plait parses (verl's loop stops at an unknown one): ConfigErrors at start."""
+    from plait.agents.tool_parser import SUPPORTED_FORMATS
+    if fmt not in SUPPORTED_FORMATS and "tool_agent" in (set(names) | {default}):
+        raise ConfigError("actor_rollout_ref.rollout.multi_turn.format", fmt,
+                          f"one of {', '.join(SUPPORTED_FORMATS)}: rows run tool_agent, which reads the model's calls in "
+                          "this format (verl 0.9.1 parses hermes, gpt-oss, qwen3_coder, glm, seed, minimax, kimi, "
+                          "deepseek_v4, gemma4; plait the first two)")
     loops = load_loop_configs(path)
     if default not in loops:
         raise ConfigError("actor_rollout_ref.rollout.agent.default_agent_loop", default,

@@ -527,7 +527,8 @@ def uses_agent_loops(cfg: PlaitConfig, *datasets) -> bool:
     if not (cfg.actor_rollout_ref.rollout.agent_loops or names):
         return False
     from plait.agents.worker import check_agent_names
-    check_agent_names(agent.agent_loop_config_path, agent.default_agent_loop, names)
+    check_agent_names(agent.agent_loop_config_path, agent.default_agent_loop, names,
+                      cfg.actor_rollout_ref.rollout.multi_turn.format)
     return True
 
 

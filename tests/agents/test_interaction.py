@@ -38,11 +38,11 @@ def tokenizer():
 class Engine:
     """Each request's turn is script(number of assistant turns so far), eos-terminated, log-prob -0.5."""
 
-    def __init__(self, tok, script):
-        self.tok, self.script = tok, script
+    def __init__(self, tok, script, marker="<|assistant|>"):
+        self.tok, self.script, self.marker = tok, script, marker  # marker: the template's generation prompt
 
     def __call__(self, ids, max_new_tokens, sampling):
-        rows = [self.tok.encode(self.script(self.tok.decode(p).count("<|assistant|>") - 1), add_special_tokens=False)
+        rows = [self.tok.encode(self.script(self.tok.decode(p).count(self.marker) - 1), add_special_tokens=False)
                 + [self.tok.eos_token_id] for p in ids]
         width = max(len(r) for r in rows)
         out, mask = torch.full((len(rows), width), self.tok.pad_token_id), torch.zeros(len(rows), width)
@@ -182,3 +182,71 @@ def test_bad_interaction_files_are_one_config_line(tmp_path, text, match):
     with pytest.raises(ConfigError, match=match) as err:
         box_for(tmp_path, text, workers=1)
     assert err.value.key == "actor_rollout_ref.rollout.multi_turn.interaction_config_path"
+
+
+INTERACTION_VERL_YAML = """\
+hydra:
+  searchpath:
+    - file://verl/trainer/config
+
+defaults:
+  - ppo_trainer
+  - _self_
+
+data:
+  max_prompt_length: 1024
+  max_response_length: 1024
+  train_batch_size: 256
+  return_raw_chat: True
+
+actor_rollout_ref:
+  hybrid_engine: True
+  rollout:
+    name: sglang
+    multi_turn:
+      enable: True
+      max_user_turns: 5
+"""
+
+
+def test_verls_gsm8k_interaction_command_line_runs(tmp_path):
+    """verl's examples/sglang_multiturn/run_qwen2.5-0.5b_gsm8k_multiturn_w_interaction.sh (its config YAML,
+    interaction YAML and keys; the tiny demo model, rows as verl's gsm8k_multiturn_w_interaction.py writes
+    them plus agent_name=tool_agent, sizes shrunk, rollout.name=hf), sync: the interaction answers as the
+    user, its scores reach the rows and plait's interaction metrics are logged."""
+    import subprocess
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from test_loop_e2e import REPO, verl_command
+
+    from plait.data.tasks import make_task_rows
+    from plait.trainers.lifecycle import read_metrics
+    # a random model rarely ends a turn: a long budget lets some turns end (eos) and the user answer them
+    cmd = [c.replace("data.max_response_length=24", "data.max_response_length=640")
+           for c in verl_command(tmp_path) if "tool_config_path" not in c]
+    (tmp_path / "config" / "gsm8k_multiturn_grpo.yaml").write_text(INTERACTION_VERL_YAML)
+    (tmp_path / "gsm8k_interaction_config.yaml").write_text(
+        'interaction:\n  - name: "gsm8k"\n    class_name: "verl.interactions.gsm8k_interaction.Gsm8kInteraction"\n'
+        "    config: {}\n")
+    for split, n in (("train", 16), ("test", 4)):
+        rows = [{"data_source": "openai/gsm8k", "agent_name": "tool_agent", "prompt": r["prompt"], "ability": "math",
+                 "reward_model": {"style": "rule", "ground_truth": r["reward_model"]["ground_truth"]},
+                 "extra_info": {"split": split, "index": r["extra_info"]["index"], "interaction_kwargs": {
+                     "name": "gsm8k", "query": r["prompt"][-1]["content"],
+                     "ground_truth": r["reward_model"]["ground_truth"]}}}
+                for r in make_task_rows("arithmetic", split, n, seed=0)]
+        pq.write_table(pa.Table.from_pylist(rows), tmp_path / f"{split}.parquet")
+    cmd.append("actor_rollout_ref.rollout.multi_turn.interaction_config_path="
+               f"{tmp_path / 'gsm8k_interaction_config.yaml'}")
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    said = [line for line in proc.stderr.splitlines() if "multi_turn" in line or "interaction " in line]
+    assert not said, said  # no "no effect" notice, no failing interaction
+    train = [r for r in read_metrics(str(tmp_path / "run" / "metrics.jsonl")) if "num_turns/mean" in r]
+    assert len(train) == 2
+    # the tiny random model never writes the right "#### N": the user answers every turn that ends
+    assert max(r["agent_loop/interaction_turns_per_trajectory"] for r in train) > 0
+    assert max(r["num_turns/max"] for r in train) >= 3
+    assert all(r["agent_loop/interaction_error_rate"] == 0.0 for r in train)

@@ -6,10 +6,13 @@ PENDING -> GENERATING -> PROCESSING_TOOLS -> GENERATING ... -> TERMINATED:
 - GENERATING samples one assistant turn (its ids appended exactly as sampled, plait/agents/tokens.py)
   and stops the trajectory when the response budget (`rollout.response_length`, i.e.
   data.max_response_length) is used up, at `multi_turn.max_assistant_turns` or
-  `max_user_turns`, or when the turn holds no tool call (hermes format);
+  `max_user_turns`, or when the turn holds no tool call (hermes or gpt-oss format) and no interaction is set;
 - PROCESSING_TOOLS runs the first `max_parallel_calls` calls through the ToolBox (isolated
   processes, plait/agents/tools.py), appends the tool messages as the chat template's suffix diff
   (mask 0), and stops if that fills the budget; each tool answer counts as one user turn.
+- INTERACTING (with `multi_turn.interaction_config_path`): a turn without tool calls is answered by the
+  row's interaction (plait/agents/interactions.py) as the user: a user message (mask 0), its score in
+  turn_scores; it ends the trajectory when the interaction says so.
 A user loop subclasses `AgentLoopBase`, is decorated with `@register("name")` or listed in
 `rollout.agent.agent_loop_config_path`, and may set `reward_score` to replace the reward function.
 
@@ -17,7 +20,7 @@ Each batch of tool calls is timed (wall clock, `metrics["tool_spans"]`); the tra
 "tool_calls" spans of the rollout role into timeline.jsonl, beside the rollout's "gen" span, so a
 report can tell how much of generation went to tools.
 
-Left out: multimodal inputs, verl's interaction (user simulator) loop, tool_call ids (hermes has none),
+Left out: multimodal inputs, tool_call ids (hermes and gpt-oss give none here),
 tool spans in the torch profiler's trace (the timeline has them).
 """
 

@@ -147,7 +147,7 @@ def serve(op: str, interaction_config_path: str = "", **call) -> dict:
     try:
         value = _STATE["loop"].run_until_complete(_run(found[call["name"]], op, call))
     except BaseException as err:  # noqa: BLE001 - user code: one line, the trajectory ends
-        return {"failure": f"{op} raised {type(err).__name__}: {first_line(err)}"}
+        return {"failure": f"raised {type(err).__name__}: {first_line(err)}"}
     return {"ok": value}
 
 
@@ -241,7 +241,7 @@ class InteractionBox:
         if "ok" in out:
             return out["ok"], None
         reason = out.get("failure") or f"its worker could not load the interactions: {out.get('load_error')}"
-        return None, f"interaction {name} on {row} {reason}"
+        return None, f"interaction {name} on {row} ({op}) {reason}"
 
     def close(self) -> None:
         for p in self.pools:

@@ -145,7 +145,7 @@ def test_turn_limits_and_rows_pick_their_interaction(tmp_path, tokenizer):
 
 
 @pytest.mark.parametrize("body, said", [
-    ("raise RuntimeError('judge is down')", "interaction boom on row 0 respond raised RuntimeError: judge is down"),
+    ("raise RuntimeError('judge is down')", "interaction boom on row 0 (respond) raised RuntimeError: judge is down"),
     ("import os; os._exit(3)", "interaction boom on row 0 (respond) ended its worker process with exit status 3"),
 ])
 def test_a_failing_interaction_is_one_line_and_ends_the_row(tmp_path, tokenizer, caplog, body, said):

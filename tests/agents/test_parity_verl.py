@@ -393,3 +393,35 @@ def test_hermes_parser_equals_verls():
     theirs = json.loads(lines[0][len("RESULT "):])
     ours = [[content, [[c.name, c.arguments] for c in calls]] for content, calls in map(parse_tool_calls, TURNS)]
     assert ours == theirs
+
+
+GPT_OSS_SIDE = PARSER_SIDE.replace("HermesToolParser", "GptOssToolParser").replace(
+    "    def decode(self, text):", "    pad_token = '<|endoftext|>'\n\n    def decode(self, text, **kwargs):")
+_HEAD = "<|start|>assistant<|channel|>"
+GPT_OSS_TURNS = [
+    "<|channel|>final<|message|>42<|return|>",
+    "<|channel|>analysis<|message|>think<|end|>" + _HEAD + "final<|message|>42<|return|>",
+    _HEAD + 'commentary to=functions.add <|constrain|>json<|message|>{"a": 2,"b":3}<|call|>',
+    "<|channel|>analysis<|message|>use add<|end|>" + _HEAD + 'commentary to=functions.add <|constrain|>json<|message|>'
+    '{"a": 1}<|call|>',
+    "<|channel|>commentary to=functions.add <|constrain|>json<|message|>{}<|call|>",  # no head of its own
+    _HEAD + "analysis<|message|>" + _HEAD + "commentary to=functions.x <|constrain|>json<|message|>{}<|call|><|end|>",
+    _HEAD + "commentary to=functions.a <|constrain|>json<|message|>not json<|call|> mid " + _HEAD
+    + "commentary to=functions.b.c <|constrain|>json<|message|>{\n\"k\": [1]\n}<|call|> tail",
+    _HEAD + "commentary to=functions.cut <|constrain|>json<|message|>{\"a\": 1}",
+    _HEAD + "commentary  to=functions.sp <|constrain|>json<|message|>{}<|call|>",
+    _HEAD + "commentary to=functions.x<|constrain|>json<|message|>{}<|call|>",
+]
+
+
+def test_gpt_oss_parser_equals_verls():
+    from plait.agents.tool_parser import parse_tool_calls
+    env = {**os.environ, "PYTHONPATH": VERL_SITE, "VERL_LOGGING_LEVEL": "CRITICAL"}
+    done = subprocess.run([sys.executable, "-c", GPT_OSS_SIDE, json.dumps(GPT_OSS_TURNS)], env=env, capture_output=True,
+                          text=True, timeout=300)
+    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert done.returncode == 0 and lines, done.stderr[-3000:]
+    theirs = json.loads(lines[0][len("RESULT "):])
+    ours = [[content, [[c.name, c.arguments] for c in calls]]
+            for content, calls in (parse_tool_calls(t, "gpt-oss") for t in GPT_OSS_TURNS)]
+    assert ours == theirs

@@ -346,8 +346,11 @@ class ToolAgentLoop(AgentLoopBase):
             data.metrics[f"interaction/{key}"] = value
         data.messages.append({"role": "user", "content": reply["text"]})
         self.ct.add_messages(data.trajectory, previous, data.messages, data.schemas)
-        if reply["terminate"] or len(data.trajectory.mask) >= self.response_length:
-            return AgentState.TERMINATED  # verl keeps a user turn past the budget; the output is cut to it
+        if reply["terminate"]:
+            return AgentState.TERMINATED
+        if len(data.trajectory.mask) >= self.response_length:  # verl keeps a user turn past the budget (the output
+            data.assistant_turns += 1  # is cut to it) and samples one more turn, which the cut drops: counted, not sampled
+            return AgentState.TERMINATED
         return AgentState.GENERATING
 
 

@@ -334,9 +334,9 @@ class MultiTurnConfig:
     function_tool_path: Optional[str] = None   # a Python file of @function_tool functions
     format: str = "hermes"
     tokenization_sanity_check_mode: str = "strict"  # the Continuous Token prefix check always runs
-    interaction_config_path: Optional[str] = None
+    interaction_config_path: Optional[str] = None  # verl's interaction YAML: a simulated user answers each turn
     use_inference_chat_template: bool = False
-    num_repeat_rollouts: Optional[int] = None
+    num_repeat_rollouts: Optional[int] = None     # verl reads it nowhere; user agent loops may
     tool_timeout: Optional[float] = 60.0      # plait's own: seconds a call (create + execute + release) may take; null: none
     tool_num_workers: int = 2                 # plait's own: tool worker processes (calls in flight at once)
 
@@ -345,19 +345,22 @@ class MultiTurnConfig:
         self.tool_config_path = shipped_tool_config(self.tool_config_path)
         check(self.tool_timeout is None or self.tool_timeout > 0, "tool_timeout", self.tool_timeout, "> 0 seconds or null")
         positive(self, "tool_num_workers")
-        one_of(self, "format", SUPPORTED_FORMATS)
+        # verl reads `format` only where a row runs tool_agent (an unknown name stops its loop there): plait
+        # checks it at start against the rows' loops (plait/agents/worker.py check_agent_names)
+        check(isinstance(self.format, str) and bool(self.format), "format", self.format,
+              f"a tool-call format name; plait parses {', '.join(SUPPORTED_FORMATS)}")
         one_of(self, "tool_response_truncate_side", TRUNCATE_SIDES)
         for key in ("max_assistant_turns", "max_user_turns"):
             check(getattr(self, key) is None or getattr(self, key) >= 1, key, getattr(self, key), "an integer >= 1 or null")
         positive(self, "max_parallel_calls", "max_tool_response_length")
         check(self.tokenization_sanity_check_mode == "strict", "tokenization_sanity_check_mode",
               self.tokenization_sanity_check_mode, "strict: plait always checks that the chat template is prefix-stable")
-        check(self.interaction_config_path is None, "interaction_config_path", self.interaction_config_path,
-              f"null: verl's interaction (simulated user) loop {UNSUPPORTED_WHY}")
         check(not self.use_inference_chat_template, "use_inference_chat_template", self.use_inference_chat_template,
               f"false: re-rendering turns with the inference template {UNSUPPORTED_WHY} (tokens are kept as sampled)")
-        check(self.num_repeat_rollouts is None, "num_repeat_rollouts", self.num_repeat_rollouts,
-              f"null: verl's sglang-rollout repeat count {UNSUPPORTED_WHY}; use rollout.n")
+        # verl 0.9.1's own code reads num_repeat_rollouts nowhere; a user agent loop may (verl-recipe's collabllm
+        # loop does), and loops get this tree as verl's config: kept for them, as in verl
+        check(self.num_repeat_rollouts is None or (isinstance(self.num_repeat_rollouts, int) and self.num_repeat_rollouts >= 1),
+              "num_repeat_rollouts", self.num_repeat_rollouts, "null or an integer >= 1 (read only by user agent loops)")
 
 
 @dataclass

@@ -24,6 +24,7 @@ import traceback
 
 PLAIT_BUILTINS = {  # verl's class name -> plait's implementation of it
     "verl.tools.gsm8k_tool.Gsm8kTool": "plait.agents.builtin_tools.Gsm8kTool",
+    "verl.interactions.gsm8k_interaction.Gsm8kInteraction": "plait.agents.interactions.Gsm8kInteraction",
 }
 
 _NEEDS_SERVICE = ("it calls an outside service, which plait neither runs nor reaches; "
@@ -42,6 +43,7 @@ REFUSED = {  # verl's tools that plait does not run, and why
 PLAIT_HOMES = {
     "BaseTool": "plait.agents.tools", "OpenAIFunctionToolSchema": "plait.agents.tools",
     "ToolResponse": "plait.agents.tools", "function_tool": "plait.agents.tools", "FunctionTool": "plait.agents.tools",
+    "BaseInteraction": "plait.agents.interactions",
     "AgentLoopBase": "plait.agents.loop", "AgentLoopOutput": "plait.agents.loop", "register": "plait.agents.loop",
 }
 

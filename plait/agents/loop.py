@@ -6,10 +6,13 @@ PENDING -> GENERATING -> PROCESSING_TOOLS -> GENERATING ... -> TERMINATED:
 - GENERATING samples one assistant turn (its ids appended exactly as sampled, plait/agents/tokens.py)
   and stops the trajectory when the response budget (`rollout.response_length`, i.e.
   data.max_response_length) is used up, at `multi_turn.max_assistant_turns` or
-  `max_user_turns`, or when the turn holds no tool call (hermes format);
+  `max_user_turns`, or when the turn holds no tool call (hermes or gpt-oss format) and no interaction is set;
 - PROCESSING_TOOLS runs the first `max_parallel_calls` calls through the ToolBox (isolated
   processes, plait/agents/tools.py), appends the tool messages as the chat template's suffix diff
   (mask 0), and stops if that fills the budget; each tool answer counts as one user turn.
+- INTERACTING (with `multi_turn.interaction_config_path`): a turn without tool calls is answered by the
+  row's interaction (plait/agents/interactions.py) as the user: a user message (mask 0), its score in
+  turn_scores; it ends the trajectory when the interaction says so.
 A user loop subclasses `AgentLoopBase`, is decorated with `@register("name")` or listed in
 `rollout.agent.agent_loop_config_path`, and may set `reward_score` to replace the reward function.
 
@@ -17,7 +20,7 @@ Each batch of tool calls is timed (wall clock, `metrics["tool_spans"]`); the tra
 "tool_calls" spans of the rollout role into timeline.jsonl, beside the rollout's "gen" span, so a
 report can tell how much of generation went to tools.
 
-Left out: multimodal inputs, verl's interaction (user simulator) loop, tool_call ids (hermes has none),
+Left out: multimodal inputs, tool_call ids (hermes and gpt-oss give none here),
 tool spans in the torch profiler's trace (the timeline has them).
 """
 
@@ -25,13 +28,17 @@ from __future__ import annotations
 
 import enum
 import json
+import logging
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, Optional
+from uuid import uuid4
 
 from plait.agents.tokens import ContinuousTokens, Trajectory
 from plait.agents.tool_parser import count_call_blocks, parse_tool_calls
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -102,12 +109,13 @@ class AgentLoopBase(ABC):
     returns a TokenOutput; `tools` is plait's ToolBox (or None); `ct` the Continuous Token builder."""
 
     def __init__(self, trainer_config: ConfigWrap, server_manager, tokenizer, processor=None, dataset_cls=None,
-                 data_config: ConfigWrap | None = None, hf_model_type: str | None = None, tools=None, **kwargs):
+                 data_config: ConfigWrap | None = None, hf_model_type: str | None = None, tools=None,
+                 interactions=None, **kwargs):
         self.config = trainer_config.config
         self.rollout_config = self.config.actor_rollout_ref.rollout
         self.server_manager, self.tokenizer, self.processor = server_manager, tokenizer, processor
         self.dataset_cls, self.data_config = dataset_cls, (data_config.config if data_config else self.config.data)
-        self.tools = tools
+        self.tools, self.interactions = tools, interactions  # ToolBox, InteractionBox (or None)
         self.prompt_length = self.config.data.max_prompt_length
         self.response_length = self.config.data.max_response_length
         self.ct = ContinuousTokens(tokenizer, hf_model_type)
@@ -178,6 +186,7 @@ class AgentState(enum.Enum):
     PENDING = "pending"
     GENERATING = "generating"
     PROCESSING_TOOLS = "processing_tools"
+    INTERACTING = "interacting"
     TERMINATED = "terminated"
 
 
@@ -199,6 +208,10 @@ class AgentData:
     call_attempts: int = 0  # call blocks written in turns the loop read (parsed or not)
     user_turns: int = 0
     assistant_turns: int = 0
+    interaction: str | None = None          # the row's interaction (None: none, or it failed)
+    interaction_kwargs: dict = field(default_factory=dict)
+    interaction_turns: int = 0
+    interaction_errors: list[str] = field(default_factory=list)
 
 
 @register("tool_agent")
@@ -215,7 +228,8 @@ class ToolAgentLoop(AgentLoopBase):
         schemas = self.tools.schemas(selection) if self.tools is not None else []
         data = AgentData(messages=list(kwargs["raw_prompt"]), tools_kwargs=kwargs.get("tools_kwargs") or {},
                          schemas=schemas, selection=selection, row=f"row {kwargs.get('index')}",
-                         request_id=kwargs.get("request_id"))
+                         request_id=str(kwargs.get("request_id") or uuid4().hex))
+        await self.start_interaction(data, extra)
         state = AgentState.PENDING
         while state != AgentState.TERMINATED:
             if state == AgentState.PENDING:
@@ -223,10 +237,16 @@ class ToolAgentLoop(AgentLoopBase):
                 state = AgentState.GENERATING
             elif state == AgentState.GENERATING:
                 state = await self.generating(data, sampling_params)
+            elif state == AgentState.INTERACTING:
+                state = await self.interacting(data)
             else:
                 state = await self.processing_tools(data)
+        if data.interaction is not None:
+            await self.interaction_call(data, "finalize")
         extra_fields = {"turn_scores": data.turn_scores, "tool_rewards": data.tool_rewards,
                         "tool_errors": data.tool_errors, "tool_call_attempts": data.call_attempts}
+        if self.interactions is not None:
+            extra_fields.update(interaction_turns=data.interaction_turns, interaction_errors=data.interaction_errors)
         return output_of(data.trajectory, self.response_length, data.user_turns + data.assistant_turns + 1,
                          data.metrics, extra_fields)
 
@@ -247,8 +267,15 @@ class ToolAgentLoop(AgentLoopBase):
         text = self.tokenizer.decode(out.token_ids)
         content, data.calls = parse_tool_calls(text, self.format)
         data.call_attempts += count_call_blocks(text, self.format)
-        data.messages.append(self.assistant_message(content, data.calls))
-        return AgentState.PROCESSING_TOOLS if data.calls else AgentState.TERMINATED
+        if data.calls:
+            data.messages.append(self.assistant_message(content, data.calls))
+            return AgentState.PROCESSING_TOOLS
+        if data.interaction is None:
+            data.messages.append(self.assistant_message(content, []))
+            return AgentState.TERMINATED
+        # the interaction reads the turn as verl hands it: decoded without special tokens
+        data.messages.append({"role": "assistant", "content": self.tokenizer.decode(out.token_ids, skip_special_tokens=True)})
+        return AgentState.INTERACTING
 
     def assistant_message(self, content: str, calls: list) -> dict:
         message: dict[str, Any] = {"role": "assistant", "content": content or ""}
@@ -281,6 +308,49 @@ class ToolAgentLoop(AgentLoopBase):
             return AgentState.TERMINATED
         data.trajectory = trial
         data.user_turns += 1
+        return AgentState.GENERATING
+
+
+    async def start_interaction(self, data: AgentData, extra: dict) -> None:
+        """The row's interaction (extra_info.interaction_kwargs.name) started for this trajectory."""
+        if self.interactions is None:
+            return
+        kwargs = dict(extra.get("interaction_kwargs") or {})
+        data.interaction, data.interaction_kwargs = self.interactions.pick(kwargs, data.row), kwargs
+        await self.interaction_call(data, "start")
+
+    async def interaction_call(self, data: AgentData, op: str) -> Any:
+        """One call of the row's interaction in its worker; a failure is one warning line and ends
+        the conversation (data.interaction becomes None)."""
+        with Timer(data.metrics, "interaction"):
+            value, error = await self.interactions.call(op, data.interaction, data.request_id, data.interaction_kwargs,
+                                                        data.row, messages=list(data.messages) if op == "respond" else None)
+        if error is not None:
+            logger.warning(error)
+            data.interaction_errors.append(error)
+            data.interaction = None
+        return value
+
+    async def interacting(self, data: AgentData) -> AgentState:
+        """verl's INTERACTING state: the interaction answers the assistant as the user; its text is
+        appended as a user message (the template's suffix diff, mask 0) and its score to turn_scores."""
+        previous = list(data.messages)
+        reply = await self.interaction_call(data, "respond")
+        data.user_turns += 1
+        if reply is None:
+            return AgentState.TERMINATED
+        data.interaction_turns += 1
+        if reply["score"] is not None:
+            data.turn_scores.append(reply["score"])
+        for key, value in reply["metrics"].items():
+            data.metrics[f"interaction/{key}"] = value
+        data.messages.append({"role": "user", "content": reply["text"]})
+        self.ct.add_messages(data.trajectory, previous, data.messages, data.schemas)
+        if reply["terminate"]:
+            return AgentState.TERMINATED
+        if len(data.trajectory.mask) >= self.response_length:  # verl keeps a user turn past the budget (the output
+            data.assistant_turns += 1  # is cut to it) and samples one more turn, which the cut drops: counted, not sampled
+            return AgentState.TERMINATED
         return AgentState.GENERATING
 
 

@@ -13,8 +13,17 @@ One format: `hermes` (Qwen2.5/Qwen3, SmolLM2 and most open chat templates), wher
 - the content is the text with every block removed, skipped ones included; whitespace around them
   stays.
 
-Left out: verl's other formats (gpt-oss, qwen3_coder, glm, seed, minimax, kimi, deepseek_v4,
-gemma4); the config refuses them by name. Calls carry no `tool_call_id` (hermes has none).
+`gpt-oss` (OpenAI's harmony format), as verl 0.9.1 reads it: the turn decoded with special tokens
+kept; its reasoning messages (`<|start|>assistant<|channel|>analysis<|message|>...<|end|>`, or the
+same without the `<|start|>assistant` head, which the generation prompt holds) are removed first;
+then each `<|start|>assistant<|channel|>CHANNEL to=functions.NAME <|constrain|>json<|message|>ARGS<|call|>`
+is a call whose arguments are ARGS as written (not checked here: the tool box answers arguments that
+are not JSON with verl's error text); the content is what is left with the calls removed. As in
+verl, a call must carry its own `<|start|>assistant` head.
+
+Left out: verl's other formats (qwen3_coder, glm, seed, minimax, kimi, deepseek_v4, gemma4); the
+config refuses them by name. Calls carry no `tool_call_id` (neither format has one here). verl
+also strips the tokenizer's pad token from a gpt-oss turn; plait's engines return no pad tokens.
 """
 
 from __future__ import annotations
@@ -26,10 +35,15 @@ from dataclasses import dataclass
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_FORMATS: tuple[str, ...] = ("hermes",)
+SUPPORTED_FORMATS: tuple[str, ...] = ("hermes", "gpt-oss")
 
 _HERMES_OPEN, _HERMES_CLOSE = "<tool_call>", "</tool_call>"
 _HERMES_BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+
+_HARMONY_REASONING = re.compile(r"(?:<\|start\|>assistant)?<\|channel\|>analysis<\|message\|>.*?<\|end\|>", re.DOTALL)
+_HARMONY_CALL = re.compile(r"<\|start\|>assistant<\|channel\|>[^<]* to=functions\.([^<]+) "
+                           r"<\|constrain\|>json<\|message\|>(.*?)<\|call\|>", re.DOTALL)
+_HARMONY_OPENER = "to=functions."
 
 
 @dataclass(frozen=True)
@@ -43,6 +57,8 @@ def parse_tool_calls(text: str, fmt: str = "hermes") -> tuple[str, list[Function
     """(the assistant content without the call blocks, the calls in the order written)."""
     if fmt not in SUPPORTED_FORMATS:
         raise ValueError(f"multi_turn.format={fmt!r} is not supported; valid: {', '.join(SUPPORTED_FORMATS)}")
+    if fmt == "gpt-oss":
+        return _harmony_calls(text)
     if _HERMES_OPEN not in text or _HERMES_CLOSE not in text:
         return text, []
     calls = []
@@ -60,7 +76,15 @@ def count_call_blocks(text: str, fmt: str = "hermes") -> int:
     block counts), the denominator of the valid-call rate."""
     if fmt not in SUPPORTED_FORMATS:
         raise ValueError(f"multi_turn.format={fmt!r} is not supported; valid: {', '.join(SUPPORTED_FORMATS)}")
+    if fmt == "gpt-oss":
+        return _HARMONY_REASONING.sub("", text).count(_HARMONY_OPENER)
     return text.count(_HERMES_OPEN)
+
+
+def _harmony_calls(text: str) -> tuple[str, list[FunctionCall]]:
+    text = _HARMONY_REASONING.sub("", text)  # reasoning may mention calls; they are not calls
+    calls = [FunctionCall(name=name, arguments=args) for name, args in _HARMONY_CALL.findall(text)]
+    return (_HARMONY_CALL.sub("", text) if calls else text), calls
 
 
 def _hermes_call(body: str) -> FunctionCall | None:

@@ -22,7 +22,7 @@ memory limits, and a call that crashes, hangs or eats memory is one line naming 
 row (ToolResult.error) while the model gets verl's error text. The trainer never imports a tool.
 
 Left out: images and video in tool responses (text only: a tool that returns them gets an error
-text), MCP tools (verl 0.9.1 removed them too), verl's interactions (`interaction_config_path`).
+text), MCP tools (verl 0.9.1 removed them too). verl's interactions are plait/agents/interactions.py.
 """
 
 from __future__ import annotations

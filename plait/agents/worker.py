@@ -58,8 +58,15 @@ def resolve_class(target: str):
         raise ConfigError(key, target, f"its _target_ cannot be imported: {err}") from None
 
 
-def check_agent_names(path: str | None, default: str, names: set) -> None:
-    """Every agent_name of the data, and the default loop, must be a known loop: a ConfigError at start."""
+def check_agent_names(path: str | None, default: str, names: set, fmt: str = "hermes") -> None:
+    """Every agent_name of the data, and the default loop, must be a known loop; rows that run tool_agent
+    need a tool-call format plait parses (verl's loop stops at an unknown one): ConfigErrors at start."""
+    from plait.agents.tool_parser import SUPPORTED_FORMATS
+    if fmt not in SUPPORTED_FORMATS and "tool_agent" in (set(names) | {default}):
+        raise ConfigError("actor_rollout_ref.rollout.multi_turn.format", fmt,
+                          f"one of {', '.join(SUPPORTED_FORMATS)}: rows run tool_agent, which reads the model's calls in "
+                          "this format (verl 0.9.1 parses hermes, gpt-oss, qwen3_coder, glm, seed, minimax, kimi, "
+                          "deepseek_v4, gemma4; plait the first two)")
     loops = load_loop_configs(path)
     if default not in loops:
         raise ConfigError("actor_rollout_ref.rollout.agent.default_agent_loop", default,
@@ -71,9 +78,11 @@ def check_agent_names(path: str | None, default: str, names: set) -> None:
 
 
 class AgentWorker:
-    def __init__(self, cfg, tokenizer, model_type: str | None, tools=None):
-        """`cfg`: the whole PlaitConfig (loops read it as verl's trainer config); `tools`: a ToolBox or None."""
+    def __init__(self, cfg, tokenizer, model_type: str | None, tools=None, interactions=None):
+        """`cfg`: the whole PlaitConfig (loops read it as verl's trainer config); `tools`: a ToolBox or None;
+        `interactions`: an InteractionBox (plait/agents/interactions.py) or None."""
         self.cfg, self.tokenizer, self.model_type, self.tools = cfg, tokenizer, model_type, tools
+        self.interactions = interactions
         self.loops = load_loop_configs(cfg.actor_rollout_ref.rollout.agent.agent_loop_config_path)
         for name, entry in self.loops.items():  # import every loop now: a bad _target_ fails before any work
             if "cls" not in entry:
@@ -92,15 +101,19 @@ class AgentWorker:
         cls = entry.get("cls") or resolve_class(entry["_target_"])
         kwargs = {k: v for k, v in entry.items() if k not in ("_target_", "cls")}
         return cls(ConfigWrap(self.cfg), self.scheduler, self.tokenizer, processor=None, dataset_cls=None,
-                   data_config=ConfigWrap(self.cfg.data), hf_model_type=self.model_type, tools=self.tools, **kwargs)
+                   data_config=ConfigWrap(self.cfg.data), hf_model_type=self.model_type, tools=self.tools,
+                   interactions=self.interactions, **kwargs)
 
     def agent_names(self, prompts: PromptBatch) -> list[str]:
         names = [n or self.default for n in (prompts.agent_names or [None] * len(prompts))]
-        if self.tools is not None and "single_turn_agent" in names and not self.warned_single_turn:
+        configured = (self.tools is not None, self.interactions is not None)
+        if any(configured) and "single_turn_agent" in names and not self.warned_single_turn:
             self.warned_single_turn = True
+            what = " and ".join(w for w, on in zip(("the configured tools are not offered to them",
+                                                    "the interaction does not answer them"), configured) if on)
             print(f"plait: {names.count('single_turn_agent')} of {len(names)} rows run single_turn_agent (no agent_name "
-                  f"column, rollout.agent.default_agent_loop={self.default}): the configured tools are not offered to "
-                  "them; set agent_name=tool_agent in the data or rollout.agent.default_agent_loop=tool_agent")
+                  f"column, rollout.agent.default_agent_loop={self.default}): {what}; set agent_name=tool_agent in the "
+                  "data or rollout.agent.default_agent_loop=tool_agent")
         return names
 
     def generate(self, prompts: PromptBatch, sampling: SamplingConfig, engine_round, version: Callable[[], int]) -> RolloutBatch:
@@ -156,8 +169,9 @@ class AgentWorker:
 
     def close(self) -> None:
         self.thread.close()
-        if self.tools is not None:
-            self.tools.close()
+        for box in (self.tools, self.interactions):
+            if box is not None:
+                box.close()
 
 
 def tool_call_rates(infos: list[dict]) -> dict[str, float]:
@@ -213,6 +227,10 @@ def to_batch(outs: list[AgentLoopOutput | None], prompts: PromptBatch, n: int, p
             "tool_call_attempts": int(o.extra_fields.get("tool_call_attempts", 0)),
             "tool_spans": list(o.metrics.get("tool_spans", [])),
             "tool_errors": len(o.extra_fields.get("tool_errors", []))})
+        if "interaction_turns" in o.extra_fields:
+            infos[-1].update(interaction=float(o.metrics.get("interaction", 0.0)),
+                             interaction_turns=int(o.extra_fields["interaction_turns"]),
+                             interaction_errors=len(o.extra_fields.get("interaction_errors", [])))
     reasons = ["aborted" if o is None else "length" if len(o.response_ids) >= response_length else "eos" for o in outs]
     return RolloutBatch(prompts=prompts_t, prompt_mask=prompt_mask, responses=responses, response_mask=mask,
                         response_attention=attn, rollout_logprobs=logp, token_versions=token_versions,

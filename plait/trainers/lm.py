@@ -525,7 +525,8 @@ def uses_agent_loops(cfg: PlaitConfig, *datasets) -> bool:
     if not (cfg.actor_rollout_ref.rollout.agent_loops or names):
         return False
     from plait.agents.worker import check_agent_names
-    check_agent_names(agent.agent_loop_config_path, agent.default_agent_loop, names)
+    check_agent_names(agent.agent_loop_config_path, agent.default_agent_loop, names,
+                      cfg.actor_rollout_ref.rollout.multi_turn.format)
     return True
 
 
@@ -570,6 +571,12 @@ def agent_metrics(batch: RolloutBatch) -> dict[str, float]:
     out["agent_loop/tool_calls_per_trajectory"] = calls / max(1, sum(1 for i in infos if i))
     out["agent_loop/tool_error_rate"] = sum(i.get("tool_errors", 0) for i in infos if i) / max(calls, 1)
     out.update(tool_call_rates(infos))
+    talked = [i for i in infos if i and "interaction_turns" in i]
+    if talked:  # plait's: verl logs no interaction metrics of its own
+        turns = sum(i["interaction_turns"] for i in talked)
+        out["agent_loop/interaction/mean"] = sum(i["interaction"] for i in talked) / len(talked)
+        out["agent_loop/interaction_turns_per_trajectory"] = turns / len(talked)
+        out["agent_loop/interaction_error_rate"] = sum(i["interaction_errors"] for i in talked) / len(talked)
     return out
 
 

@@ -177,6 +177,7 @@ class Rollout:
 
 def _agent_worker(cfg, tokenizer, model_path: str):
     """The agent side of this worker: the loops, and the tools of rollout.multi_turn (plait/agents)."""
+    from plait.agents.interactions import InteractionBox
     from plait.agents.tools import ToolBox, ToolLimits
     from plait.agents.worker import AgentWorker
     from transformers import AutoConfig
@@ -184,4 +185,11 @@ def _agent_worker(cfg, tokenizer, model_path: str):
     mt = cfg.actor_rollout_ref.rollout.multi_turn  # tools get the limits rewards have (reward.memory_limit_mb, ...)
     limits = ToolLimits(num_workers=mt.tool_num_workers, timeout_s=mt.tool_timeout,
                         memory_limit_mb=cfg.reward.memory_limit_mb, max_processes=cfg.reward.max_processes)
-    return AgentWorker(cfg, tokenizer, model_type, ToolBox.from_config(mt, limits))
+    tools = ToolBox.from_config(mt, limits)
+    try:  # interactions run in worker processes as tools do, with the same limits
+        interactions = InteractionBox.from_config(mt, limits)
+    except BaseException:
+        if tools is not None:
+            tools.close()
+        raise
+    return AgentWorker(cfg, tokenizer, model_type, tools, interactions)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from plait.agents.tool_parser import SUPPORTED_FORMATS, FunctionCall, parse_tool_calls
+from plait.agents.tool_parser import SUPPORTED_FORMATS, FunctionCall, count_call_blocks, parse_tool_calls
 
 
 def test_no_tags_is_all_content():
@@ -71,7 +71,37 @@ def test_deeply_nested_json_is_skipped_not_raised():
     assert parse_tool_calls(text) == ("", [])
 
 
-def test_only_hermes_is_supported():
-    assert SUPPORTED_FORMATS == ("hermes",)
-    with pytest.raises(ValueError, match="gpt-oss"):
-        parse_tool_calls("x", "gpt-oss")
+def test_hermes_and_gpt_oss_are_supported():
+    assert SUPPORTED_FORMATS == ("hermes", "gpt-oss")
+    with pytest.raises(ValueError, match="qwen3_coder"):
+        parse_tool_calls("x", "qwen3_coder")
+
+
+# -- gpt-oss (harmony), as verl 0.9.1's GptOssToolParser reads it ---------------------------------
+
+HARMONY_CALL = ('<|start|>assistant<|channel|>commentary to=functions.add <|constrain|>json<|message|>'
+                '{"a": 2,"b":3}<|call|>')
+
+
+def test_gpt_oss_call_keeps_its_arguments_as_written_and_the_rest_is_content():
+    text = "<|channel|>final<|message|>let me add<|end|>" + HARMONY_CALL
+    content, calls = parse_tool_calls(text, "gpt-oss")
+    assert calls == [FunctionCall("add", '{"a": 2,"b":3}')]
+    assert content == "<|channel|>final<|message|>let me add<|end|>"
+    assert count_call_blocks(text, "gpt-oss") == 1
+
+
+def test_gpt_oss_reasoning_is_removed_and_its_calls_are_not_calls():
+    cot = ("<|channel|>analysis<|message|>maybe to=functions.sub <|constrain|>json<|message|>{}<|call|> no<|end|>"
+           "<|start|>assistant<|channel|>analysis<|message|>more<|end|>")
+    content, calls = parse_tool_calls(cot + HARMONY_CALL + HARMONY_CALL.replace("add", "mul"), "gpt-oss")
+    assert [c.name for c in calls] == ["add", "mul"] and content == ""
+    assert count_call_blocks(cot, "gpt-oss") == 0
+
+
+def test_gpt_oss_without_calls_is_the_text_less_its_reasoning_and_a_headless_call_is_no_call():
+    text = "<|channel|>analysis<|message|>think<|end|><|start|>assistant<|channel|>final<|message|>5<|return|>"
+    assert parse_tool_calls(text, "gpt-oss") == ("<|start|>assistant<|channel|>final<|message|>5<|return|>", [])
+    headless = HARMONY_CALL.removeprefix("<|start|>assistant")  # as verl: a call needs its own head
+    assert parse_tool_calls(headless, "gpt-oss") == (headless, [])
+    assert count_call_blocks(headless, "gpt-oss") == 1  # written, not parsed: counts against the valid-call rate

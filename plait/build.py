@@ -159,7 +159,8 @@ def start_model(cfg: PlaitConfig) -> str:
     """The user's directory, a built-in model (built once, cached), or the demo model warm-started
     once and cached."""
     from plait.data.warmstart import sft_warmstart
-    from plait.models import builtin_model, create_tiny_model
+    from plait.builtin_models import builtin_model
+    from plait.models import create_tiny_model
     path = cfg.actor_rollout_ref.model.path
     builtin = builtin_model(path)
     if builtin is not None:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from plait.configtree import ConfigError, ConfigErrors, raise_all
 
-BUILTIN_MODEL_NAMES = ("smollm2-135m-instruct", "tiny-qwen2-vl-demo")  # models.BUILTIN_MODELS: built from an
+BUILTIN_MODEL_NAMES = ("smollm2-135m-instruct", "tiny-qwen2-vl-demo")  # builtin_models.BUILTIN_MODELS: built from an
 # installed package (SmolLM2) or from a config plus a warm start (the vl_demo preset's, plait/vl_demo.py)
 PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow", "swanlab": "swanlab"}
 

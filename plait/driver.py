@@ -22,7 +22,8 @@ from plait.data.reward_pool import close_reward_workers
 from plait.checks import check_data_files, check_loggers, collect_errors, not_a_directory
 from plait.data.dataset import read_column
 from plait.data.rewards import BUILTIN, has_builtin_reward, needs_string_truth, resolve_reward
-from plait.models import builtin_model, check_model_dir, check_reward_model_dir
+from plait.builtin_models import builtin_model
+from plait.models import check_model_dir, check_reward_model_dir
 from plait.profiler import RoleProfilerConfig, validate_environment
 from plait.profiler.config import ROLE_KEYS
 from plait.trainers.checkpoint import checkpoint_steps, output_dir_lock
@@ -84,7 +85,7 @@ def source_errors(files_key: str, path: str, key: str) -> list[ConfigError]:
 
 def check_model_path(cfg: PlaitConfig) -> None:
     """A model dir without config, weights or tokenizer, or not a causal LM, is refused before any work;
-    so is a built-in model name (models.BUILTIN_MODELS) whose package is missing."""
+    so is a built-in model name (builtin_models.BUILTIN_MODELS) whose package is missing."""
     model, rm = cfg.actor_rollout_ref.model, cfg.reward.reward_model
     builtin = builtin_model(model.path)
     checks = []

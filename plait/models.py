@@ -23,7 +23,6 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
-from typing import Callable, NamedTuple
 
 import torch
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
@@ -32,7 +31,7 @@ from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequence
                           Qwen2_5_VLConfig, Qwen2Config, Qwen2ForCausalLM, Qwen2VLConfig)
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-from plait.checks import BUILTIN_MODEL_NAMES, not_a_directory
+from plait.checks import not_a_directory
 from plait.configtree import ConfigError
 from plait.models_vl import VL_CHAT_TEMPLATE, VL_CLASSES, VL_TOKENS, image_processor, is_vl_dir, vl_refusal
 from plait.safeload import torch_reason
@@ -330,27 +329,6 @@ def smollm2_gguf(key: str = "model", value: str = "SmolLM2-135M-Instruct") -> Pa
     if found is None:
         raise ConfigError(key, value, f"the installed {SMOLLM2_PACKAGE} has no .gguf file; reinstall it: {SMOLLM2_INSTALL}")
     return Path(metadata.distribution(SMOLLM2_PACKAGE).locate_file(found))
-
-
-class BuiltinModel(NamedTuple):
-    check: Callable[[str, str], object]  # (config key, value) -> raises a ConfigError when it cannot be built
-    build: Callable[[], str]             # -> the model's folder, built on first call
-
-
-# Names `actor_rollout_ref.model.path` may take instead of a directory: a model plait builds once
-# from an installed package (an existing directory of the same name wins).
-def _vl_demo_dir() -> str:
-    from plait.vl_demo import vl_demo_dir  # imports models_vl's torch pieces only when asked
-    return vl_demo_dir()
-
-
-BUILTIN_MODELS = dict(zip(BUILTIN_MODEL_NAMES, [BuiltinModel(smollm2_gguf, smollm2_dir),
-                                                BuiltinModel(lambda key, value: None, _vl_demo_dir)]))
-
-
-def builtin_model(path: str | None) -> BuiltinModel | None:
-    """The built-in model `path` names, unless a file or directory of that name exists; else None."""
-    return BUILTIN_MODELS.get(path) if path and not Path(path).exists() else None
 
 
 def _local_dir(path: str | Path) -> str:

@@ -174,7 +174,7 @@ def test_a_full_disk_during_a_sharded_save_on_ray_is_the_one_line_with_the_previ
     and step 1 stays latest and verifies."""
     from plait import driver
     from plait.errors import RunError
-    from plait.trainers.lifecycle import verify_checkpoint
+    from plait.trainers.checkpoint import verify_checkpoint
     crafted = tmp_path / "crafted" / "actor" / SHARDED_DIR
     crafted.mkdir(parents=True)
     for rank in (0, 1):

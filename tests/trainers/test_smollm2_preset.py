@@ -10,7 +10,8 @@ import pytest
 import plait.models
 from plait.cli import main
 from plait.config import load_config
-from plait.models import builtin_model, check_model_dir, smollm2_dir
+from plait.builtin_models import builtin_model
+from plait.models import check_model_dir, smollm2_dir
 
 
 def test_preset_without_the_package_exits_2_naming_the_install(tmp_path, capsys, monkeypatch):

@@ -125,7 +125,6 @@ def test_ctrl_c_before_any_checkpoint_does_not_claim_one(tmp_path):
     import signal
     import subprocess
     import sys
-    import time
     from tests.conftest import TINY
     env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}
     proc = subprocess.Popen([sys.executable, "-m", "plait.cli", "train", "--no-progress", *TINY, "data.val_size=64",

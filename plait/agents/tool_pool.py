@@ -28,7 +28,7 @@ from typing import Any, Optional
 import yaml
 
 from plait.agents.compat import ToolLoadError, exec_user_file, resolve_tool_class
-from plait.agents.tools import (FUNCTION_TOOL_REGISTRY, FunctionTool, OpenAIFunctionToolSchema, ToolResponse,
+from plait.agents.tools import (FUNCTION_TOOL_REGISTRY, FunctionTool, OpenAIFunctionToolSchema,
                                 is_tool_response, normalize_function_tool_return)
 from plait.safeload import first_line
 

@@ -23,7 +23,7 @@ from plait import driver
 from plait.profiler import read_manifest
 from plait.trainers.lifecycle import read_metrics
 
-from test_matrix import BEYOND, CASES, HOOK, MODES, Case, all_files, expected_records, expected_stage_names, \
+from test_matrix import BEYOND, CASES, MODES, Case, all_files, expected_records, expected_stage_names, \
     load_artifact, profile_overrides
 
 pytest.importorskip("vllm")

@@ -3,7 +3,6 @@ aside on a fresh start, the run dir recording where they went (so the report fin
 end-of-run summary (summary.json) matching metrics.jsonl."""
 
 import json
-import os
 
 from plait import driver
 from plait.profiler.analysis import build_report

@@ -1,6 +1,5 @@
 """Sync mode end to end on the tiny model: GRPO and PPO learn, resume is exact, user data works."""
 
-import json
 import os
 
 import pyarrow as pa

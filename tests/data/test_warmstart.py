@@ -1,5 +1,4 @@
 import json
-import time
 from pathlib import Path
 
 import torch
@@ -23,10 +22,9 @@ def test_warmstart_trains_saves_and_caches(tiny_model_dir, tmp_path):
 
     weights = out / "model.safetensors"
     stamp = weights.stat().st_mtime_ns
-    start = time.perf_counter()
     assert sft_warmstart(tiny_model_dir, "arithmetic", out, steps=3, batch_size=8, lr=1e-2,
                          seed=0) == str(out)
-    assert weights.stat().st_mtime_ns == stamp and time.perf_counter() - start < 1.0  # cached
+    assert weights.stat().st_mtime_ns == stamp  # cached: not trained or written again
 
     sft_warmstart(tiny_model_dir, "arithmetic", out, steps=2, batch_size=8, lr=1e-2, seed=0)
     assert weights.stat().st_mtime_ns != stamp  # other settings: trained again

@@ -60,9 +60,10 @@ def parts_add_up(steps):
             assert sum(parts.values()) == pytest.approx(st.wall, abs=1e-6), (st.step, name, parts)
 
 
-def small_holes(steps, lane_name, median=0.10, worst=0.25):
-    """Unattributed time is Python between spans (ms); a hole like the one fixed is most of a step.
-    A tiny run's steps last tens of ms, so one step's few ms (a thread's first start) may reach 20 %."""
+def small_holes(steps, lane_name, median=0.10, worst=0.5):
+    """Unattributed time is Python between spans (ms); a hole like the one fixed is most of a step (89 %).
+    A tiny run's steps last tens of ms, so one step's few ms (a thread's first start, a GC pause, the
+    scheduler giving the core to another process: CI runs the vLLM suite beside this one) may reach 20-40 %."""
     shares = sorted(st.lanes[lane_name][UNATTRIBUTED] / st.wall for st in steps)
     return shares[len(shares) // 2] < median and shares[-1] < worst
 

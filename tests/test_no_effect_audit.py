@@ -103,7 +103,7 @@ ON = {
     "actor_rollout_ref.actor.optim.optimizer_impl": "bitsandbytes.optim",
     "actor_rollout_ref.actor.optim.override_optimizer_config.betas": [0.9, 0.95], "critic.optim.optimizer": "Muon",
     "critic.optim.optimizer_impl": "torchao.optim", "critic.optim.override_optimizer_config.eps": 1e-6,
-    "data.custom_cls.path": "my.py", "data.custom_cls.name": "MyDataset", "data.sampler.class_path": "my.py",
+    "data.sampler.class_path": "my.py",
     "data.sampler.class_name": "Curriculum", "data.datagen.path": "my.py", "data.datagen.name": "Gen",
     "data.train_max_samples": 100, "data.val_max_samples": 10, "critic.model.lora_rank": 8,
     "critic.model.lora_adapter_path": "/adapter", "actor_rollout_ref.model.lora.rank": 8, "critic.model.lora.rank": 8, "critic.model.lora.adapter_path": "/a",

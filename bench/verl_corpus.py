@@ -248,7 +248,8 @@ def measure_script(script: Path, root: Path, work: Path, fixtures: dict[str, str
     for module, args in calls:
         args, keys = substitute(args, fixtures, root)
         replaced |= set(keys)
-        ok, line = load(module, args)
+        with contextlib.chdir(root):  # where the script runs: a dataset class's own imports (`recipe.*`) resolve there
+            ok, line = load(module, args)
         if not ok and status == "accepted":
             status, first = "refused", line
     return {**record, "status": status, "refusal": first, "replaced": sorted(replaced), "calls": len(calls)}

@@ -75,6 +75,15 @@ def check_custom_dataset(cfg: PlaitConfig) -> None:
     load_dataset_class(c.path, c.name)
 
 
+def check_tool_classes(cfg: PlaitConfig) -> None:
+    """The configured tools plait refuses by class name, before any model loads. verl 0.9.1's agent-loop
+    workers build every tool of the file at start, whichever loop the rows run, so verl stops there too."""
+    from plait.agents.compat import refused_tool_lines
+    path = cfg.actor_rollout_ref.rollout.multi_turn.tool_config_path
+    raise_all([ConfigError("actor_rollout_ref.rollout.multi_turn.tool_config_path", path, line)
+               for line in (refused_tool_lines(path) if path else [])])
+
+
 def source_errors(files_key: str, path: str, key: str) -> list[ConfigError]:
     """The file's data sources without a built-in reward (the first five, each with its first row),
     and its first row whose scorer needs a string ground truth and has another type."""
@@ -138,7 +147,8 @@ def preflight_errors(cfg: PlaitConfig) -> list[ConfigError]:
     roles_cfg = role_profilers(cfg)
     return collect_errors((lambda: validate_environment(cfg.global_profiler, roles_cfg),
                            lambda: check_memory_profiling(cfg, roles_cfg), lambda: check_data_files(cfg),
-                           lambda: check_data_sources(cfg), lambda: check_custom_dataset(cfg), lambda: check_model_path(cfg),
+                           lambda: check_data_sources(cfg), lambda: check_custom_dataset(cfg), lambda: check_tool_classes(cfg),
+                           lambda: check_model_path(cfg),
                            lambda: resolve_reward(cfg.reward, cfg.data.max_response_length),
                            lambda: resolve_device(cfg), lambda: check_loggers(cfg.trainer.logger)))
 

@@ -48,6 +48,21 @@ PLAIT_HOMES = {
 }
 
 
+def refused_tool_lines(path: str) -> list[str]:
+    """One line per tool of the tool config at `path` that plait refuses by class name (REFUSED, its module not
+    importable here), read without running any tool code: what loading the tools at start would refuse. A
+    file that does not read is left to that load to name."""
+    import yaml
+    try:
+        with open(path) as f:
+            entries = (yaml.safe_load(f) or {}).get("tools")
+    except (OSError, ValueError, AttributeError):
+        return []
+    names = [e.get("class_name") if isinstance(e, dict) else None for e in entries or []] if isinstance(entries, list) else []
+    return [f"tools[{i}]: class_name {name} is not run by plait: {REFUSED[name]}" for i, name in enumerate(names)
+            if name in REFUSED and not _imports(name.rpartition(".")[0])]
+
+
 class ToolLoadError(ValueError):
     """A tool that cannot be loaded, said in one line."""
 
@@ -92,7 +107,7 @@ def exec_user_file(path: str, module_name: str):
 def _imports(module_name: str) -> bool:
     try:
         return importlib.util.find_spec(module_name) is not None
-    except ModuleNotFoundError:  # a parent package (verl, verl.tools) is missing
+    except Exception:  # noqa: BLE001 - a parent package (verl, verl.tools) is missing or does not import here
         return False
 
 

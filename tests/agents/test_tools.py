@@ -267,6 +267,20 @@ def test_tools_plait_does_not_run_are_refused_by_name(tmp_path, toolbox, class_n
     assert err.value.key == "actor_rollout_ref.rollout.multi_turn.tool_config_path"
 
 
+def test_config_show_refuses_a_tool_plait_does_not_run_before_any_model_loads(tmp_path, capsys):
+    """verl 0.9.1's agent-loop workers build every configured tool at start (its wheel has no SearchTool, so it
+    stops there): plait says so at `config show`, whichever loop the rows would run."""
+    from plait.cli import main
+    path = write(tmp_path, "search.yaml", "tools:\n  - class_name: verl.tools.search_tool.SearchTool\n"
+                                          "    config: {type: native}\n")
+    assert main(["config", "show", f"actor_rollout_ref.rollout.multi_turn.tool_config_path={path}"]) == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("plait: config error")]
+    assert lines == [f"plait: config error: actor_rollout_ref.rollout.multi_turn.tool_config_path='{path}': tools[0]: "
+                     "class_name verl.tools.search_tool.SearchTool is not run by plait: verl's retrieval tool: it calls "
+                     "an outside service, which plait neither runs nor reaches; write a BaseTool or @function_tool for "
+                     "yours"]
+
+
 def test_mcp_type_and_duplicates_are_refused(tmp_path, toolbox):
     mcp = write(tmp_path, "mcp.yaml", "tools:\n  - class_name: a.B\n    config: {type: mcp}\n")
     with pytest.raises(ConfigError, match="config.type is 'mcp'"):

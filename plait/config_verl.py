@@ -421,6 +421,7 @@ _GROUPS = {
     ("keys no code of verl (volcengine/verl b178a3c) or verl-recipe reads: a script adds them with '+', and "
      "verl ignores them too"): """
         data.min_response_length
+        trainer.rl_logging_board_dir
     """,
 }
 

@@ -55,10 +55,11 @@ CLASSES = [
      r"checkpoint\.strict$|^data\.(return_raw_input_ids|return_full_prompt|validation_shuffle|trust_remote_code)$|"
      r"^critic\.shuffle$|external_lib$|reward\.sandbox_fusion\.(max_concurrent|memory_limit_mb)$"),
     # verl 0.9.1 reads these nowhere either: older rollout-correction spellings (its RolloutCorrectionConfig has
-    # rollout_rs_threshold) and over_sample_rate (a field of its rollout config only)
+    # rollout_rs_threshold), over_sample_rate (a field of its rollout config only) and DeepEyes' '+' key
+    # trainer.rl_logging_board_dir (no code of verl or verl-recipe reads it)
     ("keys verl 0.9.1 does not read either", "machinery",
      r"^algorithm\.rollout_correction\.(rollout_rs_threshold_lower|rollout_token_veto_threshold)$|"
-     r"^actor_rollout_ref\.rollout\.over_sample_rate$|^data\.min_response_length$"),
+     r"^actor_rollout_ref\.rollout\.over_sample_rate$|^data\.min_response_length$|^trainer\.rl_logging_board_dir$"),
     ("deprecated global micro-batch sizes and derived keys", "machinery",
      r"(ppo_micro_batch_size|log_prob_micro_batch_size|forward_micro_batch_size|forward_micro_batch_size_per_gpu)$"),
 ]

@@ -206,3 +206,23 @@ def test_a_subclass_of_verls_rlhf_dataset_gives_verls_rows(tmp_path):
     for row in result["rows"]:
         assert row == {"same_prompt": True, "same_text": True, "same_source": True, "same_truth": True,
                        "same_extra": True, "tag": "tagged"}
+
+
+def test_image_parts_become_placeholders_and_images_and_a_text_model_refuses_them(tmp_path, tiny_config):
+    from PIL import Image
+
+    from plait.data.custom_dataset import verl_row
+    image = Image.new("RGB", (28, 28), "red")
+    item = {"raw_prompt": [{"role": "user", "content": [{"type": "text", "text": "What is "},
+                                                        {"type": "image", "image": image},
+                                                        {"type": "text", "text": "?"}]}],
+            "data_source": "arithmetic", "reward_model": {"ground_truth": "1"}, "extra_info": {}}
+    row = verl_row("Pics", 0, item, "prompt", "data_source", "images")
+    assert row["prompt"] == [{"role": "user", "content": "What is <image>?"}] and row["images"] == [image]
+    source = CLASS.replace('[{"role": "user", "content": text + " " + text}]',
+                           '[{"role": "user", "content": [{"type": "image", "image": {"path": "x.png"}}]}]')
+    cfg = tiny_config(tmp_path / "out", *custom_overrides(tmp_path, source))
+    with pytest.raises(ConfigError, match=r"Doubled's items over data.train_files: row 0: column 'images' "
+                                          r"\(data.image_key\) holds list media, which needs a vision-language model"):
+        load_custom_dataset(cfg, "data.train_files", cfg.data.train_files, build_char_tokenizer(),
+                            media_keys={"data.image_key": "images"})

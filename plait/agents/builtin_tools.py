@@ -1,8 +1,9 @@
 """plait's own tools: verl's GSM8K and geometry3k answer checkers (for verl's multi-turn GSM8K and
 Geo3K examples, where `class_name: verl.tools.gsm8k_tool.Gsm8kTool` / `verl.tools.geo3k_tool.Geo3kTool`
-land here when verl does not provide them: verl 0.9.1's wheel ships neither) and a calculator, with the worked transcripts a supervised warm start teaches it from: for each of
-plait's synthetic word problems (plait/data/word_problems.py) one calculator call with the
-problem's arithmetic, the tool's answer, and a final line "#### N".
+land here when verl does not provide them: verl 0.9.1's wheel ships neither) and a calculator, with
+the worked transcripts a supervised warm start teaches it from: for each of plait's synthetic word
+problems (plait/data/word_problems.py) one calculator call with the problem's arithmetic, the tool's
+answer, and a final line "#### N".
 
 Left out: verl's other built-ins (compat.py says why each is refused).
 """

@@ -57,7 +57,8 @@ def refused_tool_lines(path: str) -> list[str]:
             entries = (yaml.safe_load(f) or {}).get("tools")
     except (OSError, ValueError, AttributeError):
         return []
-    names = [e.get("class_name") if isinstance(e, dict) else None for e in entries or []] if isinstance(entries, list) else []
+    entries = entries if isinstance(entries, list) else []
+    names = [e.get("class_name") if isinstance(e, dict) else None for e in entries]
     return [f"tools[{i}]: class_name {name} is not run by plait: {REFUSED[name]}" for i, name in enumerate(names)
             if name in REFUSED and not _imports(name.rpartition(".")[0])]
 

@@ -31,7 +31,13 @@ the corpus and run:
     git clone https://github.com/volcengine/verl && git clone https://github.com/verl-project/verl-recipe verl/recipe
     # bench/results/verl_corpus.json: verl b178a3c, verl-recipe 48ea0a7 (git checkout them for the same scripts)
     python bench/verl_corpus.py --corpus examples=verl:examples --corpus recipes=verl:recipe \
-        [--out bench/results/verl_corpus.json]
+        --verl-site .verl-side [--out bench/results/verl_corpus.json]
+
+A script's dataset class (`data.custom_cls`) is imported as `plait train` imports it, from the corpus root
+(the scripts' working directory, so its `recipe.*` imports resolve there); with --verl-site (verl 0.9.1
+installed aside, as .ci/run installs it) its `verl.*` imports resolve to verl 0.9.1, as for a verl 0.9.1
+user (without it, to the corpus' own verl/ folder, which needs verl's dependencies). Tool classes plait
+refuses by name are refused here too, as `plait config show` refuses them.
 """
 
 from __future__ import annotations
@@ -248,7 +254,8 @@ def measure_script(script: Path, root: Path, work: Path, fixtures: dict[str, str
     for module, args in calls:
         args, keys = substitute(args, fixtures, root)
         replaced |= set(keys)
-        ok, line = load(module, args)
+        with contextlib.chdir(root):  # where the script runs: a dataset class's own imports (`recipe.*`) resolve there
+            ok, line = load(module, args)
         if not ok and status == "accepted":
             status, first = "refused", line
     return {**record, "status": status, "refusal": first, "replaced": sorted(replaced), "calls": len(calls)}
@@ -290,7 +297,11 @@ def main() -> int:
                         help="a repository folder whose *.sh (under SUBDIR, recursively) are measured, named NAME in "
                              "the results; the scripts run from ROOT, as from their repository's root")
     parser.add_argument("--out", default="bench/results/verl_corpus.json")
+    parser.add_argument("--verl-site", metavar="DIR", help="verl 0.9.1 installed aside (.ci/run's --no-deps line), "
+                        "put after plait's own packages: a dataset class that imports verl loads against it")
     args = parser.parse_args()
+    if args.verl_site:
+        sys.path.append(os.path.abspath(args.verl_site))
     result = {}
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)

@@ -234,8 +234,14 @@ def load_lm_data(cfg: PlaitConfig, model_path: str, tokenizer) -> tuple[PromptDa
                    media_keys={"data.image_key": d.image_key, "data.video_key": d.video_key, "data.audio_key": d.audio_key},
                    processor=load_processor(model_path, tokenizer) if is_vl_dir(model_path) else None,
                    image_patch_size=d.image_patch_size)
-    train_data = load_dataset("data.train_files", train_files, tokenizer, **options)
-    val_data = load_dataset("data.val_files", val_files, tokenizer, **options) if val_files else None
+    if d.custom_cls.path:  # the user's class reads the files (plait/data/custom_dataset.py)
+        from plait.data.custom_dataset import load_custom_dataset
+        hf_processor = hf_vl_processor(model_path) if options["processor"] is not None else None
+        load = partial(load_custom_dataset, cfg, hf_processor=hf_processor)
+    else:
+        load = load_dataset
+    train_data = load("data.train_files", train_files, tokenizer, **options)
+    val_data = load("data.val_files", val_files, tokenizer, **options) if val_files else None
     if d.filter_overlong_prompts:
         print(f"plait: data.filter_overlong_prompts dropped {train_data.filtered} training and "
               f"{val_data.filtered if val_data else 0} validation prompts longer than "
@@ -245,6 +251,12 @@ def load_lm_data(cfg: PlaitConfig, model_path: str, tokenizer) -> tuple[PromptDa
                           f"larger than the training set ({len(train_data)} prompts in {', '.join(map(str, train_files))}); "
                           "lower it or add prompts")
     return train_data, val_data
+
+
+def hf_vl_processor(model_path: str):
+    """transformers' processor of a vision-language model folder: what verl hands a data.custom_cls class."""
+    from transformers import AutoProcessor
+    return AutoProcessor.from_pretrained(model_path, local_files_only=True)
 
 
 def resolve_schedule(cfg: PlaitConfig, n_train: int) -> None:

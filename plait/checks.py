@@ -21,6 +21,8 @@ PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow", 
 
 
 def check_data_files(cfg) -> None:
+    if cfg.data.custom_cls.path:  # the user's class reads them as it likes (folders, hub names): verl hands it the paths
+        return
     raise_all([ConfigError(key, path, "no such file (parquet or JSONL rows in verl's format)")
                for key, files in (("data.train_files", cfg.data.train_files), ("data.val_files", cfg.data.val_files))
                for path in files or [] if not os.path.isfile(path)])

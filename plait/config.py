@@ -48,6 +48,17 @@ def positive(node, *names: str) -> None:
 
 
 @dataclass
+class CustomDatasetConfig:
+    """`data.custom_cls`: a user's torch Dataset class that reads data.train_files / val_files itself
+    (plait/data/custom_dataset.py)."""
+    path: Optional[str] = None                # a Python file, or pkg://module.path (verl's load_extern_object forms)
+    name: Optional[str] = None                # the class in it
+
+    def __post_init__(self):
+        check(self.name is not None or self.path is None, "name", self.name, "the dataset class's name when path is set")
+
+
+@dataclass
 class DataConfig:
     train_files: Optional[list[str]] = None  # null: the built-in task named by `task`
     val_files: Optional[list[str]] = None
@@ -70,6 +81,7 @@ class DataConfig:
     video_key: str = "videos"                 # verl's video and audio columns: a row holding any is refused
     audio_key: str = "audios"                 #   (training would drop them without a word)
     image_patch_size: int = 14                # images are resized to multiples of 2 x this (verl's process_image)
+    custom_cls: CustomDatasetConfig = field(default_factory=CustomDatasetConfig)
 
     def __post_init__(self):
         # 0 is verl's fully-async setting (the rollouter streams); PlaitConfig checks the mode and sizes it

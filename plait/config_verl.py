@@ -267,7 +267,7 @@ _GROUPS = {
         global_profiler.global_tool_config.nsys.worker_nsight_options.capture-range-end
         global_profiler.global_tool_config.nsys.worker_nsight_options.kill
     """,
-    ("verl extension points by class or module path (custom dataset, sampler, data generator, reward "
+    ("verl extension points by class or module path (sampler, data generator, reward "
      "manager and reward loop classes, async servers, sandbox, external model libraries, optimizer "
      "classes): plait's components are chosen by name"): """
         actor_rollout_ref.actor.optim.optimizer
@@ -275,8 +275,6 @@ _GROUPS = {
         actor_rollout_ref.actor.optim.override_optimizer_config
         actor_rollout_ref.model.hf_config_path
         actor_rollout_ref.model.external_lib
-        data.custom_cls.path
-        data.custom_cls.name
         data.sampler.class_path
         data.sampler.class_name
         data.datagen.path
@@ -423,6 +421,7 @@ _GROUPS = {
     ("keys no code of verl (volcengine/verl b178a3c) or verl-recipe reads: a script adds them with '+', and "
      "verl ignores them too"): """
         data.min_response_length
+        trainer.rl_logging_board_dir
     """,
 }
 
@@ -468,9 +467,9 @@ _DEFAULT_ONLY = {
         actor_rollout_ref.actor.optim.optimizer actor_rollout_ref.actor.optim.optimizer_impl
         actor_rollout_ref.actor.optim.override_optimizer_config critic.optim.optimizer critic.optim.optimizer_impl
         critic.optim.override_optimizer_config"""),
-    "dataset, sampler or data generator class (plait reads the rows of data.train_files in its own order)": ((None,), """
-        data.custom_cls.path data.custom_cls.name data.sampler.class_path data.sampler.class_name
-        data.datagen.path data.datagen.name"""),
+    "sampler or data generator class (plait reads the rows of data.train_files in its own order; verl 0.9.1 itself has "
+    "neither key: its data config dropped data.sampler and data.datagen)": ((None,), """
+        data.sampler.class_path data.sampler.class_name data.datagen.path data.datagen.name"""),
     "image processing (plait resizes each image by its own min_pixels / max_pixels and the processor's saved "
     "settings)": ((None, {}), """
         data.mm_processor_kwargs"""),

@@ -47,7 +47,8 @@ def check_data_sources(cfg: PlaitConfig) -> None:
     needs a built-in reward, and the scorers that read the ground truth as text (DAPO, aime*, math)
     a string one: every train and val file is checked here, before any model loads, rather than at
     the first reward. A file that does not read is left to load_dataset to name."""
-    if cfg.trainer.mode == "diffusion" or cfg.reward.custom_reward_function.path or cfg.reward.reward_model.enable:
+    if (cfg.trainer.mode == "diffusion" or cfg.reward.custom_reward_function.path or cfg.reward.reward_model.enable
+            or cfg.data.custom_cls.path):  # a dataset class's rows exist only once it runs
         return
     errors = []
     for files_key, files in (("data.train_files", cfg.data.train_files), ("data.val_files", cfg.data.val_files)):
@@ -57,6 +58,30 @@ def check_data_sources(cfg: PlaitConfig) -> None:
             except (OSError, ValueError):
                 continue
     raise_all(errors)
+
+
+def check_custom_dataset(cfg: PlaitConfig) -> None:
+    """data.custom_cls: its class loads and is a torch Dataset, and it has files to read (built at start)."""
+    c = cfg.data.custom_cls
+    if not c.path:
+        return
+    if cfg.trainer.mode == "diffusion":
+        raise ConfigError("data.custom_cls.path", c.path, "the diffusion trainer reads prompt files; a dataset class "
+                                                         "is implemented for the language-model modes")
+    if not cfg.data.train_files:
+        raise ConfigError("data.train_files", cfg.data.train_files, "data.custom_cls reads the files given here "
+                                                                  "(verl hands them to the class); set them")
+    from plait.data.custom_dataset import load_dataset_class
+    load_dataset_class(c.path, c.name)
+
+
+def check_tool_classes(cfg: PlaitConfig) -> None:
+    """The configured tools plait refuses by class name, before any model loads. verl 0.9.1's agent-loop
+    workers build every tool of the file at start, whichever loop the rows run, so verl stops there too."""
+    from plait.agents.compat import refused_tool_lines
+    path = cfg.actor_rollout_ref.rollout.multi_turn.tool_config_path
+    raise_all([ConfigError("actor_rollout_ref.rollout.multi_turn.tool_config_path", path, line)
+               for line in (refused_tool_lines(path) if path else [])])
 
 
 def source_errors(files_key: str, path: str, key: str) -> list[ConfigError]:
@@ -122,7 +147,8 @@ def preflight_errors(cfg: PlaitConfig) -> list[ConfigError]:
     roles_cfg = role_profilers(cfg)
     return collect_errors((lambda: validate_environment(cfg.global_profiler, roles_cfg),
                            lambda: check_memory_profiling(cfg, roles_cfg), lambda: check_data_files(cfg),
-                           lambda: check_data_sources(cfg), lambda: check_model_path(cfg),
+                           lambda: check_data_sources(cfg), lambda: check_custom_dataset(cfg), lambda: check_tool_classes(cfg),
+                           lambda: check_model_path(cfg),
                            lambda: resolve_reward(cfg.reward, cfg.data.max_response_length),
                            lambda: resolve_device(cfg), lambda: check_loggers(cfg.trainer.logger)))
 

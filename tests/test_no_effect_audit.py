@@ -55,10 +55,11 @@ CLASSES = [
      r"checkpoint\.strict$|^data\.(return_raw_input_ids|return_full_prompt|validation_shuffle|trust_remote_code)$|"
      r"^critic\.shuffle$|external_lib$|reward\.sandbox_fusion\.(max_concurrent|memory_limit_mb)$"),
     # verl 0.9.1 reads these nowhere either: older rollout-correction spellings (its RolloutCorrectionConfig has
-    # rollout_rs_threshold) and over_sample_rate (a field of its rollout config only)
+    # rollout_rs_threshold), over_sample_rate (a field of its rollout config only) and DeepEyes' '+' key
+    # trainer.rl_logging_board_dir (no code of verl or verl-recipe reads it)
     ("keys verl 0.9.1 does not read either", "machinery",
      r"^algorithm\.rollout_correction\.(rollout_rs_threshold_lower|rollout_token_veto_threshold)$|"
-     r"^actor_rollout_ref\.rollout\.over_sample_rate$|^data\.min_response_length$"),
+     r"^actor_rollout_ref\.rollout\.over_sample_rate$|^data\.min_response_length$|^trainer\.rl_logging_board_dir$"),
     ("deprecated global micro-batch sizes and derived keys", "machinery",
      r"(ppo_micro_batch_size|log_prob_micro_batch_size|forward_micro_batch_size|forward_micro_batch_size_per_gpu)$"),
 ]
@@ -103,7 +104,7 @@ ON = {
     "actor_rollout_ref.actor.optim.optimizer_impl": "bitsandbytes.optim",
     "actor_rollout_ref.actor.optim.override_optimizer_config.betas": [0.9, 0.95], "critic.optim.optimizer": "Muon",
     "critic.optim.optimizer_impl": "torchao.optim", "critic.optim.override_optimizer_config.eps": 1e-6,
-    "data.custom_cls.path": "my.py", "data.custom_cls.name": "MyDataset", "data.sampler.class_path": "my.py",
+    "data.sampler.class_path": "my.py",
     "data.sampler.class_name": "Curriculum", "data.datagen.path": "my.py", "data.datagen.name": "Gen",
     "data.train_max_samples": 100, "data.val_max_samples": 10, "critic.model.lora_rank": 8,
     "critic.model.lora_adapter_path": "/adapter", "actor_rollout_ref.model.lora.rank": 8, "critic.model.lora.rank": 8, "critic.model.lora.adapter_path": "/a",

@@ -1,8 +1,9 @@
-"""plait's own tools: verl's GSM8K answer checker (for verl's multi-turn GSM8K example, where
-`class_name: verl.tools.gsm8k_tool.Gsm8kTool` lands here when verl does not provide it) and a
-calculator, with the worked transcripts a supervised warm start teaches it from: for each of
-plait's synthetic word problems (plait/data/word_problems.py) one calculator call with the
-problem's arithmetic, the tool's answer, and a final line "#### N".
+"""plait's own tools: verl's GSM8K and geometry3k answer checkers (for verl's multi-turn GSM8K and
+Geo3K examples, where `class_name: verl.tools.gsm8k_tool.Gsm8kTool` / `verl.tools.geo3k_tool.Geo3kTool`
+land here when verl does not provide them: verl 0.9.1's wheel ships neither) and a calculator, with
+the worked transcripts a supervised warm start teaches it from: for each of plait's synthetic word
+problems (plait/data/word_problems.py) one calculator call with the problem's arithmetic, the tool's
+answer, and a final line "#### N".
 
 Left out: verl's other built-ins (compat.py says why each is refused).
 """
@@ -18,7 +19,7 @@ from typing import Any, Optional
 from uuid import uuid4
 
 from plait.agents.tools import BaseTool, OpenAIFunctionToolSchema, ToolResponse
-from plait.data.math_rewards import gsm8k_score
+from plait.data.math_rewards import geo3k_score, gsm8k_score
 
 
 class Gsm8kTool(BaseTool):
@@ -51,11 +52,16 @@ class Gsm8kTool(BaseTool):
         answer = parameters.get("answer", "")
         answer = answer if isinstance(answer, str) else str(answer)
         state = self._instances[instance_id]
-        state["response"] = answer if answer.startswith("#### ") else "#### " + answer
+        state["response"] = self.submitted(answer)
         reward = await self.calc_reward(instance_id)
         tool_reward = 0.0 if reward > state["reward"] else -0.05  # no better than before: a small penalty
         state["reward"] = reward
         return ToolResponse(text=f"Current parsed answer={answer!r} reward={reward!r}"), tool_reward, {}
+
+    @staticmethod
+    def submitted(answer: str) -> str:
+        """What is scored: the answer as GSM8K's final line."""
+        return answer if answer.startswith("#### ") else "#### " + answer
 
     async def calc_reward(self, instance_id: str, **kwargs) -> float:
         state = self._instances[instance_id]
@@ -63,6 +69,27 @@ class Gsm8kTool(BaseTool):
 
     async def release(self, instance_id: str, **kwargs) -> None:
         del self._instances[instance_id]
+
+
+class Geo3kTool(Gsm8kTool):
+    """verl's `calc_geo3k_reward` (verl's examples at b178a3c): as Gsm8kTool, but the answer is scored as
+    submitted by verl's geometry3k rule (mathruler's grader) with no box and no format bonus
+    (`use_boxed=False, format_score=0.0`), against `tools_kwargs.calc_geo3k_reward.create_kwargs.ground_truth`."""
+
+    def get_openai_tool_schema(self) -> OpenAIFunctionToolSchema:
+        return OpenAIFunctionToolSchema.model_validate({
+            "type": "function",
+            "function": {"name": "calc_geo3k_reward", "description": "A tool for calculating the reward of geo3k",
+                         "parameters": {"type": "object", "required": ["answer"], "properties": {
+                             "answer": {"type": "string", "description": "The answer to the question"}}}}})
+
+    @staticmethod
+    def submitted(answer: str) -> str:
+        return answer
+
+    async def calc_reward(self, instance_id: str, **kwargs) -> float:
+        state = self._instances[instance_id]
+        return geo3k_score(state["response"], state["ground_truth"], use_boxed=False, format_score=0.0)
 
 
 class CalculatorTool(BaseTool):

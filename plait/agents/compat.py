@@ -3,8 +3,8 @@
 - `class_name` in a tool config is imported as verl does (a dotted module path, the class last).
   A `verl.*` name whose module does not import here (verl is absent, or verl 0.9.1's wheel lacks
   it: it ships no built-in tools) runs plait's own implementation when plait has one
-  (`verl.tools.gsm8k_tool.Gsm8kTool`), and is refused in one line with the reason when not (the
-  search, sandbox, MCP, geo3k and image-zoom tools).
+  (`verl.tools.gsm8k_tool.Gsm8kTool`, `geo3k_tool.Geo3kTool`), and is refused in one line with the
+  reason when not (the search, sandbox, MCP and image-zoom tools).
 - A user's tool file written against verl's classes runs unchanged where verl imports; where it
   does not, loading it fails with one line naming the import to change (`from verl.tools.base_tool
   import BaseTool` -> `from plait.agents.tools import BaseTool`), since plait's classes keep verl's
@@ -24,6 +24,7 @@ import traceback
 
 PLAIT_BUILTINS = {  # verl's class name -> plait's implementation of it
     "verl.tools.gsm8k_tool.Gsm8kTool": "plait.agents.builtin_tools.Gsm8kTool",
+    "verl.tools.geo3k_tool.Geo3kTool": "plait.agents.builtin_tools.Geo3kTool",
     "verl.interactions.gsm8k_interaction.Gsm8kInteraction": "plait.agents.interactions.Gsm8kInteraction",
 }
 
@@ -34,8 +35,6 @@ REFUSED = {  # verl's tools that plait does not run, and why
     "verl.tools.sandbox_fusion_tools.SandboxFusionTool": f"verl's remote code sandbox (SandboxFusion): {_NEEDS_SERVICE}",
     "verl.tools.mcp_search_tool.MCPSearchTool": "an MCP tool: verl 0.9.1 removed MCP tools and plait has none",
     "verl.tools.mcp_base_tool.MCPBaseTool": "an MCP tool: verl 0.9.1 removed MCP tools and plait has none",
-    "verl.tools.geo3k_tool.Geo3kTool": ("not ported: plait scores geometry3k rows (data_source hiyouga/geometry3k) "
-                                         "but has no tool calling that scorer"),
     "verl.tools.image_zoom_in_tool.ImageZoomInTool": "it answers with images; plait's tool loop takes text responses only",
 }
 
@@ -46,6 +45,22 @@ PLAIT_HOMES = {
     "BaseInteraction": "plait.agents.interactions",
     "AgentLoopBase": "plait.agents.loop", "AgentLoopOutput": "plait.agents.loop", "register": "plait.agents.loop",
 }
+
+
+def refused_tool_lines(path: str) -> list[str]:
+    """One line per tool of the tool config at `path` that plait refuses by class name (REFUSED, its module not
+    importable here), read without running any tool code: what loading the tools at start would refuse. A
+    file that does not read is left to that load to name."""
+    import yaml
+    try:
+        with open(path) as f:
+            entries = (yaml.safe_load(f) or {}).get("tools")
+    except (OSError, ValueError, AttributeError):
+        return []
+    entries = entries if isinstance(entries, list) else []
+    names = [e.get("class_name") if isinstance(e, dict) else None for e in entries]
+    return [f"tools[{i}]: class_name {name} is not run by plait: {REFUSED[name]}" for i, name in enumerate(names)
+            if name in REFUSED and not _imports(name.rpartition(".")[0])]
 
 
 class ToolLoadError(ValueError):
@@ -92,7 +107,7 @@ def exec_user_file(path: str, module_name: str):
 def _imports(module_name: str) -> bool:
     try:
         return importlib.util.find_spec(module_name) is not None
-    except ModuleNotFoundError:  # a parent package (verl, verl.tools) is missing
+    except Exception:  # noqa: BLE001 - a parent package (verl, verl.tools) is missing or does not import here
         return False
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import importlib.metadata
 import importlib.util
 import inspect
 import math
@@ -194,24 +195,41 @@ def needs_string_truth(data_source: Any) -> bool:
     return has_builtin_reward(data_source) and SCORERS.get(data_source, dapo_score) is dapo_score
 
 
+def import_user_file(key: str, path: str | Path, module_name: str):
+    """Run the user's Python file `path` (config key `key`) as a module; an import that fails is a
+    ConfigError in one line (the missing module and how to get it, or the error the file raised)."""
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    module = importlib.util.module_from_spec(spec)
+    # Not put in sys.modules: cloudpickle then ships the file's functions by value to Ray workers.
+    try:
+        spec.loader.exec_module(module)
+    except ModuleNotFoundError as err:  # users' files commonly import verl's scorers or datasets
+        raise ConfigError(key, str(path), f"importing it failed: {missing_module(err)}") from None
+    except Exception as err:  # noqa: BLE001 - the user's module-level code; one line, not a traceback
+        raise ConfigError(key, str(path), f"importing it failed: {type(err).__name__}: {first_line(err)}") from None
+    return module
+
+
+def missing_module(err: ModuleNotFoundError) -> str:
+    """What a user file's failed import needs: the module's name and how to get it."""
+    missing = (err.name or "").split(".")[0]
+    if missing == "verl" and err.name != "verl" and importlib.util.find_spec("verl") is not None:
+        try:
+            version = f"verl {importlib.metadata.version('verl')}"
+        except importlib.metadata.PackageNotFoundError:
+            version = "the verl"
+        return (f"no module named {err.name!r}: {version} installed here has no such module; the file needs the verl "
+                "version it was written for")
+    fix = VERL_BESIDE if missing == "verl" else f"install it beside plait (pip install {missing})"
+    return f"no module named {err.name!r}; {fix}"
+
+
 def load_custom_reward(path: str | Path, name: str = "compute_score",
                        reward_kwargs: dict | None = None) -> Callable:
     """Import the file at `path` and return its function `name`, with `reward_kwargs` bound."""
     if not Path(path).is_file():
         raise FileNotFoundError(f"reward.custom_reward_function.path: no file at {str(path)!r}")
-    spec = importlib.util.spec_from_file_location(f"plait_custom_reward_{Path(path).stem}", path)
-    module = importlib.util.module_from_spec(spec)
-    # Not put in sys.modules: cloudpickle then ships the function by value to Ray workers.
-    try:
-        spec.loader.exec_module(module)
-    except ModuleNotFoundError as err:  # users' reward files commonly import verl's scorers or datasets
-        missing = (err.name or "").split(".")[0]
-        fix = (VERL_BESIDE if missing == "verl" else f"install it beside plait (pip install {missing})")
-        raise ConfigError("reward.custom_reward_function.path", str(path),
-                          f"importing it failed: no module named {err.name!r}; {fix}") from None
-    except Exception as err:  # noqa: BLE001 - the user's module-level code; one line, not a traceback
-        raise ConfigError("reward.custom_reward_function.path", str(path),
-                          f"importing it failed: {type(err).__name__}: {err}") from None
+    module = import_user_file("reward.custom_reward_function.path", path, f"plait_custom_reward_{Path(path).stem}")
     fn = vars(module).get(name)
     if not callable(fn):
         found = [k for k, v in vars(module).items() if callable(v) and not k.startswith("_")]

@@ -149,6 +149,23 @@ def test_gsm8k_tool_from_verls_config(tmp_path, toolbox):
     assert nulls.text == "Current parsed answer='72' reward=0.0" and nulls.error is None  # a parquet null: no kwargs
 
 
+GEO3K_YAML = GSM8K_YAML.replace("gsm8k_tool.Gsm8kTool", "geo3k_tool.Geo3kTool").replace("gsm8k", "geo3k")
+
+
+def test_geo3k_tool_from_verls_config(tmp_path, toolbox):
+    """verl's Geo3kTool (b178a3c): the answer graded as submitted by mathruler (as verl's geo3k rule with
+    use_boxed=False, format_score=0), no format bonus; 0.0 step reward for an improvement, else -0.05."""
+    box = toolbox(write(tmp_path, "geo3k.yaml", GEO3K_YAML))
+    assert box.names == ["calc_geo3k_reward"]
+    kwargs = {"calc_geo3k_reward": {"create_kwargs": {"ground_truth": "2\\sqrt{3}"}}}
+    right, boxed, wrong = call(box, ("calc_geo3k_reward", '{"answer": "\\\\sqrt{12}"}'),
+                               ("calc_geo3k_reward", '{"answer": "\\\\boxed{2\\\\sqrt{3}}"}'),
+                               ("calc_geo3k_reward", '{"answer": 3}'), tools_kwargs=kwargs)
+    assert (right.text, right.reward, right.error) == ("Current parsed answer='\\\\sqrt{12}' reward=1.0", 0.0, None)
+    assert (boxed.text, boxed.reward) == ("Current parsed answer='\\\\boxed{2\\\\sqrt{3}}' reward=1.0", 0.0)  # mathruler unboxes
+    assert (wrong.text, wrong.reward) == ("Current parsed answer='3' reward=0.0", -0.05)
+
+
 def test_tool_selection_and_truncation(tmp_path, toolbox):
     tools = write(tmp_path, "fns.py", '''
         from plait.agents.tools import function_tool
@@ -265,6 +282,20 @@ def test_tools_plait_does_not_run_are_refused_by_name(tmp_path, toolbox, class_n
     with pytest.raises(ConfigError, match=match) as err:
         toolbox(path)
     assert err.value.key == "actor_rollout_ref.rollout.multi_turn.tool_config_path"
+
+
+def test_config_show_refuses_a_tool_plait_does_not_run_before_any_model_loads(tmp_path, capsys):
+    """verl 0.9.1's agent-loop workers build every configured tool at start (its wheel has no SearchTool, so it
+    stops there): plait says so at `config show`, whichever loop the rows would run."""
+    from plait.cli import main
+    path = write(tmp_path, "search.yaml", "tools:\n  - class_name: verl.tools.search_tool.SearchTool\n"
+                                          "    config: {type: native}\n")
+    assert main(["config", "show", f"actor_rollout_ref.rollout.multi_turn.tool_config_path={path}"]) == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("plait: config error")]
+    assert lines == [f"plait: config error: actor_rollout_ref.rollout.multi_turn.tool_config_path='{path}': tools[0]: "
+                     "class_name verl.tools.search_tool.SearchTool is not run by plait: verl's retrieval tool: it calls "
+                     "an outside service, which plait neither runs nor reaches; write a BaseTool or @function_tool for "
+                     "yours"]
 
 
 def test_mcp_type_and_duplicates_are_refused(tmp_path, toolbox):

@@ -3,8 +3,8 @@
 - `class_name` in a tool config is imported as verl does (a dotted module path, the class last).
   A `verl.*` name whose module does not import here (verl is absent, or verl 0.9.1's wheel lacks
   it: it ships no built-in tools) runs plait's own implementation when plait has one
-  (`verl.tools.gsm8k_tool.Gsm8kTool`, `geo3k_tool.Geo3kTool`), and is refused in one line with the
-  reason when not (the search, sandbox, MCP and image-zoom tools).
+  (`verl.tools.gsm8k_tool.Gsm8kTool`, `geo3k_tool.Geo3kTool`, `search_tool.SearchTool`), and is refused
+  in one line with the reason when not (the sandbox, MCP and image-zoom tools).
 - A user's tool file written against verl's classes runs unchanged where verl imports; where it
   does not, loading it fails with one line naming the import to change (`from verl.tools.base_tool
   import BaseTool` -> `from plait.agents.tools import BaseTool`), since plait's classes keep verl's
@@ -25,13 +25,13 @@ import traceback
 PLAIT_BUILTINS = {  # verl's class name -> plait's implementation of it
     "verl.tools.gsm8k_tool.Gsm8kTool": "plait.agents.builtin_tools.Gsm8kTool",
     "verl.tools.geo3k_tool.Geo3kTool": "plait.agents.builtin_tools.Geo3kTool",
+    "verl.tools.search_tool.SearchTool": "plait.agents.search_tool.SearchTool",
     "verl.interactions.gsm8k_interaction.Gsm8kInteraction": "plait.agents.interactions.Gsm8kInteraction",
 }
 
 _NEEDS_SERVICE = ("it calls an outside service, which plait neither runs nor reaches; "
                   "write a BaseTool or @function_tool for yours")
 REFUSED = {  # verl's tools that plait does not run, and why
-    "verl.tools.search_tool.SearchTool": f"verl's retrieval tool: {_NEEDS_SERVICE}",
     "verl.tools.sandbox_fusion_tools.SandboxFusionTool": f"verl's remote code sandbox (SandboxFusion): {_NEEDS_SERVICE}",
     "verl.tools.mcp_search_tool.MCPSearchTool": "an MCP tool: verl 0.9.1 removed MCP tools and plait has none",
     "verl.tools.mcp_base_tool.MCPBaseTool": "an MCP tool: verl 0.9.1 removed MCP tools and plait has none",

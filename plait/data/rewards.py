@@ -4,9 +4,10 @@ A reward function is a plain callable, called with keyword arguments
     compute_score(data_source=, solution_str=, ground_truth=, extra_info=, **reward_kwargs)
         -> float | dict                       (a dict holds "score" plus other numbers to log)
 and may be `async def` (awaited; a batch's calls run concurrently). `ground_truth` is passed as
-the row stored it (a string, a list, a dict). `default_compute_score` scores the built-in tasks
-and verl's math and geometry3k data sources (math_rewards.py); a user's function is loaded from a file with
-`load_custom_reward`, as verl's `reward.custom_reward_function.{path,name,reward_kwargs}` does.
+the row stored it (a string, a list, a dict). `default_compute_score` scores the built-in tasks and
+verl's math, geometry3k (math_rewards.py) and Search-R1 (qa_rewards.py) data sources; a user's
+function is loaded from a file with `load_custom_reward`, as verl's
+`reward.custom_reward_function.{path,name,reward_kwargs}` does.
 
 A reward manager (`reward.reward_manager.name`) turns a batch of decoded responses into scores:
 `naive` calls the function once per response, `batch` once with lists (`data_sources=`,
@@ -35,6 +36,7 @@ from typing import Any, Callable, Optional
 from plait.configtree import ConfigError, build, check
 from plait.data.math_rewards import (DAPO_SOURCES, GEO3K_SOURCES, MATH_SOURCES, dapo_score, geo3k_score, gsm8k_score,
                                      gsm8k_synthetic_score, math_score)
+from plait.data.qa_rewards import SEARCH_R1_SOURCES, search_r1_score
 from plait.data.reward_pool import RewardPool, RewardSpec, describe_call, plain_result
 from plait.errors import Interrupted, RunError
 from plait.profiler.config import RoleProfilerConfig
@@ -464,6 +466,7 @@ SCORERS = {  # data_source -> scorer; has_builtin_reward adds every aime* source
     **{source: math_score for source in MATH_SOURCES},
     **{source: dapo_score for source in DAPO_SOURCES},
     **{source: geo3k_score for source in GEO3K_SOURCES},
+    **{source: search_r1_score for source in SEARCH_R1_SOURCES},  # Search-R1's exact match (qa_rewards.py)
 }
 
 MANAGERS = {"naive": naive_manager, "batch": batch_manager, "dapo": dapo_manager}

@@ -377,14 +377,17 @@ def test_verls_search_r1_command_line_trains(tmp_path, retriever):
            f"data.train_files={tmp_path / 'train.parquet'}", f"data.val_files={tmp_path / 'test.parquet'}",
            f"actor_rollout_ref.rollout.multi_turn.tool_config_path={tmp_path / 'search_tool_config.yaml'}",
            "trainer.total_epochs=1",
-           # what differs from verl's script: verl's rows have no agent_name column, so tools need the tool loop
-           # named as the default (verl 0.9.1 runs them single-turn otherwise); a tiny model and two steps here
-           "actor_rollout_ref.rollout.agent.default_agent_loop=tool_agent", "trainer.total_training_steps=2",
+           # what differs from verl's script: verl's rows have no agent_name column, so the tools need the tool loop
+           # named as the default (verl 0.9.1 runs them single-turn otherwise), and that loop needs a call format
+           # verl 0.9.1 parses (its yaml's `qwen` is none: Qwen2.5 writes hermes); a tiny model and two steps here
+           "actor_rollout_ref.rollout.agent.default_agent_loop=tool_agent",
+           "actor_rollout_ref.rollout.multi_turn.format=hermes", "trainer.total_training_steps=2",
            "demo.model_size=xs", "demo.warmstart_steps=0", f"trainer.default_local_dir={tmp_path / 'run'}"]
     env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "no effect" not in proc.stderr or "multi_turn" not in proc.stderr, proc.stderr[-3000:]
+    said = proc.stdout + proc.stderr
+    assert "multi_turn" not in said and "single_turn_agent" not in said and "tools[0]" not in said, said[-3000:]
     from plait.trainers.lifecycle import read_metrics
     records = read_metrics(str(tmp_path / "run" / "metrics.jsonl"))
     train = [r for r in records if "num_turns/mean" in r]

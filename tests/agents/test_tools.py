@@ -271,7 +271,7 @@ def test_no_tool_paths_is_no_toolbox():
 
 
 @pytest.mark.parametrize("class_name, match", [
-    ("verl.tools.search_tool.SearchTool", "not run by plait: verl's retrieval tool"),
+    ("verl.tools.image_zoom_in_tool.ImageZoomInTool", "not run by plait: it answers with images"),
     ("verl.tools.sandbox_fusion_tools.SandboxFusionTool", "SandboxFusion"),
     ("verl.tools.mcp_search_tool.MCPSearchTool", "MCP"),
     ("no_such_module.Tool", "no_such_module, which is not installed"),
@@ -285,17 +285,16 @@ def test_tools_plait_does_not_run_are_refused_by_name(tmp_path, toolbox, class_n
 
 
 def test_config_show_refuses_a_tool_plait_does_not_run_before_any_model_loads(tmp_path, capsys):
-    """verl 0.9.1's agent-loop workers build every configured tool at start (its wheel has no SearchTool, so it
-    stops there): plait says so at `config show`, whichever loop the rows would run."""
+    """verl 0.9.1's agent-loop workers build every configured tool at start (its wheel has no built-in tools, so
+    it stops there): plait says so at `config show` for a tool it does not run, whichever loop the rows would run."""
     from plait.cli import main
-    path = write(tmp_path, "search.yaml", "tools:\n  - class_name: verl.tools.search_tool.SearchTool\n"
-                                          "    config: {type: native}\n")
+    path = write(tmp_path, "zoom.yaml", "tools:\n  - class_name: verl.tools.image_zoom_in_tool.ImageZoomInTool\n"
+                                        "    config: {type: native}\n")
     assert main(["config", "show", f"actor_rollout_ref.rollout.multi_turn.tool_config_path={path}"]) == 2
     lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("plait: config error")]
     assert lines == [f"plait: config error: actor_rollout_ref.rollout.multi_turn.tool_config_path='{path}': tools[0]: "
-                     "class_name verl.tools.search_tool.SearchTool is not run by plait: verl's retrieval tool: it calls "
-                     "an outside service, which plait neither runs nor reaches; write a BaseTool or @function_tool for "
-                     "yours"]
+                     "class_name verl.tools.image_zoom_in_tool.ImageZoomInTool is not run by plait: it answers with "
+                     "images; plait's tool loop takes text responses only"]
 
 
 def test_mcp_type_and_duplicates_are_refused(tmp_path, toolbox):

@@ -16,15 +16,21 @@ down, slow, answers garbage) becomes the text the model reads, as verl words it,
 The step reward is 0.0; the metrics are verl's (query_count, status, total_results,
 api_request_error).
 
-Left out: verl's Ray thread pool and cluster-wide token bucket (`num_workers`, `rate_limit`,
-`enable_global_rate_limit`: accepted, machinery). Here each tool worker process sends one request at
-a time, so at most `multi_turn.tool_num_workers` requests are in flight.
+Requests in flight: each tool worker process sends one at a time, so at most
+`multi_turn.tool_num_workers`; with `enable_global_rate_limit` (true) at most `rate_limit` (120) of
+them at once among the tool workers of one trainer process (verl: its Ray cluster), each request
+holding one of `rate_limit` lock files while it runs. verl's `num_workers` (its Ray thread pool's
+size) is machinery plait has no use for.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import fcntl
 import json
+import os
+import tempfile
 import time
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -43,6 +49,8 @@ class SearchConfig:
     timeout: float = 30               # seconds one request may take
     max_retries: int = 10             # plait's own: verl's fixed number of attempts
     retry_delay: float = 1.0          # plait's own: seconds before retry n are retry_delay * n (verl: 1)
+    rate_limit: int = 120             # requests in flight at once, with enable_global_rate_limit
+    enable_global_rate_limit: bool = True
 
     def __post_init__(self):
         if not self.retrieval_service_url:
@@ -52,6 +60,8 @@ class SearchConfig:
             raise ValueError(f"SearchTool: config.max_retries={self.max_retries!r}: attempts per call, >= 1")
         if not isinstance(self.retry_delay, (int, float)) or self.retry_delay < 0:
             raise ValueError(f"SearchTool: config.retry_delay={self.retry_delay!r}: seconds >= 0")
+        if not isinstance(self.rate_limit, int) or self.rate_limit < 1:
+            raise ValueError(f"SearchTool: config.rate_limit={self.rate_limit!r}: requests in flight, >= 1")
 
 
 class SearchTool(BaseTool):
@@ -59,8 +69,12 @@ class SearchTool(BaseTool):
 
     def __init__(self, config: dict, tool_schema: Optional[OpenAIFunctionToolSchema]):
         super().__init__(config, tool_schema)
-        keys = ("retrieval_service_url", "topk", "timeout", "max_retries", "retry_delay")
+        keys = ("retrieval_service_url", "topk", "timeout", "max_retries", "retry_delay", "rate_limit",
+                "enable_global_rate_limit")
         self.settings = SearchConfig(**{k: config[k] for k in keys if k in config})
+        # the trainer process started the tool workers: its id names the slots they share
+        self.slots = (RequestSlots(f"plait-search-{os.getuid()}-{os.getppid()}", self.settings.rate_limit)
+                      if self.settings.enable_global_rate_limit else None)
         self._instances: dict[str, list[str]] = {}  # instance -> the texts it answered (verl's "reward" list)
 
     def get_openai_tool_schema(self) -> OpenAIFunctionToolSchema:
@@ -82,11 +96,13 @@ class SearchTool(BaseTool):
                                                            "in parameters."})), 0.0, {}
         s = self.settings
         try:
-            text, meta = await asyncio.to_thread(search_batch, s.retrieval_service_url, queries, s.topk, s.timeout,
-                                                 s.max_retries, s.retry_delay)
+            with self.slots or contextlib.nullcontext():
+                text, meta = await asyncio.to_thread(search_batch, s.retrieval_service_url, queries, s.topk,
+                                                     s.timeout, s.max_retries, s.retry_delay)
             self._instances[instance_id].append(text.strip())
         except Exception as err:  # noqa: BLE001 - verl answers the model with it
-            return ToolResponse(text=json.dumps({"result": f"Search execution failed: {err}"})), 0.0, {"error": str(err)}
+            failed = json.dumps({"result": f"Search execution failed: {err}"})
+            return ToolResponse(text=failed), 0.0, {"error": str(err)}
         metrics = {k: meta[k] for k in ("query_count", "status", "total_results", "api_request_error")}
         return ToolResponse(text=text), 0.0, metrics
 
@@ -96,6 +112,33 @@ class SearchTool(BaseTool):
 
     async def release(self, instance_id: str, **kwargs) -> None:
         self._instances.pop(instance_id, None)
+
+
+class RequestSlots:
+    """At most `n` holders at once among the processes of this machine that use the same `name`: each
+    holder keeps one of n lock files locked (flock: the lock goes with the process if it dies)."""
+
+    def __init__(self, name: str, n: int):
+        self.paths = [os.path.join(tempfile.gettempdir(), f"{name}-slot{i}") for i in range(n)]
+        self.fd: Optional[int] = None
+
+    def __enter__(self):
+        while True:
+            for path in self.paths:
+                fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    os.close(fd)
+                    continue
+                self.fd = fd
+                return self
+            time.sleep(0.01)  # every slot is held: wait for a request to end
+
+    def __exit__(self, *exc):
+        fcntl.flock(self.fd, fcntl.LOCK_UN)
+        os.close(self.fd)
+        self.fd = None
 
 
 def call_retriever(url: str, queries: list, topk: int, timeout: float, max_retries: int = 10,

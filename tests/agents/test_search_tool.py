@@ -57,9 +57,17 @@ class Retriever(BaseHTTPRequestHandler):
         server.requests.append({"path": self.path, "body": body, "content_type": self.headers["Content-Type"]})
         if self.path == "/slow":
             time.sleep(3)
+        if self.path == "/count":  # the most requests in flight at once
+            with server.lock:
+                server.in_flight += 1
+                server.most = max(server.most, server.in_flight)
+            time.sleep(0.5)
+            with server.lock:
+                server.in_flight -= 1
         if self.path == "/down" or (self.path == "/flaky" and len(server.requests) <= 2):
             return self.reply(503, b"unavailable")
         answers = {"/retrieve": {"result": [rank(q, body["topk"]) for q in body["queries"]]},
+                   "/count": {"result": [rank(q, body["topk"]) for q in body["queries"]]},
                    "/flaky": {"result": [rank(q, body["topk"]) for q in body["queries"]]},
                    "/empty": {"result": []}, "/nothing": {}, "/odd": {"result": [[{"passage": "x"}]]}}
         if self.path == "/garbage":
@@ -83,6 +91,7 @@ class Retriever(BaseHTTPRequestHandler):
 def retriever():
     server = ThreadingHTTPServer(("127.0.0.1", 0), Retriever)
     server.daemon_threads, server.requests = True, []
+    server.lock, server.in_flight, server.most = threading.Lock(), 0, 0
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     yield server
@@ -104,10 +113,10 @@ def dead_url() -> str:
 def tool_yaml(service: str, **config) -> str:
     """verl's examples/sglang_multiturn/config/tool_config/search_tool_config.yaml, the address ours
     (its schema's `item:` is verl's spelling; unknown schema keys are dropped, as verl's pydantic does)."""
-    extra = "".join(f"      {k}: {v}\n" for k, v in config.items())
+    config = {"retrieval_service_url": service, "num_workers": 120, "rate_limit": 120, "timeout": 30, **config}
+    lines = "".join(f"      {k}: {v}\n" for k, v in config.items())
     return ("tools:\n  - class_name: verl.tools.search_tool.SearchTool\n    config:\n"
-            f"      retrieval_service_url: {service}\n      num_workers: 120\n      rate_limit: 120\n      timeout: 30\n"
-            f"      type: native\n{extra}"
+            f"{lines}      type: native\n"
             "    tool_schema:\n      type: function\n      function:\n        name: search\n"
             "        description: Searches the web for relevant information based on the given query.\n"
             "        parameters:\n          type: object\n          properties:\n            query_list:\n"
@@ -120,12 +129,12 @@ def tool_yaml(service: str, **config) -> str:
 def searchbox(tmp_path):
     boxes = []
 
-    def make(service, **config):
+    def make(service, workers=1, **config):
         path = tmp_path / f"search{len(boxes)}.yaml"
         path.write_text(tool_yaml(service, **config))
         box = ToolBox.from_config(SimpleNamespace(tool_config_path=str(path), function_tool_path=None,
                                                   max_tool_response_length=4096, tool_response_truncate_side="middle"),
-                                  ToolLimits(num_workers=1))
+                                  ToolLimits(num_workers=workers))
         boxes.append(box)
         return box
     yield make
@@ -133,9 +142,11 @@ def searchbox(tmp_path):
         box.close()
 
 
-def search(box, arguments, row="row 3"):
-    calls = [FunctionCall("search", arguments if isinstance(arguments, str) else json.dumps(arguments))]
-    return asyncio.run(box.call(calls, {"search": {"create_kwargs": {"ground_truth": {"target": ["Paris"]}}}}, row))[0]
+def search(box, arguments, row="row 3", calls=1):
+    call = FunctionCall("search", arguments if isinstance(arguments, str) else json.dumps(arguments))
+    kwargs = {"search": {"create_kwargs": {"ground_truth": {"target": ["x"]}}}}
+    results = asyncio.run(box.call([call] * calls, kwargs, row))
+    return results[0] if calls == 1 else results
 
 
 def result_of(res) -> str:
@@ -185,6 +196,16 @@ def test_a_call_without_a_query_list_is_verls_error_text(retriever, searchbox, a
     res = search(box, arguments)
     assert result_of(res) == "Error: 'query_list' is missing, empty, or not a list in parameters."
     assert res.reward == 0.0 and res.metrics == {} and res.error is None
+
+
+@pytest.mark.parametrize("config, most", [({"rate_limit": 1}, 1), ({}, 3),
+                                          ({"rate_limit": 1, "enable_global_rate_limit": False}, 3)])
+def test_rate_limit_caps_requests_in_flight_across_tool_workers(retriever, searchbox, config, most):
+    box = searchbox(url(retriever, "/count"), workers=3, **config)
+    retriever.most = 0
+    results = search(box, {"query_list": ["Paris"]}, calls=3)
+    assert [r.metrics["status"] for r in results] == ["success"] * 3
+    assert retriever.most == most
 
 
 # -- a failing service: the model reads why, nothing raises ------------------------------------------
@@ -289,8 +310,8 @@ def test_the_tool_agent_loop_searches_reads_and_answers(retriever, searchbox):
         worker.thread.close()
     n = int(batch.attended[0].sum())
     text = tok.decode(batch.responses[0, :n])
-    assert text == (call + tok.eos_token + '<|tool|>{"result": "Doc 1 (Title: Paris)\\nParis is the capital and largest '
-                    'city of France."}<|end|>\n<|assistant|><answer> Paris </answer>' + tok.eos_token)
+    assert text == (call + tok.eos_token + '<|tool|>{"result": "Doc 1 (Title: Paris)\\nParis is the capital and '
+                    'largest city of France."}<|end|>\n<|assistant|><answer> Paris </answer>' + tok.eos_token)
     assert batch.extra_infos[0]["tool_rewards"] == [0.0] and batch.agent_infos[0]["num_turns"] == 4
     response = text.rsplit("<|assistant|>", 1)[1]
     assert default_compute_score("searchR1_nq", response, truth) == 1.0
@@ -359,18 +380,21 @@ def test_verls_search_r1_command_line_trains(tmp_path, retriever):
            "algorithm.adv_estimator=grpo", "data.train_batch_size=2", "data.val_batch_size=4",
            "data.max_prompt_length=512", "data.max_response_length=24", "data.filter_overlong_prompts=True",
            "data.truncation=error", "data.return_raw_chat=True", "actor_rollout_ref.actor.optim.lr=1e-6",
-           "actor_rollout_ref.actor.optim.lr_warmup_steps_ratio=0.285", "actor_rollout_ref.model.use_remove_padding=True",
+           "actor_rollout_ref.actor.optim.lr_warmup_steps_ratio=0.285",
+           "actor_rollout_ref.model.use_remove_padding=True",
            "actor_rollout_ref.actor.ppo_mini_batch_size=2", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
            "actor_rollout_ref.actor.use_kl_loss=True", "actor_rollout_ref.actor.kl_loss_coef=0.001",
            "actor_rollout_ref.actor.kl_loss_type=low_var_kl", "actor_rollout_ref.actor.entropy_coeff=0",
            "actor_rollout_ref.model.enable_gradient_checkpointing=True",
            "actor_rollout_ref.actor.fsdp_config.param_offload=False",
-           "actor_rollout_ref.actor.fsdp_config.optimizer_offload=False", "actor_rollout_ref.rollout.max_model_len=15000",
+           "actor_rollout_ref.actor.fsdp_config.optimizer_offload=False",
+           "actor_rollout_ref.rollout.max_model_len=15000",
            "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8",
            "actor_rollout_ref.rollout.tensor_model_parallel_size=1", "actor_rollout_ref.rollout.name=hf",
            "actor_rollout_ref.rollout.gpu_memory_utilization=0.5", "actor_rollout_ref.rollout.n=2",
            "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=2",
-           "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=8", "actor_rollout_ref.ref.fsdp_config.param_offload=True",
+           "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=8",
+           "actor_rollout_ref.ref.fsdp_config.param_offload=True",
            "algorithm.use_kl_in_reward=False", "trainer.critic_warmup=0", "trainer.val_before_train=False",
            "trainer.logger=[console]", "trainer.project_name=search_r1_like_async_rl", "trainer.experiment_name=tiny",
            "trainer.n_gpus_per_node=1", "trainer.nnodes=1", "trainer.save_freq=-1", "trainer.test_freq=2",

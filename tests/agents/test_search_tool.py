@@ -2,7 +2,9 @@
 here (http.server on a thread, a small corpus ranked by shared words): the request it sends, the text
 the model reads, verl's metrics, retries, and every failure of the service as the model's error text.
 The tool runs in real tool worker processes (ToolBox) and in the tool agent loop; verl's Search-R1
-command line trains through `plait train` on the demo's tiny model against the same service."""
+command line trains through `plait train` on the demo's tiny model against the same service. With
+PLAIT_VERL_SOURCE (a verl checkout; verl 0.9.1's wheel has no search tool) the request, text and
+metadata are compared with verl's own helper (verl/tools/utils/search_r1_like_utils.py) side by side."""
 
 import asyncio
 import json
@@ -41,7 +43,7 @@ CORPUS = [
 
 def rank(query: str, topk: int) -> list[dict]:
     """The topk passages sharing the most words with the query (ties: corpus order)."""
-    words = set(query.lower().split())
+    words = set(str(query).lower().split())  # a model may send numbers or null in the list
     scored = [(len(words & set(doc.lower().replace(",", " ").replace(".", " ").split())), i)
               for i, doc in enumerate(CORPUS)]
     best = sorted(scored, key=lambda s: (-s[0], s[1]))[:topk]
@@ -77,11 +79,14 @@ class Retriever(BaseHTTPRequestHandler):
         self.reply(200, json.dumps(answers.get(self.path, {})).encode())
 
     def reply(self, status: int, data: bytes):
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+        try:
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+        except (BrokenPipeError, ConnectionResetError):  # /slow: the client timed out and left
+            pass
 
     def log_message(self, *args):
         pass
@@ -418,3 +423,32 @@ def test_verls_search_r1_command_line_trains(tmp_path, retriever):
     assert len(train) == 2 and all("critic/score/mean" in r for r in train)
     val = [r for r in records if any(k.startswith("val-core/searchR1_") for k in r)]
     assert val, "the validation rows are scored per searchR1_* data source"
+
+
+# -- beside verl's own helper ----------------------------------------------------------------------
+
+VERL_SOURCE = os.environ.get("PLAIT_VERL_SOURCE")  # a verl checkout: its wheel (0.9.1) ships no search tool
+VERL_HELPER = Path(VERL_SOURCE or ".") / "verl" / "tools" / "utils" / "search_r1_like_utils.py"
+
+
+@pytest.mark.skipif(not VERL_HELPER.is_file(), reason="verl's source not given: set PLAIT_VERL_SOURCE to a verl "
+                    "checkout (b178a3c was checked) to compare with its search_r1_like_utils.py")
+def test_search_batch_equals_verls_helper_side_by_side(retriever):
+    """verl's perform_single_search_batch (its retry count and delay set as ours) and search_batch on the same
+    services: the same text, metadata and number of requests."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("verl_search_r1_like_utils", VERL_HELPER)
+    verl = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(verl)  # it imports requests and the standard library only
+    verl.MAX_RETRIES, verl.INITIAL_RETRY_DELAY = 3, 0
+    cases = [(url(retriever, p), q, k, 5) for p in ("/retrieve", "/empty", "/nothing", "/odd", "/garbage", "/missing",
+                                                    "/down") for q, k in ((["capital of France", "Nile"], 2),
+                                                                          (["Zürich"], 1), ([3, None], 3))]
+    cases += [(url(retriever, "/slow"), ["x"], 3, 0.3), (dead_url(), ["x"], 3, 5)]
+    for service, queries, topk, timeout in cases:
+        retriever.requests.clear()
+        theirs = verl.perform_single_search_batch(service, queries, topk, timeout=timeout)
+        sent = len(retriever.requests)
+        retriever.requests.clear()
+        ours = search_batch(service, queries, topk, timeout, max_retries=3, retry_delay=0)
+        assert (ours, len(retriever.requests)) == (theirs, sent), service

@@ -156,3 +156,71 @@ def test_code_scores_equal_verl_091_side_by_side(service):
     differ = [(c, p, v) for c, p, v in zip(cases + compiling, plait, verl) if p != pytest.approx(v)]
     assert not differ, f"{len(differ)} of {len(verl)} scores differ from verl 0.9.1's: {differ[:5]}"
     assert {0.0, 0.5, 1.0} <= set(verl)
+
+
+ANSWER = "```print(1)```"  # what the trained policy writes: a fenced program that prints 1
+
+
+@pytest.fixture(scope="module")
+def coder_dir(tmp_path_factory, tiny_model_dir):
+    """The tiny model after supervised steps on ANSWER after each training prompt (the sandbox needs a fence to
+    run anything; a fresh model never writes one)."""
+    from plait.data.warmstart import train_and_save
+    from plait.models import load_causal_lm, load_tokenizer
+    tokenizer, model = load_tokenizer(tiny_model_dir), load_causal_lm(tiny_model_dir)
+    examples = []
+    for row in code_rows(8):
+        text = tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=False)
+        prompt = tokenizer(text, add_special_tokens=False)["input_ids"]
+        answer = tokenizer(ANSWER, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        examples.append((prompt + answer, [0] * len(prompt) + [1] * len(answer)))
+    out = tmp_path_factory.mktemp("coder")
+    return train_and_save(model, tokenizer, examples, steps=60, batch_size=8, lr=3e-3, seed=0, out_dir=out,
+                          settings={})
+
+
+def code_rows(n: int) -> list[dict]:
+    """codecontests rows as verl's code data carry them: test cases as a JSON string of inputs and outputs."""
+    return [{"data_source": "codecontests", "prompt": [{"role": "user", "content": f"Print {k % 2 + 1}."}],
+             "ability": "code", "reward_model": {"style": "rule", "ground_truth": json.dumps(
+                 {"inputs": ["", "\n"], "outputs": [str(k % 2 + 1), f"{k % 2 + 1}\n"]})},
+             "extra_info": {"index": k}} for k in range(n)]
+
+
+def test_plait_train_scores_codecontests_rows_on_the_service(tmp_path, tiny_config, service, coder_dir):
+    import yaml
+    from plait import cli
+    from plait.configtree import to_dict
+    paths = {}
+    for split, n in (("train", 8), ("val", 4)):
+        paths[split] = tmp_path / f"{split}.jsonl"
+        paths[split].write_text("".join(json.dumps(r) + "\n" for r in code_rows(n)))
+    before = service.requests.get("/run_code", 0)
+    cfg = tiny_config(tmp_path / "out", f"actor_rollout_ref.model.path={coder_dir}", f"data.train_files={paths['train']}",
+                      f"data.val_files={paths['val']}", "data.max_response_length=20", "trainer.total_training_steps=1",
+                      "trainer.test_freq=-1", "trainer.val_before_train=false", "algorithm.adv_estimator=grpo",
+                      f"reward_model.sandbox_fusion.url={service.url()}", "reward_model.sandbox_fusion.max_concurrent=128")
+    assert cfg.reward.sandbox_fusion.url == service.url() and cfg.reward.sandbox_fusion.max_concurrent == 128
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump(to_dict(cfg)))
+    assert cli.main(["train", "--no-progress", "--config", str(config)]) == 0
+    records = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    step = next(r for r in records if "actor/pg_loss" in r)
+    assert service.requests["/run_code"] > before  # the responses' code ran on the service
+    print({k: v for k, v in step.items() if "score" in k or "reward" in k})
+    assert 0.0 < step["critic/score/mean"] < 1.0  # the rows that want 1 pass, the rows that want 2 do not
+
+
+def test_code_rows_without_a_url_are_refused_at_start(tmp_path, tiny_config, capsys):
+    import yaml
+    from plait import cli
+    from plait.configtree import to_dict
+    path = tmp_path / "train.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in code_rows(2)))
+    cfg = tiny_config(tmp_path / "out", f"data.train_files={path}", f"data.val_files={path}")
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump(to_dict(cfg)))
+    assert cli.main(["train", "--no-progress", "--config", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "'codecontests' (row 0) is scored by running its code" in err
+    assert "reward.sandbox_fusion.url" in err

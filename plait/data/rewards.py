@@ -38,7 +38,7 @@ from plait.configtree import ConfigError, build, check
 from plait.data.math_rewards import (DAPO_SOURCES, GEO3K_SOURCES, MATH_SOURCES, dapo_score, geo3k_score, gsm8k_score,
                                      gsm8k_synthetic_score, math_score)
 from plait.data.reward_pool import RewardPool, RewardSpec, describe_call, plain_result
-from plait.data.sandbox_fusion import CODE_SOURCES, sandbox_score
+from plait.data.sandbox_fusion import CODE_SOURCES, in_threads, sandbox_score
 from plait.errors import Interrupted, RunError
 from plait.profiler.config import RoleProfilerConfig
 from plait.safeload import first_line
@@ -381,8 +381,9 @@ def resolve_reward_fn(reward: RewardConfig) -> Callable:
     custom, sandbox = reward.custom_reward_function, reward.sandbox_fusion
     name, fn = "default_compute_score", default_compute_score
     if sandbox.url:  # as verl: only its default scorer gets the service, a custom function does not
-        fn = functools.partial(default_compute_score, sandbox_fusion_url=sandbox.url,
-                               max_concurrent=sandbox.max_concurrent, memory_limit_mb=sandbox.memory_limit_mb)
+        fn = functools.partial(in_threads, functools.partial(
+            default_compute_score, sandbox_fusion_url=sandbox.url, max_concurrent=sandbox.max_concurrent,
+            memory_limit_mb=sandbox.memory_limit_mb), sandbox.max_concurrent)
     if custom.path:
         try:
             name, fn = custom.name, load_custom_reward(custom.path, custom.name, custom.reward_kwargs)

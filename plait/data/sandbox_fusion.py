@@ -7,7 +7,9 @@ when the run finishes and its stdout equals the expected output up to trailing n
 (`fn_name` in the test cases) run the code inside a small harness that reads the function's arguments as
 JSON lines from stdin and prints its result. A service that is down, answers 5xx, times out or returns
 something that is not JSON fails its case (score 0 for it, as in verl), with a warning at most once a
-minute: the run goes on. Requests to the service are capped at `max_concurrent` at once across the process.
+minute: the run goes on. Requests to the service are capped at `max_concurrent` at once across the process;
+a batch's responses are scored side by side (`in_threads`: max_concurrent / 10 responses at once, each
+sending its cases together), so the requests of several responses are in flight while one waits.
 
 Left out: verl's local fallback without a url (prime_code: the driver refuses such rows at start), other
 languages than Python (verl's default scorer sends only Python), and the cases after the first 10 (verl
@@ -16,6 +18,8 @@ runs them too but they never count: a compile error only marks the cases after i
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import json
 import logging
 import math
@@ -222,13 +226,24 @@ def warn_unanswered(url: str, why: str, count: int = 1) -> None:
 
 
 _gates: dict[int, threading.Semaphore] = {}
+_pools: dict[int, ThreadPoolExecutor] = {}
 
 
 def shared_gate(max_concurrent: int) -> threading.Semaphore:
-    """The process's semaphore of `max_concurrent` requests in flight (made on first use: the reward
-    function that holds the number is pickled to workers, a semaphore cannot be)."""
+    """The process's semaphore of `max_concurrent` requests in flight (made on first use, so that the
+    reward function, which holds only the number, stays a plain picklable value)."""
     with _warn_lock:
         return _gates.setdefault(max_concurrent, threading.Semaphore(max_concurrent))
+
+
+async def in_threads(fn, max_concurrent: int, **kwargs):
+    """`fn(**kwargs)` in the process's pool of ceil(max_concurrent / 10) threads: wrapped with
+    functools.partial, it makes a reward function `async`, so the naive manager scores a batch's
+    responses side by side."""
+    with _warn_lock:
+        pool = _pools.get(max_concurrent) or _pools.setdefault(max_concurrent, ThreadPoolExecutor(
+            -(-max_concurrent // CASES_COUNTED), thread_name_prefix="plait-sandbox"))
+    return await asyncio.get_running_loop().run_in_executor(pool, functools.partial(fn, **kwargs))
 
 
 def sandbox_score(solution_str: str, ground_truth: Any, url: str, max_concurrent: int = 64,

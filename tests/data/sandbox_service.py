@@ -48,12 +48,13 @@ def compile_python(request: dict, max_run_s: float) -> dict:
 
 class SandboxService:
     """Started on a free local port in a daemon thread; `url(path)` addresses it; `requests` counts
-    the POSTs it received by path."""
+    the POSTs it received by path, `most_at_once` the most it was answering at the same time."""
 
     def __init__(self, max_run_s: float = 1.0, slow_s: float = 3.0):
         service = self
         self.requests: dict[str, int] = {}
         self.bodies: list[dict] = []
+        self.in_flight = self.most_at_once = 0
 
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self):
@@ -61,6 +62,15 @@ class SandboxService:
                 with service.lock:
                     service.requests[self.path] = service.requests.get(self.path, 0) + 1
                     service.bodies.append(body)
+                    service.in_flight += 1
+                    service.most_at_once = max(service.most_at_once, service.in_flight)
+                try:
+                    self.answer(body)
+                finally:
+                    with service.lock:
+                        service.in_flight -= 1
+
+            def answer(self, body: dict):
                 if self.path in ("/gateway", "/broken"):
                     return self.send_error(504 if self.path == "/gateway" else 500)
                 if self.path == "/slow":

@@ -82,6 +82,21 @@ def test_the_request_is_sandbox_fusions(service):
                     "memory_limit_MB": 512, "language": "python", "files": {}, "fetch_files": []}
 
 
+def test_a_batch_is_scored_side_by_side_within_max_concurrent(service):
+    # 6 responses of 3 slow cases each: 2 responses at once (max_concurrent 12 / 10, rounded up), so more
+    # than one response's requests are in flight, and at most 2 x 3; every score as the response deserves.
+    from plait.configtree import build
+    from plait.data.rewards import ScoreRequest, resolve_reward
+    reward = build(RewardConfig, {"sandbox_fusion": {"url": service.url(), "max_concurrent": 12}}, "reward")
+    score = resolve_reward(reward, 64)
+    responses = [fence(f"import time\ntime.sleep(0.3)\nprint({k % 2})") for k in range(6)]
+    truth = json.dumps({"inputs": ["", "", ""], "outputs": ["1", "1", "1"]})
+    service.most_at_once = 0
+    scores, _ = score(ScoreRequest(["taco"] * 6, responses, [truth] * 6, [None] * 6, [8] * 6))
+    assert scores == [0.0, 1.0] * 3
+    assert 3 < service.most_at_once <= 6
+
+
 def test_a_compile_error_fails_the_cases_after_it(service):
     # Case 1's assert does not parse: the service's compile step fails it, and every case after it fails too.
     cases = {"assert_case": ["assert x == 1", "assert (", "assert x == 1"]}
@@ -207,7 +222,6 @@ def test_plait_train_scores_codecontests_rows_on_the_service(tmp_path, tiny_conf
     records = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     step = next(r for r in records if "actor/pg_loss" in r)
     assert service.requests["/run_code"] > before  # the responses' code ran on the service
-    print({k: v for k, v in step.items() if "score" in k or "reward" in k})
     assert 0.0 < step["critic/score/mean"] < 1.0  # the rows that want 1 pass, the rows that want 2 do not
 
 

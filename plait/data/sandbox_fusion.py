@@ -211,12 +211,12 @@ def compute_score(url: str, completion: str, test_cases: Any, memory_limit_mb: i
 
 
 _warned = {"at": -math.inf, "unanswered": 0}
-_warn_lock = threading.Lock()
+_lock = threading.Lock()
 
 
 def warn_unanswered(url: str, why: str, count: int = 1) -> None:
     """One warning line at most once a minute while the service fails to answer, with the count since."""
-    with _warn_lock:
+    with _lock:
         _warned["unanswered"] += count
         if time.monotonic() - _warned["at"] < 60:
             return
@@ -232,7 +232,7 @@ _pools: dict[int, ThreadPoolExecutor] = {}
 def shared_gate(max_concurrent: int) -> threading.Semaphore:
     """The process's semaphore of `max_concurrent` requests in flight (made on first use, so that the
     reward function, which holds only the number, stays a plain picklable value)."""
-    with _warn_lock:
+    with _lock:
         return _gates.setdefault(max_concurrent, threading.Semaphore(max_concurrent))
 
 
@@ -240,7 +240,7 @@ async def in_threads(fn, max_concurrent: int, **kwargs):
     """`fn(**kwargs)` in the process's pool of ceil(max_concurrent / 10) threads: wrapped with
     functools.partial, it makes a reward function `async`, so the naive manager scores a batch's
     responses side by side."""
-    with _warn_lock:
+    with _lock:
         pool = _pools.get(max_concurrent) or _pools.setdefault(max_concurrent, ThreadPoolExecutor(
             -(-max_concurrent // CASES_COUNTED), thread_name_prefix="plait-sandbox"))
     return await asyncio.get_running_loop().run_in_executor(pool, functools.partial(fn, **kwargs))

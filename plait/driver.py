@@ -89,15 +89,13 @@ def source_errors(files_key: str, path: str, key: str, sandbox_url: str | None =
     """The file's data sources without a built-in reward (the first five, each with its first row; a code
     data source without reward.sandbox_fusion.url on its own line), and its first row whose scorer needs a
     string ground truth and has another type."""
-    sources, unknown, errors = read_column(path, key), {}, []
+    sources, unknown, code, errors = read_column(path, key), {}, {}, []
     for i, source in enumerate(sources):
         if source is not None and not has_builtin_reward(source, sandbox_url):
-            unknown.setdefault(repr(source), i)
-    code = next(((s, i) for s, i in unknown.items() if s.strip("'") in CODE_SOURCES), None)
+            (code if source in CODE_SOURCES else unknown).setdefault(repr(source), i)
     if code:
-        errors.append(ConfigError(files_key, path, f"{key} {code[0]} (row {code[1]}) is scored by running its code: "
-                                  + NO_SANDBOX))
-        unknown = {s: i for s, i in unknown.items() if s.strip("'") not in CODE_SOURCES}
+        first, row = next(iter(code.items()))
+        errors.append(ConfigError(files_key, path, f"{key} {first} (row {row}) is scored by running its code: {NO_SANDBOX}"))
     if unknown:
         named = ", ".join(f"{s} (row {i})" for s, i in list(unknown.items())[:5])
         errors.append(ConfigError(files_key, path, f"{key} {named}{' and more' if len(unknown) > 5 else ''} "

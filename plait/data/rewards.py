@@ -83,7 +83,9 @@ class RewardManagerConfig:
     def __post_init__(self):
         check(self.source == "register", "source", self.source, "register: plait does not import reward manager "
               f"classes (source=importlib); its managers are {', '.join(MANAGERS)}")
-        check(self.name in MANAGERS, "name", self.name, f"one of {', '.join(MANAGERS)}")
+        check(self.name in MANAGERS, "name", self.name, f"one of {', '.join(MANAGERS)}" + (
+            " (verl 0.9.1 has no prime manager either: its reward loop stops with `Unknown reward manager: prime`; "
+            "naive scores each response with the same default_compute_score)" if self.name == "prime" else ""))
 
 
 @dataclass

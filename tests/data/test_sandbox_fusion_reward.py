@@ -135,6 +135,29 @@ def test_a_service_that_is_down_or_slow_scores_zero(service, monkeypatch):
         == (0.0, ["api_error"])
 
 
+@pytest.mark.parametrize("key", ["sandbox_fusion", "reward_model.sandbox_fusion", "reward.sandbox_fusion"])
+def test_verls_spellings_of_the_keys(key):
+    from plait.config import load_config
+    cfg = load_config(None, [f"{key}.url=https://sandbox.example/run_code", f"{key}.max_concurrent=128"])
+    assert (cfg.reward.sandbox_fusion.url, cfg.reward.sandbox_fusion.max_concurrent) == \
+        ("https://sandbox.example/run_code", 128)
+    assert cfg.reward.sandbox_fusion.memory_limit_mb == 1024  # verl's default
+
+
+def test_a_url_that_is_not_http_is_one_line_from_the_cli(capsys):
+    from plait import cli
+    assert cli.main(["config", "show", "reward.sandbox_fusion.url=localhost:8080/run_code"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "Traceback" not in err and err.splitlines()[-1].startswith(
+        "plait: config error: reward.sandbox_fusion.url='localhost:8080/run_code': an http:// or https:// address")
+
+
+def test_prime_is_refused_saying_verl_has_none():
+    from plait.config import load_config
+    with pytest.raises(ConfigError, match="verl 0.9.1 has no prime manager either"):
+        load_config(None, ["reward_model.reward_manager=prime"])
+
+
 def test_code_sources_need_the_url():
     for source in ("codecontests", "apps", "codeforces", "taco"):
         assert not has_builtin_reward(source) and has_builtin_reward(source, "http://h/run_code")

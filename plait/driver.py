@@ -95,7 +95,8 @@ def source_errors(files_key: str, path: str, key: str, sandbox_url: str | None =
             (code if source in CODE_SOURCES else unknown).setdefault(repr(source), i)
     if code:
         first, row = next(iter(code.items()))
-        errors.append(ConfigError(files_key, path, f"{key} {first} (row {row}) is scored by running its code: {NO_SANDBOX}"))
+        errors.append(ConfigError(files_key, path, f"{key} {first} (row {row}) is scored by running its code: "
+                                  f"{NO_SANDBOX}"))
     if unknown:
         named = ", ".join(f"{s} (row {i})" for s, i in list(unknown.items())[:5])
         errors.append(ConfigError(files_key, path, f"{key} {named}{' and more' if len(unknown) > 5 else ''} "

@@ -191,7 +191,8 @@ def check_cases(url: str, code: str, cases: dict, memory_limit_mb: int, gate: th
 
 
 def compute_score(url: str, completion: str, test_cases: Any, memory_limit_mb: int = 1024,
-                  gate: Optional[threading.Semaphore] = None, timeout: float = CASE_TIMEOUT_S) -> tuple[float, list[str]]:
+                  gate: Optional[threading.Semaphore] = None,
+                  timeout: float = CASE_TIMEOUT_S) -> tuple[float, list[str]]:
     """verl's continuous code score of `completion` against `test_cases` (a JSON string or dict of
     inputs, outputs and optionally fn_name / assert_case), and each counted case's status."""
     code = extract_code(completion)

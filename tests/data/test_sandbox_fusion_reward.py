@@ -234,10 +234,12 @@ def test_plait_train_scores_codecontests_rows_on_the_service(tmp_path, tiny_conf
         paths[split] = tmp_path / f"{split}.jsonl"
         paths[split].write_text("".join(json.dumps(r) + "\n" for r in code_rows(n)))
     before = service.requests.get("/run_code", 0)
-    cfg = tiny_config(tmp_path / "out", f"actor_rollout_ref.model.path={coder_dir}", f"data.train_files={paths['train']}",
-                      f"data.val_files={paths['val']}", "data.max_response_length=20", "trainer.total_training_steps=1",
-                      "trainer.test_freq=-1", "trainer.val_before_train=false", "algorithm.adv_estimator=grpo",
-                      f"reward_model.sandbox_fusion.url={service.url()}", "reward_model.sandbox_fusion.max_concurrent=128")
+    cfg = tiny_config(tmp_path / "out", f"actor_rollout_ref.model.path={coder_dir}",
+                      f"data.train_files={paths['train']}", f"data.val_files={paths['val']}",
+                      "data.max_response_length=20", "trainer.total_training_steps=1", "trainer.test_freq=-1",
+                      "trainer.val_before_train=false", "algorithm.adv_estimator=grpo",
+                      f"reward_model.sandbox_fusion.url={service.url()}",  # the corpus script's spelling
+                      "reward_model.sandbox_fusion.max_concurrent=128")
     assert cfg.reward.sandbox_fusion.url == service.url() and cfg.reward.sandbox_fusion.max_concurrent == 128
     config = tmp_path / "config.yaml"
     config.write_text(yaml.safe_dump(to_dict(cfg)))

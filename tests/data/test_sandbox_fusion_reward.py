@@ -225,7 +225,8 @@ def code_rows(n: int) -> list[dict]:
              "extra_info": {"index": k}} for k in range(n)]
 
 
-def test_plait_train_scores_codecontests_rows_on_the_service(tmp_path, tiny_config, service, coder_dir):
+def train_on_code_rows(tmp_path, tiny_config, coder_dir: str, url: str) -> dict:
+    """One sync step of `plait train` on codecontests rows with the corpus script's keys; the step's record."""
     import yaml
     from plait import cli
     from plait.configtree import to_dict
@@ -233,21 +234,35 @@ def test_plait_train_scores_codecontests_rows_on_the_service(tmp_path, tiny_conf
     for split, n in (("train", 8), ("val", 4)):
         paths[split] = tmp_path / f"{split}.jsonl"
         paths[split].write_text("".join(json.dumps(r) + "\n" for r in code_rows(n)))
-    before = service.requests.get("/run_code", 0)
     cfg = tiny_config(tmp_path / "out", f"actor_rollout_ref.model.path={coder_dir}",
                       f"data.train_files={paths['train']}", f"data.val_files={paths['val']}",
                       "data.max_response_length=20", "trainer.total_training_steps=1", "trainer.test_freq=-1",
                       "trainer.val_before_train=false", "algorithm.adv_estimator=grpo",
-                      f"reward_model.sandbox_fusion.url={service.url()}",  # the corpus script's spelling
+                      f"reward_model.sandbox_fusion.url={url}",  # the corpus script's spelling
                       "reward_model.sandbox_fusion.max_concurrent=128")
-    assert cfg.reward.sandbox_fusion.url == service.url() and cfg.reward.sandbox_fusion.max_concurrent == 128
+    assert cfg.reward.sandbox_fusion.url == url and cfg.reward.sandbox_fusion.max_concurrent == 128
     config = tmp_path / "config.yaml"
     config.write_text(yaml.safe_dump(to_dict(cfg)))
     assert cli.main(["train", "--no-progress", "--config", str(config)]) == 0
     records = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
-    step = next(r for r in records if "actor/pg_loss" in r)
+    return next(r for r in records if "actor/pg_loss" in r)
+
+
+def test_plait_train_scores_codecontests_rows_on_the_service(tmp_path, tiny_config, service, coder_dir):
+    before = service.requests.get("/run_code", 0)
+    step = train_on_code_rows(tmp_path, tiny_config, coder_dir, service.url())
     assert service.requests["/run_code"] > before  # the responses' code ran on the service
     assert 0.0 < step["critic/score/mean"] < 1.0  # the rows that want 1 pass, the rows that want 2 do not
+
+
+def test_plait_train_goes_on_when_the_service_fails(tmp_path, tiny_config, service, coder_dir, caplog):
+    sandbox_fusion._warned.update(at=float("-inf"), unanswered=0)
+    before = service.requests.get("/broken", 0)
+    with caplog.at_level(logging.WARNING, logger="plait.data.sandbox_fusion"):
+        step = train_on_code_rows(tmp_path, tiny_config, coder_dir, service.url("/broken"))
+    assert service.requests["/broken"] > before and step["critic/score/mean"] == 0.0
+    warned = [r.getMessage() for r in caplog.records if r.name == "plait.data.sandbox_fusion"]
+    assert len(warned) == 1 and "got no answer (last: HTTP 500" in warned[0]  # once a minute at most
 
 
 def test_code_rows_without_a_url_are_refused_at_start(tmp_path, tiny_config, capsys):

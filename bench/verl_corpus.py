@@ -82,6 +82,10 @@ VERL_REJECTS = {
     "examples/ppo_trainer/run_deepseek7b_llm_pfppo.sh":
         "line 6 ends in `\\  # [...]`: bash passes ' ' as an argument (Hydra cannot parse it) and the comment ends the "
         "command, so the script's later lines never reach the trainer",
+    "examples/ppo_trainer/run_deepseek7b_llm_sandbox_fusion.sh":
+        "sets reward_model.reward_manager=prime: verl 0.9.1 looks reward managers up in its reward loop's registry "
+        "(naive, dapo, gdpo, limited, remote), which has no prime, so it stops with `Unknown reward manager: prime` "
+        "(its sandbox keys load in plait: without that line the script is accepted)",
     "examples/gspo_trainer/run_qwen3_32b_gspo_npu.sh":
         "divides by sp_size (line 66) before setting it (line 72): bash's division by zero leaves "
         "actor_ppo_max_token_len empty, so with use_dynamic_bsz=True verl's dynamic batching gets "

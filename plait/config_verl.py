@@ -268,7 +268,7 @@ _GROUPS = {
         global_profiler.global_tool_config.nsys.worker_nsight_options.kill
     """,
     ("verl extension points by class or module path (sampler, data generator, reward "
-     "manager and reward loop classes, async servers, sandbox, external model libraries, optimizer "
+     "manager and reward loop classes, async servers, external model libraries, optimizer "
      "classes): plait's components are chosen by name"): """
         actor_rollout_ref.actor.optim.optimizer
         actor_rollout_ref.actor.optim.optimizer_impl
@@ -286,9 +286,6 @@ _GROUPS = {
         critic.model.external_lib
         reward_model.model.external_lib
         reward_model.model.override_config
-        reward.sandbox_fusion.url
-        reward.sandbox_fusion.max_concurrent
-        reward.sandbox_fusion.memory_limit_mb
         reward_model.use_reward_loop
     """,
     ("cluster, storage and Ray plumbing of verl's single controller (HDFS, ESI, register timeouts, "
@@ -491,7 +488,6 @@ _DEFAULT_ONLY = {
         actor_rollout_ref.rollout.skip_rollout"""),
     "rollout log-probs (plait's engines return the sampling distribution's log-probs, verl's processed_logprobs)":
         (("processed_logprobs",), "actor_rollout_ref.rollout.logprobs_mode"),
-    "reward (plait has no sandbox: code rewards run in the reward function)": ((None,), "reward.sandbox_fusion.url"),
     "run (plait trains; validation alone is not implemented)": ((None, False), "trainer.val_only"),
 }
 SEMANTIC: dict[str, tuple[tuple, str]] = {key: (values, what) for what, (values, keys) in _DEFAULT_ONLY.items()

@@ -21,7 +21,8 @@ from plait.configtree import ConfigError, raise_all, to_dict
 from plait.data.reward_pool import close_reward_workers
 from plait.checks import check_data_files, check_loggers, collect_errors, not_a_directory
 from plait.data.dataset import read_column
-from plait.data.rewards import BUILTIN, has_builtin_reward, needs_string_truth, resolve_reward
+from plait.data.rewards import BUILTIN, NO_SANDBOX, has_builtin_reward, needs_string_truth, resolve_reward
+from plait.data.sandbox_fusion import CODE_SOURCES
 from plait.builtin_models import builtin_model
 from plait.models import check_model_dir, check_reward_model_dir
 from plait.profiler import RoleProfilerConfig, validate_environment
@@ -54,7 +55,7 @@ def check_data_sources(cfg: PlaitConfig) -> None:
     for files_key, files in (("data.train_files", cfg.data.train_files), ("data.val_files", cfg.data.val_files)):
         for path in files or []:
             try:
-                errors += source_errors(files_key, path, cfg.data.reward_fn_key)
+                errors += source_errors(files_key, path, cfg.data.reward_fn_key, cfg.reward.sandbox_fusion.url)
             except (OSError, ValueError):
                 continue
     raise_all(errors)
@@ -84,13 +85,18 @@ def check_tool_classes(cfg: PlaitConfig) -> None:
                for line in (refused_tool_lines(path) if path else [])])
 
 
-def source_errors(files_key: str, path: str, key: str) -> list[ConfigError]:
-    """The file's data sources without a built-in reward (the first five, each with its first row),
-    and its first row whose scorer needs a string ground truth and has another type."""
-    sources, unknown, errors = read_column(path, key), {}, []
+def source_errors(files_key: str, path: str, key: str, sandbox_url: str | None = None) -> list[ConfigError]:
+    """The file's data sources without a built-in reward (the first five, each with its first row; a code
+    data source without reward.sandbox_fusion.url on its own line), and its first row whose scorer needs a
+    string ground truth and has another type."""
+    sources, unknown, code, errors = read_column(path, key), {}, {}, []
     for i, source in enumerate(sources):
-        if source is not None and not has_builtin_reward(source):
-            unknown.setdefault(repr(source), i)
+        if source is not None and not has_builtin_reward(source, sandbox_url):
+            (code if source in CODE_SOURCES else unknown).setdefault(repr(source), i)
+    if code:
+        first, row = next(iter(code.items()))
+        errors.append(ConfigError(files_key, path, f"{key} {first} (row {row}) is scored by running its code: "
+                                  f"{NO_SANDBOX}"))
     if unknown:
         named = ", ".join(f"{s} (row {i})" for s, i in list(unknown.items())[:5])
         errors.append(ConfigError(files_key, path, f"{key} {named}{' and more' if len(unknown) > 5 else ''} "

@@ -53,7 +53,7 @@ CLASSES = [
      r"use_legacy_worker_impl|rollout_data_dir|validation_data_dir|tensorboard_dir|log_freq|debug|use_v1|"
      r"checkpoint_callback_class)$|^ray_kwargs\.|^transfer_queue\.enable$|checkpoint\.(save|load)_contents$|"
      r"checkpoint\.strict$|^data\.(return_raw_input_ids|return_full_prompt|validation_shuffle|trust_remote_code)$|"
-     r"^critic\.shuffle$|external_lib$|reward\.sandbox_fusion\.(max_concurrent|memory_limit_mb)$"),
+     r"^critic\.shuffle$|external_lib$"),
     # verl 0.9.1 reads these nowhere either: older rollout-correction spellings (its RolloutCorrectionConfig has
     # rollout_rs_threshold), over_sample_rate (a field of its rollout config only) and DeepEyes' '+' key
     # trainer.rl_logging_board_dir (no code of verl or verl-recipe reads it)
@@ -115,7 +115,6 @@ ON = {
     "actor_rollout_ref.rollout.mtp.enable_train": True, "critic.model.mtp.enable_train": True,
     "actor_rollout_ref.actor.router_replay.mode": "R3", "actor_rollout_ref.ref.router_replay.mode": "R2",
     "actor_rollout_ref.rollout.enable_rollout_routing_replay": True, "actor_rollout_ref.rollout.skip_rollout": True, "actor_rollout_ref.rollout.logprobs_mode": "raw_logprobs",
-    "reward.sandbox_fusion.url": "http://sandbox",
     "trainer.val_only": True, "data.mm_processor_kwargs": "{max_pixels: 3136}",
 }
 

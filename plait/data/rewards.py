@@ -12,7 +12,9 @@ function is loaded from a file with `load_custom_reward`, as verl's
 A reward manager (`reward.reward_manager.name`) turns a batch of decoded responses into scores:
 `naive` calls the function once per response, `batch` once with lists (`data_sources=`,
 `solution_strs=`, `ground_truths=`, `extra_infos=`) and `dapo` is `naive` plus DAPO's overlong
-penalty. Left out: verl's `prime` manager (process pool with timeouts) and sandboxed execution.
+penalty. Code data sources (codecontests, apps, codeforces, taco) are scored on a SandboxFusion service
+when `reward.sandbox_fusion.url` is set (sandbox_fusion.py), as verl does. Left out: verl's `prime`
+manager (process pool with timeouts) and its local code execution without a url (prime_code).
 
 The `reward.*` node of the config tree (verl 0.9's layout) lives here beside the code it
 configures; `resolve_reward(cfg.reward, max_response_length)` turns it into the batch scorer.
@@ -38,6 +40,7 @@ from plait.data.math_rewards import (DAPO_SOURCES, GEO3K_SOURCES, MATH_SOURCES, 
                                      gsm8k_synthetic_score, math_score)
 from plait.data.qa_rewards import SEARCH_R1_SOURCES, search_r1_score
 from plait.data.reward_pool import RewardPool, RewardSpec, describe_call, plain_result
+from plait.data.sandbox_fusion import CODE_SOURCES, in_threads, sandbox_score
 from plait.errors import Interrupted, RunError
 from plait.profiler.config import RoleProfilerConfig
 from plait.safeload import first_line
@@ -82,7 +85,9 @@ class RewardManagerConfig:
     def __post_init__(self):
         check(self.source == "register", "source", self.source, "register: plait does not import reward manager "
               f"classes (source=importlib); its managers are {', '.join(MANAGERS)}")
-        check(self.name in MANAGERS, "name", self.name, f"one of {', '.join(MANAGERS)}")
+        check(self.name in MANAGERS, "name", self.name, f"one of {', '.join(MANAGERS)}" + (
+            " (verl 0.9.1 has no prime manager either: its reward loop stops with `Unknown reward manager: prime`; "
+            "naive scores each response with the same default_compute_score)" if self.name == "prime" else ""))
 
 
 @dataclass
@@ -114,6 +119,20 @@ class RewardModelConfig:
 
 
 @dataclass
+class SandboxFusionConfig:
+    """`reward.sandbox_fusion`: the SandboxFusion service that scores code data sources (CODE_SOURCES)."""
+    url: Optional[str] = None                 # its /run_code endpoint, http(s)://...; null: code rows are refused
+    max_concurrent: int = 64                  # requests in flight at once
+    memory_limit_mb: int = 1024               # each run's memory limit, sent to the service
+
+    def __post_init__(self):
+        check(self.url is None or (isinstance(self.url, str) and self.url.startswith(("http://", "https://"))),
+              "url", self.url, "an http:// or https:// address of a SandboxFusion /run_code endpoint, or null")
+        check(self.max_concurrent > 0, "max_concurrent", self.max_concurrent, "requests at once, > 0")
+        check(self.memory_limit_mb > 0, "memory_limit_mb", self.memory_limit_mb, "MiB > 0")
+
+
+@dataclass
 class RewardConfig:
     """`reward`: verl 0.9's reward tree (load_config maps verl 0.8's top-level custom_reward_function,
     reward_model and sandbox_fusion keys onto it)."""
@@ -123,6 +142,7 @@ class RewardConfig:
     custom_reward_function: CustomRewardConfig = field(default_factory=CustomRewardConfig)
     reward_manager: RewardManagerConfig = field(default_factory=RewardManagerConfig)
     reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    sandbox_fusion: SandboxFusionConfig = field(default_factory=SandboxFusionConfig)
     # The manager's arguments, as verl's DAPO recipe gives them: overlong_buffer_cfg (read into
     # overlong_buffer) and max_resp_len (default: data.max_response_length).
     reward_kwargs: dict = field(default_factory=dict)
@@ -175,20 +195,28 @@ def exact_match_score(data_source: str, solution_str: str, ground_truth: str,
     return 1.0 if answer == ground_truth.strip() else format_score
 
 
-def default_compute_score(data_source: str, solution_str: str, ground_truth: Any,
-                          extra_info: dict | None = None) -> float | dict:
-    """Score a response to a built-in task or one of verl's math data sources."""
+def default_compute_score(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None,
+                          sandbox_fusion_url: str | None = None, max_concurrent: int = 64,
+                          memory_limit_mb: int = 1024) -> float | dict:
+    """Score a response to a built-in task, one of verl's math data sources or (with a SandboxFusion
+    url, `reward.sandbox_fusion.*`) one of its code data sources."""
     if data_source in SCORERS:
         return SCORERS[data_source](solution_str, ground_truth)
+    if data_source in CODE_SOURCES and sandbox_fusion_url:
+        return sandbox_score(solution_str, ground_truth, sandbox_fusion_url, max_concurrent, memory_limit_mb)
+    if data_source in CODE_SOURCES:
+        raise ValueError(f"data_source {data_source!r} is scored by running its code: {NO_SANDBOX}")
     if has_builtin_reward(data_source):  # verl scores every AIME variant as DAPO does
         return dapo_score(solution_str, ground_truth)
     raise ValueError(f"no built-in reward for data_source {data_source!r} ({BUILTIN}); score it with your "
                      "own function via reward.custom_reward_function.path and .name")
 
 
-def has_builtin_reward(data_source: Any) -> bool:
-    """Whether default_compute_score scores this data source (the driver checks every row's at start)."""
-    return isinstance(data_source, str) and (data_source in SCORERS or data_source.startswith("aime"))
+def has_builtin_reward(data_source: Any, sandbox_fusion_url: str | None = None) -> bool:
+    """Whether default_compute_score scores this data source (the driver checks every row's at start):
+    the code data sources only with a SandboxFusion url."""
+    return isinstance(data_source, str) and (data_source in SCORERS or data_source.startswith("aime")
+                                             or (data_source in CODE_SOURCES and bool(sandbox_fusion_url)))
 
 
 def needs_string_truth(data_source: Any) -> bool:
@@ -354,8 +382,12 @@ def resolve_reward_fn(reward: RewardConfig) -> Callable:
     """The guarded reward function, called in `reward.num_workers` worker processes (0: in this one,
     docs/reliability.md). A custom file is imported here once too, so a missing file, an import
     error or a missing function is a config error before any work."""
-    custom = reward.custom_reward_function
+    custom, sandbox = reward.custom_reward_function, reward.sandbox_fusion
     name, fn = "default_compute_score", default_compute_score
+    if sandbox.url:  # as verl: only its default scorer gets the service, a custom function does not
+        fn = functools.partial(in_threads, functools.partial(
+            default_compute_score, sandbox_fusion_url=sandbox.url, max_concurrent=sandbox.max_concurrent,
+            memory_limit_mb=sandbox.memory_limit_mb), sandbox.max_concurrent)
     if custom.path:
         try:
             name, fn = custom.name, load_custom_reward(custom.path, custom.name, custom.reward_kwargs)
@@ -470,4 +502,7 @@ SCORERS = {  # data_source -> scorer; has_builtin_reward adds every aime* source
 }
 
 MANAGERS = {"naive": naive_manager, "batch": batch_manager, "dapo": dapo_manager}
-BUILTIN = f"built-in: {', '.join(SCORERS)}, aime*"
+BUILTIN = f"built-in: {', '.join(SCORERS)}, aime*; with reward.sandbox_fusion.url: {', '.join(CODE_SOURCES)}"
+NO_SANDBOX = ("verl 0.9.1 runs it on a SandboxFusion service (reward.sandbox_fusion.url=http://HOST:PORT/run_code) "
+              "or, without one, locally (prime_code), which plait does not implement: set the url or give a reward "
+              "file (reward.custom_reward_function.path)")

@@ -93,7 +93,8 @@ def test_data_sources_without_a_reward_are_one_line_each_before_any_model_loads(
     assert len(lines) == 2
     assert lines[0].startswith(f"data.train_files='{train_file}': data_source 'my_task' (row 2), 7 (row 5) have no "
                                "built-in reward (built-in: arithmetic, reverse, ")
-    assert lines[0].endswith("aime*) and reward.custom_reward_function.path is unset: give a reward file that scores it")
+    assert lines[0].endswith("aime*; with reward.sandbox_fusion.url: codecontests, apps, codeforces, taco) and "
+                             "reward.custom_reward_function.path is unset: give a reward file that scores it")
     assert lines[1].startswith(f"data.val_files='{val_file}': data_source 'val_only' (row 0) has no built-in reward")
     assert train(tmp_path, tiny_config, *files) == 2
     assert "Traceback" not in capsys.readouterr().err

@@ -1,7 +1,7 @@
 """Probe (docs/vlm.md "The VL demo", why GRPO is flat): plain-torch GRPO on the FIRST answer token only
 (no plait trainer, actor or loss), or supervised first-token training, from a VL demo model folder.
 
-    python bench/probe_vl_first_token.py <model dir, e.g. $PLAIT_CACHE/tiny-qwen2-vl-demo/primed> grpo|sft <steps> <lr>
+    python bench/probe_vl_first_token.py <model dir, e.g. $PLAIT_CACHE/tiny-qwen2-vl-demo/warmstart> grpo|sft <steps> <lr>
 
 SEED=<n> picks the batches and samples. Prints greedy first-token accuracy, share answering red, mean p(true).
 """

@@ -5,8 +5,10 @@
   supervised warm start that teaches the ANSWER FORMAT only: the task's train prompts, each with its own
   image, answered with a label drawn at random from the task's answers, independently of the image,
   then `<|im_end|>`. The labels carry no information about the pictures, so the model learns to say
-  "red" or "blue" (or a count) and stop, and nothing about which one is right: its accuracy stays at
+  "r" or "b" (or a count) and stop, and nothing about which one is right: its accuracy stays at
   chance, and what GRPO adds afterwards is read from the images. Loss on the answer tokens only.
+  (`true_steps` > 0 adds supervised steps on the true answers, the earlier demo's "priming", kept to
+  reproduce docs/vlm.md's earlier probes; the preset's DEMO_WARMSTART has none.)
   The result is cached in `out_dir` (plait/data/warmstart.py's marker: the settings and a hash of the
   starting model's files), so a second run reuses it.
 Left out: other tasks than the built-in image tasks, LR schedules, devices other than CPU.
@@ -24,7 +26,7 @@ import torch
 
 from plait.data.warmstart import MARKER, _fingerprint
 
-FORMAT_ANSWERS = {"larger_shape": ("red", "blue"), "count_dots": ("1", "2", "3", "4")}
+FORMAT_ANSWERS = {"larger_shape": ("r", "b"), "count_dots": ("1", "2", "3", "4")}
 POOL = 2048  # distinct train pictures the warm-start batches are drawn from (at most; steps x batch_size)
 
 
@@ -113,8 +115,9 @@ def vl_demo_model(out_dir: str | Path, task: str = "larger_shape", steps: int = 
     return format_warmstart(path, task, Path(out_dir) / "primed", true_steps, batch_size, true_lr, seed, "true")
 
 
-# The warm start of `actor_rollout_ref.model.path: tiny-qwen2-vl-demo` (the vl_demo preset): see docs/vlm.md.
-DEMO_WARMSTART = dict(task="larger_shape", steps=60, batch_size=16, lr=3e-3, seed=0, labels="random", true_steps=30)
+# The warm start of `actor_rollout_ref.model.path: tiny-qwen2-vl-demo` (the vl_demo preset): the format only,
+# no true answers (true_steps 0); see docs/vlm.md "The VL demo".
+DEMO_WARMSTART = dict(task="larger_shape", steps=60, batch_size=16, lr=3e-3, seed=0, labels="random", true_steps=0)
 
 
 def vl_demo_dir(cache_dir: str | Path | None = None) -> str:

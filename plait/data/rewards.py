@@ -491,7 +491,7 @@ def _call(fn: Callable, args: tuple, kwargs: dict, timeout: float | None, where:
 SCORERS = {  # data_source -> scorer; has_builtin_reward adds every aime* source
     "arithmetic": functools.partial(exact_match_score, "arithmetic"),
     "reverse": functools.partial(exact_match_score, "reverse"),
-    "larger_shape": functools.partial(exact_match_score, "larger_shape"),  # "red" / "blue" at the start
+    "larger_shape": functools.partial(exact_match_score, "larger_shape"),  # "r" / "b" at the start
     "count_dots": functools.partial(exact_match_score, "count_dots"),      # the count at the start
     "openai/gsm8k": gsm8k_score,
     "gsm8k_synthetic": gsm8k_synthetic_score,  # plait's synthetic word problems: GSM8K's flexible rule, acc, strict

@@ -5,8 +5,9 @@ the prompt text with verl's `<image>` placeholder, the answer, the picture. The 
 geo3k preprocessing (examples/data_preprocess/geo3k.py): a user turn with `<image>` in its text and
 an `images` column of `{"bytes": PNG, "path": None}`, one per placeholder.
 
-- `larger_shape`: a red and a blue square (or disc) of clearly different sizes on white; "red" or
-  "blue", whichever is larger. The difference of the red and blue areas is the difference of the
+- `larger_shape`: a red and a blue square (or disc) of clearly different sizes on white; the answer is
+  one letter, "r" (red) or "b" (blue), whichever is larger: one token of a character tokenizer, so GRPO's
+  reward and loss sit on the one token that decides (docs/vlm.md "The VL demo"). The difference of the red and blue areas is the difference of the
   image's mean red and blue channels, so a tiny model built from a config can pick it up on a CPU.
   Supervised on the first answer token, a Qwen2-VL with a 64-wide text model and one vision block
   built from a config reached 0.98 validation accuracy in 50 steps of 32 rows (majority answer: 0.58).
@@ -35,7 +36,7 @@ SIZE = 56  # pixels a side: 4 x 4 patches of 14 for Qwen2-VL, its smallest image
 GEO_SIZE = 112  # geometry figures carry written labels
 WHITE, RED, BLUE, BLACK = (255, 255, 255), (220, 30, 30), (30, 60, 220), (0, 0, 0)
 
-LARGER_PROMPT = "<image>Which shape is larger, the red one or the blue one? Answer red or blue."
+LARGER_PROMPT = "<image>Which shape is larger, the red one or the blue one? Answer r for red or b for blue."
 COUNT_PROMPT = "<image>How many dots are in the picture? Answer with a number."
 # verl's examples/data_preprocess/geo3k.py appends this instruction to every geometry3k problem;
 # the rows here carry it too, so the geo3k reward's format part (<think> ... \boxed{}) applies as there.
@@ -81,7 +82,7 @@ def larger_shape(rng: random.Random, size: int = SIZE) -> Drawn:
         box = (x, y, x + side - 1, y + side - 1)
         fill = RED if colour == "red" else BLUE
         draw.ellipse(box, fill=fill) if disc else draw.rectangle(box, fill=fill)
-    return Drawn(LARGER_PROMPT, "red" if red_larger else "blue", (image,))
+    return Drawn(LARGER_PROMPT, "r" if red_larger else "b", (image,))
 
 
 def count_dots(rng: random.Random, size: int = SIZE, most: int = 4) -> Drawn:

@@ -41,10 +41,10 @@ def test_larger_shape_answer_is_the_colour_with_more_pixels():
         red = ((rgb[..., 0] > 150) & (rgb[..., 2] < 100)).sum()
         blue = ((rgb[..., 2] > 150) & (rgb[..., 0] < 100)).sum()
         assert min(red, blue) > 0 and max(red, blue) >= 2 * min(red, blue)  # sides 1.5x apart: areas 2.25x
-        assert row["reward_model"]["ground_truth"] == ("red" if red > blue else "blue")
+        assert row["reward_model"]["ground_truth"] == ("r" if red > blue else "b")  # one letter: r(ed) or b(lue)
         # what the docstring promises a tiny model: the mean red and blue channels tell the answer
         assert (rgb[..., 0].mean() > rgb[..., 2].mean()) == (red > blue)
-    assert set(Counter(r["reward_model"]["ground_truth"] for r in rows)) == {"red", "blue"}
+    assert set(Counter(r["reward_model"]["ground_truth"] for r in rows)) == {"r", "b"}
 
 
 def blobs(dark: np.ndarray) -> int:
@@ -88,9 +88,10 @@ def test_image_rows_round_trip_through_parquet(tmp_path):
 
 
 @pytest.mark.parametrize("source, response, truth, score", [
-    ("larger_shape", "red", "red", 1.0), ("larger_shape", " blue.", "blue", 1.0),
-    ("larger_shape", "blue", "red", 0.0), ("larger_shape", "Red", "red", 0.0),  # lower case, as the prompt asks
-    ("larger_shape", "the red one", "red", 0.0),                                # the answer comes first
+    ("larger_shape", "r", "r", 1.0), ("larger_shape", " b.", "b", 1.0),
+    ("larger_shape", "b", "r", 0.0), ("larger_shape", "R", "r", 0.0),  # lower case, as the prompt asks
+    ("larger_shape", "red", "r", 0.0), ("larger_shape", "rb", "r", 0.0),  # the one letter, nothing joined to it
+    ("larger_shape", "the r", "r", 0.0),                                # the answer comes first
     ("count_dots", "3", "3", 1.0), ("count_dots", "3 dots", "3", 1.0), ("count_dots", "three", "3", 0.0),
     ("count_dots", "34", "3", 0.0),
 ])

@@ -1,6 +1,6 @@
-"""The vl_demo preset: its warm start (random answers for the format, then the true ones; the images' tokens
-in the prompt; cached) and a couple of GRPO steps of the preset through `plait train --config vl_demo`, with
-the built-in tiny-qwen2-vl-demo model built in a temporary cache (the warm start shrunk to 2 + 1 steps)."""
+"""The vl_demo preset: its format warm start (one-letter answers drawn at random, independently of the picture;
+the images' tokens in the prompt; cached) and a couple of GRPO steps of the preset through `plait train --config
+vl_demo`, with the built-in tiny-qwen2-vl-demo model built in a temporary cache (the warm start shrunk to 2 steps)."""
 
 import json
 
@@ -31,7 +31,7 @@ def test_format_examples_answer_in_the_task_format_independently_of_the_picture(
     true_ones = plait.vl_demo.format_examples(processor, "larger_shape", 64, 0, "true")
     end = processor.tokenizer.convert_tokens_to_ids("<|im_end|>")
     said = [answer_of(processor, e) for e in random_ones]
-    assert all(word in ("red", "blue") and last == end for word, last in said)
+    assert all(word in ("r", "b") and last == end for word, last in said)  # one letter, then <|im_end|>
     truth = [r["reward_model"]["ground_truth"] for r in rows]
     assert [answer_of(processor, e)[0] for e in true_ones] == truth
     agree = sum(word == t for (word, _), t in zip(said, truth)) / len(truth)
@@ -68,14 +68,12 @@ def test_vl_demo_preset_builds_its_model_and_trains(tmp_path, monkeypatch):
     monkeypatch.setenv("PLAIT_CACHE", str(tmp_path / "cache"))
     monkeypatch.setitem(plait.vl_demo.DEMO_WARMSTART, "steps", 2)
     monkeypatch.setitem(plait.vl_demo.DEMO_WARMSTART, "batch_size", 2)
-    monkeypatch.setitem(plait.vl_demo.DEMO_WARMSTART, "true_steps", 1)
     out = tmp_path / "run"
     assert main(["train", "--config", "vl_demo", "--no-progress", f"trainer.default_local_dir={out}", *SMOKE]) == 0
     built = tmp_path / "cache" / "tiny-qwen2-vl-demo"
     marker = json.loads((built / "warmstart" / "warmstart.json").read_text())
     assert marker["settings"]["steps"] == 2 and marker["settings"]["labels"] == "random"
-    primed = json.loads((built / "primed" / "warmstart.json").read_text())  # part 2: the true answers
-    assert primed["settings"]["steps"] == 1 and primed["settings"]["labels"] == "true"
+    assert plait.vl_demo.DEMO_WARMSTART["true_steps"] == 0 and not (built / "primed").exists()  # no true answers
     records = [json.loads(line) for line in open(out / "metrics.jsonl")]
     val = [r for r in records if "val-core/larger_shape/reward/mean@1" in r]
     assert [r["step"] for r in val] == [0, 2] and all(0 <= r["val-core/larger_shape/reward/mean@1"] <= 1 for r in val)

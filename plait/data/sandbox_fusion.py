@@ -27,6 +27,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional
 
@@ -227,7 +228,8 @@ def warn_unanswered(url: str, why: str, count: int = 1) -> None:
 
 
 _gates: dict[int, threading.Semaphore] = {}
-_pools: dict[int, ThreadPoolExecutor] = {}
+_response_gates: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[int, asyncio.Semaphore]]" = \
+    weakref.WeakKeyDictionary()
 
 
 def shared_gate(max_concurrent: int) -> threading.Semaphore:
@@ -238,13 +240,15 @@ def shared_gate(max_concurrent: int) -> threading.Semaphore:
 
 
 async def in_threads(fn, max_concurrent: int, **kwargs):
-    """`fn(**kwargs)` in the process's pool of ceil(max_concurrent / 10) threads: wrapped with
-    functools.partial, it makes a reward function `async`, so the naive manager scores a batch's
-    responses side by side."""
+    """`fn(**kwargs)` in the running event loop's default executor, ceil(max_concurrent / 10) calls at once:
+    wrapped with functools.partial, it makes a reward function `async`, so the naive manager scores a batch's
+    responses side by side. asyncio.run joins the executor's threads when the batch ends: none outlive it."""
+    loop = asyncio.get_running_loop()
     with _lock:
-        pool = _pools.get(max_concurrent) or _pools.setdefault(max_concurrent, ThreadPoolExecutor(
-            -(-max_concurrent // CASES_COUNTED), thread_name_prefix="plait-sandbox"))
-    return await asyncio.get_running_loop().run_in_executor(pool, functools.partial(fn, **kwargs))
+        gates = _response_gates.setdefault(loop, {})
+        gate = gates.setdefault(max_concurrent, asyncio.Semaphore(-(-max_concurrent // CASES_COUNTED)))
+    async with gate:
+        return await loop.run_in_executor(None, functools.partial(fn, **kwargs))
 
 
 def sandbox_score(solution_str: str, ground_truth: Any, url: str, max_concurrent: int = 64,

@@ -6,6 +6,7 @@ file, each loaded in a worker process."""
 import os
 import sys
 import textwrap
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -184,29 +185,7 @@ def test_bad_interaction_files_are_one_config_line(tmp_path, text, match):
     assert err.value.key == "actor_rollout_ref.rollout.multi_turn.interaction_config_path"
 
 
-INTERACTION_VERL_YAML = """\
-hydra:
-  searchpath:
-    - file://verl/trainer/config
-
-defaults:
-  - ppo_trainer
-  - _self_
-
-data:
-  max_prompt_length: 1024
-  max_response_length: 1024
-  train_batch_size: 256
-  return_raw_chat: True
-
-actor_rollout_ref:
-  hybrid_engine: True
-  rollout:
-    name: sglang
-    multi_turn:
-      enable: True
-      max_user_turns: 5
-"""
+INTERACTION_VERL_YAML = (Path(__file__).resolve().parents[1] / "fixtures" / "verl_configs" / "gsm8k_multiturn_grpo_w_interaction.yaml").read_text()
 
 
 def test_verls_gsm8k_interaction_command_line_runs(tmp_path):

@@ -19,29 +19,7 @@ from plait.trainers.lifecycle import read_metrics
 
 REPO = Path(__file__).resolve().parents[2]
 
-VERL_YAML = """\
-hydra:
-  searchpath:
-    - file://verl/trainer/config
-
-defaults:
-  - ppo_trainer
-  - _self_
-
-data:
-  max_prompt_length: 1024
-  max_response_length: 1024
-  train_batch_size: 256
-  return_raw_chat: True
-
-actor_rollout_ref:
-  hybrid_engine: True
-  rollout:
-    name: sglang
-    multi_turn:
-      enable: True
-      max_assistant_turns: 5
-"""
+VERL_YAML = (Path(__file__).resolve().parents[1] / "fixtures" / "verl_configs" / "gsm8k_multiturn_grpo.yaml").read_text()
 
 TOOL_YAML = """\
 tools:

@@ -324,31 +324,7 @@ def test_the_tool_agent_loop_searches_reads_and_answers(retriever, searchbox):
 
 # -- verl's Search-R1 command line through `plait train` ---------------------------------------------
 
-SEARCH_YAML = """\
-hydra:
-  searchpath:
-    - file://verl/trainer/config
-
-defaults:
-  - ppo_trainer
-  - _self_
-
-data:
-  max_prompt_length: 1024
-  max_response_length: 1024
-  train_batch_size: 256
-  return_raw_chat: True
-  shuffle: False
-
-actor_rollout_ref:
-  hybrid_engine: True
-  rollout:
-    name: sglang
-    multi_turn:
-      enable: True
-      max_assistant_turns: 2
-      format: qwen
-"""
+SEARCH_YAML = (Path(__file__).resolve().parents[1] / "fixtures" / "verl_configs" / "search_multiturn_grpo.yaml").read_text()
 
 PREFIX = ("Answer the given question. Think inside <think> and </think>, search with the search tool when you lack "
           "knowledge, and give the answer inside <answer> and </answer>. Question: ")

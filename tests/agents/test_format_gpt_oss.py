@@ -6,12 +6,10 @@ parse (verl stops its tool_agent loop at an unknown one)."""
 
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
 from plait.agents.tokens import ContinuousTokens
-from plait.agents.tools import ToolBox, ToolLimits
 from plait.agents.worker import AgentWorker, check_agent_names
 from plait.config import PlaitConfig, SamplingConfig
 from plait.configtree import ConfigError
@@ -20,6 +18,7 @@ from plait.types import PromptBatch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_interaction import Engine  # noqa: E402  (the scripted engine, shared)
+from test_loop import tools  # noqa: E402,F401  (the `add` tool box fixture, shared)
 
 HARMONY = ("{% for m in messages %}"
            "{% if m['role'] == 'assistant' and m.get('tool_calls') %}{% for c in m['tool_calls'] %}"
@@ -31,19 +30,6 @@ HARMONY = ("{% for m in messages %}"
 CALL = ('<|channel|>analysis<|message|>add them<|end|><|start|>assistant<|channel|>commentary to=functions.add '
         '<|constrain|>json<|message|>{"a": 2, "b": 3}<|call|>')
 ANSWER = "<|channel|>final<|message|>#### 5<|return|>"
-
-
-@pytest.fixture(scope="module")
-def tools(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tools") / "add.py"
-    path.write_text('from plait.agents.tools import function_tool\n\n\n@function_tool\ndef add(a: int, b: int) -> str:\n'
-                    '    """Add two integers.\n\n    Args:\n        a: first\n        b: second\n    """\n'
-                    '    return str(a + b), 0.5\n')
-    box = ToolBox.from_config(SimpleNamespace(tool_config_path=None, function_tool_path=str(path),
-                                              max_tool_response_length=256, tool_response_truncate_side="middle"),
-                              ToolLimits(num_workers=1))
-    yield box
-    box.close()
 
 
 def test_gpt_oss_turns_through_the_tool_agent_loop(tools):

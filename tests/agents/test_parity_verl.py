@@ -147,6 +147,19 @@ def logprob(token_id):
     return -((token_id % 7) + 1) / 8
 
 
+# verl side: an LLM server that answers each request with its row's next scripted turn (+ eos), and
+# deterministic log-probs; both verl-side scripts define `tok`, `eos` and import TokenOutput before it
+SCRIPTED_SERVER = '''
+
+class Server:
+    def __init__(self, turns):
+        self.turns = list(turns)
+
+    async def generate(self, request_id, prompt_ids, sampling_params, **kwargs):
+        ids = tok.encode(self.turns.pop(0), add_special_tokens=False) + [eos]
+        return TokenOutput(token_ids=ids, log_probs=[-((t % 7) + 1) / 8 for t in ids])
+'''
+
 VERL_SIDE = '''
 import asyncio, json, sys
 from omegaconf import OmegaConf
@@ -160,16 +173,7 @@ spec = json.load(open(sys.argv[1]))
 tok = AutoTokenizer.from_pretrained(spec["tokenizer"])
 eos = tok.convert_tokens_to_ids("<|im_end|>")
 tools = load_all_tools(spec["tool_config_path"], spec["function_tool_path"])
-
-
-class Server:
-    def __init__(self, turns):
-        self.turns = list(turns)
-
-    async def generate(self, request_id, prompt_ids, sampling_params, **kwargs):
-        ids = tok.encode(self.turns.pop(0), add_special_tokens=False) + [eos]
-        return TokenOutput(token_ids=ids, log_probs=[-((t % 7) + 1) / 8 for t in ids])
-
+''' + SCRIPTED_SERVER + '''
 
 async def one(cfg, row, i):
     loop = ToolAgentLoop(DictConfigWrap(cfg), Server(row["turns"]), tok, None, None, DictConfigWrap(OmegaConf.create({})),
@@ -456,16 +460,7 @@ def render(*args, **kwargs):  # that verl reads ids where transformers 5 returns
 
 
 tok.apply_chat_template = render
-
-
-class Server:
-    def __init__(self, turns):
-        self.turns = list(turns)
-
-    async def generate(self, request_id, prompt_ids, sampling_params, **kwargs):
-        ids = tok.encode(self.turns.pop(0), add_special_tokens=False) + [eos]
-        return TokenOutput(token_ids=ids, log_probs=[-((t % 7) + 1) / 8 for t in ids])
-
+''' + SCRIPTED_SERVER + '''
 
 async def one(cfg, row, i):
     loop = ToolAgentLoop(DictConfigWrap(cfg), Server(row["turns"]), tok, None, dataset_cls=None,

@@ -21,8 +21,7 @@ from plait.configtree import ConfigError, raise_all, to_dict
 from plait.data.reward_pool import close_reward_workers
 from plait.checks import check_data_files, check_loggers, collect_errors, not_a_directory
 from plait.data.dataset import read_column
-from plait.data.rewards import BUILTIN, NO_SANDBOX, has_builtin_reward, needs_string_truth, resolve_reward
-from plait.data.sandbox_fusion import CODE_SOURCES
+from plait.data.rewards import needs_string_truth, resolve_reward, unscored_sources
 from plait.builtin_models import builtin_model
 from plait.models import check_model_dir, check_reward_model_dir
 from plait.profiler import RoleProfilerConfig, validate_environment
@@ -49,7 +48,7 @@ def check_data_sources(cfg: PlaitConfig) -> None:
     a string one: every train and val file is checked here, before any model loads, rather than at
     the first reward. A file that does not read is left to load_dataset to name."""
     if (cfg.trainer.mode == "diffusion" or cfg.reward.custom_reward_function.path or cfg.reward.reward_model.enable
-            or cfg.data.custom_cls.path):  # a dataset class's rows exist only once it runs
+            or cfg.data.custom_cls.path):  # a dataset class's rows: checked as it loads them (custom_dataset.py)
         return
     errors = []
     for files_key, files in (("data.train_files", cfg.data.train_files), ("data.val_files", cfg.data.val_files)):
@@ -86,32 +85,11 @@ def check_tool_classes(cfg: PlaitConfig) -> None:
 
 
 def source_errors(files_key: str, path: str, key: str, sandbox_url: str | None = None) -> list[ConfigError]:
-    """The file's data sources without a built-in reward (the first five, each with its first row; a code
-    data source without reward.sandbox_fusion.url on its own line), and its first row whose scorer needs a
-    string ground truth and has another type."""
-    sources, unknown, code, errors = read_column(path, key), {}, {}, []
-    for i, source in enumerate(sources):
-        if source is not None and not has_builtin_reward(source, sandbox_url):
-            (code if source in CODE_SOURCES else unknown).setdefault(repr(source), i)
-    if code:
-        first, row = next(iter(code.items()))
-        errors.append(ConfigError(files_key, path, f"{key} {first} (row {row}) is scored by running its code: "
-                                  f"{NO_SANDBOX}"))
-    if unknown:
-        named = ", ".join(f"{s} (row {i})" for s, i in list(unknown.items())[:5])
-        errors.append(ConfigError(files_key, path, f"{key} {named}{' and more' if len(unknown) > 5 else ''} "
-                                  f"{'has' if len(unknown) == 1 else 'have'} no built-in reward ({BUILTIN}) and "
-                                  "reward.custom_reward_function.path is unset: give a reward file that scores it"))
-    if not any(map(needs_string_truth, sources)):
-        return errors
-    for i, (source, rm) in enumerate(zip(sources, read_column(path, "reward_model"))):
-        truth = rm.get("ground_truth") if isinstance(rm, dict) else None
-        if needs_string_truth(source) and truth is not None and not isinstance(truth, str):
-            errors.append(ConfigError(files_key, path, f"row {i}: {key} {source!r} is scored by the DAPO/AIME/math "
-                                      f"scorer, which needs a string reward_model.ground_truth; this one is a "
-                                      f"{type(truth).__name__} ({truth!r:.40}): store it as a string"))
-            break
-    return errors
+    """The file's data sources without a built-in reward, and its first row whose scorer needs a string
+    ground truth and has another type (rewards.unscored_sources)."""
+    sources = read_column(path, key)
+    truths = (read_column(path, "reward_model") if any(map(needs_string_truth, sources)) else [None] * len(sources))
+    return unscored_sources(files_key, path, key, sources, truths, sandbox_url)
 
 
 def check_model_path(cfg: PlaitConfig) -> None:

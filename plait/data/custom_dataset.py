@@ -23,9 +23,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from plait.configtree import ConfigError, to_dict
+from plait.configtree import ConfigError, raise_all, to_dict
 from plait.data.dataset import PromptDataset
-from plait.data.rewards import import_user_file, missing_module
+from plait.data.rewards import import_user_file, missing_module, unscored_sources
 from plait.safeload import first_line
 
 PATH_KEY, NAME_KEY = "data.custom_cls.path", "data.custom_cls.name"
@@ -84,6 +84,9 @@ def load_custom_dataset(cfg, key: str, files: list[str], tokenizer, hf_processor
             for i in range(count)]
     if not rows:
         raise ConfigError(NAME_KEY, c.name, f"{cls.__name__} over {key}={list(files)} holds no items")
+    if not (cfg.reward.custom_reward_function.path or cfg.reward.reward_model.enable):  # as for data files, at start
+        raise_all(unscored_sources(key, f"{cls.__name__}'s items", d.reward_fn_key, [r.get(d.reward_fn_key) for r in rows],
+                                   [r.get("reward_model") for r in rows], cfg.reward.sandbox_fusion.url))
     try:
         data = PromptDataset(rows, tokenizer, **options)
     except (KeyError, ValueError) as err:

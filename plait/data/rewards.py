@@ -219,6 +219,36 @@ def has_builtin_reward(data_source: Any, sandbox_fusion_url: str | None = None) 
                                              or (data_source in CODE_SOURCES and bool(sandbox_fusion_url)))
 
 
+def unscored_sources(files_key: str, where: str, key: str, sources: list, reward_models: list,
+                     sandbox_url: str | None = None) -> list[ConfigError]:
+    """Rows' data sources (`key` column) that default_compute_score cannot score (the first five, each with its
+    first row; a code data source without reward.sandbox_fusion.url on its own line), and the first row whose
+    scorer needs a string ground truth (`reward_models`: each row's reward_model) and has another type.
+    Checked at start, before any model loads: for data files (driver.check_data_sources) and for the items of
+    a data.custom_cls class (custom_dataset.py)."""
+    unknown, code, errors = {}, {}, []
+    for i, source in enumerate(sources):
+        if source is not None and not has_builtin_reward(source, sandbox_url):
+            (code if source in CODE_SOURCES else unknown).setdefault(repr(source), i)
+    if code:
+        first, row = next(iter(code.items()))
+        errors.append(ConfigError(files_key, where, f"{key} {first} (row {row}) is scored by running its code: "
+                                  f"{NO_SANDBOX}"))
+    if unknown:
+        named = ", ".join(f"{s} (row {i})" for s, i in list(unknown.items())[:5])
+        errors.append(ConfigError(files_key, where, f"{key} {named}{' and more' if len(unknown) > 5 else ''} "
+                                  f"{'has' if len(unknown) == 1 else 'have'} no built-in reward ({BUILTIN}) and "
+                                  "reward.custom_reward_function.path is unset: give a reward file that scores it"))
+    for i, (source, rm) in enumerate(zip(sources, reward_models)):
+        truth = rm.get("ground_truth") if isinstance(rm, dict) else None
+        if needs_string_truth(source) and truth is not None and not isinstance(truth, str):
+            errors.append(ConfigError(files_key, where, f"row {i}: {key} {source!r} is scored by the DAPO/AIME/math "
+                                      f"scorer, which needs a string reward_model.ground_truth; this one is a "
+                                      f"{type(truth).__name__} ({truth!r:.40}): store it as a string"))
+            break
+    return errors
+
+
 def needs_string_truth(data_source: Any) -> bool:
     """Whether the built-in scorer of this data source raises on a ground truth that is not a string
     (DAPO's, which verl 0.9.1 uses for math_dapo, math and aime*, raises as verl's does)."""

@@ -102,6 +102,7 @@ def run_train(tmp_path, tiny_config, capsys, overrides) -> str:
 
 BAD_ITEM = CLASS.replace('row["raw_prompt"] = ', 'row["text"] = ')
 TENSOR_ITEM = CLASS.replace('row["dummy_tensor"]', 'row["input_ids"]')
+UNSCORED_ITEM = CLASS.replace('row["dummy_tensor"] = ', 'row["data_source"] = "my_task"; row["dummy_tensor"] = ')
 VIDEO_ITEM = CLASS.replace('[{"role": "user", "content": text + " " + text}]',
                            '[{"role": "user", "content": [{"type": "video", "video": "v.mp4"}]}]')
 
@@ -119,6 +120,8 @@ VIDEO_ITEM = CLASS.replace('[{"role": "user", "content": text + " " + text}]',
     (BAD_ITEM, "Doubled", "data.custom_cls.name='Doubled'", "Doubled[0] has no 'raw_prompt'"),
     (TENSOR_ITEM, "Doubled", "data.custom_cls.name='Doubled'", "Doubled[0]['input_ids'] holds precomputed model inputs"),
     (VIDEO_ITEM, "Doubled", "data.custom_cls.name='Doubled'", "Doubled[0]['raw_prompt'] has a 'video' content part"),
+    (UNSCORED_ITEM, "Doubled", "data.train_files=\"Doubled's items\"",  # checked at start, as data files are
+     "data_source 'my_task' (row 0) has no built-in reward"),
 ])
 def test_a_bad_dataset_class_is_one_line_exit_2(tmp_path, tiny_config, capsys, source, name, key, said):
     if "no module named 'verl'" in said and importlib_finds("verl"):

@@ -150,6 +150,9 @@ def test_validation_checkpoint_and_profiler_shares_of_the_wall_time():
     token = V.overhead(facts(BALANCED, {"global_profiler.steps": [2], "actor_rollout_ref.rollout.profiler.enable": True},
                              wall={**wall, "validation": 5.0, "profiler": 40.0}))
     assert token[0].key == V.TOKEN_END
+    short = V.overhead(facts(BALANCED, {"global_profiler.steps": [2], "actor_rollout_ref.rollout.profiler.enable": True,
+                                        "data.max_response_length": 24}, wall={**wall, "validation": 5.0, "profiler": 40.0}))
+    assert short == []  # responses of <= 32 tokens: a 32-token bound would cut nothing
     assert V.overhead(facts(BALANCED, {"trainer.test_freq": -1}, wall=wall)) == []  # only val_before_train: no frequency
 
 

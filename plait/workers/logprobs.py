@@ -26,6 +26,7 @@ from plait.workers.packing import pack
 from plait.workers.parallel import is_sharded
 
 LOGITS_BUDGET = 2 ** 23  # logits per chunk (32 MiB in float32): 170 tokens of SmolLM2's 49152-word vocabulary
+GRAD_BUDGET = 2 ** 26    # bytes of logits' gradients per matmul with the head's weight in the backward (4 chunks in bf16)
 
 
 def response_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, resp_len: int,
@@ -121,8 +122,8 @@ def chunked_logprobs(hidden: torch.Tensor, tokens: torch.Tensor, head, temperatu
 
     Logits are float32 whatever the model's dtype (a bf16 logsumexp is off by ~1e-2, which would
     show up in PPO ratios); under autocast (mixed precision) the head itself runs outside it, in its
-    float32 weights. Under grad each chunk is checkpointed: only `hidden` is kept, and the backward
-    recomputes the chunk's logits."""
+    float32 weights. Under grad only `hidden` is kept and each chunk's logits are recomputed in the
+    backward (`_HeadLogpEntropy`)."""
     return _chunked(hidden, tokens, head, temperature, with_entropy, False, chunk_tokens)[:2]
 
 
@@ -135,6 +136,11 @@ def _chunked(hidden: torch.Tensor, tokens: torch.Tensor, head, temperature: floa
     grad = torch.is_grad_enabled()
     if grad and with_sum_pi_squared:
         raise ValueError("sum_pi_squared is computed in the no-grad log-prob pass only")
+    if grad and type(head) is torch.nn.Linear:
+        device = hidden.device.type  # mixed precision: the head's gradient is computed in the autocast dtype
+        grad_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else head.weight.dtype
+        return (*_HeadLogpEntropy.apply(hidden, head.weight, head.bias, tokens, temperature, with_entropy,
+                                        chunk_tokens, banned, grad_dtype), None)
 
     def logits(h):
         with torch.autocast(h.device.type, enabled=False):
@@ -144,7 +150,7 @@ def _chunked(hidden: torch.Tensor, tokens: torch.Tensor, head, temperature: floa
         return _LogpEntropy.apply(logits(h), tok, with_entropy)
     logp, ent, spsq = [], [], []
     for h, tok in zip(hidden.split(chunk_tokens), tokens.split(chunk_tokens)):
-        if grad:
+        if grad:  # a head that is not a plain Linear (a peft adapter on it): autograd through it, checkpointed
             lp, e = checkpoint(one, h, tok, use_reentrant=False)
         else:
             z = logits(h)                                                      # [chunk, vocab]
@@ -155,36 +161,120 @@ def _chunked(hidden: torch.Tensor, tokens: torch.Tensor, head, temperature: floa
             torch.cat(spsq) if with_sum_pi_squared else None)
 
 
+def _head_logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, temperature: float,
+                 banned: list[int] | None, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Logits / T [chunk, vocab] of hidden states [chunk, hidden], the matmul in `weight`'s dtype, in `dtype`
+    (None: float32, or float64 for a float64 weight)."""
+    z = torch.nn.functional.linear(h.to(weight.dtype), weight, None if bias is None else bias.to(weight.dtype))
+    z = z.to(dtype or torch.promote_types(weight.dtype, torch.float32))
+    return mask_logits(z if temperature == 1.0 else z.div_(temperature), banned)
+
+
+class _HeadLogpEntropy(torch.autograd.Function):
+    """hidden [N, hidden] -> log-prob of each token and entropy [N] under softmax((hidden W^T + b) / T),
+    `chunk` tokens at a time: one chunk's logits exist at once, in the backward too, which recomputes
+    them and writes the gradients of hidden, W and b out. The logits' gradients of `GRAD_BUDGET` bytes of
+    chunks go through one matmul per weight, and W's gradient is summed in place: autograd through a
+    checkpoint made a [vocab, hidden] tensor per chunk, a pass over memory as costly as the chunk's matmuls.
+
+    The values are float32 logits' (`_chunked`'s); the gradient is computed in `grad_dtype`, the autocast
+    dtype under mixed precision: there the recomputed logits are bf16 matmuls' (4-5x faster on AMX or
+    tensor cores), softmax'ed in float32, as the body's gradients are bf16 approximations of its function."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, tokens, temperature: float, with_entropy: bool, chunk: int,
+                banned: list[int] | None, grad_dtype: torch.dtype):
+        logp, ent = [], []
+        with torch.autocast(hidden.device.type, enabled=False):
+            for h, tok in zip(hidden.split(chunk), tokens.split(chunk)):
+                lp, e = _logp_entropy(_head_logits(h, weight, bias, temperature, banned), tok, with_entropy)
+                logp.append(lp), ent.append(e)
+        ctx.save_for_backward(hidden, weight, bias, tokens)
+        ctx.args = temperature, chunk, banned, grad_dtype
+        ctx.set_materialize_grads(False)
+        return torch.cat(logp), torch.cat(ent) if with_entropy else None          # [N] each
+
+    @staticmethod
+    def backward(ctx, g_logp, g_ent):
+        hidden, weight, bias, tokens = ctx.saved_tensors
+        temperature, chunk, banned, dtype = ctx.args
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        if g_logp is None and g_ent is None:
+            return (None,) * 9
+        # the forward's float32 logits again, or the compute dtype's (mixed precision)
+        logits_dtype = None if dtype == weight.dtype else dtype
+        w, b = weight.to(dtype), None if bias is None else bias.to(dtype)
+        group = max(1, GRAD_BUDGET // (weight.shape[0] * dtype.itemsize) // chunk) * chunk
+        grad_h = torch.empty_like(hidden) if need_h else None                   # [N, hidden]
+        grad_w = torch.zeros_like(weight) if need_w else None                   # [vocab, hidden]
+        grad_b = torch.zeros_like(bias) if need_b else None                     # [vocab]
+        with torch.autocast(hidden.device.type, enabled=False):
+            for start in range(0, len(hidden), group):
+                h = hidden[start:start + group].to(dtype)                        # [group, hidden]
+                g = torch.empty(len(h), weight.shape[0], dtype=dtype, device=h.device)  # [group, vocab]
+                for c in range(0, len(h), chunk):
+                    rows = slice(start + c, start + c + chunk)
+                    z = _head_logits(h[c:c + chunk], w, b, temperature, banned, logits_dtype)  # [chunk, vocab]
+                    g[c:c + chunk] = _logits_grad(z, tokens[rows], None if g_logp is None else g_logp[rows],
+                                                  None if g_ent is None else g_ent[rows])
+                if need_h:
+                    grad_h[start:start + group].copy_(g @ w)
+                if need_w:
+                    grad_w.addmm_(g.t(), h) if dtype == grad_w.dtype else grad_w.add_(g.t() @ h)
+                if need_b:
+                    grad_b.add_(g.sum(0, dtype=grad_b.dtype))
+        if temperature != 1.0:  # d/dz of f(z / T): the logits' gradient over T, applied to the sums
+            for grad in (grad_h, grad_w, grad_b):
+                if grad is not None:
+                    grad.div_(temperature)
+        return grad_h, grad_w, grad_b, None, None, None, None, None, None
+
+
+def _logp_entropy(z: torch.Tensor, tokens: torch.Tensor, with_entropy: bool):
+    """log softmax(z)[token] and the entropy (None unless asked) [chunk] of logits z [chunk, vocab]."""
+    logq = torch.log_softmax(z, -1)                                              # [chunk, vocab]
+    logp = logq.gather(-1, tokens[:, None]).squeeze(-1)                          # [chunk]
+    return logp, -logq.exp().mul_(logq).sum(-1) if with_entropy else None
+
+
+def _logits_grad(z: torch.Tensor, tokens: torch.Tensor, g_logp: torch.Tensor | None,
+                 g_ent: torch.Tensor | None) -> torch.Tensor:
+    """The float32 gradient [chunk, vocab] at logits z [chunk, vocab] (any float dtype) of
+    g_logp . log softmax(z)[token] + g_ent . entropy:  d logp/dz = onehot - p;  d ent/dz = -p (log p + ent)."""
+    dtype = torch.promote_types(z.dtype, torch.float32)
+    if g_ent is None:
+        g = torch.softmax(z, -1, dtype=dtype).mul_(-g_logp[:, None])    # [chunk, vocab]
+    else:  # -p (log p + ent) g_ent - p g_logp
+        logq = torch.log_softmax(z, -1, dtype=dtype)                    # [chunk, vocab]
+        p = logq.exp()
+        ent = -(p * logq).sum(-1)                                               # [chunk]
+        g = logq.add_(ent[:, None]).mul_(p).mul_(-g_ent[:, None])
+        if g_logp is not None:
+            g.sub_(p.mul_(g_logp[:, None]))
+    if g_logp is not None:
+        g.scatter_add_(-1, tokens[:, None], g_logp[:, None])
+    return g
+
+
 def _sum_squared_probs(z: torch.Tensor) -> torch.Tensor:
     """sum over the vocabulary of softmax(z)^2 [chunk] for logits z [chunk, vocab]."""
     return torch.softmax(z, -1).square().sum(-1)
 
 
 class _LogpEntropy(torch.autograd.Function):
-    """z [chunk, vocab] -> (z[token] - logsumexp z, entropy of softmax z) [chunk], the gradient by hand:
-    d logp/dz = onehot - p;  d ent/dz = -p (log p + ent)."""
+    """z [chunk, vocab] -> (z[token] - logsumexp z, entropy of softmax z) [chunk], the gradient by hand
+    (`_logits_grad`), one pass over the logits instead of autograd's several."""
 
     @staticmethod
     def forward(ctx, z, tokens, with_entropy: bool):
-        lse = torch.logsumexp(z, -1)                                             # [chunk]
-        logp = z.gather(-1, tokens[:, None]).squeeze(-1) - lse                  # [chunk]
-        ent = lse - (torch.softmax(z, -1) * z).sum(-1) if with_entropy else None  # [chunk]
-        ctx.save_for_backward(z, tokens, lse, ent)
+        logp, ent = _logp_entropy(z, tokens, with_entropy)
+        ctx.save_for_backward(z, tokens)
         ctx.set_materialize_grads(False)
         return logp, ent
 
     @staticmethod
     def backward(ctx, g_logp, g_ent):
-        z, tokens, lse, ent = ctx.saved_tensors
-        p = (z - lse[:, None]).exp_()                                             # [chunk, vocab]
-        if g_ent is not None:  # -p (z - lse + ent) g_ent, in place in p's buffer
-            scale = (z - (lse - ent)[:, None]).mul_(g_ent[:, None]).mul_(p)
-            p = scale.add_(p * g_logp[:, None]) if g_logp is not None else scale
-        elif g_logp is not None:
-            p = p.mul_(g_logp[:, None])
-        else:
+        z, tokens = ctx.saved_tensors
+        if g_logp is None and g_ent is None:
             return None, None, None
-        g = p.neg_()                                                              # [chunk, vocab]
-        if g_logp is not None:
-            g.scatter_add_(-1, tokens[:, None], g_logp[:, None])
-        return g, None, None
+        return _logits_grad(z, tokens, g_logp, g_ent), None, None

@@ -9,7 +9,8 @@ from plait.algorithms.losses import entropy_from_logits, token_logprobs
 from plait.configtree import ConfigError
 from plait.models import add_lora, create_tiny_model, load_causal_lm
 from plait.workers.actor import micro_forward
-from plait.workers.logprobs import _LogpEntropy, check_lm_head, chunked_logprobs
+import plait.workers.logprobs as logprobs
+from plait.workers.logprobs import _HeadLogpEntropy, _LogpEntropy, check_lm_head, chunked_logprobs
 from plait.workers.packing import pack, unpack
 
 from tests.workers.test_packing import make_batch
@@ -55,9 +56,17 @@ def assert_same(new, old, tol=2e-5):
         torch.testing.assert_close(new[2][k], old[2][k], atol=tol, rtol=1e-3, msg=k)
 
 
-def test_chunked_logprobs_by_hand_and_gradients():
+class SubclassedHead(torch.nn.Linear):
+    """Not a plain Linear (as a peft adapter on the head is not): autograd through a checkpoint per chunk."""
+
+
+@pytest.mark.parametrize("head_cls,grad_budget", [(torch.nn.Linear, 2 ** 26), (torch.nn.Linear, 11 * 4 * 2),
+                                                   (SubclassedHead, 2 ** 26)],
+                         ids=["fused", "fused-weight-grad-every-2-tokens", "checkpointed"])
+def test_chunked_logprobs_by_hand_and_gradients(monkeypatch, head_cls, grad_budget):
+    monkeypatch.setattr(logprobs, "GRAD_BUDGET", grad_budget)  # 11-word vocabulary: one matmul per 2 tokens' logits
     g = torch.Generator().manual_seed(0)
-    head = torch.nn.Linear(8, 11, bias=True)
+    head = head_cls(8, 11, bias=True)
     hidden = torch.randn(7, 8, generator=g, requires_grad=True)
     tokens = torch.randint(0, 11, (7,), generator=g)
     w_logp, w_ent = torch.randn(7, generator=g), torch.randn(7, generator=g)
@@ -88,6 +97,15 @@ def test_hand_backward_passes_gradcheck():
     z = torch.randn(3, 5, dtype=torch.float64, requires_grad=True)
     tokens = torch.tensor([0, 4, 2])
     assert torch.autograd.gradcheck(lambda z: _LogpEntropy.apply(z, tokens, True), (z,))
+    h, w, b = (torch.randn(*shape, dtype=torch.float64, requires_grad=True) for shape in ((7, 4), (5, 4), (5,)))
+    tokens = torch.tensor([0, 4, 2, 1, 1, 0, 4])  # token 3, banned below, is never a target
+    for grad_budget in (2 ** 26, 5 * 8 * 2):  # one weight-gradient matmul, or one per 2 chunks
+        logprobs.GRAD_BUDGET, was = grad_budget, logprobs.GRAD_BUDGET
+        try:  # chunks of 2 tokens, the last one short; temperature != 1; a banned token
+            assert torch.autograd.gradcheck(lambda h, w, b: _HeadLogpEntropy.apply(
+                h, w, b, tokens, T, True, 2, [3], torch.float64), (h, w, b))
+        finally:
+            logprobs.GRAD_BUDGET = was
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])

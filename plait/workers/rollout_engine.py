@@ -203,9 +203,8 @@ class _HFStepper:
     def prefill(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Run the prompts ([batch, width], left-padded); return the next-token logits [batch, vocab]."""
         self.seen = ids.shape[1]
-        out = self.model(input_ids=ids, attention_mask=self.mask[:, :self.seen], position_ids=positions,
-                         **cache_kwarg(self.model, self.cache), use_cache=True, logits_to_keep=1)
-        return out.logits[:, -1]
+        return prefill_logits(self.model, input_ids=ids, attention_mask=self.mask[:, :self.seen], position_ids=positions,
+                              **cache_kwarg(self.model, self.cache))
 
     def decode(self, tok: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Feed one token per row ([active]); return the next-token logits [active, vocab]."""
@@ -236,9 +235,7 @@ class _VLStepper(_HFStepper):
         inputs = vl_inputs(self.model.config, self.rows, ids, real)
         rope = inputs["position_ids"].masked_fill(~real.bool(), 0)            # [3, batch, width]
         self.delta = rope.amax(dim=(0, 2)) + 1 - real.sum(-1)               # [batch]
-        out = self.model(input_ids=ids, attention_mask=real, **inputs, **cache_kwarg(self.model, self.cache),
-                         use_cache=True, logits_to_keep=1)
-        return out.logits[:, -1]
+        return prefill_logits(self.model, input_ids=ids, attention_mask=real, **inputs, **cache_kwarg(self.model, self.cache))
 
     def decode(self, tok: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return super().decode(tok, positions + self.delta)                 # 2-D positions: the same on each axis
@@ -246,6 +243,16 @@ class _VLStepper(_HFStepper):
     def select(self, keep: torch.Tensor) -> None:
         super().select(keep)
         self.delta = self.delta[keep]
+
+
+def prefill_logits(model: PreTrainedModel, **inputs) -> torch.Tensor:
+    """The next-token logits [batch, vocab] of a prefill that fills the cache: the LM head on the last position's
+    hidden state, contiguous. (transformers' logits_to_keep=1 hands the head a strided [batch, 1, hidden] view,
+    which torch's CPU linear runs as a batched matmul over a copy of the head per row: SmolLM2, 16 rows, bf16
+    3.2 s instead of 9 ms.)"""
+    keep = torch.empty(0, dtype=torch.long, device=inputs["input_ids"].device)
+    hidden = model(**inputs, use_cache=True, logits_to_keep=keep, output_hidden_states=-1).hidden_states[-1]
+    return model.get_output_embeddings()(hidden[:, -1].contiguous())   # [batch, vocab]
 
 
 def cache_kwarg(model: PreTrainedModel, cache: DynamicCache) -> dict:
@@ -286,11 +293,11 @@ class _LlamaStepper:
 
     def prefill(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         cache, self.seen = DynamicCache(config=self.model.config), ids.shape[1]
-        out = self.model(input_ids=ids, attention_mask=self.real, position_ids=positions, **cache_kwarg(self.model, cache),
-                         use_cache=True, logits_to_keep=1)
+        logits = prefill_logits(self.model, input_ids=ids, attention_mask=self.real, position_ids=positions,
+                                **cache_kwarg(self.model, cache))
         for layer, keys, values in zip(cache.layers, self.keys, self.values):
             keys[:, :, :self.seen], values[:, :, :self.seen] = layer.keys, layer.values
-        return out.logits[:, -1]                                             # [batch, vocab]
+        return logits                                                        # [batch, vocab]
 
     def decode(self, tok: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         batch, d, group = tok.shape[0], self.head_dim, self.group

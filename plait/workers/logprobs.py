@@ -6,10 +6,10 @@ padding. `response_logprobs` runs the model with no logits kept (its own forward
 peft's hooks run as usual) and reads the last hidden state, gathers the hidden states at those
 positions in the padded or the packed layout, and applies the LM head `chunk_tokens` tokens at a
 time (`chunked_logprobs`). A chunk's [chunk, vocab] logits exist only while that chunk is worked
-on, in the backward too: each chunk is recomputed there (activation checkpointing), and the
-gradient of log-softmax and entropy is written out (`_LogpEntropy`), one pass over the logits
-instead of autograd's several. An FSDP2-sharded model computes the head inside its own forward at the
-same positions, unchunked (`_sharded_logprobs`).
+on, in the backward too: `_HeadLogpEntropy` recomputes each chunk there and writes the gradients of
+log-softmax, entropy and the head out (a few passes over the logits instead of autograd's many; the
+head's weight gradient summed in place), in the autocast dtype under mixed precision. An FSDP2-sharded
+model computes the head inside its own forward at the same positions, unchunked (`_sharded_logprobs`).
 
 Left out: chunking over the vocabulary. The chunk's token count shrinks as the vocabulary grows
 (`LOGITS_BUDGET`), so its logits keep the same size for any vocabulary.

@@ -135,6 +135,7 @@ def plait_worker(model_dir: str, data_file: str, s: Settings, out_dir: str) -> d
         "breakdown_s": {k: _median(r.get(f"timing_s/{k}", 0.0) for r in timed) for k in (*PLAIT_STAGES, "step")},
         "mfu": {k: _median(r[f"perf/mfu/{k}"] for r in timed) for k in ("actor", "gen")},
         "old_log_prob_fused": all(r.get("actor/old_log_prob_fused") == 1.0 for r in timed),
+        "engine": cfg.actor_rollout_ref.rollout.name, "mode": cfg.trainer.mode,  # what this run used, overrides included
         **_step_times(ends, s, [r["response_length/mean"] for r in timed]),
     }
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -55,6 +56,7 @@ def main() -> None:
     actor = Actor(str(smollm2_dir()), cfg, 1, 1.0, session.for_role("actor"), remove_padding=True,
                   max_token_len=4096, dtype=getattr(torch, args.dtype))
     vocab = actor.model.config.vocab_size
+    load_before = os.getloadavg()
     actor.update(batch)  # warm-up
     start = time.perf_counter()
     metrics = actor.update(batch)
@@ -69,7 +71,9 @@ def main() -> None:
               "tokens": int(batch.attention_mask.sum()), "response_tokens": int(batch.response_mask.sum()),
               "update_s": round(seconds, 2), "mfu": round(metrics["perf/mfu/actor"], 3),
               "profiled_s": round(total, 2),
-              "share": {k: round(v / total, 3) for k, v in sorted(shares.items(), key=lambda kv: -kv[1])}}
+              "share": {k: round(v / total, 3) for k, v in sorted(shares.items(), key=lambda kv: -kv[1])},
+              "load_avg_before": [round(x, 2) for x in load_before],
+              "load_avg_after": [round(x, 2) for x in os.getloadavg()]}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(result))

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -25,7 +24,7 @@ import torch
 from torch.profiler import profile
 
 from bench_varlen import long_tailed_batch
-from machine import capability
+from machine import capability, measured, verdict
 from plait.config import ActorConfig, OptimConfig
 from plait.models import smollm2_dir
 from plait.profiler import GlobalProfilerConfig, ProfilerSession, RoleProfilerConfig
@@ -56,13 +55,12 @@ def main() -> None:
     actor = Actor(str(smollm2_dir()), cfg, 1, 1.0, session.for_role("actor"), remove_padding=True,
                   max_token_len=4096, dtype=getattr(torch, args.dtype))
     vocab = actor.model.config.vocab_size
-    load_before = os.getloadavg()
     actor.update(batch)  # warm-up
     start = time.perf_counter()
-    metrics = actor.update(batch)
+    metrics, load = measured(actor.update, batch)
     seconds = time.perf_counter() - start
     with profile(record_shapes=True) as prof:
-        actor.update(batch)
+        _, profiled_load = measured(actor.update, batch)
     shares = defaultdict(float)
     for e in prof.key_averages(group_by_input_shape=True):
         shares[category(e.key, e.input_shapes, vocab)] += e.self_cpu_time_total / 1e6
@@ -72,8 +70,7 @@ def main() -> None:
               "update_s": round(seconds, 2), "mfu": round(metrics["perf/mfu/actor"], 3),
               "profiled_s": round(total, 2),
               "share": {k: round(v / total, 3) for k, v in sorted(shares.items(), key=lambda kv: -kv[1])},
-              "load_avg_before": [round(x, 2) for x in load_before],
-              "load_avg_after": [round(x, 2) for x in os.getloadavg()]}
+              "load": [load, profiled_load], **verdict([load, profiled_load])}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(result))

@@ -29,6 +29,7 @@ from plait.profiler.config import ROLE_KEYS
 from plait.trainers.checkpoint import checkpoint_steps, output_dir_lock
 from plait.trainers.lifecycle import Lifecycle, LifecycleConfig
 from plait.trainers.tracking import Tracker
+from plait.workers.allocator import keep_freed_memory
 
 log = logging.getLogger("plait")
 
@@ -144,6 +145,8 @@ def build(cfg: PlaitConfig, progress: bool = True, checked: bool = False) -> Lif
     transformers.utils.logging.disable_progress_bar()  # per-load weight bars drown the step lines
     if cfg.trainer.num_threads:
         torch.set_num_threads(cfg.trainer.num_threads)
+    if resolve_device(cfg) == "cpu":  # the local backend's workers compute in this process
+        keep_freed_memory()
     t = cfg.trainer
     tracker = Tracker(cfg.output_dir, t.logger, t.project_name, t.experiment_name or t.mode, to_dict(cfg), progress=progress)
     announce_resume(cfg)  # before Ray's start-up: a reused output dir is said while it is cheap to stop

@@ -54,6 +54,7 @@ from plait.config import PlaitConfig, RayConfig
 from plait.configtree import ConfigError
 from plait.errors import RunError
 from plait.profiler.config import ROLE_KEYS
+from plait.workers.allocator import keep_freed_memory
 from plait.workers.engine import ENGINES
 
 DATA_PARALLEL_ROLES = ("actor", "critic", "ref", "reward_model")
@@ -78,6 +79,8 @@ class Host:
         if os.path.isdir(cwd):  # relative model, data and profile paths mean what they mean on the driver
             os.chdir(cwd)
         torch.set_num_threads(threads)
+        if not torch.cuda.is_available():  # its workers' tensors live in host memory
+            keep_freed_memory()
         self.rank, self.world_size = rank, world_size
         self.session = ProfilerSession(profiler_cfg, roles_cfg, rank=rank, world_size=world_size)
         self.workers: dict[str, Any] = {}

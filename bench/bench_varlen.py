@@ -35,6 +35,7 @@ from plait.config import ActorConfig, OptimConfig
 from plait.profiler import GlobalProfilerConfig, ProfilerSession, RoleProfilerConfig
 from plait.types import RolloutBatch
 from plait.workers.actor import Actor
+from plait.workers.allocator import keep_freed_memory
 from plait.workers.packing import seqlen_metrics
 
 
@@ -72,6 +73,7 @@ def main() -> None:
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "varlen.json"))
     args = ap.parse_args()
     torch.set_num_threads(1)
+    keep_freed_memory()  # as `plait train` does on CPU
     batch = long_tailed_batch(args.rows, args.max_prompt, args.max_response, args.median_response, seed=0)
     real_tokens = int(batch.attention_mask.sum())
     cfg = ActorConfig(optim=OptimConfig(lr=1e-6), ppo_mini_batch_size=args.rows, ppo_micro_batch_size_per_gpu=args.micro)

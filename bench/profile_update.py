@@ -2,11 +2,13 @@
 
 One plait.workers.actor.Actor.update (forward, backward, AdamW step) on 16 rows shaped like the
 GSM8K preset's (prompts 8-120 tokens, log-normal responses around 90 of at most 128 tokens; the
-token budget puts them in one micro-batch), after a warm-up update. The profiler's self CPU time per
-op is summed into: matmuls (aten::mm/addmm/bmm, split into the LM head's and the body's by the vocabulary
-in their shapes), attention (the SDPA kernels), the casts (aten::copy_/_to_copy), the optimizer (AdamW,
-the gradient norm) and everything else (norms, activations, rotary, the log-softmax's passes, Python
-between kernels). The MFU is the update's model FLOPs (plait/workers/flops.py) over its time and the
+token budget puts them in one micro-batch), after two warm-up updates (the optimizer's state and
+the heap reach their size; freed memory is kept, as `plait train` does on CPU:
+plait/workers/allocator.py). The profiler's self CPU time per op is summed into: matmuls
+(aten::mm/addmm/bmm, split into the LM head's and the body's by the vocabulary in their shapes),
+attention (the SDPA kernels), the casts (aten::copy_/_to_copy), the optimizer (AdamW, the gradient
+norm) and everything else (norms, activations, rotary, the log-softmax's passes, Python between
+kernels). The MFU is the update's model FLOPs (plait/workers/flops.py) over its time and the
 dtype's measured matmul peak (bench/machine.py).
 
     python bench/profile_update.py [--dtype bfloat16] [--out bench/results/update_profile_bf16.json]
@@ -29,6 +31,7 @@ from plait.config import ActorConfig, OptimConfig
 from plait.models import smollm2_dir
 from plait.profiler import GlobalProfilerConfig, ProfilerSession, RoleProfilerConfig
 from plait.workers.actor import Actor
+from plait.workers.allocator import keep_freed_memory
 
 
 def category(name: str, shapes: list, vocab: int) -> str:
@@ -49,13 +52,15 @@ def main() -> None:
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "update_profile_bf16.json"))
     args = ap.parse_args()
     torch.set_num_threads(1)
+    keep_freed_memory()
     batch = long_tailed_batch(16, 120, 128, 90, seed=0)
     cfg = ActorConfig(optim=OptimConfig(lr=1e-6), ppo_mini_batch_size=16, ppo_micro_batch_size_per_gpu=4)
     session = ProfilerSession(GlobalProfilerConfig(), {"actor": RoleProfilerConfig()}, rank=0)
     actor = Actor(str(smollm2_dir()), cfg, 1, 1.0, session.for_role("actor"), remove_padding=True,
                   max_token_len=4096, dtype=getattr(torch, args.dtype))
     vocab = actor.model.config.vocab_size
-    actor.update(batch)  # warm-up
+    for _ in range(2):  # warm-up
+        actor.update(batch)
     start = time.perf_counter()
     metrics, load = measured(actor.update, batch)
     seconds = time.perf_counter() - start

@@ -9,8 +9,10 @@ tenth (float32) to a sixth (bfloat16) of their CPU time in the kernel, and ran 1
 memory kept (docs/benchmarks.md, "Host memory").
 
 `keep_freed_memory` turns both off (`mallopt`: no mmap for the main heap, trim only past 2 GiB
-free), so the heap grows to the step's peak once and is reused. The resident size stays at that
-peak between steps, which is what the next step needs anyway. Left alone where the user tuned malloc
+free), so the heap grows over the first steps and is then reused (it takes a few: torch's 64-byte
+aligned blocks fit a freed block of their own size only once freed neighbours coalesce; up to 6
+steps in tests/workers/test_allocator.py's pattern, with glibc 2.36). The resident size stays at
+that peak between steps, which is what the next step needs anyway. Left alone where the user tuned malloc
 (MALLOC_* or GLIBC_TUNABLES in the environment), on a C library other than glibc, and on GPUs
 (device memory has its own caching allocator).
 """

@@ -1,6 +1,7 @@
 """The always-on recording: timeline spans from several threads, per-stage peak memory, and what a
 real run writes (timeline.jsonl records, memory/<stage>/* metrics)."""
 
+import mmap
 import threading
 
 import torch
@@ -38,8 +39,13 @@ def test_stage_peaks_nest_and_see_a_planted_allocation():
     size = 64 * 2**20
     peaks.enter()                       # outer
     peaks.enter()                       # inner: allocates 64 MiB, touches it, frees it
-    planted = torch.ones(size // 4, device=device)
-    del planted
+    if peaks.cuda:
+        planted = torch.ones(size // 4, device=device)
+        del planted
+    else:  # fresh pages from the kernel: malloc keeps freed memory (plait/workers/allocator.py) and may reuse it unseen
+        with mmap.mmap(-1, size) as planted:
+            for page in range(0, size, mmap.PAGESIZE):
+                planted[page] = 1
     inner = peaks.exit()
     peaks.enter()                       # a later sibling allocating nothing
     quiet = peaks.exit()

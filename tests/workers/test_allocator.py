@@ -11,27 +11,30 @@ import pytest
 pytestmark = pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc",
                                 reason="glibc's malloc only")
 
-PAGES = 2 ** 27 // 4096  # a 128 MiB tensor's 4 KiB pages
+PAGES = (2 ** 27 + 2 ** 25) // 4096  # a step's 128 + 32 MiB of tensors, in 4 KiB pages
 
 SCRIPT = """
 import resource, sys, torch
 from plait.workers.allocator import keep_freed_memory
 tuned = keep_freed_memory() if sys.argv[1] == "keep" else False
-def step():  # a step's large temporary: allocated, every page written, freed
-    x = torch.ones(2 ** 25)
-    del x
-step(); step()
-before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-step()
-print(tuned, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+def step():  # a step's large temporaries: allocated, every page written, freed
+    x, y = torch.ones(2 ** 25), torch.ones(2 ** 23)
+    del x, y
+faults = []
+for _ in range(10):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    step()
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+print(tuned, *faults)
 """
 
 
-def run(mode: str, **env) -> tuple[bool, int]:
+def run(mode: str, **env) -> tuple[bool, list[int]]:
+    """(tuned, page faults of each of 10 steps) in a fresh process."""
     clean = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "GLIBC_TUNABLES"}
     out = subprocess.run([sys.executable, "-c", SCRIPT, mode], env={**clean, **env}, capture_output=True,
                          text=True, check=True).stdout.split()
-    return out[0] == "True", int(out[1])
+    return out[0] == "True", [int(f) for f in out[1:]]
 
 
 def huge_pages_always() -> bool:
@@ -40,12 +43,14 @@ def huge_pages_always() -> bool:
 
 
 def test_freed_memory_is_reused_without_page_faults():
+    """The heap grows for the first steps (torch's aligned blocks do not always fit a freed block of their
+    own size until freed neighbours coalesce: seen up to 6 steps), then the steps fault nothing."""
     tuned, faults = run("keep")
     assert tuned
-    assert faults < PAGES // 20, f"{faults} page faults re-allocating a 128 MiB tensor ({PAGES} pages)"
-    if not huge_pages_always():  # glibc's default: the block is mmapped and faulted in again, page by page
+    assert sum(faults[-3:]) < PAGES // 20, f"page faults per step {faults} ({PAGES} pages of 4 KiB a step)"
+    if not huge_pages_always():  # glibc's default: the blocks are mmapped and faulted in again, page by page
         _, default_faults = run("default")
-        assert default_faults > PAGES // 2, default_faults
+        assert min(default_faults[-3:]) > PAGES // 2, default_faults
 
 
 def test_a_users_malloc_tuning_is_left_alone():

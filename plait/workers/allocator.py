@@ -5,8 +5,8 @@ A training step on CPU allocates and frees the same large tensors every step (a 
 threshold (at most 32 MiB) with a fresh mmap and gives them back to the kernel when freed, and
 trims the heap's top when 128 KiB-64 MiB of it is free: every step then faults its pages in again,
 one 4 KiB page at a time, each zeroed by the kernel: the SmolLM2 preset's first 8 steps spent a
-tenth (float32) to a sixth (bfloat16) of their CPU time in the kernel, and ran 1.08x faster with the
-memory kept (docs/benchmarks.md, "Host memory").
+tenth (float32) to a sixth (bfloat16) of their CPU time in the kernel, and ran 1.00-1.08x faster with the
+memory kept, its kernel time down by a fifth to a third (docs/benchmarks.md, "Host memory").
 
 `keep_freed_memory` turns both off (`mallopt`: no mmap for the main heap, trim only past 2 GiB
 free), so the heap grows over the first steps and is then reused (it takes a few: torch's 64-byte

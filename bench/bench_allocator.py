@@ -27,7 +27,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from machine import busy_limit, capability, verdict, wait_quiet
+import torch
+
+from machine import capability, measured, verdict, wait_quiet
+from plait.workers.allocator import malloc_setting
 
 ROOT = Path(__file__).resolve().parent.parent
 PRESET_THREADS = 2  # the smollm2_gsm8k preset's trainer.num_threads
@@ -36,7 +39,7 @@ STEP_KEYS = {"step_s": "timing_s/step", "update_actor_s": "timing_s/update_actor
 
 
 def run(allocator: str, steps: int, dtype: str, run_dir: str) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "GLIBC_TUNABLES"}
+    env = {k: v for k, v in os.environ.items() if not malloc_setting(k)}
     if allocator == "glibc_default":
         env["GLIBC_TUNABLES"] = ""
     cmd = [sys.executable, "-m", "plait.cli", "train", "--config", "smollm2_gsm8k", "--no-progress",
@@ -44,23 +47,18 @@ def run(allocator: str, steps: int, dtype: str, run_dir: str) -> dict:
            "trainer.save_freq=-1", f"actor_rollout_ref.model.dtype={dtype}", f"trainer.default_local_dir={run_dir}",
            "trainer.resume_mode=disable", 'trainer.logger=["console","file"]']
     wait_quiet()
-    load_before = os.getloadavg()[0]
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.monotonic()
-    subprocess.run(cmd, cwd=ROOT, env=env, check=True, stdout=subprocess.DEVNULL)
+    _, load = measured(subprocess.run, cmd, cwd=ROOT, env=env, check=True, stdout=subprocess.DEVNULL,
+                       threads=PRESET_THREADS)
     wall = time.monotonic() - start
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    load_after = os.getloadavg()[0]
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         records = [json.loads(line) for line in f if line.strip()]
     steps_out = [{"step": r["step"], **{k: round(r[m], 3) for k, m in STEP_KEYS.items() if m in r}}
                  for r in records if "timing_s/step" in r]
-    limit = busy_limit()  # the run itself uses the preset's 2 threads
     return {"allocator": allocator, "wall_s": round(wall, 1), "user_s": round(after.ru_utime - before.ru_utime, 1),
-            "kernel_s": round(after.ru_stime - before.ru_stime, 1),
-            "load": {"load_before": load_before, "load_after": load_after, "busy_limit": limit,
-                     "valid": load_before <= limit and load_after <= limit + 2},
-            "steps": steps_out}
+            "kernel_s": round(after.ru_stime - before.ru_stime, 1), "load": load, "steps": steps_out}
 
 
 def main() -> None:
@@ -92,7 +90,6 @@ def main() -> None:
                    "step_s_from_step_2": steps_sum(a, "step_s", 2)} for a in ("plait", "glibc_default")}
     summary["speedup_wall"] = round(summary["glibc_default"]["wall_s"] / summary["plait"]["wall_s"], 3)
     summary["speedup_update_actor"] = round(summary["glibc_default"]["update_actor_s"] / summary["plait"]["update_actor_s"], 3)
-    import torch
     torch.set_num_threads(PRESET_THREADS)  # the peak the preset's two threads can reach
     result = {"settings": vars(args), "capability": capability(), "capability_threads": PRESET_THREADS,
               "summary": summary, "runs": runs,

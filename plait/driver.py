@@ -145,7 +145,8 @@ def build(cfg: PlaitConfig, progress: bool = True, checked: bool = False) -> Lif
     transformers.utils.logging.disable_progress_bar()  # per-load weight bars drown the step lines
     if cfg.trainer.num_threads:
         torch.set_num_threads(cfg.trainer.num_threads)
-    if resolve_device(cfg) == "cpu":  # the local backend's workers compute in this process
+    device = resolve_device(cfg)
+    if device == "cpu":  # the local backend's workers compute in this process
         keep_freed_memory()
     t = cfg.trainer
     tracker = Tracker(cfg.output_dir, t.logger, t.project_name, t.experiment_name or t.mode, to_dict(cfg), progress=progress)
@@ -153,7 +154,7 @@ def build(cfg: PlaitConfig, progress: bool = True, checked: bool = False) -> Lif
     backend = make_backend(cfg)
     try:
         from plait.build import MODES  # here, not at the top: `plait config show` needs no trainer or worker
-        trainer = MODES[t.mode](cfg, backend, resolve_device(cfg), tracker)
+        trainer = MODES[t.mode](cfg, backend, device, tracker)
     except BaseException:
         backend.shutdown()
         close_reward_workers()

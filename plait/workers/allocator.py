@@ -39,8 +39,13 @@ def keep_freed_memory() -> bool:
     return _done
 
 
+def malloc_setting(name: str) -> bool:
+    """Whether environment variable `name` tunes glibc's malloc (then plait leaves it alone)."""
+    return name.startswith("MALLOC_") or name == "GLIBC_TUNABLES"
+
+
 def user_tuned() -> bool:
-    return any(k.startswith("MALLOC_") or k == "GLIBC_TUNABLES" for k in os.environ)
+    return any(malloc_setting(k) for k in os.environ)
 
 
 def _tune() -> bool:

@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+from plait.workers.allocator import malloc_setting
+
 pytestmark = pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc",
                                 reason="glibc's malloc only")
 
@@ -31,7 +33,7 @@ print(tuned, *faults)
 
 def run(mode: str, **env) -> tuple[bool, list[int]]:
     """(tuned, page faults of each of 10 steps) in a fresh process."""
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "GLIBC_TUNABLES"}
+    clean = {k: v for k, v in os.environ.items() if not malloc_setting(k)}
     out = subprocess.run([sys.executable, "-c", SCRIPT, mode], env={**clean, **env}, capture_output=True,
                          text=True, check=True).stdout.split()
     return out[0] == "True", [int(f) for f in out[1:]]

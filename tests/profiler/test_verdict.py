@@ -72,6 +72,9 @@ def test_async_idle_pair_reads_verl_7601s_table():
                                  rollouter={"generate": 0.4, "wait_capacity": 0.6}, busy=1.6))
     assert (trainer.rule, trainer.key, trainer.value) == ("trainer_bound", "trainer.n_gpus_per_node", 8)
     assert "wait_capacity 60 %" in trainer.driver
+    unsplit = V.async_idle(facts({**TRAIN, "wait_rollout": 0.1}, ASYNC, {"trainer/idle_ratio": 0.02, "rollouter/idle_ratio": 0.6},
+                                 busy=1.6))  # no wait_* parts recorded: no empty list in the sentence
+    assert unsplit.driver == "training (4 s per step)"
     assert V.async_idle(facts(TRAIN, ASYNC, {"trainer/idle_ratio": 0.2, "rollouter/idle_ratio": 0.2})) is None
     assert V.async_idle(facts(TRAIN, SYNC, {"trainer/idle_ratio": 0.9, "rollouter/idle_ratio": 0.0})) is None
 

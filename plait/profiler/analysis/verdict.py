@@ -210,10 +210,10 @@ def async_idle(f: Facts) -> Optional[Verdict]:
     if r >= IDLE_HIGH and t < IDLE_LOW:
         now = s.get("trainer.n_gpus_per_node", 1)
         bound = max(train / 2, gen)
-        idle_parts = {k: v for k, v in f.rollouter.items() if k.startswith("wait_")}
+        waits = ", ".join(f"{k} {100 * v:.0f} %" for k, v in f.rollouter.items() if k.startswith("wait_"))
         return Verdict("trainer_bound", "rollouter waiting on the trainer", r, STEP,
-                       f"training ({train:.3g} s per step; rollouter waits: " +
-                       ", ".join(f"{k} {100 * v:.0f} %" for k, v in idle_parts.items()) + ")", "trainer.n_gpus_per_node",
+                       f"training ({train:.3g} s per step" + (f"; rollouter waits: {waits})" if waits else ")"),
+                       "trainer.n_gpus_per_node",
                        2 * now, f"twice the trainer devices: step about max(training / 2, generation) = {bound:.3g} s",
                        1 - bound / f.step_s if f.step_s else 0.0, evidence, inputs, {"step_s": bound})
     return None

@@ -25,6 +25,7 @@ import time
 from collections import defaultdict
 from typing import Optional
 
+from plait.profiler.analysis.memory import process_peak
 from plait.profiler.analysis.verdict import of_run, settings_of, verdicts
 from plait.profiler.naming import MANIFEST as PROFILE_MANIFEST
 from plait.profiler.timeline import TIMELINE_FILE, read_timeline
@@ -110,7 +111,7 @@ def summarise(records: list[dict], first_step: int, last_step: int, clock: RunCl
         "top_stages": [{"stage": k, "total_s": v, "share": v / whole}
                        for k, v in sorted(stages.items(), key=lambda kv: -kv[1])[:4]],
         "validation": _validation(records),
-        "memory_peak": _memory_peak(ran),
+        "memory_peak": process_peak(ran),
         "paths": paths,
         "next": f"plait profile report {paths['output_dir']}",
     }
@@ -137,17 +138,6 @@ def _validation(records: list[dict]) -> Optional[dict]:
     best = max(points, key=lambda p: p[1])
     return {"key": key, "first": {"step": points[0][0], "value": points[0][1]},
             "best": {"step": best[0], "value": best[1]}, "last": {"step": points[-1][0], "value": points[-1][1]}}
-
-
-def _memory_peak(records: list[dict]) -> Optional[dict]:
-    """The highest per-stage peak (memory/<stage>/peak_*_gb, the stage `step` left out: it folds in the others)."""
-    best = None
-    for r in records:
-        for k, v in r.items():
-            if k.startswith("memory/") and not k.startswith("memory/step/") and "reserved" not in k and _is_num(v):
-                if best is None or v > best["gb"]:
-                    best = {"gb": v, "metric": k, "stage": k.split("/")[1], "step": r["step"]}
-    return best
 
 
 def write_summary(output_dir: str, summary: dict, console: bool = True) -> None:

@@ -257,3 +257,13 @@ def test_gpu_rows_of_two_ranks_stay_apart_in_the_merged_trace():
     assert len({k["pid"] for k in kernels}) == 2
     assert sorted(procs[k["pid"]] for k in kernels) == ["actor rank 0 (GPU 0)", "actor rank 1 (GPU 0)"]
     assert procs[10] == "actor rank 0" and procs[11] == "actor rank 1"
+
+
+def test_the_process_memory_peak_is_the_first_stage_to_reach_it():
+    """With freed memory kept the resident size is flat, so stages tie: the summary and the report both name
+    the first (memory.process_peak), not whichever sorts last."""
+    records = [{"step": 1, "memory/update_actor/peak_rss_gb": 2.0, "memory/step/peak_rss_gb": 9.0},
+               {"step": 2, "memory/gen/peak_rss_gb": 2.0, "memory/save_checkpoint/peak_rss_gb": 2.0, "log": True}]
+    assert mem.process_peak(records) == {"gb": 2.0, "metric": "memory/update_actor/peak_rss_gb",
+                                         "stage": "update_actor", "step": 1}
+    assert mem.process_peak([{"step": 1, "perf/mfu/actor": 0.5}]) is None

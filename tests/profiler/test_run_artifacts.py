@@ -83,6 +83,9 @@ def test_summary_matches_metrics_jsonl(tmp_path, tiny_config, capsys):
     assert s["step_s"]["median"] == (times[0] + times[1]) / 2
     assert s["memory_peak"]["gb"] == max(v for r in steps for k, v in r.items()
                                          if k.startswith("memory/") and "/step/" not in k and "reserved" not in k)
+    build_report(str(out))  # the report's memory peak is the summary's, ties included (RSS is flat once memory is kept)
+    peak = s["memory_peak"]
+    assert f"in stage {peak['stage']} at step {peak['step']} ({peak['metric']})" in (out / "report" / "index.html").read_text()
     assert s["paths"]["checkpoint"] == str(out / "checkpoints" / "global_step_2")
     assert s["paths"]["profile"] == str(out / "profile") and s["paths"]["metrics"] == str(out / "metrics.jsonl")
     assert s["next"] == f"plait profile report {out}"

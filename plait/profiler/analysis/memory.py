@@ -171,3 +171,15 @@ def growth_per_stage(series: list[tuple[float, int]], stages: list[dict]) -> dic
         if s["stage"] != "step" and s["start"] <= times[-1] and times[0] <= s["end"]:
             out[s["stage"]] += at(s["end"]) - at(s["start"])
     return dict(out)
+
+
+def process_peak(records: list[dict]) -> dict | None:
+    """The highest per-stage peak over a run's metric records (memory/<stage>/peak_*_gb; the stage `step`
+    left out: it folds in the others), the first one reaching it where several do: {gb, metric, stage, step}."""
+    best = None
+    for r in records:
+        for k, v in r.items():
+            if (k.startswith("memory/") and not k.startswith("memory/step/") and "reserved" not in k
+                    and isinstance(v, (int, float)) and not isinstance(v, bool) and (best is None or v > best["gb"])):
+                best = {"gb": v, "metric": k, "stage": k.split("/")[1], "step": r["step"]}
+    return best

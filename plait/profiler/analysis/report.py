@@ -447,10 +447,9 @@ def _summary_box(inp: Inputs, traces: list, memories: list) -> str:
         vals = [m[key] for m in inp.metrics if isinstance(m.get(key), (int, float))]
         if vals:
             rows.append([key, f"mean {sum(vals) / len(vals):.2f} (min {min(vals):.2f}, max {max(vals):.2f})"])
-    peak = max(((v, k, m["step"]) for m in inp.metrics for k, v in m.items() if k.startswith("memory/")
-                and not k.startswith("memory/step/") and "reserved" not in k and isinstance(v, (int, float))), default=None)
+    peak = mem.process_peak(inp.metrics)  # the run summary's memory_peak
     if peak:
-        rows.append(["process memory peak", f"{peak[0]:.3g} GB in stage {peak[1].split('/')[1]} at step {peak[2]} ({peak[1]})"])
+        rows.append(["process memory peak", f"{peak['gb']:.3g} GB in stage {peak['stage']} at step {peak['step']} ({peak['metric']})"])
     for rec, _, r in memories:
         site = r.top_sites[0][0] if r.top_sites else "-"
         rows.append([f"window peak {rec['path']}", f"{r.peak_bytes / 2**20:.1f} MiB in {r.peak_stage}, "

@@ -40,7 +40,7 @@ class Rollout:
             model_path, cfg, dtype, device, eos, ignore_eos, self.pad_token_id, profiler, colocated))
         self.version = 0
         self._lock = threading.Lock()
-        self.agents = None if agent_cfg is None else _agent_worker(agent_cfg, tokenizer, model_path)
+        self.agents = None if agent_cfg is None else _agent_worker(agent_cfg, tokenizer, model_path, eos)
         self.processor = load_processor(model_path) if is_vl_dir(model_path) else None  # images -> pixel values
 
     def generate(self, prompts: PromptBatch, sampling: SamplingConfig, seed: int) -> RolloutBatch:
@@ -175,7 +175,7 @@ class Rollout:
         self.engine.abort()
 
 
-def _agent_worker(cfg, tokenizer, model_path: str):
+def _agent_worker(cfg, tokenizer, model_path: str, eos_ids: list[int]):
     """The agent side of this worker: the loops, and the tools of rollout.multi_turn (plait/agents)."""
     from plait.agents.interactions import InteractionBox
     from plait.agents.tools import ToolBox, ToolLimits
@@ -192,4 +192,4 @@ def _agent_worker(cfg, tokenizer, model_path: str):
         if tools is not None:
             tools.close()
         raise
-    return AgentWorker(cfg, tokenizer, model_type, tools, interactions)
+    return AgentWorker(cfg, tokenizer, model_type, tools, interactions, eos_ids)

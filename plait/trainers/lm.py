@@ -430,13 +430,7 @@ class LMTrainer:
             batch.token_rewards = batch.token_scores
         owner = session_owners(batch.agent_infos)
         if owner is not None and alg.adv_estimator in PER_RESPONSE:
-            # agent sessions: one sample each in its group (its final chain), failed ones in none; its chains share it
-            rows = torch.nonzero(owner == torch.arange(len(owner))).squeeze(-1)
-            per_sample, _ = compute_advantages(alg.adv_estimator, token_rewards=batch.token_rewards[rows],
-                                               response_mask=batch.response_mask[rows], group_ids=batch.group_ids[rows],
-                                               norm_by_std=alg.norm_adv_by_std_in_grpo)
-            full = torch.zeros_like(batch.token_rewards).index_copy_(0, rows, per_sample)
-            batch.advantages = batch.returns = spread(full, owner, batch.response_mask)
+            batch.advantages = batch.returns = session_advantages(alg.adv_estimator, batch, owner, alg.norm_adv_by_std_in_grpo)
         else:
             batch.advantages, batch.returns = compute_advantages(
                 alg.adv_estimator, token_rewards=batch.token_rewards, response_mask=batch.response_mask,
@@ -560,6 +554,17 @@ def loop_scores(batch: RolloutBatch, scores: list[float]) -> list[float]:
               for s, info in zip(scores, batch.agent_infos)]
     final = {i["session"]["id"]: s for s, i in zip(scores, batch.agent_infos) if "session" in i and i["session"]["final"]}
     return [final.get(i["session"]["id"], s) if "session" in i else s for s, i in zip(scores, batch.agent_infos)]
+
+
+def session_advantages(estimator: str, batch: RolloutBatch, owner: torch.Tensor, norm_by_std: bool) -> torch.Tensor:
+    """A per-response estimator over agent sessions [batch, resp_len]: each session is one sample of its group
+    (its final chain's row), a failed one none; every chain of a session takes the session's advantage."""
+    rows = torch.nonzero(owner == torch.arange(len(owner))).squeeze(-1)
+    per_sample, _ = compute_advantages(estimator, token_rewards=batch.token_rewards[rows],
+                                       response_mask=batch.response_mask[rows], group_ids=batch.group_ids[rows],
+                                       norm_by_std=norm_by_std)
+    full = torch.zeros_like(batch.token_rewards).index_copy_(0, rows, per_sample)
+    return spread(full, owner, batch.response_mask)
 
 
 def session_owners(infos: list[dict] | None) -> torch.Tensor | None:

@@ -35,6 +35,7 @@ class Rollout:
         `agent_cfg`: the whole PlaitConfig when rows run agent loops (plait/agents), else None."""
         self.max_response_length, self.pad_token_id, self.profiler = max_response_length, tokenizer.pad_token_id, profiler
         eos = [] if ignore_eos else eos_token_ids(tokenizer, load_generation_config(model_path))
+        self.eos_ids = eos
         name = PLAIT_ENGINE if cfg is None else cfg.name
         self.engine = ENGINES[name].build(EngineArgs(
             model_path, cfg, dtype, device, eos, ignore_eos, self.pad_token_id, profiler, colocated))

@@ -323,10 +323,11 @@ TRUNCATE_SIDES = ("left", "right", "middle")
 UNSUPPORTED_WHY = "is not implemented in plait's agent loops (docs/agents.md)"
 
 
-def shipped_tool_config(path: Optional[str]) -> Optional[str]:
+def shipped_tool_config(path: Optional[str], folder: str = "tools", ext: str = ".yaml") -> Optional[str]:
     """`calculator` names plait/configs/tools/calculator.yaml (shipped in the package, so a packaged
-    preset needs no user path); an existing path, or a name with no shipped file, is kept as given."""
-    shipped = os.path.join(os.path.dirname(__file__), "configs", "tools", f"{path}.yaml")
+    preset needs no user path; agents: plait/configs/agents/<name>.py); an existing path, or a name with no
+    shipped file, is kept as given."""
+    shipped = os.path.join(os.path.dirname(__file__), "configs", folder, f"{path}{ext}")
     if path is None or os.path.exists(path) or os.sep in path or not os.path.isfile(shipped):
         return path
     return shipped
@@ -390,7 +391,8 @@ class CustomAsyncServerConfig:
 class OpenAIAgentConfig:
     """`rollout.agent.openai_agent` (plait's own): the agent the `openai_agent` loop trains through the gateway
     (plait/agents/openai_agent.py, docs/agents.md "Bring your own agent"). Give `path` (+ `name`) or `command`."""
-    path: Optional[str] = None      # a Python file with `async def run(row, base_url, api_key)`
+    path: Optional[str] = None      # a Python file with `async def run(row, base_url, api_key)` (or a shipped
+                                    # agent's name: react_calculator)
     name: str = "run"               # the function in `path`
     command: Optional[str] = None   # or a command line started per row (OPENAI_BASE_URL, ..., the row on stdin)
     timeout: float = 600.0          # seconds one session (the agent's whole run on a row) may take
@@ -400,6 +402,7 @@ class OpenAIAgentConfig:
     port: int = 0                   # 0: a free port
 
     def __post_init__(self):
+        self.path = shipped_tool_config(self.path, "agents", ".py")  # react_calculator: shipped in plait/configs/agents
         check(self.path is None or self.command is None, "command", self.command,
               "null when openai_agent.path is set: give the agent as a function (path, name) or as a command, not both")
         check(self.path is None or os.path.isfile(self.path), "path", self.path,

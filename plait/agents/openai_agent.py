@@ -57,6 +57,7 @@ class ExternalAgents:
         self.memory_limit_mb = self.cfg.memory_limit_mb or cfg.reward.memory_limit_mb or 0
         self.functions = None if not self.cfg.path else FunctionAgents(
             self.cfg.path, self.cfg.name, self.cfg.num_workers, self.cfg.timeout, self.memory_limit_mb)
+        self.commands: set[int] = set()  # process groups of the command agents running now
 
     async def run(self, row: dict, session) -> Outcome:
         base = f"{self.server.url}/sessions/{session.id}"
@@ -65,11 +66,14 @@ class ExternalAgents:
         env = {**os.environ, "OPENAI_BASE_URL": base + "/v1", "OPENAI_API_KEY": session.id,
                "ANTHROPIC_BASE_URL": base, "ANTHROPIC_API_KEY": session.id, "PLAIT_SESSION_ID": session.id,
                "PLAIT_REWARD_URL": base + "/reward", "PLAIT_MODEL": self.gateway.model_name}
-        return await run_command(self.cfg.command, row, env, self.cfg.timeout, self.memory_limit_mb)
+        return await run_command(self.cfg.command, row, env, self.cfg.timeout, self.memory_limit_mb, self.commands)
 
     def close(self) -> None:
+        """Kill the agents still running (a rollout given up at the run's end), then stop the server."""
         if self.functions is not None:
             self.functions.close()
+        for pid in list(self.commands):
+            _killpg(pid)
         self.server.close()
 
 
@@ -227,14 +231,17 @@ class _AgentProcess:
 
 # -- the command form ----------------------------------------------------------------------------
 
-async def run_command(command: str, row: dict, env: dict, timeout: float, memory_limit_mb: int) -> Outcome:
-    """The command in a shell of its own process group, the row as JSON on stdin; killed at `timeout`."""
+async def run_command(command: str, row: dict, env: dict, timeout: float, memory_limit_mb: int,
+                      running: set[int]) -> Outcome:
+    """The command in a shell of its own process group, the row as JSON on stdin; killed at `timeout`.
+    `running` holds its process group while it runs."""
     def limits():
         if memory_limit_mb > 0:
             resource.setrlimit(resource.RLIMIT_AS, (memory_limit_mb * 2**20,) * 2)
     proc = await asyncio.create_subprocess_shell(command, stdin=asyncio.subprocess.PIPE,
                                                  stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
                                                  start_new_session=True, env=env, preexec_fn=limits)
+    running.add(proc.pid)
     tail: collections.deque[str] = collections.deque(maxlen=20)
     reader = asyncio.get_running_loop().create_task(_tail(proc.stderr, tail))
     try:
@@ -251,6 +258,7 @@ async def run_command(command: str, row: dict, env: dict, timeout: float, memory
         return Outcome(failure=f"did not finish within its timeout ({timeout:g} s); its process group was killed")
     finally:
         _killpg(proc.pid)  # what it left running in its group
+        running.discard(proc.pid)
         await asyncio.wait([reader], timeout=1)
     if code != 0:
         how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with status {code}"

@@ -148,18 +148,21 @@ class AgentWorker:
     def resume(self, batch: RolloutBatch, engine_round, version: Callable[[], int]) -> RolloutBatch:
         if self.suspended is None:
             return batch
-        run, prompts, n = self.suspended
+        (run, prompts, n), self.suspended = self.suspended, None
         self.abort_flag = False
         release_held(run.scheduler)
         return self._drive(run, prompts, n, engine_round, version)
 
     def _drive(self, run: Run, prompts: PromptBatch, n: int, engine_round, version) -> RolloutBatch:
-        self.suspended = None
+        """Run the rounds; a run cut by an abort stays suspended for `resume`, whatever other generate calls
+        (validation) come in between."""
         aborted = lambda: self.abort_flag  # noqa: E731
         serve = getattr(engine_round, "serve", None)  # an engine with continuous batching (vLLM)
         cut = drive(run, engine_round, version, GRACE_S, aborted) if serve is None else \
             drive_stream(run, serve, version, aborted)
         if cut:
+            if self.suspended is not None:
+                raise RuntimeError("a rollout was cut short while another one waited to resume")
             self.suspended = (run, prompts, n)
         outs = outputs(run)
         failed = [o.extra_fields["session"]["failure"] for o in outs if o is not None and "session" in o.extra_fields]

@@ -155,7 +155,8 @@ class Server:
             raise OSError(f"the gateway cannot listen on {host}:{port}: {err.strerror}") from None
         self.host, self.port, self.loop = host, self.sock.getsockname()[1], loop
         config = uvicorn.Config(make_app(gateway), log_config=None, log_level="warning", access_log=False,
-                                lifespan="off", timeout_keep_alive=30)
+                                lifespan="off", timeout_keep_alive=30, timeout_graceful_shutdown=2)  # a held call
+        # (a session whose rollout was given up) must not hold the close
         self.uvicorn = uvicorn.Server(config)
         self.task = asyncio.run_coroutine_threadsafe(self.uvicorn.serve(sockets=[self.sock]), loop)
         deadline = time.time() + 30

@@ -163,6 +163,23 @@ def test_a_weight_sync_mid_decode_holds_the_call_and_records_each_tokens_version
     assert tokenizer.decode(batch.responses[0, :n]).startswith(CALL)
 
 
+def test_a_validation_between_the_cut_and_the_resume_leaves_the_cut_rollout_to_resume(tokenizer, tmp_path):
+    """fully_async: a sync cuts the rollouter's batch; validation generates on the same worker before the
+    rollouter resumes. The cut batch still resumes (it was lost, and the rollouter spun on it, before)."""
+    worker = AgentWorker(cfg_for(path=agent_file(tmp_path)), tokenizer, "qwen2")
+    engine = Scripted(tokenizer, tool_then_answer)
+    engine.cut_after = 5
+    try:
+        first = worker.generate(prompts(1), SamplingConfig(n=1), engine, lambda: engine.version)
+        engine.version = 1
+        validation = worker.generate(prompts(2), SamplingConfig(n=1), engine, lambda: engine.version)
+        batch = worker.resume(first, engine, lambda: engine.version)
+    finally:
+        worker.close()
+    assert first.stop_reasons == ["aborted"] and validation.stop_reasons == ["eos", "eos"]
+    assert batch.stop_reasons == ["eos"] and batch.agent_infos[0]["reward_score"] == 1.0
+
+
 def test_chains_share_their_sessions_score_and_advantage():
     """Rows: session A's first chain and final chain, failed session B, C, all of one prompt. GRPO sees A, C
     once each; both of A's chains take A's advantage; B's rows none."""

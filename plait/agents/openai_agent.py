@@ -130,7 +130,7 @@ def session_output(session, outcome: Outcome, ct, messages: list[dict], prompt_l
             chains = [Trajectory(ids=[0])]
     reward = outcome.score if outcome.score is not None else session.reward
     generating = sum(s.finished - s.submitted for s in session.spans)
-    spans = [(s.submitted, s.started, s.finished) for s in session.spans]
+    spans = [(s.submitted, s.started, s.prefilled, s.finished) for s in session.spans]
     info = {"id": session.id, "failure": None if failure is None else f"{who} {failure}", "chains": len(chains),
             "requests": len(session.spans), "sampling_overridden": len(session.overridden),
             "agent_s": max(0.0, time.time() - session.opened - generating), "spans": spans}

@@ -45,6 +45,7 @@ class Request:
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     started: float = 0.0                                  # wall time an engine first took it up
+    prefilled: float = 0.0                                # ... and ended its first prefill (0: unknown)
 
     def key(self) -> tuple:
         return tuple(sorted((k, v) for k, v in self.sampling.items() if k != "max_tokens"))
@@ -103,6 +104,8 @@ def run_round(requests: list[Request], engine_round: Round, version: int) -> lis
         budget = [r.max_tokens - len(r.tokens) for r in reqs]
         gen = engine_round([r.prompt_ids + r.tokens for r in reqs], max(budget), reqs[0].sampling)
         lengths = gen.response_mask.sum(-1).long().tolist()
+        for r in reqs:
+            r.prefilled = r.prefilled or getattr(gen, "prefilled", 0.0)
         for i, (r, room) in enumerate(zip(reqs, budget)):
             n = min(lengths[i], room)
             r.tokens += gen.responses[i, :n].tolist()
@@ -114,7 +117,7 @@ def run_round(requests: list[Request], engine_round: Round, version: int) -> lis
                 continue
             reason = "length" if n >= room and reason != "eos" else reason
             out = TokenOutput(token_ids=r.tokens, log_probs=r.logprobs, stop_reason=reason, versions=r.versions,
-                              started=r.started)
+                              started=r.started, prefilled=r.prefilled)
             r.loop.call_soon_threadsafe(_resolve, r.future, out)
     return cut
 

@@ -118,7 +118,7 @@ class Gateway:
             submitted = _now()
             out = await generate(request_id=uuid.uuid4().hex, prompt_ids=list(ids),
                                  sampling_params={**sampling, "max_tokens": budget})
-            spans.append(Span(submitted, out.started or submitted, _now(), len(out.token_ids)))
+            spans.append(Span(submitted, out.started or submitted, out.prefilled, _now(), len(out.token_ids)))
             return out
         outs = await asyncio.gather(*(one() for _ in range(n)))
         if session is not None:
@@ -184,7 +184,7 @@ class _Empty:
     log_probs: list = []
     versions: list = []
     stop_reason = "length"
-    started = 0.0
+    started = prefilled = 0.0
 
 
 _now = time.time

@@ -65,9 +65,11 @@ class State:
 
 @dataclass
 class Span:
-    """One call's timing (wall clock): queued until its engine round began, then generating."""
+    """One call's timing (wall clock): queued until its engine round began, prefilling until `prefilled` (0:
+    the engine does not say), decoding until `finished`."""
     submitted: float
     started: float
+    prefilled: float
     finished: float
     tokens: int
 

@@ -14,6 +14,7 @@ return at its next token, its unfinished rows marked "aborted" for `resume` to f
 from __future__ import annotations
 
 import threading
+import time
 
 import torch
 import torch.nn.functional as F
@@ -62,7 +63,14 @@ class Rollout:
             return self._params(SamplingConfig(n=1, **{k: sampling[k] for k in keys if k in sampling}), max_new_tokens)
 
         def engine_round(ids: list[list[int]], max_new_tokens: int, sampling: dict):
-            return self.engine.generate(ids, params(sampling, max_new_tokens), generator=generator)
+            marks = {}  # when the prefill ended (the first decode forward begins), for the requests' timings
+
+            def on_forward(i: int) -> None:
+                if i == 1:
+                    marks["prefilled"] = time.time()
+            gen = self.engine.generate(ids, params(sampling, max_new_tokens), generator=generator, on_forward=on_forward)
+            gen.prefilled = marks.get("prefilled", 0.0)
+            return gen
         if not self.engine.continuous:
             return engine_round
 

@@ -33,104 +33,111 @@ from plait.serving.protocol import ApiError
 log = logging.getLogger("plait.serving")
 
 
-def make_app(gateway: Gateway) -> Starlette:
-    async def session_of(request: Request):
-        sid = request.path_params.get("sid")
+def handled(api: str):
+    """An endpoint's errors in its API's shape: ApiError as itself, anything else a 500 (logged, no traceback out)."""
+    def wrap(method):
+        async def endpoint(self, request: Request) -> Response:
+            try:
+                return await method(self, request)
+            except ApiError as err:
+                return JSONResponse(err.openai() if api == "openai" else err.anthropic(), status_code=err.status)
+            except Exception as err:  # noqa: BLE001 - never a traceback to the client; the server log has it
+                log.exception("plait gateway: %s %s failed", request.method, request.url.path)
+                err = ApiError(500, f"internal error: {type(err).__name__}: {err}", kind="server_error")
+                return JSONResponse(err.openai() if api == "openai" else err.anthropic(), status_code=500)
+        return endpoint
+    return wrap
+
+
+class Api:
+    """The endpoints over one Gateway."""
+
+    def __init__(self, gateway: Gateway):
+        self.gateway = gateway
+
+    def session_of(self, request: Request):
+        """The session a request names by its path or its API key; None outside sessions (plait serve)."""
+        gateway, sid = self.gateway, request.path_params.get("sid")
         if sid is None:
             auth = request.headers.get("authorization", "")
             key = auth[7:].strip() if auth.lower().startswith("bearer ") else request.headers.get("x-api-key")
             sid = key if key and key in gateway.sessions else (None if gateway.plain is not None else key or None)
         return gateway.session(sid)
 
+    @staticmethod
     async def body_of(request: Request):
         try:
             return json.loads(await request.body())
         except ValueError as err:
             raise ApiError(400, f"the request body is not JSON: {err}") from None
 
-    def answer(api: str):
-        def wrap(handler):
-            async def endpoint(request: Request) -> Response:
-                try:
-                    return await handler(request)
-                except ApiError as err:
-                    return JSONResponse(err.openai() if api == "openai" else err.anthropic(), status_code=err.status)
-                except Exception as err:  # noqa: BLE001 - never a traceback to the client; the server log has it
-                    log.exception("plait gateway: %s %s failed", request.method, request.url.path)
-                    err = ApiError(500, f"internal error: {type(err).__name__}: {err}", kind="server_error")
-                    return JSONResponse(err.openai() if api == "openai" else err.anthropic(), status_code=500)
-            return endpoint
-        return wrap
-
-    @answer("openai")
-    async def chat(request: Request) -> Response:
-        req = protocol.chat_request(await body_of(request))
-        session = await session_of(request)
-        req.model = req.model or gateway.model_name
-        choices, prompt = await gateway.chat(req, session)
+    @handled("openai")
+    async def chat(self, request: Request) -> Response:
+        req = protocol.chat_request(await self.body_of(request))
+        req.model = req.model or self.gateway.model_name
+        choices, prompt = await self.gateway.chat(req, self.session_of(request))
         ids = [[protocol.new_id("call_") for _ in c.calls] for c in choices]
         if req.stream:
             return _sse([f"data: {json.dumps(c)}\n\n" for c in protocol.chat_stream(req, choices[0], prompt, ids[0])]
                         + ["data: [DONE]\n\n"])
         return JSONResponse(protocol.chat_response(req, choices, prompt, ids))
 
-    @answer("openai")
-    async def completions(request: Request) -> Response:
-        encode = lambda text: gateway.tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
-        prompt_ids, req = protocol.completion_request(await body_of(request), encode)
-        session = await session_of(request)
-        req.model = req.model or gateway.model_name
-        choices, prompt = await gateway.complete(prompt_ids, req, session)
+    @handled("openai")
+    async def completions(self, request: Request) -> Response:
+        encode = lambda text: self.gateway.tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+        prompt_ids, req = protocol.completion_request(await self.body_of(request), encode)
+        req.model = req.model or self.gateway.model_name
+        choices, prompt = await self.gateway.complete(prompt_ids, req, self.session_of(request))
         body = protocol.completion_response(req, choices, prompt)
         if req.stream:
-            chunk = {**body, "choices": [{**c, "text": c["text"]} for c in body["choices"]]}
-            return _sse([f"data: {json.dumps(chunk)}\n\n", "data: [DONE]\n\n"])
+            return _sse([f"data: {json.dumps(body)}\n\n", "data: [DONE]\n\n"])
         return JSONResponse(body)
 
-    @answer("anthropic")
-    async def messages(request: Request) -> Response:
-        req = protocol.anthropic_request(await body_of(request))
-        session = await session_of(request)
-        req.model = req.model or gateway.model_name
-        choices, prompt = await gateway.chat(req, session)
+    @handled("anthropic")
+    async def messages(self, request: Request) -> Response:
+        req = protocol.anthropic_request(await self.body_of(request))
+        req.model = req.model or self.gateway.model_name
+        choices, prompt = await self.gateway.chat(req, self.session_of(request))
         message = protocol.anthropic_response(req, choices[0], prompt, [protocol.new_id("toolu_") for _ in choices[0].calls])
         if req.stream:
             return _sse([f"event: {event}\ndata: {json.dumps(data)}\n\n" for event, data in protocol.anthropic_stream(message)])
         return JSONResponse(message)
 
-    @answer("anthropic")
-    async def count_tokens(request: Request) -> Response:
-        body = await body_of(request)
+    @handled("anthropic")
+    async def count_tokens(self, request: Request) -> Response:
+        body = await self.body_of(request)
         req = protocol.anthropic_request({"max_tokens": 1, **body} if isinstance(body, dict) else body)
-        await session_of(request)
-        return JSONResponse({"input_tokens": gateway.count_tokens(req)})
+        self.session_of(request)
+        return JSONResponse({"input_tokens": self.gateway.count_tokens(req)})
 
-    @answer("openai")
-    async def models(request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [{"id": gateway.model_name, "object": "model",
+    @handled("openai")
+    async def models(self, request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [{"id": self.gateway.model_name, "object": "model",
                                                          "created": int(time.time()), "owned_by": "plait"}]})
 
-    @answer("openai")
-    async def reward(request: Request) -> Response:
-        session = await session_of(request)
-        body = await body_of(request)
+    @handled("openai")
+    async def reward(self, request: Request) -> Response:
+        session = self.session_of(request)
+        body = await self.body_of(request)
         value = body.get("reward", body.get("score")) if isinstance(body, dict) else None
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
             raise ApiError(400, f"the body must be {{\"reward\": <number>}}, got {str(body)[:80]}", "reward")
         session.reward = float(value)
         return JSONResponse({"session": session.id, "reward": session.reward})
 
-    async def health(request: Request) -> Response:
-        return JSONResponse({"status": "ok", "model": gateway.model_name, "sessions": len(gateway.sessions)})
+    async def health(self, request: Request) -> Response:
+        return JSONResponse({"status": "ok", "model": self.gateway.model_name, "sessions": len(self.gateway.sessions)})
 
-    routes = [Route("/health", health, methods=["GET"]),
-              Route("/sessions/{sid}/reward", reward, methods=["POST"])]
+
+def make_app(gateway: Gateway) -> Starlette:
+    api = Api(gateway)
+    routes = [Route("/health", api.health, methods=["GET"]), Route("/sessions/{sid}/reward", api.reward, methods=["POST"])]
     for prefix in ("", "/sessions/{sid}"):
-        routes += [Route(f"{prefix}/v1/chat/completions", chat, methods=["POST"]),
-                   Route(f"{prefix}/v1/completions", completions, methods=["POST"]),
-                   Route(f"{prefix}/v1/messages", messages, methods=["POST"]),
-                   Route(f"{prefix}/v1/messages/count_tokens", count_tokens, methods=["POST"]),
-                   Route(f"{prefix}/v1/models", models, methods=["GET"])]
+        routes += [Route(f"{prefix}/v1/chat/completions", api.chat, methods=["POST"]),
+                   Route(f"{prefix}/v1/completions", api.completions, methods=["POST"]),
+                   Route(f"{prefix}/v1/messages", api.messages, methods=["POST"]),
+                   Route(f"{prefix}/v1/messages/count_tokens", api.count_tokens, methods=["POST"]),
+                   Route(f"{prefix}/v1/models", api.models, methods=["GET"])]
     return Starlette(routes=routes)
 
 

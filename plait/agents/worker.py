@@ -264,7 +264,7 @@ def row_info(o: AgentLoopOutput | None, extra: dict) -> dict:
     info = {"num_turns": o.num_turns, "reward_score": o.reward_score, **{
         k: float(o.metrics.get(k, 0.0)) for k in ("generate_sequences", "tool_calls")},
         "num_preempted": float(o.metrics.get("num_preempted", -1)),
-        "tool_calls_made": len(o.extra_fields.get("tool_rewards", [])),
+        "tool_calls_made": o.extra_fields.get("tool_calls_made", len(o.extra_fields.get("tool_rewards", []))),
         "tool_call_attempts": int(o.extra_fields.get("tool_call_attempts", 0)),
         "tool_spans": list(o.metrics.get("tool_spans", [])),
         "tool_errors": len(o.extra_fields.get("tool_errors", []))}

@@ -128,7 +128,6 @@ _GROUPS = {
         rollout.total_rollout_steps
         rollout.total_epochs
         rollout.test_freq
-        data.gen_batch_size
         actor_rollout_ref.checkpoint_engine
         actor_rollout_ref.actor.use_rollout_log_probs
     """,
@@ -351,7 +350,6 @@ _GROUPS = {
         reward_model.forward_max_token_len_per_gpu
         trainer.rollout_data_dir
         trainer.validation_data_dir
-        trainer.val_only
     """,
     # verl 0.9's new keys (its generated ppo_trainer config; tests/fixtures/verl091_ppo_trainer_keys.txt)
     ("verl 0.9 kernel, padding and quantization switches (QAT, Megatron-style LoRA, fused kernels, chunked "
@@ -391,15 +389,17 @@ _GROUPS = {
         data.mm_processor_kwargs
         actor_rollout_ref.actor.num_images_in_input
     """,
-    ("verl 0.9 subsystems plait does not have (on-policy distillation, the transfer queue, the v1 trainer's "
-     "own modes and sampler, rollout skipping/caching, checkpoint callbacks); each refuses to be enabled"): """
+    ("verl 0.9 subsystems plait does not have (on-policy distillation, the transfer queue, rollout "
+     "skipping/caching); each refuses to be enabled"): """
         distillation
         transfer_queue
-        trainer.use_v1
-        trainer.v1
-        trainer.checkpoint_callback_class
         skip
         ray_kwargs.ray_init.runtime_env.py_executable
+    """,
+    ("the V1 trainer's hybrid-rollout switch tuning and its empty sync section: plait does not lend the "
+     "trainer's devices to generation (enable_switch=true is refused), and verl's sync mode has no keys"): """
+        trainer.v1.separate_async.hybrid_rollout
+        trainer.v1.sync
     """,
     ("verl options plait does not implement (docs/verl.md lists them): critic adapters and tokenizer, "
      "strict checkpoint loading (plait always loads strictly), logging cadence and debug switches, "
@@ -488,7 +488,6 @@ _DEFAULT_ONLY = {
         actor_rollout_ref.rollout.skip_rollout"""),
     "rollout log-probs (plait's engines return the sampling distribution's log-probs, verl's processed_logprobs)":
         (("processed_logprobs",), "actor_rollout_ref.rollout.logprobs_mode"),
-    "run (plait trains; validation alone is not implemented)": ((None, False), "trainer.val_only"),
 }
 SEMANTIC: dict[str, tuple[tuple, str]] = {key: (values, what) for what, (values, keys) in _DEFAULT_ONLY.items()
                                           for key in keys.split()}
@@ -515,7 +514,10 @@ FIELD_NO_EFFECT = {
 # verl 0.9 switches of subsystems whose other keys have no effect here: turning one on is refused.
 ENABLES = {"distillation.enabled": "on-policy distillation (distillation.*)",
            "transfer_queue.enable": "verl's transfer queue (its main_ppo recipe)",
-           "trainer.v1.trainer_mode": "verl's v1 trainer modes (plait's modes: trainer.mode=sync, one_step_off, fully_async)",
+           "trainer.v1.separate_async.hybrid_rollout.enable_switch": (
+               "lending the trainer's devices to generation between steps (verl's hybrid rollout switch): plait's "
+               "separated rollout is one engine on workers of its own, and the trainer's workers hold no second engine "
+               "to lend (on a CPU machine the two share the same cores anyway)"),
            **{f"skip.{part}.enable": "skipping rollouts from a dump (skip.*)" for part in ("rollout", "rollout_tq", "async_rollout")}}
 
 

@@ -86,6 +86,11 @@ class RolloutBatch:
     def attention_mask(self) -> torch.Tensor:
         return torch.cat([self.prompt_mask, self.attended.to(self.prompt_mask.dtype)], dim=1)  # [batch, prompt_len + resp_len]
 
+    @property
+    def token_version_map(self) -> torch.Tensor:
+        """[batch, resp_len] long: the policy version of each sampled token, -1 elsewhere (token_versions or its default)."""
+        return self.token_versions if self.token_versions is not None else _default(self, "token_versions")
+
     def select(self, idx: torch.Tensor | list[int] | slice) -> "RolloutBatch":
         """Rows `idx` of every field."""
         if isinstance(idx, slice):

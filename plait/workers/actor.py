@@ -15,6 +15,7 @@ gets base + adapter merged (`state_dict`).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import os
@@ -156,12 +157,36 @@ class Actor:
         self.optimizer, self.scheduler = make_optimizer(trainable, cfg.optim)
         self.offload_optimizer = offloads_optimizer(cfg.fsdp_config, device)
         self.shuffle_gen = torch.Generator().manual_seed(seed)
+        self.pi_old: list[torch.Tensor] | None = None  # keep_pi_old's copy of the trainable weights
+
+    def keep_pi_old(self) -> None:
+        """Keep a copy of the trainable weights as they are now: pi_old of compute_log_prob(pi_old=True) until
+        the next call (verl's separate_async: one pi_old, the synced weights, for all of a step's local updates)."""
+        with torch.no_grad():
+            self.pi_old = [p.detach().clone() for p in self.model.parameters() if p.requires_grad]
+
+    @contextlib.contextmanager
+    def _weights(self, saved: list[torch.Tensor]):
+        """The trainable weights set to `saved` inside the block, and back to the current ones after it."""
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        with torch.no_grad():
+            current = [p.detach().clone() for p in params]
+            for p, s in zip(params, saved):
+                p.copy_(s)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for p, c in zip(params, current):
+                    p.copy_(c)
 
     def compute_log_prob(self, batch: RolloutBatch, micro_batch_size: int, max_token_len: int | None = None,
-                         with_sum_pi_squared: bool = False) -> tuple[torch.Tensor, ...]:
+                         with_sum_pi_squared: bool = False, pi_old: bool = False) -> tuple[torch.Tensor, ...]:
         """Old log-probs and entropy [batch, resp_len] before the update (and the sum of squared
-        probabilities with `with_sum_pi_squared`: verl's calculate_sum_pi_squared)."""
-        with self.profiler.annotate("old_log_prob"):
+        probabilities with `with_sum_pi_squared`: verl's calculate_sum_pi_squared); `pi_old`: with the
+        weights keep_pi_old kept."""
+        weights = self._weights(self.pi_old) if pi_old else contextlib.nullcontext()
+        with self.profiler.annotate("old_log_prob"), weights:
             layout = EvenMicroBatching(MicroBatching(micro_batch_size, max_token_len, self.layout.remove_padding), self.model)
             with self.autocast():
                 return data_parallel(batch, lambda share: response_forward(

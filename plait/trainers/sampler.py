@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from plait.configtree import ConfigError
+from plait.errors import RunError
 from plait.trainers.async_common import RolloutError
 
 
@@ -51,7 +52,42 @@ class GroupBuffer:
     def __init__(self):
         self.cond = threading.Condition()
         self.groups: dict[int, Group] = {}   # in issue order
+        self.next_uid = 0                    # uids are unique in a run (a row of the data may come back next epoch)
         self.error: Optional[BaseException] = None  # set by the rollouter when it fails
+
+    def add(self, prompt, issued: int, batch=None) -> Group:
+        """A new group (pending, or finished with `batch`, its group ids set to the new uid) with the next uid."""
+        with self.cond:
+            uid, self.next_uid = self.next_uid, self.next_uid + 1
+            if batch is not None:
+                batch = batch.replace(group_ids=batch.group_ids.new_full(batch.group_ids.shape, uid))
+            self.groups[uid] = Group(uid, prompt, issued, "pending" if batch is None else "finished", batch)
+            self.cond.notify_all()
+            return self.groups[uid]
+
+    def claim(self, k: int) -> list[Group]:
+        """The `k` oldest pending groups, now running (call holding `cond`)."""
+        groups = [self.groups[u] for u in self.with_status("pending")[:k]]
+        for g in groups:
+            g.status = "running"
+        return groups
+
+    def finish(self, groups: list[Group], batch, n: int) -> None:
+        """`batch` (None: the call failed) holds the groups' rows, n each, in order; each group's rows get its uid
+        as group id (a data row may come back in a later epoch). Call holding `cond`."""
+        for i, g in enumerate(groups):
+            rows = None if batch is None else batch.select(slice(i * n, i * n + n))
+            g.status, g.batch = ("failure", None) if rows is None else (
+                "finished", rows.replace(group_ids=rows.group_ids.new_full(rows.group_ids.shape, g.uid)))
+        self.cond.notify_all()
+
+    def snapshot(self) -> list[dict]:
+        """What a checkpoint keeps: each group's dataset row, issue step and, finished, its responses (verl keeps
+        the finished groups and issues the pending and running ones again; failed ones are replaced anyway)."""
+        with self.cond:
+            return [{"index": g.prompt.indices[0], "issued": g.issued,
+                     "batch": vars(g.batch) if g.status == "finished" else None}
+                    for g in self.groups.values() if g.status != "failure"]
 
     def tags(self) -> dict[int, dict]:
         """verl's prompt tags: uid -> {"status", "global_steps"}."""
@@ -135,6 +171,22 @@ class ReplayBufferAsync:
                 if taken is not None:
                     return taken, metrics
                 self.buffer.wait()
+
+
+def take(sampler, buffer: GroupBuffer, global_steps: int, batch_size: int) -> tuple[list[Group], dict]:
+    """The groups `sampler` picks, taken out of the buffer, and its metrics; a user sampler's failure, or its
+    picking a group that is not finished, is one RunError line naming it."""
+    name = type(sampler).__name__
+    try:
+        uids, metrics = sampler.sample(global_steps, "train", batch_size)
+    except RolloutError:
+        raise
+    except Exception as err:  # noqa: BLE001 - a user sampler's failure: one line
+        raise RunError(f"trainer.v1.sampler: {name}.sample raised {type(err).__name__}: {err}") from err
+    groups = buffer.remove(uids)
+    if any(g.status != "finished" for g in groups):
+        raise RunError(f"trainer.v1.sampler: {name}.sample took groups that are not finished")
+    return groups, metrics
 
 
 def count_evictions(metrics: dict, global_steps: int, issued: list[int], failed: int) -> None:

@@ -32,28 +32,21 @@ MAX_FAILED_CALLS in a row the rollouter stops and the trainer's wait raises a Ro
 
 from __future__ import annotations
 
-import logging
 import math
 import os
-import threading
 import time
 
 import torch
 
-from plait.errors import RunError
-from plait.profiler.timeline import TIMELINE
 from plait.safeload import load_tensors
-from plait.trainers.async_common import BusyClock, RolloutError
 from plait.trainers.lifecycle import StageTimer, StepResult
-from plait.trainers.lm import DataCursor, LMTrainer, call_quietly, prompt_batch
-from plait.trainers.sampler import Group, GroupBuffer, build_sampler, merge_sampler_metrics
-from plait.types import PromptBatch, RolloutBatch
+from plait.trainers.lm import DataCursor, LMTrainer, prompt_batch
+from plait.trainers.rollouter import GroupRollouter
+from plait.trainers.sampler import GroupBuffer, build_sampler, merge_sampler_metrics, take
+from plait.types import RolloutBatch
 from plait.workers.actor import Actor
-from plait.workers.rollout import Rollout
 from plait.workers.weight_sync import sync_weights
 
-log = logging.getLogger("plait.trainers")
-MAX_FAILED_CALLS = 3
 
 
 class V1AsyncTrainer(LMTrainer):
@@ -72,10 +65,9 @@ class V1AsyncTrainer(LMTrainer):
         self.buffer = GroupBuffer()
         self.sampler = build_sampler(cfg, self.mode, self.buffer, self.issue)
         self.global_steps = 1  # the tag of prompts issued now (verl's refill_fn takes only a count)
-        self.next_uid = 0
-        self.paused = self.syncing = self.stop = self.generating = False  # guarded by buffer.cond
-        self.thread: threading.Thread | None = None
-        self.gen_clock, self.cycle_start = BusyClock(), 0.0
+        self.rollouter = GroupRollouter(self.mode, self.buffer, roles.rollout, self.sampling, self.chunk,
+                                        self.sample_seed, lambda: self.version)
+        self.cycle_start = 0.0
         self.step_metrics: dict[str, float] = {}  # the sampler's, summed over a step's local updates
 
     def total_steps(self) -> int:
@@ -83,87 +75,15 @@ class V1AsyncTrainer(LMTrainer):
 
     def issue(self, count: int) -> None:
         """`count` fresh prompts from the data as pending groups tagged with the current step (verl's refill_fn)."""
-        with self.buffer.cond:
-            for _ in range(count):
-                self._add(Group(self.next_uid, self.cursor.next(), self.global_steps))
-            self.buffer.cond.notify_all()
-
-    def _add(self, group: Group) -> None:
-        group.uid, self.next_uid = self.next_uid, self.next_uid + 1
-        self.buffer.groups[group.uid] = group
+        for _ in range(count):
+            self.buffer.add(self.cursor.next(), self.global_steps)
 
     def start(self) -> None:
         super().start()
         self.global_steps = self.version + 1  # the first step this run trains: verl tags the warmup with it
         self.issue(max(0, self.warmup - len(self.buffer.groups)))  # after a resume, what the checkpoint held counts
-        self.thread = threading.Thread(target=self._rollouter, name="plait-v1-rollouter", daemon=True)
         self.cycle_start = time.perf_counter()
-        self.thread.start()
-
-    # -- the rollouter thread -------------------------------------------------------------------
-
-    def _rollouter(self) -> None:
-        failed_calls = 0
-        try:
-            while True:
-                with self.buffer.cond:
-                    self.buffer.cond.wait_for(lambda: self.stop or (self._may_generate() and self.buffer.with_status("pending")))
-                    if self.stop:
-                        return
-                    groups = [self.buffer.groups[u] for u in self.buffer.with_status("pending")[:self.chunk]]
-                    for g in groups:
-                        g.status = "running"
-                    self.generating = True
-                try:
-                    batch, failed_calls = self._generate(groups), 0
-                except Exception as err:  # noqa: BLE001 - a failed call costs its groups (verl's failure status)
-                    failed_calls += 1
-                    if self.stop or failed_calls >= MAX_FAILED_CALLS:
-                        raise
-                    batch = None
-                    log.warning("plait: %s: generating %d prompt groups failed (%s: %s); the sampler replaces them",
-                                self.mode, len(groups), type(err).__name__, err)
-                with self.buffer.cond:
-                    self.generating = False
-                    if batch is None and self.stop:
-                        return
-                    n = self.sampling.n
-                    for i, g in enumerate(groups):
-                        g.status, g.batch = ("failure", None) if batch is None else ("finished", batch.select(slice(i * n, i * n + n)))
-                    self.buffer.cond.notify_all()
-        except BaseException as err:
-            with self.buffer.cond:
-                self.buffer.error = err
-        finally:
-            with self.buffer.cond:
-                self.generating = False
-                self.buffer.error = self.buffer.error or (None if self.stop else RolloutError("the rollouter stopped"))
-                self.buffer.cond.notify_all()
-
-    def _may_generate(self) -> bool:
-        return not (self.paused or self.syncing)
-
-    def _generate(self, groups: list[Group]) -> RolloutBatch | None:
-        """The groups' responses; cut short by a pause or sync (partial rollout), finished from their tokens
-        with the new weights. None when stopped meanwhile."""
-        seed = self.sample_seed(groups[0].uid) * 64
-        batch = self._call(Rollout.generate, join_prompts([g.prompt for g in groups]), self.sampling, seed)
-        while "aborted" in batch.stop_reasons:
-            with self.buffer.cond, TIMELINE.span("rollout", "wait_sync", self.version):
-                self.generating = False
-                self.buffer.cond.notify_all()
-                self.buffer.cond.wait_for(lambda: self.stop or self._may_generate())
-                if self.stop:
-                    return None
-                self.generating = True
-            seed += 1
-            batch = self._call(Rollout.resume, batch, self.sampling, seed)
-        uids = torch.tensor([g.uid for g in groups]).repeat_interleave(self.sampling.n)  # [batch] unique across epochs
-        return batch.replace(group_ids=uids)
-
-    def _call(self, method, *args) -> RolloutBatch:
-        with self.gen_clock.busy(), TIMELINE.span("rollout", method.__name__, self.version):
-            return self.roles.rollout.call(method, *args)
+        self.rollouter.thread.start()
 
     # -- the trainer side -----------------------------------------------------------------------
 
@@ -179,58 +99,27 @@ class V1AsyncTrainer(LMTrainer):
     def next_batch(self, step: int, timer: StageTimer) -> RolloutBatch:
         """One local update's groups, as the sampler picks them; waits (trainer idle) until they are finished."""
         with timer.stage("gen"):
-            self._pause(False)
+            self.rollouter.pause(False)
             try:
-                uids, metrics = self.sampler.sample(step, "train", self.per_update)
-            except RolloutError:
-                raise
-            except Exception as err:  # noqa: BLE001 - a user sampler's failure: one line
-                raise RunError(f"trainer.v1.sampler: {type(self.sampler).__name__}.sample raised "
-                               f"{type(err).__name__}: {err}") from err
+                groups, metrics = take(self.sampler, self.buffer, step, self.per_update)
             finally:
-                if self.colocated:
-                    self._pause(True)
+                if self.colocated:  # it shares the trainer's devices: no generation while training
+                    self.rollouter.pause(True)
         merge_sampler_metrics(self.step_metrics, metrics)
-        groups = self.buffer.remove(uids)
-        if any(g.status != "finished" for g in groups):
-            raise RunError(f"trainer.v1.sampler: {type(self.sampler).__name__}.sample took groups that are not finished")
         return RolloutBatch.concat([g.batch for g in groups])
 
-    def _pause(self, paused: bool) -> None:
-        """colocate_async's switch: paused, the running generate is aborted and waited for."""
-        with self.buffer.cond:
-            self.paused = paused
-            self.buffer.cond.notify_all()
-        while paused:  # abort again if a generate started just after the abort (the engine clears it at start)
-            self.roles.rollout.call(Rollout.abort)
-            with self.buffer.cond:
-                if self.buffer.cond.wait_for(lambda: not self.generating, timeout=0.05):
-                    return
-
     def after_update(self, step: int, timer: StageTimer) -> dict[str, float]:
-        with timer.stage("update_weights"):
-            with self.buffer.cond:
-                self.syncing = True
-            self.roles.rollout.call(Rollout.abort)  # partial rollout: the running generate resumes after the load
-            try:
-                sync_weights(self.roles.actor, self.roles.rollout, step)  # waits for a running generate to return
-            finally:
-                with self.buffer.cond:
-                    self.syncing = self.paused = False
-                    self.buffer.cond.notify_all()
+        with timer.stage("update_weights"), self.rollouter.sync():
+            sync_weights(self.roles.actor, self.roles.rollout, step)  # waits for the cut generate to return
         self.version = step
         start, self.cycle_start = self.cycle_start, time.perf_counter()
         metrics, self.step_metrics = self.step_metrics, {}
         return {**metrics, "trainer/idle_ratio": timer.times.get("gen", 0.0) / (self.cycle_start - start),
-                "rollouter/idle_ratio": self.gen_clock.idle_ratio(start, self.cycle_start)}
+                "rollouter/idle_ratio": self.rollouter.clock.idle_ratio(start, self.cycle_start)}
 
     def save_checkpoint(self, path: str, step: int) -> None:
         super().save_checkpoint(path, step)  # trainer_state's data cursor is past every prompt issued
-        with self.buffer.cond:
-            groups = [{"index": g.prompt.indices[0], "issued": g.issued,
-                       "batch": vars(g.batch) if g.status == "finished" else None}
-                      for g in self.buffer.groups.values() if g.status != "failure"]
-        torch.save(groups, os.path.join(path, "groups.pt"))
+        torch.save(self.buffer.snapshot(), os.path.join(path, "groups.pt"))
 
     def load_checkpoint(self, path: str, step: int) -> None:
         """Finished groups back as they were; pending and running ones issued again, tagged step + 1."""
@@ -238,35 +127,16 @@ class V1AsyncTrainer(LMTrainer):
         saved = os.path.join(path, "groups.pt")
         self.buffer.groups.clear()
         for g in load_tensors(saved) if os.path.exists(saved) else []:
-            batch = None if g["batch"] is None else RolloutBatch(**g["batch"])
-            group = Group(0, prompt_batch([self.cursor.dataset[g["index"]]]), step + 1 if batch is None else g["issued"])
-            self._add(group)
-            if batch is not None:
-                group.status, group.batch = "finished", batch.replace(group_ids=torch.full_like(batch.group_ids, group.uid))
+            prompt, batch = prompt_batch([self.cursor.dataset[g["index"]]]), g["batch"] and RolloutBatch(**g["batch"])
+            self.buffer.add(prompt, step + 1 if batch is None else g["issued"], batch)
 
     def close(self) -> None:
         """Stop the rollouter; what the buffer holds now is dropped (the last checkpoint has its own copy)."""
-        if self.thread is not None:
-            with self.buffer.cond:
-                self.stop = True
-                self.buffer.cond.notify_all()
-            while self.thread.is_alive():
-                call_quietly(self.roles.rollout, Rollout.abort)
-                self.thread.join(0.1)
-            self.thread = None
+        if self.rollouter.thread.is_alive():
+            self.rollouter.close()
         super().close()
 
 
 class ColocateAsyncTrainer(V1AsyncTrainer):
     colocated = True
 
-
-def join_prompts(parts: list[PromptBatch]) -> PromptBatch:
-    """One-prompt batches as one batch, in order."""
-    media = [m for p in parts for m in (p.multi_modal or [{}] * len(p))]
-    return PromptBatch(prompt_ids=[x for p in parts for x in p.prompt_ids],
-                       data_sources=[x for p in parts for x in p.data_sources],
-                       ground_truths=[x for p in parts for x in p.ground_truths],
-                       extra_infos=[x for p in parts for x in p.extra_infos], indices=[x for p in parts for x in p.indices],
-                       agent_names=[x for p in parts for x in (p.agent_names or [None] * len(p))],
-                       multi_modal=media if any(media) else [])

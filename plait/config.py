@@ -799,6 +799,7 @@ class PlaitConfig:
     async_training: AsyncTrainingConfig = field(default_factory=AsyncTrainingConfig)
 
     def __post_init__(self):
+        """The rules across nodes. Over 60 lines: one check after another, each on its own, read top to bottom."""
         actor = self.actor_rollout_ref.actor
         if self.data.train_batch_size == 0:  # verl's fully-async scripts: a trainer batch is one local update's prompts
             check(self.trainer.mode == "fully_async", "data.train_batch_size", 0,
@@ -851,8 +852,7 @@ class PlaitConfig:
               "false with trainer.mode=diffusion (DAPO's dynamic sampling runs in the language-model modes)")
         self._resolve_correction(mode)
         self._resolve_engine()
-        if mode in V1_MODES:
-            self._check_v1(mode)
+        self._check_v1(mode)
         if mode == "fully_async":
             a = self.async_training
             required = actor.ppo_mini_batch_size * a.require_batches
@@ -864,7 +864,12 @@ class PlaitConfig:
     def _check_v1(self, mode: str) -> None:
         """verl 0.9.1's rules of its V1 async modes: separate_async trains one PPO mini-batch per local update
         (train_batch_size = parameter_sync_step x ppo_mini_batch_size) on a rollout of its own."""
+        if mode not in V1_MODES:
+            return
         mini, batch = self.actor_rollout_ref.actor.ppo_mini_batch_size, self.data.train_batch_size
+        check(not self.algorithm.filter_groups.enable, "algorithm.filter_groups.enable", True,
+              f"false with trainer.v1.trainer_mode={mode}: verl's V1 sampler evicts the groups DAPO's filter drops and "
+              "issues fresh prompts for them, which plait's V1 modes do not do yet (trainer.v1.trainer_mode=sync filters)")
         if mode == "separate_async":
             sync_step = self.trainer.v1.separate_async.parameter_sync_step
             check(batch == sync_step * mini, "trainer.v1.separate_async.parameter_sync_step", sync_step,

@@ -24,13 +24,13 @@ Left out: DAPO's group filter inside the sampler (plait filters groups in the tr
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from plait.configtree import ConfigError
+from plait.data.rewards import import_user_file
 from plait.errors import RunError
 from plait.trainers.async_common import RolloutError
 
@@ -228,16 +228,7 @@ def sampler_class(path: Optional[str], name: Optional[str]) -> type:
     key, file = "trainer.v1.sampler.custom_sampler.path", path.removeprefix("file://")
     if not os.path.isfile(file):
         raise ConfigError(key, path, "no such file: a Python file defining the sampler class")
-    spec = importlib.util.spec_from_file_location(f"plait_custom_sampler_{abs(hash(file))}", file)
-    module = importlib.util.module_from_spec(spec)
-    try:
-        spec.loader.exec_module(module)
-    except ModuleNotFoundError as err:
-        hint = (" (verl's TransferQueue sampler: subclass plait.trainers.sampler.ReplayBufferAsync, whose rules "
-                "read plait's buffer)") if err.name and err.name.split(".")[0] in ("verl", "transfer_queue") else ""
-        raise ConfigError(key, path, f"its import needs module {err.name!r}, not installed here{hint}") from None
-    except Exception as err:  # noqa: BLE001 - the user's file raised at import: one line
-        raise ConfigError(key, path, f"importing it raised {type(err).__name__}: {err}") from None
+    module = import_user_file(key, file, f"plait_custom_sampler_{os.path.basename(file).removesuffix('.py')}")
     cls = getattr(module, name, None)
     if not isinstance(cls, type):
         raise ConfigError("trainer.v1.sampler.custom_sampler.name", name, f"no class of that name in {path}")

@@ -389,10 +389,13 @@ _GROUPS = {
         data.mm_processor_kwargs
         actor_rollout_ref.actor.num_images_in_input
     """,
-    ("verl 0.9 subsystems plait does not have (on-policy distillation, the transfer queue, rollout "
-     "skipping/caching); each refuses to be enabled"): """
-        distillation
+    ("verl 0.9's TransferQueue, the V1 trainer's store of prompts and trajectories between roles (verl 0.9.1 "
+     "turns it on for every V1 run): plait keeps them in the trainer's own buffer"): """
         transfer_queue
+    """,
+    ("verl 0.9 subsystems plait does not have (on-policy distillation, rollout skipping/caching); each refuses "
+     "to be enabled"): """
+        distillation
         skip
         ray_kwargs.ray_init.runtime_env.py_executable
     """,
@@ -513,7 +516,6 @@ FIELD_NO_EFFECT = {
 
 # verl 0.9 switches of subsystems whose other keys have no effect here: turning one on is refused.
 ENABLES = {"distillation.enabled": "on-policy distillation (distillation.*)",
-           "transfer_queue.enable": "verl's transfer queue (its main_ppo recipe)",
            "trainer.v1.separate_async.hybrid_rollout.enable_switch": (
                "lending the trainer's devices to generation between steps (verl's hybrid rollout switch): plait's "
                "separated rollout is one engine on workers of its own, and the trainer's workers hold no second engine "

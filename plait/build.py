@@ -203,7 +203,7 @@ def build_lm_trainer(cfg: PlaitConfig, backend, device: str, tracker, mode: type
     """Model, data, reward and the four language-model roles, handed to the trainer `mode` (a row of MODES).
     In order: the model's folder, its tokenizer and the data (both checked before any model loads), the
     schedule's length, then the roles."""
-    reward_fn = resolve_reward(cfg.reward, cfg.data.max_response_length)
+    reward_fn = resolve_reward(cfg.reward, cfg.data.max_response_length, cfg.trainer.experiment_name or cfg.trainer.mode)
     model_path = resolve_model(cfg)
     tokenizer = load_lm_tokenizer(cfg, model_path)
     train_data, val_data = load_lm_data(cfg, model_path, tokenizer)

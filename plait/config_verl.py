@@ -89,6 +89,7 @@ _GROUPS = {
         actor_rollout_ref.model.mtp.num_speculative_tokens
         actor_rollout_ref.hybrid_engine
         actor_rollout_ref.nccl_timeout
+        model_engine
         data.use_shm
         critic.model.fsdp_config.fsdp_size
         critic.model.fsdp_config.model_dtype
@@ -523,12 +524,30 @@ ENABLES = {"distillation.enabled": "on-policy distillation (distillation.*)",
            **{f"skip.{part}.enable": "skipping rollouts from a dump (skip.*)" for part in ("rollout", "rollout_tq", "async_rollout")}}
 
 
+# verl's other training engines (config groups model_engine=..., their own actor configs, strategies and key trees)
+OTHER_ENGINES = {"megatron": "Megatron-LM", "mlite": "Megatron Lite", "veomni": "VeOmni", "torchtitan": "TorchTitan"}
+
+
+def other_engine(key: str, value) -> str | None:
+    """The verl training engine plait does not have that `key=value` selects or configures, if any."""
+    text = str(value).lower() if isinstance(value, str) else ""
+    for name in OTHER_ENGINES:
+        if (name in key.split(".") or (key.endswith(".strategy") and text == name)
+                or (key == "model_engine" and text == name) or ("@" in key and text.startswith(f"{name}_"))):
+            return name
+    return None
+
+
 def refusal(user: dict[str, object]) -> tuple[str, object, str] | None:
-    """(key, value, why) when plait cannot run a verl config at all, given the leaf keys the user set."""
+    """(key, value, why) when plait cannot run a verl config at all, given the leaf keys the user set; another
+    training engine is named first, whatever the order of the keys."""
     for key, value in user.items():
-        if "megatron" in key.split(".") or (key.endswith(".strategy") and value == "megatron"):
-            return key, value, ("Megatron-LM is not supported: plait trains with PyTorch (strategy fsdp or fsdp2); "
-                                "drop the *.megatron.* keys and set actor_rollout_ref.actor.strategy=fsdp")
+        engine = other_engine(key, value)
+        if engine:
+            return key, value, (f"{OTHER_ENGINES[engine]} is not supported (one of verl's training engines): plait "
+                                "trains with PyTorch (strategy fsdp or fsdp2); drop model_engine and the engine's keys "
+                                f"(*.{engine}.*) and set actor_rollout_ref.actor.strategy=fsdp")
+    for key, value in user.items():
         recipe = next((RECIPE_KEYS[p] for p in _prefixes(key) if p in RECIPE_KEYS), None)
         if recipe:
             return key, value, (f"a key of verl's {recipe} recipe, which plait does not implement (it would "
@@ -587,6 +606,13 @@ def machine_notes(tree: dict) -> list[str]:
         profiler["tool"] = None
         notes.append("plait: global_profiler.tool=npu: Ascend's profiler does not run here, so no profile is taken "
                      "(global_profiler.tool=torch, torch_memory or nsys profile on this machine)")
+    turbo = [key for key in ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic")
+             if (_node(tree, key) or {}).get("strategy") == "fsdp_turbo"]
+    for key in turbo:
+        _node(tree, key)["strategy"] = "fsdp2"
+    if turbo:
+        notes.append(f"plait: {', '.join(f'{k}.strategy' for k in turbo)}=fsdp_turbo: verl's FSDP-Turbo engine is FSDP2 with "
+                     "its own sharding plans and fused kernels (the same training); plait shards with FSDP2 (strategy=fsdp2)")
     node, whole = _node(tree, "actor_rollout_ref.actor.checkpoint"), ["model", "optimizer", "extra"]
     contents = node.get("save_contents") if node is not None else None
     if isinstance(contents, list) and set(contents) <= {*whole, "hf_model"} and not set(whole) <= set(contents):

@@ -399,9 +399,7 @@ class AgentConfig:
     custom_async_server: CustomAsyncServerConfig = field(default_factory=CustomAsyncServerConfig)
 
     def __post_init__(self):
-        check(self.num_workers == 8, "num_workers", self.num_workers,
-              "8 (verl's default): plait runs every agent loop of a rollout on one event loop beside its one engine, "
-              "so there are no agent-loop worker processes to count; drop the key")
+        check(self.num_workers >= 1, "num_workers", self.num_workers, "verl's agent-loop workers: >= 1")  # named at start
 
     @property
     def on(self) -> bool:

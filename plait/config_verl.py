@@ -513,7 +513,9 @@ def semantic_refusal(key: str, value) -> str | None:
 # away from verl's default (the value), with what plait does instead.
 FIELD_NO_EFFECT = {
     "algorithm.filter_groups.max_inflight_gen_batches": (1, "concurrent generation while dynamic sampling fills a "
-        "batch: plait generates the extra batches one at a time (the same groups are kept, only slower)")}
+        "batch: plait generates the extra batches one at a time (the same groups are kept, only slower)"),
+    "actor_rollout_ref.rollout.agent.num_workers": (8, "the size of verl's pool of agent-loop worker processes: plait "
+        "runs every agent loop of a rollout on one event loop beside its engine (the same rows, in the same order)")}
 
 # verl 0.9 switches of subsystems whose other keys have no effect here: turning one on is refused.
 ENABLES = {"distillation.enabled": "on-policy distillation (distillation.*)",

@@ -29,9 +29,14 @@ its `recipe/` folder (verl's submodule layout: `data.custom_cls.path=recipe/reto
 the corpus and run:
 
     git clone https://github.com/volcengine/verl && git clone https://github.com/verl-project/verl-recipe verl/recipe
-    # bench/results/verl_corpus.json: verl b178a3c, verl-recipe 48ea0a7 (git checkout them for the same scripts)
+    # bench/results/verl_corpus.json: verl b178a3c, verl-recipe 48ea0a7 (git checkout them for the same scripts);
+    # bench/results/verl_corpus_1dda039.json: verl-project/verl 1dda039 (verl 0.9.1's main), verl-recipe 48ea0a7
     python bench/verl_corpus.py --corpus examples=verl:examples --corpus recipes=verl:recipe \
         --verl-site .verl-side [--out bench/results/verl_corpus.json]
+
+Training engines other than PyTorch FSDP (Megatron, Megatron Lite, VeOmni, TorchTitan) are counted apart, as
+plait refuses each by name; so are on-policy distillation scripts (`distillation.enabled=True`: a second model,
+another issue's work) until plait runs them (`distillation`, `distillation_accepted` in the summary).
 
 A script's dataset class (`data.custom_cls`) is imported as `plait train` imports it, from the corpus root
 (the scripts' working directory, so its `recipe.*` imports resolve there); with --verl-site (verl 0.9.1

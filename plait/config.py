@@ -814,16 +814,6 @@ class PlaitConfig:
         lm = self.trainer.mode != "diffusion"
         check(not lm or self.data.train_batch_size % actor.ppo_mini_batch_size == 0, "actor_rollout_ref.actor.ppo_mini_batch_size",
               actor.ppo_mini_batch_size, f"must divide data.train_batch_size={self.data.train_batch_size}")
-        # merged_state_dict and the adapter checkpoint need whole tensors (plait/workers/actor.py)
-        check(not (self.actor_rollout_ref.model.lora_rank > 0 and actor.strategy == "fsdp2"),
-              "actor_rollout_ref.actor.strategy", actor.strategy, "fsdp with actor_rollout_ref.model.lora_rank > 0: "
-              "LoRA trains on whole replicas, FSDP2 sharding of adapters is not supported yet")
-        t = self.trainer  # strategy=fsdp shards too on several CUDA ranks (parallel.use_fsdp)
-        check(not (self.actor_rollout_ref.model.lora_rank > 0 and t.backend == "ray" and t.device != "cpu"
-                   and t.nnodes * t.n_gpus_per_node > 1 and torch_cuda_count() > 0),
-              "trainer.nnodes x trainer.n_gpus_per_node", f"{t.nnodes} x {t.n_gpus_per_node}",
-              "1 GPU with actor_rollout_ref.model.lora_rank > 0: several CUDA ranks shard the actor with FSDP2, "
-              "and FSDP2 sharding of LoRA adapters is not supported yet")
         if self.critic.enable is None:
             self.critic.enable = self.algorithm.adv_estimator == "gae"
         check(self.algorithm.adv_estimator != "gae" or self.critic.enable, "critic.enable", self.critic.enable,

@@ -146,11 +146,7 @@ class Actor:
         if gradient_checkpointing:  # recompute each block's activations in backward: memory for time
             enable_activation_checkpointing(self.model)
         self.flops = ModelFlops.of(self.model, dtype=self.dtype)
-        if use_fsdp(cfg.strategy, device):
-            if self.lora:  # merged_state_dict and the adapter checkpoint assume whole, unsharded tensors
-                raise ValueError("actor_rollout_ref.model.lora_rank > 0 with FSDP2 sharding (strategy=fsdp2, or "
-                                 "several CUDA ranks) is not supported yet; train LoRA with whole replicas (CPU, "
-                                 "strategy=fsdp) or on one GPU per actor")
+        if use_fsdp(cfg.strategy, device):  # with LoRA: the frozen base and the adapters sharded alike
             shard_model(self.model, self.model._no_split_modules or [], cfg.fsdp_config, device, self.dtype)
         self.autocast = functools.partial(compute_autocast, device, self.dtype, is_sharded(self.model))
         trainable = [p for p in self.model.parameters() if p.requires_grad]
@@ -200,7 +196,7 @@ class Actor:
                              max_token_len: int | None = None) -> torch.Tensor:
         """LoRA only: log-probs [batch, resp_len] of the base model (adapters off), the reference."""
         with self.profiler.annotate("ref"), self.model.disable_adapter(), self.autocast():
-            layout = MicroBatching(micro_batch_size, max_token_len, self.layout.remove_padding)  # LoRA: never sharded
+            layout = EvenMicroBatching(MicroBatching(micro_batch_size, max_token_len, self.layout.remove_padding), self.model)
             [logp] = data_parallel(batch, lambda share: response_forward(self.model, share, self.temperature, layout,
                                                                          with_entropy=False)[:1], "Actor.compute_ref_log_prob")
             return logp
@@ -326,8 +322,12 @@ class Actor:
         return loss, {**stats, **corr}, loss_mask
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """The policy's weights under the plain model's names (LoRA: merged), for the rollout."""
-        return merged_state_dict(self.model) if self.lora else full_state_dict(self.model)
+        """The policy's weights under the plain model's names (LoRA: merged), for the rollout (sharded: a
+        collective, every rank calls it)."""
+        if not self.lora:
+            return full_state_dict(self.model)
+        base = self.model.get_base_model()
+        return merged_state_dict(self.model, full_state_dict(base) if is_sharded(self.model) else None)
 
     def save_checkpoint(self, path: str) -> None:
         """FSDP2: every rank writes its shards (`sharded/`); else rank 0 writes model.pt. optim.pt holds
@@ -337,6 +337,8 @@ class Actor:
             save_sharded(os.path.join(path, SHARDED_DIR), self.model, self.optimizer)
         else:
             model_state, optim_state = checkpoint_state(self.model, self.optimizer)
+        # the adapter's whole tensors (sharded: gathered, a collective); peft keeps the LoRA keys of them
+        adapter_state = (full_state_dict(self.model) if sharded else None) if self.lora else None
         if dp_rank_size()[0] != 0:  # replicas hold the same weights: one writer
             return
         os.makedirs(path, exist_ok=True)
@@ -344,7 +346,7 @@ class Actor:
         plain.config.save_pretrained(os.path.join(path, HF_DIR))  # what plait/export.py builds the model from
         plain.generation_config.save_pretrained(os.path.join(path, HF_DIR))
         if self.lora:  # the adapter alone, in peft's format (loadable with PeftModel.from_pretrained)
-            self.model.save_pretrained(os.path.join(path, LORA_DIR))
+            self.model.save_pretrained(os.path.join(path, LORA_DIR), state_dict=adapter_state)
         elif not sharded:
             torch.save(model_state, os.path.join(path, "model.pt"))
         torch.save({**({} if sharded else {"optimizer": optim_state}), "scheduler": self.scheduler.state_dict(),

@@ -189,13 +189,28 @@ def build(cfg: PlaitConfig, progress: bool = True, checked: bool = False) -> Lif
 
 
 def omega_tree(cfg: PlaitConfig):
-    """The config as verl hands it to user classes: an OmegaConf DictConfig where omegaconf is installed, else a dict."""
+    """The config as verl hands it to user classes: an OmegaConf DictConfig where omegaconf is installed, else
+    dicts that answer attribute access too (`config.trainer.save_freq`, `config.trainer.get(...)`)."""
     tree = to_dict(cfg)
     try:
         from omegaconf import OmegaConf
     except ImportError:
-        return tree
+        return AttrDict.of(tree)
     return OmegaConf.create(tree)
+
+
+class AttrDict(dict):
+    """A dict whose keys are attributes too, as a DictConfig's are."""
+
+    def __getattr__(self, key):
+        try:
+            return self[key]
+        except KeyError:
+            raise AttributeError(key) from None
+
+    @staticmethod
+    def of(tree):
+        return AttrDict({k: AttrDict.of(v) for k, v in tree.items()}) if isinstance(tree, dict) else tree
 
 
 def announce_resume(cfg: PlaitConfig) -> None:

@@ -861,8 +861,9 @@ class PlaitConfig:
         if mode == "separate_async":
             sync_step = self.trainer.v1.separate_async.parameter_sync_step
             check(batch == sync_step * mini, "trainer.v1.separate_async.parameter_sync_step", sync_step,
-                  f"data.train_batch_size / actor.ppo_mini_batch_size = {batch} / {mini} (verl's separate_async "
-                  "trains one PPO mini-batch per local update)")
+                  f"data.train_batch_size / actor.ppo_mini_batch_size = {batch} / {mini}"
+                  + (f" = {batch // mini}" if batch % mini == 0 else " (a whole number)")
+                  + " (verl's separate_async trains one PPO mini-batch per local update)")
             check(self.trainer.placement == "separated", "trainer.placement", self.trainer.placement,
                   "separated with trainer.v1.trainer_mode=separate_async (its rollout generates on workers of its own)")
 
@@ -1128,6 +1129,14 @@ def start_notices(cfg: PlaitConfig, user: dict, no_effect: list[str], moved: lis
         cluster = {**cluster, "data.gen_batch_size": "prompts per generate call of verl's V1 async modes "
                    "(trainer.v1.trainer_mode); plait's other modes generate each step's batch whole (the fully-async "
                    "recipe's chunk is async_training.gen_batch_size)"}
+        v1 = _changed(user, "trainer.v1", V1Config())
+        cluster.update({key: "read by verl's V1 async modes only (trainer.v1.trainer_mode colocate_async or "
+                        "separate_async); verl's sync trainer does not read them either" for key in v1
+                        if key not in ("trainer.v1.trainer_mode", "trainer.v1.sampler.sync_refill_failed_groups")})
+        if "trainer.v1.sampler.sync_refill_failed_groups" in v1:
+            cluster["trainer.v1.sampler.sync_refill_failed_groups"] = (
+                "verl's sync sampler replaces failed groups instead of padding them: plait's sync mode generates a "
+                "step's batch in one call and stops the run with one line when it fails, so no failed group is trained")
     no_effect = no_effect + [key for key in user if key in cluster]
     inert = {key: why for key, (default, why) in FIELD_NO_EFFECT.items() if user.get(key, default) != default}
     no_effect, cluster = no_effect + list(inert), {**cluster, **inert}

@@ -19,7 +19,8 @@ A user sampler (`trainer.v1.sampler.custom_sampler.{path,name}`) is built with v
 (trainer_mode, trainer_config, max_off_policy_threshold, max_off_policy_strategy, sampler_kwargs, refill_fn)
 plus `buffer`, the GroupBuffer, and answers `sample(global_steps, partition_id, batch_size)` with the uids
 it takes and its metrics; subclassing ReplayBufferAsync and overriding one rule is the short way.
-Left out: DAPO's group filter inside the sampler (plait filters groups in the trainer, lm.next_filtered_batch).
+Left out: DAPO's group filter in the sampler (refused in the V1 async modes; trainer_mode=sync filters, in
+lm.next_filtered_batch).
 """
 
 from __future__ import annotations
@@ -183,10 +184,10 @@ def take(sampler, buffer: GroupBuffer, global_steps: int, batch_size: int) -> tu
         raise
     except Exception as err:  # noqa: BLE001 - a user sampler's failure: one line
         raise RunError(f"trainer.v1.sampler: {name}.sample raised {type(err).__name__}: {err}") from err
-    groups = buffer.remove(uids)
-    if any(g.status != "finished" for g in groups):
-        raise RunError(f"trainer.v1.sampler: {name}.sample took groups that are not finished")
-    return groups, metrics
+    with buffer.cond:
+        if any(u not in buffer.groups or buffer.groups[u].status != "finished" for u in uids):
+            raise RunError(f"trainer.v1.sampler: {name}.sample returned uids that are not finished groups of the buffer")
+        return buffer.remove(uids), metrics
 
 
 def count_evictions(metrics: dict, global_steps: int, issued: list[int], failed: int) -> None:

@@ -27,7 +27,7 @@ Checkpoints hold the finished groups whole and the pending / running ones as the
 puts the finished back (with their issue steps), issues the others again tagged with its first step
 (verl#7037), then tops the warmup up. close() aborts the running generate and joins the thread. A generate
 call that fails marks its groups failed (the sampler replaces them) and says so in one line; after
-MAX_FAILED_CALLS in a row the rollouter stops and the trainer's wait raises a RolloutError.
+rollouter.MAX_FAILED_CALLS in a row the rollouter stops and the trainer's wait raises a RolloutError.
 """
 
 from __future__ import annotations
@@ -46,7 +46,6 @@ from plait.trainers.sampler import GroupBuffer, build_sampler, merge_sampler_met
 from plait.types import RolloutBatch
 from plait.workers.actor import Actor
 from plait.workers.weight_sync import sync_weights
-
 
 
 class V1AsyncTrainer(LMTrainer):

@@ -80,3 +80,15 @@ def test_val_only_without_val_before_train_trains_as_verl_does(tmp_path, tiny_co
                                          "trainer.total_training_steps=2", "trainer.test_freq=-1"), progress=False)
     lifecycle.run()
     assert [r["step"] for r in read_metrics(os.path.join(tmp_path, "metrics.jsonl"))] == [1, 2]
+
+
+def test_val_only_validates_a_checkpoint_and_trains_nothing(tmp_path, tiny_config):
+    """The common use of val_only: the newest checkpoint of a run, validated again (its step's record kept)."""
+    driver.build(tiny_config(tmp_path, "trainer.total_training_steps=2", "trainer.save_freq=2", "trainer.test_freq=-1"),
+                 progress=False).run()
+    lifecycle = driver.build(tiny_config(tmp_path, "trainer.total_training_steps=4", "trainer.val_only=true",
+                                         "trainer.test_freq=-1"), progress=False)
+    metrics = lifecycle.run()
+    assert lifecycle.trainer.version == 2 and any(key.startswith("val-core/") for key in metrics)
+    assert [r["step"] for r in read_metrics(os.path.join(tmp_path, "metrics.jsonl"))] == [1, 2, 2]
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["global_step_2", "latest_checkpointed_iteration.txt"]

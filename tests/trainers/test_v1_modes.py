@@ -136,19 +136,30 @@ def test_partial_rollout_spans_two_versions_and_colocate_never_generates_while_t
     which resumes with the next version (trajectory_spans 2); no generate or resume span of the rollout
     overlaps the trainer's training stages."""
     lifecycle, _ = build(tiny_config, tmp_path, *MODES["colocate_async"], "data.max_response_length=24",
-                         "actor_rollout_ref.rollout.ignore_eos=true", "trainer.total_training_steps=4",
+                         "actor_rollout_ref.rollout.ignore_eos=true", "trainer.total_training_steps=6",
                          "trainer.test_freq=-1", "data.gen_batch_size=2", "trainer.v1.colocate_async.num_warmup_batches=1.5")
     trainer, engine = lifecycle.trainer, lifecycle.trainer.roles.rollout.worker.engine
-    engine.model.model.layers[0].register_forward_pre_hook(lambda module, args: time.sleep(0.01))  # slow decode
+    mid, generate = threading.Event(), engine.generate
+
+    def slow_generate(*args, on_forward=None, **kwargs):
+        def step(i):  # before each decode step's forward: slow; past the 3rd token the call is mid-generation
+            if i >= 3:
+                mid.set()
+            time.sleep(0.01)
+            if on_forward is not None:
+                on_forward(i)
+        try:
+            return generate(*args, on_forward=step, **kwargs)
+        finally:
+            mid.clear()
+    engine.generate = slow_generate
     sample = trainer.sampler.sample
 
     def while_generating(*args):
         # as in verl, where every issued group is in flight at once, more groups are being generated when the
         # step's batch is ready: the pause then cuts one (on its own the rollouter may be between two calls)
         got = sample(*args)
-        with trainer.buffer.cond:
-            trainer.buffer.cond.wait_for(lambda: trainer.rollouter.generating, timeout=5)
-        time.sleep(0.03)
+        mid.wait(timeout=2)
         return got
     trainer.sampler.sample = while_generating
     lifecycle.run()

@@ -85,11 +85,11 @@ def test_a_command_agent_reads_its_row_and_posts_its_reward(tokenizer, tmp_path)
     script = tmp_path / "agent_cli.py"
     script.write_text(textwrap.dedent('''
         import json, os, sys
-        import httpx, openai
+        import openai, requests
         row = json.loads(sys.stdin.readline())
         client = openai.OpenAI()  # OPENAI_BASE_URL and OPENAI_API_KEY from the environment
         r = client.chat.completions.create(model=os.environ["PLAIT_MODEL"], messages=row["messages"])
-        httpx.post(os.environ["PLAIT_REWARD_URL"], json={"reward": 0.25 + row["index"]})
+        requests.post(os.environ["PLAIT_REWARD_URL"], json={"reward": 0.25 + row["index"]})
     '''))
     batch = generate(tokenizer, cfg_for(command=f"{sys.executable} {script}"), script=lambda text: "#### 5")
     assert [i["reward_score"] for i in batch.agent_infos] == [0.25, 0.25, 1.25, 1.25]

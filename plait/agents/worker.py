@@ -226,6 +226,7 @@ def to_batch(outs: list[AgentLoopOutput | None], prompts: PromptBatch, n: int, p
             "tool_calls_made": len(o.extra_fields.get("tool_rewards", [])),
             "tool_call_attempts": int(o.extra_fields.get("tool_call_attempts", 0)),
             "tool_spans": list(o.metrics.get("tool_spans", [])),
+            "sample_spans": list(o.metrics.get("sample_spans", [])),  # per turn: profiler/samples.py
             "tool_errors": len(o.extra_fields.get("tool_errors", []))})
         if "interaction_turns" in o.extra_fields:
             infos[-1].update(interaction=float(o.metrics.get("interaction", 0.0)),

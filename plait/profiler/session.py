@@ -33,6 +33,7 @@ import torch
 from plait.profiler.config import (ROLE_KEYS, ROLE_ORDER, SCHEDULED_ROLES, TOKEN_ROLES, GlobalProfilerConfig,
                                    RoleProfilerConfig)
 from plait.profiler.naming import artifact_path, oom_path, temp_name
+from plait.profiler.timeline import RANK_SPANS
 from plait.profiler.tools import make_tool
 
 log = logging.getLogger("plait.profiler")
@@ -249,7 +250,7 @@ class RoleProfiler:
         """A context manager around one stage: the tool's range inside a window, else a no-op.
         `scheduled`: the stage's loop wraps its mini-batches in `mini_batch` (update_actor, update_critic)."""
         if not self._session._recording:
-            return NULL_RANGE
+            return RANK_SPANS.stage(self.role, stage)  # a no-op but in a Ray worker: its span of the step
         return _Stage(self._session, self.role, stage, self.profiled, scheduled)
 
     def mini_batch(self, index: int):
@@ -273,8 +274,10 @@ class _Stage:
     def __init__(self, session: ProfilerSession, role: str, stage: str, own_file: bool, scheduled: bool = False):
         self.session, self.role, self.stage, self.own_file, self.scheduled = session, role, stage, own_file, scheduled
         self.cm = None
+        self.span = RANK_SPANS.stage(role, stage)
 
     def __enter__(self):
+        self.span.__enter__()
         try:
             cm = self.session.tool.stage(self.role, self.stage, self.own_file, self.scheduled)
             cm.__enter__()
@@ -288,6 +291,7 @@ class _Stage:
                 self.cm.__exit__(*exc)
             except Exception as err:
                 self.session._fail("leaving a stage", err)
+        self.span.__exit__(*exc)
         return False  # never swallow the stage's own error
 
 
@@ -297,6 +301,7 @@ class _MiniBatch(_Stage):
     def __init__(self, session: ProfilerSession, role: str, index: int, steps: bool):
         super().__init__(session, role, f"mini_batch{index}", own_file=False)
         self.steps = steps
+        self.span = NULL_RANGE  # a range in the trace only: the rank's span is its stage
 
     def __exit__(self, *exc) -> bool:
         super().__exit__(*exc)

@@ -118,3 +118,47 @@ def test_the_report_shows_the_verdict_first_with_its_evidence(tmp_path, tiny_con
     assert v["rule"] == "reward_bound" and v["predicted"]["reward_s"] < v["inputs"]["reward_s"]
     assert judged["facts"]["trainer"]["reward"] > 0.5 and judged["thresholds"]["REWARD_SHARE"] == V.REWARD_SHARE
     assert json.load(open(tmp_path / "report" / "verdict.json")) == judged
+
+
+TINY_MICRO = ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1"]
+PROFILED = ["global_profiler.tool=torch", "global_profiler.steps=[1,2,3]", "actor_rollout_ref.actor.profiler.enable=true"]
+
+
+def test_profiling_a_run_does_not_change_its_first_verdict(tmp_path, tiny_config, capsys):
+    """The same config with steps 1-3 of 4 profiled: the verdict reads the unprofiled step, the profiler's
+    own cost (profiler_stop included) is a line of its own, and the page shows one step length."""
+    plain = first(planted(tmp_path / "plain", tiny_config, *TINY_MICRO))
+    profiled_summary = planted(tmp_path / "profiled", tiny_config, *TINY_MICRO, *PROFILED)
+    profiled = first(profiled_summary)
+    assert (profiled["rule"], profiled["key"], profiled["value"]) == (plain["rule"], plain["key"], plain["value"])
+    assert "(median over the 1 step outside profiler windows)" in profiled["line"]
+    line = profiled_summary["profiler"]["line"]
+    assert line.startswith("profiler: 3 windows cost ") and "stopping and writing" in line
+    assert profiled_summary["step_s"]["basis"] == "median over the 1 step outside profiler windows"
+    capsys.readouterr()
+    assert cli.main(["profile", "report", str(tmp_path / "profiled")]) == 0
+    text = capsys.readouterr().out
+    assert text.splitlines()[0] == f"verdict: {profiled['line']}" and "\nprofiler: 3 windows" in text
+    page = open(tmp_path / "profiled" / "report" / "index.html").read()
+    median = f"{profiled_summary['step_s']['median']:.3f} s"
+    assert f"p50 {median}" in page and page.count(" s · p90 ") == 1  # the summary's step time, once
+
+
+def test_applying_the_update_verdict_lands_within_its_prediction(tmp_path, tiny_config, capsys):
+    """The micro-batch prediction is for the value it suggests (fitted from update_actor and old_log_prob):
+    the rerun's update_actor is within 1.5x of it, and `plait profile diff` prints both."""
+    before, after = tmp_path / "before", tmp_path / "after"
+    v = first(planted(before, tiny_config, *TINY_MICRO))
+    predicted = v["predicted"]["update_s"]
+    planted(after, tiny_config, f"{v['key']}={v['value']}")
+    metrics = [json.loads(line) for line in open(after / "metrics.jsonl")]
+    measured = V.of_run(read_timeline(str(after / "timeline.jsonl")), metrics, None).trainer_s["update_actor"]
+    print(f"update_actor: predicted {predicted:.4f} s, measured {measured:.4f} s (was {v['inputs']['update_s']:.4f} s)")
+    assert 1 / 1.5 <= measured / predicted <= 1.5
+    capsys.readouterr()
+    assert cli.main(["profile", "diff", str(before), str(after)]) == 0
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if line.startswith("A's verdict (update_cost): update_s"))
+    assert f"predicted {predicted:.3g} s; B measured {measured:.3g} s" in row
+    assert f"B has {v['key']}={v['value']}" in row and "(A suggested" not in row
+    assert "update_actor" in out and "stages (median s per step)" in out

@@ -35,6 +35,7 @@ SAMPLE_CAT = "plait.sample"
 TIMELINE_TID0 = 1 << 30  # timeline lanes get tids above any OS thread id
 DEVICE_PID0 = 1 << 30    # GPU rows (and Kineto's named rows) of torch traces get pids above any OS process id
 SAMPLES_PID = (1 << 30) - 1  # the per-sample lanes' process
+PYTHON_TID0 = 1 << 29    # each thread's Python frames (with_stack) get a row of their own (Source)
 MAX_TRACE_BYTES = 1 << 30     # a trace past 1 GiB (decompressed) is not read further
 MAX_EVENT_BYTES = 64 << 20    # one event (or header value) past this is not a trace plait can read
 MAX_KEPT_EVENTS = 4_000_000   # events of one trace kept for its tables (the merge streams them all)
@@ -252,10 +253,23 @@ def _fit(lanes: list[list[int]], ts: int, end: int) -> int:
 
 
 class Source:
-    """One torch trace being added to a merged trace: its pids, thread names and flow ids its own."""
+    """One torch trace being added to a merged trace: its pids, thread names and flow ids its own.
+
+    PYTHON_ROWS: with `with_stack` torch writes each Python frame as a slice on its thread, and the frame
+    that enters a range (record_function's __enter__) starts before the range and ends inside it: in the
+    source already, a frame and a range do not nest. Each thread's Python frames go to a row of their own
+    beside it ("<thread> python"), where frames nest among themselves and ranges and operators among theirs.
+    """
 
     def __init__(self, merged: MergedTrace, n: int, host: int, name: str, record: dict):
         self.merged, self.n, self.host, self.name, self.record = merged, n, host, name, record
+        self.python: dict = {}
+
+    def python_row(self, pid: int, tid) -> int:
+        if (pid, tid) not in self.python:
+            row = self.python[(pid, tid)] = PYTHON_TID0 + len(self.merged.threads) + len(self.python)
+            self.merged.threads[(pid, row)] = f"{self.name} (thread {tid} python)"
+        return self.python[(pid, tid)]
 
     def pid(self, pid) -> int:
         """The host process keeps its pid; Kineto's other rows (GPU devices, "Spans", "Traces") get one each."""
@@ -276,6 +290,8 @@ class Source:
         e = dict(e)
         if "pid" in e:
             e["pid"] = self.pid(e["pid"])
+        if e.get("cat") == "python_function":  # Python frames: a row of their own (see PYTHON_ROWS)
+            e["tid"] = self.python_row(e["pid"], e.get("tid"))
         if e.get("ph") in FLOW_PHASES or "bind_id" in e:  # flow ids are per trace: renumbered per source
             for k in ("id", "bind_id"):
                 if k in e:

@@ -152,7 +152,7 @@ class SampleLog:
 
     def close(self, step: int) -> None:
         """At the run's end: what is still live was never trained on (`discarded`), then the last flush."""
-        self.finish(list(self._last), "discarded", now())
+        self.finish(list(dict.fromkeys([*self._last, *self._versions])), "discarded", now())
         self.flush(step)
         with self._lock:
             if self._file is not None:

@@ -43,8 +43,6 @@ import threading
 import time
 from typing import Optional
 
-import torch
-
 WALL0 = time.time() - time.perf_counter()  # perf_counter + WALL0 = wall clock, monotonic in-process
 TIMELINE_FILE = "timeline.jsonl"
 ROLLOUT_WORK = ("gen", "resume")  # the rollouter's generating spans (a timeline before this release: "generate")
@@ -241,7 +239,9 @@ class StagePeaks:
     """Peak memory (bytes) per stage of one thread's nested stages; see the module docstring."""
 
     def __init__(self):
+        import torch  # here, not at the top: `plait profile report` reads this module and needs no torch
         self.cuda = torch.cuda.is_available()
+        self._cuda = torch.cuda
         self._stack: list[dict[str, int]] = []  # running peaks of the open stages, outermost first
 
     def enter(self) -> None:
@@ -249,7 +249,7 @@ class StagePeaks:
             fold_peaks(self._stack[-1], self._read())
         self._stack.append({})
         if self.cuda:
-            torch.cuda.reset_peak_memory_stats()
+            self._cuda.reset_peak_memory_stats()
         elif not TIMELINE.concurrent:
             _RSS.reset()
 
@@ -262,8 +262,8 @@ class StagePeaks:
 
     def _read(self) -> dict[str, int]:
         if self.cuda:
-            return {"peak_allocated": torch.cuda.max_memory_allocated(),
-                    "peak_reserved": torch.cuda.max_memory_reserved()}
+            return {"peak_allocated": self._cuda.max_memory_allocated(),
+                    "peak_reserved": self._cuda.max_memory_reserved()}
         return {"peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * RU_MAXRSS_UNIT}
 
 

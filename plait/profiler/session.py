@@ -21,7 +21,6 @@ thread for the others; other threads keep recording).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import time
@@ -33,12 +32,12 @@ import torch
 from plait.profiler.config import (ROLE_KEYS, ROLE_ORDER, SCHEDULED_ROLES, TOKEN_ROLES, GlobalProfilerConfig,
                                    RoleProfilerConfig)
 from plait.profiler.naming import artifact_path, oom_path, temp_name
-from plait.profiler.timeline import RANK_SPANS
+from plait.profiler.timeline import NULL_SPAN, RANK_SPANS
 from plait.profiler.tools import make_tool
 
 log = logging.getLogger("plait.profiler")
 
-NULL_RANGE = contextlib.nullcontext()  # what annotate returns outside a window
+NULL_RANGE = NULL_SPAN  # what annotate returns outside a window (and off a Ray worker): one shared no-op
 ENGINE_TOOLS = ("torch", "torch_memory", "nsys")  # tools an engine in its own process can stand in for (RoleProfiler.attach)
 
 

@@ -46,7 +46,8 @@ from typing import Optional
 WALL0 = time.time() - time.perf_counter()  # perf_counter + WALL0 = wall clock, monotonic in-process
 TIMELINE_FILE = "timeline.jsonl"
 ROLLOUT_WORK = ("gen", "resume")  # the rollouter's generating spans (a timeline before this release: "generate")
-COLLECTIVES = ("all_reduce", "all_gather")  # a rank's waits for the others (RANK_SPANS.collective)
+COLLECTIVES = ("all_reduce", "all_gather")
+NULL_SPAN = contextlib.nullcontext()  # what a disabled recorder (and a profiler between windows) hands out: shared  # a rank's waits for the others (RANK_SPANS.collective)
 
 
 def wall(perf: float) -> float:
@@ -196,11 +197,11 @@ class RankSpans:
         self.rank = rank
 
     def stage(self, role: str, stage: str):
-        return _RankSpan(self, role, stage) if self.rank is not None else contextlib.nullcontext()
+        return _RankSpan(self, role, stage) if self.rank is not None else NULL_SPAN
 
     def collective(self, name: str):
         if self.rank is None or not self._roles:
-            return contextlib.nullcontext()
+            return NULL_SPAN
         return _RankSpan(self, self._roles[-1], name)
 
     def take(self) -> list[tuple]:

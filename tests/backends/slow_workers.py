@@ -16,3 +16,10 @@ class SlowRank1Actor(Actor):
         if dp_rank_size()[0] == 1:
             time.sleep(PLANTED_S)
         return super()._update(batch, correction)
+
+
+def torch_log_env(worker) -> dict:
+    """What a worker process was started with (called on it by reference): the variables that silence
+    Kineto's and PyTorch's C++ log lines, read when the process imports torch."""
+    import os
+    return {k: os.environ.get(k) for k in ("KINETO_LOG_LEVEL", "TORCH_CPP_LOG_LEVEL")}

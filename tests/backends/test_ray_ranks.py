@@ -16,7 +16,7 @@ pytest.importorskip("ray")
 from plait import cli, driver
 from plait.config import load_config
 from plait.profiler.analysis.traces import nesting_violations, read_merged
-from tests.backends.slow_workers import SlowRank1Actor
+from tests.backends.slow_workers import SlowRank1Actor, torch_log_env
 from tests.backends.test_ray import TINY
 
 pytestmark = pytest.mark.ray
@@ -33,7 +33,9 @@ def straggler_run(ray_instance, tmp_path_factory):
                                  "global_profiler.tool=torch", "global_profiler.steps=[2]",
                                  "actor_rollout_ref.actor.profiler.enable=true",
                                  "actor_rollout_ref.actor.profiler.all_ranks=true"])
-        driver.build(cfg, progress=False).run()
+        lifecycle = driver.build(cfg, progress=False)
+        (out / "worker_env.json").write_text(json.dumps(lifecycle.trainer.roles.actor.call(torch_log_env)))
+        lifecycle.run()
     finally:
         patch.undo()
     return out
@@ -77,7 +79,13 @@ def test_the_verdict_and_the_report_name_the_straggler(straggler_run, capsys):
     page = (straggler_run / "report" / "index.html").read_text()
     assert "Ranks side by side" in page and "actor/update_actor: slowest rank 1" in page
     assert "actor rank 1 (" in page  # its own lane in the Gantt
-    assert "External init callback" not in out.err
+
+
+def test_workers_start_with_kinetos_and_torchs_log_lines_silenced(straggler_run):
+    """Set in the Ray workers' environment before they import torch ("External init callback" is printed then)."""
+    env = json.loads((straggler_run / "worker_env.json").read_text())
+    assert env == {"KINETO_LOG_LEVEL": os.environ.get("KINETO_LOG_LEVEL", "6"),
+                   "TORCH_CPP_LOG_LEVEL": os.environ.get("TORCH_CPP_LOG_LEVEL", "ERROR")}
 
 
 def test_the_two_rank_window_keeps_nesting_and_flows_per_source(straggler_run):

@@ -154,6 +154,9 @@ def test_files_and_lines_past_the_bounds(run, tmp_path, capsys, monkeypatch):
     assert "timeline.jsonl: records past the first 50 not read" in text
     assert "summary.json: larger than 64 KiB; not read" in text
     assert "metrics.jsonl: 1 line(s) longer than 4 KiB skipped" in text
+    monkeypatch.setattr(inputs, "MAX_FILE_BYTES", 8192)
+    text = report_ok(folder, capsys)
+    assert "timeline.jsonl: past the first 8 KiB not read" in text
 
 
 def test_the_verdict_of_a_hostile_summary_is_the_verdict_without_it(run, tmp_path, capsys):

@@ -5,7 +5,7 @@
 Every file is read below the folder it was found in (DIR, --profile, --run; symbolic links resolved).
 A JSONL file is streamed a line at a time: a line longer than MAX_LINE_BYTES, one that does not parse
 (torn, nested past the parser's stack, a number too long) or one not of the shape plait writes is
-skipped and counted; past MAX_RECORDS records the rest is not read. A JSON file (summary.json) past
+skipped and counted; past MAX_RECORDS records or MAX_FILE_BYTES bytes the rest is not read. A JSON file (summary.json) past
 MAX_JSON_BYTES is not read. Each record is checked field by field against the shape plait writes:
 types (a bool is not a number), finite numbers, an end not before its start; summary.json is reduced to
 the parts the report and the verdict read, each of its type (the verdict's settings key by key, against
@@ -25,7 +25,8 @@ from plait.profiler.naming import LOCATION, MANIFEST
 from plait.profiler.timeline import TIMELINE_FILE
 
 MAX_LINE_BYTES = 1 << 20      # a JSONL line plait writes is well under 1 MiB
-MAX_RECORDS = 5_000_000       # records read from one JSONL file (a long run's timeline is far fewer)
+MAX_RECORDS = 2_000_000       # records read from one JSONL file (a long run's timeline is far fewer)
+MAX_FILE_BYTES = 512 << 20    # bytes read from one JSONL file
 MAX_JSON_BYTES = 64 << 20     # summary.json, verdict.json, profile_location.json
 METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"
@@ -86,16 +87,21 @@ def below(root: str, rel: str) -> Optional[str]:
 
 def read_jsonl(path: str, notes: list[str]) -> Iterator[dict]:
     """The JSON objects of a JSONL file, streamed; see the module docstring for what is skipped."""
-    name, long, bad, count = os.path.basename(path), 0, 0, 0
+    name, long, bad, count, read = os.path.basename(path), 0, 0, 0, 0
     with open(path, "rb") as f:
         while True:
             line = f.readline(MAX_LINE_BYTES + 1)
             if not line:
                 break
+            read += len(line)
+            if read > MAX_FILE_BYTES:
+                notes.append(f"{name}: past the first {_size(MAX_FILE_BYTES)} not read")
+                break
             if len(line) > MAX_LINE_BYTES:  # the rest of it is read in bounded pieces and dropped
                 long += 1
                 while line and not line.endswith(b"\n"):
                     line = f.readline(MAX_LINE_BYTES + 1)
+                    read += len(line)
                 continue
             row = _parse(line)
             if row is _BAD:

@@ -144,6 +144,9 @@ class LMTrainer:
         result.metrics.update(self.after_update(step, timer))
         if "gen" in timer.times:  # generated in this step (sync); prefill + decode cost one forward's FLOPs
             result.metrics["perf/mfu/gen"] = self.model_flops.mfu(self.model_flops.forward(lengths), timer.times["gen"])
+        if "old_log_prob" in timer.times:  # one forward over the step's rows, split over the actor's ranks
+            result.metrics["perf/mfu/old_log_prob"] = self.model_flops.mfu(
+                self.model_flops.forward(lengths) / self.roles.actor.world_size, timer.times["old_log_prob"])
         result.metrics["perf/samples_per_s"] = samples / (time.perf_counter() - start)
         if self.cfg.data.filter_overlong_prompts:
             result.metrics["data/filtered_overlong_prompts"] = self.cursor.dataset.filtered

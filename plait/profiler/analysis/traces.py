@@ -45,6 +45,7 @@ LAUNCH_CATS = ("cuda_runtime", "cuda_driver")
 KEPT_CATS = (*OP_CATS, *KERNEL_CATS, *LAUNCH_CATS, "python_function")
 FLOW_PHASES = ("s", "t", "f")
 NO_STAGE = "(no stage)"
+_ENCODE = json.JSONEncoder(separators=(",", ":")).encode  # one encoder: json.dumps with options builds one per call
 
 
 @dataclass
@@ -193,10 +194,17 @@ class MergedTrace:
         self.flows: dict[tuple, int] = {}
         self.pids: dict[tuple, int] = {}
         self.sources = 0
+        self.buffer: list[str] = []  # encoded events, written to the gzip stream a few thousand at a time
 
     def write(self, event: dict) -> None:
-        self.file.write(("" if self.first else ",\n") + json.dumps(event, separators=(",", ":")))
-        self.first = False
+        self.buffer.append(_ENCODE(event))
+        if len(self.buffer) >= 4096:
+            self._drain()
+
+    def _drain(self) -> None:
+        if self.buffer:
+            self.file.write(("" if self.first else ",\n") + ",\n".join(self.buffer))
+            self.first, self.buffer = False, []
 
     def spans(self, spans: list[dict], role_of_pid: dict[int, str]) -> None:
         """Timeline spans: a thread per (pid, role, rank, thread), split so each lane nests."""
@@ -236,6 +244,7 @@ class MergedTrace:
                  for (pid, tid), name in self.threads.items()]
         for m in meta:
             self.write(m)
+        self._drain()
         self.file.write("\n]}\n")
         self.file.close()
 
@@ -329,23 +338,30 @@ def load_trace(path: str, record: dict, clock: Clock, merged: Optional[MergedTra
     return Trace(record, kept, label(record), notes)
 
 
+def _ids(e: dict, *keys) -> bool:
+    return all(isinstance(e.get(k), (int, str)) and not isinstance(e.get(k), bool) for k in keys)
+
+
+def _num(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v and abs(v) < 1e18
+
+
 def _well_formed(e) -> bool:
     """An event with the fields the merge and the tables read, of their types (Kineto's always are;
     a crafted trace's other events are dropped rather than a traceback)."""
-    ids = lambda *keys: all(isinstance(e.get(k), (int, str)) and not isinstance(e.get(k), bool) for k in keys)  # noqa: E731
-    num = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and v == v and abs(v) < 1e18  # noqa: E731
-    if not isinstance(e, dict) or ("ts" in e and not num(e["ts"])):
+    if not isinstance(e, dict) or ("ts" in e and not _num(e["ts"])):
         return False
-    if e.get("ph") == "M":
-        return ids("pid", "tid") and isinstance(e.get("args"), dict) and isinstance(e["args"].get("name"), str)
-    if e.get("ph") == "X":
-        return ids("pid", "tid") and isinstance(e.get("name"), str) and num(e.get("ts")) and num(e.get("dur")) \
+    ph = e.get("ph")
+    if ph == "X":
+        return _ids(e, "pid", "tid") and isinstance(e.get("name"), str) and _num(e.get("ts")) and _num(e.get("dur")) \
             and e["dur"] >= 0 and isinstance(e.get("args", {}), dict)
+    if ph == "M":
+        return _ids(e, "pid", "tid") and isinstance(e.get("args"), dict) and isinstance(e["args"].get("name"), str)
     if e.get("name") == "[memory]":
         args = e.get("args")
-        return ids("pid", "tid") and num(e.get("ts")) and isinstance(args, dict) and all(
-            num(args.get(k)) for k in ("Addr", "Bytes")) and isinstance(args.get("Device Type"), int)
-    return "pid" not in e or ids("pid")
+        return _ids(e, "pid", "tid") and _num(e.get("ts")) and isinstance(args, dict) and all(
+            _num(args.get(k)) for k in ("Addr", "Bytes")) and isinstance(args.get("Device Type"), int)
+    return "pid" not in e or _ids(e, "pid")
 
 
 def nesting_violations(events: list[dict]) -> int:

@@ -168,3 +168,29 @@ def test_applying_the_update_verdict_lands_within_its_prediction(tmp_path, tiny_
     assert f"predicted {predicted:.3g} s; B measured {measured:.3g} s ({measured / predicted:.2f}x" in row
     assert f"B has {v['key']}={v['value']}" in row and "(A suggested" not in row
     assert "update_actor" in out and "stages (median s per step)" in out
+
+
+SVD_REWARD = '''
+import torch
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    torch.linalg.svd(torch.ones(24, 24))  # an operator only run B has
+    return 0.0
+'''
+
+
+def test_diff_names_the_operators_a_run_added(tmp_path, capsys):
+    from tests.conftest import TINY
+    from plait.config import load_config
+    path = tmp_path / "svd.py"
+    path.write_text(SVD_REWARD)
+    window = [*QUIET, "global_profiler.tool=torch", "global_profiler.steps=[2]", "actor_rollout_ref.actor.profiler.enable=true"]
+    for name, extra in (("a", []), ("b", [f"custom_reward_function.path={path}", "reward.num_workers=0"])):
+        cfg = load_config(None, [*TINY, f"trainer.default_local_dir={tmp_path / name}", *window, *extra])
+        driver.build(cfg, progress=False).run()
+    capsys.readouterr()
+    assert cli.main(["profile", "diff", str(tmp_path / "a"), str(tmp_path / "b"), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    added = {op for stage, ops in out["operators"].items() for op, _ in ops["added"] if stage == "trainer/reward"}
+    assert any("svd" in op for op in added), out["operators"].get("trainer/reward")
+    assert {r["stage"] for r in out["stages"]} >= {"(step)", "reward", "update_actor"}
+    assert out["memory"]["a"] and out["memory"]["b"]

@@ -195,6 +195,7 @@ class MergedTrace:
         self.pids: dict[tuple, int] = {}
         self.sources = 0
         self.buffer: list[str] = []  # encoded events, written to the gzip stream a few thousand at a time
+        self.python_rows: dict[tuple, int] = {}  # (pid, tid) -> the row of that thread's Python frames
 
     def write(self, event: dict) -> None:
         self.buffer.append(_ENCODE(event))
@@ -272,13 +273,14 @@ class Source:
 
     def __init__(self, merged: MergedTrace, n: int, host: int, name: str, record: dict):
         self.merged, self.n, self.host, self.name, self.record = merged, n, host, name, record
-        self.python: dict = {}
 
     def python_row(self, pid: int, tid) -> int:
-        if (pid, tid) not in self.python:
-            row = self.python[(pid, tid)] = PYTHON_TID0 + len(self.merged.threads) + len(self.python)
-            self.merged.threads[(pid, row)] = f"{self.name} (thread {tid} python)"
-        return self.python[(pid, tid)]
+        """The row of a thread's Python frames: one per (process, thread) in the merged trace."""
+        rows = self.merged.python_rows
+        if (pid, tid) not in rows:
+            rows[(pid, tid)] = PYTHON_TID0 + len(rows)
+            self.merged.threads[(pid, rows[(pid, tid)])] = f"{self.name} (thread {tid} python)"
+        return rows[(pid, tid)]
 
     def pid(self, pid) -> int:
         """The host process keeps its pid; Kineto's other rows (GPU devices, "Spans", "Traces") get one each."""

@@ -170,3 +170,15 @@ def test_the_verdict_of_a_hostile_summary_is_the_verdict_without_it(run, tmp_pat
     hostile = report_ok(folder, capsys)
     assert "actor_rollout_ref.rollout.n" in hostile and "not of its type" in hostile
     assert clean.count("<svg") == hostile.count("<svg")
+
+
+def test_a_fifo_where_a_file_should_be_is_not_waited_on(run, tmp_path, capsys):
+    """A named pipe in place of metrics.jsonl or a trace would block a reader forever: not read."""
+    folder = copy_of(run, tmp_path)
+    os.remove(folder / "metrics.jsonl")
+    os.mkfifo(folder / "metrics.jsonl")
+    trace = next((folder / "profile" / "step2").glob("*.json.gz"))
+    os.remove(trace)
+    os.mkfifo(trace)
+    text = report_ok(folder, capsys)
+    assert "no file" in text  # the trace: listed, not opened

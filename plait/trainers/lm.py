@@ -268,11 +268,12 @@ class LMTrainer:
         versions = batch.versions.tolist()
         if submitted is not None and started > submitted:
             SAMPLES.add_many(batch.sample_ids, "queue", submitted, started, versions)
-        if batch.agent_infos and any(info and info.get("sample_spans") for info in batch.agent_infos):
-            SAMPLES.versions(batch.sample_ids, versions)
-            SAMPLES.from_infos(batch.sample_ids, batch.agent_infos)
-        else:
-            SAMPLES.add_many(batch.sample_ids, "gen", started, ended, versions)
+        infos = batch.agent_infos or [None] * len(batch)
+        own = [i for i, info in enumerate(infos) if info and info.get("sample_spans")]  # a producer's own spans
+        SAMPLES.versions(batch.sample_ids, versions)
+        SAMPLES.from_infos([batch.sample_ids[i] for i in own], [infos[i] for i in own])
+        rest = [i for i, info in enumerate(infos) if not (info and info.get("sample_spans"))]
+        SAMPLES.add_many([batch.sample_ids[i] for i in rest], "gen", started, ended, [versions[i] for i in rest])
         return batch
 
     # -- the shared language-model pipeline -----------------------------------------------------

@@ -249,3 +249,19 @@ def test_a_rule_that_cannot_read_its_settings_is_named_and_the_others_still_spea
     judged = V.report(f)
     assert judged["skipped_rules"] and judged["skipped_rules"][0].startswith("reward_bound: TypeError")
     assert V.verdicts(facts({**BALANCED, "gen": 6.0}, {"reward.num_workers": "four"}))[0].rule == "generation_bound"
+
+
+def test_no_verdict_suggests_a_key_that_does_nothing_on_this_run():
+    """memory in gen suggests rollout.max_num_seqs: vLLM's, nothing with the hf engine, which the verdict knows
+    from the engine table plait names such keys by at start."""
+    peak = {"gb": 76.0, "stage": "gen", "metric": "memory/gen/peak_allocated_gb", "step": 3}
+    vllm = V.verdicts(facts(BALANCED, {"actor_rollout_ref.rollout.name": "vllm", "actor_rollout_ref.rollout.max_num_seqs": 64},
+                            peak=peak))[0]
+    assert (vllm.key, vllm.value) == ("actor_rollout_ref.rollout.max_num_seqs", 32)
+    hf = V.verdicts(facts(BALANCED, {"actor_rollout_ref.rollout.name": "hf", "actor_rollout_ref.rollout.max_num_seqs": 64},
+                          peak=peak))[0]
+    assert hf.rule == "memory_full" and hf.key == "" and "rollout.name=hf" in hf.line()
+    assert V.no_effect_here("trainer.n_gpus_per_node", {"trainer.backend": "local"})
+    assert V.no_effect_here("trainer.n_gpus_per_node", {"trainer.backend": "ray", "device": "cpu"})
+    assert V.no_effect_here("trainer.n_gpus_per_node", {"trainer.backend": "ray", "device": "cuda"}) is None
+    assert V.no_effect_here("actor_rollout_ref.rollout.max_num_seqs", {}) is None  # unknown engine: not claimed

@@ -689,6 +689,11 @@ def verdicts(f: Facts, top: int = 3, skipped: Optional[list[str]] = None) -> lis
             (skipped if skipped is not None else []).append(f"{rule.__name__}: {type(err).__name__}: {err}")
             continue
         found += got if isinstance(got, list) else [got] if got else []
+    for v in found:  # one place for the rule of rules: a key that does nothing on this run is not suggested
+        why = no_effect_here(v.key, f.settings) if v.key else None
+        if why:
+            v.advice = f"{v.key} would be the lever, but {why}"
+            v.key, v.value = "", None
     keep = [v for v in found if v.saving >= MIN_SAVING or v.rule == "memory_full"]
     keep.sort(key=lambda v: -v.saving)
     out, keys = [], set()
@@ -697,6 +702,22 @@ def verdicts(f: Facts, top: int = 3, skipped: Optional[list[str]] = None) -> lis
             out.append(v)
             keys.add(v.key)
     return out[:top]
+
+
+def no_effect_here(key: str, s: dict[str, Any]) -> Optional[str]:
+    """Why `key` does nothing on this run's backend, device and rollout engine, from the tables plait
+    names such keys by at start (config_verl's, the engines'); None when it acts or the records do not
+    say the backend, device or engine (a summary.json from before they were recorded)."""
+    from plait.config_verl import CPU_NO_EFFECT, CPU_RAY_NO_EFFECT, LOCAL_BACKEND_NO_EFFECT
+    from plait.workers.engine import ENGINES
+    backend, device, engine = s.get("trainer.backend"), s.get("device"), s.get("actor_rollout_ref.rollout.name")
+    if backend == "local" and key in LOCAL_BACKEND_NO_EFFECT:
+        return f"it has no effect on the local backend ({LOCAL_BACKEND_NO_EFFECT[key]})"
+    if device == "cpu" and key in {**CPU_NO_EFFECT, **(CPU_RAY_NO_EFFECT if backend == "ray" else {})}:
+        return f"it has no effect without CUDA ({({**CPU_NO_EFFECT, **CPU_RAY_NO_EFFECT})[key]})"
+    if engine in ENGINES and key in ENGINES[engine].no_effect:
+        return f"it has no effect with rollout.name={engine} ({ENGINES[engine].no_effect[key]})"
+    return None
 
 
 def settings_of(flat_config: dict[str, Any], memory_capacity_gb: Optional[float], device: Optional[str] = None) -> dict[str, Any]:

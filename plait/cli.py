@@ -120,6 +120,9 @@ def profile_command(args) -> int:
     except FileNotFoundError as err:
         print(f"plait: profile {args.action}: {err}", file=sys.stderr)
         return 2
+    except OSError as err:  # a folder it may not write, a full disk: one line
+        print(f"plait: profile {args.action}: {err.filename or ''}: {err.strerror or err}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
     return 0

@@ -182,3 +182,21 @@ def test_a_fifo_where_a_file_should_be_is_not_waited_on(run, tmp_path, capsys):
     os.mkfifo(trace)
     text = report_ok(folder, capsys)
     assert "no file" in text  # the trace: listed, not opened
+
+
+def test_a_report_path_that_is_a_file_or_unwritable_is_one_line(run, tmp_path, capsys):
+    folder = copy_of(run, tmp_path)
+    shutil.rmtree(folder / "report", ignore_errors=True)
+    (folder / "report").write_text("not a folder")
+    assert cli.main(["profile", "report", str(folder)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "exists and is not a folder" in err
+    os.remove(folder / "report")
+    os.chmod(folder, 0o500)
+    try:
+        if os.access(folder, os.W_OK):  # root writes anyway: nothing to refuse
+            return
+        assert cli.main(["profile", "report", str(folder)]) == 1
+        assert capsys.readouterr().err.count("\n") == 1
+    finally:
+        os.chmod(folder, 0o700)

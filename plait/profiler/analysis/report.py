@@ -58,6 +58,8 @@ def build_report(path: str, profile: Optional[str] = None, run: Optional[str] = 
     inp = locate(path, profile, run)
     out_dir = os.path.join(path, "report")
     _unlink_planted(out_dir)
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise FileNotFoundError(f"{out_dir}: exists and is not a folder, and the report is written there; move it")
     os.makedirs(out_dir, exist_ok=True)
     clock = Clock(origin_of(inp.spans, inp.manifest))
     steps = account(inp.spans)

@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("model", help="a checkpoint (checkpoints/global_step_N), a model folder or a built-in model name")
     serve.add_argument("--host", default="127.0.0.1", help="the address to listen on (default 127.0.0.1)")
     serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--engine", default="hf", help="the rollout engine: hf (plait's) or vllm")
+    serve.add_argument("--engine", help="the rollout engine (a row of plait/workers/engine.py; default plait's own)")
     serve.add_argument("--max-tokens", type=int, default=1024, help="a request's budget when it names none")
     serve.add_argument("--tool-format", default="hermes", help="how tool calls are read from the model's text")
     args = parser.parse_args(argv)

@@ -94,6 +94,8 @@ class LifecycleConfig:
     n_devices: int = 1                       # the backend's training ranks: perf/throughput is per device
     run_config: Optional[dict] = None        # the resolved config tree: saved in each checkpoint, compared on resume
     allow_config_change: bool = False        # trainer.resume_allow_config_change
+    val_only: bool = False                   # trainer.val_only: validate the (resumed) policy, then stop
+    checkpoint_callback: Optional[object] = None  # trainer.checkpoint_callback_class's object (its on_save)
 
 
 class Lifecycle:
@@ -119,6 +121,11 @@ class Lifecycle:
                 start = self._restart(last, profiler)
                 self.trainer.start()
                 self.clock.parts["startup"] = self.clock.elapsed()
+                if self.cfg.val_only:  # verl's: validation before training, and no training
+                    with self.clock.part("validation"):
+                        metrics = self.trainer.validate()
+                        self.tracker.log(metrics, step=start - 1)
+                    return metrics
                 if self.cfg.val_before_train and start == 1 and self.cfg.test_freq != -1:
                     with self.clock.part("validation"):
                         self.tracker.log(self.trainer.validate(), step=0)

@@ -118,6 +118,7 @@ class LMTrainer:
         self.sampling = SamplingConfig(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, do_sample=r.do_sample)
         self.correction = cfg.algorithm.rollout_correction
         self.updates_per_step = 1  # fully async: several local updates per policy version
+        self.keeps_pi_old = False  # separate_async: pi_old is the step's synced weights (Actor.keep_pi_old), not the current
         self.version = 0
         self.model_flops = None  # the policy's FLOPs per token (asked of the actor at start)
 
@@ -370,6 +371,7 @@ class LMTrainer:
         behind = (self.version - batch.versions).float()  # [batch] policy versions each sample is behind
         metrics.update({"training/staleness/min": behind.min().item(), "training/staleness/mean": behind.mean().item(),
                         "training/staleness/max": behind.max().item()})
+        metrics.update(off_policy_metrics(batch, self.version))
         if self.correction.bypass_mode:
             batch.old_logprobs = batch.rollout_logprobs
         elif self.fuses_old_log_prob(batch):
@@ -417,7 +419,7 @@ class LMTrainer:
         own forward gives it (detached) and the separate old_log_prob pass is skipped. Rollout
         correction (IS weights, rejection) works on the whole batch's pi_old, so it keeps the pass."""
         actor, c = self.cfg.actor_rollout_ref.actor, self.correction
-        return (actor.ppo_epochs == 1 and actor.ppo_mini_batch_size * self.sampling.n >= len(batch)
+        return (actor.ppo_epochs == 1 and actor.ppo_mini_batch_size * self.sampling.n >= len(batch) and not self.keeps_pi_old
                 and not self.cfg.algorithm.use_kl_in_reward and c.rollout_is is None and c.rollout_rs is None
                 and self.cfg.algorithm.adv_estimator not in NEEDS_SUM_PI_SQUARED)
 
@@ -426,7 +428,7 @@ class LMTrainer:
         with_sum_pi_squared = self.cfg.algorithm.adv_estimator in NEEDS_SUM_PI_SQUARED
         old_logp, entropy, *sum_pi_squared = self.roles.actor.call(
             Actor.compute_log_prob, batch, r.log_prob_micro_batch_size_per_gpu,
-            r.log_prob_max_token_len_per_gpu if r.log_prob_use_dynamic_bsz else None, with_sum_pi_squared)
+            r.log_prob_max_token_len_per_gpu if r.log_prob_use_dynamic_bsz else None, with_sum_pi_squared, self.keeps_pi_old)
         batch.old_logprobs, batch.sum_pi_squared = old_logp, (sum_pi_squared or [None])[0]
         mask = batch.response_mask
         metrics = {"actor/entropy": masked_mean(entropy, mask), **rollout_probs_diff(old_logp, batch.rollout_logprobs, mask)}
@@ -705,6 +707,24 @@ def rollout_probs_diff(old_logp: torch.Tensor, rollout_logp: torch.Tensor, mask:
         return {}
     return {"training/rollout_probs_diff_max": diff.max().item(), "training/rollout_probs_diff_mean": diff.mean().item(),
             "training/rollout_probs_diff_std": diff.std().item() if diff.numel() > 1 else 0.0}
+
+
+def off_policy_metrics(batch: RolloutBatch, version: int) -> dict[str, float]:
+    """verl's V1 names, per trajectory: training/off_policy/trajectory_spans (the policy versions its tokens were
+    sampled with, oldest to newest: 1 unless a weight sync cut it, partial rollout), trajectory_staleness (the
+    trainer's version minus the newest) and trajectory_staleness_worst (minus the oldest), each mean/max/min."""
+    tv = batch.token_version_map                                             # [batch, resp_len], -1 off sampled tokens
+    sampled = tv >= 0
+    oldest = torch.where(sampled, tv, torch.iinfo(torch.long).max).min(-1).values
+    oldest = torch.where(sampled.any(-1), oldest, batch.versions)           # [batch]
+    newest = batch.versions                                                  # [batch] the version that finished it
+    out = {}
+    for name, t in (("trajectory_spans", newest - oldest + 1), ("trajectory_staleness", version - newest),
+                    ("trajectory_staleness_worst", version - oldest)):
+        t = t.float()
+        out.update({f"training/off_policy/{name}/mean": t.mean().item(), f"training/off_policy/{name}/max": t.max().item(),
+                    f"training/off_policy/{name}/min": t.min().item()})
+    return out
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:

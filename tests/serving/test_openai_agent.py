@@ -163,6 +163,15 @@ def test_a_weight_sync_mid_decode_holds_the_call_and_records_each_tokens_version
     assert tokenizer.decode(batch.responses[0, :n]).startswith(CALL)
 
 
+def test_the_first_round_waits_for_every_agents_first_call(tokenizer, tmp_path):
+    """Outside agents start at their own pace (here up to 0.2 s apart): the batch's first engine round still holds
+    every session's first call, as it holds every in-process loop's."""
+    body = "import asyncio\nawait asyncio.sleep(0.05 * row['index'])"
+    engine = Scripted(tokenizer, tool_then_answer)
+    generate(tokenizer, cfg_for(path=agent_file(tmp_path, body)), n_rows=5, n=1, engine=engine)
+    assert engine.rounds[0] == 5
+
+
 def test_a_validation_between_the_cut_and_the_resume_leaves_the_cut_rollout_to_resume(tokenizer, tmp_path):
     """fully_async: a sync cuts the rollouter's batch; validation generates on the same worker before the
     rollouter resumes. The cut batch still resumes (it was lost, and the rollouter spun on it, before)."""

@@ -333,10 +333,13 @@ def more_devices(f: Facts, side: str) -> tuple[str, Any, str]:
                           "trainer.backend=ray with more workers would" if backend == "local" else
                           "the records do not say the run's backend and device, so no device key is suggested")
     if side == "rollout" and device != "cpu":
-        if s.get("actor_rollout_ref.rollout.name") != "vllm":
-            return "", None, f"the {s.get('actor_rollout_ref.rollout.name', 'hf')} engine uses one GPU: no device key helps"
-        key = "actor_rollout_ref.rollout.tensor_model_parallel_size"  # rollout.n_gpus_per_node follows it
-        now, what = s.get(key, 1), "twice the rollout's GPUs (tensor parallel; rollout.n_gpus_per_node to match)"
+        from plait.workers.engine import ENGINES  # the engines' table says which key sets an engine's GPUs
+        engine = s.get("actor_rollout_ref.rollout.name")
+        rule = ENGINES[engine].devices_rule if engine in ENGINES else "1"
+        if rule == "1":
+            return "", None, f"the {engine or 'rollout'} engine uses one GPU: no device key helps"
+        key = f"actor_rollout_ref.{rule}"  # rollout.n_gpus_per_node follows it
+        now, what = s.get(key, 1), f"twice the rollout's GPUs ({rule}; rollout.n_gpus_per_node to match)"
     elif side == "rollout":
         key = "actor_rollout_ref.rollout.n_gpus_per_node"  # CPU Ray: that many cpus_per_worker slots of its process
         now, what = s.get(key, 1), "twice the rollout process's CPU slots"

@@ -103,7 +103,8 @@ def gen_during_update(path: str, steps: set) -> float:
     """The share of update_actor time (the measured steps) during which a rollout generate/resume ran."""
     from plait.profiler.timeline import read_timeline
     spans = read_timeline(path)
-    gens = [s for s in spans if s["role"] == "rollout" and s["stage"] in ("generate", "resume")]
+    gens = [s for s in spans if s["role"] == "rollout" and s["stage"] in ("gen", "generate", "resume")
+            and s.get("rank") is None]  # the driver's rollouter ("generate" before issue 43), not a worker's own span
     updates = [s for s in spans if s["role"] == "trainer" and s["stage"] == "update_actor" and s["step"] in steps]
     both = sum(max(0.0, min(u["end"], g["end"]) - max(u["start"], g["start"])) for u in updates for g in gens)
     return both / (sum(u["end"] - u["start"] for u in updates) or 1.0)

@@ -80,6 +80,7 @@ class RolloutBatch:
     agent_infos: Optional[list[dict]] = None  # per row, from an agent loop: num_turns, reward_score, seconds in
     #   generate_sequences / tool_calls (plait/agents/worker.py); None: no agent loop ran
     scores: list[float] = field(default_factory=list)
+    sample_ids: Optional[list[str]] = None  # per row, its id in samples.jsonl (plait/profiler/samples.py); None: untracked
 
     def __len__(self) -> int:
         return self.responses.shape[0]

@@ -268,6 +268,7 @@ def row_info(o: AgentLoopOutput | None, extra: dict) -> dict:
         "tool_calls_made": o.extra_fields.get("tool_calls_made", len(o.extra_fields.get("tool_rewards", []))),
         "tool_call_attempts": int(o.extra_fields.get("tool_call_attempts", 0)),
         "tool_spans": list(o.metrics.get("tool_spans", [])),
+        "sample_spans": list(o.metrics.get("sample_spans", [])),  # per turn: profiler/samples.py
         "tool_errors": len(o.extra_fields.get("tool_errors", []))}
     if "interaction_turns" in o.extra_fields:
         info.update(interaction=float(o.metrics.get("interaction", 0.0)),

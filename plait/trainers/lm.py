@@ -41,6 +41,7 @@ from plait.errors import RunError
 from plait.export import HF_DIR, export_checkpoint
 from plait.data.dataset import PromptDataset, iterate_batches
 from plait.data.rewards import ScoreRequest, Scores
+from plait.profiler.samples import SAMPLES, now, sample_ids
 from plait.profiler.timeline import TIMELINE, WALL0
 from plait.trainers.lifecycle import StageTimer, StepResult
 from plait.types import PromptBatch, RolloutBatch
@@ -145,6 +146,9 @@ class LMTrainer:
         result.metrics.update(self.after_update(step, timer))
         if "gen" in timer.times:  # generated in this step (sync); prefill + decode cost one forward's FLOPs
             result.metrics["perf/mfu/gen"] = self.model_flops.mfu(self.model_flops.forward(lengths), timer.times["gen"])
+        if "old_log_prob" in timer.times:  # one forward over the step's rows, split over the actor's ranks
+            result.metrics["perf/mfu/old_log_prob"] = self.model_flops.mfu(
+                self.model_flops.forward(lengths) / self.roles.actor.world_size, timer.times["old_log_prob"])
         result.metrics["perf/samples_per_s"] = samples / (time.perf_counter() - start)
         if self.cfg.data.filter_overlong_prompts:
             result.metrics["data/filtered_overlong_prompts"] = self.cursor.dataset.filtered
@@ -250,6 +254,30 @@ class LMTrainer:
     def sample_seed(self, step: int) -> int:
         return self.cfg.trainer.seed * 1_000_003 + step
 
+    def rollout_call(self, method, *args, epoch: int = 0, submitted: float | None = None) -> RolloutBatch:
+        """Rollout.generate (or resume) for training, with its samples' spans (profiler/samples.py): a
+        generated batch's rows get their ids ("<epoch>.<prompt>.<j>"), a `queue` span from `submitted`,
+        and a `gen` span of the call (agent loops: their own per-turn `gen` and `tool` spans); a resume
+        adds a `resume` span to the rows it finished."""
+        started = now()
+        batch = self.roles.rollout.call(method, *args)
+        ended = now()
+        if method is Rollout.resume:
+            rows = [i for i, r in enumerate(args[0].stop_reasons) if r == "aborted"]
+            SAMPLES.add_many([batch.sample_ids[i] for i in rows] if batch.sample_ids else [], "resume", started, ended)
+            return batch
+        batch.sample_ids = sample_ids(epoch, batch.group_ids.tolist())
+        versions = batch.versions.tolist()
+        if submitted is not None and started > submitted:
+            SAMPLES.add_many(batch.sample_ids, "queue", submitted, started, versions)
+        infos = batch.agent_infos or [None] * len(batch)
+        own = [i for i, info in enumerate(infos) if info and info.get("sample_spans")]  # a producer's own spans
+        SAMPLES.versions(batch.sample_ids, versions)
+        SAMPLES.from_infos([batch.sample_ids[i] for i in own], [infos[i] for i in own])
+        rest = [i for i, info in enumerate(infos) if not (info and info.get("sample_spans"))]
+        SAMPLES.add_many([batch.sample_ids[i] for i in rest], "gen", started, ended, [versions[i] for i in rest])
+        return batch
+
     # -- the shared language-model pipeline -----------------------------------------------------
 
     def decode(self, ids: torch.Tensor, mask: torch.Tensor) -> list[str]:
@@ -296,14 +324,17 @@ class LMTrainer:
                                "be too hard or too easy for the policy: set max_num_gen_batches=0 to keep trying")
             batch = self.next_batch(step, timer)
             num_gen += 1
+            SAMPLES.take(batch.sample_ids or [], scoring := now())
             with timer.stage("reward"):
                 s, e = self.score(batch)
+            SAMPLES.add_many(batch.sample_ids or [], "reward", scoring, now())
             ids = batch.group_ids.tolist()
             want = want or len(set(ids))
             signal = groups_with_signal(filter_values(fg.metric, s, e), ids)
             room = set(sorted(signal, key=ids.index)[:want - kept])  # the first groups to fill the batch
             dropped += len(set(ids)) - len(room)
             rows = [i for i, g in enumerate(ids) if g in room]
+            SAMPLES.finish([x for i, x in enumerate(batch.sample_ids or []) if ids[i] not in room], "dropped", now())
             kept += len(room)
             parts.append(batch.select(rows))
             scores += [s[i] for i in rows]
@@ -320,6 +351,9 @@ class LMTrainer:
         cfg, roles = self.cfg, self.roles
         metrics: dict[str, float] = {}
         record_tool_spans(batch)
+        ids = batch.sample_ids or []
+        SAMPLES.take(ids, now())
+        scoring = now()
         with timer.stage("reward"):
             scores, extra = self.score(batch) if scored is None else scored
             batch.scores = scores
@@ -328,6 +362,8 @@ class LMTrainer:
                 finite = [v for v in values if v == v]
                 if finite:
                     metrics[f"reward_extra/{key}/mean"] = sum(finite) / len(finite)
+        if scored is None:
+            SAMPLES.add_many(ids, "reward", scoring, now())
         baselines = None
         if cfg.algorithm.adv_estimator in NEEDS_GREEDY_BASELINE:
             with timer.stage("gen_max"):
@@ -360,6 +396,7 @@ class LMTrainer:
                 if "actor/entropy" in metrics:  # verl's actor/entropy is the pre-update one, when it was computed
                     actor_metrics.pop("actor/entropy")
                 metrics.update(actor_metrics)
+        SAMPLES.finish(ids, "consumed", now(), staleness=behind.long().tolist())
         metrics.update(data_metrics(batch, cfg.data.max_prompt_length))
         metrics.update(agent_metrics(batch))
         self.say_failed_sessions(batch)

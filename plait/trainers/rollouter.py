@@ -123,5 +123,6 @@ class GroupRollouter:
         return batch
 
     def _call(self, method, *args) -> RolloutBatch:
-        with self.clock.busy(), TIMELINE.span("rollout", method.__name__, self.version_of()):
+        stage = "gen" if method is Rollout.generate else "resume"  # gen: the name its worker's range has (one name)
+        with self.clock.busy(), TIMELINE.span("rollout", stage, self.version_of()):
             return self.rollout.call(method, *args)

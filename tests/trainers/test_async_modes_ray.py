@@ -116,12 +116,12 @@ def test_fully_async_generation_overlaps_update_actor_on_ray(ray_up, tmp_path, t
     from an untrained model (48 decode calls) take longer than the stages before update_actor (one
     forward each), so it is still generating when the update starts. Step 1 is left out: the actor's
     first calls in a fresh process warm up, and step 4 has nothing left to generate."""
-    from plait.profiler.timeline import overlap_s, read_timeline
+    from plait.profiler.timeline import ROLLOUT_WORK, overlap_s, read_timeline
     lifecycle, _ = build(tiny_config, tmp_path, "trainer.mode=fully_async", "async_training.staleness_threshold=1",
                          "trainer.total_training_steps=4", "data.max_response_length=48")
     lifecycle.run()
     spans = read_timeline(os.path.join(tmp_path, "timeline.jsonl"))
-    overlap = overlap_s(spans, "update_actor", ("generate", "resume"))
+    overlap = overlap_s(spans, "update_actor", ROLLOUT_WORK)
     assert sorted(overlap) == [1, 2, 3, 4]
     assert overlap[2] > 0 and overlap[3] > 0, overlap
 

@@ -216,7 +216,18 @@ def test_crash_and_resume_trains_every_step_once(tmp_path, tiny_config, mode):
     def crash_in_step_3(batch, timer, *rest):
         if trainer.global_steps == 3:
             raise KeyboardInterrupt
-        return learn(batch, timer, *rest)
+        out = learn(batch, timer, *rest)
+        if trainer.global_steps == 2:  # a finished group in step 2's checkpoint, however loaded the machine is
+            trainer.rollouter.pause(False)
+            deadline = time.time() + 120
+            while time.time() < deadline:
+                with trainer.buffer.cond:
+                    if trainer.buffer.with_status("finished"):
+                        break
+                time.sleep(0.01)
+            if trainer.colocated:
+                trainer.rollouter.pause(True)
+        return out
     trainer.learn = crash_in_step_3
     with pytest.raises(KeyboardInterrupt):
         lifecycle.run()

@@ -26,11 +26,12 @@ from plait.trainers.diffusion import Conditions, DiffusionTrainer
 from plait.trainers.fully_async import FullyAsyncTrainer
 from plait.data.dataset import PromptDataset, load_dataset
 from plait.data.rewards import resolve_reward
-from plait.models import load_tokenizer, use_chat_template
+from plait.models import load_tokenizer, reward_model_kind, use_chat_template
 from plait.models_vl import is_vl_dir, load_processor
 from plait.trainers.lm import LMTrainer, Roles, check_images, uses_agent_loops
 from plait.workers.actor import Actor
 from plait.workers.critic import Critic
+from plait.workers.judge import Judge
 from plait.workers.precision import resolve_dtype
 from plait.workers.ref import Ref
 from plait.workers.reward_model import RewardModel
@@ -201,14 +202,16 @@ def build_lm_trainer(cfg: PlaitConfig, backend, device: str, tracker, mode: type
     """Model, data, reward and the four language-model roles, handed to the trainer `mode` (a row of MODES).
     In order: the model's folder, its tokenizer and the data (both checked before any model loads), the
     schedule's length, then the roles."""
-    reward_fn = resolve_reward(cfg.reward, cfg.data.max_response_length)
+    rm, custom = cfg.reward.reward_model, cfg.reward.custom_reward_function
+    judge = rm.enable and reward_model_kind(rm.model_path, bool(custom.path)) == "judge"
+    reward_fn = resolve_reward(cfg.reward, cfg.data.max_response_length, judge)
     model_path = resolve_model(cfg)
     tokenizer = load_lm_tokenizer(cfg, model_path)
     train_data, val_data = load_lm_data(cfg, model_path, tokenizer)
     agent_loops = uses_agent_loops(cfg, train_data, val_data)  # unknown agent names: a config error, before any model
     check_images(cfg, agent_loops, train_data, val_data)
     resolve_schedule(cfg, len(train_data))
-    roles = spawn_lm_roles(cfg, backend, device, model_path, tokenizer, agent_loops)
+    roles = spawn_lm_roles(cfg, backend, device, model_path, tokenizer, agent_loops, judge)
     return mode(cfg, roles, tokenizer, train_data, val_data, reward_fn, backend.profile_targets(), tracker)
 
 
@@ -266,8 +269,10 @@ def resolve_schedule(cfg: PlaitConfig, n_train: int) -> None:
             optim.total_training_steps = cfg.total_steps(n_train // cfg.data.train_batch_size)
 
 
-def spawn_lm_roles(cfg: PlaitConfig, backend, device: str, model_path: str, tokenizer, agent_loops: bool) -> Roles:
-    """The actor, rollout, ref, critic and reward model, each spawned on the backend (None where not used)."""
+def spawn_lm_roles(cfg: PlaitConfig, backend, device: str, model_path: str, tokenizer, agent_loops: bool,
+                   judge: bool = False) -> Roles:
+    """The actor, rollout, ref, critic and reward model (a classifier, or with `judge` a causal LM served as a
+    judge), each spawned on the backend (None where not used)."""
     arr = cfg.actor_rollout_ref
     dtype = resolve_dtype("actor_rollout_ref.model.dtype", arr.model.dtype, device)
     rollout_dtype = dtype if arr.rollout.dtype == arr.model.dtype else resolve_dtype(
@@ -298,7 +303,9 @@ def spawn_lm_roles(cfg: PlaitConfig, backend, device: str, model_path: str, toke
         reward_model=(backend.spawn("reward_model", RewardModel, rm.model_path, tokenizer, micro_batch_size=rm.micro_batch_size_per_gpu,
                                     max_length=rm.max_length, input_tokenizer=rm.input_tokenizer, device=device, dtype=dtype,
                                     strategy=arr.actor.strategy, fsdp_config=arr.actor.fsdp_config)
-                      if rm.enable else None))
+                      if rm.enable and not judge else None),
+        judge=(backend.spawn("reward_model", Judge, rm.model_path, rm.rollout, device=device, dtype=resolve_dtype(
+            "reward.reward_model.rollout.dtype", rm.rollout.dtype or model.dtype, device)) if judge else None))
 
 
 MODES = {

@@ -923,6 +923,13 @@ class PlaitConfig:
         if r.name is None:
             r.name = default_engine(self.actor_rollout_ref.model.path)
         r.dtype = r.dtype or self.actor_rollout_ref.model.dtype
+        judge = self.reward.reward_model.rollout
+        if judge.name is None:
+            judge.name = default_engine(self.reward.reward_model.model_path)
+        check(judge.name in ENGINES, "reward.reward_model.rollout.name", judge.name, f"one of {', '.join(ENGINES)}")
+        if self.reward.reward_model.enable:
+            why = ENGINES[judge.name].unavailable()
+            check(why is None, "reward.reward_model.rollout.name", judge.name, why)
         if ENGINES[r.name].devices(r) > 1:  # an engine that does not read the key names it as having no effect
             check(torch_cuda_count() >= r.tensor_model_parallel_size and self.trainer.device != "cpu",
                   "actor_rollout_ref.rollout.tensor_model_parallel_size", r.tensor_model_parallel_size,

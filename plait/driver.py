@@ -23,7 +23,7 @@ from plait.checks import check_data_files, check_loggers, collect_errors, not_a_
 from plait.data.dataset import read_column
 from plait.data.rewards import needs_string_truth, resolve_reward, unscored_sources
 from plait.builtin_models import builtin_model
-from plait.models import check_model_dir, check_reward_model_dir
+from plait.models import check_model_dir, reward_model_kind
 from plait.profiler import RoleProfilerConfig, validate_environment
 from plait.profiler.config import ROLE_KEYS
 from plait.trainers.checkpoint import checkpoint_steps, output_dir_lock
@@ -106,7 +106,7 @@ def check_model_path(cfg: PlaitConfig) -> None:
     if cfg.critic.enable and cfg.critic.model.path:
         checks.append(lambda: check_model_dir("critic.model.path", cfg.critic.model.path, tokenizer=False))
     if rm.enable and rm.model_path is not None and os.path.isdir(rm.model_path):
-        checks.append(lambda: check_reward_model_dir(rm.model_path))
+        checks.append(lambda: reward_model_kind(rm.model_path, bool(cfg.reward.custom_reward_function.path)))
     errors = []
     for check in checks:
         try:

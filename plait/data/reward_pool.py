@@ -57,10 +57,12 @@ def describe_call(name: str, args: tuple, kwargs: dict) -> str:
 
 @dataclass
 class RewardSpec:
-    """What a worker loads: the user's function `name` from the file at `path`."""
+    """What a worker loads: the user's function `name` from the file at `path`; with a judge, its tokenizer
+    (`judge_tokenizer`: the judge's folder), passed to every call as `reward_model_tokenizer` as verl does."""
     path: str
     name: str = "compute_score"
     reward_kwargs: dict = field(default_factory=dict)
+    judge_tokenizer: Optional[str] = None
 
 
 @dataclass(frozen=True)
@@ -357,7 +359,11 @@ def _load(spec: RewardSpec):
     module = importlib.util.module_from_spec(module_spec)
     module_spec.loader.exec_module(module)
     fn = getattr(module, spec.name)
-    return functools.partial(fn, **spec.reward_kwargs) if spec.reward_kwargs else fn
+    kwargs = dict(spec.reward_kwargs)
+    if spec.judge_tokenizer is not None:  # loaded once, in this process (transformers and torch: only for judges)
+        from plait.models import load_tokenizer
+        kwargs["reward_model_tokenizer"] = load_tokenizer(spec.judge_tokenizer)
+    return functools.partial(fn, **kwargs) if kwargs else fn
 
 
 def _exit_with(parent: int):

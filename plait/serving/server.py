@@ -101,6 +101,8 @@ class Api:
         encode = lambda text: self.gateway.tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
         prompt_ids, req, logprob = protocol.generate_request(body, encode)
         choices, prompt = await self.gateway.complete(prompt_ids, req, self.session_of(request))
+        for c in choices:  # SGLang's text: the output ids decoded without special tokens
+            c.content = self.gateway.tokenizer.decode(c.token_ids, skip_special_tokens=True)
         rid = str(body.get("rid") or protocol.new_id(""))
         return JSONResponse(protocol.generate_response(choices, prompt, logprob, rid))
 

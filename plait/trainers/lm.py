@@ -25,6 +25,7 @@ import math
 import os
 import random
 import shutil
+import sys
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -46,6 +47,7 @@ from plait.trainers.lifecycle import StageTimer, StepResult
 from plait.types import PromptBatch, RolloutBatch
 from plait.workers.actor import Actor
 from plait.workers.critic import Critic
+from plait.workers.judge import Judge
 from plait.workers.engine import ENGINES
 from plait.workers.packing import seqlen_metrics
 from plait.workers.ref import Ref
@@ -56,13 +58,15 @@ from plait.workers.weight_sync import sync_weights
 
 @dataclass
 class Roles:
-    """The worker groups a language-model trainer drives; ref, critic and reward_model are None when
-    unused (ref also with LoRA: the actor computes reference log-probs with its adapters off)."""
+    """The worker groups a language-model trainer drives; ref, critic, reward_model (a classifier) and judge (a
+    causal LM the reward function asks) are None when unused (ref also with LoRA: the actor computes reference
+    log-probs with its adapters off)."""
     actor: object
     rollout: object
     ref: object | None
     critic: object | None
     reward_model: object | None = None
+    judge: object | None = None
 
 
 def call_quietly(role, method) -> None:
@@ -119,6 +123,7 @@ class LMTrainer:
         self.updates_per_step = 1  # fully async: several local updates per policy version
         self.version = 0
         self.model_flops = None  # the policy's FLOPs per token (asked of the actor at start)
+        self.routers: list[str] | None = None  # the judge's replicas (host:port), asked at start
 
     # -- the Trainer protocol -------------------------------------------------------------------
 
@@ -128,6 +133,10 @@ class LMTrainer:
     def start(self) -> None:
         """Asked once here, not in a step: a step's time is its stages (profiler/analysis/accounting.py)."""
         self.model_flops = self.roles.actor.call(Actor.model_flops)
+        if self.roles.judge is not None:
+            self.routers = self.roles.judge.call(Judge.addresses)
+            print(f"plait: the judge ({self.cfg.reward.reward_model.model_path}, {len(self.routers)} replica(s)) answers "
+                  f"the reward function's reward_router_address at {', '.join(self.routers)}", file=sys.stderr)
 
     def train_step(self, step: int, timer: StageTimer) -> StepResult:
         start, results, samples, lengths = time.perf_counter(), [], 0, []
@@ -235,8 +244,10 @@ class LMTrainer:
         return self.targets
 
     def close(self) -> None:
-        """Stop the rollout engine's own processes (vLLM's engine core)."""
+        """Stop the rollout engine's own processes (vLLM's engine core), and the judge's server."""
         call_quietly(self.roles.rollout, Rollout.close)
+        if self.roles.judge is not None:
+            call_quietly(self.roles.judge, Judge.close)
 
     # -- what the modes change -----------------------------------------------------------------
 
@@ -260,8 +271,28 @@ class LMTrainer:
             return self.roles.reward_model.call(RewardModel.compute_rm_score, batch), {}
         texts = self.decode(batch.responses, batch.attended)  # tool / user turns included, as verl's reward managers see it
         lengths = batch.attended.sum(-1).long().tolist()
-        scores, extra = self.reward_fn(ScoreRequest(batch.data_sources, texts, batch.ground_truths, batch.extra_infos, lengths))
+        scores, extra = self.reward_fn(ScoreRequest(batch.data_sources, texts, batch.ground_truths, batch.extra_infos,
+                                                    lengths, self.routers))
         return loop_scores(batch, scores), extra
+
+    def judge_stage(self, since: float, timer: StageTimer) -> dict[str, float]:
+        """The judge's engine rounds since `since` (wall clock, the reward stage's start; called as it ends) as
+        the step's "judge" stage inside reward: their union as timeline spans and timing_s/judge; their requests
+        and tokens as judge/* metrics. {} without a judge."""
+        if self.roles.judge is None:
+            return {}
+        until = time.time()  # a round's end is taken after its answers went out: the reward may be done first
+        rounds = self.roles.judge.call(Judge.rounds, since)
+        busy = 0.0
+        for start, end in union_of([(max(r.start, since), min(r.end, until)) for r in rounds if r.start < until]):
+            TIMELINE.add("trainer", "judge", start - WALL0, end - WALL0, timer.version)
+            busy += end - start
+        timer.times["judge"] = timer.times.get("judge", 0.0) + busy
+        requests = sum(r.requests for r in rounds)
+        return {"judge/requests": requests, "judge/rounds": len(rounds),
+                "judge/requests_per_round": requests / max(len(rounds), 1),
+                "judge/prompt_tokens/mean": sum(r.prompt_tokens for r in rounds) / max(requests, 1),
+                "judge/response_tokens/mean": sum(r.response_tokens for r in rounds) / max(requests, 1)}
 
     def greedy_baselines(self, batch: RolloutBatch) -> torch.Tensor:
         """ReMax's baseline [batch]: the score of one greedy response per prompt, generated now."""
@@ -295,8 +326,10 @@ class LMTrainer:
                                "be too hard or too easy for the policy: set max_num_gen_batches=0 to keep trying")
             batch = self.next_batch(step, timer)
             num_gen += 1
+            since = time.time()
             with timer.stage("reward"):
                 s, e = self.score(batch)
+            judged = self.judge_stage(since, timer)
             ids = batch.group_ids.tolist()
             want = want or len(set(ids))
             signal = groups_with_signal(filter_values(fg.metric, s, e), ids)
@@ -312,13 +345,14 @@ class LMTrainer:
                     [got[i] for i in rows] if got is not None else [math.nan] * len(rows))
         # groups with signal beyond the batch's share count as dropped too (verl: discarded surplus)
         return RolloutBatch.concat(parts), (scores, extras), {"train/num_gen_batches": num_gen,
-                                                              "training/filter_groups/evicted_samples": dropped}
+                                                              "training/filter_groups/evicted_samples": dropped, **judged}
 
     def learn(self, batch: RolloutBatch, timer: StageTimer, update_actor: bool = True,
               scored: Scores | None = None) -> StepResult:
         cfg, roles = self.cfg, self.roles
         metrics: dict[str, float] = {}
         record_tool_spans(batch)
+        since = time.time()
         with timer.stage("reward"):
             scores, extra = self.score(batch) if scored is None else scored
             batch.scores = scores
@@ -327,6 +361,8 @@ class LMTrainer:
                 finite = [v for v in values if v == v]
                 if finite:
                     metrics[f"reward_extra/{key}/mean"] = sum(finite) / len(finite)
+        if scored is None:
+            metrics.update(self.judge_stage(since, timer))
         baselines = None
         if cfg.algorithm.adv_estimator in NEEDS_GREEDY_BASELINE:
             with timer.stage("gen_max"):
@@ -576,6 +612,17 @@ def session_owners(infos: list[dict] | None) -> torch.Tensor | None:
     owner = [r if "session" not in i else -1 if i["session"]["failure"] else final[i["session"]["id"]]
              for r, i in enumerate(infos)]
     return None if owner == list(range(len(infos))) else torch.tensor(owner)
+
+
+def union_of(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Overlapping (start, end) spans merged: the time any of them covers, once (replicas judging at once)."""
+    out: list[tuple[float, float]] = []
+    for start, end in sorted(spans):
+        if out and start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], end))
+        else:
+            out.append((start, end))
+    return out
 
 
 def record_tool_spans(batch: RolloutBatch) -> None:

@@ -1126,6 +1126,13 @@ def parse_config(path: str | None = None, overrides: list[str] = (),
     return cfg, user, no_effect, moved, machine
 
 
+JUDGE_VLLM_ONLY = {
+    f"reward.reward_model.rollout.{key}": "vLLM engine settings of the judge: its engine is hf "
+                                          "(reward.reward_model.rollout.name=vllm reads them)"
+    for key in ("gpu_memory_utilization", "max_num_batched_tokens", "enforce_eager", "enable_chunked_prefill",
+                "enable_prefix_caching", "load_format")}
+
+
 def start_notices(cfg: PlaitConfig, user: dict, no_effect: list[str], moved: list[str],
                   machine: list[str]) -> list[str]:
     """The lines said at start, in order: the demo preset applies; which engine an unset rollout.name
@@ -1155,6 +1162,8 @@ def start_notices(cfg: PlaitConfig, user: dict, no_effect: list[str], moved: lis
     inert = {key: why for key, (default, why) in FIELD_NO_EFFECT.items() if user.get(key, default) != default}
     no_effect, cluster = no_effect + list(inert), {**cluster, **inert}
     no_effect += [key for key in user if any(p in engine.no_effect for p in _prefixes(key))]
+    if cfg.reward.reward_model.rollout.name != "vllm":  # the judge's vLLM settings, on plait's engine
+        no_effect, cluster = no_effect + [key for key in user if key in JUDGE_VLLM_ONLY], {**cluster, **JUDGE_VLLM_ONLY}
     if no_effect:
         lines.append(no_effect_notice(no_effect, cluster))
     lines += machine

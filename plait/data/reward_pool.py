@@ -361,9 +361,18 @@ def _load(spec: RewardSpec):
     fn = getattr(module, spec.name)
     kwargs = dict(spec.reward_kwargs)
     if spec.judge_tokenizer is not None:  # loaded once, in this process (transformers and torch: only for judges)
-        from plait.models import load_tokenizer
-        kwargs["reward_model_tokenizer"] = load_tokenizer(spec.judge_tokenizer)
+        kwargs["reward_model_tokenizer"] = judge_tokenizer(spec.judge_tokenizer)
     return functools.partial(fn, **kwargs) if kwargs else fn
+
+
+def judge_tokenizer(path: str):
+    """The judge's tokenizer as verl hands it to a reward function (hf_tokenizer): transformers' AutoTokenizer of
+    its folder, its pad token the EOS where it has none."""
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
 
 
 def _exit_with(parent: int):

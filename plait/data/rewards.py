@@ -39,7 +39,7 @@ from plait.configtree import ConfigError, build, check
 from plait.data.math_rewards import (DAPO_SOURCES, GEO3K_SOURCES, MATH_SOURCES, dapo_score, geo3k_score, gsm8k_score,
                                      gsm8k_synthetic_score, math_score)
 from plait.data.qa_rewards import SEARCH_R1_SOURCES, search_r1_score
-from plait.data.reward_pool import RewardPool, RewardSpec, describe_call, plain_result
+from plait.data.reward_pool import RewardPool, RewardSpec, describe_call, judge_tokenizer, plain_result
 from plait.data.sandbox_fusion import CODE_SOURCES, in_threads, sandbox_score
 from plait.errors import Interrupted, RunError
 from plait.profiler.config import RoleProfilerConfig
@@ -492,15 +492,14 @@ def resolve_reward_fn(reward: RewardConfig, judge: bool = False) -> Callable:
             raise ConfigError("reward.custom_reward_function.path", custom.path, "no such file") from None
         except AttributeError as err:
             raise ConfigError("reward.custom_reward_function.name", custom.name, str(err)) from None
-    judge_tokenizer = reward.reward_model.model_path if judge and custom.path else None
-    if judge_tokenizer is not None:
+    judge_path = reward.reward_model.model_path if judge and custom.path else None
+    if judge_path is not None:
         check_judge_function(fn, name)
     if reward.num_workers == 0 or not custom.path:  # plait's own scorer runs here: it is not user code
-        if judge_tokenizer is not None:
-            from plait.models import load_tokenizer
-            fn = functools.partial(fn, reward_model_tokenizer=load_tokenizer(judge_tokenizer))
+        if judge_path is not None:
+            fn = functools.partial(fn, reward_model_tokenizer=judge_tokenizer(judge_path))
         return guard_reward(fn, name, custom.timeout)
-    pool = RewardPool(RewardSpec(custom.path, custom.name, custom.reward_kwargs, judge_tokenizer), name,
+    pool = RewardPool(RewardSpec(custom.path, custom.name, custom.reward_kwargs, judge_path), name,
                       reward.num_workers, custom.timeout, reward.memory_limit_mb, reward.max_processes)
     return guard_reward(pool, name)
 

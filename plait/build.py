@@ -202,8 +202,7 @@ def build_lm_trainer(cfg: PlaitConfig, backend, device: str, tracker, mode: type
     """Model, data, reward and the four language-model roles, handed to the trainer `mode` (a row of MODES).
     In order: the model's folder, its tokenizer and the data (both checked before any model loads), the
     schedule's length, then the roles."""
-    rm, custom = cfg.reward.reward_model, cfg.reward.custom_reward_function
-    judge = rm.enable and reward_model_kind(rm.model_path, bool(custom.path)) == "judge"
+    judge = resolve_judge(cfg)
     reward_fn = resolve_reward(cfg.reward, cfg.data.max_response_length, judge)
     model_path = resolve_model(cfg)
     tokenizer = load_lm_tokenizer(cfg, model_path)
@@ -213,6 +212,21 @@ def build_lm_trainer(cfg: PlaitConfig, backend, device: str, tracker, mode: type
     resolve_schedule(cfg, len(train_data))
     roles = spawn_lm_roles(cfg, backend, device, model_path, tokenizer, agent_loops, judge)
     return mode(cfg, roles, tokenizer, train_data, val_data, reward_fn, backend.profile_targets(), tracker)
+
+
+def resolve_judge(cfg: PlaitConfig) -> str | None:
+    """The judge's folder when the reward model is a causal LM a reward function asks (a built-in name built on
+    first use); None for a classifier or no reward model (preflight refused the rest)."""
+    rm, custom = cfg.reward.reward_model, cfg.reward.custom_reward_function
+    if not rm.enable:
+        return None
+    from plait.builtin_models import builtin_model
+    builtin = builtin_model(rm.model_path)
+    if builtin is not None:
+        folder = builtin.build()
+        print(f"plait: reward.reward_model.model_path={rm.model_path}: {folder}", file=sys.stderr)
+        return folder
+    return rm.model_path if reward_model_kind(rm.model_path, bool(custom.path)) == "judge" else None
 
 
 def load_lm_tokenizer(cfg: PlaitConfig, model_path: str):
@@ -270,9 +284,9 @@ def resolve_schedule(cfg: PlaitConfig, n_train: int) -> None:
 
 
 def spawn_lm_roles(cfg: PlaitConfig, backend, device: str, model_path: str, tokenizer, agent_loops: bool,
-                   judge: bool = False) -> Roles:
-    """The actor, rollout, ref, critic and reward model (a classifier, or with `judge` a causal LM served as a
-    judge), each spawned on the backend (None where not used)."""
+                   judge: str | None = None) -> Roles:
+    """The actor, rollout, ref, critic and reward model (a classifier, or a causal LM served as a judge from the
+    folder `judge`), each spawned on the backend (None where not used)."""
     arr = cfg.actor_rollout_ref
     dtype = resolve_dtype("actor_rollout_ref.model.dtype", arr.model.dtype, device)
     rollout_dtype = dtype if arr.rollout.dtype == arr.model.dtype else resolve_dtype(
@@ -303,8 +317,8 @@ def spawn_lm_roles(cfg: PlaitConfig, backend, device: str, model_path: str, toke
         reward_model=(backend.spawn("reward_model", RewardModel, rm.model_path, tokenizer, micro_batch_size=rm.micro_batch_size_per_gpu,
                                     max_length=rm.max_length, input_tokenizer=rm.input_tokenizer, device=device, dtype=dtype,
                                     strategy=arr.actor.strategy, fsdp_config=arr.actor.fsdp_config)
-                      if rm.enable and not judge else None),
-        judge=(backend.spawn("reward_model", Judge, rm.model_path, rm.rollout, device=device, dtype=resolve_dtype(
+                      if rm.enable and judge is None else None),
+        judge=(backend.spawn("reward_model", Judge, judge, rm.rollout, device=device, dtype=resolve_dtype(
             "reward.reward_model.rollout.dtype", rm.rollout.dtype or model.dtype, device)) if judge else None))
 
 

@@ -28,6 +28,7 @@ from plait.config_verl import (CPU_NO_EFFECT, CPU_RAY_NO_EFFECT, FIELD_NO_EFFECT
                                LOCAL_BACKEND_NO_EFFECT, NO_EFFECT, RECIPE_ROLLOUT_POOL, compose_yaml, drop_empty,
                                load_yaml, machine_notes, merge, refusal, resolve_interpolations)
 from plait.configtree import ConfigError, build, ConfigErrors, build_without, check, raise_all, to_dict
+from plait.configtree import shipped_tool_config  # noqa: F401 - config's name for it (tools, agents)
 from plait.data.rewards import RewardConfig
 from plait.profiler.config import GlobalProfilerConfig, RoleProfilerConfig
 from plait.workers.diffusion_config import DiffusionConfig
@@ -321,16 +322,6 @@ class EngineKwargsConfig:
 
 TRUNCATE_SIDES = ("left", "right", "middle")
 UNSUPPORTED_WHY = "is not implemented in plait's agent loops (docs/agents.md)"
-
-
-def shipped_tool_config(path: Optional[str], folder: str = "tools", ext: str = ".yaml") -> Optional[str]:
-    """`calculator` names plait/configs/tools/calculator.yaml (shipped in the package, so a packaged
-    preset needs no user path; agents: plait/configs/agents/<name>.py); an existing path, or a name with no
-    shipped file, is kept as given."""
-    shipped = os.path.join(os.path.dirname(__file__), "configs", folder, f"{path}{ext}")
-    if path is None or os.path.exists(path) or os.sep in path or not os.path.isfile(shipped):
-        return path
-    return shipped
 
 
 @dataclass

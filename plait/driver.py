@@ -23,7 +23,7 @@ from plait.checks import check_data_files, check_loggers, collect_errors, not_a_
 from plait.data.dataset import read_column
 from plait.data.rewards import needs_string_truth, resolve_reward, unscored_sources
 from plait.builtin_models import builtin_model
-from plait.models import check_model_dir, reward_model_kind
+from plait.models import GENRM, RM_KEY, check_model_dir, reward_model_kind
 from plait.profiler import RoleProfilerConfig, validate_environment
 from plait.profiler.config import ROLE_KEYS
 from plait.trainers.checkpoint import checkpoint_steps, output_dir_lock
@@ -105,7 +105,12 @@ def check_model_path(cfg: PlaitConfig) -> None:
         checks.append(lambda: check_model_dir("actor_rollout_ref.model.path", model.path))
     if cfg.critic.enable and cfg.critic.model.path:
         checks.append(lambda: check_model_dir("critic.model.path", cfg.critic.model.path, tokenizer=False))
-    if rm.enable and rm.model_path is not None and os.path.isdir(rm.model_path):
+    judge = builtin_model(rm.model_path) if rm.enable else None
+    if judge is not None:  # a built-in model as the judge: a causal LM, so a reward function must ask it
+        checks.append(lambda: judge.check(RM_KEY, rm.model_path) if cfg.reward.custom_reward_function.path else
+                      raise_all([ConfigError(RM_KEY, rm.model_path, f"a built-in causal LM without a reward function "
+                                                                    f"to ask it: {GENRM}")]))
+    elif rm.enable and rm.model_path is not None and os.path.isdir(rm.model_path):
         checks.append(lambda: reward_model_kind(rm.model_path, bool(cfg.reward.custom_reward_function.path)))
     errors = []
     for check in checks:
@@ -114,7 +119,7 @@ def check_model_path(cfg: PlaitConfig) -> None:
         except ConfigError as err:
             errors.append(err)
     for key, path in (("actor_rollout_ref.model.lora_adapter_path", model.lora_adapter_path if model.lora_rank else None),
-                      ("reward.reward_model.model_path", rm.model_path if rm.enable else None)):
+                      ("reward.reward_model.model_path", rm.model_path if rm.enable and judge is None else None)):
         if path is not None and not os.path.isdir(path):
             errors.append(ConfigError(key, path, not_a_directory(path)))
     raise_all(errors)

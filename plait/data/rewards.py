@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from plait.configtree import ConfigError, build, check
+from plait.configtree import ConfigError, build, check, shipped_tool_config
 from plait.data.math_rewards import (DAPO_SOURCES, GEO3K_SOURCES, MATH_SOURCES, dapo_score, geo3k_score, gsm8k_score,
                                      gsm8k_synthetic_score, math_score)
 from plait.data.qa_rewards import SEARCH_R1_SOURCES, search_r1_score
@@ -55,6 +55,7 @@ class CustomRewardConfig:
     timeout: Optional[float] = None           # plait's own: seconds one call may take; null: no limit
 
     def __post_init__(self):
+        self.path = shipped_tool_config(self.path, "rewards", ".py")  # a shipped reward file by name (gsm8k_judge)
         check(self.name is not None or self.path is None, "name", self.name, "the function's name when path is set")
         self.name = self.name or "compute_score"
         check(self.timeout is None or self.timeout > 0, "timeout", self.timeout, "seconds > 0, or null for no limit")
@@ -451,9 +452,9 @@ def make_reward(fn: Callable, manager: str = "naive", overlong: OverlongBufferCo
     return functools.partial(MANAGERS[manager], fn)
 
 
-def resolve_reward(reward: RewardConfig, max_response_length: int, judge: bool = False) -> Callable[[ScoreRequest], Scores]:
+def resolve_reward(reward: RewardConfig, max_response_length: int, judge: str | None = None) -> Callable[[ScoreRequest], Scores]:
     """The batch scorer: the reward function (custom or built-in) under `reward.reward_manager.name`; `judge`:
-    the reward model is a judge the function asks (plait/workers/judge.py)."""
+    the folder of the judge the function asks (plait/workers/judge.py), or None."""
     max_resp_len = reward.reward_kwargs.get("max_resp_len") or max_response_length
     return make_reward(resolve_reward_fn(reward, judge), reward.reward_manager.name,
                        reward.overlong_buffer, max_resp_len)
@@ -474,7 +475,7 @@ def check_judge_function(fn: Callable, name: str) -> None:
                           "reward_router_address (host:port) and reward_model_tokenizer; add them (or **kwargs)")
 
 
-def resolve_reward_fn(reward: RewardConfig, judge: bool = False) -> Callable:
+def resolve_reward_fn(reward: RewardConfig, judge: str | None = None) -> Callable:
     """The guarded reward function, called in `reward.num_workers` worker processes (0: in this one,
     docs/reliability.md). A custom file is imported here once too, so a missing file, an import
     error or a missing function is a config error before any work. With a `judge`, each call also gets
@@ -492,7 +493,7 @@ def resolve_reward_fn(reward: RewardConfig, judge: bool = False) -> Callable:
             raise ConfigError("reward.custom_reward_function.path", custom.path, "no such file") from None
         except AttributeError as err:
             raise ConfigError("reward.custom_reward_function.name", custom.name, str(err)) from None
-    judge_path = reward.reward_model.model_path if judge and custom.path else None
+    judge_path = judge if custom.path else None
     if judge_path is not None:
         check_judge_function(fn, name)
     if reward.num_workers == 0 or not custom.path:  # plait's own scorer runs here: it is not user code

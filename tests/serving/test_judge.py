@@ -120,3 +120,15 @@ def test_a_judge_without_verl_keywords_or_without_a_function_is_refused_in_one_l
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     [line] = [line for line in proc.stderr.splitlines() if line.startswith("plait: config error")]
     assert "a Qwen2ForCausalLM checkpoint without a reward function to ask it" in line and "GenRM" in line
+
+
+@pytest.mark.vllm
+def test_a_vllm_judge_scores_through_reward_router_address(tmp_path, vllm_model_path):
+    """The judge on vLLM (reward.reward_model.rollout.name=vllm, its engine core a process of its own), the policy
+    on plait's engine: the same two request styles, answered by vLLM's continuous batching."""
+    pytest.importorskip("vllm")
+    train(tmp_path, vllm_model_path, "reward.reward_model.rollout.name=vllm", "reward.reward_model.rollout.dtype=float32",
+          "reward.reward_model.rollout.max_num_batched_tokens=1024", "reward.reward_model.rollout.max_model_len=512")
+    for r in [r for r in read_metrics(str(tmp_path / "run" / "metrics.jsonl")) if "timing_s/step" in r]:
+        assert r["reward_extra/host_port/mean"] == 1.0 and r["reward_extra/verdict_decodes/mean"] == 1.0
+        assert 4 < r["reward_extra/verdict_tokens/mean"] <= 5 and r["judge/requests"] == 32 and r["timing_s/judge"] > 0

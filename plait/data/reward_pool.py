@@ -14,6 +14,10 @@ trainer's state is untouched. Results come back through plait's plain-data unpic
 cannot hand the trainer anything but data. Workers start at the first call and end at
 `close_reward_workers()` (the lifecycle's shutdown), on EOF of their socket, or when the trainer dies.
 
+With a judge (a causal LM as the reward model, plait/workers/judge.py) each worker loads the judge's tokenizer
+once, before its first call (transformers and torch come with it: about 250 MB and several seconds a worker),
+and passes it to every call as `reward_model_tokenizer`, as verl's reward loop workers do.
+
 Limits: memory is RLIMIT_AS per worker (address space: a reward that starts CUDA needs far more
 than it uses). Processes are limited by a pids cgroup where plait may create one (cgroup v1
 `/sys/fs/cgroup/pids`), else by RLIMIT_NPROC (which does not bind root); `pids_limit()` says which.

@@ -276,16 +276,18 @@ class LMTrainer:
         return loop_scores(batch, scores), extra
 
     def judge_stage(self, since: float, timer: StageTimer) -> dict[str, float]:
-        """The judge's engine rounds since `since` (wall clock, the reward stage's start; called as it ends) as
-        the step's "judge" stage inside reward: their union as timeline spans and timing_s/judge; their requests
-        and tokens as judge/* metrics. {} without a judge."""
+        """The judge's engine rounds since `since` (perf_counter, taken in the reward stage; called before it
+        ends) as the step's "judge" stage inside reward: their union as timeline spans and timing_s/judge; their
+        requests and tokens as judge/* metrics. {} without a judge."""
         if self.roles.judge is None:
             return {}
-        until = time.time()  # a round's end is taken after its answers went out: the reward may be done first
-        rounds = self.roles.judge.call(Judge.rounds, since)
+        # Rounds are timed in wall clock, in the judge's process; clipped to this stage in this process's clock
+        # (a round's end is taken after its answers went out, so the reward may finish first).
+        until = time.perf_counter()
+        rounds = [r for r in self.roles.judge.call(Judge.rounds, since + WALL0) if r.start - WALL0 < until]
         busy = 0.0
-        for start, end in union_of([(max(r.start, since), min(r.end, until)) for r in rounds if r.start < until]):
-            TIMELINE.add("trainer", "judge", start - WALL0, end - WALL0, timer.version)
+        for start, end in union_of([(max(r.start - WALL0, since), min(r.end - WALL0, until)) for r in rounds]):
+            TIMELINE.add("trainer", "judge", start, end, timer.version)
             busy += end - start
         timer.times["judge"] = timer.times.get("judge", 0.0) + busy
         requests = sum(r.requests for r in rounds)
@@ -326,10 +328,10 @@ class LMTrainer:
                                "be too hard or too easy for the policy: set max_num_gen_batches=0 to keep trying")
             batch = self.next_batch(step, timer)
             num_gen += 1
-            since = time.time()
             with timer.stage("reward"):
+                since = time.perf_counter()
                 s, e = self.score(batch)
-            judged = self.judge_stage(since, timer)
+                judged = self.judge_stage(since, timer)
             ids = batch.group_ids.tolist()
             want = want or len(set(ids))
             signal = groups_with_signal(filter_values(fg.metric, s, e), ids)
@@ -352,17 +354,17 @@ class LMTrainer:
         cfg, roles = self.cfg, self.roles
         metrics: dict[str, float] = {}
         record_tool_spans(batch)
-        since = time.time()
         with timer.stage("reward"):
+            since = time.perf_counter()
             scores, extra = self.score(batch) if scored is None else scored
+            if scored is None:
+                metrics.update(self.judge_stage(since, timer))
             batch.scores = scores
             batch.token_scores = last_token_scores(scores, batch.response_mask)
             for key, values in extra.items():
                 finite = [v for v in values if v == v]
                 if finite:
                     metrics[f"reward_extra/{key}/mean"] = sum(finite) / len(finite)
-        if scored is None:
-            metrics.update(self.judge_stage(since, timer))
         baselines = None
         if cfg.algorithm.adv_estimator in NEEDS_GREEDY_BASELINE:
             with timer.stage("gen_max"):

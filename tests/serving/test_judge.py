@@ -4,6 +4,7 @@ completions as the FAPO remote recipe sends them, SGLang's token-level /generate
 does), with `plait train` in sync and fully_async on the local and the Ray backend; its time is the step's
 "judge" stage. Refusals: a causal LM without such a function, a function without verl's keywords."""
 
+import gzip
 import json
 import os
 import subprocess
@@ -83,7 +84,9 @@ def train(tmp_path: Path, judge: str, *extra: str, reward: str = JUDGE_REWARD, c
 
 @pytest.mark.parametrize("mode", ["sync", "fully_async", "sync_ray", "fully_async_ray_standalone"])
 def test_a_judge_scores_through_reward_router_address(tmp_path, judge_dir, mode):
-    extra = {"sync": [], "fully_async": FULLY_ASYNC, "sync_ray": RAY,
+    profiled = ["global_profiler.tool=torch", "global_profiler.steps=[2]", "reward.reward_model.profiler.enable=true",
+                f"global_profiler.save_path={tmp_path / 'profile'}"]  # the judge profiled as a role, locally
+    extra = {"sync": profiled, "fully_async": FULLY_ASYNC, "sync_ray": RAY,
              "fully_async_ray_standalone": [*RAY, *FULLY_ASYNC, *STANDALONE]}[mode]
     proc = train(tmp_path, judge_dir, *extra)
     replicas = 2 if mode == "sync_ray" else 1  # colocated on Ray: one per train rank (verl's colocate mode)
@@ -102,9 +105,15 @@ def test_a_judge_scores_through_reward_router_address(tmp_path, judge_dir, mode)
     spans = [json.loads(line) for line in open(tmp_path / "run" / "timeline.jsonl")]
     judged = [s for s in spans if s["stage"] == "judge"]
     rewards = [s for s in spans if s["stage"] == "reward"]
-    assert judged and all(any(r["start"] <= j["start"] <= j["end"] <= r["end"] + 1e-3 for r in rewards) for j in judged)
+    outside = [j for j in judged if not any(r["start"] <= j["start"] <= j["end"] <= r["end"] for r in rewards)]
+    assert judged and not outside, (outside[:3], [(r["start"], r["end"]) for r in rewards])
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert "judge" in [t["stage"] for t in summary["top_stages"]] or len(summary["top_stages"]) == 4
+    if mode == "sync":  # each engine round of the judge's thread is a reward_model/judge range of its trace
+        [record] = [json.loads(line) for line in open(tmp_path / "profile" / "manifest.jsonl")]
+        assert record["role"] == "reward_model" and record["complete"] and record["steps"] == [2, 2]
+        trace = json.load(gzip.open(tmp_path / "profile" / record["path"]))
+        assert any(e.get("name") == "reward_model/judge" for e in trace["traceEvents"])
 
 
 def test_a_judge_without_verl_keywords_or_without_a_function_is_refused_in_one_line(tmp_path, judge_dir):

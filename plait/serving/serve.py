@@ -30,7 +30,8 @@ WINDOW_S = 0.02  # how long the first queued request waits for others to share i
 
 @dataclass
 class EngineRound:
-    """One engine round of a served model: wall-clock start and end, its requests and their tokens."""
+    """One engine round of a served model (what its engine thread took from the queue at once; seeded requests in
+    it run an engine call each): wall-clock start and end, its requests and their tokens."""
     start: float
     end: float
     requests: int

@@ -106,10 +106,13 @@ def check_model_path(cfg: PlaitConfig) -> None:
     if cfg.critic.enable and cfg.critic.model.path:
         checks.append(lambda: check_model_dir("critic.model.path", cfg.critic.model.path, tokenizer=False))
     judge = builtin_model(rm.model_path) if rm.enable else None
-    if judge is not None:  # a built-in model as the judge: a causal LM, so a reward function must ask it
-        checks.append(lambda: judge.check(RM_KEY, rm.model_path) if cfg.reward.custom_reward_function.path else
-                      raise_all([ConfigError(RM_KEY, rm.model_path, f"a built-in causal LM without a reward function "
-                                                                    f"to ask it: {GENRM}")]))
+
+    def builtin_judge():  # a built-in model as the reward model is a causal LM: a reward function must ask it
+        if not cfg.reward.custom_reward_function.path:
+            raise ConfigError(RM_KEY, rm.model_path, f"a built-in causal LM without a reward function to ask it: {GENRM}")
+        judge.check(RM_KEY, rm.model_path)
+    if judge is not None:
+        checks.append(builtin_judge)
     elif rm.enable and rm.model_path is not None and os.path.isdir(rm.model_path):
         checks.append(lambda: reward_model_kind(rm.model_path, bool(cfg.reward.custom_reward_function.path)))
     errors = []

@@ -12,6 +12,7 @@ here and its name in TrainerConfig.mode (plait/config.py).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from functools import partial
@@ -226,7 +227,14 @@ def resolve_judge(cfg: PlaitConfig) -> str | None:
         folder = builtin.build()
         print(f"plait: reward.reward_model.model_path={rm.model_path}: {folder}", file=sys.stderr)
         return folder
-    return rm.model_path if reward_model_kind(rm.model_path, bool(custom.path)) == "judge" else None
+    if reward_model_kind(rm.model_path, bool(custom.path)) == "judge":
+        return rm.model_path
+    unread = [f"reward.reward_model.rollout.{f.name}" for f in dataclasses.fields(rm.rollout)
+              if f.name != "name" and getattr(rm.rollout, f.name) != f.default]
+    if unread:  # verl serves a classifier from its rollout engine too; plait scores it in its reward_model role
+        print(f"plait: {', '.join(unread)}: no effect with a classifier reward model (plait scores it in its "
+              "reward_model role; the rollout block serves a judge)", file=sys.stderr)
+    return None
 
 
 def load_lm_tokenizer(cfg: PlaitConfig, model_path: str):

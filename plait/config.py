@@ -918,9 +918,6 @@ class PlaitConfig:
         if judge.name is None:
             judge.name = default_engine(self.reward.reward_model.model_path)
         check(judge.name in ENGINES, "reward.reward_model.rollout.name", judge.name, f"one of {', '.join(ENGINES)}")
-        if self.reward.reward_model.enable:
-            why = ENGINES[judge.name].unavailable()
-            check(why is None, "reward.reward_model.rollout.name", judge.name, why)
         if ENGINES[r.name].devices(r) > 1:  # an engine that does not read the key names it as having no effect
             check(torch_cuda_count() >= r.tensor_model_parallel_size and self.trainer.device != "cpu",
                   "actor_rollout_ref.rollout.tensor_model_parallel_size", r.tensor_model_parallel_size,

@@ -32,6 +32,7 @@ from typing import Any, Optional
 
 from plait.agents.loop import AgentLoopBase, AgentLoopOutput, output_of, register
 from plait.agents.tokens import Trajectory
+from plait.profiler.samples import add_span, now
 from plait.safeload import first_line
 from plait.serving.gateway import Gateway
 from plait.serving.server import Server
@@ -138,6 +139,7 @@ def session_output(session, outcome: Outcome, ct, messages: list[dict], prompt_l
     for i, t in enumerate(chains):
         final = i == len(chains) - 1
         metrics = {"generate_sequences": generating} if final else {}
+        session_spans(metrics, session)  # every chain of a session is one of its samples: the session's spans
         calls = {"tool_call_attempts": session.call_blocks, "tool_calls_made": session.calls} if final else {}
         out = output_of(t, response_length, session.replies() + 1, metrics,
                         {"turn_scores": [], "tool_rewards": [], **calls, "session": {**info, "final": final}})
@@ -145,6 +147,26 @@ def session_output(session, outcome: Outcome, ct, messages: list[dict], prompt_l
         outs.append(out)
     outs[-1].extra_fields["chains"] = outs[:-1]
     return outs[-1]
+
+
+def session_spans(metrics: dict, session) -> None:
+    """The session's per-sample spans (samples.jsonl, profiler/samples.py), on each of its chains: per call
+    `request_queue` (waiting for an engine round), `prefill` and `decode` (one `gen` where the engine does not
+    say when its prefill ended), each with attrs.call; `agent` for the agent's own time before, between and
+    after its calls (its tools, its framework, its reward)."""
+    shift = now() - time.time()  # the gateway's spans are wall-clock seconds; samples.jsonl's clock is now()
+    last = session.opened
+    for call, s in enumerate(sorted(session.spans, key=lambda s: s.submitted), 1):
+        if s.submitted > last:
+            add_span(metrics, "agent", last + shift, s.submitted + shift)
+        add_span(metrics, "request_queue", s.submitted + shift, s.started + shift, call=call)
+        if s.prefilled:
+            add_span(metrics, "prefill", s.started + shift, s.prefilled + shift, call=call)
+            add_span(metrics, "decode", s.prefilled + shift, s.finished + shift, call=call, tokens=s.tokens)
+        else:
+            add_span(metrics, "gen", s.started + shift, s.finished + shift, call=call, tokens=s.tokens)
+        last = max(last, s.finished)
+    add_span(metrics, "agent", last + shift, now())
 
 
 # -- the function form ---------------------------------------------------------------------------

@@ -7,7 +7,7 @@ import textwrap
 import pytest
 import torch
 
-from conftest import CALL, Scripted, tool_then_answer
+from gateway_helpers import CALL, Scripted, tool_then_answer
 from plait.agents.worker import AgentWorker
 from plait.config import PlaitConfig, SamplingConfig
 from plait.errors import RunError

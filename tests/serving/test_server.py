@@ -8,7 +8,7 @@ import requests
 import openai
 import pytest
 
-from conftest import CALL, served
+from gateway_helpers import CALL, served
 
 TOOLS = [{"type": "function", "function": {"name": "add", "description": "Add two integers.",
                                            "parameters": {"type": "object", "properties": {"a": {"type": "integer"},

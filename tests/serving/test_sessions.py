@@ -8,7 +8,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models
 from transformers import PreTrainedTokenizerFast
 
-from conftest import CALL, CHATML, served
+from gateway_helpers import CALL, CHATML, served
 from plait.agents.tokens import ContinuousTokens
 
 TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]

@@ -4,6 +4,7 @@ rollout), on the local and the Ray backend, with the hf engine and vLLM. The age
 after its first call, so every session is two chains; the trained tokens are the sampled ones
 (training/rollout_probs_diff_max at float32 noise)."""
 
+import json
 import os
 import subprocess
 import sys
@@ -70,6 +71,14 @@ def train(tmp_path: Path, agent: list[str], *extra: str) -> tuple[subprocess.Com
     return proc, [r for r in read_metrics(str(tmp_path / "run" / "metrics.jsonl")) if "agent/sessions" in r]
 
 
+def per_sample(tmp_path: Path) -> dict[str, set[str]]:
+    spans: dict[str, set[str]] = {}
+    for line in (tmp_path / "run" / "samples.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        spans.setdefault(row["sample"], set()).add(row["span"])
+    return spans
+
+
 def agent_keys(tmp_path: Path, form: str) -> list[str]:
     key = "actor_rollout_ref.rollout.agent.openai_agent"
     if form == "command":
@@ -88,6 +97,10 @@ def test_an_openai_sdk_agent_trains_through_the_gateway(tmp_path, mode, form):
     for r in steps:
         assert r["agent/sessions"] >= 8 and r["agent/chains_per_session"] == 2.0 and r["agent/requests_per_session"] == 2
         assert r["training/rollout_probs_diff_max"] <= 1e-5
+    spans = per_sample(tmp_path)  # samples.jsonl: each session's calls and the agent's time between them
+    trained = [kinds for kinds in spans.values() if "consumed" in kinds]
+    assert trained and all({"request_queue", "agent", "reward"} <= kinds and ({"prefill", "decode"} <= kinds
+                                                                             or "gen" in kinds) for kinds in trained)
     if form == "function":  # row 5 (and 13, ...) fails: its sample, not the step
         failed = [r["agent/failed_sessions"] for r in steps]
         assert all(f < r["agent/sessions"] for f, r in zip(failed, steps))

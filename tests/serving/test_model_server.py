@@ -90,3 +90,32 @@ def test_full_determinism_gives_a_request_the_same_verdict_alone_and_amid_others
         assert a["output_ids"] == b["output_ids"]  # a request's own seed, without the server's
     finally:
         s.close()
+
+
+def test_the_shipped_fapo_style_reward_asks_a_served_judge(model_dir):
+    """plait/configs/rewards/gsm8k_judge.py (the smollm2_gsm8k_judge preset's reward) with a tiny judge: a right
+    training answer is judged (its verdict parsed or not, never an error), a wrong one and a validation row are
+    scored by the rule alone, without a request."""
+    import importlib.util
+
+    from transformers import AutoTokenizer
+
+    from plait.configtree import shipped_tool_config
+    spec = importlib.util.spec_from_file_location("gsm8k_judge", shipped_tool_config("gsm8k_judge", "rewards", ".py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    s = server(model_dir, max_tokens=8, defaults={"temperature": 0.0})
+    try:
+        tok = AutoTokenizer.from_pretrained(model_dir)
+        info = {"split": "train", "question": "Tom has 2 apples and buys 3. How many?"}
+        score = lambda solution, extra: asyncio.run(module.compute_score(  # noqa: E731
+            "gsm8k_synthetic", solution, "5", extra, s.address, tok))
+        right = score("2 + 3 = 5. #### 5", info)
+        assert right["acc"] == 1.0 and right["judged"] == 1.0 and right["score"] in (0.0, 1.0)
+        assert right["score"] == 1.0 - right["flawed_positive"]
+        before = len(s.rounds)
+        assert score("2 + 3 = 6. #### 6", info)["judged"] == 0.0
+        assert score("2 + 3 = 5. #### 5", {**info, "split": "test"})["judged"] == 0.0
+        assert len(s.rounds) == before
+    finally:
+        s.close()

@@ -11,9 +11,10 @@ The judge is asked as FAPO asks verl's reward router: the prompt tokenised with 
 (`reward_model_tokenizer`), posted as token ids to SGLang's `/generate` at `reward_router_address`, greedy.
 """
 
+import asyncio
 import re
 
-import httpx
+import requests  # one of plait's own dependencies; any HTTP client works (FAPO's uses aiohttp)
 
 from plait.data.math_rewards import gsm8k_synthetic_score, last_boxed
 
@@ -61,11 +62,10 @@ async def compute_score(data_source, solution_str, ground_truth, extra_info, rew
     ids = reward_model_tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=True,
                                                      add_generation_prompt=True)
     ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)  # transformers 5 answers a BatchEncoding
-    async with httpx.AsyncClient(timeout=None) as client:
-        response = await client.post(f"http://{reward_router_address}/generate", json={
-            "input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": MAX_VERDICT_TOKENS}})
-        response.raise_for_status()
-        verdict = reward_model_tokenizer.decode(response.json()["output_ids"], skip_special_tokens=True)
+    response = await asyncio.to_thread(requests.post, f"http://{reward_router_address}/generate", json={
+        "input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": MAX_VERDICT_TOKENS}})
+    response.raise_for_status()
+    verdict = reward_model_tokenizer.decode(response.json()["output_ids"], skip_special_tokens=True)
     index = verdict_index(verdict)
     flawed = index is not None and index != -1
     return {**result, "judged": 1.0, "verdict_boxed": float(index is not None), "flawed_positive": float(flawed),

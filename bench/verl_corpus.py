@@ -9,7 +9,9 @@ it (`plait config show --entry-point MODULE ...`: the tree's checks and the pref
 what cannot exist here replaced, and recorded as such: model and data paths (a tiny Qwen2, a tiny
 classifier, a few arithmetic rows), a reward file (one defining the function the script names: the
 recipes' reward files import verl), the output folder, `rollout.name` (`hf`: vLLM and SGLang are not
-installed here) and `trainer.logger` (`console`: wandb is not installed here). Relative config and
+installed here; the reward model's too) and `trainer.logger` (`console`: wandb is not installed here). A
+reward model whose script's reward function takes verl's `reward_router_address` (a GenRM judge: FAPO's
+compute_score_fapo) is replaced by a tiny causal LM, and its stub reward takes verl's judge keywords. Relative config and
 tool paths are read against the corpus folder's root, as the scripts run from their repository root;
 a --config-path under a folder the user is to fill in (`BASEDIR=base_dir`) is found by its
 examples/ or recipe/ part.
@@ -123,6 +125,7 @@ TINY_LM_KEYS = ("actor_rollout_ref.model.path", "critic.model.path", "critic.mod
 CLASSIFIER_KEYS = ("reward_model.model.path", "reward.reward_model.model_path")
 REWARD_FILE_KEYS = {"custom_reward_function.path": "custom_reward_function.name",
                     "reward.custom_reward_function.path": "reward.custom_reward_function.name"}
+ENGINE_KEYS = ("actor_rollout_ref.rollout.name", "reward_model.rollout.name", "reward.reward_model.rollout.name")
 REPO_RELATIVE_KEYS = ("data.custom_cls.path", "actor_rollout_ref.rollout.multi_turn.tool_config_path",
                       "actor_rollout_ref.rollout.multi_turn.interaction_config_path",
                       "actor_rollout_ref.rollout.agent.agent_loop_config_path", "data.tool_config_path")
@@ -183,6 +186,8 @@ def substitute(args: list[str], fixtures: dict[str, str], root: Path) -> tuple[l
     """`args` with what cannot exist here replaced, and the keys that were."""
     out, replaced = [], []
     names = {k.lstrip("+~"): v for k, v in (a.split("=", 1) for a in args if "=" in a and not a.startswith("-"))}
+    judged = any(judges(root, names[k], names.get(REWARD_FILE_KEYS[k]) or "compute_score")
+                 for k in REWARD_FILE_KEYS if names.get(k))
     flags = iter(args)
     for a in flags:
         if a in ("--config-path", "--config-name"):  # the space-separated form
@@ -198,14 +203,14 @@ def substitute(args: list[str], fixtures: dict[str, str], root: Path) -> tuple[l
         if key in TINY_LM_KEYS and value:
             new = fixtures["model"]
         elif key in CLASSIFIER_KEYS and value:
-            new = fixtures["classifier"]
+            new = fixtures["judge" if judged else "classifier"]
         elif key in ("data.train_files", "data.val_files"):
             new = fixtures["train" if key == "data.train_files" else "val"]
         elif key == "trainer.default_local_dir":
             new = fixtures["out"]
         elif key in REWARD_FILE_KEYS and value:
-            new = reward_file(names.get(REWARD_FILE_KEYS[key]) or "compute_score", fixtures["out"])
-        elif key == "actor_rollout_ref.rollout.name" and value != "hf":
+            new = reward_file(names.get(REWARD_FILE_KEYS[key]) or "compute_score", fixtures["out"], judged)
+        elif key in ENGINE_KEYS and value != "hf":
             new = "hf"
         elif key == "trainer.logger":
             new = "[console]"
@@ -229,12 +234,26 @@ def config_folder(folder: str, root: Path) -> str:
     return str(path)
 
 
-def reward_file(name: str, folder: str) -> str:
-    path = Path(folder) / f"reward_{name}.py"
+def reward_file(name: str, folder: str, judged: bool = False) -> str:
+    path = Path(folder) / f"reward_{name}{'_judged' if judged else ''}.py"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(f"def {name}(data_source, solution_str, ground_truth, extra_info=None, **kwargs):\n"
-                    "    return float(solution_str.strip() == str(ground_truth))\n")
+    keywords = "reward_router_address=None, reward_model_tokenizer=None, " if judged else ""
+    path.write_text(f"{'async ' if judged else ''}def {name}(data_source, solution_str, ground_truth, extra_info=None, "
+                    f"{keywords}**kwargs):\n    return float(solution_str.strip() == str(ground_truth))\n")
     return str(path)
+
+
+def judges(root: Path, path: str, name: str) -> bool:
+    """Whether the script's own reward function (`name` in `path`, read against the corpus root, not run) takes
+    verl's reward_router_address: it asks a served reward model, a judge."""
+    import ast
+    file = root / path if not os.path.isabs(path) else Path(path)
+    try:
+        tree = ast.parse(file.read_text())
+    except (OSError, SyntaxError, ValueError):
+        return False
+    return any(isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == name and "reward_router_address"
+               in [a.arg for a in node.args.args + node.args.kwonlyargs] for node in ast.walk(tree))
 
 
 def load(module: str, args: list[str]) -> tuple[bool, str]:
@@ -314,6 +333,7 @@ def build_fixtures(folder: Path) -> dict[str, str]:
     tokenizer.save_pretrained(folder / "rm")
     train, val = write_task_files("arithmetic", folder / "data", 8, 4)
     return {"model": create_tiny_model(folder / "model", size="xs"), "classifier": str(folder / "rm"),
+            "judge": create_tiny_model(folder / "judge", size="xs", seed=1),
             "train": train, "val": val, "out": str(folder / "out")}
 
 

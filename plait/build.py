@@ -13,6 +13,7 @@ here and its name in TrainerConfig.mode (plait/config.py).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from functools import partial
@@ -27,11 +28,12 @@ from plait.trainers.diffusion import Conditions, DiffusionTrainer
 from plait.trainers.fully_async import FullyAsyncTrainer
 from plait.data.dataset import PromptDataset, load_dataset
 from plait.data.rewards import resolve_reward
-from plait.models import load_tokenizer, use_chat_template
+from plait.models import load_tokenizer, reward_model_kind, use_chat_template
 from plait.models_vl import is_vl_dir, load_processor
 from plait.trainers.lm import LMTrainer, Roles, check_images, uses_agent_loops
 from plait.workers.actor import Actor
 from plait.workers.critic import Critic
+from plait.workers.judge import Judge
 from plait.workers.precision import resolve_dtype
 from plait.workers.ref import Ref
 from plait.workers.reward_model import RewardModel
@@ -203,15 +205,39 @@ def build_lm_trainer(cfg: PlaitConfig, backend, device: str, tracker, mode: type
     """Model, data, reward and the four language-model roles, handed to the trainer `mode` (a row of MODES).
     In order: the model's folder, its tokenizer and the data (both checked before any model loads), the
     schedule's length, then the roles."""
-    reward_fn = resolve_reward(cfg.reward, cfg.data.max_response_length, cfg.trainer.experiment_name or cfg.trainer.mode)
+    judge = resolve_judge(cfg)
+    reward_fn = resolve_reward(cfg.reward, cfg.data.max_response_length, cfg.trainer.experiment_name or cfg.trainer.mode,
+                               judge)
     model_path = resolve_model(cfg)
     tokenizer = load_lm_tokenizer(cfg, model_path)
     train_data, val_data = load_lm_data(cfg, model_path, tokenizer)
     agent_loops = uses_agent_loops(cfg, train_data, val_data)  # unknown agent names: a config error, before any model
     check_images(cfg, agent_loops, train_data, val_data)
     resolve_schedule(cfg, len(train_data))
-    roles = spawn_lm_roles(cfg, backend, device, model_path, tokenizer, agent_loops)
+    roles = spawn_lm_roles(cfg, backend, device, model_path, tokenizer, agent_loops, judge)
     return mode(cfg, roles, tokenizer, train_data, val_data, reward_fn, backend.profile_targets(), tracker)
+
+
+def resolve_judge(cfg: PlaitConfig) -> str | None:
+    """The judge's folder when the reward model is a causal LM a reward function asks (a built-in name built on
+    first use); None for a classifier or no reward model (preflight refused the rest)."""
+    rm, custom = cfg.reward.reward_model, cfg.reward.custom_reward_function
+    if not rm.enable:
+        return None
+    from plait.builtin_models import builtin_model
+    builtin = builtin_model(rm.model_path)
+    if builtin is not None:
+        folder = builtin.build()
+        print(f"plait: reward.reward_model.model_path={rm.model_path}: {folder}", file=sys.stderr)
+        return folder
+    if reward_model_kind(rm.model_path, bool(custom.path)) == "judge":
+        return rm.model_path
+    unread = [f"reward.reward_model.rollout.{f.name}" for f in dataclasses.fields(rm.rollout)
+              if f.name != "name" and getattr(rm.rollout, f.name) != f.default]
+    if unread:  # verl serves a classifier from its rollout engine too; plait scores it in its reward_model role
+        print(f"plait: {', '.join(unread)}: no effect with a classifier reward model (plait scores it in its "
+              "reward_model role; the rollout block serves a judge)", file=sys.stderr)
+    return None
 
 
 def load_lm_tokenizer(cfg: PlaitConfig, model_path: str):
@@ -268,8 +294,10 @@ def resolve_schedule(cfg: PlaitConfig, n_train: int) -> None:
             optim.total_training_steps = cfg.total_steps(n_train // cfg.data.train_batch_size)
 
 
-def spawn_lm_roles(cfg: PlaitConfig, backend, device: str, model_path: str, tokenizer, agent_loops: bool) -> Roles:
-    """The actor, rollout, ref, critic and reward model, each spawned on the backend (None where not used)."""
+def spawn_lm_roles(cfg: PlaitConfig, backend, device: str, model_path: str, tokenizer, agent_loops: bool,
+                   judge: str | None = None) -> Roles:
+    """The actor, rollout, ref, critic and reward model (a classifier, or a causal LM served as a judge from the
+    folder `judge`), each spawned on the backend (None where not used)."""
     arr = cfg.actor_rollout_ref
     dtype = resolve_dtype("actor_rollout_ref.model.dtype", arr.model.dtype, device)
     rollout_dtype = dtype if arr.rollout.dtype == arr.model.dtype else resolve_dtype(
@@ -300,7 +328,9 @@ def spawn_lm_roles(cfg: PlaitConfig, backend, device: str, model_path: str, toke
         reward_model=(backend.spawn("reward_model", RewardModel, rm.model_path, tokenizer, micro_batch_size=rm.micro_batch_size_per_gpu,
                                     max_length=rm.max_length, input_tokenizer=rm.input_tokenizer, device=device, dtype=dtype,
                                     strategy=arr.actor.strategy, fsdp_config=arr.actor.fsdp_config)
-                      if rm.enable else None))
+                      if rm.enable and judge is None else None),
+        judge=(backend.spawn("reward_model", Judge, judge, rm.rollout, device=device, dtype=resolve_dtype(
+            "reward.reward_model.rollout.dtype", rm.rollout.dtype or model.dtype, device)) if judge else None))
 
 
 MODES = {

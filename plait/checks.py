@@ -34,7 +34,7 @@ def model_dirs_exist(cfg) -> None:
     paths = (("actor_rollout_ref.model.path", model.path if cfg.trainer.mode != "diffusion" and model.path not in BUILTIN_MODEL_NAMES else None),
              ("critic.model.path", cfg.critic.model.path if cfg.critic.enable else None),
              ("actor_rollout_ref.model.lora_adapter_path", model.lora_adapter_path if model.lora_rank else None),
-             ("reward.reward_model.model_path", rm.model_path if rm.enable else None))
+             ("reward.reward_model.model_path", rm.model_path if rm.enable and rm.model_path not in BUILTIN_MODEL_NAMES else None))
     raise_all([ConfigError(key, path, not_a_directory(path)) for key, path in paths
                if path is not None and not os.path.isdir(path)])
 

@@ -28,6 +28,7 @@ from plait.config_verl import (CPU_NO_EFFECT, CPU_RAY_NO_EFFECT, FIELD_NO_EFFECT
                                LOCAL_BACKEND_NO_EFFECT, NO_EFFECT, RECIPE_ROLLOUT_POOL, compose_yaml, drop_empty,
                                load_yaml, machine_notes, merge, refusal, resolve_interpolations)
 from plait.configtree import ConfigError, build, ConfigErrors, build_without, check, raise_all, to_dict
+from plait.configtree import shipped_tool_config  # noqa: F401 - config's name for it (tools, agents)
 from plait.data.rewards import RewardConfig
 from plait.profiler.config import GlobalProfilerConfig, RoleProfilerConfig
 from plait.trainers.v1_config import V1_MODES, V1Config
@@ -325,16 +326,6 @@ class EngineKwargsConfig:
 
 TRUNCATE_SIDES = ("left", "right", "middle")
 UNSUPPORTED_WHY = "is not implemented in plait's agent loops (docs/agents.md)"
-
-
-def shipped_tool_config(path: Optional[str], folder: str = "tools", ext: str = ".yaml") -> Optional[str]:
-    """`calculator` names plait/configs/tools/calculator.yaml (shipped in the package, so a packaged
-    preset needs no user path; agents: plait/configs/agents/<name>.py); an existing path, or a name with no
-    shipped file, is kept as given."""
-    shipped = os.path.join(os.path.dirname(__file__), "configs", folder, f"{path}{ext}")
-    if path is None or os.path.exists(path) or os.sep in path or not os.path.isfile(shipped):
-        return path
-    return shipped
 
 
 @dataclass
@@ -939,6 +930,10 @@ class PlaitConfig:
         if r.name is None:
             r.name = default_engine(self.actor_rollout_ref.model.path)
         r.dtype = r.dtype or self.actor_rollout_ref.model.dtype
+        judge = self.reward.reward_model.rollout
+        if judge.name is None:
+            judge.name = default_engine(self.reward.reward_model.model_path)
+        check(judge.name in ENGINES, "reward.reward_model.rollout.name", judge.name, f"one of {', '.join(ENGINES)}")
         if ENGINES[r.name].devices(r) > 1:  # an engine that does not read the key names it as having no effect
             check(torch_cuda_count() >= r.tensor_model_parallel_size and self.trainer.device != "cpu",
                   "actor_rollout_ref.rollout.tensor_model_parallel_size", r.tensor_model_parallel_size,
@@ -1136,6 +1131,13 @@ def parse_config(path: str | None = None, overrides: list[str] = (),
     return cfg, user, no_effect, moved, machine
 
 
+JUDGE_VLLM_ONLY = {
+    f"reward.reward_model.rollout.{key}": "vLLM engine settings of the judge: its engine is hf "
+                                          "(reward.reward_model.rollout.name=vllm reads them)"
+    for key in ("gpu_memory_utilization", "max_num_batched_tokens", "enforce_eager", "enable_chunked_prefill",
+                "enable_prefix_caching", "load_format")}
+
+
 def start_notices(cfg: PlaitConfig, user: dict, no_effect: list[str], moved: list[str],
                   machine: list[str]) -> list[str]:
     """The lines said at start, in order: the demo preset applies; which engine an unset rollout.name
@@ -1177,6 +1179,8 @@ def start_notices(cfg: PlaitConfig, user: dict, no_effect: list[str], moved: lis
     inert = {key: why for key, (default, why) in FIELD_NO_EFFECT.items() if user.get(key, default) != default}
     no_effect, cluster = no_effect + list(inert), {**cluster, **inert}
     no_effect += [key for key in user if any(p in engine.no_effect for p in _prefixes(key))]
+    if cfg.reward.reward_model.rollout.name != "vllm":  # the judge's vLLM settings, on plait's engine
+        no_effect, cluster = no_effect + [key for key in user if key in JUDGE_VLLM_ONLY], {**cluster, **JUDGE_VLLM_ONLY}
     if no_effect:
         lines.append(no_effect_notice(no_effect, cluster))
     lines += machine

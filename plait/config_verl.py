@@ -156,7 +156,32 @@ _GROUPS = {
         actor_rollout_ref.rollout.prometheus.served_model_name
         actor_rollout_ref.rollout.quantization
         actor_rollout_ref.rollout.quantization_config_file
-        reward.reward_model.rollout
+    """,
+    ("a judge's engine layout and tuning: each judge replica (reward.reward_model with a causal LM) is one engine "
+     "in one worker process, awake for the whole run"): """
+        reward.reward_model.rollout.tensor_model_parallel_size
+        reward.reward_model.rollout.data_parallel_size
+        reward.reward_model.rollout.expert_parallel_size
+        reward.reward_model.rollout.pipeline_model_parallel_size
+        reward.reward_model.rollout.free_cache_engine
+        reward.reward_model.rollout.cudagraph_capture_sizes
+        reward.reward_model.rollout.layered_summon
+        reward.reward_model.rollout.scheduling_policy
+        reward.reward_model.rollout.multi_stage_wake_up
+        reward.reward_model.rollout.engine_kwargs
+        reward.reward_model.rollout.limit_images
+        reward.reward_model.rollout.disable_log_stats
+        reward.reward_model.rollout.skip_tokenizer_init
+        reward.reward_model.rollout.disaggregation
+        reward.reward_model.rollout.quantization
+        reward.reward_model.rollout.quantization_config_file
+        reward.reward_model.rollout.mtp
+    """,
+    ("judge request fields verl's reward server does not read either (a request's own fields decide what it "
+     "samples)"): """
+        reward.reward_model.rollout.n
+        reward.reward_model.rollout.do_sample
+        reward.reward_model.rollout.ignore_eos
     """,
     ("rollout traces and data-side tool lists: plait's agent loops (rollout.multi_turn, rollout.agent) take "
      "their tools from rollout.multi_turn and keep no rollout trace"): """
@@ -481,6 +506,8 @@ _DEFAULT_ONLY = {
         actor_rollout_ref.model.lora.rank critic.model.lora.rank critic.model.lora.adapter_path
         actor_rollout_ref.model.lora.adapter_path"""),
     "quantization or multi-token prediction (plait trains and samples the plain model)": ((None, False), """
+        reward.reward_model.rollout.quantization reward.reward_model.rollout.quantization_config_file
+        reward.reward_model.rollout.mtp
         actor_rollout_ref.actor.qat.enable actor_rollout_ref.rollout.qat.enable
         actor_rollout_ref.actor.fsdp_config.qat.enable actor_rollout_ref.ref.fsdp_config.qat.enable
         actor_rollout_ref.rollout.quantization actor_rollout_ref.rollout.quantization_config_file

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import os
 import types
 import typing
 from typing import Any, Literal, Union, get_args, get_origin
@@ -213,3 +214,13 @@ def _name(tp: Any) -> str:
     if tp is type(None):
         return "null"
     return getattr(tp, "__name__", str(tp))
+
+
+def shipped_tool_config(path: str | None, folder: str = "tools", ext: str = ".yaml") -> str | None:
+    """`calculator` names plait/configs/tools/calculator.yaml (shipped in the package, so a packaged
+    preset needs no user path; agents: plait/configs/agents/<name>.py; reward files:
+    plait/configs/rewards/<name>.py); an existing path, or a name with no shipped file, is kept as given."""
+    shipped = os.path.join(os.path.dirname(__file__), "configs", folder, f"{path}{ext}")
+    if path is None or os.path.exists(path) or os.sep in path or not os.path.isfile(shipped):
+        return path
+    return shipped

@@ -23,7 +23,8 @@ from plait.checks import check_data_files, check_loggers, collect_errors, not_a_
 from plait.data.dataset import read_column
 from plait.data.rewards import needs_string_truth, resolve_reward, unscored_sources
 from plait.builtin_models import builtin_model
-from plait.models import check_model_dir, check_reward_model_dir
+from plait.workers.engine import ENGINES
+from plait.models import GENRM, RM_KEY, check_model_dir, reward_model_kind
 from plait.profiler import RoleProfilerConfig, validate_environment
 from plait.profiler.config import ROLE_KEYS
 from plait.trainers.checkpoint import checkpoint_callback_class, checkpoint_steps, make_checkpoint_callback, output_dir_lock
@@ -106,8 +107,18 @@ def check_model_path(cfg: PlaitConfig) -> None:
         checks.append(lambda: check_model_dir("actor_rollout_ref.model.path", model.path))
     if cfg.critic.enable and cfg.critic.model.path:
         checks.append(lambda: check_model_dir("critic.model.path", cfg.critic.model.path, tokenizer=False))
-    if rm.enable and rm.model_path is not None and os.path.isdir(rm.model_path):
-        checks.append(lambda: check_reward_model_dir(rm.model_path))
+    judge = builtin_model(rm.model_path) if rm.enable else None
+
+    def builtin_judge():  # a built-in model as the reward model is a causal LM: a reward function must ask it
+        if not cfg.reward.custom_reward_function.path:
+            raise ConfigError(RM_KEY, rm.model_path, f"a built-in causal LM without a reward function to ask it: {GENRM}")
+        judge.check(RM_KEY, rm.model_path)
+        judge_engine(cfg)
+    if judge is not None:
+        checks.append(builtin_judge)
+    elif rm.enable and rm.model_path is not None and os.path.isdir(rm.model_path):
+        checks.append(lambda: reward_model_kind(rm.model_path, bool(cfg.reward.custom_reward_function.path)) == "judge"
+                      and judge_engine(cfg))
     errors = []
     for check in checks:
         try:
@@ -115,10 +126,18 @@ def check_model_path(cfg: PlaitConfig) -> None:
         except ConfigError as err:
             errors.append(err)
     for key, path in (("actor_rollout_ref.model.lora_adapter_path", model.lora_adapter_path if model.lora_rank else None),
-                      ("reward.reward_model.model_path", rm.model_path if rm.enable else None)):
+                      ("reward.reward_model.model_path", rm.model_path if rm.enable and judge is None else None)):
         if path is not None and not os.path.isdir(path):
             errors.append(ConfigError(key, path, not_a_directory(path)))
     raise_all(errors)
+
+
+def judge_engine(cfg: PlaitConfig) -> None:
+    """A judge's engine must run here (a classifier reward model does not use one: verl serves it from vLLM)."""
+    name = cfg.reward.reward_model.rollout.name
+    why = ENGINES[name].unavailable()
+    if why is not None:
+        raise ConfigError("reward.reward_model.rollout.name", name, why)
 
 
 def preflight(cfg: PlaitConfig) -> None:

@@ -179,24 +179,36 @@ def load_causal_lm(path: str | Path, dtype: torch.dtype = torch.float32,
 
 
 RM_KEY = "reward.reward_model.model_path"
-GENRM = ("plait's reward model is a *ForSequenceClassification checkpoint with its trained score head; a causal LM "
-         "that judges (verl's generative reward model, GenRM) is not implemented, and loading one as a classifier "
-         "would score with a randomly initialised head")
+GENRM = ("plait's reward model is a *ForSequenceClassification checkpoint with its trained score head, or a causal LM "
+         "that judges (verl's generative reward model, GenRM) when a reward function asks it (reward.custom_reward_"
+         "function.path: an async def taking reward_router_address and reward_model_tokenizer, docs/rewards.md); "
+         "loaded as a classifier it would score with a randomly initialised head")
 
 
-def check_reward_model_dir(path: str | Path) -> None:
-    """A reward model directory whose config.json names no *ForSequenceClassification architecture is a
-    ConfigError (read as JSON: nothing runs)."""
+def reward_model_kind(path: str | Path, reward_fn: bool = False) -> str:
+    """"classifier" for a *ForSequenceClassification checkpoint; "judge" for a causal LM when a reward function
+    (`reward_fn`) is there to ask it (checked as a policy's folder is: weights, tokenizer). Anything else is a
+    ConfigError (config.json read as JSON: nothing runs)."""
     try:
         config = json.loads((Path(path) / "config.json").read_text())
     except FileNotFoundError:
         raise ConfigError(RM_KEY, str(path), "no config.json: not a Hugging Face model directory") from None
     except (ValueError, OSError) as err:
         raise ConfigError(RM_KEY, str(path), f"config.json is unreadable ({type(err).__name__}: {err})") from None
-    arch = (config.get("architectures") or []) if isinstance(config, dict) else []
-    if not any(str(a).endswith("ForSequenceClassification") for a in arch):
-        raise ConfigError(RM_KEY, str(path), f"a {', '.join(map(str, arch)) or 'model with no architectures'} "
-                                             f"checkpoint: {GENRM}")
+    arch = [str(a) for a in (config.get("architectures") or [])] if isinstance(config, dict) else []
+    if any(a.endswith("ForSequenceClassification") for a in arch):
+        return "classifier"
+    if reward_fn and any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in arch):
+        check_model_dir(RM_KEY, path)
+        return "judge"
+    raise ConfigError(RM_KEY, str(path), f"a {', '.join(arch) or 'model with no architectures'} checkpoint"
+                                         f"{' without a reward function to ask it' if arch else ''}: {GENRM}")
+
+
+def check_reward_model_dir(path: str | Path) -> None:
+    """A reward model directory whose config.json names no *ForSequenceClassification architecture is a
+    ConfigError: a classifier is what `load_reward_model` loads."""
+    reward_model_kind(path)
 
 
 def load_reward_model(path: str | Path, dtype: torch.dtype = torch.float32,

@@ -37,7 +37,7 @@ CLASSES = [
      r"multi_stage_wake_up|engine_kwargs|skip_tokenizer_init|prometheus|prompt_length|response_length|"
      r"disaggregation|router_config_path|moe_load_balance|full_determinism|checkpoint_engine|skip_dump_dir|trace|"
      r"sglang_rollout_mode$|server$)|"
-     r"^reward\.reward_model\.rollout$"),
+     r"^reward\.reward_model\.rollout\.(tensor_model_parallel_size|free_cache_engine|limit_images)$"),
     ("profiler", "machinery", r"profiler"),
     # speculative decoding with a model's MTP heads samples the same distribution; training them is refused
     ("multi-token-prediction decoding", "machinery", r"\.mtp\.(enable|enable_rollout|detach_encoder|speculative_\w+|"
@@ -60,7 +60,10 @@ CLASSES = [
     # trainer.rl_logging_board_dir (no code of verl or verl-recipe reads it)
     ("keys verl 0.9.1 does not read either", "machinery",
      r"^algorithm\.rollout_correction\.(rollout_rs_threshold_lower|rollout_token_veto_threshold)$|"
-     r"^actor_rollout_ref\.rollout\.over_sample_rate$|^data\.min_response_length$|^trainer\.rl_logging_board_dir$"),
+     r"^actor_rollout_ref\.rollout\.over_sample_rate$|^data\.min_response_length$|^trainer\.rl_logging_board_dir$|"
+     # a judge's HTTP requests: verl's reward server samples what each request asks over its
+     # override_generation_config (temperature, top_k, top_p, max_new_tokens), never rollout.n, do_sample, ignore_eos
+     r"^reward\.reward_model\.rollout\.(n|do_sample|ignore_eos)$"),
     ("deprecated global micro-batch sizes and derived keys", "machinery",
      r"(ppo_micro_batch_size|log_prob_micro_batch_size|forward_micro_batch_size|forward_micro_batch_size_per_gpu)$"),
 ]
@@ -117,6 +120,8 @@ ON = {
     "actor_rollout_ref.actor.router_replay.mode": "R3", "actor_rollout_ref.ref.router_replay.mode": "R2",
     "actor_rollout_ref.rollout.enable_rollout_routing_replay": True, "actor_rollout_ref.rollout.skip_rollout": True, "actor_rollout_ref.rollout.logprobs_mode": "raw_logprobs",
     "data.mm_processor_kwargs": "{max_pixels: 3136}",
+    "reward.reward_model.rollout.quantization": "fp8", "reward.reward_model.rollout.quantization_config_file": "/q.json",
+    "reward.reward_model.rollout.mtp.enable": True,
 }
 
 

@@ -56,3 +56,33 @@ def test_megatron_calls_are_told_apart():
     assert corpus.is_megatron(["actor_rollout_ref.actor.strategy=megatron"])
     assert corpus.is_megatron(["actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2"])
     assert not corpus.is_megatron(["actor_rollout_ref.actor.strategy=fsdp2", "trainer.experiment_name=x"])
+
+
+FAPO_REWARD = """
+async def compute_score_fapo(data_source, solution_str, ground_truth, extra_info, reward_router_address,
+                             reward_model_tokenizer):
+    return 0.0
+
+def compute_score_baseline(solution_str, ground_truth, **kwargs):
+    return 0.0
+"""
+
+
+def test_a_judges_reward_model_becomes_a_causal_lm_and_its_stub_takes_verls_keywords(tmp_path):
+    """FAPO's run_fapo_7b.sh: its reward function takes reward_router_address, so its reward model (FAPO-GenRM-4B)
+    is a judge: replaced by a causal LM, not a classifier; the judge's sglang engine by hf. Its baseline script
+    (no reward model, a function without the keyword) keeps the plain stub."""
+    (tmp_path / "recipe" / "fapo").mkdir(parents=True)
+    (tmp_path / "recipe" / "fapo" / "reward_fn_reasoning.py").write_text(FAPO_REWARD)
+    fixtures = {"model": "/m", "classifier": "/rm", "judge": "/judge", "train": "/t", "val": "/v",
+                "out": str(tmp_path / "out")}
+    args = ["reward_model.enable=True", "reward_model.model.path=/models/FAPO-GenRM-4B", "reward_model.rollout.name=sglang",
+            "custom_reward_function.path=recipe/fapo/reward_fn_reasoning.py", "custom_reward_function.name=compute_score_fapo"]
+    out, replaced = corpus.substitute(args, fixtures, tmp_path)
+    assert "reward_model.model.path=/judge" in out and "reward_model.rollout.name=hf" in out
+    stub = next(a for a in out if a.startswith("custom_reward_function.path=")).split("=", 1)[1]
+    assert "async def compute_score_fapo(" in open(stub).read() and "reward_router_address" in open(stub).read()
+    baseline = [a.replace("compute_score_fapo", "compute_score_baseline") for a in args]
+    out, _ = corpus.substitute(baseline, fixtures, tmp_path)
+    assert "reward_model.model.path=/rm" in out
+    assert "reward_router_address" not in open(next(a for a in out if a.startswith("custom_reward_function.path=")).split("=", 1)[1]).read()

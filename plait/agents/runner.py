@@ -79,16 +79,20 @@ class Scheduler:
             self.cond.notify_all()
         return await req.future
 
-    def take(self, live: Callable[[], int], grace_s: float, stop: Callable[[], bool]) -> list[Request]:
-        """Block until a round is worth running; [] when `stop()` (all done, or an abort)."""
+    def take(self, live: Callable[[], int], grace_s: float, stop: Callable[[], bool],
+             most: int | None = None) -> list[Request]:
+        """Block until a round is worth running; [] when `stop()` (all done, or an abort). `most`: at most that
+        many requests a round, the oldest first (a served model's max_num_seqs)."""
         with self.cond:
             while True:
                 if stop():
                     return []
                 waited = time.perf_counter() - self.first_wait if self.queue else 0.0
                 grace = self.start_grace_s if self.rounds == 0 and self.submitted < self.expected else grace_s
-                if self.queue and (len(self.queue) >= live() or waited >= grace):
-                    batch, self.queue = self.queue, []
+                if self.queue and (len(self.queue) >= min(live(), most or live()) or waited >= grace):
+                    batch, self.queue = self.queue[:most], self.queue[most:] if most else []
+                    if self.queue:
+                        self.first_wait = time.perf_counter()
                     self.rounds += 1
                     return batch
                 self.cond.wait(timeout=grace_s / 4 if self.queue else 0.05)
@@ -103,8 +107,8 @@ def run_round(requests: list[Request], engine_round: Round, version: int) -> lis
     an abort cut short (they keep their tokens so far)."""
     cut = []
     groups: dict[tuple, list[Request]] = {}
-    for r in requests:
-        groups.setdefault(r.key(), []).append(r)
+    for i, r in enumerate(requests):  # a seeded request alone: its answer must not depend on its batch-mates
+        groups.setdefault(r.key() + ((i,) if "seed" in r.sampling else ()), []).append(r)
     now = time.time()
     for r in requests:
         r.started = r.started or now

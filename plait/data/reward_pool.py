@@ -14,6 +14,10 @@ trainer's state is untouched. Results come back through plait's plain-data unpic
 cannot hand the trainer anything but data. Workers start at the first call and end at
 `close_reward_workers()` (the lifecycle's shutdown), on EOF of their socket, or when the trainer dies.
 
+With a judge (a causal LM as the reward model, plait/workers/judge.py) each worker loads the judge's tokenizer
+once, before its first call (transformers and torch come with it: about 250 MB and several seconds a worker),
+and passes it to every call as `reward_model_tokenizer`, as verl's reward loop workers do.
+
 Limits: memory is RLIMIT_AS per worker (address space: a reward that starts CUDA needs far more
 than it uses). Processes are limited by a pids cgroup where plait may create one (cgroup v1
 `/sys/fs/cgroup/pids`), else by RLIMIT_NPROC (which does not bind root); `pids_limit()` says which.
@@ -57,10 +61,12 @@ def describe_call(name: str, args: tuple, kwargs: dict) -> str:
 
 @dataclass
 class RewardSpec:
-    """What a worker loads: the user's function `name` from the file at `path`."""
+    """What a worker loads: the user's function `name` from the file at `path`; with a judge, its tokenizer
+    (`judge_tokenizer`: the judge's folder), passed to every call as `reward_model_tokenizer` as verl does."""
     path: str
     name: str = "compute_score"
     reward_kwargs: dict = field(default_factory=dict)
+    judge_tokenizer: Optional[str] = None
 
 
 @dataclass(frozen=True)
@@ -357,7 +363,20 @@ def _load(spec: RewardSpec):
     module = importlib.util.module_from_spec(module_spec)
     module_spec.loader.exec_module(module)
     fn = getattr(module, spec.name)
-    return functools.partial(fn, **spec.reward_kwargs) if spec.reward_kwargs else fn
+    kwargs = dict(spec.reward_kwargs)
+    if spec.judge_tokenizer is not None:  # loaded once, in this process (transformers and torch: only for judges)
+        kwargs["reward_model_tokenizer"] = judge_tokenizer(spec.judge_tokenizer)
+    return functools.partial(fn, **kwargs) if kwargs else fn
+
+
+def judge_tokenizer(path: str):
+    """The judge's tokenizer as verl hands it to a reward function (hf_tokenizer): transformers' AutoTokenizer of
+    its folder, its pad token the EOS where it has none."""
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
 
 
 def _exit_with(parent: int):

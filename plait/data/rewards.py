@@ -36,11 +36,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from plait.configtree import ConfigError, build, check
+from plait.configtree import ConfigError, build, check, shipped_tool_config
 from plait.data.math_rewards import (DAPO_SOURCES, GEO3K_SOURCES, MATH_SOURCES, dapo_score, geo3k_score, gsm8k_score,
                                      gsm8k_synthetic_score, math_score)
 from plait.data.qa_rewards import SEARCH_R1_SOURCES, search_r1_score
-from plait.data.reward_pool import RewardPool, RewardSpec, describe_call, plain_result
+from plait.data.reward_pool import RewardPool, RewardSpec, describe_call, judge_tokenizer, plain_result
 from plait.data.sandbox_fusion import CODE_SOURCES, in_threads, sandbox_score
 from plait.errors import Interrupted, RunError
 from plait.profiler.config import RoleProfilerConfig
@@ -56,6 +56,7 @@ class CustomRewardConfig:
     timeout: Optional[float] = None           # plait's own: seconds one call may take; null: no limit
 
     def __post_init__(self):
+        self.path = shipped_tool_config(self.path, "rewards", ".py")  # a shipped reward file by name (gsm8k_judge)
         check(self.name is not None or self.path is None, "name", self.name, "the function's name when path is set")
         self.name = self.name or "compute_score"
         check(self.timeout is None or self.timeout > 0, "timeout", self.timeout, "seconds > 0, or null for no limit")
@@ -92,16 +93,59 @@ class RewardManagerConfig:
 
 
 @dataclass
+class JudgeRolloutConfig:
+    """`reward.reward_model.rollout`: the engine serving a judge (a causal-LM reward model, verl's GenRM) and the
+    defaults of the requests the reward function sends it, verl 0.9.1's names and defaults. The vLLM tuning keys
+    are read with name=vllm; verl's other engine keys are named at start (config_verl.py)."""
+    name: Optional[str] = None                # hf or vllm; null: the policy's rule (vLLM when installed, else hf)
+    dtype: Optional[str] = None               # null: actor_rollout_ref.model.dtype (as the rollout's; verl: bfloat16)
+    temperature: float = 1.0                  # a request's defaults where it names none (verl: the server's
+    top_p: float = 1.0                        # override_generation_config)
+    top_k: int = -1
+    prompt_length: int = 2048                 # with response_length: the context a request may hold (max_model_len
+    response_length: int = 2048               # null); response_length is a request's budget where it names none
+    max_model_len: Optional[int] = None
+    max_num_seqs: int = 1024                  # requests in one engine round (hf) / running at once (vLLM)
+    full_determinism: bool = False            # verl#7027: every request seeded (seed + replica) and sampled alone
+    seed: int = 42
+    gpu_memory_utilization: float = 0.5       # vLLM's, GPU only
+    max_num_batched_tokens: int = 8192        # vLLM's
+    enforce_eager: bool = True
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
+    load_format: str = "auto"
+
+    def __post_init__(self):
+        check(self.dtype in (None, "auto", "float32", "bfloat16", "float16"), "dtype", self.dtype,
+              "one of auto, float32, bfloat16, float16 or null (actor_rollout_ref.model.dtype)")
+        check(self.temperature >= 0, "temperature", self.temperature, ">= 0 (0: greedy)")
+        check(0 < self.top_p <= 1, "top_p", self.top_p, "in (0, 1]")
+        check(self.top_k >= -1, "top_k", self.top_k, "-1 or 0 (off) or a positive integer")
+        for key in ("prompt_length", "response_length", "max_num_seqs", "max_num_batched_tokens"):
+            check(getattr(self, key) >= 1, key, getattr(self, key), "an integer >= 1")
+        check(self.max_model_len is None or self.max_model_len > 1, "max_model_len", self.max_model_len,
+              "an integer > 1 or null (prompt_length + response_length)")
+        check(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization", self.gpu_memory_utilization, "in (0, 1]")
+
+    @property
+    def context(self) -> int:
+        """Prompt + answer tokens one request may hold."""
+        return self.max_model_len or self.prompt_length + self.response_length
+
+
+@dataclass
 class RewardModelConfig:
-    """`reward.reward_model`: a sequence-classification model whose score replaces the rule reward."""
+    """`reward.reward_model`: a sequence-classification model whose score replaces the rule reward, or a causal LM
+    served as a judge (verl's GenRM) that the reward function asks through `reward_router_address`."""
     enable: bool = False
-    model_path: Optional[str] = None          # a local Hugging Face sequence-classification model
+    model_path: Optional[str] = None          # a local Hugging Face sequence-classification model or causal LM
     # plait's own (verl 0.8's reward_model.* had them):
     input_tokenizer: Optional[str] = None     # null: the actor's tokenizer
     trust_remote_code: bool = False
     micro_batch_size_per_gpu: Optional[int] = None
     max_length: Optional[int] = None
     profiler: RoleProfilerConfig = field(default_factory=RoleProfilerConfig)
+    rollout: JudgeRolloutConfig = field(default_factory=JudgeRolloutConfig)  # a judge's engine (a causal LM only)
     # verl's reward pool (trainer.backend=ray): its own nnodes x n_gpus_per_node processes (CPU: worker
     # processes of trainer.ray.cpus_per_worker), data-parallel among themselves; off: the train pool's.
     enable_resource_pool: bool = False
@@ -114,7 +158,7 @@ class RewardModelConfig:
             check(self.n_gpus_per_node > 0, "n_gpus_per_node", self.n_gpus_per_node,
                   "> 0 with enable_resource_pool=true (devices per node; CPU: worker processes per node)")
         check(not self.enable or bool(self.model_path), "model_path", self.model_path,
-              "a local sequence-classification model directory with enable=true")
+              "a local sequence-classification model or causal LM (a judge) directory with enable=true")
         check(self.micro_batch_size_per_gpu is None or self.micro_batch_size_per_gpu > 0,
               "micro_batch_size_per_gpu", self.micro_batch_size_per_gpu, "> 0 or null (the whole batch)")
 
@@ -308,6 +352,7 @@ class ScoreRequest:
     ground_truths: list[Any]              # as stored in the rows
     extra_infos: list[dict | None]
     response_lengths: list[int]           # tokens, for length penalties
+    routers: list[str] | None = None      # a judge's replicas (host:port): response i asks routers[i % len]
 
     def __post_init__(self):
         sizes = {len(v) for v in (self.data_sources, self.ground_truths, self.extra_infos,
@@ -322,10 +367,16 @@ class ScoreRequest:
 Scores = tuple[list[float], dict[str, list[float]]]  # per response: score; extra metric -> values
 
 
+def judge_kwargs(req: ScoreRequest, i: int) -> dict:
+    """What verl adds to a reward call when a reward model is served: its router's address (here response i's
+    replica, as host:port); the worker adds `reward_model_tokenizer`."""
+    return {} if not req.routers else {"reward_router_address": req.routers[i % len(req.routers)]}
+
+
 def naive_manager(fn: Callable, req: ScoreRequest) -> Scores:
     """One call per response (verl's `naive`)."""
-    calls = [fn(data_source=d, solution_str=r, ground_truth=g, extra_info=e) for d, r, g, e in
-             zip(req.data_sources, req.responses, req.ground_truths, req.extra_infos)]
+    calls = [fn(data_source=d, solution_str=r, ground_truth=g, extra_info=e, **judge_kwargs(req, i)) for i, (d, r, g, e)
+             in enumerate(zip(req.data_sources, req.responses, req.ground_truths, req.extra_infos))]
     if calls and inspect.isawaitable(calls[0]):
         calls = _await_all(calls)
     return collect_results(calls, req.data_sources)
@@ -334,7 +385,7 @@ def naive_manager(fn: Callable, req: ScoreRequest) -> Scores:
 def batch_manager(fn: Callable, req: ScoreRequest) -> Scores:
     """One call with lists for the whole batch (verl's `batch`); it returns one result per response."""
     results = fn(data_sources=req.data_sources, solution_strs=req.responses,
-                 ground_truths=req.ground_truths, extra_infos=req.extra_infos)
+                 ground_truths=req.ground_truths, extra_infos=req.extra_infos, **judge_kwargs(req, 0))
     if inspect.isawaitable(results):
         results = _await_all([results])[0]
     if len(results) != len(req.responses):
@@ -411,19 +462,36 @@ def make_reward(fn: Callable, manager: str = "naive", overlong: OverlongBufferCo
     return functools.partial(MANAGERS[manager], fn)
 
 
-def resolve_reward(reward: RewardConfig, max_response_length: int,
-                   experiment_name: str | None = None) -> Callable[[ScoreRequest], Scores]:
+def resolve_reward(reward: RewardConfig, max_response_length: int, experiment_name: str | None = None,
+                   judge: str | None = None) -> Callable[[ScoreRequest], Scores]:
     """The batch scorer: the reward function (custom or built-in) under `reward.reward_manager.name`
-    (`experiment_name`: what verl's gdpo manager hands the function)."""
+    (`experiment_name`: what verl's gdpo manager hands the function); `judge`: the folder of the judge the
+    function asks (plait/workers/judge.py), or None."""
     max_resp_len = reward.reward_kwargs.get("max_resp_len") or max_response_length
-    return make_reward(resolve_reward_fn(reward), reward.reward_manager.name,
+    return make_reward(resolve_reward_fn(reward, judge), reward.reward_manager.name,
                        reward.overlong_buffer, max_resp_len, experiment_name)
 
 
-def resolve_reward_fn(reward: RewardConfig) -> Callable:
+JUDGE_KWARGS = ("reward_router_address", "reward_model_tokenizer")
+
+
+def check_judge_function(fn: Callable, name: str) -> None:
+    """A judge's reward function must take verl's two keywords (or **kwargs): a ConfigError at start, not a
+    TypeError at the first reward."""
+    params = inspect.signature(fn).parameters
+    takes = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    missing = [k for k in JUDGE_KWARGS if k not in params and not takes]
+    if missing:
+        raise ConfigError("reward.custom_reward_function.name", name, f"takes no {' or '.join(missing)}: with a "
+                          "judge (reward.reward_model: a causal LM) verl calls the reward function with "
+                          "reward_router_address (host:port) and reward_model_tokenizer; add them (or **kwargs)")
+
+
+def resolve_reward_fn(reward: RewardConfig, judge: str | None = None) -> Callable:
     """The guarded reward function, called in `reward.num_workers` worker processes (0: in this one,
     docs/reliability.md). A custom file is imported here once too, so a missing file, an import
-    error or a missing function is a config error before any work."""
+    error or a missing function is a config error before any work. With a `judge`, each call also gets
+    `reward_model_tokenizer`, the judge's tokenizer loaded where the function runs."""
     custom, sandbox = reward.custom_reward_function, reward.sandbox_fusion
     name, fn = "default_compute_score", default_compute_score
     if sandbox.url:  # as verl: only its default scorer gets the service, a custom function does not
@@ -437,10 +505,15 @@ def resolve_reward_fn(reward: RewardConfig) -> Callable:
             raise ConfigError("reward.custom_reward_function.path", custom.path, "no such file") from None
         except AttributeError as err:
             raise ConfigError("reward.custom_reward_function.name", custom.name, str(err)) from None
+    judge_path = judge if custom.path else None
+    if judge_path is not None:
+        check_judge_function(fn, name)
     if reward.num_workers == 0 or not custom.path:  # plait's own scorer runs here: it is not user code
+        if judge_path is not None:
+            fn = functools.partial(fn, reward_model_tokenizer=judge_tokenizer(judge_path))
         return guard_reward(fn, name, custom.timeout)
-    pool = RewardPool(RewardSpec(custom.path, custom.name, custom.reward_kwargs), name, reward.num_workers,
-                      custom.timeout, reward.memory_limit_mb, reward.max_processes)
+    pool = RewardPool(RewardSpec(custom.path, custom.name, custom.reward_kwargs, judge_path), name,
+                      reward.num_workers, custom.timeout, reward.memory_limit_mb, reward.max_processes)
     return guard_reward(pool, name)
 
 

@@ -9,7 +9,10 @@ Training calls belong to a session (one row's rollout, plait/serving/sessions.py
 rollout's settings (rollout.temperature, top_p, top_k: the trainer's log-probs are computed with them),
 so a request asking for others is answered with the rollout's, counted per session and said once per
 run; their budget is the chain's response budget. Calls outside a session (`plait serve`, a judge)
-sample as the request asks. Every sampled token is kept with its log-prob and policy version.
+sample as the request asks, with the server's defaults where it asks nothing (a judge's: its rollout block,
+as verl's reward server's override_generation_config); a call with a `seed` (or every call, where the server
+has one: a judge with full_determinism) is sampled alone with its own generator. Every sampled token is kept
+with its log-prob and policy version.
 """
 
 from __future__ import annotations
@@ -30,14 +33,18 @@ Generate = Callable[..., Awaitable[Any]]  # the engine queue's generate(request_
 
 class Gateway:
     def __init__(self, tokenizer, model_type: Optional[str], tool_format: str, eos_ids: list[int], model_name: str,
-                 generate: Optional[Generate] = None, max_tokens: int = 1024):
+                 generate: Optional[Generate] = None, max_tokens: int = 1024, defaults: Optional[dict] = None,
+                 seed: Optional[int] = None, context: Optional[int] = None):
         """`generate`: the engine queue for calls outside sessions (None: every call must name a session);
-        `max_tokens`: their default budget."""
+        `max_tokens`: their default budget; `defaults`: their temperature, top_p and top_k where a call names
+        none; `seed`: a call's seed where it names none (None: unseeded); `context`: prompt + answer tokens a
+        call may hold (None: no bound), its budget clamped to what is left."""
         self.tokenizer, self.format, self.eos, self.model_name = tokenizer, tool_format, set(eos_ids), model_name
         self.ct = ContinuousTokens(tokenizer, model_type)
         self.closing = closing_ids(self.ct)
         self.sessions: dict[str, Session] = {}
-        self.plain, self.max_tokens = generate, max_tokens
+        self.plain, self.max_tokens, self.seed, self.context = generate, max_tokens, seed, context
+        self.defaults = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, **(defaults or {})}
         self.said: set[str] = set()
         self.specials = [s for s in tokenizer.all_special_tokens if s]
 
@@ -104,10 +111,9 @@ class Gateway:
 
     async def _sample(self, session: Optional[Session], ids: list[int], req: ChatRequest, n: int, room: int = 0) -> list:
         if session is None:
-            sampling = {"temperature": 1.0 if req.temperature in (None, 0) else req.temperature,
-                        "top_p": 1.0 if req.top_p is None else req.top_p,
-                        "top_k": -1 if req.top_k is None else req.top_k, "do_sample": req.temperature != 0}
-            budget, generate = req.max_tokens or self.max_tokens, self.plain
+            sampling, budget, generate = self.plain_sampling(req, len(ids)), req.max_tokens or self.max_tokens, self.plain
+            if self.context is not None:
+                budget = min(budget, self.context - len(ids))
         else:
             sampling, generate = session.sampling, session.generate
             self._keep_rollout_sampling(session, req)
@@ -116,16 +122,29 @@ class Gateway:
                 return [_Empty() for _ in range(n)]
         spans = []
 
-        async def one():
+        async def one(k: int):
             submitted = _now()
+            seeded = {"seed": sampling["seed"] + k} if "seed" in sampling else {}  # n seeded samples differ
             out = await generate(request_id=uuid.uuid4().hex, prompt_ids=list(ids),
-                                 sampling_params={**sampling, "max_tokens": budget})
+                                 sampling_params={**sampling, **seeded, "max_tokens": budget})
             spans.append(Span(submitted, out.started or submitted, out.prefilled, _now(), len(out.token_ids)))
             return out
-        outs = await asyncio.gather(*(one() for _ in range(n)))
+        outs = await asyncio.gather(*(one(k) for k in range(n)))
         if session is not None:
             session.spans += spans
         return outs
+
+    def plain_sampling(self, req: ChatRequest, prompt_tokens: int) -> dict:
+        """A call's sampling outside sessions: what it asks, else the server's defaults; its seed, if any."""
+        if self.context is not None and prompt_tokens >= self.context:
+            raise ApiError(400, f"the prompt has {prompt_tokens} tokens and this server holds {self.context} in all "
+                                "(prompt and answer)", "messages", code="context_length_exceeded")
+        asked = {"temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k}
+        sampling = {k: self.defaults[k] if v is None else v for k, v in asked.items()}
+        greedy = sampling["temperature"] == 0
+        sampling.update(temperature=1.0 if greedy else sampling["temperature"], do_sample=not greedy)
+        seed = self.seed if req.seed is None else req.seed
+        return sampling if seed is None else {**sampling, "seed": seed}
 
     def _keep_rollout_sampling(self, session: Session, req: ChatRequest) -> None:
         asked = {"temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k}

@@ -2,15 +2,17 @@
 APIs' response bodies and server-sent events. Pure functions over dicts; no engine, no server.
 
 In: OpenAI Chat Completions (`messages`, `tools`, `tool_choice`, `n`, `temperature`, `top_p`,
-`max_tokens` / `max_completion_tokens`, `stop`, `logprobs`, `top_logprobs=0`, `stream`,
-`stream_options.include_usage`), OpenAI Completions (`prompt` as text or token ids) and Anthropic
+`max_tokens` / `max_completion_tokens`, `stop`, `seed`, `logprobs`, `top_logprobs=0`, `stream`,
+`stream_options.include_usage`), OpenAI Completions (`prompt` as text or token ids), Anthropic
 Messages (`system`, text / tool_use / tool_result blocks, `tools`, `tool_choice`, `stop_sequences`,
-`stream`). Both chats become chat-template messages (role, content as text, `tool_calls` with their
+`stream`) and SGLang's token-level `/generate` (`input_ids` or `text`, `sampling_params`: what verl's
+reward router answers a GenRM reward function's `generate` with). Both chats become chat-template messages (role, content as text, `tool_calls` with their
 arguments as objects, `tool_call_id`): what `apply_chat_template` and plait's Continuous-Token builder
 read. A field that would change what is sampled and that plait cannot honour (`presence_penalty`,
 `logit_bias`, a forced tool choice, a JSON schema, images, `top_logprobs` > 0) is refused with the
 API's own error shape and status (400), naming the field; fields that change nothing sampled
-(`user`, `metadata`, `seed`, `store`, ...) are accepted. Out: the APIs' bodies, with tool calls read
+(`user`, `metadata`, `store`, ...) are accepted. A `seed` samples the request alone with its own
+generator (outside sessions), so the same request with the same seed gets the same answer. Out: the APIs' bodies, with tool calls read
 from the model's text by plait's tool parsers (multi_turn.format).
 
 Left out: the Responses API, audio, images, `n` > 1 with streaming, true token-by-token streaming (an
@@ -55,6 +57,7 @@ class ChatRequest:
     top_p: Optional[float] = None
     top_k: Optional[int] = None
     stop: list[str] = field(default_factory=list)
+    seed: Optional[int] = None           # its own generator: the same request and seed, the same answer
     logprobs: bool = False
     stream: bool = False
     include_usage: bool = False
@@ -101,6 +104,7 @@ def _sampling(body: dict, into: ChatRequest, max_keys: tuple[str, ...]) -> None:
     into.temperature = _typed(body, "temperature", (int, float), lambda v: 0 <= v <= 2, "a number from 0 to 2")
     into.top_p = _typed(body, "top_p", (int, float), lambda v: 0 < v <= 1, "a number in (0, 1]")
     into.top_k = _typed(body, "top_k", int, lambda v: v >= -1, "an integer >= -1")
+    into.seed = _typed(body, "seed", int, lambda v: 0 <= v < 2**63, "an integer from 0 to 2**63 - 1")
     for key in max_keys:
         value = _typed(body, key, int, lambda v: v >= 1, "an integer >= 1")
         into.max_tokens = value if value is not None else into.max_tokens
@@ -244,6 +248,47 @@ def completion_request(body: Any, encode) -> tuple[list[int], ChatRequest]:
     raise ApiError(400, "'prompt' must be a non-empty string or a list of token ids (one prompt per request)", "prompt")
 
 
+GENERATE_NEUTRAL = {  # SGLang sampling_params that change what is sampled, with the value that changes nothing
+    "min_new_tokens": 0, "ignore_eos": False, "stop_token_ids": None, "json_schema": None, "regex": None,
+    "ebnf": None, "structural_tag": None, "custom_params": None,
+}
+GENERATE_REFUSED = ("input_embeds", "image_data", "video_data", "audio_data", "lora_path", "custom_logit_processor")
+
+
+def generate_request(body: Any, encode) -> tuple[list[int], ChatRequest, bool]:
+    """SGLang's `/generate` body (one prompt): (prompt token ids, the sampling, whether to return log-probs).
+    `input_ids` or `text` (`encode(text)` tokenises it); `sampling_params` in SGLang's names (`max_new_tokens`,
+    `temperature`, `top_p`, `top_k`, `stop`, `n`, `sampling_seed`) or vLLM's (`max_tokens`, `seed`), as verl's
+    servers take both."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    for key in GENERATE_REFUSED:
+        if body.get(key) not in (None, [], {}):
+            raise ApiError(400, f"'{key}' is not supported by this server (plait's /generate takes token ids or text)", key)
+    params = body.get("sampling_params") or {}
+    if not isinstance(params, dict):
+        raise ApiError(400, f"'sampling_params' must be an object, got {str(params)[:80]!r}", "sampling_params")
+    for key, neutral in GENERATE_NEUTRAL.items():
+        if params.get(key) not in (neutral, None, []):
+            raise ApiError(400, f"sampling_params.{key}={str(params[key])[:60]} is not supported by this server: it "
+                                "would change what is sampled and plait's engines do not implement it", key)
+    req = ChatRequest(messages=[], parse_tools=False)
+    given = {**params, "max_tokens": params.get("max_new_tokens", params.get("max_tokens")),
+             "seed": params.get("sampling_seed", params.get("seed")), "stream": body.get("stream")}
+    _sampling({k: v for k, v in given.items() if k not in ("max_new_tokens", "sampling_seed")}, req, ("max_tokens",))
+    if req.stream:
+        raise ApiError(400, "'stream' is not supported on /generate (the engine answers when it finishes)", "stream")
+    logprob = bool(_typed(body, "return_logprob", bool) or False)
+    ids, text = body.get("input_ids"), body.get("text")
+    if ids is not None and isinstance(ids, list) and ids and all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+        return list(ids), req, logprob
+    if ids is None and isinstance(text, str) and text:
+        return encode(text), req, logprob
+    raise ApiError(400, "'input_ids' (a non-empty list of token ids) or 'text' (a non-empty string) is required, one "
+                        "prompt per request", "input_ids")
+
+
 def anthropic_request(body: Any) -> ChatRequest:
     """An Anthropic Messages body; `system` becomes a system message, tool_result blocks tool messages."""
     if not isinstance(body, dict):
@@ -383,6 +428,20 @@ def completion_response(req: ChatRequest, choices: list[Choice], prompt_tokens: 
     return {"id": new_id("cmpl-"), "object": "text_completion", "created": int(time.time()), "model": req.model,
             "choices": out, "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
                                       "total_tokens": prompt_tokens + completion}}
+
+
+def generate_response(choices: list[Choice], prompt_tokens: int, logprob: bool, rid: str) -> dict | list[dict]:
+    """SGLang's `/generate` answer: `text`, `output_ids` and `meta_info` (finish_reason as {"type": "stop",
+    "matched": the EOS id or stop string} or {"type": "length", "length": n}); a list of them for n > 1."""
+    out = []
+    for c in choices:
+        finish = ({"type": "length", "length": len(c.token_ids)} if c.finish == "length" else
+                  {"type": "stop", "matched": c.stop_string if c.stop_string else (c.token_ids[-1] if c.token_ids else None)})
+        meta = {"id": rid, "finish_reason": finish, "prompt_tokens": prompt_tokens, "completion_tokens": len(c.token_ids)}
+        if logprob:
+            meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(c.logprobs, c.token_ids)]
+        out.append({"text": c.content, "output_ids": c.token_ids, "meta_info": meta})
+    return out[0] if len(out) == 1 else out
 
 
 def _offsets(texts: list[str]) -> list[int]:

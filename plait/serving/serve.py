@@ -1,8 +1,13 @@
-"""`plait serve MODEL`: the gateway's server without training, to chat with or evaluate a model.
+"""A model behind the gateway's server without training: `plait serve MODEL`, and a judge's replica.
 
     HTTP (server.py, on an event-loop thread) ──▶ Gateway (calls outside sessions) ──▶ Scheduler queue
-    this thread: take what is queued (a 20 ms window after the first request) ──▶ one engine round
-                 (hf: rounds of generate; vLLM: its continuous batching) ──▶ answers
+    engine thread: take what is queued (a window after the first request, at most max_num_seqs) ──▶ one
+                   engine round (hf: a batch of generate; vLLM: its continuous batching) ──▶ answers
+
+`ModelServer` is that whole: the engine (a Rollout worker's, chosen by a rollout node), the server on
+127.0.0.1 unless told otherwise, and the thread that runs engine rounds, each round recorded (wall clock,
+requests, tokens) for whoever accounts for the server's time (a judge's stage, plait/workers/judge.py).
+`serve` runs one until Ctrl-C.
 
 MODEL is a training checkpoint (`checkpoints/global_step_N`, or `checkpoints/` for its newest: its policy is
 exported to a temporary folder first, as `plait export` would), an exported or any transformers model
@@ -12,28 +17,107 @@ greedy); tool calls are read in the hermes format unless `--tool-format` says ot
 
 from __future__ import annotations
 
+import collections
 import os
 import sys
 import tempfile
 import threading
+import time
+from dataclasses import dataclass
 
 WINDOW_S = 0.02  # how long the first queued request waits for others to share its engine round
+
+
+@dataclass
+class EngineRound:
+    """One engine round of a served model (what its engine thread took from the queue at once; seeded requests in
+    it run an engine call each): wall-clock start and end, its requests and their tokens."""
+    start: float
+    end: float
+    requests: int
+    prompt_tokens: int
+    response_tokens: int
+
+
+class ModelServer:
+    """A model's engine behind the gateway's server (calls outside sessions), with its engine thread."""
+
+    def __init__(self, path: str, cfg, profiler, name: str, device: str = "cpu", dtype=None, host: str = "127.0.0.1",
+                 port: int = 0, max_tokens: int = 1024, tool_format: str = "hermes", defaults: dict | None = None,
+                 seed: int | None = None, context: int | None = None, max_num_seqs: int | None = None,
+                 window_s: float = WINDOW_S, stage: str = "serve"):
+        """`cfg`: the rollout node naming the engine and its settings; `profiler`: the role's handle (each round is
+        its `stage`); the rest: Gateway's (`max_tokens` the default budget, `context` prompt + answer)."""
+        import torch
+        from transformers import AutoConfig
+
+        from plait.agents.runner import EventLoopThread, Scheduler
+        from plait.models import load_tokenizer
+        from plait.serving.gateway import Gateway
+        from plait.serving.server import Server
+        from plait.workers.rollout import Rollout
+        tokenizer = load_tokenizer(path)
+        self.rollout = Rollout(path, max_tokens, tokenizer, profiler, device=device, dtype=dtype or torch.float32, cfg=cfg)
+        self.profiler, self.stage, self.window_s, self.max_num_seqs = profiler, stage, window_s, max_num_seqs
+        self.queue = Scheduler(context or max_tokens)
+        self.rounds: collections.deque[EngineRound] = collections.deque(maxlen=1 << 16)
+        self.stopped = threading.Event()
+        self.loop = EventLoopThread()
+        model_type = AutoConfig.from_pretrained(path, local_files_only=True).model_type
+        self.gateway = Gateway(tokenizer, model_type, tool_format, self.rollout.eos_ids, name, generate=self.queue.generate,
+                               max_tokens=max_tokens, defaults=defaults, seed=seed, context=context)
+        try:
+            self.server = Server(self.gateway, self.loop.loop, host, port)
+        except BaseException:
+            self.loop.close()
+            self.rollout.close()
+            raise
+        self.engine = threading.Thread(target=self._run, name=f"plait-{stage}-engine", daemon=True)
+        self.engine.start()
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+    @property
+    def address(self) -> str:
+        """host:port, as verl hands a reward function its `reward_router_address`."""
+        return self.server.url.removeprefix("http://")
+
+    def _run(self) -> None:
+        from plait.agents.runner import run_round
+        engine_round = self.rollout._round(seed=0)
+        while not self.stopped.is_set():
+            requests = self.queue.take(lambda: 1 << 30, self.window_s, self.stopped.is_set, self.max_num_seqs)
+            if not requests:
+                continue
+            start = time.time()
+            with self.profiler.annotate(self.stage):
+                run_round(requests, engine_round, 0)
+            self.rounds.append(EngineRound(start, time.time(), len(requests), sum(len(r.prompt_ids) for r in requests),
+                                           sum(len(r.tokens) for r in requests)))
+
+    def rounds_since(self, since: float) -> list[EngineRound]:
+        """The engine rounds that ended after `since` (wall clock)."""
+        return [r for r in list(self.rounds) if r.end > since]
+
+    def close(self) -> None:
+        self.stopped.set()
+        self.queue.notify()
+        self.engine.join(timeout=30)
+        self.server.close()
+        self.loop.close()
+        self.rollout.close()
 
 
 def serve(model: str, host: str = "127.0.0.1", port: int = 8000, engine: str | None = None, max_tokens: int = 1024,
           tool_format: str = "hermes", ready=None, stop: threading.Event | None = None) -> None:
     """Serve until Ctrl-C (or `stop` is set); `ready(url)` is called once the server listens."""
     import transformers
-    from transformers import AutoConfig
 
-    from plait.agents.runner import EventLoopThread, Scheduler, run_round
     from plait.config import RolloutConfig
-    from plait.models import load_tokenizer
     from plait.profiler.config import GlobalProfilerConfig, RoleProfilerConfig
     from plait.profiler.session import ProfilerSession
-    from plait.serving.gateway import Gateway
-    from plait.serving.server import Server
-    from plait.workers.rollout import Rollout
     from plait.configtree import ConfigError
     from plait.workers.engine import ENGINES, PLAIT_ENGINE
     stop = stop or threading.Event()
@@ -44,31 +128,21 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8000, engine: str | N
     transformers.utils.logging.disable_progress_bar()  # "Loading weights" for one small file
     with tempfile.TemporaryDirectory(prefix="plait-serve-") as scratch:
         path = model_folder(model, scratch)
-        tokenizer = load_tokenizer(path)
         profiler = ProfilerSession(GlobalProfilerConfig(), {"rollout": RoleProfilerConfig()}, rank=0).for_role("rollout")
-        rollout = Rollout(path, max_tokens, tokenizer, profiler, cfg=RolloutConfig(name=engine))
-        queue = Scheduler(max_tokens)
-        thread = EventLoopThread()
         name = os.path.basename(model.rstrip("/")) or model
-        gateway = Gateway(tokenizer, AutoConfig.from_pretrained(path, local_files_only=True).model_type, tool_format,
-                          rollout.eos_ids, name, generate=queue.generate, max_tokens=max_tokens)
-        server = Server(gateway, thread.loop, host, port)
+        server = ModelServer(path, RolloutConfig(name=engine), profiler, name, host=host, port=port,
+                             max_tokens=max_tokens, tool_format=tool_format)
         print(f"plait: serving {model} ({engine} engine) at {server.url}/v1 (OpenAI) and {server.url} (Anthropic); "
               "Ctrl-C stops", file=sys.stderr)
         if ready is not None:
             ready(server.url)
-        engine_round = rollout._round(seed=0)
         try:
-            while not stop.is_set():
-                requests = queue.take(lambda: 1 << 30, WINDOW_S, stop.is_set)
-                if requests:
-                    run_round(requests, engine_round, 0)
+            while not stop.wait(0.5):
+                pass
         except KeyboardInterrupt:
             pass
         finally:
             server.close()
-            thread.close()
-            rollout.close()
 
 
 def model_folder(model: str, scratch: str) -> str:

@@ -2,6 +2,7 @@
 
     /v1/chat/completions   /v1/completions   /v1/models        OpenAI (base_url .../v1)
     /v1/messages           /v1/messages/count_tokens           Anthropic (base_url ...)
+    /generate                                                  SGLang's token-level generate (verl's reward router)
     /sessions/{id}/...     the same, inside a session (one row's rollout while plait trains)
     POST /sessions/{id}/reward  {"reward": float}               the agent's own reward for its row
     GET /health
@@ -93,6 +94,18 @@ class Api:
             return _sse([f"data: {json.dumps(body)}\n\n", "data: [DONE]\n\n"])
         return JSONResponse(body)
 
+    @handled("openai")
+    async def generate(self, request: Request) -> Response:
+        """SGLang's `/generate`, as verl's reward router answers a GenRM reward function's token-level request."""
+        body = await self.body_of(request)
+        encode = lambda text: self.gateway.tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+        prompt_ids, req, logprob = protocol.generate_request(body, encode)
+        choices, prompt = await self.gateway.complete(prompt_ids, req, self.session_of(request))
+        for c in choices:  # SGLang's text: the output ids decoded without special tokens
+            c.content = self.gateway.tokenizer.decode(c.token_ids, skip_special_tokens=True)
+        rid = str(body.get("rid") or protocol.new_id(""))
+        return JSONResponse(protocol.generate_response(choices, prompt, logprob, rid))
+
     @handled("anthropic")
     async def messages(self, request: Request) -> Response:
         req = protocol.anthropic_request(await self.body_of(request))
@@ -134,6 +147,7 @@ def make_app(gateway: Gateway) -> Starlette:
     routes = [Route("/health", api.health, methods=["GET"]), Route("/sessions/{sid}/reward", api.reward, methods=["POST"])]
     for prefix in ("", "/sessions/{sid}"):
         routes += [Route(f"{prefix}/v1/chat/completions", api.chat, methods=["POST"]),
+                   Route(f"{prefix}/generate", api.generate, methods=["POST"]),
                    Route(f"{prefix}/v1/completions", api.completions, methods=["POST"]),
                    Route(f"{prefix}/v1/messages", api.messages, methods=["POST"]),
                    Route(f"{prefix}/v1/messages/count_tokens", api.count_tokens, methods=["POST"]),

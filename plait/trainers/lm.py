@@ -25,6 +25,7 @@ import math
 import os
 import random
 import shutil
+import sys
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -47,6 +48,7 @@ from plait.trainers.lifecycle import StageTimer, StepResult
 from plait.types import PromptBatch, RolloutBatch
 from plait.workers.actor import Actor
 from plait.workers.critic import Critic
+from plait.workers.judge import Judge
 from plait.workers.engine import ENGINES
 from plait.workers.packing import seqlen_metrics
 from plait.workers.ref import Ref
@@ -57,13 +59,15 @@ from plait.workers.weight_sync import sync_weights
 
 @dataclass
 class Roles:
-    """The worker groups a language-model trainer drives; ref, critic and reward_model are None when
-    unused (ref also with LoRA: the actor computes reference log-probs with its adapters off)."""
+    """The worker groups a language-model trainer drives; ref, critic, reward_model (a classifier) and judge (a
+    causal LM the reward function asks) are None when unused (ref also with LoRA: the actor computes reference
+    log-probs with its adapters off)."""
     actor: object
     rollout: object
     ref: object | None
     critic: object | None
     reward_model: object | None = None
+    judge: object | None = None
 
 
 def call_quietly(role, method) -> None:
@@ -121,6 +125,7 @@ class LMTrainer:
         self.keeps_pi_old = False  # separate_async: pi_old is the step's synced weights (Actor.keep_pi_old), not the current
         self.version = 0
         self.model_flops = None  # the policy's FLOPs per token (asked of the actor at start)
+        self.routers: list[str] | None = None  # the judge's replicas (host:port), asked at start
 
     # -- the Trainer protocol -------------------------------------------------------------------
 
@@ -130,6 +135,10 @@ class LMTrainer:
     def start(self) -> None:
         """Asked once here, not in a step: a step's time is its stages (profiler/analysis/accounting.py)."""
         self.model_flops = self.roles.actor.call(Actor.model_flops)
+        if self.roles.judge is not None:
+            self.routers = self.roles.judge.call(Judge.addresses)
+            print(f"plait: the judge ({self.cfg.reward.reward_model.model_path}, {len(self.routers)} replica(s)) answers "
+                  f"the reward function's reward_router_address at {', '.join(self.routers)}", file=sys.stderr)
 
     def train_step(self, step: int, timer: StageTimer) -> StepResult:
         start, results, samples, lengths = time.perf_counter(), [], 0, []
@@ -240,8 +249,10 @@ class LMTrainer:
         return self.targets
 
     def close(self) -> None:
-        """Stop the rollout engine's own processes (vLLM's engine core)."""
+        """Stop the rollout engine's own processes (vLLM's engine core), and the judge's server."""
         call_quietly(self.roles.rollout, Rollout.close)
+        if self.roles.judge is not None:
+            call_quietly(self.roles.judge, Judge.close)
 
     # -- what the modes change -----------------------------------------------------------------
 
@@ -289,8 +300,30 @@ class LMTrainer:
             return self.roles.reward_model.call(RewardModel.compute_rm_score, batch), {}
         texts = self.decode(batch.responses, batch.attended)  # tool / user turns included, as verl's reward managers see it
         lengths = batch.attended.sum(-1).long().tolist()
-        scores, extra = self.reward_fn(ScoreRequest(batch.data_sources, texts, batch.ground_truths, batch.extra_infos, lengths))
+        scores, extra = self.reward_fn(ScoreRequest(batch.data_sources, texts, batch.ground_truths, batch.extra_infos,
+                                                    lengths, self.routers))
         return loop_scores(batch, scores), extra
+
+    def judge_stage(self, since: float, timer: StageTimer) -> dict[str, float]:
+        """The judge's engine rounds since `since` (perf_counter, taken in the reward stage; called before it
+        ends) as the step's "judge" stage inside reward: their union as timeline spans and timing_s/judge; their
+        requests and tokens as judge/* metrics. {} without a judge."""
+        if self.roles.judge is None:
+            return {}
+        # Rounds are timed in wall clock, in the judge's process; clipped to this stage in this process's clock
+        # (a round's end is taken after its answers went out, so the reward may finish first).
+        until = time.perf_counter()
+        rounds = [r for r in self.roles.judge.call(Judge.rounds, since + WALL0) if r.start - WALL0 < until]
+        busy = 0.0
+        for start, end in union_of([(max(r.start - WALL0, since), min(r.end - WALL0, until)) for r in rounds]):
+            TIMELINE.add("trainer", "judge", start, end, timer.version)
+            busy += end - start
+        timer.times["judge"] = timer.times.get("judge", 0.0) + busy
+        requests = sum(r.requests for r in rounds)
+        return {"judge/requests": requests, "judge/rounds": len(rounds),
+                "judge/requests_per_round": requests / max(len(rounds), 1),
+                "judge/prompt_tokens/mean": sum(r.prompt_tokens for r in rounds) / max(requests, 1),
+                "judge/response_tokens/mean": sum(r.response_tokens for r in rounds) / max(requests, 1)}
 
     def greedy_baselines(self, batch: RolloutBatch) -> torch.Tensor:
         """ReMax's baseline [batch]: the score of one greedy response per prompt, generated now."""
@@ -326,7 +359,9 @@ class LMTrainer:
             num_gen += 1
             SAMPLES.take(batch.sample_ids or [], scoring := now())
             with timer.stage("reward"):
+                since = time.perf_counter()
                 s, e = self.score(batch)
+                judged = self.judge_stage(since, timer)
             SAMPLES.add_many(batch.sample_ids or [], "reward", scoring, now())
             ids = batch.group_ids.tolist()
             want = want or len(set(ids))
@@ -344,7 +379,7 @@ class LMTrainer:
                     [got[i] for i in rows] if got is not None else [math.nan] * len(rows))
         # groups with signal beyond the batch's share count as dropped too (verl: discarded surplus)
         return RolloutBatch.concat(parts), (scores, extras), {"train/num_gen_batches": num_gen,
-                                                              "training/filter_groups/evicted_samples": dropped}
+                                                              "training/filter_groups/evicted_samples": dropped, **judged}
 
     def learn(self, batch: RolloutBatch, timer: StageTimer, update_actor: bool = True,
               scored: Scores | None = None) -> StepResult:
@@ -355,7 +390,10 @@ class LMTrainer:
         SAMPLES.take(ids, now())
         scoring = now()
         with timer.stage("reward"):
+            since = time.perf_counter()
             scores, extra = self.score(batch) if scored is None else scored
+            if scored is None:
+                metrics.update(self.judge_stage(since, timer))
             batch.scores = scores
             batch.token_scores = last_token_scores(scores, batch.response_mask)
             for key, values in extra.items():
@@ -615,6 +653,17 @@ def session_owners(infos: list[dict] | None) -> torch.Tensor | None:
     owner = [r if "session" not in i else -1 if i["session"]["failure"] else final[i["session"]["id"]]
              for r, i in enumerate(infos)]
     return None if owner == list(range(len(infos))) else torch.tensor(owner)
+
+
+def union_of(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Overlapping (start, end) spans merged: the time any of them covers, once (replicas judging at once)."""
+    out: list[tuple[float, float]] = []
+    for start, end in sorted(spans):
+        if out and start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], end))
+        else:
+            out.append((start, end))
+    return out
 
 
 def record_tool_spans(batch: RolloutBatch) -> None:

@@ -89,6 +89,9 @@ def run_verdict(output_dir: str, records: list[dict], first: int, summary: dict)
         return [], None, None
 
 
+NESTED = {"judge": "reward"}  # a stage timed inside another (the judge's rounds within the reward stage)
+
+
 def summarise(records: list[dict], first_step: int, last_step: int, clock: RunClock, profiler_s: float,
               paths: dict[str, Optional[str]], status: str) -> dict:
     """The summary of one run (one process) from its metrics.jsonl records."""
@@ -105,6 +108,9 @@ def summarise(records: list[dict], first_step: int, last_step: int, clock: RunCl
         for k, v in r.items():
             if k.startswith("timing_s/") and k not in ("timing_s/step", "timing_s/testing") and _is_num(v):
                 stages[k.removeprefix("timing_s/")] += v
+    for inner, outer in NESTED.items():  # counted once: the outer stage's share is what the inner one leaves
+        if inner in stages and outer in stages:
+            stages[outer] = max(stages[outer] - stages[inner], 0.0)
     whole = sum(stages.values()) or 1.0
     return {
         "status": status,

@@ -68,7 +68,9 @@ class Rollout:
             def on_forward(i: int) -> None:
                 if i == 1:
                     marks["prefilled"] = time.time()
-            gen = self.engine.generate(ids, params(sampling, max_new_tokens), generator=generator, on_forward=on_forward)
+            # a seeded request (a judge's, plait serve's) samples from its own generator: the same answer every time
+            own = torch.Generator().manual_seed(int(sampling["seed"])) if "seed" in sampling else generator
+            gen = self.engine.generate(ids, params(sampling, max_new_tokens), generator=own, on_forward=on_forward)
             gen.prefilled = marks.get("prefilled", 0.0)
             return gen
         if not self.engine.continuous:

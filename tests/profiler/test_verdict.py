@@ -125,6 +125,26 @@ def test_a_slow_reward_asks_for_reward_workers():
     assert V.reward_bound(facts(BALANCED, {"reward.custom_reward_function.path": "/r.py"})) is None
 
 
+def test_a_busy_judge_asks_for_fuller_rounds_unseeded_rounds_or_shorter_verdicts():
+    judged = {**BALANCED, "reward": 1.0, "judge": 3.0}  # the judge's engine rounds, nested in reward
+    full = {"judge/requests": 64.0, "judge/rounds": 8.0, "judge/requests_per_round": 8.0,
+            "judge/response_tokens/mean": 40.0}
+    custom = {"reward.custom_reward_function.path": "/r.py", "reward.num_workers": 8,
+              "reward.reward_model.rollout.response_length": 512}
+    v = V.judge_bound(facts(judged, custom, full))
+    assert (v.where, v.key, v.value) == ("judge", "reward.num_workers", 16)
+    assert v.predicted["judge_s"] == pytest.approx(1.5) and "64 judge requests in 8 engine rounds" in v.driver
+    assert V.verdicts(facts(judged, custom, full))[0].rule == "judge_bound"
+    seeded = V.judge_bound(facts(judged, {**custom, "reward.reward_model.rollout.full_determinism": True}, full))
+    assert (seeded.key, seeded.value) == ("reward.reward_model.rollout.full_determinism", False)
+    assert seeded.predicted["judge_s"] == pytest.approx(3.0 / 8)
+    cut = {**full, "judge/requests_per_round": 2.0, "judge/response_tokens/mean": 500.0}
+    short = V.judge_bound(facts(judged, custom, cut))
+    assert (short.key, short.value) == ("reward.reward_model.rollout.response_length", 256)
+    assert V.judge_bound(facts(judged, custom, {**cut, "judge/response_tokens/mean": 100.0})) is None  # no cause
+    assert V.judge_bound(facts({**judged, "judge": 1.0}, custom, full)) is None  # below JUDGE_SHARE
+
+
 def test_weight_sync_share_names_its_knob():
     v = V.weight_sync(facts({**TRAIN, "param_sync": 2.0}, ASYNC))
     assert (v.key, v.value) == ("async_training.trigger_parameter_sync_step", 2)

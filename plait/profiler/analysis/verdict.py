@@ -42,6 +42,8 @@ IDLE_LOW = 0.10        # ... and one that waits < 10 % is the bottleneck
 TAIL_RATIO = 3.0       # response length p99 / median >= 3: the tail holds generation
 TAIL_GEN_SHARE = 0.25  # ... when generation is >= 25 % of the step (sync) or the trainer waits on it
 REWARD_SHARE = 0.20    # reward >= 20 % of the step
+JUDGE_SHARE = 0.20     # the judge's engine rounds (a GenRM, inside reward) >= 20 % of the step
+FULL_ROUNDS = 0.75     # ... with rounds of >= 75 % of reward.num_workers requests: as full as the workers make them
 SYNC_SHARE = 0.15      # weight sync >= 15 % of the step
 UPDATE_SHARE = 0.40    # update_actor >= 40 % of the step, with a cause below
 MICRO_BATCHES = 4      # >= 4 micro-batches per optimizer step: raise the micro-batch
@@ -71,6 +73,7 @@ SETTINGS = {
     "actor_rollout_ref.rollout.profiler.enable": "bool", "actor_rollout_ref.rollout.profiler.tool_config.torch.profile_token_end": "int?",
     "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu": "int?", "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu": "int?",
     "critic.ppo_micro_batch_size_per_gpu": "int?", "actor_rollout_ref.rollout.max_num_seqs": "int?",
+    "reward.reward_model.rollout.response_length": "int?", "reward.reward_model.rollout.full_determinism": "bool",
     "memory_capacity_gb": "num?", "device": "str?",
 }
 
@@ -398,6 +401,36 @@ def reward_bound(f: Facts) -> Optional[Verdict]:
                    {"reward_s": bound, "step_s": f.step_s - reward + bound})
 
 
+def judge_bound(f: Facts) -> Optional[Verdict]:
+    """The judge >= JUDGE_SHARE: unseeded rounds (full_determinism samples each request alone), bigger rounds
+    (more reward workers asking at once) when they are as full as the workers allow, else shorter verdicts when
+    they run into their budget."""
+    share, judge, m, s = f.trainer.get("judge", 0.0), f.trainer_s.get("judge", 0.0), f.metrics, f.settings
+    if share < JUDGE_SHARE or not judge:
+        return None
+    workers, per_round = s.get("reward.num_workers", 0), m.get("judge/requests_per_round", 0.0)
+    requests, rounds = m.get("judge/requests", 0.0), m.get("judge/rounds", 0.0)
+    tokens, budget = m.get("judge/response_tokens/mean", 0.0), s.get("reward.reward_model.rollout.response_length")
+    evidence = [f"judge {judge:.3g} s of a {f.step_s:.3g} s step",
+                f"{requests:.0f} judge requests in {rounds:.0f} engine rounds ({per_round:.3g} a round)",
+                f"reward.num_workers={workers}", f"{tokens:.0f} tokens a verdict (budget {budget})"]
+    inputs = {"judge_s": judge, "requests": requests, "rounds": rounds, "num_workers": workers, "tokens": tokens}
+    if s.get("reward.reward_model.rollout.full_determinism") and workers > 1:
+        key, value, bound = "reward.reward_model.rollout.full_determinism", False, judge / workers
+        what = f"rounds of up to {workers} requests instead of one (unseeded: verdicts then vary run to run)"
+    elif workers and per_round >= FULL_ROUNDS * workers and requests > workers:
+        key, value, bound = "reward.num_workers", 2 * workers, judge / 2
+        what = f"judge rounds of up to {2 * workers} requests, half as many"
+    elif budget and tokens >= 0.9 * budget:
+        key, value, bound = "reward.reward_model.rollout.response_length", budget // 2, judge / 2
+        what = "verdicts cut at half the tokens (a reward function that names max_tokens keeps its own)"
+    else:
+        return None
+    return Verdict("judge_bound", "judge", share, _of_step(f), f"{requests:.0f} judge requests in {rounds:.0f} engine rounds",
+                   key, value, f"{what}; judge about {bound:.3g} s instead of {judge:.3g} s if a round takes as long",
+                   (judge - bound) / f.step_s, evidence, inputs, {"judge_s": bound})
+
+
 def weight_sync(f: Facts) -> Optional[Verdict]:
     """The weight sync >= SYNC_SHARE: fewer syncs (fully_async) or an in-process one (colocated)."""
     stage = next((k for k in ("param_sync", "update_weights") if k in f.trainer), None)
@@ -676,7 +709,7 @@ def unattributed(f: Facts) -> Optional[Verdict]:
                    {"unattributed_s": f.trainer_s.get(UNATTRIBUTED, 0.0), "step_s": f.step_s}, {})
 
 
-RULES: list[Callable[[Facts], Any]] = [generation_bound, async_idle, response_tail, reward_bound, weight_sync,
+RULES: list[Callable[[Facts], Any]] = [generation_bound, async_idle, response_tail, reward_bound, judge_bound, weight_sync,
                                        update_cost, straggler, memory_full, overhead, unattributed]
 
 

@@ -31,6 +31,7 @@ from plait.configtree import ConfigError, build, ConfigErrors, build_without, ch
 from plait.data.rewards import RewardConfig
 from plait.profiler.config import GlobalProfilerConfig, RoleProfilerConfig
 from plait.workers.diffusion_config import DiffusionConfig
+from plait.workers.distillation_config import DistillationConfig, check_lengths, notes as distillation_notes
 from plait.workers.engine import ENGINES, default_engine, engine_no_effect, unset_note
 
 
@@ -789,6 +790,7 @@ class PlaitConfig:
     warmstart: WarmStartConfig = field(default_factory=WarmStartConfig)
     diffusion: DiffusionConfig = field(default_factory=DiffusionConfig)
     async_training: AsyncTrainingConfig = field(default_factory=AsyncTrainingConfig)
+    distillation: DistillationConfig = field(default_factory=DistillationConfig)
 
     def __post_init__(self):
         actor = self.actor_rollout_ref.actor
@@ -843,6 +845,7 @@ class PlaitConfig:
               "false with trainer.mode=diffusion (DAPO's dynamic sampling runs in the language-model modes)")
         self._resolve_correction(mode)
         self._resolve_engine()
+        self._resolve_distillation(lm)
         if mode == "fully_async":
             a = self.async_training
             required = actor.ppo_mini_batch_size * a.require_batches
@@ -892,6 +895,18 @@ class PlaitConfig:
                   "actor_rollout_ref.rollout.tensor_model_parallel_size", r.tensor_model_parallel_size,
                   f"1 here: tensor parallelism needs {r.tensor_model_parallel_size} CUDA devices and this machine "
                   f"has {torch_cuda_count()}")
+
+    def _resolve_distillation(self, lm: bool) -> None:
+        """The teachers' inference keys that verl fills from the student's rollout, then verl's length check."""
+        d, r = self.distillation, self.actor_rollout_ref.rollout
+        check(lm or not d.enabled, "distillation.enabled", True, "false with trainer.mode=diffusion (on-policy "
+              "distillation trains language models)")
+        for t in d.teacher_models.values():
+            i = t.inference
+            i.name, i.dtype, i.temperature = i.name or r.name, i.dtype or r.dtype, r.temperature if i.temperature is None else i.temperature
+            i.prompt_length = i.prompt_length or self.data.max_prompt_length
+            i.response_length = i.response_length or self.data.max_response_length
+        check_lengths(d, self.data.max_prompt_length, self.data.max_response_length)
 
     def _inherit(self) -> None:
         """verl's null keys: a micro-batch takes the whole (mini-)batch, a token length or seed the key it follows."""
@@ -1114,6 +1129,7 @@ def start_notices(cfg: PlaitConfig, user: dict, no_effect: list[str], moved: lis
     no_effect += [key for key in user if any(p in engine.no_effect for p in _prefixes(key))]
     if no_effect:
         lines.append(no_effect_notice(no_effect, cluster))
+    lines += distillation_notes(cfg.distillation, user, cfg.trainer.backend)
     lines += machine
     if moved:
         lines.append("plait: verl 0.8 reward keys mapped onto verl 0.9's reward tree: " + ", ".join(moved))

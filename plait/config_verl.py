@@ -391,9 +391,8 @@ _GROUPS = {
         data.mm_processor_kwargs
         actor_rollout_ref.actor.num_images_in_input
     """,
-    ("verl 0.9 subsystems plait does not have (on-policy distillation, the transfer queue, the v1 trainer's "
+    ("verl 0.9 subsystems plait does not have (the transfer queue, the v1 trainer's "
      "own modes and sampler, rollout skipping/caching, checkpoint callbacks); each refuses to be enabled"): """
-        distillation
         transfer_queue
         trainer.use_v1
         trainer.v1
@@ -513,8 +512,7 @@ FIELD_NO_EFFECT = {
         "batch: plait generates the extra batches one at a time (the same groups are kept, only slower)")}
 
 # verl 0.9 switches of subsystems whose other keys have no effect here: turning one on is refused.
-ENABLES = {"distillation.enabled": "on-policy distillation (distillation.*)",
-           "transfer_queue.enable": "verl's transfer queue (its main_ppo recipe)",
+ENABLES = {"transfer_queue.enable": "verl's transfer queue (its main_ppo recipe)",
            "trainer.v1.trainer_mode": "verl's v1 trainer modes (plait's modes: trainer.mode=sync, one_step_off, fully_async)",
            **{f"skip.{part}.enable": "skipping rollouts from a dump (skip.*)" for part in ("rollout", "rollout_tq", "async_rollout")}}
 

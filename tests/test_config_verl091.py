@@ -98,7 +98,7 @@ def test_legacy_nulls_are_unset_as_in_verl(capsys):
 
 
 @pytest.mark.parametrize("override, words", [
-    ("distillation.enabled=true", "on-policy distillation"),
+    ("distillation.enabled=true", "a local teacher model directory with enabled=true"),  # implemented: needs a teacher
     ("transfer_queue.enable=true", "transfer queue"),
     ("trainer.v1.trainer_mode=separate_async", "v1 trainer modes"),
     ("skip.rollout.enable=true", "skipping rollouts"),

@@ -19,6 +19,7 @@ gathers its log-probs at the teacher's top-k ids, plait/workers/logprobs.py).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -76,11 +77,14 @@ def forward_kl_topk(student_logp: Tensor, teacher_logp: Tensor, teacher_ids: Ten
 
 
 def topk_metrics(aux: dict[str, Tensor], mask: Tensor, k: int) -> tuple[dict[str, float], dict[str, float]]:
-    """verl's top-k diagnostics over the response tokens of `mask`: (means, {name: (min or max)})."""
+    """verl's top-k diagnostics over the response tokens of `mask`: (means, {name: min or max}); without
+    tokens, 0 and the extremes' neutral +-inf (the same names on every data-parallel rank)."""
     valid = mask.bool()
     student, teacher = aux["student_mass"][valid], aux["teacher_mass"][valid]
     if student.numel() == 0:
-        return {}, {}
+        return ({f"distillation/{k}": 0.0 for k in ("student_mass", "teacher_mass", "overlap_ratio", "overlap_token_advantage")},
+                {f"distillation/{k}_{e}": math.inf if e == "min" else -math.inf
+                 for k in ("student_mass", "teacher_mass") for e in ("min", "max")})
     count, where = aux["overlap_count"], valid & (aux["overlap_count"] > 0)
     means = {"distillation/student_mass": student.mean().item(), "distillation/teacher_mass": teacher.mean().item(),
              "distillation/overlap_ratio": count[valid].float().mean().item() / k,
@@ -99,14 +103,11 @@ def distillation_loss(knobs: DistillationKnobs, losses: Tensor, logp: Tensor, ol
     Supervised: agg_loss of the clamped losses. Policy gradient: PPO's vanilla clipped loss of `logp`
     against `old_logp` with advantages -losses (detached), clip_c 3 (verl's default: its distillation
     config has none). Metrics are verl's: distillation/abs_loss (estimator modes), loss_min / loss_max
-    (before clamping) and, with the policy gradient, pg_clipfrac, ppo_kl, pg_clipfrac_lower."""
-    valid = mask.bool()
-    means, extremes = {}, {}
-    if valid.any():
-        if not knobs.topk:  # k1 can be negative: the mean of |loss|
-            means["distillation/abs_loss"] = losses.detach()[valid].abs().mean().item()
-        extremes = {"distillation/loss_min": losses.detach()[valid].min().item(),
-                    "distillation/loss_max": losses.detach()[valid].max().item()}
+    (before clamping; +-inf without tokens) and, with the policy gradient, pg_clipfrac, ppo_kl, pg_clipfrac_lower."""
+    valid = losses.detach()[mask.bool()]                                                     # [tokens]
+    means = {} if knobs.topk else {"distillation/abs_loss": valid.abs().mean().item() if valid.numel() else 0.0}
+    extremes = {"distillation/loss_min": valid.min().item() if valid.numel() else math.inf,  # none: the neutral
+                "distillation/loss_max": valid.max().item() if valid.numel() else -math.inf}
     if knobs.loss_max_clamp is not None:  # both sides: k1 is negative where the student is the less likely
         losses = losses.clamp(-knobs.loss_max_clamp, knobs.loss_max_clamp)
     agg = dict(num_tokens=num_tokens, num_seqs=num_seqs, loss_scale_factor=loss_scale_factor)
@@ -114,7 +115,7 @@ def distillation_loss(knobs: DistillationKnobs, losses: Tensor, logp: Tensor, ol
         return agg_loss(losses, mask, agg_mode, **agg), means, extremes
     loss, pg = ppo_policy_loss(logp, old_logp, -losses.detach(), mask, knobs.clip_low, knobs.clip_high, 3.0, agg_mode,
                                is_weights=is_weights, **agg)
-    means.update({f"distillation/{k}": v for k, v in pg.items()})
+    means.update({f"distillation/{k}": v for k, v in pg.items()})  # masked_mean: 0 without tokens
     return loss, means, extremes
 
 

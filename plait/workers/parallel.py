@@ -90,6 +90,15 @@ def global_max(value: int) -> int:
     return int(t.item())
 
 
+def global_maxes(values: list[float]) -> list[float]:
+    """Each value's maximum over data-parallel ranks, in one collective (identity on one rank)."""
+    if dp_rank_size()[1] == 1:
+        return values
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
 def data_parallel(batch: RolloutBatch, forward: Callable[[RolloutBatch], tuple], who: str) -> tuple:
     """`forward` (tensors [rows, ...] out) on this rank's share of the batch's rows; every rank's
     results gathered in one collective, so each rank returns the whole batch's [batch, ...] on CPU."""

@@ -31,7 +31,8 @@ from plait.configtree import ConfigError, build, ConfigErrors, build_without, ch
 from plait.data.rewards import RewardConfig
 from plait.profiler.config import GlobalProfilerConfig, RoleProfilerConfig
 from plait.workers.diffusion_config import DiffusionConfig
-from plait.workers.distillation_config import DistillationConfig, check_lengths, notes as distillation_notes
+from plait.workers.distillation_config import (DistillationConfig, check_lengths, no_effect as distillation_no_effect,
+                                               notes as distillation_notes)
 from plait.workers.engine import ENGINES, default_engine, engine_no_effect, unset_note
 
 
@@ -1126,10 +1127,12 @@ def start_notices(cfg: PlaitConfig, user: dict, no_effect: list[str], moved: lis
     no_effect = no_effect + [key for key in user if key in cluster]
     inert = {key: why for key, (default, why) in FIELD_NO_EFFECT.items() if user.get(key, default) != default}
     no_effect, cluster = no_effect + list(inert), {**cluster, **inert}
+    teacher_inert = distillation_no_effect(cfg.distillation, user, cfg.trainer.backend)
+    no_effect, cluster = no_effect + list(teacher_inert), {**cluster, **teacher_inert}
     no_effect += [key for key in user if any(p in engine.no_effect for p in _prefixes(key))]
     if no_effect:
         lines.append(no_effect_notice(no_effect, cluster))
-    lines += distillation_notes(cfg.distillation, user, cfg.trainer.backend)
+    lines += distillation_notes(cfg.distillation)
     lines += machine
     if moved:
         lines.append("plait: verl 0.8 reward keys mapped onto verl 0.9's reward tree: " + ", ".join(moved))

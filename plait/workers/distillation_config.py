@@ -6,7 +6,7 @@ plait.config reads these nodes to build and check the tree, so they import no to
 What differs from verl, by design: a teacher is not served by a rollout engine here. Each teacher
 worker holds every teacher as a transformers model and scores the student's tokens with one forward
 pass (the ref role's code path), so the engine's tuning keys (`inference.gpu_memory_utilization`, ...)
-have no effect and are named at start (`notes`); `inference.max_num_batched_tokens` bounds the tokens of
+have no effect and are named at start (`no_effect`); `inference.max_num_batched_tokens` bounds the tokens of
 one teacher forward, `inference.dtype` is its compute dtype, `inference.max_model_len` is checked as verl
 checks it. `distillation.nnodes=0` (verl's default, which verl refuses with distillation on) runs the
 teachers beside the actor on its workers; `nnodes > 0` gives them a pool of their own on Ray
@@ -175,34 +175,39 @@ class DistillationConfig:
             out[t.key] = t
         if self.pool_size:
             total = sum(t.num_replicas * t.inference.per_replica_world_size for t in out.values())
-            check(total == self.pool_size, "n_gpus_per_node", self.n_gpus_per_node,
-                  f"nnodes x n_gpus_per_node = {self.pool_size} must equal the teachers' num_replicas x per-replica "
+            check(total == self.pool_size, "nnodes x n_gpus_per_node", f"{self.nnodes} x {self.n_gpus_per_node}",
+                  f"the teacher pool's {self.pool_size} devices must equal the teachers' num_replicas x per-replica "
                   f"sizes summed ({total}), as verl requires")
         return out
 
 
-def notes(cfg: DistillationConfig, user: dict, backend: str) -> list[str]:
-    """The start lines: the teacher inference keys set that have no effect here, and verl's temperature warning."""
+def no_effect(cfg: DistillationConfig, user: dict, backend: str) -> dict[str, str]:
+    """The teacher keys set that have no effect here: key -> why (plait.config names them in its start block)."""
     if not cfg.enabled:
-        return []
-    lines, inert, parallel = [], [], []
+        return {}
+    engine = ("a teacher's serving-engine settings: plait's teachers score the student's tokens with a transformers "
+              "forward pass in its own workers")
+    parallel = ("a teacher's parallel sizes: each teacher worker holds whole teachers (no tensor or pipeline "
+                "parallelism); the sizes enter only verl's check of the teacher pool's size")
+    out = {}
     for key in user:
         parts = key.split(".")
         if parts[:2] == ["distillation", "teacher_models"] and len(parts) >= 5 and parts[3] == "inference":
-            (inert if parts[4] in ENGINE_KEYS else parallel if parts[4] in PARALLEL_KEYS else []).append(key)
-    if backend == "local":
-        inert += [k for k in ("distillation.nnodes", "distillation.n_gpus_per_node") if k in user]
-    if inert:
-        lines.append("plait: no effect here (the teachers score the student's tokens with a transformers forward "
-                     "in plait's workers, not a serving engine" + (", in the driver process on the local backend"
-                                                                   if backend == "local" else "") + "): " + ", ".join(inert))
-    if parallel:
-        lines.append("plait: " + ", ".join(parallel) + ": each teacher worker holds whole teachers (no tensor or "
-                     "pipeline parallelism); the sizes enter verl's pool-size check only")
-    for key, t in cfg.teachers().items():
-        if t.inference.temperature not in (None, 1.0):
-            lines.append(f"plait: teacher {key!r}: inference.temperature={t.inference.temperature} has no effect: the "
-                         "teacher's log-probs are at temperature 1.0, as verl computes them")
+            why = engine if parts[4] in ENGINE_KEYS else parallel if parts[4] in PARALLEL_KEYS else None
+            if why:
+                out[key] = why
+        elif backend == "local" and key in ("distillation.nnodes", "distillation.n_gpus_per_node"):
+            out[key] = "the teacher pool's size: the local backend runs the teachers in this process"
+    return out
+
+
+def notes(cfg: DistillationConfig) -> list[str]:
+    """verl's warnings about teacher settings, as start lines."""
+    if not cfg.enabled:
+        return []
+    lines = [f"plait: teacher {key!r}: inference.temperature={t.inference.temperature} has no effect: the teacher's "
+             "log-probs are at temperature 1.0, as verl computes them"
+             for key, t in cfg.teachers().items() if t.inference.temperature not in (None, 1.0)]
     if cfg.distillation_loss.use_policy_gradient and cfg.distillation_loss.loss_mode in DISTILLATION_TOPK_MODES:
         lines.append("plait: distillation.distillation_loss.loss_mode=forward_kl_topk with use_policy_gradient=true: "
                      "the update then uses only the sampled token's log-prob, so most of the top-k signal is unused "

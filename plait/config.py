@@ -846,7 +846,6 @@ class PlaitConfig:
               "false with trainer.mode=diffusion (DAPO's dynamic sampling runs in the language-model modes)")
         self._resolve_correction(mode)
         self._resolve_engine()
-        self._resolve_distillation(lm)
         if mode == "fully_async":
             a = self.async_training
             required = actor.ppo_mini_batch_size * a.require_batches
@@ -886,7 +885,8 @@ class PlaitConfig:
 
     def _resolve_engine(self) -> None:
         """rollout.name unset: the engine table's default (workers/engine.py); the rollout's dtype follows
-        the model's; an engine holding several devices needs that many CUDA devices."""
+        the model's; an engine holding several devices needs that many CUDA devices; the distillation
+        teachers' inference blocks follow the rollout's (`_resolve_teachers`)."""
         r = self.actor_rollout_ref.rollout
         if r.name is None:
             r.name = default_engine(self.actor_rollout_ref.model.path)
@@ -896,15 +896,18 @@ class PlaitConfig:
                   "actor_rollout_ref.rollout.tensor_model_parallel_size", r.tensor_model_parallel_size,
                   f"1 here: tensor parallelism needs {r.tensor_model_parallel_size} CUDA devices and this machine "
                   f"has {torch_cuda_count()}")
+        self._resolve_teachers()
 
-    def _resolve_distillation(self, lm: bool) -> None:
-        """The teachers' inference keys that verl fills from the student's rollout, then verl's length check."""
+    def _resolve_teachers(self) -> None:
+        """The distillation teachers' inference keys that verl fills from the student's rollout, then verl's length
+        check."""
         d, r = self.distillation, self.actor_rollout_ref.rollout
-        check(lm or not d.enabled, "distillation.enabled", True, "false with trainer.mode=diffusion (on-policy "
-              "distillation trains language models)")
+        check(self.trainer.mode != "diffusion" or not d.enabled, "distillation.enabled", True,
+              "false with trainer.mode=diffusion (on-policy distillation trains language models)")
         for t in d.teacher_models.values():
             i = t.inference
-            i.name, i.dtype, i.temperature = i.name or r.name, i.dtype or r.dtype, r.temperature if i.temperature is None else i.temperature
+            i.name, i.dtype = i.name or r.name, i.dtype or r.dtype
+            i.temperature = r.temperature if i.temperature is None else i.temperature
             i.prompt_length = i.prompt_length or self.data.max_prompt_length
             i.response_length = i.response_length or self.data.max_response_length
         check_lengths(d, self.data.max_prompt_length, self.data.max_response_length)

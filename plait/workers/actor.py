@@ -40,7 +40,7 @@ from plait.workers.logprobs import check_lm_head, response_logprobs, response_st
 from plait.workers.packing import MicroBatching, checked_remove_padding
 from plait.workers.parallel import (SHARDED_DIR, EvenMicroBatching, all_reduce_grads, check_same_batch, checkpoint_state,
                                     clip_grads, data_parallel, dp_rank_size, dp_share, even_micro_batches, full_state_dict,
-                                    global_maxes, global_sum, is_sharded, load_checkpoint_state, load_sharded,
+                                    global_extremes, global_sum, is_sharded, load_checkpoint_state, load_sharded,
                                     offloads_optimizer,
                                     optimizer_step, save_sharded, shard_model, use_fsdp)
 from plait.workers.precision import cast_buffers, compute_autocast, role_dtype
@@ -126,6 +126,12 @@ def make_optimizer(params, cfg: OptimConfig):
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: lr_factor(s + first, total, warmup, kind, cfg.min_lr_ratio, cfg.num_cycles))
     return opt, sched
+
+
+def add_stats(into: dict[str, float], new: dict[str, float], weight: float) -> None:
+    """Sum a micro-batch's per-token means into a mini-batch's, weighted by its share of the tokens."""
+    for k, v in new.items():
+        into[k] = into.get(k, 0.0) + v * weight
 
 
 def merge_extremes(into: dict[str, float], new: dict[str, float]) -> None:
@@ -239,7 +245,11 @@ class Actor:
 
     def _optimizer_step(self, mini: RolloutBatch,
                         correction: RolloutCorrectionConfig | None) -> tuple[dict[str, float], dict[str, float]]:
-        """One optimizer step over a mini-batch: (metrics to average over mini-batches, verl's min/max ones)."""
+        """One optimizer step over a mini-batch: (metrics to average over mini-batches, verl's min/max ones).
+
+        Over 60 lines: the micro-batch loop adds the loss terms in the order of verl's ppo_loss and
+        distillation_ppo_loss (policy, entropy, KL, distillation) on one screen; spread over helpers, that
+        order would be hidden."""
         cfg = self.cfg
         bypass = correction is not None and correction.bypass_mode
         loss_masks = mini.response_mask if mini.loss_mask is None else mini.loss_mask
@@ -262,11 +272,10 @@ class Actor:
         topk = self.distill is not None and self.distill.topk
         for rows, padding in even_micro_batches(self.layout.split(mini), self.model):
             micro = mini.select(rows)
-            with self.autocast():
-                if topk:  # the student's log-probs at the teacher's top-k tokens, from the same LM head pass
-                    logp, ent, *student_topk = micro_topk_forward(self.model, micro, self.temperature, self.layout.remove_padding)
-                else:
-                    logp, ent = micro_forward(self.model, micro, self.temperature, True, self.layout.remove_padding)
+            with self.autocast():  # top-k distillation: the log-probs at the teacher's top-k too, from one LM head pass
+                logp, ent, *student_topk = (micro_topk_forward(self.model, micro, self.temperature, self.layout.remove_padding)
+                                            if topk else micro_forward(self.model, micro, self.temperature, True,
+                                                                       self.layout.remove_padding))
             if padding:  # FSDP2: this rank's collectives match the busiest rank's; the gradient gets nothing
                 (logp.sum() * 0.0).backward()
                 continue
@@ -292,29 +301,23 @@ class Actor:
                 loss = loss + cfg.kl_loss_coef * kl_loss
                 stats["kl_loss"] += kl_loss.item()
             if self.distill is not None:  # verl's distillation_ppo_loss: the distillation loss beside or instead
-                d_loss, d_means, d_ext = self._distillation_loss(micro, logp, student_topk if topk else None, loss_mask,
-                                                                 knobs, norm)
+                d_loss, d_means, d_ext = self._distillation_loss(micro, logp, student_topk or None, loss_mask, knobs, norm)
                 loss = total_loss(loss, d_loss, self.distill)
-                stats["distillation/loss"] = stats.get("distillation/loss", 0.0) + d_loss.item()
-                for k, v in d_means.items():
-                    stats[k] = stats.get(k, 0.0) + v * weight
+                stats["distillation/loss"] = stats.get("distillation/loss", 0.0) + d_loss.item()  # summed, as pg_loss
+                add_stats(stats, d_means, weight)
                 merge_extremes(extremes, d_ext)
             loss.backward()
             stats["pg_loss"] += pg_loss.item()
             stats["entropy"] += entropy.item()
-            for k, v in pg_stats.items():  # per-token means (and rollout_corr/* in bypass mode): token-weighted
-                stats[k] = stats.get(k, 0.0) + v * weight
+            add_stats(stats, pg_stats, weight)  # per-token means (and rollout_corr/* in bypass mode): token-weighted
         all_reduce_grads(self.model)
         grad_norm = clip_grads(self.model, cfg.grad_clip)
         if math.isfinite(grad_norm):  # a non-finite norm would poison the weights: skip the step
             optimizer_step(self.optimizer, self.offload_optimizer)
         stats = dict(zip(stats, global_sum(list(stats.values()))))  # each rank summed its rows' parts
         stats["grad_norm"] = grad_norm
-        signs = [-1.0 if k.endswith("_min") else 1.0 for k in extremes]     # a minimum: the maximum of the negatives
-        maxima = global_maxes([s * v for s, v in zip(signs, extremes.values())])
-        extremes = {k: s * v for k, s, v in zip(extremes, signs, maxima)}
         return {(f"actor/{k}" if k.startswith("distillation/") else k): v for k, v in stats.items()}, \
-            {f"actor/{k}": v for k, v in extremes.items()}
+            {f"actor/{k}": v for k, v in global_extremes(extremes).items()}
 
     def _distillation_loss(self, micro: RolloutBatch, logp: torch.Tensor, student_topk: list | None, loss_mask: torch.Tensor,
                            knobs: PolicyLossKnobs, norm: dict) -> tuple[torch.Tensor, dict[str, float], dict[str, float]]:

@@ -140,3 +140,16 @@ def test_rows_no_teacher_is_routed_to_are_one_line(tmp_path, teacher):
     errors = [line for line in proc.stderr.splitlines() if line.startswith("plait: config error")]
     assert proc.returncode == 2 and len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert "distillation.teacher_key='data_source'" in errors[0] and "arithmetic" in errors[0]
+
+
+def test_the_opd_demo_preset_names_the_built_in_teacher(capsys):
+    from plait.builtin_models import builtin_model
+    from plait.cli import builtin_config, main
+    cfg = load_config(builtin_config("opd_demo"), [])
+    d = cfg.distillation
+    assert d.enabled and d.teachers()["default"].model_path == "demo-grpo-teacher"
+    assert (d.distillation_loss.loss_mode, d.distillation_loss.use_policy_gradient, d.distillation_loss.use_task_rewards) == \
+        ("k1", True, False)
+    assert cfg.actor_rollout_ref.model.path is None  # the demo's student
+    assert builtin_model("demo-grpo-teacher") is not None
+    assert main(["config", "show", "--config", "opd_demo"]) == 0  # the preflight passes without building the teacher

@@ -153,3 +153,17 @@ def test_the_opd_demo_preset_names_the_built_in_teacher(capsys):
     assert cfg.actor_rollout_ref.model.path is None  # the demo's student
     assert builtin_model("demo-grpo-teacher") is not None
     assert main(["config", "show", "--config", "opd_demo"]) == 0  # the preflight passes without building the teacher
+
+
+@pytest.mark.ray
+def test_top_k_distillation_on_two_fsdp2_ranks_equals_one_process(tmp_path, tiny_config, teacher):
+    # the student's top-k gather runs in the sharded LM head there (logprobs._sharded_logprobs), the teacher on both
+    # ranks each scoring its half of the rows, the extremes reduced over ranks
+    topk = ("distillation.distillation_loss.loss_mode=forward_kl_topk", "distillation.distillation_loss.topk=4",
+            "trainer.total_training_steps=2", "trainer.test_freq=-1", "trainer.save_freq=-1")
+    driver.build(tiny_config(tmp_path / "local", *on(teacher, *topk)), progress=False).run()
+    driver.build(tiny_config(tmp_path / "ray", *on(teacher, *topk, "trainer.backend=ray", "trainer.ray.num_cpu_workers=2",
+                                                   "actor_rollout_ref.actor.strategy=fsdp2")), progress=False).run()
+    local, ray = read(tmp_path / "local")[-1], read(tmp_path / "ray")[-1]
+    for key in ("loss", "student_mass", "teacher_mass_min", "loss_max", "overlap_ratio"):
+        assert ray[f"actor/distillation/{key}"] == pytest.approx(local[f"actor/distillation/{key}"], rel=1e-4, abs=1e-7), key

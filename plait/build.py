@@ -35,7 +35,7 @@ from plait.workers.precision import resolve_dtype
 from plait.workers.ref import Ref
 from plait.workers.reward_model import RewardModel
 from plait.workers.rollout import Rollout
-from plait.workers.teacher import Route, Teacher, TeacherSpec
+from plait.workers.teacher import Route, Teacher, TeacherSpec, route_value
 from plait.algorithms.distillation import DistillationKnobs
 from plait.trainers.one_step_off import OneStepOffTrainer
 from plait.trainers.sync import SyncTrainer
@@ -359,7 +359,7 @@ def check_routes(cfg: PlaitConfig, data: PromptDataset, keys: set) -> None:
     if len(keys) == 1 and "default" in keys:
         return
     column = teacher_column(cfg)
-    values = {it.data_source if column is None else it.extra_info.get(column) for it in data.items}
+    values = {it.data_source if column is None else route_value(it.extra_info.get(column)) for it in data.items}
     missing = sorted(map(str, values - keys))
     if missing:
         raise ConfigError("distillation.teacher_key", d.teacher_key,

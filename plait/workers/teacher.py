@@ -48,7 +48,12 @@ class Route:
             return [self.single] * len(batch)
         if self.column is None:
             return list(batch.data_sources)
-        return [info.get(self.column) for info in batch.extra_infos]
+        return [route_value(info.get(self.column)) for info in batch.extra_infos]
+
+
+def route_value(value) -> str | None:
+    """A row's routing value as the teachers' keys are written (config keys are strings: 1 and "1" agree)."""
+    return None if value is None else str(value)
 
 
 class Teacher:

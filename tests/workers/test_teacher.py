@@ -56,8 +56,8 @@ def test_rows_go_to_the_teacher_their_data_source_names(models):
 
 def test_an_extra_info_column_routes_and_one_teacher_takes_every_row(models):
     batch = make_batch(rows=4, seed=4)
-    batch.extra_infos = [{"task": t} for t in ("x", "y", "y", "x")]
-    assert Route("task", None).keys(batch) == ["x", "y", "y", "x"]
+    batch.extra_infos = [{"task": t} for t in ("x", 2, "y", None)]
+    assert Route("task", None).keys(batch) == ["x", "2", "y", None]  # a config key is a string: 2 routes to "2"
     assert Route(None, "default").keys(batch) == ["default"] * 4
 
 

@@ -2,10 +2,12 @@
 
 1. The teacher: the built-in `demo-grpo-teacher` (the demo's own GRPO run, 150 steps, exported), built first
    when $PLAIT_CACHE does not hold it yet.
-2. Two students from the same start (the demo's tiny Qwen2 and its supervised warm start, rebuilt
-   identically by each run), trained side by side, one torch thread each, so that both see the same machine:
-   `--config opd_demo` (k1 as a policy gradient against the teacher, no task reward) and the same settings
-   without distillation (GRPO on the task reward).
+2. Two students from the same start, trained side by side, one torch thread each, so that both see the same
+   machine: `--config opd_demo` (k1 as a policy gradient against the teacher, no task reward) and `--config demo`
+   (GRPO on the task reward). `--student same` (the default): the model the teacher's run started from (the
+   demo's tiny Qwen2 and its supervised warm start, seed 1), each seed changing only the data and the sampling,
+   as a fresh copy of the teacher's base model learns from it; `--student own`: each seed's own demo model
+   (another random init and its warm start).
 3. Their greedy validation accuracy (`val-core/arithmetic/reward/mean@1`) against the training time spent
    (the sum of `perf/time_per_step` less validation and checkpoints up to that step: generation, reward, teacher,
    update; start-up not counted), and the accuracy of each when the other has spent as much.
@@ -15,7 +17,7 @@ Writes
                                 comparison at equal time, the load average sampled every 15 s (bench/machine.py)
   docs/img/opd_demo.png         accuracy against training time and against step
 
-    python bench/bench_opd_demo.py [--steps 60] [--seeds 1 2] [--plot-only] [-- key=value ...]
+    python bench/bench_opd_demo.py [--steps 60] [--seeds 1 2 3] [--student same|own] [--plot-only] [-- key=value ...]
 
 The two runs share the machine with each other (and with whatever else runs): their seconds compare with each
 other, not with other machines. The load is recorded; a learning curve by step does not depend on it.
@@ -77,7 +79,8 @@ def at_time(points: list[dict], seconds: float) -> float | None:
 
 
 def side_by_side(run_dir: str, steps: int, seed: int, overrides: list[str]) -> tuple[dict, list[float]]:
-    common = ["--no-progress", "trainer.resume_mode=disable", "trainer.num_threads=1", f"trainer.seed={seed}",
+    """One OPD and one GRPO run of `seed`, at once; their curves and the comparison at equal training time."""
+    common = ["trainer.resume_mode=disable", "trainer.num_threads=1", f"trainer.seed={seed}",
               f"trainer.total_training_steps={steps}", "trainer.save_freq=-1", "trainer.test_freq=5", *overrides]
     dirs = {name: os.path.join(run_dir, f"{name}_seed{seed}") for name in ("opd", "grpo")}
     loads, done = [os.getloadavg()[0]], threading.Event()
@@ -86,9 +89,8 @@ def side_by_side(run_dir: str, steps: int, seed: int, overrides: list[str]) -> t
         while not done.wait(15):
             loads.append(os.getloadavg()[0])
     threading.Thread(target=sample, daemon=True).start()
-    procs = {"opd": plait("train", "--config", "opd_demo", f"trainer.default_local_dir={dirs['opd']}", *common,
-                          log=dirs["opd"] + ".log"),
-             "grpo": plait("train", f"trainer.default_local_dir={dirs['grpo']}", *common, log=dirs["grpo"] + ".log")}
+    procs = {name: plait("train", "--no-progress", "--config", config, f"trainer.default_local_dir={dirs[name]}", *common,
+                         log=dirs[name] + ".log") for name, config in (("opd", "opd_demo"), ("grpo", "demo"))}
     for name, proc in procs.items():
         if proc.wait():
             sys.exit(f"the {name} run failed: {dirs[name]}.log")
@@ -135,7 +137,9 @@ def plot(result: dict, png: str) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=60)
-    p.add_argument("--seeds", type=int, nargs="+", default=[1])
+    p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
+    p.add_argument("--student", choices=("same", "own"), default="same",
+                   help="same: the teacher's own starting model for every seed; own: each seed's demo model")
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "opd_demo.json"))
     p.add_argument("--png", default=os.path.join(ROOT, "docs", "img", "opd_demo.png"))
     p.add_argument("--run-dir", default=os.path.join(ROOT, "outputs", "bench_opd_demo"))
@@ -149,11 +153,13 @@ def main() -> None:
     os.makedirs(args.run_dir, exist_ok=True)
     start = time.monotonic()
     teacher, teacher_accuracy = make_teacher()
-    result = {"teacher": teacher, "teacher_accuracy": teacher_accuracy, "steps": args.steps, "overrides": args.overrides,
-              "runs": []}
+    start_model = os.path.join(os.path.dirname(teacher), "run", "demo_model", "warmstart")  # the teacher run's start
+    overrides = [f"actor_rollout_ref.model.path={start_model}"] * (args.student == "same") + args.overrides
+    result = {"teacher": teacher, "teacher_accuracy": teacher_accuracy, "student": args.student, "steps": args.steps,
+              "overrides": overrides, "runs": []}
     loads = []
     for seed in args.seeds:
-        run, run_loads = side_by_side(args.run_dir, args.steps, seed, args.overrides)
+        run, run_loads = side_by_side(args.run_dir, args.steps, seed, overrides)
         result["runs"].append(run)
         loads += run_loads
     result["wall_s"] = round(time.monotonic() - start, 1)

@@ -155,8 +155,9 @@ def main() -> None:
     teacher, teacher_accuracy = make_teacher()
     start_model = os.path.join(os.path.dirname(teacher), "run", "demo_model", "warmstart")  # the teacher run's start
     overrides = [f"actor_rollout_ref.model.path={start_model}"] * (args.student == "same") + args.overrides
-    result = {"teacher": teacher, "teacher_accuracy": teacher_accuracy, "student": args.student, "steps": args.steps,
-              "overrides": overrides, "runs": []}
+    cache = os.path.dirname(os.path.dirname(teacher))  # written as $PLAIT_CACHE: no machine's path in the result
+    result = {"teacher": "demo-grpo-teacher", "teacher_accuracy": teacher_accuracy, "student": args.student,
+              "steps": args.steps, "overrides": [o.replace(cache, "$PLAIT_CACHE") for o in overrides], "runs": []}
     loads = []
     for seed in args.seeds:
         run, run_loads = side_by_side(args.run_dir, args.steps, seed, overrides)

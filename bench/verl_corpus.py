@@ -123,6 +123,7 @@ MULTIMODAL = re.compile(r"(?i)(^|[^a-z])vl([^a-z]|$)|glm-?4\.?1v|minicpm-?o|geo3
 TINY_LM_KEYS = ("actor_rollout_ref.model.path", "critic.model.path", "critic.model.tokenizer_path",
                 "reward_model.model.input_tokenizer", "reward.reward_model.input_tokenizer")
 CLASSIFIER_KEYS = ("reward_model.model.path", "reward.reward_model.model_path")
+TEACHER_PATH = re.compile(r"^distillation\.teacher_models\.[^.]+\.model_path$")  # on-policy distillation's teachers
 REWARD_FILE_KEYS = {"custom_reward_function.path": "custom_reward_function.name",
                     "reward.custom_reward_function.path": "reward.custom_reward_function.name"}
 ENGINE_KEYS = ("actor_rollout_ref.rollout.name", "reward_model.rollout.name", "reward.reward_model.rollout.name")
@@ -200,7 +201,7 @@ def substitute(args: list[str], fixtures: dict[str, str], root: Path) -> tuple[l
             continue
         raw, value = a.split("=", 1)
         key, new = raw.lstrip("+~"), None
-        if key in TINY_LM_KEYS and value:
+        if (key in TINY_LM_KEYS or TEACHER_PATH.match(key)) and value:  # a teacher shares the student's tokenizer
             new = fixtures["model"]
         elif key in CLASSIFIER_KEYS and value:
             new = fixtures["judge" if judged else "classifier"]

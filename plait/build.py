@@ -38,6 +38,8 @@ from plait.workers.precision import resolve_dtype
 from plait.workers.ref import Ref
 from plait.workers.reward_model import RewardModel
 from plait.workers.rollout import Rollout
+from plait.workers.teacher import Route, Teacher, TeacherSpec, route_value
+from plait.algorithms.distillation import DistillationKnobs
 from plait.trainers.one_step_off import OneStepOffTrainer
 from plait.trainers.sync import SyncTrainer
 from plait.trainers.v1_async import ColocateAsyncTrainer, V1AsyncTrainer
@@ -213,8 +215,11 @@ def build_lm_trainer(cfg: PlaitConfig, backend, device: str, tracker, mode: type
     train_data, val_data = load_lm_data(cfg, model_path, tokenizer)
     agent_loops = uses_agent_loops(cfg, train_data, val_data)  # unknown agent names: a config error, before any model
     check_images(cfg, agent_loops, train_data, val_data)
+    teachers = resolve_teachers(cfg, model_path, tokenizer, train_data, device) if cfg.distillation.enabled else None
     resolve_schedule(cfg, len(train_data))
     roles = spawn_lm_roles(cfg, backend, device, model_path, tokenizer, agent_loops, judge)
+    if teachers is not None:
+        roles.teacher = spawn_teacher(cfg, backend, device, teachers)
     return mode(cfg, roles, tokenizer, train_data, val_data, reward_fn, backend.profile_targets(), tracker)
 
 
@@ -310,7 +315,8 @@ def spawn_lm_roles(cfg: PlaitConfig, backend, device: str, model_path: str, toke
         actor=backend.spawn("actor", Actor, model_path, arr.actor, n, temp, device=device, dtype=dtype, seed=cfg.trainer.seed,
                             remove_padding=model.use_remove_padding,
                             max_token_len=budget(arr.actor.use_dynamic_bsz, arr.actor.ppo_max_token_len_per_gpu),
-                            gradient_checkpointing=model.enable_gradient_checkpointing, model_cfg=model),
+                            gradient_checkpointing=model.enable_gradient_checkpointing, model_cfg=model,
+                            distill=distillation_knobs(cfg) if cfg.distillation.enabled else None),
         rollout=backend.spawn("rollout", Rollout, model_path, cfg.data.max_response_length, tokenizer, device=device,
                               dtype=rollout_dtype, ignore_eos=arr.rollout.ignore_eos, cfg=arr.rollout,
                               colocated=cfg.trainer.placement == "colocated",
@@ -331,6 +337,80 @@ def spawn_lm_roles(cfg: PlaitConfig, backend, device: str, model_path: str, toke
                       if rm.enable and judge is None else None),
         judge=(backend.spawn("reward_model", Judge, judge, rm.rollout, device=device, dtype=resolve_dtype(
             "reward.reward_model.rollout.dtype", rm.rollout.dtype or model.dtype, device)) if judge else None))
+
+
+def distillation_knobs(cfg: PlaitConfig) -> DistillationKnobs:
+    loss = cfg.distillation.distillation_loss
+    return DistillationKnobs(loss_mode=loss.loss_mode, use_task_rewards=loss.use_task_rewards,
+                             coef=loss.distillation_loss_coef, loss_max_clamp=loss.loss_max_clamp,
+                             log_prob_min_clamp=loss.log_prob_min_clamp, use_policy_gradient=loss.use_policy_gradient,
+                             clip_low=loss.clip_low, clip_high=loss.clip_high)
+
+
+def resolve_teachers(cfg: PlaitConfig, model_path: str, tokenizer, train_data: PromptDataset,
+                     device: str) -> dict[str, TeacherSpec]:
+    """The teachers by routing key, each a local folder (a built-in model built once), checked before any
+    model loads: it reads the student's token ids, so its tokenizer must be the student's (its embedding
+    must cover them, and a top-k teacher's vocabulary may not pass the student's); every training row's
+    routing value must name a teacher."""
+    from transformers import AutoConfig
+    from plait.builtin_models import builtin_model
+    d = cfg.distillation
+    names = {id(t): name for name, t in d.teacher_models.items()}
+    student_vocab = AutoConfig.from_pretrained(model_path, local_files_only=True).get_text_config().vocab_size
+    specs = {}
+    for key, t in d.teachers().items():
+        name = f"distillation.teacher_models.{names[id(t)]}"
+        builtin = builtin_model(t.model_path)
+        path = builtin.build() if builtin is not None else t.model_path
+        check_teacher_vocabulary(f"{name}.model_path", path, tokenizer, student_vocab, d.distillation_loss.loss_mode)
+        dtype = resolve_dtype(f"{name}.inference.dtype", t.inference.dtype, device)
+        specs[key] = TeacherSpec(path, f"{name}.model_path", dtype, t.inference.max_num_batched_tokens)
+    check_routes(cfg, train_data, set(specs))
+    return specs
+
+
+def check_teacher_vocabulary(key: str, path: str, tokenizer, student_vocab: int, loss_mode: str) -> None:
+    from transformers import AutoConfig
+    from plait.models import TOKENIZER_FILES
+    if any(os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_FILES):
+        theirs = load_tokenizer(path)
+        if theirs.get_vocab() != tokenizer.get_vocab():
+            raise ConfigError(key, path, "its tokenizer is not the student's: the teacher scores the student's token "
+                              "ids, so both must share one vocabulary (verl's teachers read the ids too)")
+    vocab = AutoConfig.from_pretrained(path, local_files_only=True).get_text_config().vocab_size
+    if vocab < len(tokenizer) or (loss_mode == "forward_kl_topk" and vocab > student_vocab):
+        raise ConfigError(key, path, f"the teacher's vocabulary has {vocab} tokens, the student's tokenizer "
+                          f"{len(tokenizer)} and its model {student_vocab}: a teacher must cover the student's ids"
+                          + (" and, for the top-k loss, pick none the student does not have" if vocab >= len(tokenizer) else ""))
+
+
+def check_routes(cfg: PlaitConfig, data: PromptDataset, keys: set) -> None:
+    """Several teachers: every training row's routing value (distillation.teacher_key) names one."""
+    d = cfg.distillation
+    if len(keys) == 1 and "default" in keys:
+        return
+    column = teacher_column(cfg)
+    values = {it.data_source if column is None else route_value(it.extra_info.get(column)) for it in data.items}
+    missing = sorted(map(str, values - keys))
+    if missing:
+        raise ConfigError("distillation.teacher_key", d.teacher_key,
+                          f"training rows have {d.teacher_key} value(s) {', '.join(missing[:5])} that no teacher's key "
+                          f"names (teachers: {', '.join(sorted(keys))}); add a teacher for them or drop the rows")
+
+
+def teacher_column(cfg: PlaitConfig) -> str | None:
+    """None: the teachers route by the rows' data_source (data.reward_fn_key's column); else the extra_info key."""
+    key = cfg.distillation.teacher_key
+    return None if key == cfg.data.reward_fn_key else key
+
+
+def spawn_teacher(cfg: PlaitConfig, backend, device: str, teachers: dict[str, TeacherSpec]):
+    """The teacher role: every teacher on each of its workers (the actor's, or distillation's own pool on Ray)."""
+    loss = cfg.distillation.distillation_loss
+    route = Route(teacher_column(cfg), next(iter(teachers)) if list(teachers) == ["default"] else None)
+    return backend.spawn("teacher", Teacher, teachers, loss.topk if loss.loss_mode == "forward_kl_topk" else 0, route,
+                         device=device, remove_padding=cfg.actor_rollout_ref.model.use_remove_padding)
 
 
 MODES = {

@@ -15,8 +15,9 @@ from pathlib import Path
 
 from plait.configtree import ConfigError, ConfigErrors, raise_all
 
-BUILTIN_MODEL_NAMES = ("smollm2-135m-instruct", "tiny-qwen2-vl-demo")  # builtin_models.BUILTIN_MODELS: built from an
-# installed package (SmolLM2) or from a config plus a warm start (the vl_demo preset's, plait/vl_demo.py)
+BUILTIN_MODEL_NAMES = ("smollm2-135m-instruct", "tiny-qwen2-vl-demo", "demo-grpo-teacher")  # builtin_models.BUILTIN_MODELS:
+# built from an installed package (SmolLM2), from a config plus a warm start (the vl_demo preset's, plait/vl_demo.py)
+# or by a run of the demo (the opd_demo preset's teacher)
 PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow", "swanlab": "swanlab"}
 
 

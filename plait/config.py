@@ -33,6 +33,8 @@ from plait.data.rewards import RewardConfig
 from plait.profiler.config import GlobalProfilerConfig, RoleProfilerConfig
 from plait.trainers.v1_config import V1_MODES, V1Config
 from plait.workers.diffusion_config import DiffusionConfig
+from plait.workers.distillation_config import (DistillationConfig, check_lengths, no_effect as distillation_no_effect,
+                                               notes as distillation_notes)
 from plait.workers.engine import ENGINES, default_engine, engine_no_effect, unset_note
 
 
@@ -822,6 +824,7 @@ class PlaitConfig:
     warmstart: WarmStartConfig = field(default_factory=WarmStartConfig)
     diffusion: DiffusionConfig = field(default_factory=DiffusionConfig)
     async_training: AsyncTrainingConfig = field(default_factory=AsyncTrainingConfig)
+    distillation: DistillationConfig = field(default_factory=DistillationConfig)
 
     def __post_init__(self):
         """The rules across nodes. Over 60 lines: one check after another, each on its own, read top to bottom."""
@@ -925,7 +928,8 @@ class PlaitConfig:
 
     def _resolve_engine(self) -> None:
         """rollout.name unset: the engine table's default (workers/engine.py); the rollout's dtype follows
-        the model's; an engine holding several devices needs that many CUDA devices."""
+        the model's; an engine holding several devices needs that many CUDA devices; the distillation
+        teachers' inference blocks follow the rollout's (`_resolve_teachers`)."""
         r = self.actor_rollout_ref.rollout
         if r.name is None:
             r.name = default_engine(self.actor_rollout_ref.model.path)
@@ -939,6 +943,21 @@ class PlaitConfig:
                   "actor_rollout_ref.rollout.tensor_model_parallel_size", r.tensor_model_parallel_size,
                   f"1 here: tensor parallelism needs {r.tensor_model_parallel_size} CUDA devices and this machine "
                   f"has {torch_cuda_count()}")
+        self._resolve_teachers()
+
+    def _resolve_teachers(self) -> None:
+        """The distillation teachers' inference keys that verl fills from the student's rollout, then verl's length
+        check."""
+        d, r = self.distillation, self.actor_rollout_ref.rollout
+        check(self.trainer.mode != "diffusion" or not d.enabled, "distillation.enabled", True,
+              "false with trainer.mode=diffusion (on-policy distillation trains language models)")
+        for t in d.teacher_models.values():
+            i = t.inference
+            i.name, i.dtype = i.name or r.name, i.dtype or r.dtype
+            i.temperature = r.temperature if i.temperature is None else i.temperature
+            i.prompt_length = i.prompt_length or self.data.max_prompt_length
+            i.response_length = i.response_length or self.data.max_response_length
+        check_lengths(d, self.data.max_prompt_length, self.data.max_response_length)
 
     def _inherit(self) -> None:
         """verl's null keys: a micro-batch takes the whole (mini-)batch, a token length or seed the key it follows."""
@@ -1178,11 +1197,14 @@ def start_notices(cfg: PlaitConfig, user: dict, no_effect: list[str], moved: lis
     no_effect = no_effect + [key for key in user if key in cluster]
     inert = {key: why for key, (default, why) in FIELD_NO_EFFECT.items() if user.get(key, default) != default}
     no_effect, cluster = no_effect + list(inert), {**cluster, **inert}
+    teacher_inert = distillation_no_effect(cfg.distillation, user, cfg.trainer.backend)
+    no_effect, cluster = no_effect + list(teacher_inert), {**cluster, **teacher_inert}
     no_effect += [key for key in user if any(p in engine.no_effect for p in _prefixes(key))]
     if cfg.reward.reward_model.rollout.name != "vllm":  # the judge's vLLM settings, on plait's engine
         no_effect, cluster = no_effect + [key for key in user if key in JUDGE_VLLM_ONLY], {**cluster, **JUDGE_VLLM_ONLY}
     if no_effect:
         lines.append(no_effect_notice(no_effect, cluster))
+    lines += distillation_notes(cfg.distillation)
     lines += machine
     if moved:
         lines.append("plait: verl 0.8 reward keys mapped onto verl 0.9's reward tree: " + ", ".join(moved))

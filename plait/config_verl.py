@@ -419,9 +419,7 @@ _GROUPS = {
      "turns it on for every V1 run): plait keeps them in the trainer's own buffer"): """
         transfer_queue
     """,
-    ("verl 0.9 subsystems plait does not have (on-policy distillation, rollout skipping/caching); each refuses "
-     "to be enabled"): """
-        distillation
+    "verl 0.9 subsystems plait does not have (rollout skipping/caching); each refuses to be enabled": """
         skip
         ray_kwargs.ray_init.runtime_env.py_executable
     """,
@@ -545,8 +543,7 @@ FIELD_NO_EFFECT = {
         "runs every agent loop of a rollout on one event loop beside its engine (the same rows, in the same order)")}
 
 # verl 0.9 switches of subsystems whose other keys have no effect here: turning one on is refused.
-ENABLES = {"distillation.enabled": "on-policy distillation (distillation.*)",
-           "trainer.v1.separate_async.hybrid_rollout.enable_switch": (
+ENABLES = {"trainer.v1.separate_async.hybrid_rollout.enable_switch": (
                "lending the trainer's devices to generation between steps (verl's hybrid rollout switch): plait's "
                "separated rollout is one engine on workers of its own, and the trainer's workers hold no second engine "
                "to lend (on a CPU machine the two share the same cores anyway)"),

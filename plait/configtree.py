@@ -164,6 +164,8 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
     if origin is dict or tp is dict:
         if not isinstance(value, dict):
             raise ConfigError(key, value, f"expected a mapping ({_name(tp)})")
+        if len(args) == 2 and dataclasses.is_dataclass(args[1]):  # named entries of one node type
+            return {name: build(args[1], entry, _join(key, str(name))) for name, entry in value.items()}
         return dict(value)
     if tp is Any:
         return value

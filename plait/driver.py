@@ -119,6 +119,14 @@ def check_model_path(cfg: PlaitConfig) -> None:
     elif rm.enable and rm.model_path is not None and os.path.isdir(rm.model_path):
         checks.append(lambda: reward_model_kind(rm.model_path, bool(cfg.reward.custom_reward_function.path)) == "judge"
                       and judge_engine(cfg))
+    teachers = []  # local folders; a built-in model's name is built on first use, as the policy's
+    for key, path in teacher_paths(cfg):
+        if builtin_model(path) is not None:
+            checks.append(lambda key=key, path=path: builtin_model(path).check(key, path))
+            continue
+        teachers.append((key, path))
+        if os.path.isdir(path):
+            checks.append(lambda key=key, path=path: check_model_dir(key, path, tokenizer=False))
     errors = []
     for check in checks:
         try:
@@ -126,7 +134,7 @@ def check_model_path(cfg: PlaitConfig) -> None:
         except ConfigError as err:
             errors.append(err)
     for key, path in (("actor_rollout_ref.model.lora_adapter_path", model.lora_adapter_path if model.lora_rank else None),
-                      ("reward.reward_model.model_path", rm.model_path if rm.enable and judge is None else None)):
+                      ("reward.reward_model.model_path", rm.model_path if rm.enable and judge is None else None), *teachers):
         if path is not None and not os.path.isdir(path):
             errors.append(ConfigError(key, path, not_a_directory(path)))
     raise_all(errors)
@@ -138,6 +146,15 @@ def judge_engine(cfg: PlaitConfig) -> None:
     why = ENGINES[name].unavailable()
     if why is not None:
         raise ConfigError("reward.reward_model.rollout.name", name, why)
+
+
+def teacher_paths(cfg: PlaitConfig) -> list[tuple[str, str]]:
+    """(config key, folder) of each distillation teacher this run loads."""
+    d = cfg.distillation
+    if not d.enabled:
+        return []
+    names = {id(t): name for name, t in d.teacher_models.items()}
+    return [(f"distillation.teacher_models.{names[id(t)]}.model_path", t.model_path) for t in d.teachers().values()]
 
 
 def preflight(cfg: PlaitConfig) -> None:
@@ -264,12 +281,14 @@ def absent_profiled_roles(cfg: PlaitConfig) -> list[str]:
 def _profiler_nodes(cfg: PlaitConfig) -> dict:
     arr = cfg.actor_rollout_ref
     return {"actor": arr.actor.profiler, "rollout": arr.rollout.profiler, "ref": arr.ref.profiler,
-            "critic": cfg.critic.profiler, "reward_model": cfg.reward.reward_model.profiler}
+            "critic": cfg.critic.profiler, "reward_model": cfg.reward.reward_model.profiler,
+            "teacher": cfg.distillation.profiler}
 
 
 ABSENT_WHY = {"rollout": "trainer.mode=diffusion samples inside the actor",
               "ref": "no KL term uses a reference policy, or with LoRA the actor computes it",
               "critic": "critic.enable is false (no GAE)", "reward_model": "reward.reward_model.enable is false",
+              "teacher": "distillation.enabled is false",
               "actor": ""}
 
 
@@ -279,7 +298,8 @@ def run_roles(cfg: PlaitConfig) -> set[str]:
         return {"actor"} | ({"ref"} if cfg.diffusion.actor.kl_loss_coef > 0 else set())
     lora = cfg.actor_rollout_ref.model.lora_rank > 0  # the actor's base model is the reference
     return ({"actor", "rollout"} | ({"ref"} if cfg.uses_ref and not lora else set())
-            | ({"critic"} if cfg.critic.enable else set()) | ({"reward_model"} if cfg.reward.reward_model.enable else set()))
+            | ({"critic"} if cfg.critic.enable else set()) | ({"reward_model"} if cfg.reward.reward_model.enable else set())
+            | ({"teacher"} if cfg.distillation.enabled else set()))
 
 
 def check_memory_profiling(cfg: PlaitConfig, roles_cfg: dict) -> None:

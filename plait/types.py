@@ -44,7 +44,7 @@ class PromptBatch:
 
 _OPTIONAL_TENSORS = ("token_scores", "token_rewards", "old_logprobs", "ref_logprobs", "values",
                      "advantages", "returns", "rollout_is_weights", "loss_mask", "sum_pi_squared",
-                     "response_attention", "token_versions")
+                     "response_attention", "token_versions", "teacher_logprobs", "teacher_ids")
 
 
 @dataclass
@@ -74,6 +74,9 @@ class RolloutBatch:
     #   (sampled ones and the tool / user messages an agent loop put between them); None: response_mask
     token_versions: Optional[torch.Tensor] = None  # [batch, resp_len] long, policy version each sampled token came from
     #   (agent loops; -1 off sampled tokens); None: `versions` for every token
+    teacher_logprobs: Optional[torch.Tensor] = None  # [batch, resp_len] the distillation teacher's log-prob of each
+    #   sampled token, or [batch, resp_len, k] its top-k log-probs (distillation_loss.loss_mode=forward_kl_topk)
+    teacher_ids: Optional[torch.Tensor] = None    # [batch, resp_len, k] long, the teacher's top-k tokens; None: not top-k
     multi_modal_inputs: Optional[list[dict]] = None  # per row, a VL model's processor outputs: {"pixel_values":
     #   [patches, 3 * temporal_patch * patch^2], "image_grid_thw": [images, 3]}, {} for a text row; None: no media.
     #   Every forward over the row (old log-prob, ref, update) gives them to the model (plait/models_vl.vl_inputs)
@@ -165,6 +168,6 @@ def _default(batch: RolloutBatch, name: str) -> torch.Tensor:
 def _pad_to(t: torch.Tensor, name: str, prompt_len: int, resp_len: int) -> torch.Tensor:
     if name in ("prompts", "prompt_mask"):  # left-padded
         return torch.nn.functional.pad(t, (prompt_len - t.shape[1], 0), value=0)
-    if t.dim() == 2:                         # response-aligned, right-padded
-        return torch.nn.functional.pad(t, (0, resp_len - t.shape[1]), value=0)
+    if t.dim() in (2, 3):                    # response-aligned ([batch, resp_len(, k)]), right-padded
+        return torch.nn.functional.pad(t, (0, 0) * (t.dim() - 2) + (0, resp_len - t.shape[1]), value=0)
     return t

@@ -98,7 +98,7 @@ def test_legacy_nulls_are_unset_as_in_verl(capsys):
 
 
 @pytest.mark.parametrize("override, words", [
-    ("distillation.enabled=true", "on-policy distillation"),
+    ("distillation.enabled=true", "a local teacher model directory with enabled=true"),  # implemented: needs a teacher
     ("trainer.v1.separate_async.hybrid_rollout.enable_switch=true", "lending the trainer's devices"),
     ("skip.rollout.enable=true", "skipping rollouts"),
     ("reward.reward_manager.source=importlib", "does not import reward manager classes"),

@@ -86,3 +86,25 @@ def test_a_judges_reward_model_becomes_a_causal_lm_and_its_stub_takes_verls_keyw
     out, _ = corpus.substitute(baseline, fixtures, tmp_path)
     assert "reward_model.model.path=/rm" in out
     assert "reward_router_address" not in open(next(a for a in out if a.startswith("custom_reward_function.path=")).split("=", 1)[1]).read()
+
+
+def test_distillation_teachers_get_the_tiny_model_and_the_call_is_accepted(tmp_path):
+    # verl 0.9.1's multi-teacher OPD scripts name hub models for each teacher; the corpus gives every teacher the
+    # tiny model (which shares the student's tokenizer, as a teacher must) and loads the call as plait train does
+    from plait.data.tasks import write_task_files
+    from plait.models import create_tiny_model
+    model = create_tiny_model(tmp_path / "model", size="xs")
+    train, val = write_task_files("arithmetic", tmp_path / "data", 8, 4)
+    args = ["actor_rollout_ref.model.path=Qwen/Qwen3-8B", "data.train_files=x.parquet", "data.val_files=y.parquet",
+            "distillation.enabled=True", "distillation.n_gpus_per_node=4", "distillation.nnodes=1",
+            "+distillation.teacher_models.math.key=openai/gsm8k", "+distillation.teacher_models.math.model_path=Qwen/Qwen3-32B",
+            "+distillation.teacher_models.math.num_replicas=1", "+distillation.teacher_models.geo.key=hiyouga/geometry3k",
+            "+distillation.teacher_models.geo.model_path=Qwen/Qwen3-VL-32B-Instruct",
+            "+distillation.teacher_models.geo.num_replicas=1", "distillation.distillation_loss.loss_mode=k1",
+            "distillation.distillation_loss.use_policy_gradient=True"]
+    fixtures = {"model": model, "classifier": model, "judge": model, "train": train, "val": val, "out": str(tmp_path / "out")}
+    out, replaced = corpus.substitute(args, fixtures, tmp_path)
+    assert {"distillation.teacher_models.math.model_path", "distillation.teacher_models.geo.model_path"} <= set(replaced)
+    assert f"+distillation.teacher_models.geo.model_path={model}" in out
+    accepted, error = corpus.load("verl.trainer.main_ppo", out)
+    assert accepted, error

@@ -13,6 +13,9 @@ KL_ESTIMATOR_NAMES = ("k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl", "k1+",
                       "low_var_kl+")
 POLICY_LOSS_NAMES = ("vanilla", "gspo", "gpg", "clip_cov", "kl_cov", "geo_mean", "sapo", "cispo", "dppo_tv", "dppo_kl",
                      "dro")
+# on-policy distillation (distillation.py): verl 0.9.1's registry, its estimators first
+DISTILLATION_ESTIMATOR_MODES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
+DISTILLATION_TOPK_MODES = ("forward_kl_topk",)
 LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 # rollout correction (rollout_correction.py)

@@ -5,16 +5,18 @@
       train pool:   Host rank 0 .. W-1  ◀── torch.distributed group (gloo on CPU, NCCL on GPU)
       rollout:      Host rank 0 of the train pool (colocated) or its own one-process pool (separated)
       reward pool:  Host rank 0 .. R-1  ◀── a torch.distributed group of its own (enable_resource_pool)
+      teacher pool: Host rank 0 .. D-1  ◀── likewise (distillation.nnodes > 0; else the teachers are on train)
 
 Placement: a pool is one placement group of bundles ({CPU: cpus_per_worker} plus {GPU: 1} on GPUs,
 plus the pool's custom resources from `trainer.ray.pool_resources`, which pin it to the nodes that
 have them): W = `trainer.ray.num_cpu_workers` on CPU or `trainer.nnodes * trainer.n_gpus_per_node`
-with GPUs; R = verl's `reward.reward_model.nnodes * n_gpus_per_node` (CPU: worker processes); the
+with GPUs; R = verl's `reward.reward_model.nnodes * n_gpus_per_node` (CPU: worker processes), D = `distillation.nnodes *
+n_gpus_per_node` likewise; the
 rollout's one process holds `rollout.n_gpus_per_node` devices (CPU: cpus_per_worker slots) when
 `rollout.nnodes` is 1. Each is laid out by `trainer.ray.placement_strategy` (PACK onto few nodes,
 SPREAD across them); a pool that cannot be placed in `placement_timeout_s` is an error naming the
 keys that sized it (bigger than the cluster) or the missing resources, never a silent pending wait.
-The data-parallel roles (actor, critic, ref, and the reward model without its own pool) live on
+The data-parallel roles (actor, critic, ref, and the reward model and teachers without their own pools) live on
 every host of the train pool; the rollout runs one worker. Each role says at start, in one line,
 where it runs (node, ranks, devices). Each host process runs its own ProfilerSession with its
 rank; `profile_targets()` gives the driver one proxy for all of them.
@@ -58,7 +60,8 @@ from plait.profiler.timeline import TIMELINE
 from plait.workers.allocator import keep_freed_memory
 from plait.workers.engine import ENGINES
 
-DATA_PARALLEL_ROLES = ("actor", "critic", "ref", "reward_model")
+DATA_PARALLEL_ROLES = ("actor", "critic", "ref", "reward_model", "teacher")
+OWN_POOLS = {"reward_model": "reward", "teacher": "teacher"}  # roles that may have a pool of their own: its name
 QUIET_TORCH_ENV = {"KINETO_LOG_LEVEL": "6", "TORCH_CPP_LOG_LEVEL": "ERROR"}
 LOOPBACK = "127.0.0.1"
 
@@ -358,7 +361,8 @@ class RayBackend:
         self.locations: dict = {}  # host -> (node id, node address, GPU ids)
         self.channel: Optional[tuple] = None  # (sender, receiver) hosts of the weight channel, once opened
         self.pools: dict[str, list] = {}  # "train", "rollout" and "reward" -> their hosts
-        self.reward_pool = False  # the reward model has a pool of its own (reward.reward_model.enable_resource_pool)
+        self.own_pools: set[str] = set()  # roles on a pool of their own (reward.reward_model.enable_resource_pool,
+        #   distillation.nnodes > 0)
         self.salvaged: list[dict] = []  # profiler records rescued from a failing group
         self.profile_open = False
         self.profiler_tool = cfg.global_profiler.tool
@@ -380,9 +384,10 @@ class RayBackend:
         """Reserve each pool (train; rollout when separated; reward with its own pool), start its hosts, and
         join each data-parallel pool's process group."""
         gpu = device.startswith("cuda")
-        t, rollout, rm = cfg.trainer, cfg.actor_rollout_ref.rollout, cfg.reward.reward_model
+        t, rollout, rm, d = cfg.trainer, cfg.actor_rollout_ref.rollout, cfg.reward.reward_model, cfg.distillation
         separated = t.placement == "separated"
-        self.reward_pool = reward_pool = rm.enable and rm.enable_resource_pool
+        own = self.own_pools = {role for role, on in (("reward_model", rm.enable and rm.enable_resource_pool),
+                                                       ("teacher", d.enabled and d.pool_size > 0)) if on}
         cpus = self.cfg.cpus_per_worker
         # The rollout's one process holds its pool's devices: n_gpus_per_node GPUs (its engine's tensor
         # parallelism), or without CUDA that many CPU slots of cpus_per_worker (its torch threads).
@@ -397,11 +402,12 @@ class RayBackend:
         one = {"CPU": cpus, **({"GPU": 1} if gpu else {})}
         specs = {"train": (t.nnodes * t.n_gpus_per_node if gpu else self.cfg.num_cpu_workers, one),
                  "rollout": (1 if separated else 0, {"CPU": cpus, "GPU": slots} if gpu else {"CPU": cpus * slots}),
-                 "reward": (rm.nnodes * rm.n_gpus_per_node if reward_pool else 0, one)}
+                 "reward": (rm.nnodes * rm.n_gpus_per_node if "reward_model" in own else 0, one),
+                 "teacher": (d.pool_size if "teacher" in own else 0, one)}
         specs = {name: (size, {**bundle, **self.cfg.pool_resources.get(name, {})})
                  for name, (size, bundle) in specs.items() if size}
         for role, rc in roles_cfg.items():  # a rank no worker of the role has would silently profile nothing
-            n = specs.get(pool_of(role, reward_pool), (1,))[0]  # the colocated rollout: 1
+            n = specs.get(pool_of(role, own), (1,))[0]  # the colocated rollout: 1
             if any(r >= n for r in rc.ranks):
                 raise ConfigError(f"{ROLE_KEYS.get(role, role)}.profiler.ranks", rc.ranks,
                                   f"the Ray backend runs {n} {role} worker(s): ranks must be below {n}")
@@ -415,8 +421,8 @@ class RayBackend:
         # Each host's profiler session knows the roles it hosts, so its artifacts are named after them;
         # colocated, the rollout's roles live on train rank 0.
         def roles_on(pool: str, rank: int) -> dict:
-            return {r: c for r, c in roles_cfg.items() if pool_of(r, reward_pool) == pool
-                    or (pool == "train" and rank == 0 and not separated and pool_of(r, reward_pool) == "rollout")}
+            return {r: c for r, c in roles_cfg.items() if pool_of(r, own) == pool
+                    or (pool == "train" and rank == 0 and not separated and pool_of(r, own) == "rollout")}
         self.pools = {}
         for name, (size, bundle) in specs.items():
             try:
@@ -426,7 +432,7 @@ class RayBackend:
                 raise
         self.pools.setdefault("rollout", self.pools["train"][:1])
         self.locations = dict(zip(self.hosts, self.gather([h.where.remote() for h in self.hosts], "worker process", "start")))
-        for name in ("train", "reward"):  # each data-parallel pool is its own torch.distributed world
+        for name in ("train", "reward", "teacher"):  # each data-parallel pool is its own torch.distributed world
             if name in specs:
                 hosts = self.pools[name]
                 one_node = len({self.locations[h][0] for h in hosts}) == 1
@@ -473,7 +479,7 @@ class RayBackend:
 
     def spawn(self, role: str, cls: type, *args, **kwargs) -> "RayWorkerGroup":
         self.check_up()
-        hosts = self.pools[pool_of(role, self.reward_pool)]
+        hosts = self.pools[pool_of(role, self.own_pools)]
         payload = ray.put((args, kwargs))
         pids = self.gather([h.construct.remote(role, cls, payload) for h in hosts], f"{role} worker", f"{cls.__name__}()")
         print(f"plait: {self.placement_line(role, hosts)}", file=sys.stderr)
@@ -590,11 +596,12 @@ class RayBackend:
         return error
 
 
-def pool_of(role: str, reward_pool: bool) -> str:
-    """The pool a role's workers live on: the reward model on its own with
-    reward.reward_model.enable_resource_pool, the other data-parallel roles on train, the rest on rollout."""
-    if role == "reward_model" and reward_pool:
-        return "reward"
+def pool_of(role: str, own: set[str]) -> str:
+    """The pool a role's workers live on: a role in `own` on its own (the reward model with
+    reward.reward_model.enable_resource_pool, the teachers with distillation.nnodes > 0), the other data-parallel
+    roles on train, the rest on rollout."""
+    if role in own:
+        return OWN_POOLS[role]
     return "train" if role in DATA_PARALLEL_ROLES else "rollout"
 
 
@@ -608,7 +615,9 @@ def pool_keys(pool: str, resource: str, cfg: PlaitConfig, gpu: bool) -> tuple[st
                       if gpu else ("trainer.ray.num_cpu_workers", f"{t.ray.num_cpu_workers}"),
              "rollout": ("actor_rollout_ref.rollout.n_gpus_per_node", f"{r.n_gpus_per_node if r.nnodes else 1}"),
              "reward": ("reward.reward_model.nnodes x reward.reward_model.n_gpus_per_node",
-                        f"{rm.nnodes} x {rm.n_gpus_per_node}")}
+                        f"{rm.nnodes} x {rm.n_gpus_per_node}"),
+             "teacher": ("distillation.nnodes x distillation.n_gpus_per_node",
+                         f"{cfg.distillation.nnodes} x {cfg.distillation.n_gpus_per_node}")}
     key, value = sizes[pool]
     return (key, value) if resource == "GPU" else (f"{key} (with {cpus})", value)
 

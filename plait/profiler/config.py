@@ -17,9 +17,10 @@ TOOLS = ("torch", "torch_memory", "nsys")
 MEMORY_CONTEXTS = ("alloc", "state", "all")   # torch.cuda.memory._record_memory_history(context=...)
 MEMORY_STACKS = ("python", "all")             # ... stacks=: Python frames, or Python and C++
 TORCH_CONTENTS = ("memory", "shapes", "stack", "cpu", "cuda")
-ROLE_ORDER = ("actor", "rollout", "ref", "critic", "reward_model")  # the order of roles in a shared artifact's name
+ROLE_ORDER = ("actor", "rollout", "ref", "critic", "reward_model", "teacher")  # the order of roles in a shared artifact's name
 ROLE_KEYS = {"actor": "actor_rollout_ref.actor", "rollout": "actor_rollout_ref.rollout",
-             "ref": "actor_rollout_ref.ref", "critic": "critic", "reward_model": "reward.reward_model"}
+             "ref": "actor_rollout_ref.ref", "critic": "critic", "reward_model": "reward.reward_model",
+             "teacher": "distillation"}
 
 
 def _positive_int(value) -> bool:

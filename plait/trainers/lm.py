@@ -1,6 +1,6 @@
 """The language-model pipeline every LM mode shares: data cursor, reward, advantages, update, metrics.
 
-    reward ─▶ [gen_max] ─▶ old_log_prob ─▶ ref ─▶ values ─▶ adv ─▶ update_critic ─▶ update_actor
+    reward ─▶ [gen_max] ─▶ old_log_prob ─▶ ref ─▶ [teacher] ─▶ values ─▶ adv ─▶ update_critic ─▶ update_actor
 
 With `algorithm.filter_groups.enable` (DAPO's dynamic sampling) the reward runs as batches arrive:
 groups whose metric has no variance are dropped and the mode's `next_batch` is asked again until a
@@ -8,7 +8,8 @@ batch's worth of groups has signal (`next_filtered_batch`); the pipeline then go
 (gen_max runs only for ReMax: a greedy response per prompt whose score is the baseline.
 old_log_prob is skipped in verl's bypass mode: pi_old is then the rollout's own log-prob, and
 rollout correction moves into the actor; and when the batch feeds exactly one optimizer step:
-the update's own forward then gives pi_old. update_actor waits out `trainer.critic_warmup` steps.)
+the update's own forward then gives pi_old. update_actor waits out `trainer.critic_warmup` steps. teacher
+runs with on-policy distillation: the teachers' log-probs of the student's tokens, read by the actor's loss.)
 
 `LMTrainer` implements the lifecycle's Trainer protocol around `learn`; a mode (sync.py,
 one_step_off.py, fully_async.py) subclasses it and supplies only where a batch comes from
@@ -54,20 +55,22 @@ from plait.workers.packing import seqlen_metrics
 from plait.workers.ref import Ref
 from plait.workers.reward_model import RewardModel
 from plait.workers.rollout import Rollout
+from plait.workers.teacher import Teacher
 from plait.workers.weight_sync import sync_weights
 
 
 @dataclass
 class Roles:
-    """The worker groups a language-model trainer drives; ref, critic, reward_model (a classifier) and judge (a
-    causal LM the reward function asks) are None when unused (ref also with LoRA: the actor computes reference
-    log-probs with its adapters off)."""
+    """The worker groups a language-model trainer drives; ref, critic, reward_model (a classifier), judge (a
+    causal LM the reward function asks) and teacher are None when unused (ref also with LoRA: the actor computes
+    reference log-probs with its adapters off)."""
     actor: object
     rollout: object
     ref: object | None
     critic: object | None
     reward_model: object | None = None
     judge: object | None = None
+    teacher: object | None = None  # on-policy distillation's teachers (plait/workers/teacher.py)
 
 
 def call_quietly(role, method) -> None:
@@ -420,6 +423,9 @@ class LMTrainer:
         if cfg.uses_ref:
             with timer.stage("ref"):
                 batch.ref_logprobs = self.compute_ref_log_prob(batch)
+        if roles.teacher is not None:
+            with timer.stage("teacher"):
+                batch.teacher_logprobs, batch.teacher_ids = roles.teacher.call(Teacher.compute_teacher_log_prob, batch)
         if roles.critic is not None:
             with timer.stage("values"):
                 batch.values = roles.critic.call(Critic.compute_values, batch)

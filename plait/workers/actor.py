@@ -24,6 +24,8 @@ import time
 import torch
 from torch.distributed.tensor import DTensor
 
+from plait.algorithms.distillation import (DistillationKnobs, distillation_loss, estimator_losses, forward_kl_topk,
+                                           topk_metrics, total_loss)
 from plait.algorithms.kl import kl_estimate
 from plait.algorithms.losses import PolicyLossKnobs, agg_loss, gpg_loss, policy_loss
 from plait.algorithms.rollout_correction import rollout_correction
@@ -35,11 +37,12 @@ from plait.models_vl import is_vl
 from plait.safeload import load_tensors
 from plait.types import RolloutBatch
 from plait.workers.flops import ModelFlops
-from plait.workers.logprobs import check_lm_head, response_logprobs, response_stats
+from plait.workers.logprobs import check_lm_head, response_logprobs, response_stats, response_topk_stats
 from plait.workers.packing import MicroBatching, checked_remove_padding
 from plait.workers.parallel import (SHARDED_DIR, EvenMicroBatching, all_reduce_grads, check_same_batch, checkpoint_state,
                                     clip_grads, data_parallel, dp_rank_size, dp_share, even_micro_batches, full_state_dict,
-                                    global_sum, is_sharded, load_checkpoint_state, load_sharded, offloads_optimizer,
+                                    global_extremes, global_sum, is_sharded, load_checkpoint_state, load_sharded,
+                                    offloads_optimizer,
                                     optimizer_step, save_sharded, shard_model, use_fsdp)
 from plait.workers.precision import cast_buffers, compute_autocast, role_dtype
 
@@ -71,6 +74,15 @@ def micro_forward(model, micro: RolloutBatch, temperature: float, with_entropy: 
     device = next(model.parameters()).device
     return response_logprobs(model, micro.input_ids.to(device), micro.attention_mask.to(device),
                              micro.responses.shape[1], temperature, with_entropy, remove_padding, micro.multi_modal_inputs)
+
+
+def micro_topk_forward(model, micro: RolloutBatch, temperature: float, remove_padding: bool = False):
+    """`micro_forward` with entropy, plus the log-probs at the teacher's top-k ids and the model's own top-k ids
+    [micro, resp_len, k] (top-k distillation)."""
+    device = next(model.parameters()).device
+    return response_topk_stats(model, micro.input_ids.to(device), micro.attention_mask.to(device),
+                               micro.responses.shape[1], temperature, True, micro.teacher_ids, remove_padding,
+                               micro.multi_modal_inputs)
 
 
 def freeze_vision_tower(model) -> None:
@@ -117,6 +129,18 @@ def make_optimizer(params, cfg: OptimConfig):
     return opt, sched
 
 
+def add_stats(into: dict[str, float], new: dict[str, float], weight: float) -> None:
+    """Sum a micro-batch's per-token means into a mini-batch's, weighted by its share of the tokens."""
+    for k, v in new.items():
+        into[k] = into.get(k, 0.0) + v * weight
+
+
+def merge_extremes(into: dict[str, float], new: dict[str, float]) -> None:
+    """verl's MIN / MAX metrics (names ending _min / _max) over several micro- or mini-batches."""
+    for k, v in new.items():
+        into[k] = v if k not in into else (min if k.endswith("_min") else max)(into[k], v)
+
+
 LORA_DIR = "lora_adapter"  # the adapter's folder in an actor checkpoint
 
 
@@ -124,11 +148,12 @@ class Actor:
     def __init__(self, model_path: str, cfg: ActorConfig, n: int, temperature: float, profiler,
                  device: str = "cpu", dtype: torch.dtype = torch.float32, seed: int = 1,
                  remove_padding: bool = False, max_token_len: int | None = None,
-                 gradient_checkpointing: bool = False, model_cfg: ModelConfig | None = None):
+                 gradient_checkpointing: bool = False, model_cfg: ModelConfig | None = None,
+                 distill: DistillationKnobs | None = None):
         """`dtype`: the compute dtype (the weights and the optimizer state are float32); `remove_padding`:
         packed forwards; `max_token_len`: token-budget micro-batches (use_dynamic_bsz); `model_cfg.lora_rank > 0`:
-        LoRA adapters."""
-        self.cfg, self.n, self.temperature, self.profiler = cfg, n, temperature, profiler
+        LoRA adapters; `distill`: on-policy distillation's loss (the batches then carry the teacher's log-probs)."""
+        self.cfg, self.n, self.temperature, self.profiler, self.distill = cfg, n, temperature, profiler, distill
         self.dtype = role_dtype(cfg.fsdp_config.mixed_precision, dtype)
         torch.manual_seed(seed)  # also seeds the LoRA A matrices
         self.model = load_causal_lm(model_path, dtype=torch.float32, device=device)
@@ -222,21 +247,30 @@ class Actor:
         check_same_batch(batch, "Actor.update")
         mini = cfg.ppo_mini_batch_size * self.n
         sums: dict[str, float] = {}
+        extremes: dict[str, float] = {}  # verl's */*_min and */*_max metrics: over every mini-batch
         count = 0
         for _ in range(cfg.ppo_epochs):
             order = torch.randperm(len(batch), generator=self.shuffle_gen) if cfg.shuffle else torch.arange(len(batch))
             for start in range(0, len(batch), mini):
                 with self.profiler.mini_batch(count):  # a range, and a step of the torch profiler's schedule
-                    stats = self._optimizer_step(batch.select(dp_share(order[start:start + mini])), correction)
+                    stats, ext = self._optimizer_step(batch.select(dp_share(order[start:start + mini])), correction)
                 for k, v in stats.items():
                     sums[k] = sums.get(k, 0.0) + v
+                merge_extremes(extremes, ext)
                 count += 1
         metrics = {(k if "/" in k else f"actor/{k}"): v / count for k, v in sums.items()}
+        metrics.update({k: v for k, v in extremes.items() if math.isfinite(v)})  # infinite: no token had one
         if cfg.use_kl_loss:
             metrics["actor/kl_coef"] = cfg.kl_loss_coef
         return metrics
 
-    def _optimizer_step(self, mini: RolloutBatch, correction: RolloutCorrectionConfig | None) -> dict[str, float]:
+    def _optimizer_step(self, mini: RolloutBatch,
+                        correction: RolloutCorrectionConfig | None) -> tuple[dict[str, float], dict[str, float]]:
+        """One optimizer step over a mini-batch: (metrics to average over mini-batches, verl's min/max ones).
+
+        Over 60 lines: the micro-batch loop adds the loss terms in the order of verl's ppo_loss and
+        distillation_ppo_loss (policy, entropy, KL, distillation) on one screen; spread over helpers, that
+        order would be hidden."""
         cfg = self.cfg
         bypass = correction is not None and correction.bypass_mode
         loss_masks = mini.response_mask if mini.loss_mask is None else mini.loss_mask
@@ -252,13 +286,17 @@ class Actor:
         stats = {"pg_loss": 0.0, "pg_clipfrac": 0.0, "pg_clipfrac_lower": 0.0, "ppo_kl": 0.0, "entropy": 0.0}
         if cfg.use_kl_loss:
             stats["kl_loss"] = 0.0
+        extremes: dict[str, float] = {}
         self.optimizer.zero_grad(set_to_none=True)
         device = next(self.model.parameters()).device
         fused = mini.old_logprobs is None
+        topk = self.distill is not None and self.distill.topk
         for rows, padding in even_micro_batches(self.layout.split(mini), self.model):
             micro = mini.select(rows)
-            with self.autocast():
-                logp, ent = micro_forward(self.model, micro, self.temperature, True, self.layout.remove_padding)
+            with self.autocast():  # top-k distillation: the log-probs at the teacher's top-k too, from one LM head pass
+                logp, ent, *student_topk = (micro_topk_forward(self.model, micro, self.temperature, self.layout.remove_padding)
+                                            if topk else micro_forward(self.model, micro, self.temperature, True,
+                                                                       self.layout.remove_padding))
             if padding:  # FSDP2: this rank's collectives match the busiest rank's; the gradient gets nothing
                 (logp.sum() * 0.0).backward()
                 continue
@@ -283,18 +321,43 @@ class Actor:
                 kl_loss = agg_loss(kl, loss_mask, cfg.loss_agg_mode, loss_scale_factor=cfg.loss_scale_factor, **norm)
                 loss = loss + cfg.kl_loss_coef * kl_loss
                 stats["kl_loss"] += kl_loss.item()
+            if self.distill is not None:  # verl's distillation_ppo_loss: the distillation loss beside or instead
+                d_loss, d_means, d_ext = self._distillation_loss(micro, logp, student_topk or None, loss_mask, knobs, norm)
+                loss = total_loss(loss, d_loss, self.distill)
+                stats["distillation/loss"] = stats.get("distillation/loss", 0.0) + d_loss.item()  # summed, as pg_loss
+                add_stats(stats, d_means, weight)
+                merge_extremes(extremes, d_ext)
             loss.backward()
             stats["pg_loss"] += pg_loss.item()
             stats["entropy"] += entropy.item()
-            for k, v in pg_stats.items():  # per-token means (and rollout_corr/* in bypass mode): token-weighted
-                stats[k] = stats.get(k, 0.0) + v * weight
+            add_stats(stats, pg_stats, weight)  # per-token means (and rollout_corr/* in bypass mode): token-weighted
         all_reduce_grads(self.model)
         grad_norm = clip_grads(self.model, cfg.grad_clip)
         if math.isfinite(grad_norm):  # a non-finite norm would poison the weights: skip the step
             optimizer_step(self.optimizer, self.offload_optimizer)
         stats = dict(zip(stats, global_sum(list(stats.values()))))  # each rank summed its rows' parts
         stats["grad_norm"] = grad_norm
-        return stats
+        return {(f"actor/{k}" if k.startswith("distillation/") else k): v for k, v in stats.items()}, \
+            {f"actor/{k}": v for k, v in global_extremes(extremes).items()}
+
+    def _distillation_loss(self, micro: RolloutBatch, logp: torch.Tensor, student_topk: list | None, loss_mask: torch.Tensor,
+                           knobs: PolicyLossKnobs, norm: dict) -> tuple[torch.Tensor, dict[str, float], dict[str, float]]:
+        """The distillation loss of a micro-batch (plait/algorithms/distillation.py) and its metrics: per-token
+        losses against the teacher's log-probs, aggregated as the policy loss is (or, with use_policy_gradient,
+        their negation as advantages against pi_old: the update's own detached forward when fused)."""
+        d, device = self.distill, logp.device
+        teacher = micro.teacher_logprobs.to(device)
+        if student_topk is None:
+            losses, means, extremes = estimator_losses(d.loss_mode, logp, teacher), {}, {}
+        else:
+            at_ids, student_ids = student_topk
+            losses, aux = forward_kl_topk(at_ids, teacher, micro.teacher_ids.to(device), student_ids, d.log_prob_min_clamp)
+            means, extremes = topk_metrics(aux, loss_mask, teacher.shape[-1])
+        old = logp.detach() if micro.old_logprobs is None else micro.old_logprobs.to(device)
+        is_w = None if micro.rollout_is_weights is None else micro.rollout_is_weights.to(device)
+        loss, d_means, d_ext = distillation_loss(d, losses, logp, old, loss_mask, knobs.agg_mode,
+                                                 loss_scale_factor=knobs.loss_scale_factor, is_weights=is_w, **norm)
+        return loss, {**means, **d_means}, {**extremes, **d_ext}
 
     def _fused_loss(self, micro: RolloutBatch, logp: torch.Tensor, mask: torch.Tensor, knobs: PolicyLossKnobs,
                     norm: dict) -> tuple[torch.Tensor, dict[str, float]]:

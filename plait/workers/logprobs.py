@@ -47,6 +47,34 @@ def response_stats(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     """`response_logprobs`, plus with `with_sum_pi_squared` the sum over the vocabulary of the squared
     probabilities [batch, resp_len] at each response token (verl's sum_pi_squared: optimal-token-baseline
     estimators), from the same chunked LM head; no gradient flows through it."""
+    return _stats(model, input_ids, attention_mask, resp_len, temperature, with_entropy, with_sum_pi_squared,
+                  remove_padding, multi_modal)[:3]
+
+
+def response_topk_stats(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, resp_len: int,
+                        temperature: float, with_entropy: bool, ids: torch.Tensor, remove_padding: bool = False,
+                        multi_modal: list[dict] | None = None) -> tuple[torch.Tensor, ...]:
+    """`response_logprobs` (log-probs and entropy [batch, resp_len]) and, from the same LM head pass, the
+    log-probs at `ids` [batch, resp_len, k] (a teacher's top-k tokens; gradients flow as through the sampled
+    token's) and this model's own top-k ids there [batch, resp_len, k] (no gradient): the student's side of
+    a top-k distillation loss."""
+    logp, ent, _, at_ids, top = _stats(model, input_ids, attention_mask, resp_len, temperature, with_entropy, False,
+                                       remove_padding, multi_modal, ids=ids)
+    return logp, ent, at_ids, top[1]
+
+
+def response_topk(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, resp_len: int, k: int,
+                  remove_padding: bool = False, multi_modal: list[dict] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The model's k most likely tokens at each response position and their log-probs (temperature 1), both
+    [batch, resp_len, k], most likely first: a teacher's side of a top-k distillation loss."""
+    return _stats(model, input_ids, attention_mask, resp_len, 1.0, False, False, remove_padding, multi_modal, topk=k)[4]
+
+
+def _stats(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, resp_len: int, temperature: float,
+           with_entropy: bool, with_sum_pi_squared: bool, remove_padding: bool = False,
+           multi_modal: list[dict] | None = None, ids: torch.Tensor | None = None, topk: int = 0) -> tuple:
+    """(logp, entropy, sum_pi_squared, log-probs at `ids`, (top-k log-probs, top-k ids)) of the response tokens,
+    each padded to [batch, resp_len(, k)] (None where not asked); `ids` asks the top-k ids too (its k)."""
     resp_mask = attention_mask[:, -resp_len:]                                 # [batch, resp_len]
     rows, cols = resp_mask.nonzero(as_tuple=True)                             # [N] each: the real response tokens
     width = input_ids.shape[1]
@@ -64,22 +92,31 @@ def response_stats(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
         media = multi_modal if multi_modal is not None else [{}] * input_ids.shape[0]
         inputs.update(vl_inputs(model.config, media, input_ids, attention_mask, packed))
     tokens = input_ids[:, -resp_len:][rows, cols]                             # [N]
+    if ids is not None:  # the sampled token first, then the k asked for: one gather, one gradient
+        tokens, topk = torch.cat([tokens[:, None], ids.to(tokens.device)[rows, cols]], 1), ids.shape[-1]  # [N, 1 + k]
     if is_sharded(model):
-        logp, ent, spsq = _sharded_logprobs(model, inputs, before, tokens, temperature, with_entropy, with_sum_pi_squared,
-                                            never_sampled(model.config))
+        logp, ent, spsq, top_logp, top_ids = _sharded_logprobs(model, inputs, before, tokens, temperature, with_entropy,
+                                                               with_sum_pi_squared, never_sampled(model.config), topk)
     else:
         hidden = last_hidden(model, **inputs).flatten(0, 1)[before]          # [N, hidden]
-        logp, ent, spsq = _chunked(hidden, tokens, model.get_output_embeddings(), temperature, with_entropy,
-                                   with_sum_pi_squared, banned=never_sampled(model.config))
-    zeros = resp_mask.new_zeros(resp_mask.shape, dtype=logp.dtype)
-    logp = zeros.index_put((rows, cols), logp)                                # [batch, resp_len]
-    return (logp, zeros.index_put((rows, cols), ent) if with_entropy else None,
-            zeros.index_put((rows, cols), spsq) if with_sum_pi_squared else None)
+        logp, ent, spsq, top_logp, top_ids = _chunked(hidden, tokens, model.get_output_embeddings(), temperature,
+                                                      with_entropy, with_sum_pi_squared, banned=never_sampled(model.config),
+                                                      topk=topk)
+
+    def padded(values):  # [N, ...] -> [batch, resp_len, ...], 0 at padding
+        if values is None:
+            return None
+        return values.new_zeros(*resp_mask.shape, *values.shape[1:]).index_put((rows, cols), values)
+    at_ids = None
+    if ids is not None:
+        logp, at_ids = logp[:, 0], logp[:, 1:]
+    return (padded(logp), padded(ent), padded(spsq), padded(at_ids),
+            (padded(top_logp), padded(top_ids)) if topk else None)
 
 
 def _sharded_logprobs(model, inputs: dict, before: torch.Tensor, tokens: torch.Tensor, temperature: float,
                       with_entropy: bool, with_sum_pi_squared: bool = False,
-                      banned: list[int] | None = None) -> tuple[torch.Tensor, ...]:
+                      banned: list[int] | None = None, topk: int = 0) -> tuple[torch.Tensor, ...]:
     """FSDP2: the LM head runs inside the root's forward, at the response positions only
     (`logits_to_keep` as a mask), so [N, vocab] logits exist at once. A head called per chunk after
     the root's forward (its own fully_shard group) gave wrong gradients of the head's group after a
@@ -90,7 +127,8 @@ def _sharded_logprobs(model, inputs: dict, before: torch.Tensor, tokens: torch.T
     order = torch.empty_like(before)
     order[before.argsort()] = torch.arange(len(before), device=before.device)  # mask order -> ours
     z = mask_logits(logits[order].float() / temperature, banned)             # [N, vocab]
-    return (*_LogpEntropy.apply(z, tokens, with_entropy), _sum_squared_probs(z) if with_sum_pi_squared else None)
+    logp, ent, top_logp, top_ids = _LogpEntropy.apply(z, tokens, with_entropy, topk)
+    return logp, ent, _sum_squared_probs(z) if with_sum_pi_squared else None, top_logp, top_ids
 
 
 def last_hidden(model, **inputs) -> torch.Tensor:
@@ -129,9 +167,11 @@ def chunked_logprobs(hidden: torch.Tensor, tokens: torch.Tensor, head, temperatu
 
 def _chunked(hidden: torch.Tensor, tokens: torch.Tensor, head, temperature: float, with_entropy: bool,
              with_sum_pi_squared: bool, chunk_tokens: int | None = None,
-             banned: list[int] | None = None) -> tuple[torch.Tensor, ...]:
-    """`chunked_logprobs`, plus the sum of squared probabilities [N] (None unless asked; never under grad);
-    tokens `banned` (models_vl.never_sampled) get no probability."""
+             banned: list[int] | None = None, topk: int = 0) -> tuple[torch.Tensor, ...]:
+    """`chunked_logprobs`, plus the sum of squared probabilities [N] (None unless asked; never under grad)
+    and, with `topk`, the k most likely tokens' log-probs and ids [N, k] (no gradient); tokens `banned`
+    (models_vl.never_sampled) get no probability. `tokens` [N] or [N, m] (several per position: log-probs
+    [N, m] out)."""
     chunk_tokens = chunk_tokens or max(1, LOGITS_BUDGET // head.out_features)
     grad = torch.is_grad_enabled()
     if grad and with_sum_pi_squared:
@@ -139,26 +179,25 @@ def _chunked(hidden: torch.Tensor, tokens: torch.Tensor, head, temperature: floa
     if grad and type(head) is torch.nn.Linear:
         device = hidden.device.type  # mixed precision: the head's gradient is computed in the autocast dtype
         grad_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else head.weight.dtype
-        return (*_HeadLogpEntropy.apply(hidden, head.weight, head.bias, tokens, temperature, with_entropy,
-                                        chunk_tokens, banned, grad_dtype), None)
+        logp, ent, top_logp, top_ids = _HeadLogpEntropy.apply(hidden, head.weight, head.bias, tokens, temperature,
+                                                              with_entropy, chunk_tokens, banned, grad_dtype, topk)
+        return logp, ent, None, top_logp, top_ids
 
     def logits(h):
         with torch.autocast(h.device.type, enabled=False):
             return mask_logits(head(h.to(head.weight.dtype)).float() / temperature, banned)  # [chunk, vocab]
 
     def one(h, tok):
-        return _LogpEntropy.apply(logits(h), tok, with_entropy)
-    logp, ent, spsq = [], [], []
+        return _LogpEntropy.apply(logits(h), tok, with_entropy, topk)
+    parts = []
     for h, tok in zip(hidden.split(chunk_tokens), tokens.split(chunk_tokens)):
         if grad:  # a head that is not a plain Linear (a peft adapter on it): autograd through it, checkpointed
-            lp, e = checkpoint(one, h, tok, use_reentrant=False)
+            parts.append((*checkpoint(one, h, tok, use_reentrant=False), None))
         else:
             z = logits(h)                                                      # [chunk, vocab]
-            (lp, e), sq = _LogpEntropy.apply(z, tok, with_entropy), _sum_squared_probs(z) if with_sum_pi_squared else None
-            spsq.append(sq)
-        logp.append(lp), ent.append(e)
-    return (torch.cat(logp), torch.cat(ent) if with_entropy else None,      # [N] each
-            torch.cat(spsq) if with_sum_pi_squared else None)
+            parts.append((*_LogpEntropy.apply(z, tok, with_entropy, topk), _sum_squared_probs(z) if with_sum_pi_squared else None))
+    logp, ent, top_logp, top_ids, spsq = (None if p[0] is None else torch.cat(p) for p in zip(*parts))
+    return logp, ent, spsq, top_logp, top_ids                              # [N] each ([N, k] the top-k ones)
 
 
 def _head_logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, temperature: float,
@@ -183,24 +222,25 @@ class _HeadLogpEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, tokens, temperature: float, with_entropy: bool, chunk: int,
-                banned: list[int] | None, grad_dtype: torch.dtype):
-        logp, ent = [], []
+                banned: list[int] | None, grad_dtype: torch.dtype, topk: int = 0):
+        parts = []
         with torch.autocast(hidden.device.type, enabled=False):
             for h, tok in zip(hidden.split(chunk), tokens.split(chunk)):
-                lp, e = _logp_entropy(_head_logits(h, weight, bias, temperature, banned), tok, with_entropy)
-                logp.append(lp), ent.append(e)
+                parts.append(_logp_entropy(_head_logits(h, weight, bias, temperature, banned), tok, with_entropy, topk))
         ctx.save_for_backward(hidden, weight, bias, tokens)
         ctx.args = temperature, chunk, banned, grad_dtype
         ctx.set_materialize_grads(False)
-        return torch.cat(logp), torch.cat(ent) if with_entropy else None          # [N] each
+        logp, ent, top_logp, top_ids = (None if p[0] is None else torch.cat(p) for p in zip(*parts))
+        ctx.mark_non_differentiable(*(t for t in (top_logp, top_ids) if t is not None))
+        return logp, ent, top_logp, top_ids                                     # [N](, m) [N] [N, k] [N, k]
 
     @staticmethod
-    def backward(ctx, g_logp, g_ent):
+    def backward(ctx, g_logp, g_ent, *_top):
         hidden, weight, bias, tokens = ctx.saved_tensors
         temperature, chunk, banned, dtype = ctx.args
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         if g_logp is None and g_ent is None:
-            return (None,) * 9
+            return (None,) * 10
         # the forward's float32 logits again, or the compute dtype's (mixed precision)
         logits_dtype = None if dtype == weight.dtype else dtype
         w, b = weight.to(dtype), None if bias is None else bias.to(dtype)
@@ -227,32 +267,37 @@ class _HeadLogpEntropy(torch.autograd.Function):
             for grad in (grad_h, grad_w, grad_b):
                 if grad is not None:
                     grad.div_(temperature)
-        return grad_h, grad_w, grad_b, None, None, None, None, None, None
+        return grad_h, grad_w, grad_b, None, None, None, None, None, None, None
 
 
-def _logp_entropy(z: torch.Tensor, tokens: torch.Tensor, with_entropy: bool):
-    """log softmax(z)[token] and the entropy (None unless asked) [chunk] of logits z [chunk, vocab]."""
+def _logp_entropy(z: torch.Tensor, tokens: torch.Tensor, with_entropy: bool, topk: int = 0):
+    """log softmax(z) at `tokens` ([chunk] or [chunk, m]: the same shape out), the entropy [chunk] (None unless
+    asked) and the k most likely tokens' log-probs and ids [chunk, k] (None without `topk`) of logits z [chunk, vocab]."""
     logq = torch.log_softmax(z, -1)                                              # [chunk, vocab]
-    logp = logq.gather(-1, tokens[:, None]).squeeze(-1)                          # [chunk]
-    return logp, -logq.exp().mul_(logq).sum(-1) if with_entropy else None
+    logp = logq.gather(-1, tokens.view(len(z), -1)).view(tokens.shape)
+    top = logq.topk(topk, -1) if topk else (None, None)
+    return logp, -logq.exp().mul_(logq).sum(-1) if with_entropy else None, top[0], top[1]
 
 
 def _logits_grad(z: torch.Tensor, tokens: torch.Tensor, g_logp: torch.Tensor | None,
                  g_ent: torch.Tensor | None) -> torch.Tensor:
     """The float32 gradient [chunk, vocab] at logits z [chunk, vocab] (any float dtype) of
-    g_logp . log softmax(z)[token] + g_ent . entropy:  d logp/dz = onehot - p;  d ent/dz = -p (log p + ent)."""
+    sum_j g_logp_j . log softmax(z)[token_j] + g_ent . entropy (tokens and g_logp [chunk] or [chunk, m]):
+    d logp/dz = onehot - p;  d ent/dz = -p (log p + ent)."""
     dtype = torch.promote_types(z.dtype, torch.float32)
+    g_tok = None if g_logp is None else g_logp.view(len(z), -1)                 # [chunk, m]
+    g_sum = None if g_tok is None else g_tok.sum(-1, keepdim=True)              # [chunk, 1]
     if g_ent is None:
-        g = torch.softmax(z, -1, dtype=dtype).mul_(-g_logp[:, None])    # [chunk, vocab]
+        g = torch.softmax(z, -1, dtype=dtype).mul_(-g_sum)                     # [chunk, vocab]
     else:  # -p (log p + ent) g_ent - p g_logp
         logq = torch.log_softmax(z, -1, dtype=dtype)                    # [chunk, vocab]
         p = logq.exp()
         ent = -(p * logq).sum(-1)                                               # [chunk]
         g = logq.add_(ent[:, None]).mul_(p).mul_(-g_ent[:, None])
-        if g_logp is not None:
-            g.sub_(p.mul_(g_logp[:, None]))
-    if g_logp is not None:
-        g.scatter_add_(-1, tokens[:, None], g_logp[:, None])
+        if g_sum is not None:
+            g.sub_(p.mul_(g_sum))
+    if g_tok is not None:
+        g.scatter_add_(-1, tokens.view(len(z), -1), g_tok.to(g.dtype))
     return g
 
 
@@ -262,19 +307,20 @@ def _sum_squared_probs(z: torch.Tensor) -> torch.Tensor:
 
 
 class _LogpEntropy(torch.autograd.Function):
-    """z [chunk, vocab] -> (z[token] - logsumexp z, entropy of softmax z) [chunk], the gradient by hand
-    (`_logits_grad`), one pass over the logits instead of autograd's several."""
+    """z [chunk, vocab] -> (z[token] - logsumexp z, entropy of softmax z) [chunk] and the top-k (no gradient),
+    the gradient by hand (`_logits_grad`), one pass over the logits instead of autograd's several."""
 
     @staticmethod
-    def forward(ctx, z, tokens, with_entropy: bool):
-        logp, ent = _logp_entropy(z, tokens, with_entropy)
+    def forward(ctx, z, tokens, with_entropy: bool, topk: int = 0):
+        logp, ent, top_logp, top_ids = _logp_entropy(z, tokens, with_entropy, topk)
         ctx.save_for_backward(z, tokens)
         ctx.set_materialize_grads(False)
-        return logp, ent
+        ctx.mark_non_differentiable(*(t for t in (top_logp, top_ids) if t is not None))
+        return logp, ent, top_logp, top_ids
 
     @staticmethod
-    def backward(ctx, g_logp, g_ent):
+    def backward(ctx, g_logp, g_ent, *_top):
         z, tokens = ctx.saved_tensors
         if g_logp is None and g_ent is None:
-            return None, None, None
-        return _logits_grad(z, tokens, g_logp, g_ent), None, None
+            return None, None, None, None
+        return _logits_grad(z, tokens, g_logp, g_ent), None, None, None

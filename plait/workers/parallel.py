@@ -95,6 +95,17 @@ def global_max(value: int) -> int:
     return int(t.item())
 
 
+def global_extremes(values: dict[str, float]) -> dict[str, float]:
+    """Each value's minimum (a name ending _min) or maximum (any other) over data-parallel ranks, in one
+    collective (identity on one rank); every rank passes the same names."""
+    if dp_rank_size()[1] == 1:
+        return values
+    signs = [-1.0 if k.endswith("_min") else 1.0 for k in values]  # a minimum: the maximum of the negatives
+    t = torch.tensor([s * v for s, v in zip(signs, values.values())], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return {k: s * v for k, s, v in zip(values, signs, t.tolist())}
+
+
 def data_parallel(batch: RolloutBatch, forward: Callable[[RolloutBatch], tuple], who: str) -> tuple:
     """`forward` (tensors [rows, ...] out) on this rank's share of the batch's rows; every rank's
     results gathered in one collective, so each rank returns the whole batch's [batch, ...] on CPU."""

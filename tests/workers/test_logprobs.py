@@ -96,14 +96,18 @@ def test_chunked_logprobs_by_hand_and_gradients(monkeypatch, head_cls, grad_budg
 def test_hand_backward_passes_gradcheck():
     z = torch.randn(3, 5, dtype=torch.float64, requires_grad=True)
     tokens = torch.tensor([0, 4, 2])
-    assert torch.autograd.gradcheck(lambda z: _LogpEntropy.apply(z, tokens, True), (z,))
+    several = torch.tensor([[0, 4, 4], [4, 1, 2], [2, 2, 0]])  # several tokens per position (a top-k gather)
+    for toks in (tokens, several):
+        assert torch.autograd.gradcheck(lambda z: _LogpEntropy.apply(z, toks, True, 2)[:2], (z,))
     h, w, b = (torch.randn(*shape, dtype=torch.float64, requires_grad=True) for shape in ((7, 4), (5, 4), (5,)))
     tokens = torch.tensor([0, 4, 2, 1, 1, 0, 4])  # token 3, banned below, is never a target
+    several = torch.stack([tokens, tokens.flip(0), torch.tensor([1, 1, 0, 2, 4, 4, 0])], 1)  # [7, 3]
     for grad_budget in (2 ** 26, 5 * 8 * 2):  # one weight-gradient matmul, or one per 2 chunks
         logprobs.GRAD_BUDGET, was = grad_budget, logprobs.GRAD_BUDGET
         try:  # chunks of 2 tokens, the last one short; temperature != 1; a banned token
-            assert torch.autograd.gradcheck(lambda h, w, b: _HeadLogpEntropy.apply(
-                h, w, b, tokens, T, True, 2, [3], torch.float64), (h, w, b))
+            for toks in (tokens, several):
+                assert torch.autograd.gradcheck(lambda h, w, b: _HeadLogpEntropy.apply(
+                    h, w, b, toks, T, True, 2, [3], torch.float64, 2)[:2], (h, w, b))
         finally:
             logprobs.GRAD_BUDGET = was
 

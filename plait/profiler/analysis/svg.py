@@ -18,14 +18,14 @@ import zlib
 
 PALETTE = ["#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f", "#edc948", "#b07aa1", "#ff9da7",
            "#9c755f", "#bab0ac", "#1f3b73", "#a0cbe8", "#ffbe7d", "#8cd17d", "#b6992d", "#499894",
-           "#86bcb6", "#d37295", "#fabfd2", "#79706e"]
+           "#86bcb6", "#d37295", "#fabfd2", "#79706e", "#7b4173"]
 W = 900
 # plait's stage names, each its own colour in every report; any other name (a metric, an
 # unknown stage) gets one from a hash of its name, so it too is the same in every report.
 STAGE_COLOURS = {name: PALETTE[i] for i, name in enumerate((
     "gen", "reward", "old_log_prob", "ref", "values", "adv", "update_critic", "update_actor", "update_weights",
     "testing", "save_checkpoint", "wait_rollout", "param_sync", "all_reduce", "resume", "wait_capacity",
-    "wait_sync", "validate", "step", "startup"))}
+    "wait_sync", "validate", "step", "startup", "teacher"))}
 LEGEND_ROW = 16
 
 

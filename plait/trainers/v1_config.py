@@ -52,8 +52,9 @@ class SamplerConfig:
         t = self.max_off_policy_threshold
         check(t is None or t > 0, "max_off_policy_threshold", t, "an integer > 0, or null to turn version control off")
         c = self.custom_sampler
-        check(bool(c.path) == bool(c.name), "custom_sampler", {"path": c.path, "name": c.name},
-              "both path and name, or neither")
+        missing = "path" if c.name and not c.path else "name"  # the error names the key that is missing
+        check(bool(c.path) == bool(c.name), f"custom_sampler.{missing}", getattr(c, missing),
+              f"set with custom_sampler.{'name' if missing == 'path' else 'path'}: both path and name, or neither")
 
 
 @dataclass

@@ -40,6 +40,7 @@ from multiprocessing.connection import Connection
 from typing import Any, Callable, Optional
 
 from plait.errors import RunError
+from plait.reaper import ReapedPopen
 from plait.safeload import UnsafeFileError, first_line, loads_plain
 
 PIDS_CGROUP = "/sys/fs/cgroup/pids"
@@ -147,7 +148,7 @@ class _Worker:
 
     def __init__(self, pool: RewardPool):
         self.pool = pool
-        self.proc: Optional[subprocess.Popen] = None
+        self.proc: Optional[ReapedPopen] = None
         self.conn: Optional[Connection] = None
         # kill() runs on the feeder thread (a failed call) and on the closing thread at once:
         # each takes the process and socket out under the lock, so an fd is never closed twice.
@@ -196,14 +197,12 @@ class _Worker:
         # The worker imports this same plait, wherever the trainer found it.
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
-        self.proc = subprocess.Popen([sys.executable, "-m", "plait.data.reward_pool", str(theirs.fileno())],
-                                     pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, start_new_session=True,
-                                     env=env)
+        # under a guardian (plait/reaper.py): whatever the worker starts ends with it, on every exit
+        # path (kill -9 of this process included); it joins the pids cgroup before any user code runs
+        self.proc = ReapedPopen([sys.executable, "-m", "plait.data.reward_pool", str(theirs.fileno())],
+                                cgroup=self.pool.cgroup, pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, env=env)
         theirs.close()
         self.conn = Connection(ours.detach())
-        if self.pool.cgroup is not None:  # before the worker runs any user code
-            with open(os.path.join(self.pool.cgroup, "cgroup.procs"), "w") as f:
-                f.write(str(self.proc.pid))
         pool = self.pool
         self.conn.send_bytes(pickle.dumps((vars(pool.spec), pool.memory_limit_mb, pool.max_processes, pool.cgroup is not None)))
         try:
@@ -235,16 +234,12 @@ class _Worker:
         return f"ended its worker process with exit status {code} (os._exit?); {self.pool.wording.must}"
 
     def kill(self) -> None:
-        """SIGKILL the worker's process group (it leads its own session), and close the socket."""
+        """End the worker and every process it started (its guardian kills the tree), and close the socket."""
         with self.kill_lock:
             proc, self.proc = self.proc, None
             conn, self.conn = self.conn, None
         if proc is not None:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except OSError:
-                pass
-            proc.wait()
+            proc.stop()
         if conn is not None:
             conn.close()
 

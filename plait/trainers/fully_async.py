@@ -58,7 +58,7 @@ from dataclasses import dataclass
 import torch
 
 from plait.profiler.timeline import TIMELINE
-from plait.trainers.async_common import BusyClock, RolloutError
+from plait.trainers.async_common import BusyClock, RolloutError, rollout_error
 from plait.trainers.lifecycle import StageTimer
 from plait.trainers.lm import DataCursor, LMTrainer, call_quietly
 from plait.types import RolloutBatch
@@ -202,7 +202,7 @@ class FullyAsyncTrainer(LMTrainer):
         """Call holding self.cond."""
         if self.error is not None:
             err = self.error
-            raise RolloutError(f"fully_async: the rollouter thread failed: {type(err).__name__}: {err}") from err
+            raise rollout_error("fully_async: the rollouter thread failed", err) from err
 
     def close(self) -> None:
         """Stop the rollouter; whatever is queued or in flight now is discarded (see the module docstring)."""

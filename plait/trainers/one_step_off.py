@@ -35,7 +35,7 @@ import torch
 
 from plait.profiler.timeline import TIMELINE
 from plait.safeload import load_tensors
-from plait.trainers.async_common import BusyClock, RolloutError
+from plait.trainers.async_common import BusyClock, rollout_error
 from plait.trainers.lifecycle import StageTimer
 from plait.trainers.lm import LMTrainer, call_quietly
 from plait.types import PromptBatch, RolloutBatch
@@ -95,8 +95,8 @@ class OneStepOffTrainer(LMTrainer):
                 try:
                     self.ready = pending.result()
                 except Exception as err:
-                    raise RolloutError(f"one_step_off: generating the batch for step {step + 1} failed in the "
-                                       f"generation thread: {type(err).__name__}: {err}") from err
+                    raise rollout_error(f"one_step_off: generating the batch for step {step + 1} failed in the "
+                                        "generation thread", err) from err
         with timer.stage("param_sync"):
             sync_weights(self.roles.actor, self.roles.rollout, step)
         self.version = step

@@ -36,7 +36,7 @@ import yaml
 
 from plait.agents.compat import ToolLoadError, resolve_tool_class
 from plait.data.math_rewards import gsm8k_score
-from plait.safeload import first_line
+from plait.safeload import first_line, outside_text
 
 logger = logging.getLogger(__name__)
 INTERACTION_WORKER = os.path.abspath(__file__)
@@ -162,6 +162,7 @@ async def _run(interaction, op: str, call: dict):
     done, text, score, metrics = await interaction.generate_response(rid, call["messages"], **kwargs)
     if not isinstance(text, str):
         raise TypeError(f"generate_response's text is {type(text).__name__}, not a string")
+    text = outside_text(text, call["max_chars"])  # bounded here, before it crosses to the trainer
     if score is not None:
         score = float(score)
     return {"terminate": bool(done), "text": text, "score": score,
@@ -230,12 +231,14 @@ class InteractionBox:
         return name
 
     async def call(self, op: str, name: str, instance_id: str, kwargs: dict, row: str,
-                   messages: Optional[list] = None) -> tuple[Any, Optional[str]]:
-        """(value, None) or (None, the failure line naming the interaction and the row)."""
+                   messages: Optional[list] = None, max_chars: int = 1 << 20) -> tuple[Any, Optional[str]]:
+        """(value, None) or (None, the failure line naming the interaction and the row). `max_chars`: where
+        the user turn's text is cut (the loop's response budget in characters: more could never be kept)."""
         from plait.errors import RunError
         pool = self.pools[int(hashlib.sha1(instance_id.encode()).hexdigest(), 16) % len(self.pools)]
         try:
-            out = await pool(op=op, name=name, instance_id=instance_id, kwargs=kwargs, messages=messages, row=row)
+            out = await pool(op=op, name=name, instance_id=instance_id, kwargs=kwargs, messages=messages, row=row,
+                             max_chars=max_chars)
         except RunError as err:  # the worker died, hung or broke: it is replaced at the next call
             return None, str(err)
         if "ok" in out:

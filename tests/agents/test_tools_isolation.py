@@ -51,6 +51,18 @@ def segv():
 def garbage():
     return (object(), "not a number")
 
+@function_tool(schema=schema("surrogate"))
+def surrogate():
+    return "half \\ud83d of a pair, a pair \\ud83d\\ude00"
+
+@function_tool(schema=schema("flood"))
+def flood():
+    return "x" * (20 << 20)
+
+@function_tool(schema=schema("flood_error"))
+def flood_error():
+    raise ValueError("\\udc80" + "y" * (20 << 20))
+
 @function_tool(schema=schema("not_text"))
 def not_text():
     from plait.agents.tools import ToolResponse
@@ -93,6 +105,16 @@ def test_a_hostile_tool_is_one_line_and_the_next_call_works(box, name, text, err
     assert os.getpid() == trainer
     after = run(box, "ok")[0]
     assert after.error is None and after.text.startswith("pid ") and after.text != f"pid {trainer}"
+
+
+def test_tool_text_is_valid_unicode_and_bounded_before_it_leaves_the_worker(box):
+    """A lone surrogate would make the tokenizer raise; 20 MiB (as an answer or as an error) is cut in the worker."""
+    half, flood, error = run(box, "surrogate", "flood", "flood_error")
+    assert half.error is None and half.text == "half \ufffd of a pair, a pair \U0001f600"
+    assert flood.error is None and flood.text == "x" * 128 + "...(truncated)..." + "x" * 128
+    assert error.text.startswith("Error executing tool 'flood_error': \ufffdyyy") and len(error.text) <= 1024
+    for text in (half.text, flood.text, error.text):
+        text.encode("utf-8")
 
 
 def test_a_hanging_call_does_not_hold_up_the_others(box):

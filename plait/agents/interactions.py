@@ -201,9 +201,12 @@ class InteractionBox:
         if not os.path.isfile(path):
             raise ConfigError(KEY, path, "verl's interaction YAML (interaction: a list of name, class_name, config): no such file")
         wording = PoolWording(describe=_describe, timeout_key=limits.timeout_key, memory_key=limits.memory_key,
-                              must="an interaction must return its answer")
+                              must="an interaction must return its answer",
+                              load_timeout_key="the interactions' load time limit")
+        # as the tool workers: a (re)started worker loads the interactions under the load time limit
         pools = [RewardPool(RewardSpec(INTERACTION_WORKER, "serve", {"interaction_config_path": path}), "interactions",
-                            1, limits.load_timeout_s, limits.memory_limit_mb, limits.max_processes, wording)
+                            1, limits.timeout_s, limits.memory_limit_mb, limits.max_processes, wording,
+                            warmup={"op": "describe"}, load_timeout=limits.load_timeout_s)
                  for _ in range(limits.num_workers)]
         try:
             replies = _run_now([p(op="describe") for p in pools])
@@ -215,8 +218,6 @@ class InteractionBox:
                 p.close()
             raise ConfigError(KEY, path, bad[0].get("load_error", f"{bad[0]!r:.100}") if isinstance(bad[0], dict)
                               else f"{bad[0]!r:.100}")
-        for p in pools:
-            p.timeout = limits.timeout_s
         return cls(pools, replies[0]["names"])
 
     def pick(self, kwargs: Any, row: str) -> str:

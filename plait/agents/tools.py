@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import dataclasses
 import inspect
 import json
 import logging
@@ -347,10 +346,12 @@ class ToolBox:
         from plait.errors import RunError
         limits = limits or ToolLimits()
         wording = PoolWording(describe=_describe_call, timeout_key=limits.timeout_key, memory_key=limits.memory_key,
-                              must="a tool must return its answer")
-        pool = RewardPool(RewardSpec(TOOL_WORKER, "serve", paths), "tools", limits.num_workers,
-                          limits.load_timeout_s, limits.memory_limit_mb, limits.max_processes,
-                          dataclasses.replace(wording, timeout_key="the tools' load time limit"))
+                              must="a tool must return its answer", load_timeout_key="the tools' load time limit")
+        # a worker loads the tools (op "describe") when it starts, under the load time limit, so a worker
+        # replaced after a failed call never spends the next call's time limit on loading them
+        pool = RewardPool(RewardSpec(TOOL_WORKER, "serve", paths), "tools", limits.num_workers, limits.timeout_s,
+                          limits.memory_limit_mb, limits.max_processes, wording, warmup={"op": "describe"},
+                          load_timeout=limits.load_timeout_s)
         try:
             replies = _run_now([pool(op="describe") for _ in range(limits.num_workers)])  # one per worker
         except RunError as err:  # loading crashed, hung or ran out of memory
@@ -362,7 +363,6 @@ class ToolBox:
         if failed:
             pool.close()
             raise _load_error(failed[0], paths)
-        pool.timeout, pool.wording = limits.timeout_s, wording  # loaded: from now on each call has the call's limit
         return cls(pool, replies[0]["schemas"], multi_turn.max_tool_response_length,
                    multi_turn.tool_response_truncate_side)
 

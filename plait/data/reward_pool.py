@@ -71,6 +71,7 @@ class PoolWording:
     describe: Optional[Callable[[str, tuple, dict], str]] = None  # (label, args, kwargs) -> line; None: describe_call
     timeout_key: str = "reward.custom_reward_function.timeout"
     memory_key: str = "reward.memory_limit_mb"
+    load_timeout_key: str = "the workers' load time limit"
     must: str = "a reward function must return a score"
 
 
@@ -79,8 +80,12 @@ class RewardPool:
 
     def __init__(self, spec: RewardSpec, label: str, num_workers: int, timeout: Optional[float] = None,
                  memory_limit_mb: Optional[int] = None, max_processes: int = 64,
-                 wording: PoolWording = PoolWording()):
+                 wording: PoolWording = PoolWording(), warmup: Optional[dict] = None, load_timeout: float = 600.0):
+        """`warmup`: the keyword arguments of a call each new worker answers before its first real call,
+        within `load_timeout` rather than the call's `timeout` (the tool workers load their tools so);
+        `load_timeout` also bounds the import of the function's file."""
         self.spec, self.label, self.timeout, self.wording = spec, label, timeout, wording
+        self.warmup, self.load_timeout = warmup, load_timeout
         self.memory_limit_mb, self.max_processes = memory_limit_mb, max_processes
         self.workers = [_Worker(self) for _ in range(num_workers)]
         self.requests: queue.SimpleQueue = queue.SimpleQueue()
@@ -172,15 +177,19 @@ class _Worker:
         where = describe(self.pool.label, args, kwargs)
         if self.proc is None or self.proc.poll() is not None:
             self.start(where)
+            if self.pool.warmup is not None:  # its loading, under the load time limit: not the call's
+                self.request((), self.pool.warmup, where, self.pool.load_timeout, self.pool.wording.load_timeout_key)
+        return self.request(args, kwargs, where, self.pool.timeout, self.pool.wording.timeout_key)
+
+    def request(self, args: tuple, kwargs: dict, where: str, timeout: Optional[float], timeout_key: str) -> Any:
         conn = self.conn  # a local: close() may take self.conn away mid-call
         try:
             if conn is None:
                 raise EOFError
             conn.send_bytes(pickle.dumps((args, kwargs)))
-            if not conn.poll(self.pool.timeout):
+            if not conn.poll(timeout):
                 self.kill()
-                raise RunError(f"{where} did not return within {self.pool.wording.timeout_key}={self.pool.timeout} s; "
-                               "its worker process was killed")
+                raise RunError(f"{where} did not return within {timeout_key}={timeout} s; its worker process was killed")
             kind, detail = loads_plain(conn.recv_bytes(), "a reward worker's reply")
         except (EOFError, OSError):
             raise RunError(f"{where} {self.death()}") from None
@@ -206,6 +215,10 @@ class _Worker:
         pool = self.pool
         self.conn.send_bytes(pickle.dumps((vars(pool.spec), pool.memory_limit_mb, pool.max_processes, pool.cgroup is not None)))
         try:
+            if not self.conn.poll(pool.load_timeout):
+                self.kill()
+                raise RunError(f"{where}: its worker process did not load the function within "
+                               f"{pool.wording.load_timeout_key}={pool.load_timeout} s; it was killed")
             kind, detail = loads_plain(self.conn.recv_bytes(), "a reward worker's reply")
         except (EOFError, OSError):
             raise RunError(f"{where}: its worker process {self.death()} while loading the function") from None

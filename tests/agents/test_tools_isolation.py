@@ -117,6 +117,33 @@ def test_tool_text_is_valid_unicode_and_bounded_before_it_leaves_the_worker(box)
         text.encode("utf-8")
 
 
+def test_a_replaced_worker_loads_its_tools_outside_the_next_calls_time_limit(tmp_path):
+    """Loading the tool file takes longer than a call may: after a hung call's worker is replaced, the next
+    calls still answer (the replacement's loading is timed by the load limit, not theirs)."""
+    path = tmp_path / "slow_to_load.py"
+    path.write_text(textwrap.dedent('''
+        import time
+        from plait.agents.tools import function_tool
+        time.sleep(2)
+
+        @function_tool(schema={"type": "function", "function": {"name": "ok", "description": "o"}})
+        def ok():
+            return "fine"
+
+        @function_tool(schema={"type": "function", "function": {"name": "hang", "description": "h"}})
+        def hang():
+            time.sleep(600)
+    '''))
+    multi_turn = SimpleNamespace(tool_config_path=None, function_tool_path=str(path), max_tool_response_length=256,
+                                 tool_response_truncate_side="middle")
+    box = ToolBox.from_config(multi_turn, ToolLimits(num_workers=1, timeout_s=1, load_timeout_s=30))
+    try:
+        assert "did not return within" in run(box, "hang")[0].error
+        assert [r.text for r in run(box, "ok", "ok", "ok")] == ["fine"] * 3
+    finally:
+        box.close()
+
+
 def test_a_hanging_call_does_not_hold_up_the_others(box):
     start = time.monotonic()
     hung, fine = run(box, "hang", "ok")

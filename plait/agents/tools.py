@@ -282,6 +282,22 @@ def is_tool_response(value: Any) -> bool:
     return isinstance(value, ToolResponse) or type(value).__name__ == "ToolResponse"
 
 
+def tools_kwargs_problem(value: Any) -> Optional[str]:
+    """What is wrong with a row's `extra_info.tools_kwargs` (verl's form: {tool name: {"create_kwargs": {...},
+    ...}}, any level may be null), or None. Checked per row at start (rows) and per call (user loops)."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        return f" is {type(value).__name__} {value!r:.60}, not a mapping of tool name -> {{'create_kwargs': {{...}}}}"
+    for name, entry in value.items():
+        if entry is not None and not isinstance(entry, dict):
+            return f"[{name!r}] is {type(entry).__name__} {entry!r:.60}, not a mapping like {{'create_kwargs': {{...}}}}"
+        for key, kwargs in (entry or {}).items():
+            if str(key).endswith("_kwargs") and kwargs is not None and not isinstance(kwargs, dict):
+                return f"[{name!r}][{key!r}] is {type(kwargs).__name__} {kwargs!r:.60}, not a mapping of keyword arguments"
+    return None
+
+
 # -- the loop's side: ToolBox ----------------------------------------------------------------------
 
 @dataclass
@@ -386,6 +402,12 @@ class ToolBox:
         for what a tool or the model did. `row` names the row in failure lines; `messages` is what
         a tool's execute sees as agent_data.messages."""
         active = self._active(selection)
+        problem = tools_kwargs_problem(tools_kwargs)
+        if problem is not None:  # the row's fault, not the tool's: no worker is asked (nor replaced)
+            line = f"{row}: extra_info.tools_kwargs{problem}"
+            logger.warning(line)
+            return [ToolResult(f"Error executing tool '{c.name}': the row's tools_kwargs are malformed", 0.0, {}, line, 0.0)
+                    for c in calls]
         return list(await asyncio.gather(*(self._one(c, active, tools_kwargs or {}, row, messages) for c in calls)))
 
     async def _one(self, call, active: list[str], tools_kwargs: dict, row: str, messages) -> ToolResult:

@@ -524,9 +524,16 @@ def uses_agent_loops(cfg: PlaitConfig, *datasets) -> bool:
     agent = cfg.actor_rollout_ref.rollout.agent
     if not (cfg.actor_rollout_ref.rollout.agent_loops or names):
         return False
+    from plait.agents.tools import tools_kwargs_problem
     from plait.agents.worker import check_agent_names
     check_agent_names(agent.agent_loop_config_path, agent.default_agent_loop, names,
                       cfg.actor_rollout_ref.rollout.multi_turn.format)
+    for split, d in zip(("data.train_files", "data.val_files"), datasets):
+        for it in d.items if d is not None else []:
+            problem = tools_kwargs_problem((it.extra_info or {}).get("tools_kwargs"))
+            if problem is not None:  # else every call of the row would fail, blamed on its tool
+                raise ConfigError(split, getattr(cfg.data, split.split(".")[1]),
+                                  f"row {it.index}: extra_info.tools_kwargs{problem} (verl's form)")
     return True
 
 

@@ -21,6 +21,8 @@ from __future__ import annotations
 import io
 import json
 import math
+import os
+import stat
 from pathlib import Path
 
 import torch
@@ -138,6 +140,10 @@ def fetch_image(entry, patch_size: int = 14, folder: Path | None = None) -> Imag
     elif isinstance(source, str):
         path = Path(source.removeprefix("file://"))
         source = path if path.is_absolute() or folder is None else folder / path
+        # a FIFO or a device would block the read forever (or never end): only a file is an image
+        if os.path.exists(source) and not stat.S_ISREG(os.stat(source).st_mode):
+            raise ValueError(f"{source} is not a regular file (a FIFO, device, socket or folder); an image path "
+                             "must name an image file")
     if isinstance(source, Image.Image):
         image = source
     else:

@@ -37,7 +37,7 @@ from plait.algorithms.rollout_correction import rollout_correction
 from plait.config import PlaitConfig, SamplingConfig
 from plait.configtree import ConfigError
 from plait.errors import RunError
-from plait.export import HF_DIR, export_checkpoint
+from plait.export import HF_DIR, write_export
 from plait.data.dataset import PromptDataset, iterate_batches
 from plait.data.rewards import ScoreRequest, Scores
 from plait.profiler.timeline import TIMELINE, WALL0
@@ -212,7 +212,7 @@ class LMTrainer:
         self.tokenizer.save_pretrained(hf)
         save_image_processor(self.cfg.actor_rollout_ref.model.path, hf)  # a VL policy's: the export loads as one
         if "hf_model" in self.cfg.actor_rollout_ref.actor.checkpoint.save_contents:  # verl's: the policy, ready to serve
-            export_checkpoint(path, hf)
+            write_export(os.path.join(path, "actor"), hf)
         if self.roles.critic is not None:
             self.roles.critic.call(Critic.save_checkpoint, os.path.join(path, "critic"))
         with open(os.path.join(path, "trainer_state.json"), "w") as f:

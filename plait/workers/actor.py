@@ -38,7 +38,7 @@ from plait.workers.logprobs import check_lm_head, response_logprobs, response_st
 from plait.workers.packing import MicroBatching, checked_remove_padding
 from plait.workers.parallel import (SHARDED_DIR, EvenMicroBatching, all_reduce_grads, check_same_batch, checkpoint_state,
                                     clip_grads, data_parallel, dp_rank_size, dp_share, even_micro_batches, full_state_dict,
-                                    global_sum, is_sharded, load_checkpoint_state, load_sharded, offloads_optimizer,
+                                    global_max, global_sum, is_sharded, load_checkpoint_state, load_sharded, offloads_optimizer,
                                     optimizer_step, save_sharded, shard_model, use_fsdp)
 from plait.workers.precision import cast_buffers, compute_autocast, role_dtype
 
@@ -117,6 +117,20 @@ def make_optimizer(params, cfg: OptimConfig):
 
 
 LORA_DIR = "lora_adapter"  # the adapter's folder in an actor checkpoint
+
+
+def probs_diff(logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """One micro-batch's share of verl's training/rollout_probs_diff_{max,mean,std} on the paths without the
+    separate old_log_prob pass (fused, bypass): means weighted by its tokens in _optimizer_step, the max a max."""
+    diff = (logp.detach().exp() - rollout_logp.exp()).abs()[mask.bool()]  # [response tokens]
+    if not diff.numel():
+        return {}
+    return {"training/rollout_probs_diff_mean": diff.mean().item(), DIFF_SQUARE: diff.square().mean().item(),
+            DIFF_MAX: diff.max().item()}
+
+
+DIFF_MAX = "training/rollout_probs_diff_max"
+DIFF_SQUARE = "training/rollout_probs_diff_square"  # the fused pass's mean square, for the std (not logged)
 
 
 class Actor:
@@ -201,7 +215,7 @@ class Actor:
         check_same_batch(batch, "Actor.update")
         mini = cfg.ppo_mini_batch_size * self.n
         sums: dict[str, float] = {}
-        count = 0
+        count, peak = 0, 0.0
         for _ in range(cfg.ppo_epochs):
             order = torch.randperm(len(batch), generator=self.shuffle_gen) if cfg.shuffle else torch.arange(len(batch))
             for start in range(0, len(batch), mini):
@@ -209,8 +223,11 @@ class Actor:
                     stats = self._optimizer_step(batch.select(dp_share(order[start:start + mini])), correction)
                 for k, v in stats.items():
                     sums[k] = sums.get(k, 0.0) + v
+                peak = max(peak, stats.get(DIFF_MAX, peak))
                 count += 1
         metrics = {(k if "/" in k else f"actor/{k}"): v / count for k, v in sums.items()}
+        if DIFF_MAX in metrics:  # a max over the mini-batches, not their mean
+            metrics[DIFF_MAX] = peak
         if cfg.use_kl_loss:
             metrics["actor/kl_coef"] = cfg.kl_loss_coef
         return metrics
@@ -266,12 +283,18 @@ class Actor:
             stats["pg_loss"] += pg_loss.item()
             stats["entropy"] += entropy.item()
             for k, v in pg_stats.items():  # per-token means (and rollout_corr/* in bypass mode): token-weighted
-                stats[k] = stats.get(k, 0.0) + v * weight
+                stats[k] = max(stats.get(k, v), v) if k == DIFF_MAX else stats.get(k, 0.0) + v * weight
         all_reduce_grads(self.model)
         grad_norm = clip_grads(self.model, cfg.grad_clip)
         if math.isfinite(grad_norm):  # a non-finite norm would poison the weights: skip the step
             optimizer_step(self.optimizer, self.offload_optimizer)
+        peak = global_max([stats.pop(DIFF_MAX)]) if DIFF_MAX in stats else None
         stats = dict(zip(stats, global_sum(list(stats.values()))))  # each rank summed its rows' parts
+        if peak is not None:  # the fused pass's |p_actor - p_rollout|: max over ranks, std from the two means
+            mean, square = stats["training/rollout_probs_diff_mean"], stats.pop(DIFF_SQUARE)
+            n = max(resp_tokens, 2.0)
+            std = math.sqrt(max(square - mean**2, 0.0) * n / (n - 1))  # unbiased, as torch's std over the tokens
+            stats.update({DIFF_MAX: peak[0], "training/rollout_probs_diff_std": std})
         stats["grad_norm"] = grad_norm
         return stats
 
@@ -280,8 +303,7 @@ class Actor:
         """The loss with pi_old = logp.detach(), and the off-policy metrics the old_log_prob pass gives."""
         rollout_logp = micro.rollout_logprobs.to(logp.device)
         _, _, corr = rollout_correction(logp.detach(), rollout_logp, mask, None, 1.0, False, None, None)
-        diff = (logp.detach().exp() - rollout_logp.exp()).abs() * mask
-        corr["training/rollout_probs_diff_mean"] = (diff.sum() / mask.sum().clamp(min=1)).item()
+        corr.update(probs_diff(logp, rollout_logp, mask))
         loss, stats = policy_loss(self.cfg.policy_loss.loss_mode, logp, logp.detach(), micro.advantages.to(logp.device),
                                   mask, knobs, **norm)
         return loss, {**stats, **corr}
@@ -293,6 +315,7 @@ class Actor:
         rollout_logp, adv = micro.old_logprobs.to(device), micro.advantages.to(device)  # old_logprobs = rollout's here
         is_w, loss_mask, corr = rollout_correction(logp.detach(), rollout_logp, mask, c.rollout_is, c.rollout_is_threshold,
                                                    c.rollout_is_batch_normalize, c.rollout_rs, c.rollout_rs_threshold)
+        corr.update(probs_diff(logp, rollout_logp, mask))
         if c.loss_type == "reinforce":  # -A log pi, weighted by pi / pi_rollout
             loss, stats = gpg_loss(logp, adv, loss_mask, knobs.agg_mode, is_w, loss_scale_factor=knobs.loss_scale_factor,
                                    **norm)

@@ -723,8 +723,11 @@ class TrainerConfig:
     nnodes: int = 1
     n_gpus_per_node: int = 8
     ray: RayConfig = field(default_factory=RayConfig)  # trainer.backend=ray only; docs/ray.md
+    check_weight_sync: bool = True            # plait's own: after each weight sync, the engine's log-probs of a probe vs the actor's
+    max_restarts: int = 0                     # plait's own (AReaL's recover.retries): resumes after a crash that is not the user's
 
     def __post_init__(self):
+        check(self.max_restarts >= 0, "max_restarts", self.max_restarts, "must be >= 0 (0: off)")
         check(self.total_training_steps is None or self.total_training_steps > 0, "total_training_steps",
               self.total_training_steps, "must be > 0 or null")
         check(self.total_epochs > 0, "total_epochs", self.total_epochs, "must be > 0")

@@ -199,6 +199,17 @@ def mask_logits(logits: torch.Tensor, banned: list[int] | None) -> torch.Tensor:
     return logits.index_fill(-1, torch.tensor(banned, device=logits.device), -1e30)
 
 
+def sequence_logprobs(model, ids: list[int]) -> list[float]:
+    """The log-prob of each token of `ids` after its prefix (len(ids) - 1 values) under `model` at temperature
+    1, over the vocabulary the policy samples from: the weight-sync check's probe (plait/workers/weight_sync.py),
+    computed the same way by the trainer's model and by an in-process engine's."""
+    with torch.no_grad():
+        device = next(model.parameters()).device
+        logits = model(input_ids=torch.tensor([ids], device=device)).logits[0, :-1].float()  # [len - 1, vocab]
+        logp = torch.log_softmax(mask_logits(logits, never_sampled(model.config)), -1)
+        return logp.gather(-1, torch.tensor(ids[1:], device=device)[:, None]).squeeze(-1).tolist()
+
+
 def vl_inputs(config, rows: list[dict], input_ids: torch.Tensor, attention_mask: torch.Tensor, packed=None) -> dict:
     """Forward kwargs of a VL model for rows [batch, len] (left-padded prompt | response) whose processor
     outputs are `rows` (per row {"pixel_values", "image_grid_thw"} or {}): the pixel values of the rows with

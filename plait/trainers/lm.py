@@ -50,7 +50,7 @@ from plait.workers.packing import seqlen_metrics
 from plait.workers.ref import Ref
 from plait.workers.reward_model import RewardModel
 from plait.workers.rollout import Rollout
-from plait.workers.weight_sync import sync_weights
+from plait.workers.weight_sync import SyncCheck, sync_weights
 
 
 @dataclass
@@ -117,6 +117,7 @@ class LMTrainer:
         self.correction = cfg.algorithm.rollout_correction
         self.updates_per_step = 1  # fully async: several local updates per policy version
         self.version = 0
+        self.sync_check = SyncCheck(roles.actor, roles.rollout, tokenizer) if cfg.trainer.check_weight_sync else None
         self.model_flops = None  # the policy's FLOPs per token (asked of the actor at start)
 
     # -- the Trainer protocol -------------------------------------------------------------------
@@ -125,8 +126,16 @@ class LMTrainer:
         return self.cfg.total_steps(self.cursor.batches_per_epoch)
 
     def start(self) -> None:
-        """Asked once here, not in a step: a step's time is its stages (profiler/analysis/accounting.py)."""
+        """Asked once here, not in a step: a step's time is its stages (profiler/analysis/accounting.py);
+        the weight-sync check's numerical gap, while the actor and the engine hold the same weights."""
         self.model_flops = self.roles.actor.call(Actor.model_flops)
+        if self.sync_check is not None:
+            self.sync_check.start()
+
+    def push_weights(self, version: int, share: bool = False) -> dict[str, float]:
+        """The actor's weights to the rollout as policy `version`, then the weight-sync check; its metrics."""
+        sync_weights(self.roles.actor, self.roles.rollout, version, share)
+        return {} if self.sync_check is None else self.sync_check.after_sync(version)
 
     def train_step(self, step: int, timer: StageTimer) -> StepResult:
         start, results, samples, lengths = time.perf_counter(), [], 0, []

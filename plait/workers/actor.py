@@ -30,7 +30,7 @@ from plait.config import ActorConfig, ModelConfig, OptimConfig, RolloutCorrectio
 from plait.configtree import ConfigError
 from plait.export import HF_DIR
 from plait.models import add_lora, enable_activation_checkpointing, load_causal_lm, merged_state_dict
-from plait.models_vl import is_vl
+from plait.models_vl import is_vl, sequence_logprobs
 from plait.safeload import load_tensors
 from plait.types import RolloutBatch
 from plait.workers.flops import ModelFlops
@@ -129,6 +129,18 @@ def probs_diff(logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tenso
             DIFF_MAX: diff.max().item()}
 
 
+def reduce_over_ranks(stats: dict[str, float], resp_tokens: float) -> dict[str, float]:
+    """One optimizer step's stats summed over ranks (each rank summed its rows' parts); the fused or bypass pass's
+    |p_actor - p_rollout| max taken as a max, and its std from the mean and the mean square."""
+    peak = global_max([stats.pop(DIFF_MAX)]) if DIFF_MAX in stats else None
+    stats = dict(zip(stats, global_sum(list(stats.values()))))
+    if peak is not None:
+        mean, square, n = stats["training/rollout_probs_diff_mean"], stats.pop(DIFF_SQUARE), max(resp_tokens, 2.0)
+        std = math.sqrt(max(square - mean**2, 0.0) * n / (n - 1))  # unbiased, as torch's std over the tokens
+        stats.update({DIFF_MAX: peak[0], "training/rollout_probs_diff_std": std})
+    return stats
+
+
 DIFF_MAX = "training/rollout_probs_diff_max"
 DIFF_SQUARE = "training/rollout_probs_diff_square"  # the fused pass's mean square, for the std (not logged)
 
@@ -184,6 +196,11 @@ class Actor:
 
     def model_flops(self) -> ModelFlops:
         return self.flops
+
+    def probe_logprobs(self, ids: list[int]) -> list[float]:
+        """The weight-sync check's probe under the policy being trained (LoRA adapters on), in its compute dtype."""
+        with self.autocast():
+            return sequence_logprobs(self.model, ids)
 
     def compute_ref_log_prob(self, batch: RolloutBatch, micro_batch_size: int,
                              max_token_len: int | None = None) -> torch.Tensor:
@@ -288,13 +305,7 @@ class Actor:
         grad_norm = clip_grads(self.model, cfg.grad_clip)
         if math.isfinite(grad_norm):  # a non-finite norm would poison the weights: skip the step
             optimizer_step(self.optimizer, self.offload_optimizer)
-        peak = global_max([stats.pop(DIFF_MAX)]) if DIFF_MAX in stats else None
-        stats = dict(zip(stats, global_sum(list(stats.values()))))  # each rank summed its rows' parts
-        if peak is not None:  # the fused pass's |p_actor - p_rollout|: max over ranks, std from the two means
-            mean, square = stats["training/rollout_probs_diff_mean"], stats.pop(DIFF_SQUARE)
-            n = max(resp_tokens, 2.0)
-            std = math.sqrt(max(square - mean**2, 0.0) * n / (n - 1))  # unbiased, as torch's std over the tokens
-            stats.update({DIFF_MAX: peak[0], "training/rollout_probs_diff_std": std})
+        stats = reduce_over_ranks(stats, resp_tokens)
         stats["grad_norm"] = grad_norm
         return stats
 

@@ -161,6 +161,11 @@ class Rollout:
             self.engine.load_weights(state_dict, share)
             self.version = version
 
+    def probe_logprobs(self, ids: list[int]) -> list[float] | None:
+        """The engine's log-probs of the weight-sync check's probe; None: this engine cannot say (the check is off)."""
+        with self._lock:
+            return self.engine.probe_logprobs(ids)
+
     def close(self) -> None:
         """Stop the engine's own processes, if it has any (vLLM's engine core), and the agent loops' tools."""
         if self.agents is not None:

@@ -228,6 +228,23 @@ class VLLMEngine:
         finally:
             shutil.rmtree(version_dir, ignore_errors=True)
 
+    def probe_logprobs(self, ids: list[int]) -> list[float]:
+        """The weight-sync check's probe: vLLM's prompt log-probs of `ids` (temperature 1) under the weights the
+        engine core holds now (plait/workers/weight_sync.py)."""
+        from vllm import SamplingParams as VLLMParams
+        self.wake()
+        self._calls += 1
+        rid = f"{self._calls}-probe"
+        params = VLLMParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False)
+        with self._io:
+            self._engine.add_request(rid, {"prompt_token_ids": list(ids)}, params)
+        while True:
+            with self._io:
+                outputs = self._engine.step()
+            for out in outputs:
+                if out.request_id == rid and out.finished:
+                    return [step[tok].logprob for step, tok in zip(out.prompt_logprobs[1:], ids[1:])]
+
     def abort(self) -> None:
         """Thread-safe: a running generate returns at its next engine step; unfinished rows say "aborted"."""
         self._abort.set()

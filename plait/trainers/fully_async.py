@@ -151,7 +151,7 @@ class FullyAsyncTrainer(LMTrainer):
 
     def _call(self, method, *args) -> RolloutBatch:
         with self.gen_clock.busy(), TIMELINE.span("rollout", method.__name__, self.version):
-            return self.roles.rollout.call(method, *args)
+            return self.rollout_call(method, *args)
 
     # -- the trainer side -----------------------------------------------------------------------
 

@@ -25,6 +25,8 @@ import math
 import os
 import random
 import shutil
+import sys
+import threading
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -36,7 +38,8 @@ from plait.algorithms.kl import apply_kl_penalty, make_kl_controller
 from plait.algorithms.rollout_correction import rollout_correction
 from plait.config import PlaitConfig, SamplingConfig
 from plait.configtree import ConfigError
-from plait.errors import RunError
+from plait.errors import EngineDied, EngineFailed, RunError
+from plait.safeload import first_line
 from plait.export import HF_DIR, write_export
 from plait.data.dataset import PromptDataset, iterate_batches
 from plait.data.rewards import ScoreRequest, Scores
@@ -118,6 +121,11 @@ class LMTrainer:
         self.updates_per_step = 1  # fully async: several local updates per policy version
         self.version = 0
         self.sync_check = SyncCheck(roles.actor, roles.rollout, tokenizer) if cfg.trainer.check_weight_sync else None
+        # engine restarts (rollout_call): the run's count, the step of the last one; the actor lock keeps a
+        # restart's weight push (from a generation thread) from reading the weights mid-update
+        self.engine_restarts, self.restart_step = 0, -1
+        self.restart_lock, self.actor_lock = threading.Lock(), threading.Lock()
+        self.step = 0
         self.model_flops = None  # the policy's FLOPs per token (asked of the actor at start)
 
     # -- the Trainer protocol -------------------------------------------------------------------
@@ -137,8 +145,31 @@ class LMTrainer:
         sync_weights(self.roles.actor, self.roles.rollout, version, share)
         return {} if self.sync_check is None else self.sync_check.after_sync(version)
 
+    def rollout_call(self, method, *args):
+        """A rollout call that generates (generate, resume). When its engine died (EngineDied: vLLM's engine
+        core, the rollout's Ray worker process), the engine is restarted with the current weights and the call
+        re-issued whole (same prompts, same seed), once per step; a second death in that step is one line."""
+        while True:  # restart_engine raises at the second death in a step
+            try:
+                return self.roles.rollout.call(method, *args)
+            except EngineDied as err:
+                self.restart_engine(err)
+
+    def restart_engine(self, err: EngineDied) -> None:
+        with self.restart_lock:
+            if self.restart_step == self.step:
+                raise EngineFailed(f"the rollout engine failed again in step {self.step}, after a restart in the same "
+                                   f"step: {first_line(err)}")
+            self.restart_step, self.engine_restarts = self.step, self.engine_restarts + 1
+            print(f"plait: warning: the rollout engine died in step {self.step} ({first_line(err)}); restarting it with "
+                  f"the current weights (policy version {self.version}) and re-issuing its requests", file=sys.stderr)
+            self.roles.rollout.recover(Rollout.restart_engine)
+            with self.actor_lock:  # not mid-update: the weights of one version
+                sync_weights(self.roles.actor, self.roles.rollout, self.version)
+
     def train_step(self, step: int, timer: StageTimer) -> StepResult:
         start, results, samples, lengths = time.perf_counter(), [], 0, []
+        self.step, restarts = step, self.engine_restarts
         # verl's rule: the actor trains from step critic_warmup on (steps 1..critic_warmup-1 train the critic only)
         update_actor = step >= self.cfg.trainer.critic_warmup
         for _ in range(self.updates_per_step):
@@ -153,6 +184,7 @@ class LMTrainer:
         if "gen" in timer.times:  # generated in this step (sync); prefill + decode cost one forward's FLOPs
             result.metrics["perf/mfu/gen"] = self.model_flops.mfu(self.model_flops.forward(lengths), timer.times["gen"])
         result.metrics["perf/samples_per_s"] = samples / (time.perf_counter() - start)
+        result.metrics["rollout/engine_restarts"] = self.engine_restarts - restarts
         if self.cfg.data.filter_overlong_prompts:
             result.metrics["data/filtered_overlong_prompts"] = self.cursor.dataset.filtered
         return result
@@ -168,7 +200,7 @@ class LMTrainer:
         for start in range(0, total, size):
             self.live_validation(start, total, size, time.perf_counter() - started)
             prompts = prompt_batch([self.val_data[i] for i in range(start, min(start + size, total))])
-            batch = self.roles.rollout.call(Rollout.generate, prompts, val, self.cfg.trainer.seed)
+            batch = self.rollout_call(Rollout.generate, prompts, val, self.cfg.trainer.seed)
             scored, extra = self.score(batch)
             for key, values in extra.items():
                 extras.setdefault(key, []).extend(values)
@@ -281,8 +313,7 @@ class LMTrainer:
                               extra_infos=[batch.extra_infos[i] for i in rows], indices=list(first),
                               multi_modal=[] if batch.multi_modal_inputs is None else
                               [batch.multi_modal_inputs[i] for i in rows])
-        greedy = self.roles.rollout.call(Rollout.generate, prompts, SamplingConfig(n=1, do_sample=False),
-                                         self.cfg.trainer.seed)
+        greedy = self.rollout_call(Rollout.generate, prompts, SamplingConfig(n=1, do_sample=False), self.cfg.trainer.seed)
         scores, _ = self.score(greedy)
         by_group = dict(zip(greedy.group_ids.tolist(), scores))
         return torch.tensor([by_group[g] for g in batch.group_ids.tolist()], dtype=torch.float32)
@@ -361,7 +392,7 @@ class LMTrainer:
             with timer.stage("update_critic"):
                 metrics.update(roles.critic.call(Critic.update, batch))
         if update_actor:
-            with timer.stage("update_actor"):
+            with timer.stage("update_actor"), self.actor_lock:
                 actor_metrics = roles.actor.call(Actor.update, batch, self.correction)
                 if "actor/entropy" in metrics:  # verl's actor/entropy is the pre-update one, when it was computed
                     actor_metrics.pop("actor/entropy")

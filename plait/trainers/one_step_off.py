@@ -71,7 +71,7 @@ class OneStepOffTrainer(LMTrainer):
 
     def _generate(self, prompts: PromptBatch, seed: int) -> RolloutBatch:
         with self.gen_clock.busy():
-            return self.roles.rollout.call(Rollout.generate, prompts, self.sampling, seed)
+            return self.rollout_call(Rollout.generate, prompts, self.sampling, seed)
 
     def _generate_ahead(self, prompts: PromptBatch, seed: int) -> RolloutBatch:
         """On the generation thread: the next step's batch, a `generate` span on its own lane."""

@@ -58,6 +58,7 @@ from plait.workers.allocator import keep_freed_memory
 from plait.workers.engine import ENGINES
 
 DATA_PARALLEL_ROLES = ("actor", "critic", "ref", "reward_model")
+CHANNEL_DEATH_S = 60.0  # how long a weight sender may take to notice its receiver died (gloo sees the socket close)
 LOOPBACK = "127.0.0.1"
 
 
@@ -684,7 +685,11 @@ class RayWorkerGroup:
         else:
             b.open_channel(self.hosts[0], dst.hosts[0])
             refs = [h.send.remote(self.role, get, r == 0) for r, h in enumerate(self.hosts)]
-            refs.append(dst.hosts[0].receive.remote(dst.role, put, payload))
+            try:
+                b.gather([dst.hosts[0].receive.remote(dst.role, put, payload)], f"{dst.role} worker", what, dst)
+            except EngineDied:  # the receiver's process died: the sender's broadcast fails with it, not on its own
+                ray.wait(refs, num_returns=len(refs), timeout=CHANNEL_DEATH_S)
+                raise
         b.gather(refs, f"{self.role} worker", what)
 
 

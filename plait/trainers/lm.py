@@ -123,7 +123,7 @@ class LMTrainer:
         self.sync_check = SyncCheck(roles.actor, roles.rollout, tokenizer) if cfg.trainer.check_weight_sync else None
         # engine restarts (rollout_call): the run's count, the step of the last one; the actor lock keeps a
         # restart's weight push (from a generation thread) from reading the weights mid-update
-        self.engine_restarts, self.restart_step = 0, -1
+        self.engine_restarts, self.restart_step, self.restarts_logged = 0, -1, 0
         self.restart_lock, self.actor_lock = threading.Lock(), threading.Lock()
         self.step = 0
         self.model_flops = None  # the policy's FLOPs per token (asked of the actor at start)
@@ -142,8 +142,12 @@ class LMTrainer:
 
     def push_weights(self, version: int, share: bool = False) -> dict[str, float]:
         """The actor's weights to the rollout as policy `version`, then the weight-sync check; its metrics."""
-        sync_weights(self.roles.actor, self.roles.rollout, version, share)
-        return {} if self.sync_check is None else self.sync_check.after_sync(version)
+        while True:  # the engine may die during the sync too (restart_engine raises at the second death in a step)
+            try:
+                sync_weights(self.roles.actor, self.roles.rollout, version, share)
+                return {} if self.sync_check is None else self.sync_check.after_sync(version)
+            except EngineDied as err:
+                self.restart_engine(err)
 
     def rollout_call(self, method, *args):
         """A rollout call that generates (generate, resume). When its engine died (EngineDied: vLLM's engine
@@ -162,14 +166,14 @@ class LMTrainer:
                                    f"step: {first_line(err)}")
             self.restart_step, self.engine_restarts = self.step, self.engine_restarts + 1
             print(f"plait: warning: the rollout engine died in step {self.step} ({first_line(err)}); restarting it with "
-                  f"the current weights (policy version {self.version}) and re-issuing its requests", file=sys.stderr)
+                  f"the current weights (policy version {self.version}); the call it died in is re-issued", file=sys.stderr)
             self.roles.rollout.recover(Rollout.restart_engine)
             with self.actor_lock:  # not mid-update: the weights of one version
                 sync_weights(self.roles.actor, self.roles.rollout, self.version)
 
     def train_step(self, step: int, timer: StageTimer) -> StepResult:
         start, results, samples, lengths = time.perf_counter(), [], 0, []
-        self.step, restarts = step, self.engine_restarts
+        self.step = step
         # verl's rule: the actor trains from step critic_warmup on (steps 1..critic_warmup-1 train the critic only)
         update_actor = step >= self.cfg.trainer.critic_warmup
         for _ in range(self.updates_per_step):
@@ -184,7 +188,8 @@ class LMTrainer:
         if "gen" in timer.times:  # generated in this step (sync); prefill + decode cost one forward's FLOPs
             result.metrics["perf/mfu/gen"] = self.model_flops.mfu(self.model_flops.forward(lengths), timer.times["gen"])
         result.metrics["perf/samples_per_s"] = samples / (time.perf_counter() - start)
-        result.metrics["rollout/engine_restarts"] = self.engine_restarts - restarts
+        restarts = self.engine_restarts  # since the last step's record: a generation thread's between steps too
+        result.metrics["rollout/engine_restarts"], self.restarts_logged = restarts - self.restarts_logged, restarts
         if self.cfg.data.filter_overlong_prompts:
             result.metrics["data/filtered_overlong_prompts"] = self.cursor.dataset.filtered
         return result

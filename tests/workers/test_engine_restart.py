@@ -53,7 +53,7 @@ def test_a_dead_engine_is_restarted_with_the_current_weights_and_the_run_complet
     assert all("training/weight_sync_probe_diff" in r for r in records)  # the new engine took the weights
     err = capfd.readouterr().err
     assert err.count("plait: warning: the rollout engine died in step ") == 1
-    assert "restarting it with the current weights" in err
+    assert "restarting it with the current weights (policy version " in err and "the call it died in is re-issued" in err
 
 
 def test_a_second_death_in_the_same_step_ends_the_run_in_one_line(tmp_path, tiny_config, monkeypatch):

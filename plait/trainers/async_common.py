@@ -22,7 +22,9 @@ class RolloutRunError(RolloutError, RunError):
 def rollout_error(what: str, err: BaseException) -> RolloutError:
     """`what` failed in the generation thread with `err`: a RunError cause stays one line."""
     if isinstance(err, RunError):
-        return RolloutRunError(f"{what}: {err}")
+        error = RolloutRunError(f"{what}: {err}")
+        error.recoverable = err.recoverable  # a dead worker or engine stays a crash trainer.max_restarts resumes after
+        return error
     return RolloutError(f"{what}: {type(err).__name__}: {err}")
 
 

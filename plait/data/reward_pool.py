@@ -1,7 +1,7 @@
 """Reward functions run in their own processes (`reward.num_workers`), never in the trainer's.
 
     trainer thread ── pool(**call) ──▶ requests queue ──▶ feeder thread i ──socket──▶ worker process i
-      awaits its futures                  (one per worker; blocks on     (own session; the reward loaded
+      awaits its futures                  (one per worker; blocks on     (under a guardian; the reward loaded
                                           its worker's reply, at most    from its file; RLIMIT_AS; a
                                           reward.custom_reward_function  pids limit shared by the pool)
                                           .timeout)
@@ -9,8 +9,9 @@
 A pool call returns an awaitable, so the reward managers (rewards.py) score a batch's responses on
 all workers at once. Whatever user code does to its process (raises, returns garbage, calls
 sys.exit, segfaults, is killed for memory, forks without end, hangs) becomes one RunError naming
-the function, the data source and the sample; the worker's whole process group is killed and the
-trainer's state is untouched. Results come back through plait's plain-data unpickler, so a reward
+the function, the data source and the sample; the worker and everything it started are killed (its
+guardian, plait/reaper.py, is their subreaper: setsid and double forks included, and on the trainer's
+death too) and the trainer's state is untouched. Results come back through plait's plain-data unpickler, so a reward
 cannot hand the trainer anything but data. Workers start at the first call and end at
 `close_reward_workers()` (the lifecycle's shutdown), on EOF of their socket, or when the trainer dies.
 

@@ -1,5 +1,5 @@
 """The `plait` command: `plait train [--config FILE] key=value ...`, `plait config show ...`,
-`plait profile report DIR`, `plait export CHECKPOINT OUT`.
+`plait profile report DIR`, `plait export CHECKPOINT OUT`, `plait serve MODEL`.
 
 Overrides take verl's Hydra forms (`key=value`, `+key=value`, `~key`). Bad config keys, types or
 values exit with status 2 and one line each naming the key, the value and what would be valid,
@@ -62,9 +62,18 @@ def main(argv: list[str] | None = None) -> int:
     export.add_argument("--lora", choices=("merge", "adapter"), default="merge",
                         help="a LoRA checkpoint: merge the adapter into the base weights (default) or write the peft adapter")
     export.add_argument("--base", help="a LoRA checkpoint's base model folder, when it moved since training")
+    serve = sub.add_parser("serve", help="serve a model or checkpoint over OpenAI's and Anthropic's APIs (no training)")
+    serve.add_argument("model", help="a checkpoint (checkpoints/global_step_N), a model folder or a built-in model name")
+    serve.add_argument("--host", default="127.0.0.1", help="the address to listen on (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--engine", default="hf", help="the rollout engine: hf (plait's) or vllm")
+    serve.add_argument("--max-tokens", type=int, default=1024, help="a request's budget when it names none")
+    serve.add_argument("--tool-format", default="hermes", help="how tool calls are read from the model's text")
     args = parser.parse_args(argv)
     if args.command == "export":
         return export_command(args)
+    if args.command == "serve":
+        return serve_command(args)
     if args.command == "profile":
         from plait.profiler.analysis import build_report
         try:
@@ -143,6 +152,16 @@ def export_command(args) -> int:
            os.path.isfile(os.path.join(out, "adapter_config.json")) else
            f"AutoModelForCausalLM.from_pretrained({out!r}) or vllm serve {out}")
     print(f"plait: exported {args.checkpoint} to {out}: load it with {how} (docs/export.md)", file=sys.stderr)
+    return 0
+
+
+def serve_command(args) -> int:
+    from plait.serving.serve import serve
+    try:
+        serve(args.model, args.host, args.port, args.engine, args.max_tokens, args.tool_format)
+    except (FileNotFoundError, ConfigError, OSError) as err:
+        print(f"plait: serve: {err}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -323,10 +323,11 @@ TRUNCATE_SIDES = ("left", "right", "middle")
 UNSUPPORTED_WHY = "is not implemented in plait's agent loops (docs/agents.md)"
 
 
-def shipped_tool_config(path: Optional[str]) -> Optional[str]:
+def shipped_tool_config(path: Optional[str], folder: str = "tools", ext: str = ".yaml") -> Optional[str]:
     """`calculator` names plait/configs/tools/calculator.yaml (shipped in the package, so a packaged
-    preset needs no user path); an existing path, or a name with no shipped file, is kept as given."""
-    shipped = os.path.join(os.path.dirname(__file__), "configs", "tools", f"{path}.yaml")
+    preset needs no user path; agents: plait/configs/agents/<name>.py); an existing path, or a name with no
+    shipped file, is kept as given."""
+    shipped = os.path.join(os.path.dirname(__file__), "configs", folder, f"{path}{ext}")
     if path is None or os.path.exists(path) or os.sep in path or not os.path.isfile(shipped):
         return path
     return shipped
@@ -387,12 +388,47 @@ class CustomAsyncServerConfig:
 
 
 @dataclass
+class OpenAIAgentConfig:
+    """`rollout.agent.openai_agent` (plait's own): the agent the `openai_agent` loop trains through the gateway
+    (plait/agents/openai_agent.py, docs/agents.md "Bring your own agent"). Give `path` (+ `name`) or `command`."""
+    path: Optional[str] = None      # a Python file with `async def run(row, base_url, api_key)` (or a shipped
+                                    # agent's name: react_calculator)
+    name: str = "run"               # the function in `path`
+    command: Optional[str] = None   # or a command line started per row (OPENAI_BASE_URL, ..., the row on stdin)
+    timeout: float = 600.0          # seconds one session (the agent's whole run on a row) may take
+    num_workers: int = 2            # processes running `path`'s function (each runs many sessions at once)
+    memory_limit_mb: Optional[int] = None  # per agent process; null: reward.memory_limit_mb
+    host: str = "127.0.0.1"         # where the gateway listens
+    port: int = 0                   # 0: a free port
+
+    def __post_init__(self):
+        self.path = shipped_tool_config(self.path, "agents", ".py")  # react_calculator: shipped in plait/configs/agents
+        check(self.path is None or self.command is None, "command", self.command,
+              "null when openai_agent.path is set: give the agent as a function (path, name) or as a command, not both")
+        check(self.path is None or os.path.isfile(self.path), "path", self.path,
+              "a Python file defining the agent function (async def run(row, base_url, api_key))")
+        check(isinstance(self.name, str) and self.name.isidentifier(), "name", self.name, "a Python function name")
+        check(self.command is None or (isinstance(self.command, str) and self.command.strip() != ""), "command",
+              self.command, "a command line")
+        check(self.timeout > 0, "timeout", self.timeout, "> 0 seconds")
+        positive(self, "num_workers")
+        check(self.memory_limit_mb is None or self.memory_limit_mb > 0, "memory_limit_mb", self.memory_limit_mb,
+              "> 0 MiB or null")
+        check(0 <= self.port <= 65535, "port", self.port, "0 (a free port) to 65535")
+
+    @property
+    def given(self) -> bool:
+        return self.path is not None or self.command is not None
+
+
+@dataclass
 class AgentConfig:
     """`rollout.agent`: which agent loop a row runs (plait/agents/worker.py)."""
     default_agent_loop: str = "single_turn_agent"  # for rows without an agent_name column
     agent_loop_config_path: Optional[str] = None    # YAML list of {name, _target_, **kwargs}
     num_workers: int = 8
     custom_async_server: CustomAsyncServerConfig = field(default_factory=CustomAsyncServerConfig)
+    openai_agent: OpenAIAgentConfig = field(default_factory=OpenAIAgentConfig)  # plait's own
 
     def __post_init__(self):
         check(self.num_workers == 8, "num_workers", self.num_workers,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import ast
 import json
 import operator
+import random
 import re
 import sys
 from typing import Any, Optional
@@ -170,12 +171,18 @@ def expression_of(question: str) -> Optional[str]:
     return None
 
 
-def calculator_transcript(question: str, answer: str) -> Optional[list[dict]]:
+def calculator_transcript(question: str, answer: str, rng: Optional[random.Random] = None) -> Optional[list[dict]]:
     """The conversation a tool-using model should have on `question`: the call, the calculator's
-    answer, and the final line; None when the problem's expression is unknown or gives another answer."""
+    answer, and the final line; None when the problem's expression is unknown or gives another answer.
+    With `rng`, each operator of the expression is drawn at random from + - * / and the transcript ends with
+    what the calculator says to that: the format (a call with the story's numbers, its answer read back)
+    without the arithmetic the story asks for."""
     expression = expression_of(question)
     if expression is None or format_number(evaluate(expression)) != answer:
         return None
+    if rng is not None:
+        expression = re.sub(r"[-+*/]", lambda m: rng.choice("+-*/"), expression)
+        answer = format_number(evaluate(expression))
     call = json.dumps({"name": "calculator", "arguments": {"expression": expression}})
     return [{"role": "system", "content": CALCULATOR_SYSTEM},
             {"role": "user", "content": question},

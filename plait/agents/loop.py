@@ -49,6 +49,8 @@ class TokenOutput:
     stop_reason: str = "eos"           # eos | length | aborted
     versions: list[int] = field(default_factory=list)  # policy version of each token
     num_preempted: int = -1
+    started: float = 0.0               # plait: wall time the engine took the request up (its queue wait ends)
+    prefilled: float = 0.0             # plait: ... and ended its prefill (0: the engine does not say)
 
 
 @dataclass

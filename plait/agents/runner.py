@@ -44,6 +44,8 @@ class Request:
     tokens: list[int] = field(default_factory=list)      # got so far (a cut request keeps them)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
+    started: float = 0.0                                  # wall time an engine first took it up
+    prefilled: float = 0.0                                # ... and ended its first prefill (0: unknown)
 
     def key(self) -> tuple:
         return tuple(sorted((k, v) for k, v in self.sampling.items() if k != "max_tokens"))
@@ -95,10 +97,15 @@ def run_round(requests: list[Request], engine_round: Round, version: int) -> lis
     groups: dict[tuple, list[Request]] = {}
     for r in requests:
         groups.setdefault(r.key(), []).append(r)
+    now = time.time()
+    for r in requests:
+        r.started = r.started or now
     for reqs in groups.values():
         budget = [r.max_tokens - len(r.tokens) for r in reqs]
         gen = engine_round([r.prompt_ids + r.tokens for r in reqs], max(budget), reqs[0].sampling)
         lengths = gen.response_mask.sum(-1).long().tolist()
+        for r in reqs:
+            r.prefilled = r.prefilled or getattr(gen, "prefilled", 0.0)
         for i, (r, room) in enumerate(zip(reqs, budget)):
             n = min(lengths[i], room)
             r.tokens += gen.responses[i, :n].tolist()
@@ -109,7 +116,8 @@ def run_round(requests: list[Request], engine_round: Round, version: int) -> lis
                 cut.append(r)
                 continue
             reason = "length" if n >= room and reason != "eos" else reason
-            out = TokenOutput(token_ids=r.tokens, log_probs=r.logprobs, stop_reason=reason, versions=r.versions)
+            out = TokenOutput(token_ids=r.tokens, log_probs=r.logprobs, stop_reason=reason, versions=r.versions,
+                              started=r.started, prefilled=r.prefilled)
             r.loop.call_soon_threadsafe(_resolve, r.future, out)
     return cut
 
@@ -172,6 +180,9 @@ def drive_stream(run: Run, serve, version: Callable[[], int], aborted: Callable[
     def admit():
         with sched.cond:
             reqs, sched.queue = sched.queue, []
+        now = time.time()
+        for r in reqs:
+            r.started = r.started or now
         return [(r, r.prompt_ids + r.tokens, r.sampling, r.max_tokens - len(r.tokens)) for r in reqs]
 
     def deliver(r: Request, tokens: list[int], logprobs: list[float], reason: str) -> None:
@@ -179,7 +190,8 @@ def drive_stream(run: Run, serve, version: Callable[[], int], aborted: Callable[
         if reason == "aborted" and len(r.tokens) < r.max_tokens:
             cut.append(r)
             return
-        out = TokenOutput(token_ids=r.tokens, log_probs=r.logprobs, stop_reason=reason, versions=r.versions)
+        out = TokenOutput(token_ids=r.tokens, log_probs=r.logprobs, stop_reason=reason, versions=r.versions,
+                          started=r.started)
         r.loop.call_soon_threadsafe(_resolve, r.future, out)
 
     if serve(admit, deliver, lambda: run.done() or aborted()) or cut or aborted():

@@ -15,11 +15,14 @@ Left out: LR schedules, packing, other tools' transcripts, devices other than CP
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
 
 from plait.data.warmstart import MARKER, POOL, _fingerprint, train_and_save
 
-TRANSCRIPT_TASKS = ("gsm8k_synthetic_tools",)  # tasks whose problems have generated tool transcripts
+# Tasks whose problems have generated tool transcripts: the worked arithmetic (the tools preset), or the
+# format only, each operator drawn at random (the gateway preset: RL must learn which operation a story asks for).
+TRANSCRIPT_TASKS = {"gsm8k_synthetic_tools": "worked", "gsm8k_synthetic_agent": "format"}
 
 
 def transcript_examples(tokenizer, model_type: str | None, task: str, n: int, seed: int) -> list[tuple[list[int], list[int]]]:
@@ -29,9 +32,9 @@ def transcript_examples(tokenizer, model_type: str | None, task: str, n: int, se
     if task not in TRANSCRIPT_TASKS:
         raise ValueError(f"task {task!r} has no generated tool transcripts; tasks with them: {', '.join(TRANSCRIPT_TASKS)}")
     tools = [CalculatorTool({}, None).get_openai_tool_schema().model_dump(exclude_unset=True)]
-    examples = []
+    examples, rng = [], random.Random(seed) if TRANSCRIPT_TASKS[task] == "format" else None
     for row in make_task_rows(task, "train", n, seed):
-        messages = calculator_transcript(row["prompt"][-1]["content"], row["reward_model"]["ground_truth"])
+        messages = calculator_transcript(row["prompt"][-1]["content"], row["reward_model"]["ground_truth"], rng)
         if messages is None:
             continue
         t = transcript_trajectory(tokenizer, [*row["prompt"][:-1], *messages[1:]], model_type, tools)

@@ -25,6 +25,7 @@ from plait.agents.loop import AgentLoopOutput, ConfigWrap, registered
 from plait.agents.runner import EventLoopThread, Run, Scheduler, drive, drive_stream, outputs, release_held
 from plait.config import SamplingConfig
 from plait.configtree import ConfigError
+from plait.errors import RunError
 from plait.types import PromptBatch, RolloutBatch
 
 GRACE_S = 0.05  # how long a ready request waits for trajectories still in tools before a round starts
@@ -32,6 +33,7 @@ GRACE_S = 0.05  # how long a ready request waits for trajectories still in tools
 
 def load_loop_configs(path: str | None) -> dict[str, dict]:
     """The registry plus the user's YAML list of loops ({name, _target_, **kwargs})."""
+    from plait.agents import openai_agent  # noqa: F401 - registers openai_agent (it imports the HTTP stack: here, not at start)
     loops = registered()
     if path is None:
         return loops
@@ -58,15 +60,20 @@ def resolve_class(target: str):
         raise ConfigError(key, target, f"its _target_ cannot be imported: {err}") from None
 
 
-def check_agent_names(path: str | None, default: str, names: set, fmt: str = "hermes") -> None:
+def check_agent_names(path: str | None, default: str, names: set, fmt: str = "hermes", openai_agent=None) -> None:
     """Every agent_name of the data, and the default loop, must be a known loop; rows that run tool_agent
-    need a tool-call format plait parses (verl's loop stops at an unknown one): ConfigErrors at start."""
+    need a tool-call format plait parses (verl's loop stops at an unknown one), rows that run openai_agent
+    an agent (`openai_agent`: rollout.agent.openai_agent): ConfigErrors at start."""
     from plait.agents.tool_parser import SUPPORTED_FORMATS
     if fmt not in SUPPORTED_FORMATS and "tool_agent" in (set(names) | {default}):
         raise ConfigError("actor_rollout_ref.rollout.multi_turn.format", fmt,
                           f"one of {', '.join(SUPPORTED_FORMATS)}: rows run tool_agent, which reads the model's calls in "
                           "this format (verl 0.9.1 parses hermes, gpt-oss, qwen3_coder, glm, seed, minimax, kimi, "
                           "deepseek_v4, gemma4; plait the first two)")
+    if "openai_agent" in (set(names) | {default}) and openai_agent is not None and not openai_agent.given:
+        raise ConfigError("actor_rollout_ref.rollout.agent.openai_agent.path", None,
+                          "rows run openai_agent: give the agent, a Python file with `async def run(row, base_url, "
+                          "api_key)` (openai_agent.path, .name) or a command line (openai_agent.command); docs/agents.md")
     loops = load_loop_configs(path)
     if default not in loops:
         raise ConfigError("actor_rollout_ref.rollout.agent.default_agent_loop", default,
@@ -78,11 +85,14 @@ def check_agent_names(path: str | None, default: str, names: set, fmt: str = "he
 
 
 class AgentWorker:
-    def __init__(self, cfg, tokenizer, model_type: str | None, tools=None, interactions=None):
+    def __init__(self, cfg, tokenizer, model_type: str | None, tools=None, interactions=None,
+                 eos_ids: list[int] | None = None):
         """`cfg`: the whole PlaitConfig (loops read it as verl's trainer config); `tools`: a ToolBox or None;
-        `interactions`: an InteractionBox (plait/agents/interactions.py) or None."""
+        `interactions`: an InteractionBox (plait/agents/interactions.py) or None; `eos_ids`: the engine's."""
         self.cfg, self.tokenizer, self.model_type, self.tools = cfg, tokenizer, model_type, tools
         self.interactions = interactions
+        self.eos_ids = list(eos_ids or [tokenizer.eos_token_id])
+        self.external = None  # the gateway and its agents (openai_agent), started with the first such loop
         self.loops = load_loop_configs(cfg.actor_rollout_ref.rollout.agent.agent_loop_config_path)
         for name, entry in self.loops.items():  # import every loop now: a bad _target_ fails before any work
             if "cls" not in entry:
@@ -100,6 +110,11 @@ class AgentWorker:
                              "(add yours with rollout.agent.agent_loop_config_path)")
         cls = entry.get("cls") or resolve_class(entry["_target_"])
         kwargs = {k: v for k, v in entry.items() if k not in ("_target_", "cls")}
+        from plait.agents.openai_agent import ExternalAgents, OpenAIAgentLoop
+        if issubclass(cls, OpenAIAgentLoop):  # its agent lives outside plait: it needs this worker's gateway
+            if self.external is None:
+                self.external = ExternalAgents(self.cfg, self.tokenizer, self.model_type, self.eos_ids, self.thread.loop)
+            kwargs["external"] = self.external
         return cls(ConfigWrap(self.cfg), self.scheduler, self.tokenizer, processor=None, dataset_cls=None,
                    data_config=ConfigWrap(self.cfg.data), hf_model_type=self.model_type, tools=self.tools,
                    interactions=self.interactions, **kwargs)
@@ -133,20 +148,27 @@ class AgentWorker:
     def resume(self, batch: RolloutBatch, engine_round, version: Callable[[], int]) -> RolloutBatch:
         if self.suspended is None:
             return batch
-        run, prompts, n = self.suspended
+        (run, prompts, n), self.suspended = self.suspended, None
         self.abort_flag = False
         release_held(run.scheduler)
         return self._drive(run, prompts, n, engine_round, version)
 
     def _drive(self, run: Run, prompts: PromptBatch, n: int, engine_round, version) -> RolloutBatch:
-        self.suspended = None
+        """Run the rounds; a run cut by an abort stays suspended for `resume`, whatever other generate calls
+        (validation) come in between."""
         aborted = lambda: self.abort_flag  # noqa: E731
         serve = getattr(engine_round, "serve", None)  # an engine with continuous batching (vLLM)
         cut = drive(run, engine_round, version, GRACE_S, aborted) if serve is None else \
             drive_stream(run, serve, version, aborted)
         if cut:
+            if self.suspended is not None:
+                raise RuntimeError("a rollout was cut short while another one waited to resume")
             self.suspended = (run, prompts, n)
-        return to_batch(outputs(run), prompts, n, self.tokenizer.pad_token_id, version(), self.cfg.data.max_response_length)
+        outs = outputs(run)
+        failed = [o.extra_fields["session"]["failure"] for o in outs if o is not None and "session" in o.extra_fields]
+        if failed and all(failed) and len(failed) == len(outs):
+            raise RunError(f"every agent session of the batch failed ({len(failed)}); the first: {failed[0]}")
+        return to_batch(outs, prompts, n, self.tokenizer.pad_token_id, version(), self.cfg.data.max_response_length)
 
     def abort(self) -> None:
         self.abort_flag = True
@@ -168,6 +190,8 @@ class AgentWorker:
                     request_id=uuid.uuid4().hex)
 
     def close(self) -> None:
+        if self.external is not None:
+            self.external.close()
         self.thread.close()
         for box in (self.tools, self.interactions):
             if box is not None:
@@ -189,17 +213,25 @@ def tool_call_rates(infos: list[dict]) -> dict[str, float]:
 
 def to_batch(outs: list[AgentLoopOutput | None], prompts: PromptBatch, n: int, pad: int, version: int,
              response_length: int) -> RolloutBatch:
-    """The RolloutBatch of one generate call; an unfinished row (None) is an empty, "aborted" one."""
-    rows = len(outs)
-    prompt_ids = [o.prompt_ids if o is not None else prompts.prompt_ids[i // n] for i, o in enumerate(outs)]
-    resp = [o.response_ids if o is not None else [] for o in outs]
+    """The RolloutBatch of one generate call; an unfinished row (None) is an empty, "aborted" one. A session
+    of openai_agent with several chains gives a row per chain, its earlier ones before its final one, all of
+    the same sample (agent_infos: "session")."""
+    rows, sample = [], []  # the outputs, and the sample (index into outs) each row belongs to
+    for i, o in enumerate(outs):
+        for chain in (o.extra_fields.get("chains", []) if o is not None else []):
+            rows.append(chain)
+            sample.append(i)
+        rows.append(o)
+        sample.append(i)
+    prompt_ids = [o.prompt_ids if o is not None else prompts.prompt_ids[j // n] for o, j in zip(rows, sample)]
+    resp = [o.response_ids if o is not None else [] for o in rows]
     pw, rw = max(len(p) for p in prompt_ids), max(1, max(len(r) for r in resp))
-    prompts_t = torch.full((rows, pw), pad, dtype=torch.long)
-    prompt_mask = torch.zeros((rows, pw), dtype=torch.long)
-    responses = torch.full((rows, rw), pad, dtype=torch.long)
-    mask, attn, logp = torch.zeros(rows, rw), torch.zeros(rows, rw), torch.zeros(rows, rw)
-    token_versions = torch.full((rows, rw), -1, dtype=torch.long)
-    for i, (p, o) in enumerate(zip(prompt_ids, outs)):
+    prompts_t = torch.full((len(rows), pw), pad, dtype=torch.long)
+    prompt_mask = torch.zeros((len(rows), pw), dtype=torch.long)
+    responses = torch.full((len(rows), rw), pad, dtype=torch.long)
+    mask, attn, logp = torch.zeros(len(rows), rw), torch.zeros(len(rows), rw), torch.zeros(len(rows), rw)
+    token_versions = torch.full((len(rows), rw), -1, dtype=torch.long)
+    for i, (p, o) in enumerate(zip(prompt_ids, rows)):
         prompts_t[i, pw - len(p):], prompt_mask[i, pw - len(p):] = torch.tensor(p, dtype=torch.long), 1
         if o is None or not o.response_ids:
             continue
@@ -211,30 +243,35 @@ def to_batch(outs: list[AgentLoopOutput | None], prompts: PromptBatch, n: int, p
             logp[i, :k] = torch.tensor(o.response_logprobs, dtype=torch.float) * mask[i, :k]
         if o.response_versions:
             token_versions[i, :k] = torch.tensor(o.response_versions)
-    rep = lambda xs: [x for x in xs for _ in range(n)]  # noqa: E731
-    extra = [dict(e or {}) for e in rep(prompts.extra_infos)]
-    infos = []
-    for e, o in zip(extra, outs):
-        if o is None:
-            infos.append({})
-            continue
-        e.update(num_turns=o.num_turns, turn_scores=o.extra_fields.get("turn_scores", []),
-                 tool_rewards=o.extra_fields.get("tool_rewards", []))
-        infos.append({"num_turns": o.num_turns, "reward_score": o.reward_score, **{
-            k: float(o.metrics.get(k, 0.0)) for k in ("generate_sequences", "tool_calls")},
-            "num_preempted": float(o.metrics.get("num_preempted", -1)),
-            "tool_calls_made": len(o.extra_fields.get("tool_rewards", [])),
-            "tool_call_attempts": int(o.extra_fields.get("tool_call_attempts", 0)),
-            "tool_spans": list(o.metrics.get("tool_spans", [])),
-            "tool_errors": len(o.extra_fields.get("tool_errors", []))})
-        if "interaction_turns" in o.extra_fields:
-            infos[-1].update(interaction=float(o.metrics.get("interaction", 0.0)),
-                             interaction_turns=int(o.extra_fields["interaction_turns"]),
-                             interaction_errors=len(o.extra_fields.get("interaction_errors", [])))
-    reasons = ["aborted" if o is None else "length" if len(o.response_ids) >= response_length else "eos" for o in outs]
+    of = lambda xs: [xs[j // n] for j in sample]  # noqa: E731 - a prompt's field for each row
+    extra = [dict(e or {}) for e in of(prompts.extra_infos)]
+    infos = [row_info(o, e) for o, e in zip(rows, extra)]
+    reasons = ["aborted" if o is None else "length" if len(o.response_ids) >= response_length else "eos" for o in rows]
     return RolloutBatch(prompts=prompts_t, prompt_mask=prompt_mask, responses=responses, response_mask=mask,
                         response_attention=attn, rollout_logprobs=logp, token_versions=token_versions,
-                        group_ids=torch.tensor(rep(prompts.indices), dtype=torch.long),
-                        versions=torch.full((rows,), version, dtype=torch.long),
-                        data_sources=rep(prompts.data_sources), ground_truths=rep(prompts.ground_truths),
+                        group_ids=torch.tensor(of(prompts.indices), dtype=torch.long),
+                        versions=torch.full((len(rows),), version, dtype=torch.long),
+                        data_sources=of(prompts.data_sources), ground_truths=of(prompts.ground_truths),
                         extra_infos=extra, stop_reasons=reasons, agent_infos=infos)
+
+
+def row_info(o: AgentLoopOutput | None, extra: dict) -> dict:
+    """A row's agent_infos entry (and what it adds to its extra_info, where reward functions read it)."""
+    if o is None:
+        return {}
+    extra.update(num_turns=o.num_turns, turn_scores=o.extra_fields.get("turn_scores", []),
+                 tool_rewards=o.extra_fields.get("tool_rewards", []))
+    info = {"num_turns": o.num_turns, "reward_score": o.reward_score, **{
+        k: float(o.metrics.get(k, 0.0)) for k in ("generate_sequences", "tool_calls")},
+        "num_preempted": float(o.metrics.get("num_preempted", -1)),
+        "tool_calls_made": len(o.extra_fields.get("tool_rewards", [])),
+        "tool_call_attempts": int(o.extra_fields.get("tool_call_attempts", 0)),
+        "tool_spans": list(o.metrics.get("tool_spans", [])),
+        "tool_errors": len(o.extra_fields.get("tool_errors", []))}
+    if "interaction_turns" in o.extra_fields:
+        info.update(interaction=float(o.metrics.get("interaction", 0.0)),
+                    interaction_turns=int(o.extra_fields["interaction_turns"]),
+                    interaction_errors=len(o.extra_fields.get("interaction_errors", [])))
+    if "session" in o.extra_fields:  # openai_agent: the session this row is a chain of
+        info["session"] = o.extra_fields["session"]
+    return info

@@ -305,6 +305,17 @@ def compute_advantages(estimator: str, **inputs) -> tuple[Tensor, Tensor]:
     return ESTIMATORS[estimator](a)
 
 
+def spread(advantages: Tensor, owner: Tensor, response_mask: Tensor) -> Tensor:
+    """Row r takes the per-response advantage of row owner[r] (owner -1: none, 0) over its own mask [batch,
+    resp_len]: the chains of one agent session share the one advantage computed for the session."""
+    mask = response_mask.to(advantages.dtype)
+    source = response_mask.to(advantages.dtype)[owner.clamp(min=0)]
+    per_row = (advantages[owner.clamp(min=0)] * source).sum(-1) / source.sum(-1).clamp(min=1)  # [batch]
+    return torch.where(owner >= 0, per_row, 0.0)[:, None] * mask
+
+
+# Estimators whose advantage is one number per response (times its mask), from the scores of its group.
+PER_RESPONSE = ("grpo", "grpo_vectorized", "grpo_passk", "rloo", "rloo_vectorized", "opo", "gpg")
 # Estimators that need the trainer to generate one greedy response per prompt first.
 NEEDS_GREEDY_BASELINE = ("remax",)
 # ... and the actor's sum of squared probabilities from the old log-prob pass.

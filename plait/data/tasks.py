@@ -138,6 +138,10 @@ TASKS = {
     # agent_name=tool_agent (plait/agents/builtin_tools.py; the smollm2_gsm8k_tools preset)
     "gsm8k_synthetic_tools": Task(word_problem, ability="math", variant_of="gsm8k_synthetic",
                                   system=CALCULATOR_SYSTEM, agent_name="tool_agent"),
+    # the same problems again, for an outside agent through the gateway (agent_name=openai_agent; the
+    # smollm2_gsm8k_gateway preset, whose agent offers the calculator: plait/configs/agents/react_calculator.py)
+    "gsm8k_synthetic_agent": Task(word_problem, ability="math", variant_of="gsm8k_synthetic",
+                                  system=CALCULATOR_SYSTEM, agent_name="openai_agent"),
     # generated pictures (vision_tasks.py), for vision-language models: the VL demo's tasks
     "larger_shape": Task(larger_shape, ability="vision"),
     "count_dots": Task(count_dots, ability="vision"),

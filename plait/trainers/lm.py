@@ -33,7 +33,8 @@ from typing import Callable
 
 import torch
 
-from plait.algorithms.advantages import NEEDS_GREEDY_BASELINE, NEEDS_SUM_PI_SQUARED, compute_advantages, pf_ppo_weights
+from plait.algorithms.advantages import (NEEDS_GREEDY_BASELINE, NEEDS_SUM_PI_SQUARED, PER_RESPONSE, compute_advantages,
+                                         pf_ppo_weights, spread)
 from plait.algorithms.kl import apply_kl_penalty, make_kl_controller
 from plait.algorithms.rollout_correction import rollout_correction
 from plait.config import PlaitConfig, SamplingConfig
@@ -404,9 +405,19 @@ class LMTrainer:
                 metrics.update(actor_metrics)
         metrics.update(data_metrics(batch, cfg.data.max_prompt_length))
         metrics.update(agent_metrics(batch))
+        self.say_failed_sessions(batch)
         metrics.update(seqlen_metrics(batch.attention_mask))
         num_tokens = int(batch.attention_mask.sum())
         return StepResult(metrics, num_tokens=num_tokens, response_tokens=int(batch.response_mask.sum()))
+
+    def say_failed_sessions(self, batch: RolloutBatch) -> None:
+        """One line per step naming the agent sessions that failed (each cost its own sample)."""
+        sessions = sessions_of(batch.agent_infos)
+        failed = [s["failure"] for s in sessions if s["failure"] is not None]
+        if failed and self.tracker is not None:
+            more = f" (and {len(failed) - 1} more)" if len(failed) > 1 else ""
+            self.tracker.note(f"plait: {len(failed)} of {len(sessions)} agent sessions failed, each masked out of the loss: "
+                              f"{failed[0]}{more}")
 
     def fuses_old_log_prob(self, batch: RolloutBatch) -> bool:
         """True when the batch feeds exactly one optimizer step (one mini-batch, one epoch) and nothing
@@ -462,12 +473,16 @@ class LMTrainer:
             self.kl_ctrl.update(kl_metrics["actor/reward_kl_penalty"], n_steps=len(batch))
         else:
             batch.token_rewards = batch.token_scores
-        batch.advantages, batch.returns = compute_advantages(
-            alg.adv_estimator, token_rewards=batch.token_rewards, response_mask=batch.response_mask,
-            group_ids=batch.group_ids, values=batch.values, gamma=alg.gamma, lam=alg.lam,
-            norm_by_std=alg.norm_adv_by_std_in_grpo, baselines=baselines, components=components,
-            component_weights=weights, old_logprobs=batch.old_logprobs, sum_pi_squared=batch.sum_pi_squared,
-            is_weights=batch.rollout_is_weights)
+        owner = session_owners(batch.agent_infos)
+        if owner is not None and alg.adv_estimator in PER_RESPONSE:
+            batch.advantages = batch.returns = session_advantages(alg.adv_estimator, batch, owner, alg.norm_adv_by_std_in_grpo)
+        else:
+            batch.advantages, batch.returns = compute_advantages(
+                alg.adv_estimator, token_rewards=batch.token_rewards, response_mask=batch.response_mask,
+                group_ids=batch.group_ids, values=batch.values, gamma=alg.gamma, lam=alg.lam,
+                norm_by_std=alg.norm_adv_by_std_in_grpo, baselines=baselines, components=components,
+                component_weights=weights, old_logprobs=batch.old_logprobs, sum_pi_squared=batch.sum_pi_squared,
+                is_weights=batch.rollout_is_weights)
         if alg.use_pf_ppo:  # PF-PPO: the step trains on its responses drawn again, weighted by score
             weights = pf_ppo_weights(batch.token_scores.sum(-1), alg.pf_ppo.reweight_method, alg.pf_ppo.weight_pow)
             drawn = batch.select(torch.multinomial(weights, len(batch), replacement=True, generator=self.pf_ppo_rng))
@@ -572,7 +587,7 @@ def uses_agent_loops(cfg: PlaitConfig, *datasets) -> bool:
     from plait.agents.tools import tools_kwargs_problem
     from plait.agents.worker import check_agent_names
     check_agent_names(agent.agent_loop_config_path, agent.default_agent_loop, names,
-                      cfg.actor_rollout_ref.rollout.multi_turn.format)
+                      cfg.actor_rollout_ref.rollout.multi_turn.format, agent.openai_agent)
     for split, d in zip(("data.train_files", "data.val_files"), datasets):
         for it in d.items if d is not None else []:
             problem = tools_kwargs_problem((it.extra_info or {}).get("tools_kwargs"))
@@ -583,11 +598,36 @@ def uses_agent_loops(cfg: PlaitConfig, *datasets) -> bool:
 
 
 def loop_scores(batch: RolloutBatch, scores: list[float]) -> list[float]:
-    """An agent loop's reward_score replaces the reward function's score of its row (verl's rm_scores)."""
+    """An agent loop's reward_score replaces the reward function's score of its row (verl's rm_scores). The
+    chains of an agent session all take its score: the agent's, else the reward function's on its final chain."""
     if batch.agent_infos is None:
         return scores
-    return [s if info.get("reward_score") is None else float(info["reward_score"])
-            for s, info in zip(scores, batch.agent_infos)]
+    scores = [s if info.get("reward_score") is None else float(info["reward_score"])
+              for s, info in zip(scores, batch.agent_infos)]
+    final = {i["session"]["id"]: s for s, i in zip(scores, batch.agent_infos) if "session" in i and i["session"]["final"]}
+    return [final.get(i["session"]["id"], s) if "session" in i else s for s, i in zip(scores, batch.agent_infos)]
+
+
+def session_advantages(estimator: str, batch: RolloutBatch, owner: torch.Tensor, norm_by_std: bool) -> torch.Tensor:
+    """A per-response estimator over agent sessions [batch, resp_len]: each session is one sample of its group
+    (its final chain's row), a failed one none; every chain of a session takes the session's advantage."""
+    rows = torch.nonzero(owner == torch.arange(len(owner))).squeeze(-1)
+    per_sample, _ = compute_advantages(estimator, token_rewards=batch.token_rewards[rows],
+                                       response_mask=batch.response_mask[rows], group_ids=batch.group_ids[rows],
+                                       norm_by_std=norm_by_std)
+    full = torch.zeros_like(batch.token_rewards).index_copy_(0, rows, per_sample)
+    return spread(full, owner, batch.response_mask)
+
+
+def session_owners(infos: list[dict] | None) -> torch.Tensor | None:
+    """Per row [batch], the row that stands for its sample in the advantage: itself, its session's final chain
+    (openai_agent), or -1 for a failed session's rows; None when every row stands for itself."""
+    if not infos:
+        return None
+    final = {i["session"]["id"]: r for r, i in enumerate(infos) if "session" in i and i["session"]["final"]}
+    owner = [r if "session" not in i else -1 if i["session"]["failure"] else final[i["session"]["id"]]
+             for r, i in enumerate(infos)]
+    return None if owner == list(range(len(infos))) else torch.tensor(owner)
 
 
 def record_tool_spans(batch: RolloutBatch) -> None:
@@ -629,7 +669,27 @@ def agent_metrics(batch: RolloutBatch) -> dict[str, float]:
         out["agent_loop/interaction/mean"] = sum(i["interaction"] for i in talked) / len(talked)
         out["agent_loop/interaction_turns_per_trajectory"] = turns / len(talked)
         out["agent_loop/interaction_error_rate"] = sum(i["interaction_errors"] for i in talked) / len(talked)
+    out.update(session_metrics(infos))
     return out
+
+
+def sessions_of(infos: list[dict] | None) -> list[dict]:
+    """The openai_agent sessions of a batch, one each (its rows are its chains)."""
+    return list({i["session"]["id"]: i["session"] for i in infos or [] if "session" in i}.values())
+
+
+def session_metrics(infos: list[dict]) -> dict[str, float]:
+    """plait's agent/*: sessions, failed_sessions, chains and requests per session, the sessions whose agent
+    asked for other sampling settings, and the agent's own seconds (its run less its calls' time)."""
+    sessions = sessions_of(infos)
+    if not sessions:
+        return {}
+    n = len(sessions)
+    return {"agent/sessions": n, "agent/failed_sessions": sum(s["failure"] is not None for s in sessions),
+            "agent/chains_per_session": sum(s["chains"] for s in sessions) / n,
+            "agent/requests_per_session": sum(s["requests"] for s in sessions) / n,
+            "agent/sampling_overridden": sum(s["sampling_overridden"] > 0 for s in sessions),
+            "agent/agent_s/mean": sum(s["agent_s"] for s in sessions) / n}
 
 
 def prompt_batch(items) -> PromptBatch:

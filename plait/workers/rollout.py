@@ -14,6 +14,7 @@ return at its next token, its unfinished rows marked "aborted" for `resume` to f
 from __future__ import annotations
 
 import threading
+import time
 
 import torch
 import torch.nn.functional as F
@@ -35,12 +36,13 @@ class Rollout:
         `agent_cfg`: the whole PlaitConfig when rows run agent loops (plait/agents), else None."""
         self.max_response_length, self.pad_token_id, self.profiler = max_response_length, tokenizer.pad_token_id, profiler
         eos = [] if ignore_eos else eos_token_ids(tokenizer, load_generation_config(model_path))
+        self.eos_ids = eos
         self.engine_name = PLAIT_ENGINE if cfg is None else cfg.name
         self.engine_args = EngineArgs(model_path, cfg, dtype, device, eos, ignore_eos, self.pad_token_id, profiler, colocated)
         self.engine = ENGINES[self.engine_name].build(self.engine_args)
         self.version = 0
         self._lock = threading.Lock()
-        self.agents = None if agent_cfg is None else _agent_worker(agent_cfg, tokenizer, model_path)
+        self.agents = None if agent_cfg is None else _agent_worker(agent_cfg, tokenizer, model_path, eos)
         self.processor = load_processor(model_path) if is_vl_dir(model_path) else None  # images -> pixel values
 
     def generate(self, prompts: PromptBatch, sampling: SamplingConfig, seed: int) -> RolloutBatch:
@@ -61,7 +63,14 @@ class Rollout:
             return self._params(SamplingConfig(n=1, **{k: sampling[k] for k in keys if k in sampling}), max_new_tokens)
 
         def engine_round(ids: list[list[int]], max_new_tokens: int, sampling: dict):
-            return self.engine.generate(ids, params(sampling, max_new_tokens), generator=generator)
+            marks = {}  # when the prefill ended (the first decode forward begins), for the requests' timings
+
+            def on_forward(i: int) -> None:
+                if i == 1:
+                    marks["prefilled"] = time.time()
+            gen = self.engine.generate(ids, params(sampling, max_new_tokens), generator=generator, on_forward=on_forward)
+            gen.prefilled = marks.get("prefilled", 0.0)
+            return gen
         if not self.engine.continuous:
             return engine_round
 
@@ -190,7 +199,7 @@ class Rollout:
         self.engine.abort()
 
 
-def _agent_worker(cfg, tokenizer, model_path: str):
+def _agent_worker(cfg, tokenizer, model_path: str, eos_ids: list[int]):
     """The agent side of this worker: the loops, and the tools of rollout.multi_turn (plait/agents)."""
     from plait.agents.interactions import InteractionBox
     from plait.agents.tools import ToolBox, ToolLimits
@@ -207,4 +216,4 @@ def _agent_worker(cfg, tokenizer, model_path: str):
         if tools is not None:
             tools.close()
         raise
-    return AgentWorker(cfg, tokenizer, model_type, tools, interactions)
+    return AgentWorker(cfg, tokenizer, model_type, tools, interactions, eos_ids)

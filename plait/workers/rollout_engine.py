@@ -57,6 +57,7 @@ class Generation:
     response_mask: torch.Tensor  # [batch, max_len] float, 1 for generated tokens (EOS included)
     logprobs: torch.Tensor       # [batch, max_len] float32, 0 at padding
     stop_reasons: list[str]      # per row: "eos" | "length" | "aborted"
+    prefilled: float = 0.0       # wall time the prefill ended, where the caller asked (agent-loop rounds); 0: unknown
 
 
 def build(args) -> TransformersEngine:

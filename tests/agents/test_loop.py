@@ -263,9 +263,14 @@ def test_rollout_worker_cut_by_a_weight_sync_resumes_on_the_new_weights(tmp_path
     rollout = Rollout(path, 40, tokenizer, profiler, ignore_eos=True, agent_cfg=cfg)
     started, generate = threading.Event(), rollout.engine.generate
 
-    def flagged(*args, **kwargs):
+    def flagged(*args, on_forward=None, **kwargs):
         started.set()
-        return generate(*args, on_forward=lambda i: time.sleep(0.01), **kwargs)
+
+        def slowly(i):  # each decode step takes a while, so the abort lands mid-turn
+            time.sleep(0.01)
+            if on_forward is not None:
+                on_forward(i)
+        return generate(*args, on_forward=slowly, **kwargs)
     rollout.engine.generate = flagged
     out = {}
     worker = threading.Thread(target=lambda: out.update(b=rollout.generate(prompts(2), SamplingConfig(n=1), seed=3)))

@@ -1,0 +1,284 @@
+"""`openai_agent`: a row's rollout made by an agent that lives outside plait, through the gateway.
+
+    row ──▶ OpenAIAgentLoop.run ──opens──▶ Session (plait/serving/sessions.py)
+              │ starts the agent:                        ▲ each call: /sessions/{id}/v1/chat/completions
+              │  function: run(row, base_url, api_key)   │ (or /v1/messages, or the id as API key),
+              │    in a worker process (agent_process.py)│ tokenised by the session, sampled by this
+              │  command: a process per row, with        │ rollout's engine queue like any agent loop's turn
+              │    OPENAI_BASE_URL, OPENAI_API_KEY, ANTHROPIC_BASE_URL, the row as JSON on stdin
+              ▼ awaits its end (timeout: killed with its process group)
+           the session's chains as trajectories; the reward: what the function returned, else what the
+           agent posted to /sessions/{id}/reward, else the reward function on the final chain
+
+The gateway (plait/serving/server.py) runs on the rollout worker's agent-loop thread, one per worker,
+started with the first session; agents reach it on 127.0.0.1 (`openai_agent.host`), Ray workers
+included (the agents are the worker's own children). An agent that raises, times out, exits non-zero
+or never calls the model costs its own sample: its tokens are masked out of the loss, it stays out of
+its group's baseline, and the trainer names it (agent/failed_sessions).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+import os
+import resource
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from plait.agents.loop import AgentLoopBase, AgentLoopOutput, output_of, register
+from plait.agents.tokens import Trajectory
+from plait.safeload import first_line
+from plait.serving.gateway import Gateway
+from plait.serving.server import Server
+
+GRACE_S = 30.0  # past an agent's own timeout, how long its worker process may take to say so before it is killed
+
+
+@dataclass
+class Outcome:
+    score: Optional[float] = None
+    failure: Optional[str] = None
+
+
+class ExternalAgents:
+    """The gateway of one rollout worker and the agents it starts (function workers or commands)."""
+
+    def __init__(self, cfg, tokenizer, model_type: Optional[str], eos_ids: list[int], loop: asyncio.AbstractEventLoop):
+        self.cfg = cfg.actor_rollout_ref.rollout.agent.openai_agent
+        self.name = self.cfg.path and f"{self.cfg.path}:{self.cfg.name}" or self.cfg.command
+        model = os.path.basename(str(cfg.actor_rollout_ref.model.path or "plait").rstrip("/")) or "plait"
+        self.gateway = Gateway(tokenizer, model_type, cfg.actor_rollout_ref.rollout.multi_turn.format, eos_ids, model)
+        self.server = Server(self.gateway, loop, self.cfg.host, self.cfg.port)
+        self.memory_limit_mb = self.cfg.memory_limit_mb or cfg.reward.memory_limit_mb or 0
+        self.functions = None if not self.cfg.path else FunctionAgents(
+            self.cfg.path, self.cfg.name, self.cfg.num_workers, self.cfg.timeout, self.memory_limit_mb)
+        self.commands: set[int] = set()  # process groups of the command agents running now
+
+    async def run(self, row: dict, session) -> Outcome:
+        base = f"{self.server.url}/sessions/{session.id}"
+        if self.functions is not None:
+            return await self.functions.run(row, base + "/v1", session.id)
+        env = {**os.environ, "OPENAI_BASE_URL": base + "/v1", "OPENAI_API_KEY": session.id,
+               "ANTHROPIC_BASE_URL": base, "ANTHROPIC_API_KEY": session.id, "PLAIT_SESSION_ID": session.id,
+               "PLAIT_REWARD_URL": base + "/reward", "PLAIT_MODEL": self.gateway.model_name}
+        return await run_command(self.cfg.command, row, env, self.cfg.timeout, self.memory_limit_mb, self.commands)
+
+    def close(self) -> None:
+        """Kill the agents still running (a rollout given up at the run's end), then stop the server."""
+        if self.functions is not None:
+            self.functions.close()
+        for pid in list(self.commands):
+            _killpg(pid)
+        self.server.close()
+
+
+@register("openai_agent")
+class OpenAIAgentLoop(AgentLoopBase):
+    """One session per row sample; the agent is `rollout.agent.openai_agent` (path + name, or command)."""
+
+    def __init__(self, *args, external: Optional[ExternalAgents] = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        if external is None:
+            raise ValueError("openai_agent runs in plait's rollout worker, which gives it the gateway")
+        self.external = external
+
+    async def run(self, sampling_params: dict[str, Any], **kwargs) -> AgentLoopOutput:
+        label = f"row {kwargs.get('index')}"
+        gateway = self.external.gateway
+        session = gateway.open(label, self.server_manager.generate, sampling_params, self.prompt_length,
+                               self.response_length)
+        try:
+            outcome = await self.external.run(agent_row(kwargs), session)
+        except Exception as err:  # noqa: BLE001 - starting it failed (no such command, fork refused): this session's
+            outcome = Outcome(failure=f"could not be started: {type(err).__name__}: {first_line(err)}")
+        finally:
+            gateway.close(session.id)
+        return session_output(session, outcome, self.ct, kwargs["raw_prompt"], self.prompt_length, self.response_length,
+                              f"agent {self.external.name} ({label})")
+
+
+def agent_row(kwargs: dict) -> dict:
+    """What the agent gets of its row: the prompt's messages and what scores it (JSON-safe)."""
+    row = {"messages": kwargs["raw_prompt"], "data_source": kwargs.get("data_source"),
+           "ground_truth": (kwargs.get("reward_model") or {}).get("ground_truth"),
+           "extra_info": kwargs.get("extra_info") or {}, "index": kwargs.get("index")}
+    return json.loads(json.dumps(row, default=_plain))
+
+
+def _plain(value):
+    return value.tolist() if hasattr(value, "tolist") else str(value)
+
+
+def session_output(session, outcome: Outcome, ct, messages: list[dict], prompt_length: int, response_length: int,
+                   who: str) -> AgentLoopOutput:
+    """The session's final chain as the row's output, its earlier chains in extra_fields["chains"]. A failed
+    session's tokens are masked out of the loss (an empty response when it sampled none)."""
+    chains = session.trajectories()
+    failure = outcome.failure or (None if chains else "never called the model")
+    if failure is not None:
+        for t in chains:
+            t.mask = [0] * len(t.mask)
+    if not chains:
+        try:
+            chains = [ct.initial(messages, None, prompt_length)]
+        except Exception:  # noqa: BLE001 - the prompt does not render: a one-token stand-in, trained on nothing
+            chains = [Trajectory(ids=[0])]
+    reward = outcome.score if outcome.score is not None else session.reward
+    generating = sum(s.finished - s.submitted for s in session.spans)
+    spans = [(s.submitted, s.started, s.prefilled, s.finished) for s in session.spans]
+    info = {"id": session.id, "failure": None if failure is None else f"{who} {failure}", "chains": len(chains),
+            "requests": len(session.spans), "sampling_overridden": len(session.overridden),
+            "agent_s": max(0.0, time.time() - session.opened - generating), "spans": spans}
+    outs = []
+    for i, t in enumerate(chains):
+        final = i == len(chains) - 1
+        metrics = {"generate_sequences": generating} if final else {}
+        out = output_of(t, response_length, session.replies() + 1, metrics,
+                        {"turn_scores": [], "tool_rewards": [], "session": {**info, "final": final}})
+        out.reward_score = reward
+        outs.append(out)
+    outs[-1].extra_fields["chains"] = outs[:-1]
+    return outs[-1]
+
+
+# -- the function form ---------------------------------------------------------------------------
+
+class FunctionAgents:
+    """`num_workers` processes running the user's agent function, sessions spread over them."""
+
+    def __init__(self, path: str, name: str, num_workers: int, timeout: float, memory_limit_mb: int):
+        self.args = [sys.executable, "-m", "plait.agents.agent_process", path, name, str(timeout), str(memory_limit_mb)]
+        self.timeout = timeout
+        self.workers: list[Optional[_AgentProcess]] = [None] * num_workers
+
+    async def run(self, row: dict, base_url: str, api_key: str) -> Outcome:
+        i = min(range(len(self.workers)), key=lambda k: -1 if self.workers[k] is None else len(self.workers[k].pending))
+        if self.workers[i] is None or self.workers[i].dead:
+            self.workers[i] = _AgentProcess(self.args)
+        return await self.workers[i].submit({"row": row, "base_url": base_url, "api_key": api_key},
+                                            self.timeout + GRACE_S)
+
+    def close(self) -> None:
+        for w in self.workers:
+            if w is not None:
+                w.kill()
+
+
+class _AgentProcess:
+    def __init__(self, args: list[str]):
+        self.args, self.proc, self.dead = args, None, False
+        self.pending: dict[int, asyncio.Future] = {}
+        self.next_id = 0
+        self.stderr: collections.deque[str] = collections.deque(maxlen=20)
+        self.started = asyncio.ensure_future(self._start())  # sessions given to it meanwhile wait for it
+
+    async def _start(self) -> None:
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this plait, in the child too
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+        self.proc = await asyncio.create_subprocess_exec(*self.args, stdin=asyncio.subprocess.PIPE,
+                                                         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+                                                         start_new_session=True, env=env, limit=2**24)
+        asyncio.get_running_loop().create_task(self._read())
+        asyncio.get_running_loop().create_task(_tail(self.proc.stderr, self.stderr))
+
+    async def submit(self, job: dict, deadline: float) -> Outcome:
+        job_id, self.next_id = self.next_id, self.next_id + 1
+        future = asyncio.get_running_loop().create_future()
+        self.pending[job_id] = future
+        try:
+            await self.started
+            self.proc.stdin.write((json.dumps({"id": job_id, **job}) + "\n").encode())
+            await self.proc.stdin.drain()
+            return await asyncio.wait_for(asyncio.shield(future), deadline)
+        except asyncio.TimeoutError:
+            self.kill()  # its event loop is blocked: the process's other sessions fail with it
+            return Outcome(failure=f"did not answer within {deadline:g} s (its worker process was killed)")
+        except (BrokenPipeError, ConnectionResetError):
+            return await future  # the reader answers it with the process's death
+        finally:
+            self.pending.pop(job_id, None)
+
+    async def _read(self) -> None:
+        async for line in self.proc.stdout:
+            try:
+                msg = json.loads(line)
+            except ValueError:
+                continue
+            future = self.pending.get(msg.get("id"))
+            if future is not None and not future.done():
+                future.set_result(Outcome(score=msg.get("score"), failure=msg.get("failure")))
+        code = await self.proc.wait()
+        self.dead = True
+        how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with status {code}"
+        said = f": {self.stderr[-1]}" if self.stderr else ""
+        for future in self.pending.values():
+            if not future.done():
+                future.set_result(Outcome(failure=f"its worker process {how}{said}"))
+
+    def kill(self) -> None:
+        self.dead = True
+        if self.proc is not None and self.proc.returncode is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except OSError:
+                pass
+
+
+# -- the command form ----------------------------------------------------------------------------
+
+async def run_command(command: str, row: dict, env: dict, timeout: float, memory_limit_mb: int,
+                      running: set[int]) -> Outcome:
+    """The command in a shell of its own process group, the row as JSON on stdin; killed at `timeout`.
+    `running` holds its process group while it runs."""
+    def limits():
+        if memory_limit_mb > 0:
+            resource.setrlimit(resource.RLIMIT_AS, (memory_limit_mb * 2**20,) * 2)
+    proc = await asyncio.create_subprocess_shell(command, stdin=asyncio.subprocess.PIPE,
+                                                 stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
+                                                 start_new_session=True, env=env, preexec_fn=limits)
+    running.add(proc.pid)
+    tail: collections.deque[str] = collections.deque(maxlen=20)
+    reader = asyncio.get_running_loop().create_task(_tail(proc.stderr, tail))
+    try:
+        proc.stdin.write(json.dumps(row).encode() + b"\n")
+        await proc.stdin.drain()
+        proc.stdin.close()
+    except (BrokenPipeError, ConnectionResetError):
+        pass  # it did not read its row: its exit status says how it went
+    try:
+        code = await asyncio.wait_for(proc.wait(), timeout)
+    except asyncio.TimeoutError:
+        _killpg(proc.pid)
+        await proc.wait()
+        return Outcome(failure=f"did not finish within its timeout ({timeout:g} s); its process group was killed")
+    finally:
+        _killpg(proc.pid)  # what it left running in its group
+        running.discard(proc.pid)
+        await asyncio.wait([reader], timeout=1)
+    if code != 0:
+        how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with status {code}"
+        return Outcome(failure=how + (f": {tail[-1]}" if tail else ""))
+    return Outcome()
+
+
+def _killpg(pid: int) -> None:
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except OSError:
+        pass
+
+
+async def _tail(stream, keep: collections.deque) -> None:
+    """Read a stream to its end, keeping its last non-empty lines (bounded, whatever it writes)."""
+    rest = b""
+    while chunk := await stream.read(1 << 16):
+        *lines, rest = (rest + chunk).split(b"\n")
+        rest = rest[-4096:]
+        keep.extend(text[:300] for line in lines if (text := line.decode(errors="replace").strip()))
+    if rest.strip():
+        keep.append(rest.decode(errors="replace").strip()[:300])

@@ -1,0 +1,120 @@
+"""`plait train` through the gateway: outside agents written against the `openai` SDK (a function, a command) and
+a third-party framework (OpenAI's Agents SDK) train the demo's tiny model in sync and fully_async (partial
+rollout), on the local and the Ray backend, with the hf engine and vLLM. The agent rewrites its history
+after its first call, so every session is two chains; the trained tokens are the sampled ones
+(training/rollout_probs_diff_max at float32 noise)."""
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from plait.trainers.lifecycle import read_metrics
+
+REPO = Path(__file__).resolve().parents[2]
+
+REWRITING_AGENT = '''
+import openai
+
+async def run(row, base_url, api_key):
+    client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key)
+    await client.chat.completions.create(model="m", messages=row["messages"])
+    compacted = [{"role": "system", "content": "again:"}, *row["messages"]]  # a rewritten history: a new chain
+    await client.chat.completions.create(model="m", messages=compacted)
+    if row["index"] % 8 == 5:
+        raise RuntimeError("this agent gives up on row " + str(row["index"]))
+'''
+
+COMMAND_AGENT = '''
+import json, sys
+import openai
+row = json.loads(sys.stdin.readline())
+client = openai.OpenAI()
+client.chat.completions.create(model="m", messages=row["messages"])
+client.chat.completions.create(model="m", messages=[{"role": "system", "content": "again:"}, *row["messages"]])
+'''
+
+AGENTS_SDK = '''
+from agents import Agent, OpenAIChatCompletionsModel, Runner, set_tracing_disabled
+from openai import AsyncOpenAI
+
+set_tracing_disabled(True)
+
+
+async def run(row, base_url, api_key):
+    model = OpenAIChatCompletionsModel(model="plait", openai_client=AsyncOpenAI(base_url=base_url, api_key=api_key))
+    agent = Agent(name="arithmetic", instructions="Answer with the number.", model=model)
+    result = await Runner.run(agent, row["messages"][-1]["content"])
+    return 1.0 if str(row["ground_truth"]) in str(result.final_output) else 0.0
+'''
+
+TINY = ["demo.model_size=xs", "demo.warmstart_steps=0", "data.train_size=64", "data.val_size=8",
+        "data.train_batch_size=4", "data.max_response_length=6", "actor_rollout_ref.rollout.n=4",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=2", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+        "trainer.total_training_steps=3", "trainer.test_freq=2", "trainer.logger=[console,file]",
+        "actor_rollout_ref.rollout.agent.default_agent_loop=openai_agent"]
+RAY = ["trainer.backend=ray", "trainer.ray.num_cpu_workers=1", "trainer.ray.cpus_per_worker=0.5"]
+FULLY_ASYNC = ["trainer.mode=fully_async", "trainer.placement=separated", "async_training.partial_rollout=True",
+               "async_training.trigger_parameter_sync_step=1", "async_training.staleness_threshold=1"]
+
+
+def train(tmp_path: Path, agent: list[str], *extra: str) -> tuple[subprocess.CompletedProcess, list[dict]]:
+    cmd = [sys.executable, "-m", "plait.cli", "train", "--no-progress", *TINY, *agent,
+           f"trainer.default_local_dir={tmp_path / 'run'}", *extra]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc, [r for r in read_metrics(str(tmp_path / "run" / "metrics.jsonl")) if "agent/sessions" in r]
+
+
+def agent_keys(tmp_path: Path, form: str) -> list[str]:
+    key = "actor_rollout_ref.rollout.agent.openai_agent"
+    if form == "command":
+        (tmp_path / "agent_cli.py").write_text(textwrap.dedent(COMMAND_AGENT))
+        return [f"{key}.command={sys.executable} {tmp_path / 'agent_cli.py'}"]
+    (tmp_path / "agent.py").write_text(REWRITING_AGENT)
+    return [f"{key}.path={tmp_path / 'agent.py'}"]
+
+
+@pytest.mark.parametrize("mode,form", [("sync", "function"), ("fully_async", "command"), ("sync_ray", "command"),
+                                       ("fully_async_ray", "function")])
+def test_an_openai_sdk_agent_trains_through_the_gateway(tmp_path, mode, form):
+    extra = {"sync": [], "fully_async": FULLY_ASYNC, "sync_ray": RAY, "fully_async_ray": [*RAY, *FULLY_ASYNC]}[mode]
+    proc, steps = train(tmp_path, agent_keys(tmp_path, form), *extra)
+    assert len(steps) == 3
+    for r in steps:
+        assert r["agent/sessions"] >= 8 and r["agent/chains_per_session"] == 2.0 and r["agent/requests_per_session"] == 2
+        assert r["training/rollout_probs_diff_max"] <= 1e-5
+    if form == "function":  # row 5 (and 13, ...) fails: its sample, not the step
+        failed = [r["agent/failed_sessions"] for r in steps]
+        assert all(f < r["agent/sessions"] for f, r in zip(failed, steps))
+        if any(failed):
+            assert "agent sessions failed, each masked out of the loss" in proc.stderr
+            assert "raised RuntimeError: this agent gives up on row" in proc.stderr
+
+
+def test_a_third_party_agent_framework_trains_unchanged(tmp_path):
+    """OpenAI's Agents SDK (openai-agents), its code as written for OpenAI but for the base URL and key."""
+    pytest.importorskip("agents")
+    (tmp_path / "agent.py").write_text(AGENTS_SDK)
+    _, steps = train(tmp_path, [f"actor_rollout_ref.rollout.agent.openai_agent.path={tmp_path / 'agent.py'}"])
+    assert len(steps) == 3 and all(r["agent/failed_sessions"] == 0 and r["agent/requests_per_session"] >= 1
+                                   for r in steps)
+    assert all(r["training/rollout_probs_diff_max"] <= 1e-5 for r in steps)
+
+
+VLLM = ["actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.gpu_memory_utilization=0.6",
+        "actor_rollout_ref.rollout.max_num_batched_tokens=2048", "actor_rollout_ref.rollout.enforce_eager=True",
+        "actor_rollout_ref.rollout.max_model_len=512"]
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("mode", ["sync", "fully_async"])
+def test_an_openai_sdk_agent_trains_through_the_gateway_on_vllm(tmp_path, mode, vllm_model_path):
+    pytest.importorskip("vllm")
+    _, steps = train(tmp_path, agent_keys(tmp_path, "function"), *VLLM, f"actor_rollout_ref.model.path={vllm_model_path}",
+                     *({"sync": [], "fully_async": FULLY_ASYNC}[mode]))
+    assert len(steps) == 3 and all(r["agent/chains_per_session"] == 2.0 for r in steps)

@@ -24,7 +24,8 @@ to init); a pids cgroup, where one can be made, still lets the caller's clean cl
 
 `ReapedPopen` is the API: a `subprocess.Popen` of the guardian whose `returncode` is the child's, and
 whose `stop()` ends the whole tree. The reward, tool and interaction workers start through it
-(plait/data/reward_pool.py); so can anything else that runs user code in a process.
+(plait/data/reward_pool.py); so can anything else that runs user code in a process. A launcher that is
+not Popen (asyncio's subprocesses) runs `reaped_argv(args)` and ends the tree with `stop(pid)`.
 """
 
 from __future__ import annotations
@@ -151,6 +152,21 @@ os._exit(os.WEXITSTATUS(status) if status is not None and os.WIFEXITED(status) e
 """
 
 
+def reaped_argv(args: Sequence[str], cgroup: Optional[str] = None) -> list[str]:
+    """The command line that runs `args` under a guardian, for a launcher other than Popen (asyncio's
+    create_subprocess_exec: start it with start_new_session=True). The process it starts is the guardian:
+    end the tree with `stop(pid)`, not a SIGKILL of its group (the guardian would die before reaping)."""
+    return [sys.executable, "-I", "-S", "-c", GUARDIAN, str(os.getpid()), cgroup or "", *args]
+
+
+def stop(pid: int) -> None:
+    """Ask the guardian `pid` to SIGKILL its whole tree and exit (wait for it as its launcher does)."""
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        pass
+
+
 class ReapedPopen(subprocess.Popen):
     """`subprocess.Popen(args, ...)` run under a guardian: `returncode` is the child's (negative for a
     signal, as Popen says it), and `stop()` (or the caller's death, kill -9 included) ends the child
@@ -161,15 +177,12 @@ class ReapedPopen(subprocess.Popen):
 
     def __init__(self, args: Sequence[str], cgroup: Optional[str] = None, **kwargs):
         kwargs["start_new_session"] = True
-        super().__init__([sys.executable, "-I", "-S", "-c", GUARDIAN, str(os.getpid()), cgroup or "", *args], **kwargs)
+        super().__init__(reaped_argv(args, cgroup), **kwargs)
 
     def stop(self, timeout: float = 10.0) -> Optional[int]:
         """End the child and its whole tree, wait for the guardian; returns the child's returncode."""
         if self.poll() is None:
-            try:
-                os.kill(self.pid, signal.SIGTERM)  # the guardian's cue: it SIGKILLs the tree, reaps it, exits
-            except ProcessLookupError:
-                pass
+            stop(self.pid)  # the guardian's cue: it SIGKILLs the tree, reaps it, exits
             try:
                 self.wait(timeout)
             except subprocess.TimeoutExpired:  # a guardian that does not answer: its group goes at once

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from plait.reaper import ReapedPopen
+from plait.reaper import ReapedPopen, reaped_argv, stop
 
 # Prints the pids of two processes that left its process group: one in a session of its own
 # (setsid), one double-forked (its parent exits at once, so it is nobody's child but the reaper's).
@@ -68,6 +68,28 @@ def test_what_the_child_left_behind_ends_when_the_child_exits(tmp_path):
     pids = [int(p) for p in proc.stdout.readline().split()]
     assert proc.wait(timeout=10) == 0
     assert all_gone(pids, within=2.0)
+
+
+def test_an_asyncio_launcher_reaps_the_same_way(tmp_path):
+    """The gateway's agents start with asyncio: reaped_argv and stop give them the same guarantees."""
+    import asyncio
+    script = tmp_path / "child.py"
+    script.write_text(ESCAPE + "print(*escape(), flush=True)\nimport sys; sys.exit(5)\n")
+
+    async def launch():
+        proc = await asyncio.create_subprocess_exec(*reaped_argv([sys.executable, str(script)]),
+                                                    stdout=asyncio.subprocess.PIPE, start_new_session=True)
+        pids = [int(p) for p in (await proc.stdout.readline()).split()]
+        return pids, await proc.wait()
+    pids, code = asyncio.run(launch())
+    assert code == 5 and len(pids) == 2 and all_gone(pids, within=2.0)
+
+    async def stopped():
+        proc = await asyncio.create_subprocess_exec(*reaped_argv(["sleep", "600"]), start_new_session=True)
+        await asyncio.sleep(0.3)
+        stop(proc.pid)
+        return await proc.wait()
+    assert asyncio.run(stopped()) == -signal.SIGKILL
 
 
 TOOLS = ESCAPE + textwrap.dedent('''

@@ -122,6 +122,8 @@ class Lifecycle:
                         self.tracker.log(self.trainer.validate(), step=0)
                 for step in self.tracker.progress(range(start, last + 1), total=last, initial=start - 1):
                     if self.stop.requested:  # preempted between steps (or at start): the newest checkpoint stands
+                        print(f"plait: stopped on SIGTERM before step {step}; the newest checkpoint stands",
+                              file=sys.stderr)
                         break
                     metrics = self._step(step, last, profiler)
                     if self.stop.requested:
@@ -188,9 +190,8 @@ class Lifecycle:
         problem = verify_checkpoint(path)
         if problem:
             raise RunError(f"stopping on SIGTERM: the checkpoint of step {step} ({path}) does not verify: {problem}")
-        self.stop.line = (f"plait: stopped on SIGTERM after step {step}: {path} written and verified; the same "
-                          f"command resumes from step {step + 1}")
-        print(self.stop.line, file=sys.stderr)
+        print(f"plait: stopped on SIGTERM after step {step}: {path} written and verified; the same command resumes "
+              f"from step {step + 1}", file=sys.stderr)
 
     def _record(self, step: int, metrics: dict, timer: StageTimer, result: StepResult) -> dict[str, float]:
         out = {**metrics, **timing_metrics(timer.times, result, self.cfg.n_devices), **stage_memory_metrics(timer.peaks)}
@@ -248,7 +249,6 @@ class StopRequest:
 
     def __init__(self):
         self.requested = False
-        self.line = ""  # said when the run stopped so
 
 
 @contextlib.contextmanager
@@ -258,9 +258,9 @@ def signals_as_interrupt(stop: Optional[StopRequest] = None):
     is saved, exit 0); a second one, or without `stop` any SIGTERM, raises Interrupted (143) at once."""
     def handler(signum, frame):
         if signum == signal.SIGTERM and stop is not None and not stop.requested:
-            stop.requested = True
-            print("plait: SIGTERM: finishing this step, then saving and verifying its checkpoint (another SIGTERM "
-                  "or SIGINT stops at once, with the previous checkpoint)", file=sys.stderr)
+            stop.requested = True  # os.write: a print here could re-enter a write to stderr under way
+            os.write(2, b"plait: SIGTERM: finishing this step, then saving and verifying its checkpoint (another "
+                        b"SIGTERM or SIGINT stops at once, with the previous checkpoint)\n")
             return
         raise Interrupted(signum)
     try:

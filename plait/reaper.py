@@ -40,6 +40,7 @@ from typing import Optional, Sequence
 GUARDIAN = r"""
 import ctypes, os, resource, select, signal, sys, time
 caller, cgroup, argv = int(sys.argv[1]), sys.argv[2], sys.argv[3:]
+CALLER_ENV = "PLAIT_REAPER_CALLER"
 me = os.getpid()
 if cgroup:
     try:
@@ -72,6 +73,7 @@ if child == 0:
         os.close(wake_r); os.close(wake_w)
         if watch is not None:
             os.close(watch)
+        os.environ[CALLER_ENV] = str(caller)
         os.execvp(argv[0], argv)
     finally:
         os._exit(127)
@@ -165,6 +167,12 @@ def stop(pid: int) -> None:
         os.kill(pid, signal.SIGTERM)
     except ProcessLookupError:
         pass
+
+
+def caller_pid() -> int:
+    """In a process started under a guardian: the pid of the process that started it (its parent is the
+    guardian); elsewhere the parent's. Workers of one pool share it (the search tool's rate-limit files)."""
+    return int(os.environ.get("PLAIT_REAPER_CALLER") or os.getppid())
 
 
 class ReapedPopen(subprocess.Popen):

@@ -114,7 +114,8 @@ while status is None and not asked:
         break
     if os.getppid() != caller:   # the caller died (the pidfd says it at once; this is the fallback)
         break
-    ready = select.select([wake_r] + ([watch] if watch is not None else []), [], [], 0.2)[0]
+    # with a pidfd nothing needs polling: a SIGCHLD or a stop request writes to wake_r, the caller's end wakes watch
+    ready = select.select([wake_r] + ([watch] if watch is not None else []), [], [], None if watch is not None else 0.2)[0]
     if watch is not None and watch in ready:
         break
     if wake_r in ready:

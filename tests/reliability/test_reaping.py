@@ -126,6 +126,12 @@ def test_tool_processes_outside_the_workers_session_end_when_the_driver_is_kille
     os.kill(owner.pid, signal.SIGKILL)
     owner.wait()
     assert all_gone(pids), [p for p in pids if alive(p)]
+    from plait.data.reward_pool import PIDS_CGROUP, pids_limit
+    if pids_limit() == "cgroup":  # the pool's pids cgroup goes with its last guardian (it stayed, empty)
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and [n for n in os.listdir(PIDS_CGROUP) if n.startswith(f"plait-rewards-{owner.pid}-")]:
+            time.sleep(0.1)
+        assert not [n for n in os.listdir(PIDS_CGROUP) if n.startswith(f"plait-rewards-{owner.pid}-")]
 
 
 @pytest.mark.ray

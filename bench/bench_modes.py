@@ -1,4 +1,4 @@
-"""Throughput of the trainer modes on one machine: sync vs one_step_off vs fully_async.
+"""Throughput of the trainer modes on one machine: sync vs one_step_off vs fully_async (and verl's V1 modes).
 
 The same GRPO run in every mode (the demo's s-size model without warm start, so every response
 runs to max_response_length), two workloads: `balanced` (8 prompts x n=8 x 96 tokens per step,
@@ -19,7 +19,8 @@ Every run records the load average around it (bench/machine.py) and a busy run m
 `valid: false`.
 
     python bench/bench_modes.py [--rounds 3] [--steps 8] [--threads 1] [--backend local|ray] [--device cpu|cuda]
-                                [--workloads balanced,rollout_heavy] [--out bench/results/modes.json]
+                                [--workloads balanced,rollout_heavy] [--modes sync,one_step_off,...]
+                                [--out bench/results/modes.json]
 """
 
 from __future__ import annotations
@@ -41,6 +42,10 @@ MODES = {
     "fully_async": ["trainer.mode=fully_async", "async_training.require_batches=2",
                     "async_training.trigger_parameter_sync_step=1", "async_training.staleness_threshold=1",
                     "async_training.partial_rollout=true", "async_training.gen_batch_size=8"],
+    # verl 0.9.1's V1 modes with their defaults (one warmup batch, threshold 8, drop); separate_async's
+    # parameter_sync_step is the workload's train_batch_size / ppo_mini_batch_size (WORKLOADS)
+    "colocate_async": ["trainer.v1.trainer_mode=colocate_async"],
+    "separate_async": ["trainer.v1.trainer_mode=separate_async"],
 }
 WORKLOAD = ["demo.model_size=s", "demo.warmstart_steps=0", "data.train_size=512", "data.val_size=8",
             "data.train_batch_size=8", "data.max_response_length=96", "actor_rollout_ref.rollout.n=8",
@@ -51,9 +56,12 @@ WORKLOAD = ["demo.model_size=s", "demo.warmstart_steps=0", "data.train_size=512"
 # so its per-step cost barely shrinks with the batch) and one optimizer step per batch (pi_old fused).
 ROLLOUT_HEAVY = [*WORKLOAD, "data.train_batch_size=4", "data.max_response_length=320", "actor_rollout_ref.rollout.n=2",
                  "actor_rollout_ref.actor.ppo_mini_batch_size=4"]
-# name: (overrides, samples/step, fully_async's overrides on top of MODES: one local update = one step's batch)
-WORKLOADS = {"balanced": (WORKLOAD, 8 * 8, []),
-             "rollout_heavy": (ROLLOUT_HEAVY, 4 * 2, ["async_training.require_batches=1", "async_training.gen_batch_size=4"])}
+# name: (overrides, samples/step, per mode the overrides on top of MODES: fully_async's one local update = one
+# step's batch; separate_async's one local update per PPO mini-batch)
+WORKLOADS = {"balanced": (WORKLOAD, 8 * 8, {"separate_async": ["trainer.v1.separate_async.parameter_sync_step=2"]}),
+             "rollout_heavy": (ROLLOUT_HEAVY, 4 * 2, {"fully_async": ["async_training.require_batches=1",
+                                                                      "async_training.gen_batch_size=4"],
+                                                      "separate_async": ["trainer.v1.separate_async.parameter_sync_step=1"]})}
 
 
 def run_once(workload: str, mode: str, steps: int, threads: int, backend: str, device: str, out_dir: str) -> dict:
@@ -62,7 +70,7 @@ def run_once(workload: str, mode: str, steps: int, threads: int, backend: str, d
     from plait.trainers.lifecycle import read_metrics
     extra = ["trainer.ray.num_cpu_workers=1", "trainer.ray.cpus_per_worker=1"] if backend == "ray" else []
     overrides, samples_per_step, async_overrides = WORKLOADS[workload]
-    cfg = load_config(None, [*overrides, *MODES[mode], *(async_overrides if mode == "fully_async" else []), f"trainer.total_training_steps={steps}",
+    cfg = load_config(None, [*overrides, *MODES[mode], *async_overrides.get(mode, []), f"trainer.total_training_steps={steps}",
                              f"trainer.num_threads={threads}", f"trainer.backend={backend}", f"trainer.device={device}", *extra,
                              f"trainer.default_local_dir={out_dir}"])
     _, load = measured(driver.build(cfg, progress=False).run, threads=threads * (1 if mode == "sync" else 2))
@@ -95,7 +103,8 @@ def gen_during_update(path: str, steps: set) -> float:
     """The share of update_actor time (the measured steps) during which a rollout generate/resume ran."""
     from plait.profiler.timeline import read_timeline
     spans = read_timeline(path)
-    gens = [s for s in spans if s["role"] == "rollout" and s["stage"] in ("generate", "resume")]
+    gens = [s for s in spans if s["role"] == "rollout" and s["stage"] in ("gen", "generate", "resume")
+            and s.get("rank") is None]  # the driver's rollouter ("generate" before issue 43), not a worker's own span
     updates = [s for s in spans if s["role"] == "trainer" and s["stage"] == "update_actor" and s["step"] in steps]
     both = sum(max(0.0, min(u["end"], g["end"]) - max(u["start"], g["start"])) for u in updates for g in gens)
     return both / (sum(u["end"] - u["start"] for u in updates) or 1.0)
@@ -109,8 +118,13 @@ def main() -> None:
     ap.add_argument("--backend", choices=["local", "ray"], default="local")
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
+    ap.add_argument("--modes", default=",".join(MODES), help="modes to run (sync, the baseline, always runs)")
     ap.add_argument("--out", default="bench/results/modes.json")
     args = ap.parse_args()
+    args.modes = ["sync", *(m for m in args.modes.split(",") if m != "sync")]
+    unknown = [m for m in args.modes if m not in MODES]
+    if unknown:
+        ap.error(f"--modes: {', '.join(unknown)}: not one of {', '.join(MODES)}")
     torch.set_num_threads(args.threads)
     for workload in args.workloads.split(","):
         run_workload(workload, args)
@@ -121,7 +135,7 @@ def run_workload(workload: str, args) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(args.rounds):
             runs = {}
-            for mode in MODES:
+            for mode in args.modes:
                 runs[mode] = run_once(workload, mode, args.steps, args.threads, args.backend, args.device,
                                       os.path.join(tmp, f"{mode}-{i}"))
                 print(f"{workload} round {i} {mode:13s} " + " ".join(f"{k}={v:.3g}" for k, v in runs[mode].items()),
@@ -130,17 +144,17 @@ def run_workload(workload: str, args) -> None:
     ratio = lambda mode, key: statistics.median(r[mode][key] / r["sync"][key] for r in rounds)  # noqa: E731
     summary = {mode: {"samples_per_s_vs_sync": ratio(mode, "samples_per_s"), "tokens_per_s_vs_sync": ratio(mode, "tokens_per_s"),
                       **{k: statistics.median(r[mode][k] for r in rounds) for k in rounds[0][mode] if k != "valid"}}
-               for mode in MODES}
+               for mode in args.modes}
     bound = summary["sync"]["overlap_bound"]
     # Perfect overlap makes a step as long as the longer of generation and learning: the bound is
     # 1 / max(gen share, 1 - gen share) of a sync step (1 / (1 - gen) holds only while learning is longer).
-    for mode in MODES:
+    for mode in args.modes:
         summary[mode]["share_of_overlap_bound"] = summary[mode]["samples_per_s_vs_sync"] / bound
     setting = f"{workload}: {args.backend}, {args.device}, torch threads {args.threads}, {os.cpu_count()} cores"
     result = {"setting": setting, "cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
               "capability": capability(args.device),
-              "workload": WORKLOADS[workload][0], "modes": MODES, "steps": args.steps, "summary": summary,
-              "rounds": rounds, **verdict([r[mode] for r in rounds for mode in MODES])}
+              "workload": WORKLOADS[workload][0], "modes": {m: MODES[m] for m in args.modes}, "steps": args.steps, "summary": summary,
+              "rounds": rounds, **verdict([r[mode] for r in rounds for mode in args.modes])}
     results = json.load(open(args.out)) if os.path.exists(args.out) else {}
     results[setting] = result
     os.makedirs(os.path.dirname(args.out), exist_ok=True)

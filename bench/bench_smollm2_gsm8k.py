@@ -1,5 +1,6 @@
 """The learning curve of the smollm2_gsm8k preset (or, with --preset smollm2_gsm8k_tools, of its calculator
-variant): SmolLM2-135M-Instruct, GRPO, synthetic GSM8K-style problems.
+variant; smollm2_gsm8k_gateway: a ReAct calculator agent through the gateway): SmolLM2-135M-Instruct, GRPO,
+synthetic GSM8K-style problems.
 
 Runs `plait train --config <preset>` (plus any overrides given after --), then reads the run's
 metrics.jsonl and writes
@@ -12,7 +13,7 @@ The load average is sampled every 30 s during the run; a run whose mean load is 
 bench/machine.py's limit is marked `valid: false` (its wall time measures neighbours, not plait;
 its curve by step still shows what the preset learns).
 
-    python bench/bench_smollm2_gsm8k.py [--preset smollm2_gsm8k|smollm2_gsm8k_tools]
+    python bench/bench_smollm2_gsm8k.py [--preset smollm2_gsm8k|smollm2_gsm8k_tools|smollm2_gsm8k_gateway]
                                         [--out bench/results/<preset>.json] [--png docs/img/<preset>.png]
                                         [--run-dir DIR] [--plot-only] [-- key=value ...]
 
@@ -36,7 +37,7 @@ from machine import busy_limit, capability
 ACC = "val-core/gsm8k_synthetic/acc/mean@1"
 VAL_LEN = "val-aux/response_length/mean"
 RATES = ("agent_loop/tool_call_rate", "agent_loop/valid_call_rate")  # the tools preset's (plait/agents/worker.py)
-PRESETS = ("smollm2_gsm8k", "smollm2_gsm8k_tools")
+PRESETS = ("smollm2_gsm8k", "smollm2_gsm8k_tools", "smollm2_gsm8k_gateway")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

@@ -29,9 +29,14 @@ its `recipe/` folder (verl's submodule layout: `data.custom_cls.path=recipe/reto
 the corpus and run:
 
     git clone https://github.com/volcengine/verl && git clone https://github.com/verl-project/verl-recipe verl/recipe
-    # bench/results/verl_corpus.json: verl b178a3c, verl-recipe 48ea0a7 (git checkout them for the same scripts)
+    # bench/results/verl_corpus.json: verl b178a3c, verl-recipe 48ea0a7 (git checkout them for the same scripts);
+    # bench/results/verl_corpus_1dda039.json: verl-project/verl 1dda039 (verl 0.9.1's main), verl-recipe 48ea0a7
     python bench/verl_corpus.py --corpus examples=verl:examples --corpus recipes=verl:recipe \
         --verl-site .verl-side [--out bench/results/verl_corpus.json]
+
+Training engines other than PyTorch FSDP (Megatron, Megatron Lite, VeOmni, TorchTitan) are counted apart, as
+plait refuses each by name; so are on-policy distillation scripts (`distillation.enabled=True`: a second model,
+another issue's work) until plait runs them (`distillation`, `distillation_accepted` in the summary).
 
 A script's dataset class (`data.custom_cls`) is imported as `plait train` imports it, from the corpus root
 (the scripts' working directory, so its `recipe.*` imports resolve there); with --verl-site (verl 0.9.1
@@ -96,6 +101,19 @@ VERL_REJECTS = {
     "recipe/entropy/32b_kl_cov.sh":
         "sets actor_rollout_ref.actor.loss_mode without '+': a key of neither verl's ppo_trainer nor "
         "entropy_trainer.yaml (it is actor.policy_loss.loss_mode), so Hydra refuses the override",
+    **dict.fromkeys(("examples/sapo_trainer/run_qwen3_8b_fsdp.sh", "examples/sapo_trainer/run_qwen3_30b_a3b_fsdp.sh"),
+        "adds +actor_rollout_ref.actor.policy_loss.tau_pos / tau_neg: verl 0.9.1's PolicyLossConfig has no such fields, "
+        "so building the actor's config stops with `PolicyLossConfig.__init__() got an unexpected keyword argument "
+        "'tau_pos'` (SAPO's temperatures are actor.tau_pos / tau_neg, which plait implements; with those keys the "
+        "script loads)"),
+    "recipe/collabllm/train_rl_collabllm.sh":
+        "sets reward_model.reward_manager=collabllm, which its reward file registers in verl's legacy registry "
+        "(verl.workers.reward_manager); verl 0.9.1 looks managers up in its reward loop's registry (naive, dapo, gdpo, "
+        "limited, remote), which stops with `Unknown reward manager: collabllm`",
+    **dict.fromkeys((f"recipe/retool/{name}" for name in ("run_gpt_oss_ppo.sh", "run_qwen2-32b_dapo.sh",
+                                                          "run_qwen2-32b_ppo.sh", "run_qwen2_7b_dapo.sh")),
+        "its dataset class (data.custom_cls, recipe/retool/retool.py) imports verl.tools.sandbox_fusion_tools, which "
+        "verl 0.9.1 does not have: verl stops importing it"),
 }
 # A vision-language model or image data in the script's own model path and data files: plait loads
 # the config, but refuses image rows at start (text-only trainers) until the VLM work lands.
@@ -139,6 +157,20 @@ def module_of(args: list[str]) -> tuple[str | None, list[str]]:
         if not a.startswith("-"):
             break
     return None, []
+
+
+def other_engine(args: list[str]) -> str | None:
+    """The training engine other than PyTorch FSDP a call selects (Megatron, Megatron Lite, VeOmni, TorchTitan), if any:
+    counted apart, as plait refuses each by name (config_verl.other_engine)."""
+    from plait.config_verl import other_engine as engine_of
+    if is_megatron(args):
+        return "megatron"
+    for a in args:
+        key, _, value = a.lstrip("+~").partition("=")
+        engine = engine_of(key, value)
+        if engine:
+            return engine
+    return None
 
 
 def is_megatron(args: list[str]) -> bool:
@@ -250,8 +282,12 @@ def measure_script(script: Path, root: Path, work: Path, fixtures: dict[str, str
     record = {"script": name, "module": calls[0][0], "kind": classify(calls[0][0])}
     if name in VERL_REJECTS:
         record.update(kind="verl_rejects", why=VERL_REJECTS[name])
-    if any(is_megatron(a) for _, a in calls):
-        return {**record, "status": "megatron"}
+    engine = next((e for _, a in calls if (e := other_engine(a))), None)
+    if engine:
+        return {**record, "status": "megatron" if engine == "megatron" else "other_engine", "engine": engine}
+    # on-policy distillation (a second model) is another issue's: counted apart until plait runs it
+    record["distillation"] = any(a.lstrip("+").lower() in ("distillation.enabled=true", "distillation.enabled=1")
+                                 for _, args in calls for a in args)
     status, first, replaced = "accepted", "", set()
     record["multimodal"] = any(MULTIMODAL.search(a.split("=", 1)[1]) for _, args in calls for a in args if
                                a.split("=", 1)[0].lstrip("+") in ("actor_rollout_ref.model.path", "data.train_files"))
@@ -282,8 +318,11 @@ def build_fixtures(folder: Path) -> dict[str, str]:
 
 
 def summary(records: list[dict]) -> dict:
-    counted = [r for r in records if r["kind"] == "main_ppo" and r["status"] != "megatron"]
-    own = [r for r in records if r["kind"] == "own_trainer" and r["status"] != "megatron"]
+    engines = [r for r in records if r["status"] == "other_engine"]
+    distill = [r for r in records if r.get("distillation") and r["kind"] == "main_ppo"]
+    counted = [r for r in records if r["kind"] == "main_ppo" and r["status"] not in ("megatron", "other_engine")
+               and not r.get("distillation")]
+    own = [r for r in records if r["kind"] == "own_trainer" and r["status"] not in ("megatron", "other_engine")]
     accepted = sum(r["status"] == "accepted" for r in counted)
     text = sum(r["status"] == "accepted" and not r["multimodal"] for r in counted)
     return {"scripts": len(records), "megatron_skipped": sum(r["status"] == "megatron" for r in records),
@@ -292,6 +331,8 @@ def summary(records: list[dict]) -> dict:
             # of those accepted, the ones whose own data are text: image rows are refused at start
             "accepted_text_data": text, "accepted_text_data_fraction": round(text / len(counted), 3) if counted else None,
             "own_trainer_recipes": len(own), "own_trainer_accepted": sum(r["status"] == "accepted" for r in own),
+            "other_engines_skipped": {e: sum(r["engine"] == e for r in engines) for e in sorted({r["engine"] for r in engines})},
+            "distillation": len(distill), "distillation_accepted": sum(r["status"] == "accepted" for r in distill),
             "verl_rejects": sum(r["kind"] == "verl_rejects" for r in records)}
 
 

@@ -2,7 +2,8 @@
 that builds that mode's trainer from (config, backend, device, tracker).
 
     driver.build ─▶ MODES[trainer.mode](cfg, backend, device, tracker) ─▶ a Trainer for the lifecycle
-                     sync · one_step_off · fully_async: build_lm_trainer below with the mode's class
+                     sync · one_step_off · fully_async · colocate_async · separate_async: build_lm_trainer
+                     below with the mode's class
                      diffusion: build_diffusion_trainer below (flow model, conditions, image reward)
 
 Each builder resolves its model and data here: the language-model modes' (resolve_model, load_lm_data,
@@ -37,6 +38,7 @@ from plait.workers.reward_model import RewardModel
 from plait.workers.rollout import Rollout
 from plait.trainers.one_step_off import OneStepOffTrainer
 from plait.trainers.sync import SyncTrainer
+from plait.trainers.v1_async import ColocateAsyncTrainer, V1AsyncTrainer
 from plait.workers.diffusers_policy import is_diffusers_policy
 from plait.workers.diffusion import DiffusionActor, DiffusionRef, policy_config, pretrain_flow_model
 from plait.workers.diffusion_pipeline import check_pipeline_folder, pipeline_class
@@ -201,7 +203,7 @@ def build_lm_trainer(cfg: PlaitConfig, backend, device: str, tracker, mode: type
     """Model, data, reward and the four language-model roles, handed to the trainer `mode` (a row of MODES).
     In order: the model's folder, its tokenizer and the data (both checked before any model loads), the
     schedule's length, then the roles."""
-    reward_fn = resolve_reward(cfg.reward, cfg.data.max_response_length)
+    reward_fn = resolve_reward(cfg.reward, cfg.data.max_response_length, cfg.trainer.experiment_name or cfg.trainer.mode)
     model_path = resolve_model(cfg)
     tokenizer = load_lm_tokenizer(cfg, model_path)
     train_data, val_data = load_lm_data(cfg, model_path, tokenizer)
@@ -305,5 +307,7 @@ MODES = {
     "sync": partial(build_lm_trainer, mode=SyncTrainer),
     "one_step_off": partial(build_lm_trainer, mode=OneStepOffTrainer),
     "fully_async": partial(build_lm_trainer, mode=FullyAsyncTrainer),
+    "colocate_async": partial(build_lm_trainer, mode=ColocateAsyncTrainer),  # verl 0.9.1's V1 modes
+    "separate_async": partial(build_lm_trainer, mode=V1AsyncTrainer),
     "diffusion": build_diffusion_trainer,
 }

@@ -56,6 +56,14 @@ def main(argv: list[str] | None = None) -> int:
     report.add_argument("--run", help="the run's output dir (timeline.jsonl, metrics.jsonl), when it is not DIR")
     report.add_argument("--json", action="store_true", help="print the verdict with each rule's inputs and "
                                                             "predicted bound (DIR/report/verdict.json) instead of the summary")
+    report.add_argument("--no-merge", action="store_true", help="write no merged traces (the page and the verdict only)")
+    report.add_argument("--watch", action="store_true", help="rewrite the report whenever the run's files change, "
+                                                             "until the run ends (its summary.json) or Ctrl-C")
+    report.add_argument("--interval", type=float, default=10.0, help="--watch: seconds between checks (default 10)")
+    diff = profile_sub.add_parser("diff", help="run A against run B: stages, operators, memory, A's predictions")
+    diff.add_argument("run_a", help="a run's output dir (the one whose verdict was applied)")
+    diff.add_argument("run_b", help="the other run's output dir (the rerun)")
+    diff.add_argument("--json", action="store_true", help="print the comparison as JSON")
     export = sub.add_parser("export", help="write a checkpoint's policy as a Hugging Face folder (transformers, vLLM)")
     export.add_argument("checkpoint", help="a checkpoints/global_step_N folder (or checkpoints/: its newest)")
     export.add_argument("out", help="the folder to write: config.json, model.safetensors, tokenizer, generation config")
@@ -66,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("model", help="a checkpoint (checkpoints/global_step_N), a model folder or a built-in model name")
     serve.add_argument("--host", default="127.0.0.1", help="the address to listen on (default 127.0.0.1)")
     serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--engine", default="hf", help="the rollout engine: hf (plait's) or vllm")
+    serve.add_argument("--engine", help="the rollout engine (a row of plait/workers/engine.py; default plait's own)")
     serve.add_argument("--max-tokens", type=int, default=1024, help="a request's budget when it names none")
     serve.add_argument("--tool-format", default="hermes", help="how tool calls are read from the model's text")
     args = parser.parse_args(argv)
@@ -75,17 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve":
         return serve_command(args)
     if args.command == "profile":
-        from plait.profiler.analysis import build_report
-        try:
-            text = build_report(args.dir, profile=args.profile, run=args.run)
-            if args.json:
-                with open(os.path.join(args.dir, "report", "verdict.json")) as f:
-                    text = f.read()
-            print(text)
-        except FileNotFoundError as err:
-            print(f"plait: profile report: {err}", file=sys.stderr)
-            return 2
-        return 0
+        return profile_command(args)
 
     from plait.config import load_config
     from plait.config_verl import entry_point_overrides
@@ -110,6 +108,32 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt as err:  # 143 for SIGTERM, 130 for SIGINT: the shells' convention
         print(f"plait: interrupted; {kept(cfg.output_dir) if cfg is not None else 'nothing was started'}", file=sys.stderr)
         return 128 + (err.signum if isinstance(err, Interrupted) else signal.SIGINT)
+    return 0
+
+
+def profile_command(args) -> int:
+    """`plait profile report DIR [--watch]` and `plait profile diff A B`: exit 2 with one line for a folder
+    that is not a run's."""
+    from plait.profiler.analysis import build_report, diff_runs, watch
+    try:
+        if args.action == "diff":
+            print(diff_runs(args.run_a, args.run_b, as_json=args.json))
+            return 0
+        if args.watch:
+            return watch(args.dir, profile=args.profile, run=args.run, merge=not args.no_merge, interval=args.interval)
+        text = build_report(args.dir, profile=args.profile, run=args.run, merge=not args.no_merge)
+        if args.json:
+            with open(os.path.join(args.dir, "report", "verdict.json")) as f:
+                text = f.read()
+        print(text)
+    except FileNotFoundError as err:
+        print(f"plait: profile {args.action}: {err}", file=sys.stderr)
+        return 2
+    except OSError as err:  # a folder it may not write, a full disk: one line
+        print(f"plait: profile {args.action}: {err.filename or ''}: {err.strerror or err}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
     return 0
 
 

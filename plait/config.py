@@ -30,6 +30,7 @@ from plait.config_verl import (CPU_NO_EFFECT, CPU_RAY_NO_EFFECT, FIELD_NO_EFFECT
 from plait.configtree import ConfigError, build, ConfigErrors, build_without, check, raise_all, to_dict
 from plait.data.rewards import RewardConfig
 from plait.profiler.config import GlobalProfilerConfig, RoleProfilerConfig
+from plait.trainers.v1_config import V1_MODES, V1Config
 from plait.workers.diffusion_config import DiffusionConfig
 from plait.workers.engine import ENGINES, default_engine, engine_no_effect, unset_note
 
@@ -82,8 +83,11 @@ class DataConfig:
     audio_key: str = "audios"                 #   (training would drop them without a word)
     image_patch_size: int = 14                # images are resized to multiples of 2 x this (verl's process_image)
     custom_cls: CustomDatasetConfig = field(default_factory=CustomDatasetConfig)
+    gen_batch_size: Optional[int] = None      # verl 0.9.1's V1 fetch size: prompts per generate call of the V1 async modes
 
     def __post_init__(self):
+        check(self.gen_batch_size is None or self.gen_batch_size > 0, "gen_batch_size", self.gen_batch_size,
+              "must be > 0 or null")
         # 0 is verl's fully-async setting (the rollouter streams); PlaitConfig checks the mode and sizes it
         check(self.train_batch_size >= 0, "train_batch_size", self.train_batch_size, "must be > 0 (or 0 with trainer.mode=fully_async)")
         positive(self, "max_prompt_length", "max_response_length", "train_size", "val_size")
@@ -431,9 +435,7 @@ class AgentConfig:
     openai_agent: OpenAIAgentConfig = field(default_factory=OpenAIAgentConfig)  # plait's own
 
     def __post_init__(self):
-        check(self.num_workers == 8, "num_workers", self.num_workers,
-              "8 (verl's default): plait runs every agent loop of a rollout on one event loop beside its one engine, "
-              "so there are no agent-loop worker processes to count; drop the key")
+        check(self.num_workers >= 1, "num_workers", self.num_workers, "verl's agent-loop workers: >= 1")  # named at start
 
     @property
     def on(self) -> bool:
@@ -751,7 +753,7 @@ class TrainerConfig:
     project_name: str = "plait"
     experiment_name: Optional[str] = None     # null: the mode's name, so demos of different modes don't share outputs
     seed: int = 1
-    mode: Literal["sync", "one_step_off", "fully_async", "diffusion"] = "sync"
+    mode: Literal["sync", "one_step_off", "fully_async", "colocate_async", "separate_async", "diffusion"] = "sync"
     placement: Literal["colocated", "separated"] = "colocated"
     backend: Literal["local", "ray"] = "local"
     device: Literal["auto", "cpu", "cuda"] = "auto"
@@ -761,6 +763,10 @@ class TrainerConfig:
     ray: RayConfig = field(default_factory=RayConfig)  # trainer.backend=ray only; docs/ray.md
     check_weight_sync: bool = True            # plait's own: after each weight sync, the engine's log-probs of a probe vs the actor's
     max_restarts: int = 0                     # plait's own (AReaL's recover.retries): resumes after a crash that is not the user's
+    use_v1: bool = True                       # verl 0.9.1's default trainer: trainer.v1.trainer_mode picks the mode
+    v1: V1Config = field(default_factory=V1Config)
+    checkpoint_callback_class: Optional[str] = None  # module.Class with on_save(trainer, global_step, checkpoint_dir, async_save)
+    val_only: bool = False                    # validate (val_before_train) and stop, as verl does
 
     def __post_init__(self):
         check(self.max_restarts >= 0, "max_restarts", self.max_restarts, "must be >= 0 (0: off)")
@@ -830,6 +836,7 @@ class PlaitConfig:
     async_training: AsyncTrainingConfig = field(default_factory=AsyncTrainingConfig)
 
     def __post_init__(self):
+        """The rules across nodes. Over 60 lines: one check after another, each on its own, read top to bottom."""
         actor = self.actor_rollout_ref.actor
         if self.data.train_batch_size == 0:  # verl's fully-async scripts: a trainer batch is one local update's prompts
             check(self.trainer.mode == "fully_async", "data.train_batch_size", 0,
@@ -846,16 +853,6 @@ class PlaitConfig:
         lm = self.trainer.mode != "diffusion"
         check(not lm or self.data.train_batch_size % actor.ppo_mini_batch_size == 0, "actor_rollout_ref.actor.ppo_mini_batch_size",
               actor.ppo_mini_batch_size, f"must divide data.train_batch_size={self.data.train_batch_size}")
-        # merged_state_dict and the adapter checkpoint need whole tensors (plait/workers/actor.py)
-        check(not (self.actor_rollout_ref.model.lora_rank > 0 and actor.strategy == "fsdp2"),
-              "actor_rollout_ref.actor.strategy", actor.strategy, "fsdp with actor_rollout_ref.model.lora_rank > 0: "
-              "LoRA trains on whole replicas, FSDP2 sharding of adapters is not supported yet")
-        t = self.trainer  # strategy=fsdp shards too on several CUDA ranks (parallel.use_fsdp)
-        check(not (self.actor_rollout_ref.model.lora_rank > 0 and t.backend == "ray" and t.device != "cpu"
-                   and t.nnodes * t.n_gpus_per_node > 1 and torch_cuda_count() > 0),
-              "trainer.nnodes x trainer.n_gpus_per_node", f"{t.nnodes} x {t.n_gpus_per_node}",
-              "1 GPU with actor_rollout_ref.model.lora_rank > 0: several CUDA ranks shard the actor with FSDP2, "
-              "and FSDP2 sharding of LoRA adapters is not supported yet")
         if self.critic.enable is None:
             self.critic.enable = self.algorithm.adv_estimator == "gae"
         check(self.algorithm.adv_estimator != "gae" or self.critic.enable, "critic.enable", self.critic.enable,
@@ -882,6 +879,7 @@ class PlaitConfig:
               "false with trainer.mode=diffusion (DAPO's dynamic sampling runs in the language-model modes)")
         self._resolve_correction(mode)
         self._resolve_engine()
+        self._check_v1(mode)
         if mode == "fully_async":
             a = self.async_training
             required = actor.ppo_mini_batch_size * a.require_batches
@@ -890,11 +888,29 @@ class PlaitConfig:
                   f"must divide ppo_mini_batch_size x require_batches = {required} (a local update takes whole "
                   "generate calls)")
 
+    def _check_v1(self, mode: str) -> None:
+        """verl 0.9.1's rules of its V1 async modes: separate_async trains one PPO mini-batch per local update
+        (train_batch_size = parameter_sync_step x ppo_mini_batch_size) on a rollout of its own."""
+        if mode not in V1_MODES:
+            return
+        mini, batch = self.actor_rollout_ref.actor.ppo_mini_batch_size, self.data.train_batch_size
+        check(not self.algorithm.filter_groups.enable, "algorithm.filter_groups.enable", True,
+              f"false with trainer.v1.trainer_mode={mode}: verl's V1 sampler evicts the groups DAPO's filter drops and "
+              "issues fresh prompts for them, which plait's V1 modes do not do yet (trainer.v1.trainer_mode=sync filters)")
+        if mode == "separate_async":
+            sync_step = self.trainer.v1.separate_async.parameter_sync_step
+            check(batch == sync_step * mini, "trainer.v1.separate_async.parameter_sync_step", sync_step,
+                  f"data.train_batch_size / actor.ppo_mini_batch_size = {batch} / {mini}"
+                  + (f" = {batch // mini}" if batch % mini == 0 else " (a whole number)")
+                  + " (verl's separate_async trains one PPO mini-batch per local update)")
+            check(self.trainer.placement == "separated", "trainer.placement", self.trainer.placement,
+                  "separated with trainer.v1.trainer_mode=separate_async (its rollout generates on workers of its own)")
+
     def _check_discrete_profiling(self, mode: str) -> None:
         """Per-stage torch traces (tool_config.torch.discrete) of an async mode on the local backend are refused:
         the rollout generates in a thread of the driver there, and torch.profiler runs one collection per
         process, so traces of concurrent stages cannot be taken."""
-        if mode not in ASYNC_MODES or self.trainer.backend != "local" or self.global_profiler.tool != "torch":
+        if mode not in (*ASYNC_MODES, *V1_MODES) or self.trainer.backend != "local" or self.global_profiler.tool != "torch":
             return
         roles = {"actor_rollout_ref.actor": self.actor_rollout_ref.actor, "actor_rollout_ref.rollout":
                  self.actor_rollout_ref.rollout, "actor_rollout_ref.ref": self.actor_rollout_ref.ref,
@@ -1104,6 +1120,7 @@ def parse_config(path: str | None = None, overrides: list[str] = (),
     if async_set and mode not in ASYNC_MODES:
         errors.append(ConfigError("trainer.mode", mode, f"one of {', '.join(ASYNC_MODES)} when async_training.* is "
                                   f"set ({', '.join(async_set)})"))
+    machine += map_v1_mode(tree, user, errors)
     no_effect = take_no_effect(tree)
     _inherit_from_actor(tree)
     if user.get("actor_rollout_ref.model.path") is None:
@@ -1147,6 +1164,18 @@ def start_notices(cfg: PlaitConfig, user: dict, no_effect: list[str], moved: lis
         cluster = CPU_RAY_NO_EFFECT
     if on_cpu and offload_set:
         cluster = {**cluster, **CPU_NO_EFFECT}
+    if cfg.trainer.mode not in V1_MODES:
+        cluster = {**cluster, "data.gen_batch_size": "prompts per generate call of verl's V1 async modes "
+                   "(trainer.v1.trainer_mode); plait's other modes generate each step's batch whole (the fully-async "
+                   "recipe's chunk is async_training.gen_batch_size)"}
+        v1 = _changed(user, "trainer.v1", V1Config())
+        cluster.update({key: "read by verl's V1 async modes only (trainer.v1.trainer_mode colocate_async or "
+                        "separate_async); verl's sync trainer does not read them either" for key in v1
+                        if key not in ("trainer.v1.trainer_mode", "trainer.v1.sampler.sync_refill_failed_groups")})
+        if "trainer.v1.sampler.sync_refill_failed_groups" in v1:
+            cluster["trainer.v1.sampler.sync_refill_failed_groups"] = (
+                "verl's sync sampler replaces failed groups instead of padding them: plait's sync mode generates a "
+                "step's batch in one call and stops the run with one line when it fails, so no failed group is trained")
     no_effect = no_effect + [key for key in user if key in cluster]
     inert = {key: why for key, (default, why) in FIELD_NO_EFFECT.items() if user.get(key, default) != default}
     no_effect, cluster = no_effect + list(inert), {**cluster, **inert}
@@ -1157,6 +1186,27 @@ def start_notices(cfg: PlaitConfig, user: dict, no_effect: list[str], moved: lis
     if moved:
         lines.append("plait: verl 0.8 reward keys mapped onto verl 0.9's reward tree: " + ", ".join(moved))
     return lines
+
+
+def map_v1_mode(tree: dict, user: dict, errors: list) -> list[str]:
+    """verl 0.9.1's `trainer.v1.trainer_mode` (its V1 trainer, `trainer.use_v1`, is the default) picks plait's mode
+    of that name, in place: separate_async on a rollout of its own (placement=separated) unless set otherwise.
+    A contradicting trainer.mode goes to `errors`; returns the start line for a V1 mode set with use_v1=false."""
+    v1 = user.get("trainer.v1.trainer_mode", "sync")
+    if v1 == "sync":
+        return []
+    if user.get("trainer.use_v1", True) is False:
+        return [f"plait: trainer.v1.trainer_mode={v1} has no effect with trainer.use_v1=false: verl's legacy trainer "
+                "does not read trainer.v1, and plait trains in trainer.mode (sync unless set)"]
+    mode = user.get("trainer.mode")
+    if mode not in (None, v1):
+        errors.append(ConfigError("trainer.mode", mode, f"{v1} or unset with trainer.v1.trainer_mode={v1} (the mode "
+                                  "verl's V1 trainer runs)"))
+        return []
+    _set(tree, "trainer.mode", v1)
+    if v1 == "separate_async" and "trainer.placement" not in user:
+        _set(tree, "trainer.placement", "separated")
+    return []
 
 
 def empty_booleans(tree: dict, defaults: dict) -> list[str]:

@@ -89,6 +89,7 @@ _GROUPS = {
         actor_rollout_ref.model.mtp.num_speculative_tokens
         actor_rollout_ref.hybrid_engine
         actor_rollout_ref.nccl_timeout
+        model_engine
         data.use_shm
         critic.model.fsdp_config.fsdp_size
         critic.model.fsdp_config.model_dtype
@@ -128,7 +129,6 @@ _GROUPS = {
         rollout.total_rollout_steps
         rollout.total_epochs
         rollout.test_freq
-        data.gen_batch_size
         actor_rollout_ref.checkpoint_engine
         actor_rollout_ref.actor.use_rollout_log_probs
     """,
@@ -351,7 +351,6 @@ _GROUPS = {
         reward_model.forward_max_token_len_per_gpu
         trainer.rollout_data_dir
         trainer.validation_data_dir
-        trainer.val_only
     """,
     # verl 0.9's new keys (its generated ppo_trainer config; tests/fixtures/verl091_ppo_trainer_keys.txt)
     ("verl 0.9 kernel, padding and quantization switches (QAT, Megatron-style LoRA, fused kernels, chunked "
@@ -391,15 +390,20 @@ _GROUPS = {
         data.mm_processor_kwargs
         actor_rollout_ref.actor.num_images_in_input
     """,
-    ("verl 0.9 subsystems plait does not have (on-policy distillation, the transfer queue, the v1 trainer's "
-     "own modes and sampler, rollout skipping/caching, checkpoint callbacks); each refuses to be enabled"): """
-        distillation
+    ("verl 0.9's TransferQueue, the V1 trainer's store of prompts and trajectories between roles (verl 0.9.1 "
+     "turns it on for every V1 run): plait keeps them in the trainer's own buffer"): """
         transfer_queue
-        trainer.use_v1
-        trainer.v1
-        trainer.checkpoint_callback_class
+    """,
+    ("verl 0.9 subsystems plait does not have (on-policy distillation, rollout skipping/caching); each refuses "
+     "to be enabled"): """
+        distillation
         skip
         ray_kwargs.ray_init.runtime_env.py_executable
+    """,
+    ("the V1 trainer's hybrid-rollout switch tuning and its empty sync section: plait does not lend the "
+     "trainer's devices to generation (enable_switch=true is refused), and verl's sync mode has no keys"): """
+        trainer.v1.separate_async.hybrid_rollout
+        trainer.v1.sync
     """,
     ("verl options plait does not implement (docs/verl.md lists them): critic adapters and tokenizer, "
      "strict checkpoint loading (plait always loads strictly), logging cadence and debug switches, "
@@ -488,7 +492,6 @@ _DEFAULT_ONLY = {
         actor_rollout_ref.rollout.skip_rollout"""),
     "rollout log-probs (plait's engines return the sampling distribution's log-probs, verl's processed_logprobs)":
         (("processed_logprobs",), "actor_rollout_ref.rollout.logprobs_mode"),
-    "run (plait trains; validation alone is not implemented)": ((None, False), "trainer.val_only"),
 }
 SEMANTIC: dict[str, tuple[tuple, str]] = {key: (values, what) for what, (values, keys) in _DEFAULT_ONLY.items()
                                           for key in keys.split()}
@@ -510,21 +513,43 @@ def semantic_refusal(key: str, value) -> str | None:
 # away from verl's default (the value), with what plait does instead.
 FIELD_NO_EFFECT = {
     "algorithm.filter_groups.max_inflight_gen_batches": (1, "concurrent generation while dynamic sampling fills a "
-        "batch: plait generates the extra batches one at a time (the same groups are kept, only slower)")}
+        "batch: plait generates the extra batches one at a time (the same groups are kept, only slower)"),
+    "actor_rollout_ref.rollout.agent.num_workers": (8, "the size of verl's pool of agent-loop worker processes: plait "
+        "runs every agent loop of a rollout on one event loop beside its engine (the same rows, in the same order)")}
 
 # verl 0.9 switches of subsystems whose other keys have no effect here: turning one on is refused.
 ENABLES = {"distillation.enabled": "on-policy distillation (distillation.*)",
-           "transfer_queue.enable": "verl's transfer queue (its main_ppo recipe)",
-           "trainer.v1.trainer_mode": "verl's v1 trainer modes (plait's modes: trainer.mode=sync, one_step_off, fully_async)",
+           "trainer.v1.separate_async.hybrid_rollout.enable_switch": (
+               "lending the trainer's devices to generation between steps (verl's hybrid rollout switch): plait's "
+               "separated rollout is one engine on workers of its own, and the trainer's workers hold no second engine "
+               "to lend (on a CPU machine the two share the same cores anyway)"),
            **{f"skip.{part}.enable": "skipping rollouts from a dump (skip.*)" for part in ("rollout", "rollout_tq", "async_rollout")}}
 
 
+# verl's other training engines (config groups model_engine=..., their own actor configs, strategies and key trees)
+OTHER_ENGINES = {"megatron": "Megatron-LM", "mlite": "Megatron Lite", "veomni": "VeOmni", "torchtitan": "TorchTitan"}
+
+
+def other_engine(key: str, value) -> str | None:
+    """The verl training engine plait does not have that `key=value` selects or configures, if any."""
+    text = str(value).lower() if isinstance(value, str) else ""
+    for name in OTHER_ENGINES:
+        if (name in key.split(".") or (key.endswith(".strategy") and text == name)
+                or (key == "model_engine" and text == name) or ("@" in key and text.startswith(f"{name}_"))):
+            return name
+    return None
+
+
 def refusal(user: dict[str, object]) -> tuple[str, object, str] | None:
-    """(key, value, why) when plait cannot run a verl config at all, given the leaf keys the user set."""
+    """(key, value, why) when plait cannot run a verl config at all, given the leaf keys the user set; another
+    training engine is named first, whatever the order of the keys."""
     for key, value in user.items():
-        if "megatron" in key.split(".") or (key.endswith(".strategy") and value == "megatron"):
-            return key, value, ("Megatron-LM is not supported: plait trains with PyTorch (strategy fsdp or fsdp2); "
-                                "drop the *.megatron.* keys and set actor_rollout_ref.actor.strategy=fsdp")
+        engine = other_engine(key, value)
+        if engine:
+            return key, value, (f"{OTHER_ENGINES[engine]} is not supported (one of verl's training engines): plait "
+                                "trains with PyTorch (strategy fsdp or fsdp2); drop model_engine and the engine's keys "
+                                f"(*.{engine}.*) and set actor_rollout_ref.actor.strategy=fsdp")
+    for key, value in user.items():
         recipe = next((RECIPE_KEYS[p] for p in _prefixes(key) if p in RECIPE_KEYS), None)
         if recipe:
             return key, value, (f"a key of verl's {recipe} recipe, which plait does not implement (it would "
@@ -583,6 +608,13 @@ def machine_notes(tree: dict) -> list[str]:
         profiler["tool"] = None
         notes.append("plait: global_profiler.tool=npu: Ascend's profiler does not run here, so no profile is taken "
                      "(global_profiler.tool=torch, torch_memory or nsys profile on this machine)")
+    turbo = [key for key in ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic")
+             if (_node(tree, key) or {}).get("strategy") == "fsdp_turbo"]
+    for key in turbo:
+        _node(tree, key)["strategy"] = "fsdp2"
+    if turbo:
+        notes.append(f"plait: {', '.join(f'{k}.strategy' for k in turbo)}=fsdp_turbo: verl's FSDP-Turbo engine is FSDP2 with "
+                     "its own sharding plans and fused kernels (the same training); plait shards with FSDP2 (strategy=fsdp2)")
     node, whole = _node(tree, "actor_rollout_ref.actor.checkpoint"), ["model", "optimizer", "extra"]
     contents = node.get("save_contents") if node is not None else None
     if isinstance(contents, list) and set(contents) <= {*whole, "hf_model"} and not set(whole) <= set(contents):

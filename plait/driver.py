@@ -28,8 +28,9 @@ from plait.builtin_models import builtin_model
 from plait.models import check_model_dir, check_reward_model_dir
 from plait.profiler import RoleProfilerConfig, validate_environment
 from plait.profiler.config import ROLE_KEYS
-from plait.trainers.checkpoint import checkpoint_steps, output_dir_lock
+from plait.trainers.checkpoint import checkpoint_callback_class, checkpoint_steps, make_checkpoint_callback, output_dir_lock
 from plait.trainers.lifecycle import Lifecycle, LifecycleConfig
+from plait.trainers.sampler import sampler_class
 from plait.trainers.tracking import Tracker
 from plait.workers.allocator import keep_freed_memory
 
@@ -137,7 +138,20 @@ def preflight_errors(cfg: PlaitConfig) -> list[ConfigError]:
                            lambda: check_data_sources(cfg), lambda: check_custom_dataset(cfg), lambda: check_tool_classes(cfg),
                            lambda: check_model_path(cfg),
                            lambda: resolve_reward(cfg.reward, cfg.data.max_response_length),
-                           lambda: resolve_device(cfg), lambda: check_loggers(cfg.trainer.logger)))
+                           lambda: resolve_device(cfg), lambda: check_loggers(cfg.trainer.logger),
+                           lambda: check_user_classes(cfg)))
+
+
+def check_user_classes(cfg: PlaitConfig) -> None:
+    """verl 0.9.1's extension classes this run names import (ConfigError lines otherwise), and val_only has a
+    validation set to run."""
+    t = cfg.trainer
+    if t.checkpoint_callback_class:
+        checkpoint_callback_class(t.checkpoint_callback_class)
+    if t.mode in ("colocate_async", "separate_async"):
+        sampler_class(t.v1.sampler.custom_sampler.path, t.v1.sampler.custom_sampler.name)
+    if t.val_only and t.val_before_train and cfg.data.train_files is not None and not cfg.data.val_files:
+        raise ConfigError("trainer.val_only", True, "needs data.val_files: it validates and stops")
 
 
 def build(cfg: PlaitConfig, progress: bool = True, checked: bool = False) -> Lifecycle:
@@ -165,12 +179,40 @@ def build(cfg: PlaitConfig, progress: bool = True, checked: bool = False) -> Lif
                          val_before_train=t.val_before_train, resume_mode=t.resume_mode,
                          resume_from_path=t.resume_from_path, max_ckpt_to_keep=checkpoints_to_keep(cfg),
                          n_devices=backend.world_size,
-                         run_config=to_dict(cfg), allow_config_change=t.resume_allow_config_change)
+                         run_config=to_dict(cfg), allow_config_change=t.resume_allow_config_change,
+                         val_only=t.val_only and t.val_before_train,  # verl validates only then (and trains otherwise)
+                         checkpoint_callback=make_checkpoint_callback(t.checkpoint_callback_class, omega_tree(cfg))
+                         if t.checkpoint_callback_class else None)
 
     def shutdown():
         backend.shutdown()
         close_reward_workers()
     return Lifecycle(lc, trainer, cfg.global_profiler, tracker, shutdown=shutdown, started=started)
+
+
+def omega_tree(cfg: PlaitConfig):
+    """The config as verl hands it to user classes: an OmegaConf DictConfig where omegaconf is installed, else
+    dicts that answer attribute access too (`config.trainer.save_freq`, `config.trainer.get(...)`)."""
+    tree = to_dict(cfg)
+    try:
+        from omegaconf import OmegaConf
+    except ImportError:
+        return AttrDict.of(tree)
+    return OmegaConf.create(tree)
+
+
+class AttrDict(dict):
+    """A dict whose keys are attributes too, as a DictConfig's are."""
+
+    def __getattr__(self, key):
+        try:
+            return self[key]
+        except KeyError:
+            raise AttributeError(key) from None
+
+    @staticmethod
+    def of(tree):
+        return AttrDict({k: AttrDict.of(v) for k, v in tree.items()}) if isinstance(tree, dict) else tree
 
 
 def announce_resume(cfg: PlaitConfig) -> None:

@@ -379,16 +379,24 @@ def _merged(base: dict, top: dict) -> dict:
     return out
 
 
-def merged_state_dict(peft_model) -> dict[str, torch.Tensor]:
+def merged_state_dict(peft_model, whole: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """The base model's state dict with each adapter's delta added, under the base model's own
     names: what a plain copy of the model (the rollout's) loads. The model itself is untouched
-    (merging in place and back would round the base weights a little at every sync)."""
+    (merging in place and back would round the base weights a little at every sync). `whole`: the
+    base model's state gathered whole (FSDP2 shards it): the deltas are B @ A x scaling of its tensors."""
     from peft.tuners.lora import LoraLayer
     base = peft_model.get_base_model()
-    state = {k.replace(".base_layer", ""): v.detach() for k, v in base.state_dict().items() if "lora_" not in k}
+    source = whole if whole is not None else {k: v.detach() for k, v in base.state_dict().items()}
+    state = {k.replace(".base_layer", ""): v for k, v in source.items() if "lora_" not in k}
     with torch.no_grad():
         for name, module in base.named_modules():
             if isinstance(module, LoraLayer) and module.active_adapters:
-                key = f"{name}.weight"
-                state[key] = state[key] + module.get_delta_weight(module.active_adapters[0])
+                key, adapter = f"{name}.weight", module.active_adapters[0]
+                if whole is None:
+                    delta = module.get_delta_weight(adapter)
+                else:
+                    a, b = whole[f"{name}.lora_A.{adapter}.weight"], whole[f"{name}.lora_B.{adapter}.weight"]
+                    delta = (b @ a) * module.scaling[adapter]                  # [out, in]
+                    delta = delta.T if module.fan_in_fan_out else delta
+                state[key] = state[key] + delta.to(state[key].dtype)
     return state

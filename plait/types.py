@@ -30,6 +30,17 @@ class PromptBatch:
     def __len__(self) -> int:
         return len(self.prompt_ids)
 
+    @staticmethod
+    def concat(parts: list["PromptBatch"]) -> "PromptBatch":
+        """Join batches row-wise, in order."""
+        media = [m for p in parts for m in (p.multi_modal or [{}] * len(p))]
+        names = [x for p in parts for x in (p.agent_names or [None] * len(p))]
+        join = lambda field: [x for p in parts for x in getattr(p, field)]  # noqa: E731
+        return PromptBatch(prompt_ids=join("prompt_ids"), data_sources=join("data_sources"),
+                           ground_truths=join("ground_truths"), extra_infos=join("extra_infos"), indices=join("indices"),
+                           agent_names=names if any(n is not None for n in names) else [],
+                           multi_modal=media if any(media) else [])
+
 
 _OPTIONAL_TENSORS = ("token_scores", "token_rewards", "old_logprobs", "ref_logprobs", "values",
                      "advantages", "returns", "rollout_is_weights", "loss_mask", "sum_pi_squared",
@@ -69,6 +80,7 @@ class RolloutBatch:
     agent_infos: Optional[list[dict]] = None  # per row, from an agent loop: num_turns, reward_score, seconds in
     #   generate_sequences / tool_calls (plait/agents/worker.py); None: no agent loop ran
     scores: list[float] = field(default_factory=list)
+    sample_ids: Optional[list[str]] = None  # per row, its id in samples.jsonl (plait/profiler/samples.py); None: untracked
 
     def __len__(self) -> int:
         return self.responses.shape[0]
@@ -85,6 +97,11 @@ class RolloutBatch:
     @property
     def attention_mask(self) -> torch.Tensor:
         return torch.cat([self.prompt_mask, self.attended.to(self.prompt_mask.dtype)], dim=1)  # [batch, prompt_len + resp_len]
+
+    @property
+    def token_version_map(self) -> torch.Tensor:
+        """[batch, resp_len] long: the policy version of each sampled token, -1 elsewhere (token_versions or its default)."""
+        return self.token_versions if self.token_versions is not None else _default(self, "token_versions")
 
     def select(self, idx: torch.Tensor | list[int] | slice) -> "RolloutBatch":
         """Rows `idx` of every field."""

@@ -69,8 +69,8 @@ def tiny_paths(tmp_path_factory):
             "OUT": str(root / "out")}
 
 
-def test_there_are_twenty_five_recorded_scripts():
-    assert len(list(SCRIPTS.glob("*.sh"))) == 25
+def test_there_are_twenty_seven_recorded_scripts():
+    assert len(list(SCRIPTS.glob("*.sh"))) == 27
 
 
 @pytest.mark.parametrize("name", sorted(p.stem for p in SCRIPTS.glob("*.sh")
@@ -122,7 +122,8 @@ DAPO_REWARD = ("def compute_score(data_source, solution_str, ground_truth, extra
 
 @pytest.mark.parametrize("name", ["grpo_qwen2_7b", "ppo_deepseek7b", "one_step_off_grpo", "ppo_reward_model",
                                   "grpo_lora_qwen2_5_3b", "dapo_qwen2_5_7b", "main_ppo_verl091_cispo",
-                                  "fully_async_train_batch_0", "otb_qwen2_5_7b", "ppo_pfppo_deepseek7b"])
+                                  "fully_async_train_batch_0", "otb_qwen2_5_7b", "ppo_pfppo_deepseek7b",
+                                  "v1_separate_async_e2e", "v1_colocate_async_disrm"])
 def test_recorded_scripts_train_two_steps(name, tiny_paths, tmp_path):
     # What a user without wandb appends, as verl's scripts pass on "$@".
     extra = ["trainer.total_training_steps=2", "trainer.logger=console", f"trainer.default_local_dir={tmp_path}"]

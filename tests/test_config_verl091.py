@@ -99,8 +99,7 @@ def test_legacy_nulls_are_unset_as_in_verl(capsys):
 
 @pytest.mark.parametrize("override, words", [
     ("distillation.enabled=true", "on-policy distillation"),
-    ("transfer_queue.enable=true", "transfer queue"),
-    ("trainer.v1.trainer_mode=separate_async", "v1 trainer modes"),
+    ("trainer.v1.separate_async.hybrid_rollout.enable_switch=true", "lending the trainer's devices"),
     ("skip.rollout.enable=true", "skipping rollouts"),
     ("reward.reward_manager.source=importlib", "does not import reward manager classes"),
     ("reward.custom_reward_function.name=null", None),

@@ -24,13 +24,14 @@ CLASSES = [
      "inert", r"return_multi_modal_inputs|mm_processor_kwargs|num_images_in_input"),
     ("options read only when a refused switch is on", "inert",
      r"^algorithm\.pf_ppo\.|critic\.model\.(lora_alpha|target_modules|exclude_modules)$|\.(qat|lora)$|"
-     r"router_replay\.(record|replay)_file$|^(distillation|transfer_queue|skip|trainer\.v1)$|\.mtp$|"
+     r"router_replay\.(record|replay)_file$|^(distillation|transfer_queue|skip)$|\.mtp$|"
+     r"^trainer\.v1\.(separate_async\.hybrid_rollout|sync)$|"
      r"^critic\.model\.mtp$|rollout\.quantization_config_file$"),
     ("sharding, parallelism, kernels, compile, precision, memory", "machinery",
      r"fsdp_config|^critic\.fsdp$|ulysses|torch_compile|fused_kernel|use_liger|tiled_mlp|use_shm|activation_offload|"
      r"entropy_checkpointing|entropy_from_logits|prefix_grouper|hybrid_engine|nccl_timeout|layered_summon|"
      r"pad_to_length|sum_pi_squared|use_remove_padding|torch_dtype|^reward_model\.(strategy|model\.fsdp_config)|"
-     r"calculate_entropy"),
+     r"calculate_entropy|^model_engine$"),
     ("engine tuning, serving and traces", "machinery",
      r"rollout\.(cudagraph|data_parallel|expert_parallel|pipeline_model|scheduling_policy|disable_log_stats|"
      r"multi_stage_wake_up|engine_kwargs|skip_tokenizer_init|prometheus|prompt_length|response_length|"
@@ -115,7 +116,7 @@ ON = {
     "actor_rollout_ref.rollout.mtp.enable_train": True, "critic.model.mtp.enable_train": True,
     "actor_rollout_ref.actor.router_replay.mode": "R3", "actor_rollout_ref.ref.router_replay.mode": "R2",
     "actor_rollout_ref.rollout.enable_rollout_routing_replay": True, "actor_rollout_ref.rollout.skip_rollout": True, "actor_rollout_ref.rollout.logprobs_mode": "raw_logprobs",
-    "trainer.val_only": True, "data.mm_processor_kwargs": "{max_pixels: 3136}",
+    "data.mm_processor_kwargs": "{max_pixels: 3136}",
 }
 
 

@@ -36,6 +36,7 @@ from typing import Any, Optional
 from uuid import uuid4
 
 from plait.agents.tokens import ContinuousTokens, Trajectory
+from plait.profiler.samples import add_span
 from plait.agents.tool_parser import count_call_blocks, parse_tool_calls
 
 logger = logging.getLogger(__name__)
@@ -176,9 +177,11 @@ class SingleTurnAgentLoop(AgentLoopBase):
     async def run(self, sampling_params: dict[str, Any], **kwargs) -> AgentLoopOutput:
         t = self.ct.initial(list(kwargs["raw_prompt"]), None, self.prompt_length)
         metrics: dict[str, Any] = {}
+        start = time.time()
         with Timer(metrics, "generate_sequences"):
             out = await self.server_manager.generate(request_id=kwargs.get("request_id"), prompt_ids=list(t.ids),
                                                      sampling_params={**sampling_params, "max_tokens": self.response_length})
+        add_span(metrics, "gen", start, time.time(), turn=1)
         self.ct.add_assistant(t, out.token_ids, out.log_probs or [0.0] * len(out.token_ids), out.versions)
         metrics["num_preempted"] = out.num_preempted
         return output_of(t, self.response_length, 2, metrics, {"turn_scores": [], "tool_rewards": []})
@@ -255,10 +258,12 @@ class ToolAgentLoop(AgentLoopBase):
     async def generating(self, data: AgentData, sampling_params: dict) -> AgentState:
         t = data.trajectory
         budget = self.response_length - len(t.mask)
+        start = time.time()
         with Timer(data.metrics, "generate_sequences"):
             out = await self.server_manager.generate(request_id=data.request_id, prompt_ids=list(t.ids),
                                                      sampling_params={**sampling_params, "max_tokens": budget})
         data.assistant_turns += 1
+        add_span(data.metrics, "gen", start, time.time(), turn=data.assistant_turns)  # samples.jsonl, per turn
         self.ct.add_assistant(t, out.token_ids, out.log_probs or [0.0] * len(out.token_ids), out.versions)
         if len(t.mask) >= self.response_length:
             return AgentState.TERMINATED
@@ -297,6 +302,7 @@ class ToolAgentLoop(AgentLoopBase):
                 results = await self.tools.call(calls, data.tools_kwargs, data.row, messages=previous,
                                                 selection=data.selection)
         data.metrics.setdefault("tool_spans", []).append((start, time.time()))  # wall clock: any process
+        add_span(data.metrics, "tool", start, time.time(), turn=data.assistant_turns, calls=len(calls))
         for result in results:
             data.messages.append({"role": "tool", "content": result.text or ""})
             if result.reward is not None:

@@ -138,8 +138,9 @@ def session_output(session, outcome: Outcome, ct, messages: list[dict], prompt_l
     for i, t in enumerate(chains):
         final = i == len(chains) - 1
         metrics = {"generate_sequences": generating} if final else {}
+        calls = {"tool_call_attempts": session.call_blocks, "tool_calls_made": session.calls} if final else {}
         out = output_of(t, response_length, session.replies() + 1, metrics,
-                        {"turn_scores": [], "tool_rewards": [], "session": {**info, "final": final}})
+                        {"turn_scores": [], "tool_rewards": [], **calls, "session": {**info, "final": final}})
         out.reward_score = reward
         outs.append(out)
     outs[-1].extra_fields["chains"] = outs[:-1]

@@ -54,13 +54,17 @@ class Request:
 class Scheduler:
     """The engine as the loops see it (verl's server_manager): `await generate(...)` per turn."""
 
-    def __init__(self, max_tokens: int):
-        """`max_tokens`: a request's budget when its sampling params name none (the response length)."""
+    def __init__(self, max_tokens: int, expected: int = 0, start_grace_s: float = 0.0):
+        """`max_tokens`: a request's budget when its sampling params name none (the response length).
+        `expected`: the trajectories of the run; until each has asked once, the run's first round waits for them
+        up to `start_grace_s` (outside agents start at their own pace; in-process loops ask at once, so they never
+        wait here; later rounds wait `grace_s`, so an agent that never asks delays only the first)."""
         self.max_tokens = max_tokens
         self.cond = threading.Condition()
         self.queue: list[Request] = []
         self.held: list[Request] = []   # cut by an abort, waiting for resume
         self.first_wait: float | None = None
+        self.expected, self.start_grace_s, self.submitted, self.rounds = expected, start_grace_s, 0, 0
 
     async def generate(self, request_id=None, prompt_ids=(), sampling_params=None, **_ignored) -> TokenOutput:
         sampling = dict(sampling_params or {})
@@ -71,6 +75,7 @@ class Scheduler:
             if not self.queue:
                 self.first_wait = time.perf_counter()
             self.queue.append(req)
+            self.submitted += 1
             self.cond.notify_all()
         return await req.future
 
@@ -80,8 +85,11 @@ class Scheduler:
             while True:
                 if stop():
                     return []
-                if self.queue and (len(self.queue) >= live() or time.perf_counter() - self.first_wait >= grace_s):
+                waited = time.perf_counter() - self.first_wait if self.queue else 0.0
+                grace = self.start_grace_s if self.rounds == 0 and self.submitted < self.expected else grace_s
+                if self.queue and (len(self.queue) >= live() or waited >= grace):
                     batch, self.queue = self.queue, []
+                    self.rounds += 1
                     return batch
                 self.cond.wait(timeout=grace_s / 4 if self.queue else 0.05)
 

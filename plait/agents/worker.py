@@ -29,6 +29,7 @@ from plait.errors import RunError
 from plait.types import PromptBatch, RolloutBatch
 
 GRACE_S = 0.05  # how long a ready request waits for trajectories still in tools before a round starts
+START_GRACE_S = 2.0  # ... and for trajectories that have not asked yet, at a batch's start (an outside agent's process)
 
 
 def load_loop_configs(path: str | None) -> dict[str, dict]:
@@ -133,7 +134,7 @@ class AgentWorker:
 
     def generate(self, prompts: PromptBatch, sampling: SamplingConfig, engine_round, version: Callable[[], int]) -> RolloutBatch:
         self.abort_flag = False
-        self.scheduler = Scheduler(self.cfg.data.max_response_length)
+        self.scheduler = Scheduler(self.cfg.data.max_response_length, len(prompts) * sampling.n, START_GRACE_S)
         names, n = self.agent_names(prompts), sampling.n
         params = dict(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
                       do_sample=sampling.do_sample)
@@ -264,9 +265,10 @@ def row_info(o: AgentLoopOutput | None, extra: dict) -> dict:
     info = {"num_turns": o.num_turns, "reward_score": o.reward_score, **{
         k: float(o.metrics.get(k, 0.0)) for k in ("generate_sequences", "tool_calls")},
         "num_preempted": float(o.metrics.get("num_preempted", -1)),
-        "tool_calls_made": len(o.extra_fields.get("tool_rewards", [])),
+        "tool_calls_made": o.extra_fields.get("tool_calls_made", len(o.extra_fields.get("tool_rewards", []))),
         "tool_call_attempts": int(o.extra_fields.get("tool_call_attempts", 0)),
         "tool_spans": list(o.metrics.get("tool_spans", [])),
+        "sample_spans": list(o.metrics.get("sample_spans", [])),  # per turn: profiler/samples.py
         "tool_errors": len(o.extra_fields.get("tool_errors", []))}
     if "interaction_turns" in o.extra_fields:
         info.update(interaction=float(o.metrics.get("interaction", 0.0)),

@@ -54,11 +54,13 @@ from plait.config import PlaitConfig, RayConfig
 from plait.configtree import ConfigError
 from plait.errors import EngineDied, RunError
 from plait.profiler.config import ROLE_KEYS
+from plait.profiler.timeline import TIMELINE
 from plait.workers.allocator import keep_freed_memory
 from plait.workers.engine import ENGINES
 
 DATA_PARALLEL_ROLES = ("actor", "critic", "ref", "reward_model")
 CHANNEL_DEATH_S = 60.0  # how long a weight sender may take to notice its receiver died (gloo sees the socket close)
+QUIET_TORCH_ENV = {"KINETO_LOG_LEVEL": "6", "TORCH_CPP_LOG_LEVEL": "ERROR"}
 LOOPBACK = "127.0.0.1"
 
 
@@ -83,6 +85,10 @@ class Host:
         if not torch.cuda.is_available():  # its workers' tensors live in host memory
             keep_freed_memory()
         self.rank, self.world_size = rank, world_size
+        # this process's stage spans, every step, back with each reply; imported here, not at the top: Ray
+        # pickles this class by value, and with it a copy of any object it names from the module's globals
+        from plait.profiler.timeline import RANK_SPANS
+        RANK_SPANS.enable(rank)
         self.session = ProfilerSession(profiler_cfg, roles_cfg, rank=rank, world_size=world_size)
         self.workers: dict[str, Any] = {}
         self.store = self.listener = None
@@ -137,7 +143,7 @@ class Host:
         import json
         state = method(self.workers[role])
         if not root:
-            return
+            return reply(None)
         names = list(state)
         meta = [(k, list(state[k].shape), str(state[k].dtype).removeprefix("torch.")) for k in names]
         self.channel_syncs += 1
@@ -145,6 +151,7 @@ class Host:
         for dtype in sorted({m[2] for m in meta}):
             flat = torch.cat([state[k].reshape(-1) for k, _, d in meta if d == dtype])
             self.channel.broadcast([flat.cuda() if torch.cuda.is_available() else flat]).wait()
+        return reply(None)
 
     def receive(self, role: str, method: Callable, payload: tuple) -> None:
         """The other end of `send`: rebuild the state dict, then `method(worker, state, *args)`."""
@@ -161,6 +168,7 @@ class Host:
                 state[name] = part.view(shape)
         args, kwargs = payload
         method(self.workers[role], state, *args, **kwargs)
+        return reply(None)
 
     def pipe(self, src: str, get: Callable, dst: Optional[str], put: Callable, payload: tuple) -> None:
         """In one process: `put(dst worker, get(src worker), *args)`; without `dst` here, only `get`
@@ -169,6 +177,7 @@ class Host:
         if dst is not None:
             args, kwargs = payload
             put(self.workers[dst], out, *args, **kwargs)
+        return reply(None)
 
     def join_group(self, host: str, port: int) -> None:
         import torch.distributed as dist
@@ -190,7 +199,7 @@ class Host:
         """`method(worker, *args, **kwargs)`; the result crosses to the driver on CPU, or not at all."""
         args, kwargs = payload
         out = method(self.workers[role], *args, **kwargs)
-        return to_cpu(out) if keep else None
+        return reply(to_cpu(out) if keep else None)
 
     @ray.method(concurrency_group="control")
     def run_out_of_band(self, role: str, method: Callable, payload: tuple) -> None:
@@ -205,6 +214,21 @@ class Host:
         # On the actor's one thread, after any running call: torch's profiler crashes when stopped
         # from a thread other than the one that started it.
         return self.session.stop(complete)
+
+
+class Reply:
+    """A worker call's result with the stage spans the process recorded since its last reply
+    (profiler/timeline.py RANK_SPANS); `gather` writes the spans into the driver's timeline."""
+    __slots__ = ("out", "spans", "pid")
+
+    def __init__(self, out: Any, spans: list, pid: int):
+        self.out, self.spans, self.pid = out, spans, pid
+
+
+def reply(out: Any) -> Any:
+    from plait.profiler.timeline import RANK_SPANS  # the process's own (see Host.__init__)
+    spans = RANK_SPANS.take()
+    return Reply(out, spans, os.getpid()) if spans else out
 
 
 def to_cpu(x: Any) -> Any:
@@ -385,10 +409,12 @@ class RayBackend:
                 raise ConfigError(f"{ROLE_KEYS.get(role, role)}.profiler.ranks", rc.ranks,
                                   f"the Ray backend runs {n} {role} worker(s): ranks must be below {n}")
         profiler_cfg = cfg.global_profiler
-        runtime_env = None
+        # Kineto's and PyTorch's C++ log lines ("External init callback", CPUAllocator's warnings): read when a
+        # worker imports torch, before any plait code runs there, so set in its environment (the user's own wins)
+        runtime_env: dict = {"env_vars": {k: os.environ.get(k, v) for k, v in QUIET_TORCH_ENV.items()}}
         if profiler_cfg.tool == "nsys":  # each window is one capture range (cudaProfilerApi) in a per-process report
-            runtime_env = {"nsight": {"t": "cuda,nvtx,osrt", "capture-range": "cudaProfilerApi",
-                                      "capture-range-end": "repeat", "cuda-memory-usage": "true"}}
+            runtime_env["nsight"] = {"t": "cuda,nvtx,osrt", "capture-range": "cudaProfilerApi",
+                                     "capture-range-end": "repeat", "cuda-memory-usage": "true"}
         # Each host's profiler session knows the roles it hosts, so its artifacts are named after them;
         # colocated, the rollout's roles live on train rank 0.
         def roles_on(pool: str, rank: int) -> dict:
@@ -543,14 +569,14 @@ class RayBackend:
     def gather(self, refs: list, who: str, what: str, group: Optional["RayWorkerGroup"] = None) -> list:
         """Results in rank order; the first failure (by time, not rank) fails the backend at once, except a
         rollout engine's death (EngineDied: its engine process, or the `group`'s own worker process when it
-        is the separated rollout's), which the trainer repairs (LMTrainer.rollout_call)."""
+        is the separated rollout's), which the trainer repairs (LMTrainer.generate_call)."""
         rank_of = {ref: i for i, ref in enumerate(refs)}
         out: list = [None] * len(refs)
         pending = list(refs)
         while pending:
             [ready], pending = ray.wait(pending, num_returns=1)
             try:
-                out[rank_of[ready]] = ray.get(ready)
+                value = ray.get(ready)
             except RayTaskError as err:
                 if isinstance(err.cause, EngineDied):
                     raise EngineDied(str(err.cause)) from None
@@ -563,6 +589,10 @@ class RayBackend:
                 raise self._fail(who, rank_of[ready], what, err) from None
             except RayError as err:
                 raise self._fail(who, rank_of[ready], what, err) from None
+            if isinstance(value, Reply):
+                TIMELINE.add_remote(value.pid, value.spans)
+                value = value.out
+            out[rank_of[ready]] = value
         return out
 
     def _fail(self, who: str, rank: int, what: str, err: RayError) -> WorkerError:

@@ -23,6 +23,7 @@ configures; `resolve_reward(cfg.reward, max_response_length)` turns it into the 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import importlib.metadata
 import importlib.util
@@ -342,6 +343,13 @@ def batch_manager(fn: Callable, req: ScoreRequest) -> Scores:
     return collect_results(list(results), req.data_sources)
 
 
+def gdpo_manager(fn: Callable, req: ScoreRequest, experiment_name: str | None = None) -> Scores:
+    """verl 0.9.1's `gdpo` manager: `naive` with the run's experiment name in each row's extra_info (GDPO's
+    per-component rewards are the function's result keys, algorithm.gdpo_reward_keys)."""
+    infos = [{**(e or {}), "experiment_name": experiment_name} for e in req.extra_infos]
+    return naive_manager(fn, dataclasses.replace(req, extra_infos=infos))
+
+
 def overlong_penalty(length: int, max_resp_len: int, buffer_len: int, factor: float) -> float:
     """DAPO's soft overlong punishment (`reward_model.overlong_buffer`): 0 up to
     max_resp_len - buffer_len tokens, then -factor * (tokens past that) / buffer_len, reaching
@@ -393,19 +401,23 @@ def _await_all(awaitables: list) -> list:
 
 
 def make_reward(fn: Callable, manager: str = "naive", overlong: OverlongBufferConfig | None = None,
-                max_resp_len: int | None = None) -> Callable[[ScoreRequest], Scores]:
+                max_resp_len: int | None = None, experiment_name: str | None = None) -> Callable[[ScoreRequest], Scores]:
     """The batch scorer a trainer calls: `fn` under the manager `manager` names (the config checks
     the names and that the overlong buffer goes with dapo)."""
     if manager == "dapo":
         return functools.partial(dapo_manager, fn, overlong=overlong, max_resp_len=max_resp_len)
+    if manager == "gdpo":
+        return functools.partial(gdpo_manager, fn, experiment_name=experiment_name)
     return functools.partial(MANAGERS[manager], fn)
 
 
-def resolve_reward(reward: RewardConfig, max_response_length: int) -> Callable[[ScoreRequest], Scores]:
-    """The batch scorer: the reward function (custom or built-in) under `reward.reward_manager.name`."""
+def resolve_reward(reward: RewardConfig, max_response_length: int,
+                   experiment_name: str | None = None) -> Callable[[ScoreRequest], Scores]:
+    """The batch scorer: the reward function (custom or built-in) under `reward.reward_manager.name`
+    (`experiment_name`: what verl's gdpo manager hands the function)."""
     max_resp_len = reward.reward_kwargs.get("max_resp_len") or max_response_length
     return make_reward(resolve_reward_fn(reward), reward.reward_manager.name,
-                       reward.overlong_buffer, max_resp_len)
+                       reward.overlong_buffer, max_resp_len, experiment_name)
 
 
 def resolve_reward_fn(reward: RewardConfig) -> Callable:
@@ -531,7 +543,7 @@ SCORERS = {  # data_source -> scorer; has_builtin_reward adds every aime* source
     **{source: search_r1_score for source in SEARCH_R1_SOURCES},  # Search-R1's exact match (qa_rewards.py)
 }
 
-MANAGERS = {"naive": naive_manager, "batch": batch_manager, "dapo": dapo_manager}
+MANAGERS = {"naive": naive_manager, "batch": batch_manager, "dapo": dapo_manager, "gdpo": gdpo_manager}
 BUILTIN = f"built-in: {', '.join(SCORERS)}, aime*; with reward.sandbox_fusion.url: {', '.join(CODE_SOURCES)}"
 NO_SANDBOX = ("verl 0.9.1 runs it on a SandboxFusion service (reward.sandbox_fusion.url=http://HOST:PORT/run_code) "
               "or, without one, locally (prime_code), which plait does not implement: set the url or give a reward "

@@ -4,7 +4,9 @@
     worker:  ProfilerSession ──for_role(role)──▶ RoleProfiler.annotate(stage)
 
 Config nodes are in `config`, the pure window plan in `schedule`, file names and the manifest in
-`naming`, the finish hook in `hook`, the tools in `tools/`. docs/profiling.md is the user guide.
+`naming`, the finish hook in `hook`, the tools in `tools/`; always on: the stage timeline and each Ray
+rank's own spans in `timeline`, per-sample spans in `samples`; the live report in `live`; reading it all
+back in `analysis/`. docs/profiling.md is the user guide.
 """
 
 import importlib

@@ -92,6 +92,10 @@ class GlobalProfilerConfig:
     # dirs) into it; plait writes every artifact under save_path by one naming function
     relocate_results: bool = False
     global_tool_config: GlobalToolConfig = field(default_factory=GlobalToolConfig)
+    # plait's own: rewrite <output dir>/report (page and verdict, no merged traces) every N steps while the
+    # run trains, in a process of its own at low priority, and once more at the end; 0: off
+    # (`plait profile report --watch DIR` does it from outside the run)
+    report_freq: int = 0
 
     def __post_init__(self):
         check(self.tool != "precision_debugger", "tool", self.tool, PRECISION_DEBUGGER_WHY)
@@ -107,6 +111,8 @@ class GlobalProfilerConfig:
         for i, rank in enumerate(self.finish_hook_ranks):
             check(isinstance(rank, int) and not isinstance(rank, bool) and rank >= 0, f"finish_hook_ranks[{i}]",
                   rank, "expected a rank >= 0")
+        check(isinstance(self.report_freq, int) and not isinstance(self.report_freq, bool) and self.report_freq >= 0,
+              "report_freq", self.report_freq, "expected an integer >= 0 (steps between live reports; 0: off)")
         check(self.finish_hook_cmd is None or (isinstance(self.finish_hook_cmd, str)
                                                and self.finish_hook_cmd.strip() != ""),
               "finish_hook_cmd", self.finish_hook_cmd, "expected null or a non-empty shell command")

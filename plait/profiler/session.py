@@ -21,7 +21,6 @@ thread for the others; other threads keep recording).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import time
@@ -33,11 +32,12 @@ import torch
 from plait.profiler.config import (ROLE_KEYS, ROLE_ORDER, SCHEDULED_ROLES, TOKEN_ROLES, GlobalProfilerConfig,
                                    RoleProfilerConfig)
 from plait.profiler.naming import artifact_path, oom_path, temp_name
+from plait.profiler.timeline import NULL_SPAN, RANK_SPANS
 from plait.profiler.tools import make_tool
 
 log = logging.getLogger("plait.profiler")
 
-NULL_RANGE = contextlib.nullcontext()  # what annotate returns outside a window
+NULL_RANGE = NULL_SPAN  # what annotate returns outside a window (and off a Ray worker): one shared no-op
 ENGINE_TOOLS = ("torch", "torch_memory", "nsys")  # tools an engine in its own process can stand in for (RoleProfiler.attach)
 
 
@@ -249,7 +249,7 @@ class RoleProfiler:
         """A context manager around one stage: the tool's range inside a window, else a no-op.
         `scheduled`: the stage's loop wraps its mini-batches in `mini_batch` (update_actor, update_critic)."""
         if not self._session._recording:
-            return NULL_RANGE
+            return RANK_SPANS.stage(self.role, stage)  # a no-op but in a Ray worker: its span of the step
         return _Stage(self._session, self.role, stage, self.profiled, scheduled)
 
     def mini_batch(self, index: int):
@@ -273,8 +273,10 @@ class _Stage:
     def __init__(self, session: ProfilerSession, role: str, stage: str, own_file: bool, scheduled: bool = False):
         self.session, self.role, self.stage, self.own_file, self.scheduled = session, role, stage, own_file, scheduled
         self.cm = None
+        self.span = RANK_SPANS.stage(role, stage)
 
     def __enter__(self):
+        self.span.__enter__()
         try:
             cm = self.session.tool.stage(self.role, self.stage, self.own_file, self.scheduled)
             cm.__enter__()
@@ -288,6 +290,7 @@ class _Stage:
                 self.cm.__exit__(*exc)
             except Exception as err:
                 self.session._fail("leaving a stage", err)
+        self.span.__exit__(*exc)
         return False  # never swallow the stage's own error
 
 
@@ -297,6 +300,7 @@ class _MiniBatch(_Stage):
     def __init__(self, session: ProfilerSession, role: str, index: int, steps: bool):
         super().__init__(session, role, f"mini_batch{index}", own_file=False)
         self.steps = steps
+        self.span = NULL_RANGE  # a range in the trace only: the rank's span is its stage
 
     def __exit__(self, *exc) -> bool:
         super().__exit__(*exc)

@@ -6,9 +6,12 @@
                  TIMELINE.flush(step)                                 once per step: ONE file append
                  TIMELINE.close()                                     at run end (flushes what is left)
 
-One record per span: {"step", "role", "stage", "pid", "thread", "start", "end", "version"}, start
-and end in wall-clock seconds (perf_counter anchored once to time.time(), so spans of one process
-never go backwards). A span belongs to the step during whose flush it was written, so a rollouter
+One record per span: {"step", "role", "stage", "pid", "thread", "tid", "start", "end", "version"},
+start and end in wall-clock seconds (perf_counter anchored once to time.time(), so spans of one
+process never go backwards), `tid` the OS thread id (the one torch traces name their threads by).
+Worker processes of the Ray backend record their own stage spans (RANK_SPANS below, every step, not
+only inside profiler windows); they reach the driver with each call's reply and are written here with
+the worker's pid and `"rank"`. A span belongs to the step during whose flush it was written, so a rollouter
 span that ends during step N is a step-N record. TIMELINE is per process, like a logger: a
 rollouter thread records without being handed anything, and no span is kept while no file is open.
 
@@ -40,10 +43,11 @@ import threading
 import time
 from typing import Optional
 
-import torch
-
 WALL0 = time.time() - time.perf_counter()  # perf_counter + WALL0 = wall clock, monotonic in-process
 TIMELINE_FILE = "timeline.jsonl"
+ROLLOUT_WORK = ("gen", "resume")  # the rollouter's generating spans (a timeline before this release: "generate")
+COLLECTIVES = ("all_reduce", "all_gather")
+NULL_SPAN = contextlib.nullcontext()  # what a disabled recorder (and a profiler between windows) hands out: shared  # a rank's waits for the others (RANK_SPANS.collective)
 
 
 def wall(perf: float) -> float:
@@ -75,7 +79,16 @@ class Timeline:
         if thread is not threading.main_thread():
             self.concurrent = True
         with self._lock:
-            self._spans.append((role, stage, name, start, end, version))
+            self._spans.append((role, stage, name, start, end, version, None, threading.get_native_id(), None))
+
+    def add_remote(self, pid: int, spans: list[tuple]) -> None:
+        """A worker process's spans (RankSpans.take: role, stage, thread, tid, start, end, rank; perf_counter
+        of that process shifted to wall clock there), written with its pid and rank."""
+        if self.path is None or not spans:
+            return
+        with self._lock:
+            self._spans.extend((role, stage, thread, start - WALL0, end - WALL0, None, pid, tid, rank)
+                               for role, stage, thread, tid, start, end, rank in spans)
 
     @contextlib.contextmanager
     def span(self, role: str, stage: str, version: Optional[int] = None):
@@ -90,10 +103,11 @@ class Timeline:
             spans, self._spans, path = self._spans, [], self.path
         if path is None or not spans:
             return
-        head = f'{{"step": {step}, "pid": {os.getpid()}, '
-        lines = [f'{head}"role": {_enc(role)}, "stage": {_enc(stage)}, "thread": {_enc(thread)}, '
-                 f'"start": {WALL0 + start:.6f}, "end": {WALL0 + end:.6f}, "version": {_enc(version)}}}'
-                 for role, stage, thread, start, end, version in spans]  # json.dumps per record costs 10x
+        me = os.getpid()
+        lines = [f'{{"step": {step}, "pid": {pid or me}, "role": {_enc(role)}, "stage": {_enc(stage)}, '
+                 f'"thread": {_enc(thread)}, "tid": {tid}, "start": {WALL0 + start:.6f}, "end": {WALL0 + end:.6f}, '
+                 f'"version": {_enc(version)}' + (f', "rank": {rank}}}' if rank is not None else "}")
+                 for role, stage, thread, start, end, version, pid, tid, rank in spans]  # json.dumps per record costs 10x
         self._file.write("\n".join(lines) + "\n")
         self._file.flush()
 
@@ -106,6 +120,13 @@ class Timeline:
         self._file.truncate()
         self._file.writelines(json.dumps(r) + "\n" for r in keep)
         self._file.flush()
+
+    def rank_metrics(self) -> dict[str, float]:
+        """rank_metrics of the workers' spans buffered now (this step's)."""
+        with self._lock:
+            spans = [(role, stage, rank, pid, tid, start, end)
+                     for role, stage, _, start, end, _, pid, tid, rank in self._spans if rank is not None]
+        return rank_metrics(rank_stages(spans))
 
     def close(self, step: int) -> None:
         self.flush(step)
@@ -125,6 +146,91 @@ def _enc(value) -> str:
     return json.dumps(value)
 
 
+def rank_stages(spans: list[tuple]) -> dict[tuple[str, str], dict[int, list[float]]]:
+    """(role, stage) -> rank -> [seconds in the stage, seconds of it in collectives], from workers' spans
+    (role, stage, rank, pid, tid, start, end) of one step; a collective counts in the stages around it."""
+    threads: dict[tuple, list[tuple]] = {}
+    for span in spans:
+        threads.setdefault((span[3], span[4]), []).append(span)
+    out: dict[tuple[str, str], dict[int, list[float]]] = {}
+    for group in threads.values():
+        waits = [(s, e) for _, stage, _, _, _, s, e in group if stage in COLLECTIVES]
+        for role, stage, rank, _, _, a, b in group:
+            if stage in COLLECTIVES:
+                continue
+            acc = out.setdefault((role, stage), {}).setdefault(rank, [0.0, 0.0])
+            acc[0] += b - a
+            acc[1] += sum(min(b, e) - max(a, s) for s, e in waits if s < b and e > a)
+    return out
+
+
+def rank_metrics(stages: dict[tuple[str, str], dict[int, list[float]]]) -> dict[str, float]:
+    """Per role and stage run by two ranks or more: ranks/<role>/<stage>/rank<r>_s (seconds),
+    .../rank<r>_wait_s (of which in collectives, waiting for the others), .../skew (the slowest rank's
+    own work, stage less waits, over the median rank's) and .../slowest_rank."""
+    out = {}
+    for (role, stage), per_rank in stages.items():
+        if len(per_rank) < 2:
+            continue
+        prefix = f"ranks/{role}/{stage}"
+        for r, (total, wait) in sorted(per_rank.items()):
+            out[f"{prefix}/rank{r}_s"], out[f"{prefix}/rank{r}_wait_s"] = total, wait
+        work = {r: max(total - wait, 0.0) for r, (total, wait) in per_rank.items()}
+        median = sorted(work.values())[(len(work) - 1) // 2]  # of two ranks: the faster one
+        slow = max(work, key=work.get)
+        out[f"{prefix}/skew"] = work[slow] / median if median > 0 else 1.0
+        out[f"{prefix}/slowest_rank"] = slow
+    return out
+
+
+class RankSpans:
+    """A worker process's own spans, recorded every step once `enable`d (the Ray backend's hosts): a
+    perf_counter pair and a list append per stage, handed to the driver with each call's reply (`take`).
+    `collective(name)` marks a wait for the other ranks (an all-reduce), inside the open stage's role."""
+
+    def __init__(self):
+        self.rank: Optional[int] = None
+        self._spans: list[tuple] = []
+        self._roles: list[str] = []  # roles of the open stages, innermost last
+
+    def enable(self, rank: int) -> None:
+        self.rank = rank
+
+    def stage(self, role: str, stage: str):
+        return _RankSpan(self, role, stage) if self.rank is not None else NULL_SPAN
+
+    def collective(self, name: str):
+        if self.rank is None or not self._roles:
+            return NULL_SPAN
+        return _RankSpan(self, self._roles[-1], name)
+
+    def take(self) -> list[tuple]:
+        spans, self._spans = self._spans, []
+        return spans
+
+
+class _RankSpan:
+    __slots__ = ("rec", "role", "stage", "start")
+
+    def __init__(self, rec: RankSpans, role: str, stage: str):
+        self.rec, self.role, self.stage = rec, role, stage
+
+    def __enter__(self):
+        self.rec._roles.append(self.role)
+        self.start = time.perf_counter()
+
+    def __exit__(self, *exc) -> bool:
+        end = time.perf_counter()
+        self.rec._roles.pop()
+        thread = threading.current_thread()
+        self.rec._spans.append((self.role, self.stage, thread.name, thread.native_id, WALL0 + self.start,
+                                WALL0 + end, self.rec.rank))
+        return False
+
+
+RANK_SPANS = RankSpans()
+
+
 def read_timeline(path: str) -> list[dict]:
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]
@@ -134,7 +240,9 @@ class StagePeaks:
     """Peak memory (bytes) per stage of one thread's nested stages; see the module docstring."""
 
     def __init__(self):
+        import torch  # here, not at the top: `plait profile report` reads this module and needs no torch
         self.cuda = torch.cuda.is_available()
+        self._cuda = torch.cuda
         self._stack: list[dict[str, int]] = []  # running peaks of the open stages, outermost first
 
     def enter(self) -> None:
@@ -142,7 +250,7 @@ class StagePeaks:
             fold_peaks(self._stack[-1], self._read())
         self._stack.append({})
         if self.cuda:
-            torch.cuda.reset_peak_memory_stats()
+            self._cuda.reset_peak_memory_stats()
         elif not TIMELINE.concurrent:
             _RSS.reset()
 
@@ -155,8 +263,8 @@ class StagePeaks:
 
     def _read(self) -> dict[str, int]:
         if self.cuda:
-            return {"peak_allocated": torch.cuda.max_memory_allocated(),
-                    "peak_reserved": torch.cuda.max_memory_reserved()}
+            return {"peak_allocated": self._cuda.max_memory_allocated(),
+                    "peak_reserved": self._cuda.max_memory_reserved()}
         return {"peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * RU_MAXRSS_UNIT}
 
 
@@ -186,7 +294,7 @@ _RSS = _PeakRss()
 def overlap_s(spans: list[dict], stage: str, others: tuple[str, ...]) -> dict[int, float]:
     """Per step: seconds the rollout's spans named in `others` overlap the trainer's `stage` spans
     (wall clock: the async modes' check that generation really runs while the trainer trains)."""
-    gens = [s for s in spans if s["role"] == "rollout" and s["stage"] in others]
+    gens = [s for s in spans if s["role"] == "rollout" and s["stage"] in others and s.get("rank") is None]
     out: dict[int, float] = {}
     for u in (s for s in spans if s["role"] == "trainer" and s["stage"] == stage):
         both = sum(max(0.0, min(u["end"], g["end"]) - max(u["start"], g["start"])) for g in gens)

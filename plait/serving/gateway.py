@@ -21,7 +21,7 @@ import uuid
 from typing import Any, Awaitable, Callable, Optional
 
 from plait.agents.tokens import ContinuousTokens, PrefixUnstable
-from plait.agents.tool_parser import parse_tool_calls
+from plait.agents.tool_parser import count_call_blocks, parse_tool_calls
 from plait.serving.protocol import ApiError, ChatRequest, Choice
 from plait.serving.sessions import Session, Span, closing_ids, message_key
 
@@ -85,6 +85,8 @@ class Gateway:
             reply = {"role": "assistant", "content": choice.content,
                      "tool_calls": [{"function": {"name": n, "arguments": a}} for n, a in choice.calls]}
             session.add_reply(ctx, message_key(reply), choice.token_ids, choice.logprobs, out.versions[:len(choice.token_ids)])
+            session.call_blocks += choice.call_blocks
+            session.calls += len(choice.calls)
             choices.append(choice)
         return choices, len(ctx.traj.ids)
 
@@ -148,14 +150,15 @@ class Gateway:
         ids, logprobs = ids[:keep], logprobs[:keep]
         if text is None:
             text = self.tokenizer.decode(ids[:-1] if ids and ids[-1] in self.eos else ids, skip_special_tokens=False)
-        calls = []
+        calls, blocks = [], 0
         if req.parse_tools:
+            blocks = count_call_blocks(text, self.format)
             text, parsed = parse_tool_calls(text, self.format)
             calls = [(c.name, c.arguments) for c in parsed]
         for s in self.specials:
             text = text.replace(s, "")
         finish = "tool_calls" if calls else "length" if out.stop_reason == "length" and stop is None else "stop"
-        return Choice(ids, logprobs, text, calls, finish, stop,
+        return Choice(ids, logprobs, text, calls, finish, stop, call_blocks=blocks,
                       token_texts=[self.tokenizer.decode([t], skip_special_tokens=False) for t in ids] if req.logprobs else [])
 
     def count_tokens(self, req: ChatRequest) -> int:

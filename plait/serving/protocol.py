@@ -71,6 +71,7 @@ class Choice:
     finish: str                           # stop | length | tool_calls
     stop_string: Optional[str] = None     # the stop sequence that ended it
     token_texts: list[str] = field(default_factory=list)
+    call_blocks: int = 0                  # tool-call blocks the model wrote (parsed or not)
 
 
 # -- requests ------------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ import threading
 WINDOW_S = 0.02  # how long the first queued request waits for others to share its engine round
 
 
-def serve(model: str, host: str = "127.0.0.1", port: int = 8000, engine: str = "hf", max_tokens: int = 1024,
+def serve(model: str, host: str = "127.0.0.1", port: int = 8000, engine: str | None = None, max_tokens: int = 1024,
           tool_format: str = "hermes", ready=None, stop: threading.Event | None = None) -> None:
     """Serve until Ctrl-C (or `stop` is set); `ready(url)` is called once the server listens."""
     import transformers
@@ -34,7 +34,13 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8000, engine: str = "
     from plait.serving.gateway import Gateway
     from plait.serving.server import Server
     from plait.workers.rollout import Rollout
+    from plait.configtree import ConfigError
+    from plait.workers.engine import ENGINES, PLAIT_ENGINE
     stop = stop or threading.Event()
+    engine = engine or PLAIT_ENGINE
+    if engine not in ENGINES or ENGINES[engine].unavailable():
+        why = ENGINES[engine].unavailable() if engine in ENGINES else f"one of {', '.join(ENGINES)}"
+        raise ConfigError("--engine", engine, why)
     transformers.utils.logging.disable_progress_bar()  # "Loading weights" for one small file
     with tempfile.TemporaryDirectory(prefix="plait-serve-") as scratch:
         path = model_folder(model, scratch)

@@ -91,6 +91,8 @@ class Session:
     reward: Optional[float] = None   # POST /sessions/{id}/reward
     opened: float = field(default_factory=time.time)
     overridden: set = field(default_factory=set)  # sampling fields a request asked to change (training keeps the rollout's)
+    calls: int = 0                   # tool calls read from the answers (as the API's tool_calls)
+    call_blocks: int = 0             # tool-call blocks the answers wrote, parsed or not
 
     # -- a call's context ------------------------------------------------------------------------
 

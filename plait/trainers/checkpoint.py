@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import fnmatch
+import importlib
 import json
 import os
 import resource
@@ -27,6 +28,7 @@ import zlib
 from typing import Optional
 
 from plait.configtree import ConfigError, raise_all
+from plait.data.rewards import missing_module
 from plait.errors import RunError
 from plait.profiler.naming import set_aside as set_profile_aside
 from plait.safeload import UnsafeFileError, first_line
@@ -70,6 +72,8 @@ class Checkpoints:
         _write_atomic(os.path.join(self.dir, LATEST), str(step))
         for old in retired(checkpoint_steps(self.dir), step, self.cfg.max_ckpt_to_keep):
             shutil.rmtree(os.path.join(self.dir, f"global_step_{old}"), ignore_errors=True)
+        if self.cfg.checkpoint_callback is not None:  # the checkpoint is whole and latest: the user's hook may read it
+            on_save(self.cfg.checkpoint_callback, self.trainer, step, final)
 
     def resume(self) -> tuple[int, str]:
         """Load the checkpoint the resume mode names; returns the first step to run and its path."""
@@ -199,8 +203,51 @@ SAFE_TO_CHANGE = (
     "actor_rollout_ref.rollout.n_gpus_per_node", "reward.reward_model.enable_resource_pool", "reward.reward_model.nnodes",
     "reward.reward_model.n_gpus_per_node", "global_profiler", "*.profiler", "*.optim.total_training_steps",
     "reward.custom_reward_function.timeout", "reward.num_workers", "reward.memory_limit_mb", "reward.max_processes",
-    "trainer.check_weight_sync", "trainer.max_restarts",
+    "trainer.check_weight_sync", "trainer.max_restarts", "trainer.val_only", "trainer.checkpoint_callback_class",
 )
+
+
+def checkpoint_callback_class(fqn: str) -> type:
+    """verl 0.9.1's `trainer.checkpoint_callback_class`: the class `module.Class`, imported as Python imports
+    it (the working directory first, as under verl's `python -m`); a ConfigError line when it does not import."""
+    key = "trainer.checkpoint_callback_class"
+    module_name, _, name = fqn.rpartition(".")
+    if not module_name:
+        raise ConfigError(key, fqn, "a fully qualified class name, module.Class (verl's form)")
+    if os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())
+    try:
+        cls = getattr(importlib.import_module(module_name), name)
+    except ModuleNotFoundError as err:
+        raise ConfigError(key, fqn, f"importing it failed: {missing_module(err)}") from None
+    except AttributeError:
+        raise ConfigError(key, fqn, f"module {module_name} has no {name}") from None
+    except Exception as err:  # noqa: BLE001 - the user's module-level code: one line
+        raise ConfigError(key, fqn, f"importing it failed: {type(err).__name__}: {first_line(err)}") from None
+    if not callable(getattr(cls, "on_save", None)):
+        raise ConfigError(key, fqn, "has no on_save(trainer, global_step, checkpoint_dir, async_save) method")
+    return cls
+
+
+def make_checkpoint_callback(fqn: str, config):
+    """The callback object, built as verl builds it (`cls(config=...)`); its constructor's failure is one line."""
+    cls = checkpoint_callback_class(fqn)
+    try:
+        return cls(config=config)
+    except Exception as err:  # noqa: BLE001 - the user's constructor: one line
+        raise ConfigError("trainer.checkpoint_callback_class", fqn,
+                          f"{cls.__name__}(config=...) raised {type(err).__name__}: {first_line(err)}") from None
+
+
+def on_save(callback, trainer, step: int, path: str) -> None:
+    """The user's hook after checkpoint `path` of `step` is whole and latest. As in verl its failure stops the
+    run (a hook that uploads or registers checkpoints must not fail unseen), with one line naming it."""
+    try:
+        callback.on_save(trainer=trainer, global_step=step, checkpoint_dir=path, async_save=False)
+    except Exception as err:  # noqa: BLE001 - user code: one line, not a traceback
+        raise RunError(f"trainer.checkpoint_callback_class {type(callback).__name__}.on_save raised "
+                       f"{type(err).__name__}: {first_line(err)} after the checkpoint of step {step} (written and "
+                       f"verified: {path})") from err
 
 
 def safe_to_change(key: str) -> bool:

@@ -41,7 +41,7 @@ and the trainer never holds it while learning or syncing, so neither can deadloc
 On the local backend the rollouter thread runs the decode itself; on Ray it waits on the
 separated rollout process, whose `abort` runs out of band (a control thread beside the one that
 runs calls), so a sync cuts the running chunk short there too.
-Timeline (timeline.jsonl): the rollouter's generate/resume calls and its waits (wait_capacity: the
+Timeline (timeline.jsonl): the rollouter's generate/resume calls (spans `gen`, `resume`) and its waits (wait_capacity: the
 queue bound; wait_sync: a sync under way) are spans of role "rollout" with the version it holds.
 Profiling: the rollouter's `gen` stages fall into the trainer step's window and are recorded with
 its policy version, N-1 for step N, the version the rollout generates with during step N.
@@ -126,7 +126,7 @@ class FullyAsyncTrainer(LMTrainer):
                     self.counted += self.chunk
                     self.in_flight += self.chunk
                 seed = self.sample_seed(i) * 64  # +1 per resume: distinct from every other chunk's seeds
-                batch = self._call(Rollout.generate, prompts, self.sampling, seed)
+                batch = self._call(Rollout.generate, prompts, self.sampling, seed, epoch=feed.epoch)
                 partial = torch.zeros(len(batch), dtype=torch.bool)
                 while "aborted" in batch.stop_reasons:  # a sync cut it short: finish with the new weights
                     with self.cond, TIMELINE.span("rollout", "wait_sync", self.version):
@@ -149,9 +149,10 @@ class FullyAsyncTrainer(LMTrainer):
                 self.finished = True
                 self.cond.notify_all()
 
-    def _call(self, method, *args) -> RolloutBatch:
-        with self.gen_clock.busy(), TIMELINE.span("rollout", method.__name__, self.version):
-            return self.rollout_call(method, *args)
+    def _call(self, method, *args, epoch: int = 0) -> RolloutBatch:
+        stage = "gen" if method is Rollout.generate else "resume"  # gen: the name its worker's range has
+        with self.gen_clock.busy(), TIMELINE.span("rollout", stage, self.version):
+            return self.rollout_call(method, *args, epoch=epoch)
 
     # -- the trainer side -----------------------------------------------------------------------
 

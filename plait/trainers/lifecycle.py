@@ -31,7 +31,9 @@ from typing import Callable, Optional, Protocol, Sequence
 
 from plait.errors import Interrupted, RunError
 from plait.profiler import StepProfiler
+from plait.profiler.live import LiveReport
 from plait.profiler.naming import write_location
+from plait.profiler.samples import SAMPLES, SAMPLES_FILE
 from plait.profiler.timeline import TIMELINE, TIMELINE_FILE, StagePeaks, fold_peaks, stage_memory_metrics
 from plait.trainers.checkpoint import STEP_METRICS, Checkpoints, verify_checkpoint
 from plait.trainers.summary import RunClock, summarise_run
@@ -92,6 +94,8 @@ class LifecycleConfig:
     n_devices: int = 1                       # the backend's training ranks: perf/throughput is per device
     run_config: Optional[dict] = None        # the resolved config tree: saved in each checkpoint, compared on resume
     allow_config_change: bool = False        # trainer.resume_allow_config_change
+    val_only: bool = False                   # trainer.val_only: validate the (resumed) policy, then stop
+    checkpoint_callback: Optional[object] = None  # trainer.checkpoint_callback_class's object (its on_save)
 
 
 class Lifecycle:
@@ -103,6 +107,7 @@ class Lifecycle:
         self.clock = RunClock(started)  # from build's start, so start-up counts model and worker set-up
         self.stop = StopRequest()
         self.saved = 0  # the step of the newest checkpoint this run wrote
+        self.live = LiveReport(cfg.output_dir, profiler_cfg.report_freq)  # report/ rewritten while it trains
 
     def run(self) -> dict[str, float]:
         """Train to the last step; returns the last step's metrics."""
@@ -112,11 +117,17 @@ class Lifecycle:
         error: BaseException | None = None
         step = start = 0
         TIMELINE.open(os.path.join(self.cfg.output_dir, TIMELINE_FILE))
+        SAMPLES.open(os.path.join(self.cfg.output_dir, SAMPLES_FILE))  # per-sample spans (profiler/samples.py)
         try:
             with signals_as_interrupt(self.stop):
                 start = self._restart(last, profiler)
                 self.trainer.start()
                 self.clock.parts["startup"] = self.clock.elapsed()
+                if self.cfg.val_only:  # verl's: validation before training, and no training
+                    with self.clock.part("validation"):
+                        metrics = self.trainer.validate()
+                        self.tracker.log(metrics, step=start - 1)
+                    return metrics
                 if self.cfg.val_before_train and start == 1 and self.cfg.test_freq != -1:
                     with self.clock.part("validation"):
                         self.tracker.log(self.trainer.validate(), step=0)
@@ -136,9 +147,11 @@ class Lifecycle:
             profiler.close(error)
             self.trainer.close()
             TIMELINE.close(step)  # the rollouter's last spans, after it stopped
+            SAMPLES.close(step)
             self.tracker.close()
             self.shutdown()
             self._summarise(start, last, profiler, error)
+            self.live.close(final=error is None)  # after a failure the error is the last word, not a report
         return metrics
 
     def _restart(self, last: int, profiler: StepProfiler) -> int:
@@ -158,6 +171,7 @@ class Lifecycle:
         own = self.checkpoints.is_own(path)
         self.tracker.keep_until(start - 1 if start > 1 else -1, os.path.join(path, STEP_METRICS) if own else "")
         TIMELINE.truncate_after(start - 1)
+        SAMPLES.truncate_after(start - 1)
         return start
 
     def _step(self, step: int, last: int, profiler: StepProfiler) -> dict[str, float]:
@@ -178,6 +192,8 @@ class Lifecycle:
             record = self._record(step, metrics, timer, result)
             self.tracker.log(record, step=step)
         TIMELINE.flush(step)
+        SAMPLES.flush(step)
+        self.live.step(step)
         return record
 
     def _stopped_after(self, step: int, record: dict) -> None:
@@ -195,6 +211,7 @@ class Lifecycle:
 
     def _record(self, step: int, metrics: dict, timer: StageTimer, result: StepResult) -> dict[str, float]:
         out = {**metrics, **timing_metrics(timer.times, result, self.cfg.n_devices), **stage_memory_metrics(timer.peaks)}
+        out.update(TIMELINE.rank_metrics())  # ranks/<role>/<stage>/*: Ray workers' own spans of this step
         out["training/global_step"] = step
         out["training/policy_version"] = self.trainer.version
         return out

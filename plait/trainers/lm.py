@@ -44,6 +44,7 @@ from plait.safeload import first_line
 from plait.export import HF_DIR, write_export
 from plait.data.dataset import PromptDataset, iterate_batches
 from plait.data.rewards import ScoreRequest, Scores
+from plait.profiler.samples import SAMPLES, now, sample_ids
 from plait.profiler.timeline import TIMELINE, WALL0
 from plait.trainers.lifecycle import StageTimer, StepResult
 from plait.types import PromptBatch, RolloutBatch
@@ -120,9 +121,10 @@ class LMTrainer:
         self.sampling = SamplingConfig(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, do_sample=r.do_sample)
         self.correction = cfg.algorithm.rollout_correction
         self.updates_per_step = 1  # fully async: several local updates per policy version
+        self.keeps_pi_old = False  # separate_async: pi_old is the step's synced weights (Actor.keep_pi_old), not the current
         self.version = 0
         self.sync_check = SyncCheck(roles.actor, roles.rollout, tokenizer) if cfg.trainer.check_weight_sync else None
-        # engine restarts (rollout_call): the run's count, the step of the last one; the actor lock keeps a
+        # engine restarts (generate_call): the run's count, the step of the last one; the actor lock keeps a
         # restart's weight push (from a generation thread) from reading the weights mid-update
         self.engine_restarts, self.restart_step, self.restarts_logged = 0, -1, 0
         self.restart_lock, self.actor_lock = threading.Lock(), threading.Lock()
@@ -150,7 +152,7 @@ class LMTrainer:
             except EngineDied as err:
                 self.restart_engine(err)
 
-    def rollout_call(self, method, *args):
+    def generate_call(self, method, *args):
         """A rollout call that generates (generate, resume). When its engine died (EngineDied: vLLM's engine
         core, the rollout's Ray worker process), the engine is restarted with the current weights and the call
         re-issued whole (same prompts, same seed), once per step; a second death in that step is one line."""
@@ -188,6 +190,9 @@ class LMTrainer:
         result.metrics.update(self.after_update(step, timer))
         if "gen" in timer.times:  # generated in this step (sync); prefill + decode cost one forward's FLOPs
             result.metrics["perf/mfu/gen"] = self.model_flops.mfu(self.model_flops.forward(lengths), timer.times["gen"])
+        if "old_log_prob" in timer.times:  # one forward over the step's rows, split over the actor's ranks
+            result.metrics["perf/mfu/old_log_prob"] = self.model_flops.mfu(
+                self.model_flops.forward(lengths) / self.roles.actor.world_size, timer.times["old_log_prob"])
         result.metrics["perf/samples_per_s"] = samples / (time.perf_counter() - start)
         restarts = self.engine_restarts  # since the last step's record: a generation thread's between steps too
         result.metrics["rollout/engine_restarts"], self.restarts_logged = restarts - self.restarts_logged, restarts
@@ -206,7 +211,7 @@ class LMTrainer:
         for start in range(0, total, size):
             self.live_validation(start, total, size, time.perf_counter() - started)
             prompts = prompt_batch([self.val_data[i] for i in range(start, min(start + size, total))])
-            batch = self.rollout_call(Rollout.generate, prompts, val, self.cfg.trainer.seed)
+            batch = self.generate_call(Rollout.generate, prompts, val, self.cfg.trainer.seed)
             scored, extra = self.score(batch)
             for key, values in extra.items():
                 extras.setdefault(key, []).extend(values)
@@ -295,6 +300,30 @@ class LMTrainer:
     def sample_seed(self, step: int) -> int:
         return self.cfg.trainer.seed * 1_000_003 + step
 
+    def rollout_call(self, method, *args, epoch: int = 0, submitted: float | None = None) -> RolloutBatch:
+        """Rollout.generate (or resume) for training, with its samples' spans (profiler/samples.py): a
+        generated batch's rows get their ids ("<epoch>.<prompt>.<j>"), a `queue` span from `submitted`,
+        and a `gen` span of the call (agent loops: their own per-turn `gen` and `tool` spans); a resume
+        adds a `resume` span to the rows it finished."""
+        started = now()
+        batch = self.generate_call(method, *args)  # restarts a dead engine once per step
+        ended = now()
+        if method is Rollout.resume:
+            rows = [i for i, r in enumerate(args[0].stop_reasons) if r == "aborted"]
+            SAMPLES.add_many([batch.sample_ids[i] for i in rows] if batch.sample_ids else [], "resume", started, ended)
+            return batch
+        batch.sample_ids = sample_ids(epoch, batch.group_ids.tolist())
+        versions = batch.versions.tolist()
+        if submitted is not None and started > submitted:
+            SAMPLES.add_many(batch.sample_ids, "queue", submitted, started, versions)
+        infos = batch.agent_infos or [None] * len(batch)
+        own = [i for i, info in enumerate(infos) if info and info.get("sample_spans")]  # a producer's own spans
+        SAMPLES.versions(batch.sample_ids, versions)
+        SAMPLES.from_infos([batch.sample_ids[i] for i in own], [infos[i] for i in own])
+        rest = [i for i, info in enumerate(infos) if not (info and info.get("sample_spans"))]
+        SAMPLES.add_many([batch.sample_ids[i] for i in rest], "gen", started, ended, [versions[i] for i in rest])
+        return batch
+
     # -- the shared language-model pipeline -----------------------------------------------------
 
     def decode(self, ids: torch.Tensor, mask: torch.Tensor) -> list[str]:
@@ -319,7 +348,7 @@ class LMTrainer:
                               extra_infos=[batch.extra_infos[i] for i in rows], indices=list(first),
                               multi_modal=[] if batch.multi_modal_inputs is None else
                               [batch.multi_modal_inputs[i] for i in rows])
-        greedy = self.rollout_call(Rollout.generate, prompts, SamplingConfig(n=1, do_sample=False), self.cfg.trainer.seed)
+        greedy = self.generate_call(Rollout.generate, prompts, SamplingConfig(n=1, do_sample=False), self.cfg.trainer.seed)
         scores, _ = self.score(greedy)
         by_group = dict(zip(greedy.group_ids.tolist(), scores))
         return torch.tensor([by_group[g] for g in batch.group_ids.tolist()], dtype=torch.float32)
@@ -340,14 +369,17 @@ class LMTrainer:
                                "be too hard or too easy for the policy: set max_num_gen_batches=0 to keep trying")
             batch = self.next_batch(step, timer)
             num_gen += 1
+            SAMPLES.take(batch.sample_ids or [], scoring := now())
             with timer.stage("reward"):
                 s, e = self.score(batch)
+            SAMPLES.add_many(batch.sample_ids or [], "reward", scoring, now())
             ids = batch.group_ids.tolist()
             want = want or len(set(ids))
             signal = groups_with_signal(filter_values(fg.metric, s, e), ids)
             room = set(sorted(signal, key=ids.index)[:want - kept])  # the first groups to fill the batch
             dropped += len(set(ids)) - len(room)
             rows = [i for i, g in enumerate(ids) if g in room]
+            SAMPLES.finish([x for i, x in enumerate(batch.sample_ids or []) if ids[i] not in room], "dropped", now())
             kept += len(room)
             parts.append(batch.select(rows))
             scores += [s[i] for i in rows]
@@ -364,6 +396,9 @@ class LMTrainer:
         cfg, roles = self.cfg, self.roles
         metrics: dict[str, float] = {}
         record_tool_spans(batch)
+        ids = batch.sample_ids or []
+        SAMPLES.take(ids, now())
+        scoring = now()
         with timer.stage("reward"):
             scores, extra = self.score(batch) if scored is None else scored
             batch.scores = scores
@@ -372,6 +407,8 @@ class LMTrainer:
                 finite = [v for v in values if v == v]
                 if finite:
                     metrics[f"reward_extra/{key}/mean"] = sum(finite) / len(finite)
+        if scored is None:
+            SAMPLES.add_many(ids, "reward", scoring, now())
         baselines = None
         if cfg.algorithm.adv_estimator in NEEDS_GREEDY_BASELINE:
             with timer.stage("gen_max"):
@@ -379,6 +416,7 @@ class LMTrainer:
         behind = (self.version - batch.versions).float()  # [batch] policy versions each sample is behind
         metrics.update({"training/staleness/min": behind.min().item(), "training/staleness/mean": behind.mean().item(),
                         "training/staleness/max": behind.max().item()})
+        metrics.update(off_policy_metrics(batch, self.version))
         if self.correction.bypass_mode:
             batch.old_logprobs = batch.rollout_logprobs
         elif self.fuses_old_log_prob(batch):
@@ -403,6 +441,7 @@ class LMTrainer:
                 if "actor/entropy" in metrics:  # verl's actor/entropy is the pre-update one, when it was computed
                     actor_metrics.pop("actor/entropy")
                 metrics.update(actor_metrics)
+        SAMPLES.finish(ids, "consumed", now(), staleness=behind.long().tolist())
         metrics.update(data_metrics(batch, cfg.data.max_prompt_length))
         metrics.update(agent_metrics(batch))
         self.say_failed_sessions(batch)
@@ -425,7 +464,7 @@ class LMTrainer:
         own forward gives it (detached) and the separate old_log_prob pass is skipped. Rollout
         correction (IS weights, rejection) works on the whole batch's pi_old, so it keeps the pass."""
         actor, c = self.cfg.actor_rollout_ref.actor, self.correction
-        return (actor.ppo_epochs == 1 and actor.ppo_mini_batch_size * self.sampling.n >= len(batch)
+        return (actor.ppo_epochs == 1 and actor.ppo_mini_batch_size * self.sampling.n >= len(batch) and not self.keeps_pi_old
                 and not self.cfg.algorithm.use_kl_in_reward and c.rollout_is is None and c.rollout_rs is None
                 and self.cfg.algorithm.adv_estimator not in NEEDS_SUM_PI_SQUARED)
 
@@ -434,7 +473,7 @@ class LMTrainer:
         with_sum_pi_squared = self.cfg.algorithm.adv_estimator in NEEDS_SUM_PI_SQUARED
         old_logp, entropy, *sum_pi_squared = self.roles.actor.call(
             Actor.compute_log_prob, batch, r.log_prob_micro_batch_size_per_gpu,
-            r.log_prob_max_token_len_per_gpu if r.log_prob_use_dynamic_bsz else None, with_sum_pi_squared)
+            r.log_prob_max_token_len_per_gpu if r.log_prob_use_dynamic_bsz else None, with_sum_pi_squared, self.keeps_pi_old)
         batch.old_logprobs, batch.sum_pi_squared = old_logp, (sum_pi_squared or [None])[0]
         mask = batch.response_mask
         metrics = {"actor/entropy": masked_mean(entropy, mask), **rollout_probs_diff(old_logp, batch.rollout_logprobs, mask)}
@@ -720,6 +759,24 @@ def rollout_probs_diff(old_logp: torch.Tensor, rollout_logp: torch.Tensor, mask:
         return {}
     return {"training/rollout_probs_diff_max": diff.max().item(), "training/rollout_probs_diff_mean": diff.mean().item(),
             "training/rollout_probs_diff_std": diff.std().item() if diff.numel() > 1 else 0.0}
+
+
+def off_policy_metrics(batch: RolloutBatch, version: int) -> dict[str, float]:
+    """verl's V1 names, per trajectory: training/off_policy/trajectory_spans (the policy versions its tokens were
+    sampled with, oldest to newest: 1 unless a weight sync cut it, partial rollout), trajectory_staleness (the
+    trainer's version minus the newest) and trajectory_staleness_worst (minus the oldest), each mean/max/min."""
+    tv = batch.token_version_map                                             # [batch, resp_len], -1 off sampled tokens
+    sampled = tv >= 0
+    oldest = torch.where(sampled, tv, torch.iinfo(torch.long).max).min(-1).values
+    oldest = torch.where(sampled.any(-1), oldest, batch.versions)           # [batch]
+    newest = batch.versions                                                  # [batch] the version that finished it
+    out = {}
+    for name, t in (("trajectory_spans", newest - oldest + 1), ("trajectory_staleness", version - newest),
+                    ("trajectory_staleness_worst", version - oldest)):
+        t = t.float()
+        out.update({f"training/off_policy/{name}/mean": t.mean().item(), f"training/off_policy/{name}/max": t.max().item(),
+                    f"training/off_policy/{name}/min": t.min().item()})
+    return out
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:

@@ -33,6 +33,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from plait.profiler.samples import now
 from plait.profiler.timeline import TIMELINE
 from plait.safeload import load_tensors
 from plait.trainers.async_common import BusyClock, rollout_error
@@ -64,21 +65,22 @@ class OneStepOffTrainer(LMTrainer):
                 batch, self.pending = self.pending.result(), None
         if batch is None:  # step 1 (or a resume without a saved batch): nothing was generated ahead
             with timer.stage("gen"):
-                batch = self._generate(self.cursor.next(), self.sample_seed(step))
+                batch = self._generate(self.cursor.next(), self.sample_seed(step), self.cursor.epoch)
         if step < self.total_steps():
-            self.pending = self.pool.submit(self._generate_ahead, self.cursor.next(), self.sample_seed(step + 1))
+            self.pending = self.pool.submit(self._generate_ahead, self.cursor.next(), self.sample_seed(step + 1),
+                                            self.cursor.epoch, now())
         return batch
 
-    def _generate(self, prompts: PromptBatch, seed: int) -> RolloutBatch:
+    def _generate(self, prompts: PromptBatch, seed: int, epoch: int, submitted: float | None = None) -> RolloutBatch:
         with self.gen_clock.busy():
-            return self.rollout_call(Rollout.generate, prompts, self.sampling, seed)
+            return self.rollout_call(Rollout.generate, prompts, self.sampling, seed, epoch=epoch, submitted=submitted)
 
-    def _generate_ahead(self, prompts: PromptBatch, seed: int) -> RolloutBatch:
-        """On the generation thread: the next step's batch, a `generate` span on its own lane."""
+    def _generate_ahead(self, prompts: PromptBatch, seed: int, epoch: int, submitted: float) -> RolloutBatch:
+        """On the generation thread: the next step's batch, a `gen` span on its own lane."""
         self._waited_for_trainer()
         try:
-            with TIMELINE.span("rollout", "generate", self.version):
-                return self._generate(prompts, seed)
+            with TIMELINE.span("rollout", "gen", self.version):
+                return self._generate(prompts, seed, epoch, submitted)
         finally:
             self.gen_free_since = time.perf_counter()
 

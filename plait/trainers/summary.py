@@ -26,7 +26,7 @@ from collections import defaultdict
 from typing import Optional
 
 from plait.profiler.analysis.memory import process_peak
-from plait.profiler.analysis.verdict import of_run, settings_of, verdicts
+from plait.profiler.analysis.verdict import of_run, profiler_line, settings_of, verdicts
 from plait.profiler.naming import MANIFEST as PROFILE_MANIFEST
 from plait.profiler.timeline import TIMELINE_FILE, read_timeline
 from plait.trainers.checkpoint import flatten
@@ -65,23 +65,28 @@ def summarise_run(output_dir: str, metrics_path: str, checkpoint: Optional[str],
     try:
         records = read_records(metrics_path) if os.path.exists(metrics_path) else []
         summary = summarise(records, first, last, clock, profiler_s, paths, status)
-        summary["settings"] = settings_of(flatten(run_config or {}), memory_capacity_gb())
-        summary["verdict"] = run_verdict(output_dir, records, first, summary)
+        summary["settings"] = settings_of(flatten(run_config or {}), memory_capacity_gb(), device_kind())
+        summary["verdict"], summary["profiler"], cycle = run_verdict(output_dir, records, first, summary)
+        if cycle is not None:  # one step time everywhere: the report's and the verdict's cycle
+            summary["step_s"] = cycle
         write_summary(output_dir, summary, console=status != "failed")
     except (OSError, ValueError) as err:  # the summary never hides the run's own outcome
         print(f"plait: warning: no run summary written: {type(err).__name__}: {err}", file=sys.stderr)
 
 
-def run_verdict(output_dir: str, records: list[dict], first: int, summary: dict) -> list[dict]:
-    """The profile report's verdict on this run's steps (profiler/analysis/verdict.py); a rule that
-    fails says so in one line and leaves the summary whole."""
+def run_verdict(output_dir: str, records: list[dict], first: int, summary: dict) -> tuple[list[dict], Optional[dict], Optional[dict]]:
+    """The profile report's verdict on this run's steps (profiler/analysis/verdict.py), its profiler line,
+    and the step time it measured ({median, p90, basis}: the trainer's cycle, outside profiler windows);
+    a rule that fails says so in one line and leaves the summary whole."""
     path = os.path.join(output_dir, TIMELINE_FILE)
     try:
         spans = [s for s in read_timeline(path) if s["step"] >= first] if os.path.exists(path) else []
-        return [v.as_dict() for v in verdicts(of_run(spans, [r for r in records if r.get("step", 0) >= first], summary))]
+        f = of_run(spans, [r for r in records if r.get("step", 0) >= first], summary)
+        cycle = {"median": f.step_s, "p90": f.step_p90, "basis": f.basis} if f.steps else None
+        return [v.as_dict() for v in verdicts(f)], profiler_line(f), cycle
     except Exception as err:  # noqa: BLE001 - advice must never cost the run its summary
         print(f"plait: warning: no verdict: {type(err).__name__}: {err}", file=sys.stderr)
-        return []
+        return [], None, None
 
 
 def summarise(records: list[dict], first_step: int, last_step: int, clock: RunClock, profiler_s: float,
@@ -126,6 +131,11 @@ def memory_capacity_gb() -> float:
     return psutil.virtual_memory().total / 2**30
 
 
+def device_kind() -> str:
+    import torch
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def _validation(records: list[dict]) -> Optional[dict]:
     """First, best (with its step) and last of the first val-core mean key the records hold (acc
     where the reward returns it, as verl's core variable, else reward)."""
@@ -154,9 +164,12 @@ def summary_lines(s: dict, path: str) -> list[str]:
     steps = f"steps {st['first']}-{st['last']}" if st["done"] else "no steps"
     lines = [f"{s['status']}: {steps} of {st['run_last_step']} in {w['total']:.1f} s ({parts})"]
     lines += [f"verdict: {v['line']}" for v in s.get("verdict") or []]
+    if s.get("profiler"):
+        lines.append(s["profiler"]["line"])
     if s["step_s"]["median"] is not None:
         top = ", ".join(f"{t['stage']} {100 * t['share']:.0f}%" for t in s["top_stages"])
-        lines.append(f"step time median {s['step_s']['median']:.3f} s, p90 {s['step_s']['p90']:.3f} s; top stages: {top}")
+        basis = f" ({s['step_s']['basis']})" if s["step_s"].get("basis") else ""
+        lines.append(f"step time median {s['step_s']['median']:.3f} s, p90 {s['step_s']['p90']:.3f} s{basis}; top stages: {top}")
     v = s["validation"]
     if v:
         lines.append(f"validation {v['key']}: first {v['first']['value']:.4g} (step {v['first']['step']}), best "

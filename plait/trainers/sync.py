@@ -25,7 +25,7 @@ class SyncTrainer(LMTrainer):
         """Sync: generate this step's batch now, with the current weights."""
         prompts = self.cursor.next()
         with timer.stage("gen"):
-            return self.rollout_call(Rollout.generate, prompts, self.sampling, self.sample_seed(step))
+            return self.rollout_call(Rollout.generate, prompts, self.sampling, self.sample_seed(step), epoch=self.cursor.epoch)
 
     def after_update(self, step: int, timer: StageTimer) -> dict[str, float]:
         """Sync: push the new weights to the rollout; they are policy version `step`. Returns the mode's metrics."""

@@ -15,6 +15,7 @@ gets base + adapter merged (`state_dict`).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import os
@@ -171,23 +172,43 @@ class Actor:
         if gradient_checkpointing:  # recompute each block's activations in backward: memory for time
             enable_activation_checkpointing(self.model)
         self.flops = ModelFlops.of(self.model, dtype=self.dtype)
-        if use_fsdp(cfg.strategy, device):
-            if self.lora:  # merged_state_dict and the adapter checkpoint assume whole, unsharded tensors
-                raise ValueError("actor_rollout_ref.model.lora_rank > 0 with FSDP2 sharding (strategy=fsdp2, or "
-                                 "several CUDA ranks) is not supported yet; train LoRA with whole replicas (CPU, "
-                                 "strategy=fsdp) or on one GPU per actor")
+        if use_fsdp(cfg.strategy, device):  # with LoRA: the frozen base and the adapters sharded alike
             shard_model(self.model, self.model._no_split_modules or [], cfg.fsdp_config, device, self.dtype)
         self.autocast = functools.partial(compute_autocast, device, self.dtype, is_sharded(self.model))
         trainable = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer, self.scheduler = make_optimizer(trainable, cfg.optim)
         self.offload_optimizer = offloads_optimizer(cfg.fsdp_config, device)
         self.shuffle_gen = torch.Generator().manual_seed(seed)
+        self.pi_old: list[torch.Tensor] | None = None  # keep_pi_old's copy of the trainable weights
+
+    def keep_pi_old(self) -> None:
+        """Keep a copy of the trainable weights as they are now: pi_old of compute_log_prob(pi_old=True) until
+        the next call (verl's separate_async: one pi_old, the synced weights, for all of a step's local updates)."""
+        with torch.no_grad():
+            self.pi_old = [p.detach().clone() for p in self.model.parameters() if p.requires_grad]
+
+    @contextlib.contextmanager
+    def _weights(self, saved: list[torch.Tensor]):
+        """The trainable weights set to `saved` inside the block, and back to the current ones after it."""
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        with torch.no_grad():
+            current = [p.detach().clone() for p in params]
+            for p, s in zip(params, saved):
+                p.copy_(s)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for p, c in zip(params, current):
+                    p.copy_(c)
 
     def compute_log_prob(self, batch: RolloutBatch, micro_batch_size: int, max_token_len: int | None = None,
-                         with_sum_pi_squared: bool = False) -> tuple[torch.Tensor, ...]:
+                         with_sum_pi_squared: bool = False, pi_old: bool = False) -> tuple[torch.Tensor, ...]:
         """Old log-probs and entropy [batch, resp_len] before the update (and the sum of squared
-        probabilities with `with_sum_pi_squared`: verl's calculate_sum_pi_squared)."""
-        with self.profiler.annotate("old_log_prob"):
+        probabilities with `with_sum_pi_squared`: verl's calculate_sum_pi_squared); `pi_old`: with the
+        weights keep_pi_old kept."""
+        weights = self._weights(self.pi_old) if pi_old else contextlib.nullcontext()
+        with self.profiler.annotate("old_log_prob"), weights:
             layout = EvenMicroBatching(MicroBatching(micro_batch_size, max_token_len, self.layout.remove_padding), self.model)
             with self.autocast():
                 return data_parallel(batch, lambda share: response_forward(
@@ -206,7 +227,7 @@ class Actor:
                              max_token_len: int | None = None) -> torch.Tensor:
         """LoRA only: log-probs [batch, resp_len] of the base model (adapters off), the reference."""
         with self.profiler.annotate("ref"), self.model.disable_adapter(), self.autocast():
-            layout = MicroBatching(micro_batch_size, max_token_len, self.layout.remove_padding)  # LoRA: never sharded
+            layout = EvenMicroBatching(MicroBatching(micro_batch_size, max_token_len, self.layout.remove_padding), self.model)
             [logp] = data_parallel(batch, lambda share: response_forward(self.model, share, self.temperature, layout,
                                                                          with_entropy=False)[:1], "Actor.compute_ref_log_prob")
             return logp
@@ -335,8 +356,12 @@ class Actor:
         return loss, {**stats, **corr}, loss_mask
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """The policy's weights under the plain model's names (LoRA: merged), for the rollout."""
-        return merged_state_dict(self.model) if self.lora else full_state_dict(self.model)
+        """The policy's weights under the plain model's names (LoRA: merged), for the rollout (sharded: a
+        collective, every rank calls it)."""
+        if not self.lora:
+            return full_state_dict(self.model)
+        base = self.model.get_base_model()
+        return merged_state_dict(self.model, full_state_dict(base) if is_sharded(self.model) else None)
 
     def save_checkpoint(self, path: str) -> None:
         """FSDP2: every rank writes its shards (`sharded/`); else rank 0 writes model.pt. optim.pt holds
@@ -346,6 +371,8 @@ class Actor:
             save_sharded(os.path.join(path, SHARDED_DIR), self.model, self.optimizer)
         else:
             model_state, optim_state = checkpoint_state(self.model, self.optimizer)
+        # the adapter's whole tensors (sharded: gathered, a collective); peft keeps the LoRA keys of them
+        adapter_state = (full_state_dict(self.model) if sharded else None) if self.lora else None
         if dp_rank_size()[0] != 0:  # replicas hold the same weights: one writer
             return
         os.makedirs(path, exist_ok=True)
@@ -353,7 +380,7 @@ class Actor:
         plain.config.save_pretrained(os.path.join(path, HF_DIR))  # what plait/export.py builds the model from
         plain.generation_config.save_pretrained(os.path.join(path, HF_DIR))
         if self.lora:  # the adapter alone, in peft's format (loadable with PeftModel.from_pretrained)
-            self.model.save_pretrained(os.path.join(path, LORA_DIR))
+            self.model.save_pretrained(os.path.join(path, LORA_DIR), state_dict=adapter_state)
         elif not sharded:
             torch.save(model_state, os.path.join(path, "model.pt"))
         torch.save({**({} if sharded else {"optimizer": optim_state}), "scheduler": self.scheduler.state_dict(),

@@ -28,6 +28,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.tensor import DTensor
 
 from plait.config import FsdpConfig
+from plait.profiler.timeline import RANK_SPANS
 from plait.safeload import check_dcp_metadata, loads_tensors
 from plait.types import RolloutBatch
 from plait.workers.packing import MicroBatching
@@ -45,7 +46,8 @@ def global_sum(values: list[float]) -> list[float]:
     if dp_rank_size()[1] == 1:
         return values
     t = torch.tensor(values, dtype=torch.float64)
-    dist.all_reduce(t)
+    with RANK_SPANS.collective("all_reduce"):  # a rank's wait for the slowest one: its span (Ray workers)
+        dist.all_reduce(t)
     return t.tolist()
 
 
@@ -72,7 +74,8 @@ def check_same_batch(batch: RolloutBatch, who: str) -> None:
     sig = torch.tensor([len(batch), batch.responses.sum().item(), batch.response_mask.sum().item()],
                        dtype=torch.float64)
     both = torch.cat([sig, -sig])
-    dist.all_reduce(both, op=dist.ReduceOp.MAX)   # max == min on every entry iff all ranks agree
+    with RANK_SPANS.collective("all_reduce"):
+        dist.all_reduce(both, op=dist.ReduceOp.MAX)   # max == min on every entry iff all ranks agree
     if not torch.equal(both[:3], -both[3:]):
         raise ValueError(f"{who} got different batches on different data-parallel ranks; call it with "
                          "group.call (each rank takes its share of every mini-batch), not group.call_dp")
@@ -86,7 +89,8 @@ def all_reduce_grads(model) -> None:
     params = [p for p in model.parameters() if p.requires_grad]
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
     flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat)
+    with RANK_SPANS.collective("all_reduce"):
+        dist.all_reduce(flat)
     for p, g in zip(params, flat.split([g.numel() for g in grads])):
         p.grad = g.view_as(p)
 
@@ -95,7 +99,8 @@ def global_max(value: int) -> int:
     if dp_rank_size()[1] == 1:
         return value
     t = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    with RANK_SPANS.collective("all_reduce"):
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return int(t.item())
 
 
@@ -113,7 +118,8 @@ def data_parallel(batch: RolloutBatch, forward: Callable[[RolloutBatch], tuple],
     flat = torch.zeros(sizes[0], len(mine), *shape)                          # [max_share, outputs, ...]
     flat[:sizes[rank]] = torch.stack(mine, dim=1)
     parts = [torch.empty_like(flat) for _ in range(world)]
-    dist.all_gather(parts, flat)
+    with RANK_SPANS.collective("all_gather"):
+        dist.all_gather(parts, flat)
     whole = torch.cat([p[:n] for p, n in zip(parts, sizes)])               # [batch, outputs, ...]
     return tuple(whole[:, i] for i in range(len(mine)))
 

@@ -109,6 +109,7 @@ class Rollout:
         grow = (0, self.max_response_length - batch.responses.shape[1])
         responses = F.pad(batch.responses, grow, value=self.pad_token_id)    # [batch, max_response_length]
         mask, logprobs = F.pad(batch.response_mask, grow), F.pad(batch.rollout_logprobs, grow)
+        token_versions = F.pad(batch.token_version_map, grow, value=-1)     # the earlier tokens keep theirs
         versions, reasons = batch.versions.clone(), list(batch.stop_reasons)
         new_lengths = out.response_mask.sum(-1).long().tolist()
         for j, i in enumerate(rows):
@@ -117,11 +118,13 @@ class Rollout:
             responses[i, start:start + take] = out.responses[j, :take].cpu()
             mask[i, start:start + take] = 1.0
             logprobs[i, start:start + take] = out.logprobs[j, :take].float().cpu()
+            token_versions[i, start:start + take] = self.version
             reasons[i] = out.stop_reasons[j] if take == new_lengths[j] else "length"
             versions[i] = self.version
         width = int(mask.sum(-1).max())
         return batch.replace(responses=responses[:, :width], response_mask=mask[:, :width],
-                             rollout_logprobs=logprobs[:, :width], versions=versions, stop_reasons=reasons)
+                             rollout_logprobs=logprobs[:, :width], versions=versions, stop_reasons=reasons,
+                             token_versions=token_versions[:, :width])
 
     def _engine_generate(self, ids: list[list[int]], params: SamplingParams, seed: int,
                          multi_modal: list[dict] | None = None):

@@ -2,6 +2,7 @@
 turns as text), so ids, masks, log-probs, turn limits and the scheduler's rounds are checked
 exactly. Tools are real (a function-tool file in a worker process)."""
 
+import json
 import threading
 import time
 
@@ -137,6 +138,23 @@ def test_tool_calls_are_timeline_spans(tokenizer, tools, tmp_path):
     [span] = read_timeline(str(tmp_path / "timeline.jsonl"))
     assert (span["role"], span["stage"], span["step"]) == ("rollout", "tool_calls", 1)
     assert 0 < span["end"] - span["start"] <= batch.agent_infos[0]["tool_calls"] + 0.01
+
+
+def test_each_turn_and_tool_call_is_a_sample_span(tokenizer, tools, tmp_path):
+    """The agent loop appends its per-turn spans to the row's info (profiler/samples.py add_span); the trainer
+    writes them to samples.jsonl under the row's sample id."""
+    from plait.profiler.samples import SampleLog
+    batch, _ = run(tokenizer, tools, tool_then_answer)
+    spans = batch.agent_infos[0]["sample_spans"]
+    assert [(name, attrs["turn"]) for name, _, _, attrs in spans] == [("gen", 1), ("tool", 1), ("gen", 2)]
+    assert all(a[2] <= b[1] for a, b in zip(spans, spans[1:])) and spans[1][3]["calls"] == 1  # one after the other
+    log = SampleLog()
+    log.open(str(tmp_path / "samples.jsonl"))
+    log.from_infos(["0.0.0"], batch.agent_infos)
+    log.flush(1)
+    rows = [json.loads(line) for line in open(tmp_path / "samples.jsonl")]
+    assert [(r["sample"], r["span"], r["attrs"]["turn"]) for r in rows] == [("0.0.0", "gen", 1), ("0.0.0", "tool", 1),
+                                                                            ("0.0.0", "gen", 2)]
 
 
 def test_turn_limits(tokenizer, tools):

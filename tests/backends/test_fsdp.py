@@ -249,3 +249,40 @@ def test_optimizer_offload_on_cuda_keeps_the_state_in_cpu_memory_and_the_update(
         assert moments and all(v.device.type == ("cpu" if offload else "cuda") for v in moments)
         weights.append({k: v.cpu() for k, v in full_state_dict(actor.model).items()})
     assert close(*weights, tol=1e-6)
+
+
+def test_lora_under_fsdp2_on_two_cpu_ranks_equals_one_worker(ray_instance, tmp_path):
+    """LoRA with the base and adapters FSDP2-sharded: log-probs, the reference (adapters off), the update and the
+    merged weights the rollout gets are one worker's; the checkpoint holds the sharded state and peft's adapter,
+    and resumes in one process."""
+    from plait.config import ModelConfig
+    from plait.workers.actor import LORA_DIR
+    model = create_tiny_model(tmp_path / "m", size="xs", seed=0)
+    lora = ModelConfig(lora_rank=4, lora_alpha=8, target_modules="all-linear")
+    actor_cfg = ActorConfig(optim=OptimConfig(lr=1e-2), ppo_mini_batch_size=2, ppo_micro_batch_size_per_gpu=3,
+                            ppo_epochs=1, shuffle=False, strategy="fsdp2")
+    batch, odd = make_batch(16), make_batch(15, seed=1)
+    session = ProfilerSession(GlobalProfilerConfig(), {r: RoleProfilerConfig() for r in DATA_PARALLEL_ROLES}, rank=0)
+    one = Actor(model, actor_cfg, 4, 1.0, session.for_role("actor"), seed=3, model_cfg=lora)
+    backend = RayBackend(tiny_config(tmp_path), {r: RoleProfilerConfig() for r in DATA_PARALLEL_ROLES}, "cpu")
+    try:
+        actor = backend.spawn("actor", Actor, model, actor_cfg, 4, 1.0, seed=3, model_cfg=lora)
+        assert actor.call(lambda w: is_sharded(w.model) and w.lora)
+        logp, _ = actor.call(Actor.compute_log_prob, odd, 7)
+        assert torch.allclose(logp, one.compute_log_prob(odd, 7)[0], atol=1e-5)
+        ref = actor.call(Actor.compute_ref_log_prob, odd, 7)
+        assert torch.allclose(ref, one.compute_ref_log_prob(odd, 7), atol=1e-5)
+        initial = one.state_dict()
+        one.update(batch)
+        actor.call(Actor.update, batch)
+        merged = actor.call(Actor.state_dict)
+        assert merged.keys() == initial.keys() and not close(one.state_dict(), initial, tol=1e-4)
+        assert close(merged, one.state_dict(), tol=1e-5)
+        ckpt = tmp_path / "ckpt" / "actor"
+        actor.call(Actor.save_checkpoint, str(ckpt))
+        assert (ckpt / SHARDED_DIR).is_dir() and (ckpt / LORA_DIR / "adapter_model.safetensors").is_file()
+        at_one = Actor(model, actor_cfg, 4, 1.0, session.for_role("actor"), seed=9, model_cfg=lora)
+        at_one.load_checkpoint(str(ckpt))
+        assert close(at_one.state_dict(), merged, tol=1e-6)
+    finally:
+        backend.shutdown()

@@ -4,7 +4,7 @@ the same in every report; top operators of an update under its mini-batch ranges
 import re
 
 from plait.profiler.analysis import svg
-from plait.profiler.analysis.traces import Trace, top_ops, top_ops_overall
+from plait.profiler.analysis.traces import Trace, op_totals, top_ops, top_ops_overall
 
 
 def texts(drawing: str) -> list[tuple[float, float, str]]:
@@ -57,10 +57,11 @@ def test_an_updates_work_under_its_mini_batch_ranges_counts_in_the_update():
               x("user_annotation", "actor/mini_batch2", 2000, 100), x("cpu_op", "aten::addmm", 2010, 50),  # no update around
               x("user_annotation", "rollout/gen", 3000, 500), x("cpu_op", "aten::mm", 3010, 100),
               x("cpu_op", "aten::softmax", 3200, 200)]
-    ops = top_ops(Trace({"role": "actor", "rank": 0}, events, "actor rank 0"))
+    totals = op_totals(Trace({"role": "actor", "rank": 0}, events, "actor rank 0"))
+    ops = top_ops(totals)
     assert ops["actor/update_actor"][:2] == [("aten::mm", 600, 2), ("aten::addmm", 50, 1)]
     assert not any("mini_batch" in stage for stage in ops)
-    overall = top_ops_overall(Trace({"role": "actor", "rank": 0}, events, "actor rank 0"))
+    overall = top_ops_overall(totals)
     assert overall[0] == ("aten::mm", 700, 3, "actor/update_actor")
     assert [op for op, *_ in overall][:2] == ["aten::mm", "aten::softmax"]
 
@@ -72,3 +73,31 @@ def test_the_series_of_one_chart_never_share_a_colour():
     assert svg.colours(list(reversed(names)))["gen"] == fill["gen"]
     drawing = svg.lines([1, 2], {n: [0.1, 0.2] for n in names[:3]})
     assert len(set(re.findall(r'stroke="(#[0-9a-f]+)" stroke-width="2"', drawing))) == 3
+
+
+def test_a_long_key_wraps_onto_rows_inside_the_drawing():
+    names = [f"rollout/some_long_stage_name_{i}" for i in range(12)]
+    drawing = svg.key(names)
+    height = float(re.search(r'height="([\d.]+)"', drawing).group(1))
+    placed = texts(drawing)
+    assert {t for _, _, t in placed} == set(names)  # no stage lost
+    assert all(x + 7 * len(t) <= svg.W for x, _, t in placed) and all(y <= height for _, y, _ in placed)
+    assert len({y for _, y, _ in placed}) > 1  # wrapped
+    bars = svg.stacked_bars([1, 2], {n: [1.0, 1.0] for n in names})
+    height = float(re.search(r'height="([\d.]+)"', bars).group(1))
+    assert all(0 < y <= height for _, y, _ in texts(bars))
+
+
+def test_values_that_are_not_finite_are_not_drawn():
+    inf, nan = float("inf"), float("nan")
+    assert "inf" not in svg.lines([1, 2, 3], {"m": [1.0, inf, nan]}, "s")
+    assert "<svg" in svg.stacked_bars([1, 2], {"gen": [inf, 1.0]})
+    assert "<svg" in svg.area([(0.0, 10), (1.0, inf), (nan, 3)], [("gen", 0.0, inf)])
+    assert "<svg" in svg.gantt(["a"], [("a", "gen", 0.0, inf, "")], 0.0, 1.0)
+    assert "<svg" in svg.histogram([0.1, 0.2, inf, nan, 0.15], "s", "latency")
+
+
+def test_numbers_in_tables_are_for_people():
+    from plait.profiler.analysis.report import _fmt
+    assert [_fmt(v) for v in (9.64e-05, 0.0123, 1.23456, 12.345, 12345.6, 0.0, 7, float("inf"))] == \
+        ["<0.001", "0.0123", "1.23", "12.3", "12,346", "0", "7", "-"]

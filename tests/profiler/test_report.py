@@ -35,8 +35,9 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 '''
 
 
-def load_merged(out) -> list[dict]:
-    with gzip.open(os.path.join(out, "report", "timeline.json.gz")) as f:
+def load_merged(out, name="timeline.json.gz") -> list[dict]:
+    """A merged trace of the report: the run's timeline, or a window's ("step2.trace.json.gz")."""
+    with gzip.open(os.path.join(out, "report", name)) as f:
         return json.loads(f.read())["traceEvents"]
 
 
@@ -54,8 +55,9 @@ def test_report_of_a_sync_run(tmp_path, tiny_config, capsys):
     driver.build(cfg, progress=False).run()
     assert cli.main(["profile", "report", str(tmp_path)]) == 0  # finds tmp_path/profile itself
     assert "time by stage" in capsys.readouterr().out
-    events = load_merged(tmp_path)
+    events = load_merged(tmp_path, "step2.trace.json.gz")
     assert set(names(events, "process_name").values()) == {"actor-rollout rank 0"}  # one process, torch named it
+    assert {"trainer stages (MainThread)"} <= set(names(load_merged(tmp_path), "thread_name").values())
     lanes = names(events, "thread_name")
     assert "trainer stages (MainThread)" in lanes.values()
     stages = [e for e in events if e.get("cat") == "plait.stage"]
@@ -76,7 +78,7 @@ def test_report_of_a_sync_run(tmp_path, tiny_config, capsys):
         assert abs(r["trainer/idle_ratio"] - r["timing_s/gen"] / busy) < 1e-6
         assert "rollouter/idle_ratio" not in r  # colocated: no rollouter exists to be idle
     assert "trainer/idle_ratio</td><td>mean" in page and "rollouter/idle_ratio" not in page  # in the summary box
-    assert "wall time</td>" in page and "profiler overhead</td><td>profiled steps took" in page
+    assert "wall time</td>" in page and "profiler</td><td>1 window cost" in page
     assert "s from the step&#x27;s start" in page  # the Gantt's x axis says what it counts
 
 
@@ -93,14 +95,14 @@ def test_report_of_a_fully_async_run_on_ray(tmp_path, tiny_config, ray_up):
     actor_pid, rollout_pid = roles.actor.pids[0], roles.rollout.pids[0]
     lifecycle.run()
     build_report(str(tmp_path))
-    events = load_merged(tmp_path)
+    events = load_merged(tmp_path, "step2.trace.json.gz") + load_merged(tmp_path)
     procs = names(events, "process_name")
     assert procs[actor_pid] == "actor rank 0" and procs[rollout_pid] == "rollout rank 0"
     assert procs[os.getpid()] == "driver"
     assert {"trainer stages (MainThread)", "rollout stages (plait-rollouter)"} <= set(names(events, "thread_name").values())
     stages = [e for e in events if e.get("cat") == "plait.stage"]
-    updates = [e for e in stages if e["name"] == "update_actor"]
-    generates = [e for e in stages if e["name"] == "generate" and e["args"]["role"] == "rollout"]
+    updates = [e for e in stages if e["name"] == "update_actor" and e["pid"] == os.getpid()]
+    generates = [e for e in stages if e["name"] == "gen" and e["args"]["role"] == "rollout" and e["pid"] == os.getpid()]
     assert any(g["ts"] < u["ts"] + u["dur"] and u["ts"] < g["ts"] + g["dur"] for g in generates for u in updates)
     # The actor process's ranges, on its own clock, fall inside the driver's update spans.
     actor_updates = [e for e in events if e["pid"] == actor_pid and e.get("name") == "actor/update_actor"]
@@ -150,12 +152,13 @@ def test_memory_report_finds_a_planted_allocation(planted_run):
     assert "The process&#x27;s own peak in these steps" in page
     assert "id='memory'" in page and "class=\"memory\"" in page and "compute_score" in page
     from plait.profiler import read_manifest
-    from plait.profiler.analysis.traces import load_trace
+    from plait.profiler.analysis.traces import Clock, load_trace
     from plait.profiler.timeline import read_timeline
     record = read_manifest(str(planted_run / "profile"))[0]
-    trace = load_trace(str(planted_run / "profile" / record["path"]), record)
+    clock = Clock(int(record["start_time"]) * 10**9)
+    trace = load_trace(str(planted_run / "profile" / record["path"]), record, clock)
     stages = [s for s in read_timeline(str(planted_run / "timeline.jsonl")) if s["role"] == "trainer"]
-    r = mem.cpu_trace(trace.events, stages)
+    r = mem.cpu_trace(trace.events, stages, origin_s=clock.origin_ns / 1e9)
     site, size = r.top_sites[0]
     assert r.peak_stage == "reward" and "planted.py" in site and "compute_score" in site
     assert size >= PLANTED_MIB * 2**20 and r.peak_bytes >= size
@@ -232,29 +235,34 @@ def test_the_page_renders_in_a_headless_browser(planted_run, tmp_path):
 
 
 def test_top_ops_self_time_per_stage_on_hand_made_events():
-    from plait.profiler.analysis.traces import Trace, top_ops
+    from plait.profiler.analysis.traces import Trace, op_totals, top_ops
     x = lambda cat, name, ts, dur, tid=1: {"ph": "X", "cat": cat, "name": name, "pid": 7, "tid": tid, "ts": ts, "dur": dur}  # noqa: E731
     events = [x("user_annotation", "actor/update_actor", 0, 100), x("cpu_op", "aten::linear", 10, 50),
               x("cpu_op", "aten::mm", 20, 20), x("cpu_op", "aten::mm", 70, 5), x("cpu_op", "aten::add", 200, 5),
               x("kernel", "gemm", 30, 15, tid=99)]
-    ops = top_ops(Trace({"role": "actor", "rank": 0}, events, "actor rank 0"))
+    ops = top_ops(op_totals(Trace({"role": "actor", "rank": 0}, events, "actor rank 0")))
     assert ops["actor/update_actor"] == [("aten::linear", 30, 1), ("aten::mm", 25, 2), ("[gpu] gemm", 15, 1)]
     assert ops["(no stage)"] == [("aten::add", 5, 1)]
 
 
-def test_gpu_rows_of_two_ranks_stay_apart_in_the_merged_trace():
-    from plait.profiler.analysis.traces import Trace, merged_trace
+def test_gpu_rows_of_two_ranks_stay_apart_in_the_merged_trace(tmp_path):
+    from plait.profiler.analysis.traces import Clock, MergedTrace, load_trace, read_merged
 
     def trace(host, rank):
         events = [{"ph": "M", "name": "process_name", "pid": 0, "tid": 0, "args": {"name": "GPU 0"}},
-                  {"ph": "X", "cat": "kernel", "name": "gemm", "pid": 0, "tid": 7, "ts": 1e15 + rank, "dur": 5},
-                  {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "pid": host, "tid": host, "ts": 1e15, "dur": 9}]
-        record = {"role": "actor", "rank": rank, "pid": host, "policy_version": 3, "steps": [1, 1]}
-        return Trace(record, events, f"actor rank {rank}")
-    merged = merged_trace([], [trace(10, 0), trace(11, 1)], {})["traceEvents"]
-    kernels = [e for e in merged if e.get("name") == "gemm"]
-    procs = {e["pid"]: e["args"]["name"] for e in merged if e.get("name") == "process_name"}
-    assert len({k["pid"] for k in kernels}) == 2
+                  {"ph": "X", "cat": "kernel", "name": "gemm", "pid": 0, "tid": 7, "ts": 1000.0 + rank, "dur": 5},
+                  {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "pid": host, "tid": host, "ts": 1000.0, "dur": 9}]
+        path = tmp_path / f"rank{rank}.json"
+        path.write_text(json.dumps({"baseTimeNanoseconds": 10**18, "traceEvents": events}))
+        return str(path), {"role": "actor", "rank": rank, "pid": host, "policy_version": 3, "steps": [1, 1]}
+    merged = MergedTrace(str(tmp_path / "m.json.gz"), Clock(10**18))
+    for host, rank in ((10, 0), (11, 1)):
+        load_trace(*trace(host, rank), merged.clock, merged)
+    merged.close()
+    events = read_merged(str(tmp_path / "m.json.gz"))["traceEvents"]
+    kernels = [e for e in events if e.get("name") == "gemm"]
+    procs = {e["pid"]: e["args"]["name"] for e in events if e.get("name") == "process_name"}
+    assert len({k["pid"] for k in kernels}) == 2 and sorted(k["ts"] for k in kernels) == [1000, 1001]
     assert sorted(procs[k["pid"]] for k in kernels) == ["actor rank 0 (GPU 0)", "actor rank 1 (GPU 0)"]
     assert procs[10] == "actor rank 0" and procs[11] == "actor rank 1"
 

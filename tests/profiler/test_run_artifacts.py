@@ -79,13 +79,18 @@ def test_summary_matches_metrics_jsonl(tmp_path, tiny_config, capsys):
     assert s["validation"]["first"] == {"step": vals[0][0], "value": vals[0][1]}
     assert s["validation"]["last"] == {"step": vals[-1][0], "value": vals[-1][1]}
     assert s["validation"]["best"]["value"] == max(v for _, v in vals)
-    times = sorted(r["perf/time_per_step"] for r in steps)
-    assert s["step_s"]["median"] == (times[0] + times[1]) / 2
+    # one step time everywhere: the trainer's cycle outside profiler windows (the verdict's, the page's)
+    from plait.profiler.analysis.verdict import of_run
+    from plait.profiler.timeline import read_timeline
+    f = of_run(read_timeline(str(out / "timeline.jsonl")), steps, s)
+    assert s["step_s"]["median"] == f.step_s and s["step_s"]["basis"] == f.basis == "median over the 1 step outside profiler windows"
     assert s["memory_peak"]["gb"] == max(v for r in steps for k, v in r.items()
                                          if k.startswith("memory/") and "/step/" not in k and "reserved" not in k)
     build_report(str(out))  # the report's memory peak is the summary's, ties included (RSS is flat once memory is kept)
     peak = s["memory_peak"]
-    assert f"in stage {peak['stage']} at step {peak['step']} ({peak['metric']})" in (out / "report" / "index.html").read_text()
+    page = (out / "report" / "index.html").read_text()
+    assert f"in stage {peak['stage']} at step {peak['step']} ({peak['metric']})" in page
+    assert f"p50 {s['step_s']['median']:.3f} s" in page and page.count(" s · p90 ") == 1  # one step length on the page
     assert s["paths"]["checkpoint"] == str(out / "checkpoints" / "global_step_2")
     assert s["paths"]["profile"] == str(out / "profile") and s["paths"]["metrics"] == str(out / "metrics.jsonl")
     assert s["next"] == f"plait profile report {out}"

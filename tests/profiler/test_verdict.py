@@ -64,19 +64,42 @@ def test_async_idle_pair_reads_verl_7601s_table():
     stale = facts({**TRAIN, "wait_rollout": 3.5}, {**ASYNC, "async_training.staleness_threshold": 1},
                   {"trainer/idle_ratio": 0.45, "rollouter/idle_ratio": 0.5}, busy=3.9)
     assert (V.async_idle(stale).key, V.async_idle(stale).value) == ("async_training.trigger_parameter_sync_step", 2)
-    rollout = V.async_idle(facts({**TRAIN, "wait_rollout": 4.0}, ASYNC, {"trainer/idle_ratio": 0.5, "rollouter/idle_ratio": 0.02},
+    gpu_ray = {**ASYNC, "trainer.backend": "ray", "device": "cuda", "actor_rollout_ref.rollout.name": "vllm",
+               "actor_rollout_ref.rollout.tensor_model_parallel_size": 2}
+    rollout = V.async_idle(facts({**TRAIN, "wait_rollout": 4.0}, gpu_ray, {"trainer/idle_ratio": 0.5, "rollouter/idle_ratio": 0.02},
                                  busy=8.0))
-    assert (rollout.rule, rollout.key, rollout.value) == ("rollout_bound", "actor_rollout_ref.rollout.n_gpus_per_node", 4)
+    assert (rollout.rule, rollout.key, rollout.value) == ("rollout_bound", "actor_rollout_ref.rollout.tensor_model_parallel_size", 4)
     assert rollout.predicted["step_s"] == pytest.approx(max(4.0, 8.0 / 2))
-    trainer = V.async_idle(facts({**TRAIN, "wait_rollout": 0.1}, ASYNC, {"trainer/idle_ratio": 0.02, "rollouter/idle_ratio": 0.6},
-                                 rollouter={"generate": 0.4, "wait_capacity": 0.6}, busy=1.6))
+    trainer = V.async_idle(facts({**TRAIN, "wait_rollout": 0.1}, gpu_ray, {"trainer/idle_ratio": 0.02, "rollouter/idle_ratio": 0.6},
+                                 rollouter={"gen": 0.4, "wait_capacity": 0.6}, busy=1.6))
     assert (trainer.rule, trainer.key, trainer.value) == ("trainer_bound", "trainer.n_gpus_per_node", 8)
     assert "wait_capacity 60 %" in trainer.driver
-    unsplit = V.async_idle(facts({**TRAIN, "wait_rollout": 0.1}, ASYNC, {"trainer/idle_ratio": 0.02, "rollouter/idle_ratio": 0.6},
+    unsplit = V.async_idle(facts({**TRAIN, "wait_rollout": 0.1}, gpu_ray, {"trainer/idle_ratio": 0.02, "rollouter/idle_ratio": 0.6},
                                  busy=1.6))  # no wait_* parts recorded: no empty list in the sentence
     assert unsplit.driver == "training (4 s per step)"
     assert V.async_idle(facts(TRAIN, ASYNC, {"trainer/idle_ratio": 0.2, "rollouter/idle_ratio": 0.2})) is None
     assert V.async_idle(facts(TRAIN, SYNC, {"trainer/idle_ratio": 0.9, "rollouter/idle_ratio": 0.0})) is None
+
+
+def test_device_keys_are_suggested_only_where_they_act():
+    """verl #7601's device suggestions consult the run's backend and device (config_verl's no-effect tables)."""
+    idle = {"trainer/idle_ratio": 0.02, "rollouter/idle_ratio": 0.6}
+    starved = {"trainer/idle_ratio": 0.5, "rollouter/idle_ratio": 0.02}
+    local = V.async_idle(facts({**TRAIN, "wait_rollout": 0.1}, {**ASYNC, "trainer.backend": "local", "device": "cpu"}, idle, busy=1.6))
+    assert local.key == "" and "local backend" in local.expected and "try: " in local.line()
+    cpu_ray = {**ASYNC, "trainer.backend": "ray", "device": "cpu", "trainer.ray.num_cpu_workers": 2}
+    trainer = V.async_idle(facts({**TRAIN, "wait_rollout": 0.1}, cpu_ray, idle, busy=1.6))
+    assert (trainer.key, trainer.value) == ("trainer.ray.num_cpu_workers", 4)  # not trainer.n_gpus_per_node: no effect on CPU
+    rollout = V.async_idle(facts({**TRAIN, "wait_rollout": 4.0}, cpu_ray, starved, busy=8.0))
+    assert (rollout.key, rollout.value) == ("actor_rollout_ref.rollout.n_gpus_per_node", 4)  # CPU slots of its process
+    hf_gpu = V.async_idle(facts({**TRAIN, "wait_rollout": 4.0}, {**cpu_ray, "device": "cuda"}, starved, busy=8.0))
+    assert hf_gpu.key == "" and "one GPU" in hf_gpu.expected
+    unknown = V.async_idle(facts({**TRAIN, "wait_rollout": 0.1}, ASYNC, idle, busy=1.6))  # a summary without backend
+    assert unknown.key == ""
+    from plait.config_verl import CPU_RAY_NO_EFFECT, LOCAL_BACKEND_NO_EFFECT
+    for v in (local, trainer, rollout, hf_gpu, unknown):
+        assert v.key not in LOCAL_BACKEND_NO_EFFECT or v.key == "actor_rollout_ref.rollout.n_gpus_per_node"
+        assert v.key not in CPU_RAY_NO_EFFECT
 
 
 def test_a_long_response_tail_suggests_a_cap_or_partial_rollout():
@@ -115,8 +138,15 @@ def test_update_cost_finds_its_cause():
     tiny = {"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": 1}
     v = V.update_cost(facts({**BALANCED, "update_actor": 9.0}, tiny))
     assert (v.key, v.value) == ("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", 4)
-    assert v.predicted["update_s"] == pytest.approx(3.0 * 1.0)  # 3 x old_log_prob's forward over the same tokens
-    assert "32 micro-batches" in v.driver
+    # update_actor 9 s at 32 micro-batches, old_log_prob 1 s at 1: a forward is 1 micro-batch's fixed cost c plus
+    # the batch's token work w: 9 / 3 = 32 c + w and 1 = c + w, so c = 2 / 31; the suggested 4 samples make 8
+    c = 2 / 31
+    assert v.predicted["update_s"] == pytest.approx(3 * (8 * c + (1 - c)))
+    assert "32 micro-batches" in v.driver and "8 micro-batches per epoch instead of 32" in v.expected
+    fused = V.update_cost(facts({**BALANCED, "update_actor": 9.0, "old_log_prob": 0.0}, tiny))  # no forward to split by
+    assert fused.predicted["update_s"] == pytest.approx(9.0 * 8 / 32) and "the most it can save" in fused.expected
+    overhead_free = V.update_cost(facts({**BALANCED, "update_actor": 3.0, "old_log_prob": 1.0, "gen": 0.1}, tiny))
+    assert overhead_free is None  # 3 forwards' worth at 32 micro-batches: no fixed cost to save
     dyn = V.update_cost(facts({**BALANCED, "update_actor": 9.0}, {"actor_rollout_ref.actor.use_dynamic_bsz": True,
                                                                   "actor_rollout_ref.actor.ppo_max_token_len_per_gpu": 1024},
                               {"global_seqlen/real_tokens": 16384.0}))  # the step's 16k tokens in 16 budgets of 1k
@@ -147,16 +177,25 @@ def test_validation_checkpoint_and_profiler_shares_of_the_wall_time():
     v = V.overhead(facts(BALANCED, wall=wall))
     assert [(x.key, x.value) for x in v] == [("trainer.test_freq", 30)]  # 40 s every 5 steps -> 6.7 s: 10 % of 66.7
     assert v[0].predicted["spent_s"] == pytest.approx(40.0 * 5 / 30)
-    prof = V.overhead(facts(BALANCED, {"global_profiler.steps": [2, 4, 6], "global_profiler.tool": "torch"},
-                            wall={**wall, "validation": 5.0, "profiler": 40.0}))
-    assert [(x.key, x.value) for x in prof] == [("global_profiler.steps", [2])]
-    token = V.overhead(facts(BALANCED, {"global_profiler.steps": [2], "actor_rollout_ref.rollout.profiler.enable": True},
-                             wall={**wall, "validation": 5.0, "profiler": 40.0}))
-    assert token[0].key == V.TOKEN_END
-    short = V.overhead(facts(BALANCED, {"global_profiler.steps": [2], "actor_rollout_ref.rollout.profiler.enable": True,
-                                        "data.max_response_length": 24}, wall={**wall, "validation": 5.0, "profiler": 40.0}))
-    assert short == []  # responses of <= 32 tokens: a 32-token bound would cut nothing
+    costly = {**wall, "validation": 5.0, "profiler": 40.0}
+    assert V.overhead(facts(BALANCED, {"global_profiler.steps": [2, 4, 6], "global_profiler.tool": "torch"}, wall=costly)) == []
+    prof = profiler_facts({"global_profiler.steps": [2, 4, 6], "global_profiler.tool": "torch"}, costly)
+    line = V.profiler_line(prof)  # the profiler's cost: a line of its own, never a verdict
+    assert (line["key"], line["value"]) == ("global_profiler.steps", [2]) and line["line"].startswith("profiler: 3 windows")
+    assert V.verdicts(prof) == []
+    token = V.profiler_line(profiler_facts({"global_profiler.steps": [2], "actor_rollout_ref.rollout.profiler.enable": True},
+                                           costly))
+    assert token["key"] == V.TOKEN_END
+    short = V.profiler_line(profiler_facts({"global_profiler.steps": [2], "actor_rollout_ref.rollout.profiler.enable": True,
+                                            "data.max_response_length": 24}, costly))
+    assert short["key"] == ""  # responses of <= 32 tokens: a 32-token bound would cut nothing
     assert V.overhead(facts(BALANCED, {"trainer.test_freq": -1}, wall=wall)) == []  # only val_before_train: no frequency
+
+
+def profiler_facts(settings: dict, wall: dict) -> V.Facts:
+    f = facts(BALANCED, settings, wall=wall)
+    f.profiler = {"windows": 3, "start_s": 0.5, "stop_s": 39.0, "hook_s": 0.5, "total_s": 40.0, "steps": 3, "slowdown": 1.3}
+    return f
 
 
 def test_unattributed_time_is_never_ignored():
@@ -178,7 +217,7 @@ def test_the_line_ranking_and_one_verdict_per_key():
 
 def test_facts_come_from_accounted_steps_and_records():
     steps = [StepTime(i, float(i), 2.0, {"trainer (MainThread)": {"gen": 1.5, "update_actor": 0.5, "unattributed": 0.0},
-                                         "rollout (plait-rollouter)": {"generate": 1.0, "wait_capacity": 1.0}}) for i in (1, 2, 3)]
+                                         "rollout (plait-rollouter)": {"gen": 1.0, "wait_capacity": 1.0}}) for i in (1, 2, 3)]
     f = V.facts(steps, [{"step": i, "trainer/idle_ratio": 0.1 * i} for i in (1, 2, 3)], {"settings": {"trainer.mode": "sync"}})
     assert (f.step_s, f.trainer["gen"], f.rollout_busy_s, f.metrics["trainer/idle_ratio"]) == (2.0, 0.75, 1.0, pytest.approx(0.2))
     assert V.report(f)["thresholds"]["MIN_SAVING"] == V.MIN_SAVING
@@ -210,3 +249,19 @@ def test_a_rule_that_cannot_read_its_settings_is_named_and_the_others_still_spea
     judged = V.report(f)
     assert judged["skipped_rules"] and judged["skipped_rules"][0].startswith("reward_bound: TypeError")
     assert V.verdicts(facts({**BALANCED, "gen": 6.0}, {"reward.num_workers": "four"}))[0].rule == "generation_bound"
+
+
+def test_no_verdict_suggests_a_key_that_does_nothing_on_this_run():
+    """memory in gen suggests rollout.max_num_seqs: vLLM's, nothing with the hf engine, which the verdict knows
+    from the engine table plait names such keys by at start."""
+    peak = {"gb": 76.0, "stage": "gen", "metric": "memory/gen/peak_allocated_gb", "step": 3}
+    vllm = V.verdicts(facts(BALANCED, {"actor_rollout_ref.rollout.name": "vllm", "actor_rollout_ref.rollout.max_num_seqs": 64},
+                            peak=peak))[0]
+    assert (vllm.key, vllm.value) == ("actor_rollout_ref.rollout.max_num_seqs", 32)
+    hf = V.verdicts(facts(BALANCED, {"actor_rollout_ref.rollout.name": "hf", "actor_rollout_ref.rollout.max_num_seqs": 64},
+                          peak=peak))[0]
+    assert hf.rule == "memory_full" and hf.key == "" and "rollout.name=hf" in hf.line()
+    assert V.no_effect_here("trainer.n_gpus_per_node", {"trainer.backend": "local"})
+    assert V.no_effect_here("trainer.n_gpus_per_node", {"trainer.backend": "ray", "device": "cpu"})
+    assert V.no_effect_here("trainer.n_gpus_per_node", {"trainer.backend": "ray", "device": "cuda"}) is None
+    assert V.no_effect_here("actor_rollout_ref.rollout.max_num_seqs", {}) is None  # unknown engine: not claimed

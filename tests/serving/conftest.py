@@ -32,11 +32,12 @@ class Scripted:
     -0.5 a token."""
 
     def __init__(self, tokenizer, script):
-        self.tok, self.script, self.prompts = tokenizer, script, []
+        self.tok, self.script, self.prompts, self.rounds = tokenizer, script, [], []
         self.cut_after: int | None = None  # the next round stops after this many tokens a row, as a weight sync's abort
         self.version = 0
 
     def __call__(self, ids, max_new_tokens, sampling):
+        self.rounds.append(len(ids))
         rows = []
         for p in ids:
             text = self.tok.decode(p)

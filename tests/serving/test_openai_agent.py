@@ -85,11 +85,11 @@ def test_a_command_agent_reads_its_row_and_posts_its_reward(tokenizer, tmp_path)
     script = tmp_path / "agent_cli.py"
     script.write_text(textwrap.dedent('''
         import json, os, sys
-        import httpx, openai
+        import openai, requests
         row = json.loads(sys.stdin.readline())
         client = openai.OpenAI()  # OPENAI_BASE_URL and OPENAI_API_KEY from the environment
         r = client.chat.completions.create(model=os.environ["PLAIT_MODEL"], messages=row["messages"])
-        httpx.post(os.environ["PLAIT_REWARD_URL"], json={"reward": 0.25 + row["index"]})
+        requests.post(os.environ["PLAIT_REWARD_URL"], json={"reward": 0.25 + row["index"]})
     '''))
     batch = generate(tokenizer, cfg_for(command=f"{sys.executable} {script}"), script=lambda text: "#### 5")
     assert [i["reward_score"] for i in batch.agent_infos] == [0.25, 0.25, 1.25, 1.25]
@@ -161,6 +161,15 @@ def test_a_weight_sync_mid_decode_holds_the_call_and_records_each_tokens_version
     assert versions == [0] * 5 + [1] * (len(versions) - 5) and batch.agent_infos[0]["reward_score"] == 1.0
     n = int(batch.attended[0].sum())
     assert tokenizer.decode(batch.responses[0, :n]).startswith(CALL)
+
+
+def test_the_first_round_waits_for_every_agents_first_call(tokenizer, tmp_path):
+    """Outside agents start at their own pace (here up to 0.2 s apart): the batch's first engine round still holds
+    every session's first call, as it holds every in-process loop's."""
+    body = "import asyncio\nawait asyncio.sleep(0.05 * row['index'])"
+    engine = Scripted(tokenizer, tool_then_answer)
+    generate(tokenizer, cfg_for(path=agent_file(tmp_path, body)), n_rows=5, n=1, engine=engine)
+    assert engine.rounds[0] == 5
 
 
 def test_a_validation_between_the_cut_and_the_resume_leaves_the_cut_rollout_to_resume(tokenizer, tmp_path):

@@ -4,7 +4,7 @@ over a scripted engine (what the model says is scripted; everything between the 
 import json
 
 import anthropic
-import httpx
+import requests
 import openai
 import pytest
 
@@ -91,7 +91,7 @@ def test_wrong_requests_get_the_apis_errors(tokenizer):
             with pytest.raises(openai.BadRequestError) as err:
                 client.chat.completions.create(model="tiny", **kwargs)
             assert err.value.status_code == 400 and err.value.body["param"] == param, kwargs
-        r = httpx.post(url + "/v1/chat/completions", content=b"{not json")
+        r = requests.post(url + "/v1/chat/completions", data=b"{not json")
         assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
         with pytest.raises(anthropic.BadRequestError) as err:
             anthropic.Anthropic(base_url=url, api_key="x", max_retries=0).messages.create(
@@ -106,9 +106,9 @@ def test_sessions_by_path_and_by_key_and_their_reward(tokenizer):
                        openai.OpenAI(base_url=url + "/v1", api_key=session.id)):
             client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}])
         assert len(session.spans) == 2 and len(session.trajectories()) == 2  # the same request twice: two samples
-        r = httpx.post(f"{url}/sessions/{session.id}/reward", json={"reward": 0.75})
+        r = requests.post(f"{url}/sessions/{session.id}/reward", json={"reward": 0.75})
         assert r.status_code == 200 and session.reward == 0.75
-        assert httpx.post(f"{url}/sessions/{session.id}/reward", json={"reward": "high"}).status_code == 400
+        assert requests.post(f"{url}/sessions/{session.id}/reward", json={"reward": "high"}).status_code == 400
         anonymous = openai.OpenAI(base_url=url + "/v1", api_key="not-a-session", max_retries=0)
         with pytest.raises(openai.NotFoundError, match="no open session"):
             anonymous.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}])

@@ -266,13 +266,13 @@ def test_fully_async_generation_overlaps_update_actor_on_the_local_backend(tmp_p
     overlaps update_actor in steps 2 and 3 (a property of the schedule: right after each sync the
     rollouter may start, and 48 decode calls outlast the stages before the update). Step 1 warms up;
     step 4 has nothing left to generate."""
-    from plait.profiler.timeline import overlap_s, read_timeline
+    from plait.profiler.timeline import ROLLOUT_WORK, overlap_s, read_timeline
     lifecycle, _ = build(tiny_config, tmp_path, *FULLY_ASYNC, "trainer.placement=separated",
                          "trainer.total_training_steps=4", "data.max_response_length=48",
                          "trainer.test_freq=-1", "trainer.val_before_train=false")
     lifecycle.run()
     spans = read_timeline(os.path.join(tmp_path, "timeline.jsonl"))
-    overlap = overlap_s(spans, "update_actor", ("generate", "resume"))
+    overlap = overlap_s(spans, "update_actor", ROLLOUT_WORK)
     print("overlap s per step:", overlap)
     assert sorted(overlap) == [1, 2, 3, 4]
     assert overlap[2] > 0 and overlap[3] > 0, overlap

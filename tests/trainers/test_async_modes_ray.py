@@ -118,11 +118,35 @@ def test_fully_async_generation_overlaps_update_actor_on_ray(ray_up, tmp_path, t
     from an untrained model (48 decode calls) take longer than the stages before update_actor (one
     forward each), so it is still generating when the update starts. Step 1 is left out: the actor's
     first calls in a fresh process warm up, and step 4 has nothing left to generate."""
-    from plait.profiler.timeline import overlap_s, read_timeline
+    from plait.profiler.timeline import ROLLOUT_WORK, overlap_s, read_timeline
     lifecycle, _ = build(tiny_config, tmp_path, "trainer.mode=fully_async", "async_training.staleness_threshold=1",
                          "trainer.total_training_steps=4", "data.max_response_length=48")
     lifecycle.run()
     spans = read_timeline(os.path.join(tmp_path, "timeline.jsonl"))
-    overlap = overlap_s(spans, "update_actor", ("generate", "resume"))
+    overlap = overlap_s(spans, "update_actor", ROLLOUT_WORK)
     assert sorted(overlap) == [1, 2, 3, 4]
     assert overlap[2] > 0 and overlap[3] > 0, overlap
+
+
+V1 = {"colocate_async": ["trainer.v1.trainer_mode=colocate_async", "trainer.placement=colocated"],
+      "separate_async": ["trainer.v1.trainer_mode=separate_async", "trainer.v1.separate_async.parameter_sync_step=2",
+                         "trainer.v1.sampler.max_off_policy_threshold=2"]}
+
+
+@pytest.mark.parametrize("mode", V1)
+def test_v1_async_mode_on_ray(ray_up, tmp_path, tiny_config, mode):
+    """verl 0.9.1's V1 modes: colocate_async with the rollout on the trainer's rank 0, separate_async in a process of
+    its own; every group trained once, within the sampler's threshold, verl's metrics logged, nothing left running."""
+    lifecycle, seen = build(tiny_config, tmp_path, *V1[mode], "trainer.total_training_steps=3")
+    roles = lifecycle.trainer.roles
+    pids = roles.actor.pids + roles.rollout.pids
+    assert len({*pids, os.getpid()}) == (2 if mode == "colocate_async" else 3)
+    lifecycle.run()
+    counts = Counter(g for _, _, groups in seen for g in groups)
+    assert set(counts.values()) == {4} and len(counts) == 3 * 4  # 4 responses per group, each group once
+    records = read_metrics(os.path.join(tmp_path, "metrics.jsonl"))
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert all(r["training/off_policy/trajectory_staleness/max"] <= 1 for r in records)
+    assert all("timing_s/update_weights" in r and "training/off_policy/trajectory_spans/mean" in r for r in records)
+    assert not [t for t in threading.enumerate() if t.name.startswith("plait-")]
+    assert all(gone(pid) for pid in pids)

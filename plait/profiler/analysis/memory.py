@@ -112,8 +112,9 @@ def snapshot_stages(snapshot: dict) -> list[dict]:
     return spans
 
 
-def cpu_trace(events: list[dict], stages: list[dict], n_sites: int = 10) -> MemoryReport:
-    """From a torch.profiler trace (ts in wall-clock µs) with "[memory]" events of CPU memory."""
+def cpu_trace(events: list[dict], stages: list[dict], n_sites: int = 10, origin_s: float = 0.0) -> MemoryReport:
+    """From a torch.profiler trace (ts in µs from `origin_s`, wall-clock seconds) with "[memory]" events of
+    CPU memory."""
     frames: dict[tuple, list[dict]] = defaultdict(list)
     mems = []
     for e in events:
@@ -125,7 +126,7 @@ def cpu_trace(events: list[dict], stages: list[dict], n_sites: int = 10) -> Memo
     sites = {}
     for key, fs in frames.items():
         sites.update(_sites(fs, [m for m in mems if (m["pid"], m["tid"]) == key]))
-    replayed = [(m["ts"] / 1e6, m["args"]["Addr"], m["args"]["Bytes"], sites.get(id(m), "(no stack)"))
+    replayed = [(origin_s + m["ts"] / 1e6, m["args"]["Addr"], m["args"]["Bytes"], sites.get(id(m), "(no stack)"))
                 for m in mems]
     series, peak_i, at_peak = replay(replayed, {})
     return _report("cpu", series, peak_i, at_peak, stages, n_sites)

@@ -1,18 +1,21 @@
-"""`plait profile report DIR`: one offline page and one merged trace from a run's files.
+"""`plait profile report DIR`: one offline page, the verdict and merged traces from a run's files.
 
-    DIR (a run's output dir and/or a profiler save_path)
-      timeline.jsonl   metrics.jsonl          the run: stage spans, per-step metrics
-      manifest.jsonl + step*/…                the profiler: torch traces, memory artifacts
-    ─▶ DIR/report/index.html        verdict · Gantt per step · stage breakdown · windows' top ops · memory
-       DIR/report/timeline.json.gz  every span and every torch trace on one clock (Perfetto)
-       DIR/report/verdict.json      the verdict with each rule's inputs and predicted bound (verdict.py)
+    DIR (a run's output dir and/or a profiler save_path), read as untrusted data (inputs.py)
+      timeline.jsonl  metrics.jsonl  samples.jsonl  summary.json     the run: spans, per-step metrics, samples
+      manifest.jsonl + step*/…                                       the profiler: torch traces, memory artifacts
+    ─▶ DIR/report/index.html            verdict · summary · ranks · Gantt per step · stages · samples · windows · memory
+       DIR/report/verdict.json          the verdict with each rule's inputs and predicted bound (verdict.py)
+       DIR/report/timeline.json.gz      every timeline span (driver, rollouter, every Ray rank) and the
+                                        per-sample lanes, on one clock (Perfetto)
+       DIR/report/step<N>[-<M>].trace.json.gz   per window: its torch traces from every rank and process,
+                                        with the timeline spans of its steps (`--no-merge`: none written)
        and a short text summary, the verdict first (returned, printed by the CLI)
 
-The profiler's save_path is found as DIR itself, DIR/profile, or given (`--profile`); the run's
-files as DIR itself or given (`--run`). Whatever is missing is left out of the page, and said so.
-A folder may come from someone else: every file read is below the folder it was found in (DIR,
---profile, --run), symbolic links resolved; a manifest path or a recorded save_path that leads
-elsewhere (`..`, absolute, a link out) is not read, and the page says so.
+Traces are streamed one at a time (traces.py): a window's merged trace is written as its traces are
+read, and only the events the tables need are kept, one trace at a time, so memory is bounded by one
+trace's kept events, not by the run's. The profiler's save_path is found as DIR itself, DIR/profile, or
+given (`--profile`); the run's files as DIR itself or given (`--run`). Whatever is missing is left out
+of the page, and said so.
 """
 
 from __future__ import annotations
@@ -20,180 +23,206 @@ from __future__ import annotations
 import html
 import json
 import os
-import statistics
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Optional
 
 from plait.profiler.analysis import memory as mem
 from plait.profiler.analysis import svg, verdict
-from plait.profiler.analysis.traces import Trace, load_trace, merged_trace, top_ops, top_ops_overall, write_trace
-from plait.profiler.naming import LOCATION, MANIFEST, read_location, read_manifest
-from plait.profiler.timeline import TIMELINE_FILE
+from plait.profiler.analysis.accounting import StepTime, account
+from plait.profiler.analysis.inputs import Inputs, below, locate, number
+from plait.profiler.analysis.traces import (Clock, MergedTrace, load_trace, op_totals, origin_of, timeline_lanes,
+                                            top_ops, top_ops_overall)
 from plait.safeload import load_pickle
 
 MAX_GANTT_STEPS = 16
+MAX_SAMPLE_LANES = 256
 VERDICT_FILE = "verdict.json"
+TIMELINE_TRACE = "timeline.json.gz"
 
 
 @dataclass
-class Inputs:
-    run_dir: Optional[str]
-    profile_dir: Optional[str]
-    spans: list[dict]
-    metrics: list[dict]
-    manifest: list[dict]
-    looked: list[str]          # where a manifest was looked for (said when none was found)
+class Artifact:
+    """One manifest artifact as the page shows it (a trace's events are not kept past its tables)."""
+    record: dict
+    file: str
+    overall: list                      # top operators over the window (traces.top_ops_overall)
+    per_stage: dict                    # stage -> top operators
+    memory: Optional[mem.MemoryReport]
+    merged: Optional[str]              # the window's merged trace, relative to report/
+    notes: list
 
 
-def locate(path: str, profile: Optional[str] = None, run: Optional[str] = None) -> Inputs:
-    if not os.path.isdir(path):
-        raise FileNotFoundError(f"{path}: not a directory")
-    has = lambda d, f: d is not None and below(d, f) is not None and os.path.exists(os.path.join(d, f))  # noqa: E731
-    run = run or (path if has(path, TIMELINE_FILE) or has(path, "metrics.jsonl") else None)
-    # the save_path the run recorded wins when it is inside DIR: a copied run's points at the original
-    recorded = read_location(run) if has(run, LOCATION) else None
-    outside = [f"{recorded} (the run's recorded save_path: outside {path}, not read; give --profile)"] \
-        if recorded and below(path, recorded) is None else []
-    looked = [profile] if profile else list(dict.fromkeys(
-        d for d in (recorded if not outside else None, path, os.path.join(path, "profile")) if d))
-    profile = next((d for d in looked if has(d, MANIFEST)), None)
-    looked += outside
-    if run is None and profile is None:
-        raise FileNotFoundError(f"{path}: no timeline.jsonl, metrics.jsonl or manifest.jsonl here, nor a "
-                                f"manifest in {', '.join(looked)} (give a run's output dir or a profiler save_path)")
-    spans = _read_jsonl(os.path.join(run, TIMELINE_FILE)) if has(run, TIMELINE_FILE) else []
-    metrics = _read_jsonl(os.path.join(run, "metrics.jsonl")) if has(run, "metrics.jsonl") else []
-    spans = [s for s in spans if _typed(s, SPAN_FIELDS) and isinstance(s.get("version"), (int, type(None)))]
-    metrics = [_numbers(m) for m in metrics if isinstance(m.get("step"), int)]
-    return Inputs(run, profile, spans, [m for m in metrics if m["step"] >= 1],
-                  [r for r in read_manifest(profile) if _well_formed(r)] if profile else [], looked)
-
-
-# The shapes plait writes; a line of another shape (hand-edited, crafted) is skipped, not a traceback.
-RECORD_FIELDS = {"steps": list, "role": str, "rank": int, "pid": int, "tool": str, "complete": bool}
-NULLABLE_FIELDS = {"path": str, "stage": str, "policy_version": int}
-SPAN_FIELDS = {"step": int, "role": str, "stage": str, "pid": int, "thread": str, "start": (int, float),
-               "end": (int, float)}
-
-
-def _typed(rec: dict, fields: dict) -> bool:
-    return all(isinstance(rec.get(k), t) for k, t in fields.items())
-
-
-def _well_formed(rec: dict) -> bool:
-    """A manifest line as the profiler writes it."""
-    return _typed(rec, RECORD_FIELDS) and all(isinstance(rec.get(k), (t, type(None))) for k, t in NULLABLE_FIELDS.items())
-
-
-def _numbers(record: dict) -> dict:
-    """A metrics line's numbers (plait logs only numbers; anything else is not plotted)."""
-    return {k: v for k, v in record.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
-
-
-def below(root: str, rel: str) -> Optional[str]:
-    """`root`/`rel` when it resolves (links followed) inside `root`; None when it leads out of it
-    (`..`, an absolute path, a symbolic link elsewhere)."""
-    full = os.path.join(root, rel)
-    real_root = os.path.realpath(root)
-    return full if os.path.commonpath([real_root, os.path.realpath(full)]) == real_root else None
-
-
-def _read_jsonl(path: str) -> list[dict]:
-    """The JSON objects of a JSONL file; a torn or foreign line is skipped."""
-    rows = []
-    with open(path, errors="replace") as f:
-        for line in f:
-            try:
-                row = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(row, dict):
-                rows.append(row)
-    return rows
-
-
-def build_report(path: str, profile: Optional[str] = None, run: Optional[str] = None) -> str:
-    """Write DIR/report/{index.html, timeline.json.gz}; returns the text summary."""
+def build_report(path: str, profile: Optional[str] = None, run: Optional[str] = None, merge: bool = True) -> str:
+    """Write DIR/report/ (see the module docstring); returns the text summary."""
     inp = locate(path, profile, run)
     out_dir = os.path.join(path, "report")
-    for link in (out_dir, os.path.join(out_dir, "index.html"), os.path.join(out_dir, "timeline.json.gz")):
-        if os.path.islink(link):  # a planted link: the report is written in the folder, never through it
-            os.unlink(link)
+    _unlink_planted(out_dir)
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise FileNotFoundError(f"{out_dir}: exists and is not a folder, and the report is written there; move it")
     os.makedirs(out_dir, exist_ok=True)
-    traces, memories, notes = [], [], []
+    clock = Clock(origin_of(inp.spans, inp.manifest))
+    steps = account(inp.spans)
+    f = verdict.facts(steps, inp.metrics, inp.summary, inp.spans)
+    judged = verdict.report(f)
+    artifacts = read_artifacts(inp, clock, out_dir if merge else None)
+    if merge:
+        merged = MergedTrace(os.path.join(out_dir, TIMELINE_TRACE), clock)
+        merged.spans(inp.spans, _process_names(inp))
+        merged.samples(sample_lanes(inp.samples, clock, inp.notes))
+        merged.close()
+    _write(os.path.join(out_dir, VERDICT_FILE), json.dumps(judged, indent=1))
+    _write(os.path.join(out_dir, "index.html"), _page(inp, steps, f, artifacts, out_dir, judged, merge))
+    return summary(inp, f, artifacts, out_dir, judged, merge)
+
+
+def _unlink_planted(out_dir: str) -> None:
+    """A link planted in report/ (the folder or a file the report writes) is removed, never written through."""
+    if os.path.islink(out_dir):
+        os.unlink(out_dir)
+    if os.path.isdir(out_dir):
+        for name in os.listdir(out_dir):
+            if os.path.islink(os.path.join(out_dir, name)):
+                os.unlink(os.path.join(out_dir, name))
+
+
+def _write(path: str, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+
+
+def _process_names(inp: Inputs) -> dict[int, str]:
+    names = {s["pid"]: "driver" for s in inp.spans if s.get("rank") is None}
+    names.update({s["pid"]: f"{s['role']} rank {s['rank']}" for s in inp.spans if s.get("rank") is not None})
+    names.update({r["pid"]: f"{r['role']} rank {r['rank']}" for r in inp.manifest})
+    return names
+
+
+def read_artifacts(inp: Inputs, clock: Clock, out_dir: Optional[str]) -> list[Artifact]:
+    """Every manifest artifact, window by window; with `out_dir`, each window's traces merged into
+    report/step<N>[-<M>].trace.json.gz with the timeline spans of its steps."""
+    windows: dict = defaultdict(list)
     for rec in inp.manifest:
-        file = below(inp.profile_dir, rec["path"]) if rec["path"] else None
-        if rec["path"] and file is None:
-            notes.append(f"{rec['path']}: outside the profile folder {inp.profile_dir}; not read")
-            continue
-        if file is None or not os.path.exists(file):
-            notes.append(f"{rec['path'] or rec['role']}: no file (complete={rec['complete']})")
-            continue
-        try:
-            if file.endswith(".pickle"):
-                snapshot = load_pickle(file)  # plain data only: a crafted folder runs nothing
-                stages = inp.spans + mem.snapshot_stages(snapshot)
-                memories.append((rec, file, mem.cuda_snapshot(snapshot, _trainer_stages(stages))))
-            elif ".json" in file:
-                trace = load_trace(file, rec)
-                traces.append(trace)
-                if rec["tool"] == "torch_memory":
-                    memories.append((rec, file, mem.cpu_trace(trace.events, _trainer_stages(inp.spans))))
-        except Exception as err:  # one unreadable artifact must not hide the others
-            notes.append(f"{rec['path']}: could not be read ({type(err).__name__}: {err})")
-    drivers = {s["pid"]: "driver" for s in inp.spans}
-    write_trace(merged_trace(inp.spans, traces, drivers), os.path.join(out_dir, "timeline.json.gz"))
-    judged = verdict.report(verdict.of_run(inp.spans, inp.metrics, _run_summary(inp.run_dir)))
-    with open(os.path.join(out_dir, VERDICT_FILE), "w") as f:
-        json.dump(judged, f, indent=1)
-    page = _page(inp, traces, memories, notes, out_dir, judged)
-    with open(os.path.join(out_dir, "index.html"), "w") as f:
-        f.write(page)
-    return summary(inp, traces, memories, out_dir, judged)
+        windows[tuple(rec["steps"]) if rec["steps"] else None].append(rec)
+    lanes = timeline_lanes(inp.spans, clock)
+    names = _process_names(inp)
+    out = []
+    for steps, records in windows.items():
+        traced = [r for r in records if r["path"] and ".json" in r["path"]]
+        merged = None
+        if out_dir is not None and steps is not None and traced:
+            name = f"step{steps[0]}" + (f"-{steps[1]}" if steps[1] != steps[0] else "") + ".trace.json.gz"
+            merged = MergedTrace(os.path.join(out_dir, name), clock)
+            merged.spans([s for s in inp.spans if steps[0] <= s["step"] <= steps[1]], names)
+        for rec in records:
+            got = _artifact(inp, rec, clock, lanes, merged)
+            if got is not None:
+                out.append(got)
+        if merged is not None:
+            merged.close()
+    return out
+
+
+def _artifact(inp: Inputs, rec: dict, clock: Clock, lanes: dict, merged: Optional[MergedTrace]) -> Optional[Artifact]:
+    """One artifact's tables (or a note saying why it is not shown)."""
+    file = below(inp.profile_dir, rec["path"]) if rec["path"] else None
+    if rec["path"] and file is None:
+        inp.notes.append(f"{rec['path']}: outside the profile folder {inp.profile_dir}; not read")
+        return None
+    if file is None or not os.path.isfile(file):
+        inp.notes.append(f"{rec['path'] or rec['role']}: no file (complete={rec['complete']})")
+        return None
+    stages = _trainer_stages(inp.spans)
+    try:
+        if file.endswith(".pickle"):
+            snapshot = load_pickle(file)  # plain data only: a crafted folder runs nothing
+            report = mem.cuda_snapshot(snapshot, _trainer_stages(stages + mem.snapshot_stages(snapshot)))
+            return Artifact(rec, file, [], {}, report, None, [])
+        if ".json" not in file:
+            return None
+        trace = load_trace(file, rec, clock, merged)
+        totals = op_totals(trace, lanes)
+        memory = mem.cpu_trace(trace.events, stages, origin_s=clock.origin_ns / 1e9) if rec["tool"] == "torch_memory" else None
+        return Artifact(rec, file, top_ops_overall(totals, n=10), top_ops(totals, n=8), memory,
+                        merged and os.path.basename(merged.path), trace.notes)
+    except Exception as err:  # noqa: BLE001 - one unreadable artifact must not hide the others
+        inp.notes.append(f"{rec['path']}: could not be read ({type(err).__name__}: {str(err)[:200]})")
+        return None
 
 
 def _trainer_stages(spans: list[dict]) -> list[dict]:
-    return [s for s in spans if s["role"] in ("trainer", "snapshot")]
+    return [s for s in spans if s["role"] in ("trainer", "snapshot") and s.get("rank") is None]
+
+
+def sample_lanes(samples: list[dict], clock: Clock, notes: list[str]) -> list[tuple]:
+    """Each sample's spans on one lane of the merged trace, lanes reused once a sample is done (at most
+    MAX_SAMPLE_LANES lanes; samples past them are in samples.jsonl only, said in `notes`)."""
+    by_sample: dict[str, list[dict]] = defaultdict(list)
+    for r in samples:
+        by_sample[r["sample"]].append(r)
+    free_at: list[int] = []
+    rows, left_out = [], 0
+    for sample, spans in sorted(by_sample.items(), key=lambda kv: min(r["start"] for r in kv[1])):
+        start, end = clock.wall(min(r["start"] for r in spans)), clock.wall(max(r["end"] for r in spans))
+        lane = next((i for i, t in enumerate(free_at) if t <= start), None)
+        if lane is None:
+            if len(free_at) == MAX_SAMPLE_LANES:
+                left_out += 1
+                continue
+            free_at.append(end)
+            lane = len(free_at) - 1
+        free_at[lane] = end
+        for r in sorted(spans, key=lambda r: (r["start"], -(r["end"] - r["start"]))):
+            ts = clock.wall(r["start"])
+            rows.append((lane + 1, sample, r["span"], ts, max(clock.wall(r["end"]), ts),
+                         {"step": r["step"], "version": r["version"], **r["attrs"]}))
+    if left_out:
+        notes.append(f"samples.jsonl: {left_out} samples past the merged trace's {MAX_SAMPLE_LANES} lanes (in the file only)")
+    return rows
 
 
 # -- the text summary ---------------------------------------------------------------------------
 
-def summary(inp: Inputs, traces: list[Trace], memories: list, out_dir: str, judged: dict) -> str:
+def summary(inp: Inputs, f: verdict.Facts, artifacts: list[Artifact], out_dir: str, judged: dict, merge: bool) -> str:
     lines = [f"verdict: {v['line']}" for v in judged["verdicts"]] or ["verdict: nothing stands out"]
     lines += [f"  evidence: {'; '.join(v['evidence'])}" for v in judged["verdicts"][:1]]
+    if judged["profiler"]:
+        lines.append(judged["profiler"]["line"])
     lines += [f"plait profile report: {os.path.join(out_dir, 'index.html')}",
-              f"  merged trace: {os.path.join(out_dir, 'timeline.json.gz')} (open in ui.perfetto.dev)",
               f"  verdict's inputs: {os.path.join(out_dir, VERDICT_FILE)}"]
-    steps = [m["step"] for m in inp.metrics]
-    if steps:
-        times = [m.get("perf/time_per_step", 0.0) for m in inp.metrics]
-        lines.append(f"  steps {min(steps)}-{max(steps)}: step time p50 {_quantile(times, 0.5):.3f} s, "
-                     f"p90 {_quantile(times, 0.9):.3f} s")
-        stages = _stage_totals(inp.metrics)
-        total = sum(stages.values()) or 1.0
-        top = sorted(stages.items(), key=lambda kv: -kv[1])[:4]
-        lines.append("  time by stage: " + ", ".join(f"{k} {100 * v / total:.0f}%" for k, v in top))
-        for key in ("trainer/idle_ratio", "rollouter/idle_ratio"):
-            vals = [m[key] for m in inp.metrics if key in m]
-            if vals:
-                lines.append(f"  {key}: mean {sum(vals) / len(vals):.2f}")
+    if merge:
+        windows = sorted({a.merged for a in artifacts if a.merged})
+        lines.append(f"  merged traces (ui.perfetto.dev): {os.path.join(out_dir, TIMELINE_TRACE)}"
+                     + (f"; per window: {', '.join(windows)}" if windows else ""))
+    if f.steps:
+        lines.append(f"  step time p50 {f.step_s:.3f} s, p90 {f.step_p90:.3f} s ({f.basis}, {f.steps} steps)")
+        top = [(k, v) for k, v in f.trainer.items() if k not in verdict.BETWEEN][:4]
+        lines.append("  time by stage: " + ", ".join(f"{k} {_pct(v)}" for k, v in top))
+    for key in ("trainer/idle_ratio", "rollouter/idle_ratio"):
+        if key in f.metrics:
+            lines.append(f"  {key}: median {f.metrics[key]:.2f}")
+    for name, ranks in f.ranks.items():
+        slow, ratio = _slowest(ranks)
+        lines.append(f"  ranks in {name}: " + ", ".join(f"rank {r} {v['s']:.3g} s" for r, v in ranks.items())
+                     + f"; slowest rank {slow} ({ratio:.2f}x the median's own work)")
     where = inp.profile_dir or "no manifest.jsonl in " + ", ".join(inp.looked)
-    lines.append(f"  profiled artifacts: {len(inp.manifest)} ({len(traces)} torch traces; {where})")
-    for rec, file, r in memories:
-        site = r.top_sites[0][0] if r.top_sites else "-"
-        lines.append(f"  memory {rec['path']}: window peak {r.peak_bytes / 2**20:.1f} MiB in {r.peak_stage} "
-                     f"{_when(inp.spans, r.peak_time)}; top site {site}")
+    traces = sum(1 for a in artifacts if ".json" in a.file)
+    lines.append(f"  profiled artifacts: {len(inp.manifest)} ({traces} torch traces; {where})")
+    for a in artifacts:
+        if a.memory is not None:
+            r = a.memory
+            site = r.top_sites[0][0] if r.top_sites else "-"
+            lines.append(f"  memory {a.record['path']}: window peak {r.peak_bytes / 2**20:.1f} MiB in {r.peak_stage} "
+                         f"{_when(inp.spans, r.peak_time)}; top site {site}")
+    lines += [f"  not shown: {n}" for n in inp.notes]
     return "\n".join(lines)
 
 
-def _stage_totals(metrics: list[dict]) -> dict[str, float]:
-    out: dict[str, float] = defaultdict(float)
-    for m in metrics:
-        for k, v in m.items():
-            if k.startswith("timing_s/") and k != "timing_s/step":
-                out[k.removeprefix("timing_s/")] += v
-    return dict(out)
+def _slowest(ranks: dict) -> tuple[int, float]:
+    work = {r: max(v["s"] - v["wait_s"], 0.0) for r, v in ranks.items()}
+    median = sorted(work.values())[(len(work) - 1) // 2]
+    slow = max(work, key=work.get)
+    return slow, work[slow] / median if median > 0 else 1.0
 
 
 # -- the page -----------------------------------------------------------------------------------
@@ -211,51 +240,146 @@ def _esc(x) -> str:
 
 def _table(header: list[str], rows: list[list]) -> str:
     head = "".join(f"<th>{_esc(h)}</th>" for h in header) if any(header) else ""
-    body = "".join("<tr>" + "".join(f'<td class="n">{_fmt(c)}</td>' if isinstance(c, (int, float)) else
-                                    f"<td>{_esc(c)}</td>" for c in row) + "</tr>" for row in rows)
+    body = "".join("<tr>" + "".join(f'<td class="n">{_fmt(c)}</td>' if isinstance(c, (int, float)) and
+                                    not isinstance(c, bool) else f"<td>{_esc(c)}</td>" for c in row) + "</tr>"
+                   for row in rows)
     return f"<table>{'<tr>' + head + '</tr>' if head else ''}{body}</table>"
 
 
 def _fmt(x) -> str:
-    return f"{x:.4g}" if isinstance(x, float) else str(x)
+    """A number for people: 3 significant digits, no exponent (12,345; 1.23; 0.0123; below 0.001: '<0.001')."""
+    if isinstance(x, int) or not number(x):
+        return f"{x:,}" if isinstance(x, int) and not isinstance(x, bool) else "-"
+    if x == 0:
+        return "0"
+    if abs(x) >= 1000:
+        return f"{x:,.0f}"
+    if abs(x) < 0.001:
+        return "<0.001" if x > 0 else ">-0.001"
+    text = f"{x:.3g}"
+    return text if "e" not in text else f"{x:.4f}"
 
 
-def _page(inp: Inputs, traces: list[Trace], memories: list, notes: list[str], out_dir: str, judged: dict) -> str:
+def _pct(share: float) -> str:
+    return f"{100 * share:.0f} %" if share >= 0.01 else "<1 %"
+
+
+def _page(inp: Inputs, steps: list[StepTime], f: verdict.Facts, artifacts: list[Artifact], out_dir: str, judged: dict,
+          merge: bool) -> str:
+    traces = f"merged trace: <a href='{TIMELINE_TRACE}'>{TIMELINE_TRACE}</a> (open in ui.perfetto.dev)" if merge \
+        else "no merged traces (--no-merge)"
     parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>plait profile report</title>"
              f"<style>{CSS}</style></head><body><h1>plait profile report</h1>",
              f"<p class='note'>run: {_esc(inp.run_dir or '(none)')} · profiler save_path: "
-             f"{_esc(inp.profile_dir or '(none)')} · merged trace: <a href='timeline.json.gz'>timeline.json.gz</a> "
-             "(open in ui.perfetto.dev)</p>"]
-    parts.append(_verdict_section(judged))
-    parts.append(_summary_box(inp, traces, memories))
-    parts.append(_gantt_section(inp))
-    parts.append(_breakdown_section(inp))
-    parts.append(_windows_section(traces, inp.profile_dir, out_dir))
-    parts.append(_memory_section(inp, memories, out_dir))
-    parts.append(_learning_section(inp))
-    if notes:
-        parts.append("<h2>Artifacts not shown</h2><ul>" + "".join(f"<li>{_esc(n)}</li>" for n in notes) + "</ul>")
+             f"{_esc(inp.profile_dir or '(none)')} · {traces}</p>",
+             _verdict_section(judged), _summary_box(inp, f, artifacts, judged), _ranks_section(f),
+             _gantt_section(inp, steps), _breakdown_section(inp), _samples_section(inp),
+             _windows_section(artifacts, inp.profile_dir, out_dir), _memory_section(inp, artifacts, out_dir),
+             _learning_section(inp)]
+    if inp.notes:
+        parts.append("<h2 id='notes'>Not shown</h2><ul>" + "".join(f"<li>{_esc(n)}</li>" for n in inp.notes) + "</ul>")
     return "".join(parts) + "</body></html>"
 
 
-def _gantt_section(inp: Inputs) -> str:
+def _verdict_section(judged: dict) -> str:
+    """Each verdict with the numbers it rests on; the profiler's cost and the step's time per thread beside them."""
+    out = ["<h2 id='verdict'>Verdict</h2>"]
+    if not judged["verdicts"]:
+        out.append("<p>Nothing stands out: no rule found a stage or setting that could save 10 % of the step "
+                   "(docs/profiling.md lists the rules and their thresholds).</p>")
+    for v in judged["verdicts"]:
+        out.append(f"<p><b>{_esc(v['line'])}</b></p><p class='note'>rests on: {_esc('; '.join(v['evidence']))} "
+                   f"· rule {_esc(v['rule'])} · inputs and predicted bound in {VERDICT_FILE}</p>")
+    if judged["profiler"]:
+        out.append(f"<p class='note'>{_esc(judged['profiler']['line'])}</p>")
+    if judged["skipped_rules"]:
+        out.append(f"<p class='note'>rules left out (their records did not read): {_esc('; '.join(judged['skipped_rules']))}</p>")
+    f = judged["facts"]
+    for title, shares in (("trainer", f["trainer"]), ("rollouter", f["rollouter"])):
+        if shares:
+            out.append(f"<p class='note'>{title}'s time, share of the step ({_fmt(f['step_s'])} s, {f['basis']}, "
+                       f"{f['steps']} steps): " + _esc(", ".join(f"{k} {_pct(v)}" for k, v in shares.items() if v >= 0.005))
+                       + "</p>")
+    return "".join(out)
+
+
+def _summary_box(inp: Inputs, f: verdict.Facts, artifacts: list[Artifact], judged: dict) -> str:
+    rows = []
+    numbers = [m["step"] for m in inp.metrics]
+    if f.steps and numbers:
+        rows.append(["steps", f"{min(numbers)}-{max(numbers)}" + (f" ({len(f.profiled)} inside profiler windows)"
+                                                                  if f.profiled else "")])
+        rows.append(["step time", f"p50 {f.step_s:.3f} s · p90 {f.step_p90:.3f} s ({f.basis}: each step's cycle "
+                                   "on the trainer, from its first span to the next step's)"])
+        rows.append(["stage shares", ", ".join(f"{k} {_pct(v)}" for k, v in list(f.trainer.items())[:6])])
+    for key in ("trainer/idle_ratio", "rollouter/idle_ratio"):
+        vals = [m[key] for m in inp.metrics if key in m]
+        if vals:
+            rows.append([key, f"mean {sum(vals) / len(vals):.2f} (min {min(vals):.2f}, max {max(vals):.2f})"])
+    mfu = {k: v for k, v in f.metrics.items() if k.startswith("perf/mfu/")}
+    if mfu:
+        rows.append(["MFU (median)", ", ".join(f"{k.removeprefix('perf/mfu/')} {_pct_fine(v)}" for k, v in sorted(mfu.items()))
+                     + " of this device's measured matmul peak at the model's dtype (workers/flops.py)"])
+    peak = mem.process_peak(inp.metrics)  # the run summary's memory_peak
+    if peak:
+        rows.append(["process memory peak", f"{peak['gb']:.3g} GB in stage {peak['stage']} at step {peak['step']} ({peak['metric']})"])
+    for a in artifacts:
+        if a.memory is not None:
+            r = a.memory
+            site = r.top_sites[0][0] if r.top_sites else "-"
+            rows.append([f"window peak {a.record['path']}", f"{r.peak_bytes / 2**20:.1f} MiB in {r.peak_stage}, "
+                                                            f"{_when(inp.spans, r.peak_time)}; top site {site}"])
+    if judged["profiler"]:
+        rows.append(["profiler", judged["profiler"]["line"].removeprefix("profiler: ")])
+    w = inp.summary.get("wall_s")
+    if w:
+        rows.append(["wall time", f"{w['total']:.1f} s: " + ", ".join(
+            f"{k} {w[k]:.1f} s" for k in ("startup", "steps", "validation", "checkpoints", "profiler", "other")) +
+            " (summary.json)"])
+    if not rows:
+        return "<p class='note'>Nothing to summarise: no metrics.jsonl and no artifacts.</p>"
+    return "<h2 id='summary'>Summary</h2>" + _table(["", ""], rows)
+
+
+def _pct_fine(x: float) -> str:
+    return f"{100 * x:.2g} %" if x < 0.1 else f"{100 * x:.0f} %"
+
+
+def _ranks_section(f: verdict.Facts) -> str:
+    """Per stage run by several ranks: each rank's time, its waits in collectives and its own work."""
+    if not f.ranks:
+        return ""
+    out = ["<h2 id='ranks'>Ranks side by side</h2><p class='note'>From each Ray worker's own spans (recorded every "
+           f"step), {_esc(f.basis)}. Own work is the stage less its collectives (all-reduce, all-gather): a rank that "
+           "waits there is waiting for a slower one.</p>"]
+    for name, ranks in f.ranks.items():
+        slow, ratio = _slowest(ranks)
+        work = {r: max(v["s"] - v["wait_s"], 0.0) for r, v in ranks.items()}
+        median = sorted(work.values())[(len(work) - 1) // 2]
+        out.append(f"<h3>{_esc(name)}: slowest rank {slow}, {ratio:.2f}x the median rank's own work</h3>")
+        out.append(_table(["rank", "stage s", "waiting s", "own work s", "x median"],
+                          [[r, v["s"], v["wait_s"], work[r], work[r] / median if median else 1.0]
+                           for r, v in ranks.items()]))
+    return "".join(out)
+
+
+def _gantt_section(inp: Inputs, steps: list[StepTime]) -> str:
     out = ["<h2 id='gantt'>1. Stages per step</h2>"]
-    if not inp.spans:
+    if not inp.spans or not steps:
         return out[0] + "<p class='note'>No timeline.jsonl: give the run's output dir.</p>"
-    lanes = sorted({f"{s['role']} ({s['thread']})" for s in inp.spans}, key=lambda l: (not l.startswith("trainer"), l))
-    steps = sorted({s["step"] for s in inp.spans if s["role"] == "trainer" and s["stage"] == "step"})
+    lane = lambda s: f"{s['role']}{'' if s.get('rank') is None else ' rank ' + str(s['rank'])} ({s['thread']})"  # noqa: E731
+    lanes = sorted({lane(s) for s in inp.spans}, key=lambda n: (not n.startswith("trainer"), n))
     shown = steps if len(steps) <= MAX_GANTT_STEPS else [steps[round(i * (len(steps) - 1) / (MAX_GANTT_STEPS - 1))]
                                                          for i in range(MAX_GANTT_STEPS)]
-    out.append("<p class='note'>One row per role and thread; gaps in a row are idle time (bubbles). "
-               "Hover a bar for stage, step and policy version.</p>")
-    by_step = {s["step"]: s for s in inp.spans if s["role"] == "trainer" and s["stage"] == "step"}
-    bars = [(f"{s['role']} ({s['thread']})", s["stage"], s["start"], s["end"],
+    out.append("<p class='note'>One row per role, rank and thread; gaps in a row are idle time (bubbles). A step is its "
+               "cycle on the trainer: from its first span to the next step's. Hover a bar for stage, step and version.</p>")
+    bars = [(lane(s), s["stage"], s["start"], s["end"],
              f"{s['stage']} · step {s['step']} · v{s['version']} · {1000 * (s['end'] - s['start']):.1f} ms")
             for s in inp.spans if s["stage"] != "step"]
-    for step in shown:
-        w = by_step[step]
-        out.append(f"<h3>step {step} · {w['end'] - w['start']:.3f} s · policy version {_esc(w['version'])}</h3>")
-        out.append(svg.gantt(lanes, bars, w["start"], w["end"]))
+    versions = {s["step"]: s["version"] for s in inp.spans if s["role"] == "trainer" and s["stage"] == "step"}
+    for st in shown:
+        out.append(f"<h3>step {st.step} · {st.wall:.3f} s · policy version {_esc(versions.get(st.step))}</h3>")
+        out.append(svg.gantt(lanes, bars, st.start, st.start + st.wall))
     out.append(svg.key(sorted({b[1] for b in bars})))
     keys = ["trainer/idle_ratio", "rollouter/idle_ratio", "training/staleness/mean", "training/staleness/max"]
     keys = [k for k in keys if any(k in m for m in inp.metrics)]
@@ -289,6 +413,10 @@ def _breakdown_section(inp: Inputs) -> str:
     for key, unit in (("perf/time_per_step", "s"), ("perf/throughput", "tokens/s/device")):
         out.append(f"<h3>{key} ({unit})</h3>")
         out.append(svg.lines(xs, {key: [m.get(key, float("nan")) for m in inp.metrics]}, unit))
+    mfu = sorted({k for m in inp.metrics for k in m if k.startswith("perf/mfu/")})
+    if mfu:
+        out.append("<h3>MFU per stage (share of this device's measured matmul peak at the model's dtype)</h3>")
+        out.append(svg.lines(xs, {k: [m.get(k, float("nan")) for m in inp.metrics] for k in mfu}, "MFU"))
     peaks: dict[str, float] = defaultdict(float)
     for m in inp.metrics:
         for k, v in m.items():
@@ -309,36 +437,99 @@ def _breakdown_section(inp: Inputs) -> str:
     return "".join(out)
 
 
-def _windows_section(traces: list[Trace], profile_dir: Optional[str], out_dir: str) -> str:
-    out = ["<h2 id='windows'>3. Profiled windows</h2>"]
+def _stage_totals(metrics: list[dict]) -> dict[str, float]:
+    out: dict[str, float] = defaultdict(float)
+    for m in metrics:
+        for k, v in m.items():
+            if k.startswith("timing_s/") and k != "timing_s/step":
+                out[k.removeprefix("timing_s/")] += v
+    return dict(out)
+
+
+def _samples_section(inp: Inputs) -> str:
+    """Per sample (samples.jsonl): latency histograms, staleness, what happened to them, the slowest ones."""
+    if not inp.samples:
+        return ""
+    lives = sample_lives(inp.samples)
+    out = ["<h2 id='samples'>3. Samples</h2><p class='note'>Each sample from its submission to the update that trained "
+           "on it (samples.jsonl; the merged trace's <code>samples</code> lanes): queue (waiting for the rollout), gen, "
+           "tool, resume, queued (generated, waiting for the trainer), reward.</p>"]
+    ends = defaultdict(int)
+    for life in lives.values():
+        ends[life["end"]] += 1
+    out.append("<p>" + _esc(", ".join(f"{k}: {v}" for k, v in sorted(ends.items()))) + "</p>")
+    done = [x for x in lives.values() if x["end"] == "consumed"]
+    for title, values in (("submission to update", [x["total"] for x in done]),
+                          ("generating (gen, tool, resume)", [x["parts"].get("gen", 0) + x["parts"].get("tool", 0)
+                                                              + x["parts"].get("resume", 0) for x in done]),
+                          ("waiting (queue, queued)", [x["parts"].get("queue", 0) + x["parts"].get("queued", 0) for x in done])):
+        out.append(f"<h3>{_esc(title)}</h3>" + svg.histogram(values, "s", title))
+    stale = defaultdict(int)
+    for x in done:
+        stale[x["staleness"]] += 1
+    if stale:
+        out.append("<h3>Staleness at the update (policy versions behind)</h3>"
+                   + _table(["versions behind", "samples"], [[k, v] for k, v in sorted(stale.items(), key=lambda kv: str(kv[0]))]))
+    spans = sorted({k for x in lives.values() for k in x["parts"]})
+    slow = sorted(lives.items(), key=lambda kv: -kv[1]["total"])[:10]
+    out.append("<h3>The slowest samples</h3>" + _table(["sample", "end", "step", "total s", *spans],
+                                                        [[k, x["end"], x["step"], x["total"], *[x["parts"].get(s, 0.0) for s in spans]]
+                                                         for k, x in slow]))
+    return "".join(out)
+
+
+def sample_lives(samples: list[dict]) -> dict[str, dict]:
+    """sample -> {"total": first start to last end, "parts": span -> seconds, "end": how it ended, "step", "staleness"}."""
+    out: dict[str, dict] = {}
+    for r in samples:
+        x = out.setdefault(r["sample"], {"start": r["start"], "stop": r["end"], "parts": defaultdict(float),
+                                         "end": "in flight", "step": r["step"], "staleness": "-"})
+        x["start"], x["stop"] = min(x["start"], r["start"]), max(x["stop"], r["end"])
+        if r["span"] in ("consumed", "dropped", "discarded"):
+            x["end"], x["step"] = r["span"], r["step"]
+            x["staleness"] = r["attrs"].get("staleness", "-")
+        else:
+            x["parts"][r["span"]] += r["end"] - r["start"]
+    for x in out.values():
+        x["total"] = x["stop"] - x["start"]
+    return out
+
+
+def _windows_section(artifacts: list[Artifact], profile_dir: Optional[str], out_dir: str) -> str:
+    out = ["<h2 id='windows'>4. Profiled windows</h2>"]
+    traces = [a for a in artifacts if ".json" in a.file]
     if not traces:
         return out[0] + "<p class='note'>No torch traces in the manifest.</p>"
-    for t in traces:
-        r = t.record
-        link = os.path.relpath(os.path.join(profile_dir, r["path"]), out_dir)
-        out.append(f"<h3>steps {r['steps'][0]}-{r['steps'][1]} · {_esc(t.label)}"
+    for a in traces:
+        r = a.record
+        link = os.path.relpath(a.file, out_dir)
+        merged = f" · merged with every rank and the timeline: <a href='{_esc(a.merged)}'>{_esc(a.merged)}</a>" if a.merged else ""
+        out.append(f"<h3>steps {r['steps'][0]}-{r['steps'][1]} · {_esc(r['role'])} rank {r['rank']}"
                    f"{' · ' + _esc(r['stage']) if r['stage'] else ''} · pid {r['pid']} · policy version "
-                   f"{r['policy_version']} · {'complete' if r['complete'] else 'INCOMPLETE'}</h3>"
-                   f"<p class='note'>raw: <a href='{_esc(link)}'>{_esc(r['path'])}</a></p>")
-        overall = top_ops_overall(t, n=10)
-        out.append("<p class='note'>Top operators across every stage of the window (self time):</p>")
-        out.append(_table(["operator", "ms", "calls", "most in stage"], [[op, us / 1000, c, st] for op, us, c, st in overall]))
-        ops = top_ops(t, n=8)
-        rows = [[stage, op, us / 1000, calls] for stage in sorted(ops) for op, us, calls in ops[stage]]
-        out.append("<p class='note'>Per stage (an update's mini-batch ranges count in the update):</p>")
+                   f"{_esc(r['policy_version'])} · {'complete' if r['complete'] else 'INCOMPLETE'}</h3>"
+                   f"<p class='note'>raw: <a href='{_esc(link)}'>{_esc(r['path'])}</a>{merged}"
+                   + "".join(f" · {_esc(n)}" for n in a.notes) + "</p>")
+        out.append("<p class='note'>Top operators across every stage of the window (self time; GPU kernels by the "
+                   "operator that launched them):</p>")
+        out.append(_table(["operator", "ms", "calls", "most in stage"], [[op, us / 1000, c, st] for op, us, c, st in a.overall]))
+        rows = [[stage, op, us / 1000, calls] for stage in sorted(a.per_stage) for op, us, calls in a.per_stage[stage]]
+        out.append("<p class='note'>Per stage (an update's mini-batch ranges count in the update; an operator of a "
+                   "stage the window cut is charged to the timeline's span around it):</p>")
         out.append(_table(["stage", "operator (self time)", "ms", "calls"], rows))
     return "".join(out)
 
 
-def _memory_section(inp: Inputs, memories: list, out_dir: str) -> str:
-    out = ["<h2 id='memory'>4. Memory</h2>"]
+def _memory_section(inp: Inputs, artifacts: list[Artifact], out_dir: str) -> str:
+    out = ["<h2 id='memory'>5. Memory</h2>"]
+    memories = [a for a in artifacts if a.memory is not None]
     if not memories:
         return out[0] + "<p class='note'>No torch_memory artifacts (global_profiler.tool=torch_memory).</p>"
-    for rec, file, r in memories:
-        link = os.path.relpath(file, out_dir)
+    for a in memories:
+        rec, r = a.record, a.memory
+        link = os.path.relpath(a.file, out_dir)
         out.append(f"<h3>{_esc(rec['path'])} · {_esc(rec['role'])} rank {rec['rank']} · {r.device}</h3>"
                    f"<p>window peak <b>{r.peak_bytes / 2**20:.2f} MiB</b> {_esc(_when(inp.spans, r.peak_time))}, "
-                   f"in stage <b>{_esc(r.peak_stage)}</b> · raw: <a href='{_esc(link)}'>{_esc(os.path.basename(file))}</a></p>")
+                   f"in stage <b>{_esc(r.peak_stage)}</b> · raw: <a href='{_esc(link)}'>{_esc(os.path.basename(a.file))}</a></p>")
         out.append(f"<p class='note'>{_esc(_what_it_counts(r.device))} {_esc(_process_peak(inp.metrics, rec))}</p>")
         out.append(svg.area(r.series, [(s["stage"], s["start"], s["end"]) for s in _trainer_stages(inp.spans)
                                        if s["stage"] != "step"]))
@@ -362,8 +553,7 @@ def _process_peak(metrics: list[dict], rec: dict) -> str:
     first, last = rec["steps"] or (None, None)
     inside = [m for m in metrics if first is not None and first <= m["step"] <= last]
     best = max(((v, k, m["step"]) for m in inside for k, v in m.items() if k.startswith("memory/")
-                and not k.startswith("memory/step/") and "reserved" not in k and isinstance(v, (int, float))),
-               default=None)
+                and not k.startswith("memory/step/") and "reserved" not in k), default=None)
     if best is None:
         return ""
     v, k, step = best
@@ -373,7 +563,7 @@ def _process_peak(metrics: list[dict], rec: dict) -> str:
 
 def _when(spans: list[dict], t: float) -> str:
     """`t` as seconds into its step and its innermost trainer stage (both from the timeline)."""
-    trainer = [s for s in spans if s["role"] == "trainer" and s["start"] <= t <= s["end"]]
+    trainer = [s for s in spans if s["role"] == "trainer" and s.get("rank") is None and s["start"] <= t <= s["end"]]
     step = next((s for s in trainer if s["stage"] == "step"), None)
     if step is None:
         return "(outside the timeline's steps)"
@@ -382,41 +572,18 @@ def _when(spans: list[dict], t: float) -> str:
     return text + (f" ({t - inner['start']:.3f} s into {inner['stage']})" if inner else "")
 
 
-# -- the verdict, the summary box and the learning curves ------------------------------------------
-
-def _verdict_section(judged: dict) -> str:
-    """Each verdict with the numbers it rests on; the step's time per thread beside them."""
-    out = ["<h2 id='verdict'>Verdict</h2>"]
-    if not judged["verdicts"]:
-        out.append("<p>Nothing stands out: no rule found a stage or setting that could save 10 % of the step "
-                   "(docs/profiling.md lists the rules and their thresholds).</p>")
-    for v in judged["verdicts"]:
-        out.append(f"<p><b>{_esc(v['line'])}</b></p><p class='note'>rests on: {_esc('; '.join(v['evidence']))} "
-                   f"· rule {_esc(v['rule'])} · inputs and predicted bound in {VERDICT_FILE}</p>")
-    if judged["skipped_rules"]:
-        out.append(f"<p class='note'>rules left out (their records did not read): {_esc('; '.join(judged['skipped_rules']))}</p>")
-    f = judged["facts"]
-    for title, shares in (("trainer", f["trainer"]), ("rollouter", f["rollouter"])):
-        if shares:
-            out.append(f"<p class='note'>{title}'s time, median share of the step ({f['step_s']:.3g} s, {f['steps']} steps): "
-                       + _esc(", ".join(f"{k} {100 * v:.0f} %" for k, v in shares.items() if v >= 0.005)) + "</p>")
-    return "".join(out)
-
-
-
 LEARNING = [("val-core/", "validation reward"), ("critic/score/mean", "score"), ("actor/ppo_kl", "KL (actor/ppo_kl)"),
             ("actor/kl_loss", "KL loss"), ("actor/entropy", "entropy"), ("response_length/mean", "response length (tokens)")]
 
 
 def _learning_section(inp: Inputs) -> str:
-    out = ["<h2 id='learning'>5. Learning curves</h2>"]
-    records = [m for m in _all_records(inp) if isinstance(m.get("step"), int)]
+    out = ["<h2 id='learning'>6. Learning curves</h2>"]
+    records = inp.validation  # with step 0 (validation before training)
     shown = 0
     for prefix, label in LEARNING:
-        keys = sorted({k for m in records for k in m if k == prefix or (prefix.endswith("/") and k.startswith(prefix))
-                       and isinstance(m[k], (int, float))})
+        keys = sorted({k for m in records for k in m if k == prefix or (prefix.endswith("/") and k.startswith(prefix))})
         for key in keys[:2]:
-            points = [(m["step"], m[key]) for m in records if isinstance(m.get(key), (int, float))]
+            points = [(m["step"], m[key]) for m in records if key in m]
             if len(points) < 2:
                 continue
             out.append(f"<h3>{_esc(label)}: {_esc(key)}</h3>")
@@ -427,71 +594,8 @@ def _learning_section(inp: Inputs) -> str:
     return "".join(out)
 
 
-def _all_records(inp: Inputs) -> list[dict]:
-    """metrics.jsonl with step 0 (validation before training), which `inp.metrics` leaves out."""
-    path = below(inp.run_dir, "metrics.jsonl") if inp.run_dir else None
-    return _read_jsonl(path) if path and os.path.exists(path) else []
-
-
-def _summary_box(inp: Inputs, traces: list, memories: list) -> str:
-    rows = []
-    times = [m["perf/time_per_step"] for m in inp.metrics if isinstance(m.get("perf/time_per_step"), (int, float))]
-    if times:
-        rows.append(["steps", f"{inp.metrics[0]['step']}-{inp.metrics[-1]['step']} ({len(times)})"])
-        rows.append(["step time", f"p50 {_quantile(times, 0.5):.3f} s · p90 {_quantile(times, 0.9):.3f} s"])
-        totals = _stage_totals(inp.metrics)
-        whole = sum(totals.values()) or 1.0
-        rows.append(["stage shares", ", ".join(f"{k} {100 * v / whole:.0f}%" for k, v in
-                                               sorted(totals.items(), key=lambda kv: -kv[1])[:5])])
-    for key in ("trainer/idle_ratio", "rollouter/idle_ratio"):
-        vals = [m[key] for m in inp.metrics if isinstance(m.get(key), (int, float))]
-        if vals:
-            rows.append([key, f"mean {sum(vals) / len(vals):.2f} (min {min(vals):.2f}, max {max(vals):.2f})"])
-    peak = mem.process_peak(inp.metrics)  # the run summary's memory_peak
-    if peak:
-        rows.append(["process memory peak", f"{peak['gb']:.3g} GB in stage {peak['stage']} at step {peak['step']} ({peak['metric']})"])
-    for rec, _, r in memories:
-        site = r.top_sites[0][0] if r.top_sites else "-"
-        rows.append([f"window peak {rec['path']}", f"{r.peak_bytes / 2**20:.1f} MiB in {r.peak_stage}, "
-                                                   f"{_when(inp.spans, r.peak_time)}; top site {site}"])
-    profiled = {s for rec in inp.manifest if rec.get("steps") for s in range(rec["steps"][0], rec["steps"][1] + 1)}
-    inside = [m["perf/time_per_step"] for m in inp.metrics if m["step"] in profiled and "perf/time_per_step" in m]
-    outside = [m["perf/time_per_step"] for m in inp.metrics if m["step"] not in profiled and "perf/time_per_step" in m]
-    if inside and outside:
-        rows.append(["profiler overhead", f"profiled steps took {_quantile(inside, 0.5) / _quantile(outside, 0.5):.2f}x "
-                                          "the others (medians)"])
-    run = _run_summary(inp.run_dir)
-    if run:
-        w = run["wall_s"]
-        rows.append(["wall time", f"{w['total']:.1f} s: " + ", ".join(
-            f"{k} {w[k]:.1f} s" for k in ("startup", "steps", "validation", "checkpoints", "profiler", "other")) +
-            " (profiler: starting, stopping and writing windows; summary.json)"])
-    if not rows:
-        return "<p class='note'>Nothing to summarise: no metrics.jsonl and no artifacts.</p>"
-    return "<h2 id='summary'>Summary</h2>" + _table(["", ""], rows)
-
-
-def _run_summary(run_dir: Optional[str]) -> Optional[dict]:
-    path = below(run_dir, "summary.json") if run_dir else None
-    if not path or not os.path.exists(path):
-        return None
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return None
-
-
-def _quantile(xs: list[float], q: float) -> float:
-    """The median for q=0.5 (as summary.json gives it); else the value at rank q (nearest rank)."""
-    if q == 0.5:
-        return statistics.median(xs)
-    xs = sorted(xs)
-    return xs[min(int(q * len(xs)), len(xs) - 1)]
-
-
 def _argmax_step(metrics: list[dict], key: str):
-    return max((m for m in metrics if isinstance(m.get(key), (int, float))), key=lambda m: m[key])["step"]
+    return max((m for m in metrics if key in m), key=lambda m: m[key])["step"]
 
 
 def _per_step_table(metrics: list[dict], keys: list[str]) -> str:
@@ -505,3 +609,35 @@ def _per_step_table(metrics: list[dict], keys: list[str]) -> str:
         out.append(table if len(metrics) <= 20 else f"<details><summary>per-step values ({len(metrics)} steps)"
                                                    f"</summary>{table}</details>")
     return "".join(out)
+
+
+
+WATCHED = ("metrics.jsonl", "timeline.jsonl", "samples.jsonl", "summary.json", "profile/manifest.jsonl", "manifest.jsonl")
+
+
+def watch(path: str, profile: Optional[str] = None, run: Optional[str] = None, merge: bool = False,
+          interval: float = 10.0, stop_after: Optional[int] = None) -> int:
+    """`plait profile report --watch DIR`: rewrite the report whenever the run's files change (checked
+    every `interval` s), one line per refresh, until the run has ended (its summary.json is written
+    after the watch began, and the last refresh read it) or Ctrl-C; `stop_after` refreshes for tests."""
+    import sys
+    import time
+    begun, seen, done = time.time(), None, 0
+    ended = os.path.join(run or path, "summary.json")
+    while stop_after is None or done < stop_after:
+        state = [(p, os.stat(p).st_mtime_ns, os.stat(p).st_size) for p in
+                 (os.path.join(run or path, name) for name in WATCHED) if os.path.isfile(p)]
+        if state and state != seen:
+            seen = state
+            try:
+                text = build_report(path, profile=profile, run=run, merge=merge)
+            except FileNotFoundError:
+                text = None  # the run has not written its first files yet
+            if text is not None:
+                done += 1
+                first = text.splitlines()[0]
+                print(f"plait: report refreshed {time.strftime('%H:%M:%S')}: {first}", file=sys.stderr, flush=True)
+            if os.path.isfile(ended) and os.stat(ended).st_mtime >= begun:
+                return 0
+        time.sleep(interval)
+    return 0

@@ -6,7 +6,8 @@
     area(series, bands, t0)              memory over time, stage spans as bands underneath
 
 Each returns an <svg> string; colours are fixed per stage name (the same in every report), axes have
-round ticks (1, 2, 2.5 or 5 x 10^k apart) and a title inside the drawing, with a legend where there are several.
+round ticks (1, 2, 2.5 or 5 x 10^k apart) and a title inside the drawing, with a legend where there are
+several, wrapped onto as many rows as its names need. A value that is not a finite number is not drawn.
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ W = 900
 # unknown stage) gets one from a hash of its name, so it too is the same in every report.
 STAGE_COLOURS = {name: PALETTE[i] for i, name in enumerate((
     "gen", "reward", "old_log_prob", "ref", "values", "adv", "update_critic", "update_actor", "update_weights",
-    "testing", "save_checkpoint", "wait_rollout", "param_sync", "generate", "resume", "wait_capacity",
+    "testing", "save_checkpoint", "wait_rollout", "param_sync", "all_reduce", "resume", "wait_capacity",
     "wait_sync", "validate", "step", "startup"))}
+LEGEND_ROW = 16
 
 
 def colour(name: str) -> str:
@@ -51,12 +53,34 @@ def _esc(text) -> str:
     return html.escape(str(text))
 
 
-def legend(names: list[str], y: float) -> str:
-    out, x, fill = [], 10.0, colours(names)
+def finite(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _legend_places(names: list[str]) -> list[tuple[float, int]]:
+    """(x, row) of each name: left to right, a new row when the next would pass the chart's width."""
+    out, x, row = [], 10.0, 0
     for name in names:
-        out.append(f'<rect x="{x:.0f}" y="{y:.0f}" width="10" height="10" fill="{fill[name]}"/>'
-                   f'<text x="{x + 14:.0f}" y="{y + 9:.0f}" font-size="11">{_esc(name)}</text>')
-        x += 24 + 7 * len(name)
+        width = 24 + 7 * len(str(name))
+        if x > 10 and x + width > W - 10:
+            x, row = 10.0, row + 1
+        out.append((x, row))
+        x += width
+    return out
+
+
+def legend_height(names: list[str]) -> int:
+    """The height the legend of `names` takes (its rows)."""
+    places = _legend_places(names)
+    return (places[-1][1] + 1) * LEGEND_ROW if places else 0
+
+
+def legend(names: list[str], y: float) -> str:
+    out, fill = [], colours(names)
+    for name, (x, row) in zip(names, _legend_places(names)):
+        top = y + row * LEGEND_ROW
+        out.append(f'<rect x="{x:.0f}" y="{top:.0f}" width="10" height="10" fill="{fill[name]}"/>'
+                   f'<text x="{x + 14:.0f}" y="{top + 9:.0f}" font-size="11">{_esc(name)}</text>')
     return "".join(out)
 
 
@@ -109,14 +133,14 @@ def x_axis(left: float, right: float, y: float, ticks: list[float], title: str, 
 
 
 def key(names: list[str]) -> str:
-    """A legend on its own line."""
-    return f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="16">{legend(names, 2)}</svg>'
+    """A legend on its own, on as many rows as it needs."""
+    return f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{legend_height(names) + 2}">{legend(names, 2)}</svg>'
 
 
 def gantt(lanes: list[str], spans: list[tuple[str, str, float, float, str]], t0: float, t1: float) -> str:
     """spans: (lane, stage, start, end, tooltip) in seconds; drawn from t0 to the round tick at or after t1."""
     left, row, width = 170, 22, W - 190
-    ticks = nice_ticks(0.0, max(t1 - t0, 1e-9))
+    ticks = nice_ticks(0.0, max(t1 - t0, 1e-9) if finite(t1 - t0) else 1.0)
     scale = width / ticks[-1]
     height = row * len(lanes) + 44
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{height}" class="gantt">']
@@ -124,11 +148,12 @@ def gantt(lanes: list[str], spans: list[tuple[str, str, float, float, str]], t0:
         y = 4 + i * row
         out.append(f'<text x="4" y="{y + 14}" font-size="11">{_esc(lane)}</text>'
                    f'<rect x="{left}" y="{y}" width="{(t1 - t0) * scale:.1f}" height="{row - 4}" fill="#f3f3f3"/>')
+    index = {lane: i for i, lane in enumerate(lanes)}
     for lane, stage, start, end, tip in spans:
         s, e = max(start, t0), min(end, t1)
-        if e <= s or lane not in lanes:
+        if not (finite(s) and finite(e)) or e <= s or lane not in index:
             continue
-        y = 4 + lanes.index(lane) * row
+        y = 4 + index[lane] * row
         x, w = left + (s - t0) * scale, max((e - s) * scale, 0.5)
         out.append(f'<rect x="{x:.1f}" y="{y}" width="{w:.1f}" height="{row - 4}" fill="{colour(stage)}">'
                    f'<title>{_esc(tip)}</title></rect>')
@@ -140,12 +165,14 @@ def gantt(lanes: list[str], spans: list[tuple[str, str, float, float, str]], t0:
 
 def stacked_bars(xs: list, series: dict[str, list[float]], unit: str = "s") -> str:
     left, top_y, plot_h = 50, 20, 190
+    series = {k: [v if finite(v) and v > 0 else 0.0 for v in vs] for k, vs in series.items()}
     totals = [sum(v[i] for v in series.values()) for i in range(len(xs))]
     ticks = nice_ticks(0.0, max(totals, default=0.0) or 1.0)
     top = ticks[-1]
     bw = (W - left - 20) / max(len(xs), 1)
     base, fill = top_y + plot_h, colours(list(series))
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{base + 52}" class="stacked">',
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{base + 38 + legend_height(list(series))}" '
+           'class="stacked">',
            y_axis(left, base, top_y, ticks, unit)]
     for i, x in enumerate(xs):
         y = base
@@ -166,6 +193,7 @@ def stacked_bars(xs: list, series: dict[str, list[float]], unit: str = "s") -> s
 def lines(xs: list, series: dict[str, list[float]], unit: str = "") -> str:
     """One polyline per series over integer steps `xs`; the y axis from 0 (or below, for negatives)."""
     left, top_y, plot_h = 60, 20, 170
+    series = {k: [v if finite(v) else float("nan") for v in vs] for k, vs in series.items()}
     values = [v for vs in series.values() for v in vs if v == v]
     lo, hi = min(min(values, default=0.0), 0.0), max(values, default=1.0)  # from 0: a flat 0.5 is no swing
     y_ticks = nice_ticks(lo, hi if hi > lo else lo + 1.0, 4)
@@ -176,7 +204,8 @@ def lines(xs: list, series: dict[str, list[float]], unit: str = "") -> str:
     base = top_y + plot_h
     sx = lambda x: left + (x - xa) / max(xb - xa, 1) * (W - left - 20)  # noqa: E731
     sy = lambda v: base - (v - lo) / (hi - lo) * plot_h  # noqa: E731
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{base + 52}" class="lines">',
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{base + 38 + legend_height(list(series))}" '
+           'class="lines">',
            y_axis(left, base, top_y, y_ticks, unit)]
     fill = colours(list(series))
     for name, vs in series.items():
@@ -191,6 +220,8 @@ def lines(xs: list, series: dict[str, list[float]], unit: str = "") -> str:
 def area(series: list[tuple[float, int]], bands: list[tuple[str, float, float]], max_points: int = 1500) -> str:
     """Memory (bytes) over wall time with stage bands (name, start, end) behind it."""
     left, top_y, plot_h, band_h = 60, 20, 170, 12
+    series = [(t, b) for t, b in series if finite(t) and finite(b)]
+    bands = [(n, s, e) for n, s, e in bands if finite(s) and finite(e)]
     if not series:
         return "<p>(no memory events)</p>"
     t0 = series[0][0]
@@ -203,7 +234,9 @@ def area(series: list[tuple[float, int]], bands: list[tuple[str, float, float]],
     base = top_y + plot_h
     sx = lambda t: left + (t - t0) / (t1 - t0) * (W - left - 20)  # noqa: E731
     sy = lambda b: base - b / top * plot_h  # noqa: E731
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{base + band_h + 60}" class="memory">']
+    names = sorted({b[0] for b in bands})
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{base + band_h + 46 + legend_height(names)}" '
+           'class="memory">']
     for name, s, e in bands:
         s, e = max(s, t0), min(e, t1)
         if e > s:
@@ -215,5 +248,29 @@ def area(series: list[tuple[float, int]], bands: list[tuple[str, float, float]],
     out.append(f'<polyline fill="none" stroke="#222" stroke-width="1.5" points="{pts}"/>')
     out.append(y_axis(left, base, top_y, y_ticks, "MiB"))
     out.append(x_axis(left, W - 20, base + band_h, x_ticks, "s from the window's first event"))
-    out.append(legend(sorted({b[0] for b in bands}), base + band_h + 44))
+    out.append(legend(names, base + band_h + 44))
+    return "".join(out) + "</svg>"
+
+
+def histogram(values: list[float], unit: str, title: str, bins: int = 20) -> str:
+    """How many values fall in each of about `bins` equal, round bins from 0 (latencies)."""
+    values = [v for v in values if finite(v) and v >= 0]
+    if not values:
+        return "<p>(no values)</p>"
+    left, top_y, plot_h = 60, 20, 150
+    edges = nice_ticks(0.0, max(values) or 1.0, bins)
+    width = edges[1] - edges[0]
+    counts = [0] * (len(edges) - 1)
+    for v in values:
+        counts[min(int(v / width), len(counts) - 1)] += 1
+    y_ticks = [t for t in nice_ticks(0.0, max(counts), 4) if t == int(t)] or [0, max(counts)]
+    base, span = top_y + plot_h, W - left - 20
+    bw = span / len(counts)
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{base + 40}" class="histogram">',
+           y_axis(left, base, top_y, y_ticks, "samples")]
+    for i, c in enumerate(counts):
+        h = c / y_ticks[-1] * plot_h
+        out.append(f'<rect x="{left + i * bw:.1f}" y="{base - h:.1f}" width="{max(bw - 1, 0.5):.1f}" height="{h:.1f}" '
+                   f'fill="#4e79a7"><title>{label(edges[i])}-{label(edges[i + 1])} {_esc(unit)}: {c}</title></rect>')
+    out.append(x_axis(left, left + span, base, edges, f"{title} ({unit})"))
     return "".join(out) + "</svg>"

@@ -12,7 +12,13 @@ checkpoints and the profiler), one per key, and ranks them by that saving: at mo
 predicted bound (`inputs`, `predicted`: verdict.json). Nothing stands out, nothing is said.
 
 Every share is of the step's whole cycle (profiler/analysis/accounting.py: stages, the time between
-steps and what no span names), so unattributed time is never ignored: it has its own rule. The
+steps and what no span names), so unattributed time is never ignored: it has its own rule. The steps
+read are those outside profiler windows (a window slows its steps and closes with `profiler_stop`);
+when every step was profiled, each cycle without the profiler's own spans. The profiler's cost is not a
+verdict but a line of its own (`profiler_line`), so profiling a run does not change what it is told.
+A rule suggests only keys that act on the run's backend and device (config_verl's tables of keys with
+no effect there), and each prediction is computed for the value it suggests (`predicted`, the quantity
+`plait profile diff` measures in the rerun). The
 thresholds are the constants below; docs/profiling.md says what each rule means. What is left out:
 multi-node placement advice, kernels (the report's top operators), and anything the records lack
 (a run from before summary.json carried `settings` gets only the rules that need none).
@@ -26,6 +32,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Optional
 
 from plait.profiler.analysis.accounting import UNATTRIBUTED, StepTime, median_shares
+from plait.profiler.timeline import ROLLOUT_WORK, rank_stages
 
 MIN_SAVING = 0.10      # a verdict must be able to save >= 10 % of the step (or of the run's wall time)
 GEN_SHARE = 0.40       # sync: generation >= 40 % of the step is generation-bound (overlap it) ...
@@ -46,24 +53,41 @@ OVERHEAD_SHARE = 0.25  # validation / checkpoints / profiler >= 25 % of the run'
 OVERHEAD_TARGET = 0.10  # ... and the suggested frequency brings it to about 10 %
 HOLE_SHARE = 0.15      # unattributed >= 15 % of the step
 
-# The config keys the rules read, stored in summary.json as `settings` (one place for the list).
-SETTINGS = (
-    "trainer.mode", "trainer.placement", "trainer.backend", "trainer.n_gpus_per_node", "trainer.test_freq",
-    "trainer.save_freq", "trainer.val_before_train", "data.train_batch_size", "data.max_response_length",
-    "actor_rollout_ref.rollout.n", "actor_rollout_ref.rollout.n_gpus_per_node",
-    "actor_rollout_ref.actor.ppo_mini_batch_size", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
-    "actor_rollout_ref.actor.ppo_epochs", "actor_rollout_ref.actor.use_dynamic_bsz",
-    "actor_rollout_ref.actor.ppo_max_token_len_per_gpu", "actor_rollout_ref.model.enable_gradient_checkpointing",
-    "actor_rollout_ref.model.use_remove_padding", "reward.num_workers", "reward.custom_reward_function.path",
-    "async_training.staleness_threshold", "async_training.trigger_parameter_sync_step",
-    "async_training.require_batches", "async_training.partial_rollout", "global_profiler.tool", "global_profiler.steps",
-    "actor_rollout_ref.rollout.profiler.enable", "actor_rollout_ref.rollout.profiler.tool_config.torch.profile_token_end",
-    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu", "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
-    "critic.ppo_micro_batch_size_per_gpu", "actor_rollout_ref.rollout.max_num_seqs",
-)
-BETWEEN = ("log", "profiler_start", "profiler_stop", "finish_hook")  # the lifecycle's own spans
+# The config keys the rules read, stored in summary.json as `settings`, each with the kind of value it
+# holds (one place for the list: a summary.json setting of another kind is not read, inputs.clean_summary).
+SETTINGS = {
+    "trainer.mode": "str", "trainer.placement": "str", "trainer.backend": "str", "trainer.n_gpus_per_node": "int",
+    "trainer.nnodes": "int", "trainer.ray.num_cpu_workers": "int", "trainer.test_freq": "int", "trainer.save_freq": "int",
+    "trainer.val_before_train": "bool", "data.train_batch_size": "int", "data.max_response_length": "int",
+    "actor_rollout_ref.rollout.n": "int", "actor_rollout_ref.rollout.name": "str",
+    "actor_rollout_ref.rollout.n_gpus_per_node": "int", "actor_rollout_ref.rollout.tensor_model_parallel_size": "int",
+    "actor_rollout_ref.actor.ppo_mini_batch_size": "int", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": "int?",
+    "actor_rollout_ref.actor.ppo_epochs": "int", "actor_rollout_ref.actor.use_dynamic_bsz": "bool",
+    "actor_rollout_ref.actor.ppo_max_token_len_per_gpu": "int?", "actor_rollout_ref.model.enable_gradient_checkpointing": "bool",
+    "actor_rollout_ref.model.use_remove_padding": "bool", "reward.num_workers": "int",
+    "reward.custom_reward_function.path": "str?", "async_training.staleness_threshold": "num",
+    "async_training.trigger_parameter_sync_step": "int", "async_training.require_batches": "int",
+    "async_training.partial_rollout": "bool", "global_profiler.tool": "str?", "global_profiler.steps": "ints?",
+    "actor_rollout_ref.rollout.profiler.enable": "bool", "actor_rollout_ref.rollout.profiler.tool_config.torch.profile_token_end": "int?",
+    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu": "int?", "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu": "int?",
+    "critic.ppo_micro_batch_size_per_gpu": "int?", "actor_rollout_ref.rollout.max_num_seqs": "int?",
+    "memory_capacity_gb": "num?", "device": "str?",
+}
+
+
+def fits(value, kind: str) -> bool:
+    """Whether a setting's value is of its kind ("int", "num", "bool", "str", "ints"; "?": or null)."""
+    if kind.endswith("?"):
+        return value is None or fits(value, kind[:-1])
+    number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    return {"int": isinstance(value, int) and number, "num": number, "bool": isinstance(value, bool),
+            "str": isinstance(value, str),
+            "ints": isinstance(value, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in value)}[kind]
+
+
+PROFILER_SPANS = ("profiler_start", "profiler_stop", "finish_hook")  # the profiler's own time between steps
+BETWEEN = ("log", *PROFILER_SPANS)  # the lifecycle's own spans
 NOT_TRAINING = ("gen", "wait_rollout", "testing", "save_checkpoint", UNATTRIBUTED, *BETWEEN)
-STEP = "of the step (median over the steps)"
 WALL = "of the run's wall time after start-up"
 
 
@@ -80,6 +104,11 @@ class Facts:
     wall: dict[str, float]                # summary.json's wall_s ({} when absent)
     settings: dict[str, Any]              # SETTINGS from summary.json ({} when absent)
     memory_peak: Optional[dict] = None    # summary.json's memory_peak (gb, stage, metric, step)
+    basis: str = "median over the steps"  # which steps the medians are over (profiled ones left out)
+    profiled: list[int] = field(default_factory=list)   # steps inside profiler windows
+    profiler: dict = field(default_factory=dict)        # the profiler's own cost (profiler_cost)
+    ranks: dict = field(default_factory=dict)           # "role/stage" -> rank -> {"s", "wait_s"} medians
+    step_p90: float = 0.0                               # the cycles' 90th percentile (nearest rank), same steps
 
 
 @dataclass
@@ -96,14 +125,19 @@ class Verdict:
     evidence: list[str] = field(default_factory=list)
     inputs: dict = field(default_factory=dict)
     predicted: dict = field(default_factory=dict)
+    advice: str = "see the Gantt's gaps"   # what to look at when no key helps (key "")
 
     def line(self) -> str:
-        try_ = f"try {self.key}={_value(self.value)}" if self.key else "try: see the Gantt's gaps"
+        try_ = f"try {self.key}={_value(self.value)}" if self.key else f"try: {self.advice}"
         return (f"{self.where} is {100 * self.share:.0f} % {self.basis}; driven by {self.driver}; {try_} "
                 f"(expected: {self.expected})")
 
     def as_dict(self) -> dict:
         return {**asdict(self), "line": self.line()}
+
+
+def _of_step(f: Facts) -> str:
+    return f"of the step ({f.basis})"
 
 
 def _value(v) -> str:
@@ -112,24 +146,93 @@ def _value(v) -> str:
 
 # -- the facts ----------------------------------------------------------------------------------
 
-def facts(steps: list[StepTime], metrics: list[dict], summary: Optional[dict]) -> Facts:
-    """Facts from the accounted steps, metrics.jsonl's step records and summary.json (or None)."""
-    summary = summary or {}
-    lanes = list(steps[0].lanes) if steps else []
+def facts(steps: list[StepTime], metrics: list[dict], summary: Optional[dict], spans: Optional[list[dict]] = None) -> Facts:
+    """Facts from the accounted steps, metrics.jsonl's step records, summary.json (or None) and the
+    timeline's spans (the profiler's windows and cost, the workers' per-rank spans)."""
+    summary, spans = summary or {}, spans or []
+    profiled = profiled_steps(spans)
+    kept = [st for st in steps if st.step not in profiled]
+    if kept:
+        basis = ("median over the steps" if not profiled else
+                 f"median over the {len(kept)} step{'s' if len(kept) > 1 else ''} outside profiler windows")
+    else:  # every step profiled: each cycle less the profiler's own spans (its recording still slows the stages)
+        kept = [without_profiler(st) for st in steps]
+        basis = "median over the steps" + (", the profiler's own time taken out" if profiled else "")
+    chosen = {st.step for st in kept}
+    metrics = [m for m in metrics if m.get("step") in chosen] or metrics
+    lanes = list(kept[0].lanes) if kept else []
     trainer_lane = lanes[0] if lanes else None
     rollouter = next((n for n in lanes[1:] if n.startswith("rollout (") and n != "rollout (MainThread)"), None)
-    walls = [st.wall for st in steps if st.wall > 0]
-    busy = [sum(v for k, v in st.lanes.get(rollouter, {}).items() if k in ("generate", "resume")) for st in steps]
+    walls = [st.wall for st in kept if st.wall > 0]
+    busy = [sum(v for k, v in st.lanes.get(rollouter, {}).items() if k in (*ROLLOUT_WORK, "generate")) for st in kept]
     numeric = {k for m in metrics for k, v in m.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
     return Facts(
         steps=len(walls), step_s=statistics.median(walls) if walls else 0.0,
-        trainer=median_shares(steps, trainer_lane) if trainer_lane else {},
-        trainer_s=_median_seconds(steps, trainer_lane) if trainer_lane else {},
-        rollouter=median_shares(steps, rollouter) if rollouter else {},
+        step_p90=sorted(walls)[min(int(0.9 * len(walls)), len(walls) - 1)] if walls else 0.0,
+        trainer=median_shares(kept, trainer_lane) if trainer_lane else {},
+        trainer_s=_median_seconds(kept, trainer_lane) if trainer_lane else {},
+        rollouter=median_shares(kept, rollouter) if rollouter else {},
         rollout_busy_s=statistics.median(busy) if rollouter and busy else 0.0,
         metrics={k: statistics.median(m[k] for m in metrics if isinstance(m.get(k), (int, float))) for k in numeric},
         wall=summary.get("wall_s") or {}, settings=summary.get("settings") or {},
-        memory_peak=summary.get("memory_peak"))
+        memory_peak=summary.get("memory_peak"), basis=basis, profiled=sorted(profiled),
+        profiler=profiler_cost(steps, profiled, spans), ranks=rank_facts(spans, chosen))
+
+
+def profiled_steps(spans: list[dict]) -> set[int]:
+    """Steps inside profiler windows: from a `profiler_start` to the next `profiler_stop` on the trainer."""
+    out, open_ = set(), False
+    for s in sorted((s for s in spans if s["role"] == "trainer" and s.get("rank") is None
+                     and s["stage"] in ("profiler_start", "profiler_stop", "step")), key=lambda s: s["start"]):
+        if s["stage"] == "profiler_start":
+            open_ = True
+        elif s["stage"] == "step" and open_:
+            out.add(s["step"])
+        elif s["stage"] == "profiler_stop":
+            open_ = False
+    return out
+
+
+def without_profiler(st: StepTime) -> StepTime:
+    """A step's cycle less the profiler's own spans (start, stop and write, finish hook) on the trainer."""
+    lanes = dict(st.lanes)
+    first = next(iter(lanes), None)
+    if first is None:
+        return st
+    own = sum(lanes[first].get(k, 0.0) for k in PROFILER_SPANS)
+    lanes[first] = {k: v for k, v in lanes[first].items() if k not in PROFILER_SPANS}
+    return StepTime(st.step, st.start, max(st.wall - own, 0.0), lanes)
+
+
+def profiler_cost(steps: list[StepTime], profiled: set[int], spans: list[dict]) -> dict:
+    """The profiler's own cost: windows, seconds starting / stopping and writing / in the finish hook,
+    and how much longer a profiled step's stages ran than an unprofiled one's (medians)."""
+    own = {k: sum(s["end"] - s["start"] for s in spans if s["role"] == "trainer" and s["stage"] == k
+                  and s.get("rank") is None) for k in PROFILER_SPANS}
+    windows = sum(1 for s in spans if s["role"] == "trainer" and s["stage"] == "profiler_start" and s.get("rank") is None)
+    inside = [without_profiler(st).wall for st in steps if st.step in profiled]
+    outside = [st.wall for st in steps if st.step not in profiled]
+    slowdown = statistics.median(inside) / statistics.median(outside) if inside and outside and statistics.median(outside) else None
+    return {"windows": windows, "start_s": own["profiler_start"], "stop_s": own["profiler_stop"],
+            "hook_s": own["finish_hook"], "total_s": sum(own.values()), "steps": len(inside), "slowdown": slowdown}
+
+
+def rank_facts(spans: list[dict], steps: set[int]) -> dict[str, dict[int, dict[str, float]]]:
+    """"role/stage" -> rank -> {"s": median seconds per step, "wait_s": of it in collectives}, over `steps`,
+    from the workers' own spans (Ray); stages run by one rank are left out."""
+    per_step: dict[int, list[tuple]] = {}
+    for s in spans:
+        if s.get("rank") is not None and s["step"] in steps:
+            per_step.setdefault(s["step"], []).append((s["role"], s["stage"], s["rank"], s["pid"], s.get("tid"),
+                                                       s["start"], s["end"]))
+    seen: dict[tuple, dict[int, list[list[float]]]] = {}
+    for group in per_step.values():
+        for key, ranks in rank_stages(group).items():
+            for rank, (total, wait) in ranks.items():
+                seen.setdefault(key, {}).setdefault(rank, []).append([total, wait])
+    return {f"{role}/{stage}": {r: {"s": statistics.median(v[0] for v in vals), "wait_s": statistics.median(v[1] for v in vals)}
+                                for r, vals in sorted(ranks.items())}
+            for (role, stage), ranks in seen.items() if len(ranks) > 1}
 
 
 def _median_seconds(steps: list[StepTime], lane: str) -> dict[str, float]:
@@ -170,7 +273,7 @@ def generation_bound(f: Facts) -> Optional[Verdict]:
         what = f"reward to update_actor ({train:.3g} s) after a generation of {gen:.3g} s that could run beside it"
     else:
         return None
-    return Verdict(rule, where, share, STEP, what, "trainer.mode", "one_step_off",
+    return Verdict(rule, where, share, _of_step(f), what, "trainer.mode", "one_step_off",
                    f"step >= max(gen {gen:.3g} s, training {train:.3g} s): about {bound:.3g} s instead of {f.step_s:.3g} s; "
                    "samples one policy version behind", min(gen, train) / f.step_s,
                    [f"gen {gen:.3g} s of a {f.step_s:.3g} s step", f"training stages {train:.3g} s"],
@@ -193,30 +296,59 @@ def async_idle(f: Facts) -> Optional[Verdict]:
         key, value = (("async_training.staleness_threshold", 1) if stale < 1 else
                       ("async_training.trigger_parameter_sync_step", 2 * trigger))
         bound = max(train, gen)
-        return Verdict("async_both_idle", "the trainer's wait (while the rollouter waits too)", t, STEP,
+        return Verdict("async_both_idle", "the trainer's wait (while the rollouter waits too)", t, _of_step(f),
                        f"the staleness bound: each side waits for the other, the rollouter may not run ahead "
                        f"(staleness_threshold={stale:g}, trigger_parameter_sync_step={trigger})", key, value,
                        f"generation overlaps training: step about max(training, generation) = {bound:.3g} s instead of "
                        f"{f.step_s:.3g} s; samples up to {max(1, math.ceil(value if key.endswith('threshold') else stale))} "
                        "versions behind", 1 - bound / f.step_s if f.step_s else 0.0, evidence, inputs, {"step_s": bound})
     if t >= IDLE_HIGH and r < IDLE_LOW:
-        now = s.get("actor_rollout_ref.rollout.n_gpus_per_node", 1)
         bound = max(train, gen / 2)
-        return Verdict("rollout_bound", "trainer waiting on the rollout (wait_rollout)", wait, STEP,
-                       f"generation ({gen:.3g} s per step) while the rollouter is never idle",
-                       "actor_rollout_ref.rollout.n_gpus_per_node",
-                       2 * now, f"twice the rollout devices: step about max(training, generation / 2) = {bound:.3g} s",
+        key, value, how = more_devices(f, "rollout")
+        return Verdict("rollout_bound", "trainer waiting on the rollout (wait_rollout)", wait, _of_step(f),
+                       f"generation ({gen:.3g} s per step) while the rollouter is never idle", key, value,
+                       f"{how}: step about max(training, generation / 2) = {bound:.3g} s",
                        1 - bound / f.step_s if f.step_s else 0.0, evidence, inputs, {"step_s": bound})
     if r >= IDLE_HIGH and t < IDLE_LOW:
-        now = s.get("trainer.n_gpus_per_node", 1)
         bound = max(train / 2, gen)
         waits = ", ".join(f"{k} {100 * v:.0f} %" for k, v in f.rollouter.items() if k.startswith("wait_"))
-        return Verdict("trainer_bound", "rollouter waiting on the trainer", r, STEP,
-                       f"training ({train:.3g} s per step" + (f"; rollouter waits: {waits})" if waits else ")"),
-                       "trainer.n_gpus_per_node",
-                       2 * now, f"twice the trainer devices: step about max(training / 2, generation) = {bound:.3g} s",
+        key, value, how = more_devices(f, "trainer")
+        return Verdict("trainer_bound", "rollouter waiting on the trainer", r, _of_step(f),
+                       f"training ({train:.3g} s per step" + (f"; rollouter waits: {waits})" if waits else ")"), key, value,
+                       f"{how}: step about max(training / 2, generation) = {bound:.3g} s",
                        1 - bound / f.step_s if f.step_s else 0.0, evidence, inputs, {"step_s": bound})
     return None
+
+
+def more_devices(f: Facts, side: str) -> tuple[str, Any, str]:
+    """(key, value, what it does) that gives `side` ("trainer" or "rollout") twice the devices on this run's
+    backend and device; ("", None, why not) when no key does: the local backend runs every role in one
+    process, the hf engine on a GPU uses one device, and a key config_verl names as having no effect here
+    (or a run whose backend or device the records lack) is never suggested."""
+    from plait.config_verl import CPU_RAY_NO_EFFECT, LOCAL_BACKEND_NO_EFFECT  # the tables of what acts where
+    s = f.settings
+    backend, device = s.get("trainer.backend"), s.get("device")
+    if backend != "ray" or device is None:
+        return "", None, ("no key adds devices on the local backend (every role in this process); "
+                          "trainer.backend=ray with more workers would" if backend == "local" else
+                          "the records do not say the run's backend and device, so no device key is suggested")
+    if side == "rollout" and device != "cpu":
+        from plait.workers.engine import ENGINES  # the engines' table says which key sets an engine's GPUs
+        engine = s.get("actor_rollout_ref.rollout.name")
+        rule = ENGINES[engine].devices_rule if engine in ENGINES else "1"
+        if rule == "1":
+            return "", None, f"the {engine or 'rollout'} engine uses one GPU: no device key helps"
+        key = f"actor_rollout_ref.{rule}"  # rollout.n_gpus_per_node follows it
+        now, what = s.get(key, 1), f"twice the rollout's GPUs ({rule}; rollout.n_gpus_per_node to match)"
+    elif side == "rollout":
+        key = "actor_rollout_ref.rollout.n_gpus_per_node"  # CPU Ray: that many cpus_per_worker slots of its process
+        now, what = s.get(key, 1), "twice the rollout process's CPU slots"
+    else:
+        key = "trainer.ray.num_cpu_workers" if device == "cpu" else "trainer.n_gpus_per_node"
+        now, what = s.get(key, 1), "twice the trainer's data-parallel ranks"
+    if (backend == "local" and key in LOCAL_BACKEND_NO_EFFECT) or (device == "cpu" and key in CPU_RAY_NO_EFFECT):
+        return "", None, f"{key} has no effect on this backend"
+    return key, 2 * now, what
 
 
 def response_tail(f: Facts) -> Optional[Verdict]:
@@ -238,7 +370,7 @@ def response_tail(f: Facts) -> Optional[Verdict]:
         cut = min(1.0, value / top) if top else 1.0
         what = f"responses cut at {value} tokens (changes what is trained)"
     bound = gen * cut
-    return Verdict("response_tail", "generation", gen_share, STEP,
+    return Verdict("response_tail", "generation", gen_share, _of_step(f),
                    f"the response-length tail: p99 {p99:.0f} tokens, median {med:.0f} (x{p99 / med:.1f})", key, value,
                    f"{what}; generation about {bound:.3g} s instead of {gen:.3g} s",
                    (gen - bound) / f.step_s if f.step_s else 0.0,
@@ -256,7 +388,7 @@ def reward_bound(f: Facts) -> Optional[Verdict]:
     new = min(8 if now == 0 else 2 * now, max(calls, 2))
     bound = reward * max(now, 1) / new
     where = "in the trainer's process" if now == 0 else f"on {now} worker processes"
-    return Verdict("reward_bound", "reward", share, STEP,
+    return Verdict("reward_bound", "reward", share, _of_step(f),
                    f"{calls} reward calls per step at {calls / reward:.0f}/s {where}" if reward else "the reward function",
                    "reward.num_workers", new, f"reward about {bound:.3g} s instead of {reward:.3g} s (calls in parallel); "
                    f"step about {f.step_s - reward + bound:.3g} s", (reward - bound) / f.step_s,
@@ -276,13 +408,13 @@ def weight_sync(f: Facts) -> Optional[Verdict]:
     if s.get("trainer.mode") == "fully_async":
         k = s.get("async_training.trigger_parameter_sync_step", 1)
         per_update = sync / k
-        return Verdict("weight_sync", stage, f.trainer[stage], STEP, f"one sync per {k} local update(s)",
+        return Verdict("weight_sync", stage, f.trainer[stage], _of_step(f), f"one sync per {k} local update(s)",
                        "async_training.trigger_parameter_sync_step", 2 * k,
                        f"sync time per local update {per_update / 2:.3g} s instead of {per_update:.3g} s; samples "
                        "may be one more update behind", (sync / 2) / f.step_s, evidence + [f"trigger_parameter_sync_step={k}"],
                        {"sync_s": sync, "updates_per_sync": k}, {"sync_s_per_update": per_update / 2})
     if s.get("trainer.placement") == "separated" and s.get("trainer.mode") == "sync":
-        return Verdict("weight_sync", stage, f.trainer[stage], STEP, "a copy of the weights to the rollout's own process",
+        return Verdict("weight_sync", stage, f.trainer[stage], _of_step(f), "a copy of the weights to the rollout's own process",
                        "trainer.placement", "colocated", "the rollout reads the actor's weights in place: update_weights "
                        "near 0", sync / f.step_s, evidence + ["trainer.placement=separated"], {"sync_s": sync}, {"sync_s": 0.0})
     return None
@@ -290,48 +422,104 @@ def weight_sync(f: Facts) -> Optional[Verdict]:
 
 def update_cost(f: Facts) -> Optional[Verdict]:
     """update_actor >= UPDATE_SHARE and a cause: many small micro-batches (by count, or by token budget
-    with use_dynamic_bsz), padding without packing, or recomputation (gradient checkpointing)."""
+    with use_dynamic_bsz), padding without packing, or recomputation (gradient checkpointing). The
+    micro-batch prediction is for the suggested value: `micro_batch_fit`."""
     share, update, s = f.trainer.get("update_actor", 0.0), f.trainer_s.get("update_actor", 0.0), f.settings
     if share < UPDATE_SHARE or not s:
         return None
     epochs, olp = s.get("actor_rollout_ref.actor.ppo_epochs", 1), f.trainer_s.get("old_log_prob", 0.0)
-    bound = UPDATE_OVER_FORWARD * olp * epochs if olp else update / 2
-    how = (f"a forward and backward over the same tokens as old_log_prob ({olp:.3g} s) x {UPDATE_OVER_FORWARD:g}"
-           if olp else "half the update (no old_log_prob pass to measure a forward by)")
     mini = s.get("actor_rollout_ref.actor.ppo_mini_batch_size")
     micro = s.get("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu")
     n = s.get("actor_rollout_ref.rollout.n", 1)
     evidence = [f"update_actor {update:.3g} s of a {f.step_s:.3g} s step"] + ([f"old_log_prob {olp:.3g} s"] if olp else [])
+    if f.metrics.get("perf/mfu/actor") is not None:
+        evidence.append(f"the update runs at {_pct(f.metrics['perf/mfu/actor'])} of this device's measured matmul peak "
+                        "(perf/mfu/actor)")
     room = _headroom(f)
-    if mini and micro and not s.get("actor_rollout_ref.actor.use_dynamic_bsz") and mini * n / micro >= MICRO_BATCHES \
-            and (room is None or room >= 0.5):  # larger micro-batches need the memory
-        k = math.ceil(mini * n / micro)
+    counts = micro_batches(f)
+    if mini and micro and counts and not s.get("actor_rollout_ref.actor.use_dynamic_bsz") \
+            and mini * n / micro >= MICRO_BATCHES and (room is None or room >= 0.5):  # larger micro-batches need the memory
         key, value = "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", min(mini * n, micro * MICRO_BATCHES)
-        driver = f"{k} micro-batches of {micro} samples per optimizer step (ppo_mini_batch_size {mini} x rollout.n {n})"
-    elif s.get("actor_rollout_ref.actor.use_dynamic_bsz") and _token_budgets(f) >= MICRO_BATCHES \
+        driver = (f"{math.ceil(mini * n / micro)} micro-batches of {micro} samples per optimizer step "
+                  f"(ppo_mini_batch_size {mini} x rollout.n {n})")
+        bound, how = micro_batch_fit(f, counts[0], micro_batches(f, value)[0], counts[1])
+    elif s.get("actor_rollout_ref.actor.use_dynamic_bsz") and _token_budgets(f) >= MICRO_BATCHES and counts \
             and (room is None or room >= 0.5):
         budget = s["actor_rollout_ref.actor.ppo_max_token_len_per_gpu"]
         key, value = "actor_rollout_ref.actor.ppo_max_token_len_per_gpu", budget * MICRO_BATCHES
         driver = f"about {_token_budgets(f):.0f} micro-batches of at most {budget} tokens per optimizer step (use_dynamic_bsz)"
+        now = _token_budgets(f) * counts[2]
+        bound, how = micro_batch_fit(f, now, max(now / MICRO_BATCHES, counts[2]), counts[1])
     elif not s.get("actor_rollout_ref.model.use_remove_padding", True) and f.metrics.get(PADDING, 0) >= PADDING_SHARE:
         pad = f.metrics[PADDING]
         key, value = "actor_rollout_ref.model.use_remove_padding", True
         driver = f"padding: {100 * pad:.0f} % of the batch's tokens"
-        bound = max(bound, update * (1 - pad))
-        how = "the real tokens only (packed)"
+        bound, how = update * (1 - pad), "the real tokens only (packed): the update's time scales with its tokens"
     elif s.get("actor_rollout_ref.model.enable_gradient_checkpointing") and room is not None and room >= 0.5:
         key, value, driver = "actor_rollout_ref.model.enable_gradient_checkpointing", False, \
             f"recomputing activations in the backward with {100 * room:.0f} % of memory free"
-        bound = max(bound, update * 0.75)
-        how = "no recomputed forward (about a quarter of the update; more memory)"
+        bound, how = update * 0.75, "no recomputed forward (about a quarter of the update; more memory)"
     else:
         return None
     if update - bound < MIN_SAVING * f.step_s:
         return None
-    return Verdict("update_cost", "update_actor", share, STEP, driver, key, value,
+    return Verdict("update_cost", "update_actor", share, _of_step(f), driver, key, value,
                    f"update_actor about {bound:.3g} s instead of {update:.3g} s ({how})", (update - bound) / f.step_s,
                    evidence + [driver], {"update_s": update, "old_log_prob_s": olp, "ppo_epochs": epochs, "step_s": f.step_s},
                    {"update_s": bound, "step_s": f.step_s - update + bound})
+
+
+def world_size(f: Facts) -> int:
+    """The actor's data-parallel ranks: Ray's trainer processes (CPU) or GPUs; one on the local backend."""
+    s = f.settings
+    if s.get("trainer.backend") != "ray":
+        return 1
+    if s.get("device") == "cpu":
+        return s.get("trainer.ray.num_cpu_workers", 1)
+    return s.get("trainer.nnodes", 1) * s.get("trainer.n_gpus_per_node", 1)
+
+
+def micro_batches(f: Facts, micro: Optional[int] = None) -> Optional[tuple[int, int, int]]:
+    """(update micro-batches per epoch with `micro` samples each (None: the run's), old_log_prob's forward
+    micro-batches, mini-batches per epoch), on one rank; None when the settings lack them."""
+    s = f.settings
+    mini, n = s.get("actor_rollout_ref.actor.ppo_mini_batch_size"), s.get("actor_rollout_ref.rollout.n", 1)
+    micro = micro or s.get("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu")
+    if s.get("trainer.mode") == "fully_async":  # one local update's prompts
+        rows = (mini or 0) * s.get("async_training.require_batches", 1) * n
+    else:
+        rows = s.get("data.train_batch_size", 0) * n
+    if not (mini and micro and rows):
+        return None
+    world, per_mini = world_size(f), mini * n
+    minis = math.ceil(rows / per_mini)
+    log_prob = s.get("actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu") or rows  # null: one forward
+    return (minis * math.ceil(math.ceil(per_mini / world) / micro), math.ceil(math.ceil(rows / world) / log_prob), minis)
+
+
+def micro_batch_fit(f: Facts, k: float, k_new: float, m: int) -> tuple[float, str]:
+    """The update's seconds with `k_new` micro-batches per epoch instead of `k`. A forward over the batch
+    costs m·c + W with m micro-batches (c: a micro-batch's fixed cost, W: the batch's token work), a
+    training pass three forwards (UPDATE_OVER_FORWARD): two equations, update_actor at k and
+    old_log_prob at m, give c and W, and the update becomes epochs·3·(k_new·c + W). Without an
+    old_log_prob pass (fused) or with k <= m the split is unknown: the bound is then the update with every
+    micro-batch's cost fixed (k_new / k of it), the most a larger micro-batch can save."""
+    update, olp = f.trainer_s.get("update_actor", 0.0), f.trainer_s.get("old_log_prob", 0.0)
+    epochs = f.settings.get("actor_rollout_ref.actor.ppo_epochs", 1)
+    per_forward = update / (UPDATE_OVER_FORWARD * epochs)
+    if not olp or k <= m:
+        return update * k_new / k, (f"{k_new:.0f} micro-batches per epoch instead of {k:.0f}, each taken as fixed cost "
+                                    "(no old_log_prob pass to split fixed cost from token work): the most it can save")
+    c = max((per_forward - olp) / (k - m), 0.0)
+    w = max(olp - m * c, 0.0)
+    bound = UPDATE_OVER_FORWARD * epochs * (k_new * c + w)
+    return min(bound, update), (f"{k_new:.0f} micro-batches per epoch instead of {k:.0f}: each costs {1000 * c:.3g} ms "
+                                f"beside {w:.3g} s of token work per pass, fitted from update_actor and old_log_prob "
+                                f"({m} micro-batch{'es' if m > 1 else ''}); a training pass is {UPDATE_OVER_FORWARD:g} forwards")
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.2g} %" if x < 0.1 else f"{100 * x:.0f} %"
 
 
 def _token_budgets(f: Facts) -> float:
@@ -373,11 +561,11 @@ def memory_full(f: Facts) -> Optional[Verdict]:
 
 
 def overhead(f: Facts) -> list[Verdict]:
-    """Validation, checkpoints, the profiler >= OVERHEAD_SHARE of the wall time after start-up."""
+    """Validation or checkpoints >= OVERHEAD_SHARE of the wall time after start-up."""
     w, s = f.wall, f.settings
     total = w.get("total", 0.0) - w.get("startup", 0.0)
     out = []
-    for part in ("validation", "checkpoints", "profiler"):
+    for part in ("validation", "checkpoints"):  # the profiler's own cost is profiler_line's
         spent = w.get(part, 0.0)
         if total <= 0 or spent / total < OVERHEAD_SHARE:
             continue
@@ -417,12 +605,71 @@ def _overhead_fix(part: str, s: dict, spent: float, target: float) -> Optional[t
     return FREQ[part], new, f"{part} every {freq} step(s) ({FREQ[part]}={freq})", spent * freq / new, f"every {new} steps"
 
 
+def profiler_line(f: Facts) -> Optional[dict]:
+    """The profiler's own cost, a line of its own and never a verdict (profiling a run must not change
+    what it is told): its windows, the seconds starting them and stopping and writing them (the finish
+    hook too), their share of the wall time, how much slower a step ran inside a window, which steps the
+    verdict read, and, at OVERHEAD_SHARE of the wall time or more, the key that spends less."""
+    p, w, s = f.profiler, f.wall, f.settings
+    if not p.get("windows"):
+        return None
+    spent = p["total_s"] or w.get("profiler", 0.0)
+    total = w.get("total", 0.0) - w.get("startup", 0.0)
+    parts = f"starting {p['start_s']:.3g} s, stopping and writing {p['stop_s']:.3g} s" + (
+        f", finish hook {p['hook_s']:.3g} s" if p["hook_s"] else "")
+    line = f"profiler: {p['windows']} window{'s' if p['windows'] > 1 else ''} cost {spent:.3g} s ({parts})"
+    if total > 0:
+        line += f", {_pct(min(spent / total, 1.0))} of the run's wall time after start-up"
+    if p["slowdown"]:
+        line += f"; a profiled step's own time was {p['slowdown']:.2f}x an unprofiled one's"
+    line += f"; the verdict reads the {f.basis}"
+    out = {**p, "spent_s": spent, "key": "", "value": None, "predicted": {}}
+    if total > 0 and spent / total >= OVERHEAD_SHARE:
+        fix = _overhead_fix("profiler", s, spent, OVERHEAD_TARGET / (1 - OVERHEAD_TARGET) * (total - spent))
+        if fix is not None:
+            key, value, _, after, how = fix
+            line += f"; to spend less: try {key}={_value(value)} (expected: about {after:.3g} s; {how})"
+            out.update(key=key, value=value, predicted={"spent_s": after})
+    return {**out, "line": line}
+
+
+STRAGGLER = 1.5  # a rank whose own work in a stage (waits left out) is >= 1.5x the median rank's
+
+
+def straggler(f: Facts) -> Optional[Verdict]:
+    """A data-parallel rank much slower than the others in a stage (from the workers' own spans, Ray):
+    the others wait for it in the stage's collectives. The step could lose the slow rank's excess."""
+    found = []
+    for name, ranks in f.ranks.items():
+        work = {r: max(v["s"] - v["wait_s"], 0.0) for r, v in ranks.items()}
+        median = sorted(work.values())[(len(work) - 1) // 2]
+        slow = max(work, key=work.get)
+        if median > 0 and work[slow] / median >= STRAGGLER and f.step_s:
+            found.append((work[slow] - median, name, slow, work, median))
+    if not found:
+        return None
+    excess, name, slow, work, median = max(found)
+    role, stage = name.split("/", 1)
+    waits = statistics.median(v["wait_s"] for r, v in f.ranks[name].items() if r != slow)
+    return Verdict("straggler", f"{role} rank {slow} in {stage}", work[slow] / f.step_s, _of_step(f),
+                   f"its own work {work[slow]:.3g} s is {work[slow] / median:.1f}x the median rank's ({median:.3g} s); "
+                   f"the other ranks wait {waits:.3g} s in collectives (all-reduce, all-gather)", "", None,
+                   f"step about {f.step_s - excess:.3g} s instead of {f.step_s:.3g} s if rank {slow} worked as fast as "
+                   "the others", excess / f.step_s,
+                   [f"{role} rank {r}: {v['s']:.3g} s in {stage}, {v['wait_s']:.3g} s of it waiting"
+                    for r, v in f.ranks[name].items()],
+                   {"ranks": {str(r): v for r, v in f.ranks[name].items()}, "step_s": f.step_s},
+                   {"step_s": f.step_s - excess},
+                   advice=f"no key: look at {role} rank {slow}'s process (its node, its share of the data, what "
+                          "else runs there)")
+
+
 def unattributed(f: Facts) -> Optional[Verdict]:
     """Time no span names >= HOLE_SHARE of the step: the verdicts above cannot see into it."""
     share = f.trainer.get(UNATTRIBUTED, 0.0)
     if share < HOLE_SHARE:
         return None
-    return Verdict("unattributed", "unattributed (no span)", share, STEP,
+    return Verdict("unattributed", "unattributed (no span)", share, _of_step(f),
                    "trainer time between spans that no span names", "", None,
                    "a span that names it; until then every other share here is of a step partly unexplained",
                    share, [f"unattributed {f.trainer_s.get(UNATTRIBUTED, 0.0):.3g} s of a {f.step_s:.3g} s step"],
@@ -430,7 +677,7 @@ def unattributed(f: Facts) -> Optional[Verdict]:
 
 
 RULES: list[Callable[[Facts], Any]] = [generation_bound, async_idle, response_tail, reward_bound, weight_sync,
-                                       update_cost, memory_full, overhead, unattributed]
+                                       update_cost, straggler, memory_full, overhead, unattributed]
 
 
 def verdicts(f: Facts, top: int = 3, skipped: Optional[list[str]] = None) -> list[Verdict]:
@@ -445,6 +692,11 @@ def verdicts(f: Facts, top: int = 3, skipped: Optional[list[str]] = None) -> lis
             (skipped if skipped is not None else []).append(f"{rule.__name__}: {type(err).__name__}: {err}")
             continue
         found += got if isinstance(got, list) else [got] if got else []
+    for v in found:  # one place for the rule of rules: a key that does nothing on this run is not suggested
+        why = no_effect_here(v.key, f.settings) if v.key else None
+        if why:
+            v.advice = f"{v.key} would be the lever, but {why}"
+            v.key, v.value = "", None
     keep = [v for v in found if v.saving >= MIN_SAVING or v.rule == "memory_full"]
     keep.sort(key=lambda v: -v.saving)
     out, keys = [], set()
@@ -455,20 +707,39 @@ def verdicts(f: Facts, top: int = 3, skipped: Optional[list[str]] = None) -> lis
     return out[:top]
 
 
-def settings_of(flat_config: dict[str, Any], memory_capacity_gb: Optional[float]) -> dict[str, Any]:
-    """summary.json's `settings`: the SETTINGS keys of the run's flattened config, and the device's memory."""
-    return {**{k: flat_config[k] for k in SETTINGS if k in flat_config}, "memory_capacity_gb": memory_capacity_gb}
+def no_effect_here(key: str, s: dict[str, Any]) -> Optional[str]:
+    """Why `key` does nothing on this run's backend, device and rollout engine, from the tables plait
+    names such keys by at start (config_verl's, the engines'); None when it acts or the records do not
+    say the backend, device or engine (a summary.json from before they were recorded)."""
+    from plait.config_verl import CPU_NO_EFFECT, CPU_RAY_NO_EFFECT, LOCAL_BACKEND_NO_EFFECT
+    from plait.workers.engine import ENGINES
+    backend, device, engine = s.get("trainer.backend"), s.get("device"), s.get("actor_rollout_ref.rollout.name")
+    if backend == "local" and key in LOCAL_BACKEND_NO_EFFECT:
+        return f"it has no effect on the local backend ({LOCAL_BACKEND_NO_EFFECT[key]})"
+    if device == "cpu" and key in {**CPU_NO_EFFECT, **(CPU_RAY_NO_EFFECT if backend == "ray" else {})}:
+        return f"it has no effect without CUDA ({({**CPU_NO_EFFECT, **CPU_RAY_NO_EFFECT})[key]})"
+    if engine in ENGINES and key in ENGINES[engine].no_effect:
+        return f"it has no effect with rollout.name={engine} ({ENGINES[engine].no_effect[key]})"
+    return None
+
+
+def settings_of(flat_config: dict[str, Any], memory_capacity_gb: Optional[float], device: Optional[str] = None) -> dict[str, Any]:
+    """summary.json's `settings`: the SETTINGS keys of the run's flattened config, the device's memory and
+    kind ("cpu", "cuda": which keys act here)."""
+    return {**{k: flat_config[k] for k in SETTINGS if k in flat_config}, "memory_capacity_gb": memory_capacity_gb,
+            "device": device}
 
 
 def of_run(spans: list[dict], metrics: list[dict], summary: Optional[dict]) -> Facts:
     """Facts from a run's timeline spans, its step records and its summary.json (or None)."""
     from plait.profiler.analysis.accounting import account
-    return facts(account(spans), [m for m in metrics if m.get("step", 0) >= 1], summary)
+    return facts(account(spans), [m for m in metrics if m.get("step", 0) >= 1], summary, spans)
 
 
 def report(f: Facts) -> dict:
     """verdict.json: the verdicts, and every rule's facts (so a reader can redo the numbers)."""
     skipped: list[str] = []
     return {"verdicts": [v.as_dict() for v in verdicts(f, skipped=skipped)], "skipped_rules": skipped,
+            "profiler": profiler_line(f),
             "facts": asdict(f),
             "thresholds": {k: v for k, v in globals().items() if k.isupper() and type(v) in (int, float)}}

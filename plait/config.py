@@ -754,12 +754,15 @@ class TrainerConfig:
     nnodes: int = 1
     n_gpus_per_node: int = 8
     ray: RayConfig = field(default_factory=RayConfig)  # trainer.backend=ray only; docs/ray.md
+    check_weight_sync: bool = True            # plait's own: after each weight sync, the engine's log-probs of a probe vs the actor's
+    max_restarts: int = 0                     # plait's own (AReaL's recover.retries): resumes after a crash that is not the user's
     use_v1: bool = True                       # verl 0.9.1's default trainer: trainer.v1.trainer_mode picks the mode
     v1: V1Config = field(default_factory=V1Config)
     checkpoint_callback_class: Optional[str] = None  # module.Class with on_save(trainer, global_step, checkpoint_dir, async_save)
     val_only: bool = False                    # validate (val_before_train) and stop, as verl does
 
     def __post_init__(self):
+        check(self.max_restarts >= 0, "max_restarts", self.max_restarts, "must be >= 0 (0: off)")
         check(self.total_training_steps is None or self.total_training_steps > 0, "total_training_steps",
               self.total_training_steps, "must be > 0 or null")
         check(self.total_epochs > 0, "total_epochs", self.total_epochs, "must be > 0")

@@ -8,6 +8,7 @@ diffusion included) with the tracker it logs to, and hands it to the lifecycle.
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import sys
@@ -18,6 +19,7 @@ import transformers
 
 from plait.config import PlaitConfig
 from plait.configtree import ConfigError, raise_all, to_dict
+from plait.errors import RunError
 from plait.data.reward_pool import close_reward_workers
 from plait.checks import check_data_files, check_loggers, collect_errors, not_a_directory
 from plait.data.dataset import read_column
@@ -320,6 +322,21 @@ def make_backend(cfg: PlaitConfig):
 
 
 def run(cfg: PlaitConfig, progress: bool = True, checked: bool = False) -> dict[str, float]:
+    """Build and train; with trainer.max_restarts, a crash that is not the user's (RunError.recoverable: a
+    worker process or the rollout engine that died) resumes from the newest checkpoint that verifies and
+    loads, up to that many times, each restart one line (AReaL's recover.retries)."""
     with output_dir_lock(cfg.output_dir):  # before build: it writes data and the demo model there
         print(f"plait: outputs in {cfg.output_dir}", file=sys.stderr)
-        return build(cfg, progress=progress, checked=checked).run()
+        for restart in range(cfg.trainer.max_restarts + 1):
+            try:
+                return build(cfg, progress=progress, checked=checked or restart > 0).run()
+            except RunError as err:
+                if not err.recoverable or restart == cfg.trainer.max_restarts:
+                    raise
+                steps = checkpoint_steps(os.path.join(cfg.output_dir, "checkpoints"))
+                print(f"plait: restart {restart + 1} of {cfg.trainer.max_restarts} (trainer.max_restarts) after: {err}; "
+                      + (f"resuming from the newest checkpoint (step {max(steps)})" if steps else
+                         "no checkpoint yet, so from step 1"), file=sys.stderr)
+                cfg = copy.deepcopy(cfg)  # the same run, resumed: from its own newest checkpoint
+                cfg.trainer.resume_mode, cfg.trainer.resume_from_path = "auto", None
+    raise AssertionError("unreachable: the last attempt returns or raises")

@@ -6,7 +6,21 @@ input before any work is a ConfigError (exit 2), in configtree.py."""
 
 
 class RunError(RuntimeError):
-    pass
+    """`recoverable`: not the user's doing (a worker process or an engine that died); trainer.max_restarts
+    resumes the run from its last checkpoint after one. User code's failures and plait's own refusals are not."""
+    recoverable = False
+
+
+class EngineDied(RunError):
+    """The rollout engine's own process died or hung (vLLM's engine core; on Ray, the separated rollout's worker
+    process): the trainer restarts it once per step with the current weights and re-issues the call
+    (LMTrainer.generate_call); where nothing catches it, one line."""
+    recoverable = True
+
+
+class EngineFailed(RunError):
+    """The rollout engine died twice in one step (LMTrainer.generate_call restarts it once)."""
+    recoverable = True
 
 
 class Interrupted(KeyboardInterrupt):

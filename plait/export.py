@@ -20,11 +20,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import tempfile
 import warnings
 
 import torch
 
 from plait.configtree import ConfigError
+from plait.safeload import first_line
 
 HF_DIR = "huggingface"     # inside an actor checkpoint: config, generation config, tokenizer (+ weights with hf_model)
 LORA_MODES = ("merge", "adapter")
@@ -57,30 +59,78 @@ def actor_dir(checkpoint: str) -> str:
 def export_checkpoint(checkpoint: str, out: str, lora: str = "merge", base: str | None = None) -> str:
     """Write the policy of `checkpoint` as a Hugging Face folder at `out`; returns `out`.
     `lora`: "merge" (base + adapter, one plain model) or "adapter" (the peft adapter folder);
-    `base`: the base model folder when the checkpoint's own record of it has moved."""
-    from plait.trainers.checkpoint import verify_checkpoint
+    `base`: the base model folder when the checkpoint's own record of it has moved.
+
+    Only a checkpoint whose manifest verifies is exported, and none that holds a symbolic link (its files
+    are its own: nothing outside it is read into the export). The folder is written beside `out` under a
+    temporary name and renamed when whole, so a full disk or a crash never leaves a half-written `out`."""
+    from plait.trainers.checkpoint import MANIFEST, verify_checkpoint
     if lora not in LORA_MODES:
         raise ExportError(f"--lora {lora}: choose one of {', '.join(LORA_MODES)}")
     actor = actor_dir(checkpoint)
     step_dir = os.path.dirname(actor)
-    if os.path.isfile(os.path.join(step_dir, "manifest.json")):
-        problem = verify_checkpoint(step_dir)
-        if problem:
-            raise ExportError(f"{step_dir}: {problem}; not exported")
+    if not os.path.isfile(os.path.join(step_dir, MANIFEST)):
+        raise ExportError(f"{step_dir}: no {MANIFEST}: its save did not finish (plait writes the manifest last); "
+                          "not exported")
+    problem = verify_checkpoint(step_dir) or linked_out(step_dir)
+    if problem:
+        raise ExportError(f"{step_dir}: {problem}; not exported")
+    if os.path.lexists(out) and not (os.path.isdir(out) and not os.path.islink(out)):
+        raise ExportError(f"{out} exists and is not a folder (a file or a symbolic link); give a new folder")
+    parent = os.path.dirname(os.path.abspath(out))
+    try:
+        os.makedirs(parent, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(out))}.tmp-", dir=parent)
+    except OSError as err:
+        raise ExportError(f"{out}: cannot write there ({err.strerror}); nothing was written") from None
+    try:
+        write_export(actor, tmp, lora, base)
+        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp's folder is private; the export is an ordinary folder
+        os.replace(tmp, out)  # `out`: absent, or an empty folder (the CLI refuses one that holds files)
+    except BaseException as err:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(err, ExportError) or not isinstance(err, Exception):
+            raise
+        if isinstance(err, OSError) and err.strerror:
+            raise ExportError(f"{out}: not written ({err.strerror}); nothing was left") from None
+        raise ExportError(f"{step_dir}: its model does not load ({type(err).__name__}: {first_line(err)}); "
+                          "not exported") from None
+    return out
+
+
+def write_export(actor: str, out: str, lora: str = "merge", base: str | None = None) -> None:
+    """The export's files into the folder `out` (which exists): the weights, then the tokenizer and
+    generation config (save_contents hf_model writes into actor/huggingface/ itself, which holds them)."""
     hf = os.path.join(actor, HF_DIR)
     if not os.path.isfile(os.path.join(hf, "config.json")):
         raise ExportError(f"{actor}: no {HF_DIR}/config.json (a checkpoint from before plait saved its model "
                           "config); resume it for one step with a newer plait to write one")
-    os.makedirs(out, exist_ok=True)
     lora_dir = os.path.join(actor, "lora_adapter")
+    if os.path.isdir(lora_dir):
+        check_adapter(lora_dir)
     if os.path.isdir(lora_dir) and lora == "adapter":
         copy_adapter(lora_dir, out, base)
     else:
         model = merged_lora_model(lora_dir, base) if os.path.isdir(lora_dir) else whole_model(actor, hf)
         model.save_pretrained(out)  # safetensors
-    if os.path.abspath(hf) != os.path.abspath(out):  # save_contents hf_model writes into huggingface/ itself
+    if os.path.abspath(hf) != os.path.abspath(out):
         copy_tokenizer_and_generation(hf, out)
-    return out
+
+
+def linked_out(folder: str) -> str | None:
+    """The first symbolic link under `folder` (a checkpoint plait wrote has none), or None."""
+    for root, dirs, files in os.walk(folder):
+        for name in dirs + files:
+            if os.path.islink(os.path.join(root, name)):
+                rel = os.path.relpath(os.path.join(root, name), folder)
+                return f"{rel} is a symbolic link (to {os.readlink(os.path.join(root, name))}); plait reads a checkpoint's own files only"
+    return None
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def whole_model(actor: str, hf: str):
@@ -89,10 +139,20 @@ def whole_model(actor: str, hf: str):
 
     from plait.models_vl import VL_CLASSES
     config = AutoConfig.from_pretrained(hf, local_files_only=True)
-    if config.model_type in VL_CLASSES:  # Qwen2-VL / Qwen2.5-VL: no AutoModelForCausalLM class
-        model = VL_CLASSES[config.model_type]._from_config(config, dtype=config.dtype or torch.float32)
-    else:
-        model = AutoModelForCausalLM.from_config(config, dtype=config.dtype or torch.float32)
+
+    def build():
+        if config.model_type in VL_CLASSES:  # Qwen2-VL / Qwen2.5-VL: no AutoModelForCausalLM class
+            return VL_CLASSES[config.model_type]._from_config(config, dtype=config.dtype or torch.float32)
+        return AutoModelForCausalLM.from_config(config, dtype=config.dtype or torch.float32)
+    with torch.device("meta"):  # its size first: a config.json edited to a huge model must not allocate it
+        need = sum(t.numel() * t.element_size() for t in build().state_dict().values())
+    weights = os.path.join(actor, "sharded") if os.path.isdir(os.path.join(actor, "sharded")) else os.path.join(actor, "model.pt")
+    have = sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(weights) for f in fs) \
+        if os.path.isdir(weights) else os.path.getsize(weights)
+    if need > 2 * have + 2**20:
+        raise ExportError(f"{hf}/config.json describes a model of {need / 2**20:.0f} MiB and the checkpoint's "
+                          f"weights hold {have / 2**20:.0f} MiB: they do not belong together; not exported")
+    model = build()
     state = model.state_dict()
     if os.path.isdir(os.path.join(actor, "sharded")):
         load_dcp_model(os.path.join(actor, "sharded"), state)
@@ -148,6 +208,17 @@ def merged_lora_model(lora_dir: str, base: str | None):
     from plait.models import load_causal_lm
     model = PeftModel.from_pretrained(load_causal_lm(adapter_base(lora_dir, base)), lora_dir)
     return model.merge_and_unload().eval()
+
+
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "README.md")  # what peft's save_pretrained writes
+
+
+def check_adapter(lora_dir: str) -> None:
+    """The adapter folder holds what plait wrote: its weights as safetensors, no pickle (.bin) beside them."""
+    others = sorted(set(os.listdir(lora_dir)) - set(ADAPTER_FILES))
+    if others or not os.path.isfile(os.path.join(lora_dir, "adapter_model.safetensors")):
+        raise ExportError(f"{lora_dir}: holds {', '.join(others) or 'no adapter_model.safetensors'}; plait saves an "
+                          f"adapter as {', '.join(ADAPTER_FILES[:2])} only (a .bin is a pickle it never loads)")
 
 
 def copy_adapter(lora_dir: str, out: str, base: str | None) -> None:

@@ -21,6 +21,8 @@ from __future__ import annotations
 import io
 import json
 import math
+import os
+import stat
 from pathlib import Path
 
 import torch
@@ -138,6 +140,10 @@ def fetch_image(entry, patch_size: int = 14, folder: Path | None = None) -> Imag
     elif isinstance(source, str):
         path = Path(source.removeprefix("file://"))
         source = path if path.is_absolute() or folder is None else folder / path
+        # a FIFO or a device would block the read forever (or never end): only a file is an image
+        if os.path.exists(source) and not stat.S_ISREG(os.stat(source).st_mode):
+            raise ValueError(f"{source} is not a regular file (a FIFO, device, socket or folder); an image path "
+                             "must name an image file")
     if isinstance(source, Image.Image):
         image = source
     else:
@@ -191,6 +197,17 @@ def mask_logits(logits: torch.Tensor, banned: list[int] | None) -> torch.Tensor:
     if not banned:
         return logits
     return logits.index_fill(-1, torch.tensor(banned, device=logits.device), -1e30)
+
+
+def sequence_logprobs(model, ids: list[int]) -> list[float]:
+    """The log-prob of each token of `ids` after its prefix (len(ids) - 1 values) under `model` at temperature
+    1, over the vocabulary the policy samples from: the weight-sync check's probe (plait/workers/weight_sync.py),
+    computed the same way by the trainer's model and by an in-process engine's."""
+    with torch.no_grad():
+        device = next(model.parameters()).device
+        logits = model(input_ids=torch.tensor([ids], device=device)).logits[0, :-1].float()  # [len - 1, vocab]
+        logp = torch.log_softmax(mask_logits(logits, never_sampled(model.config)), -1)
+        return logp.gather(-1, torch.tensor(ids[1:], device=device)[:, None]).squeeze(-1).tolist()
 
 
 def vl_inputs(config, rows: list[dict], input_ids: torch.Tensor, attention_mask: torch.Tensor, packed=None) -> dict:

@@ -101,6 +101,19 @@ def torch_reason(err: BaseException) -> str:
     return first_line(err)
 
 
+def outside_text(text: str, max_chars: int) -> str:
+    """Text from user code or a service (a tool's answer, an interaction's user turn, an error message)
+    as a tokenizer takes it: lone surrogates (a JSON escape or a bad decode's leftovers; the tokenizer
+    raises on them) become U+FFFD, a valid pair written as two code points one character, and the text
+    is cut to `max_chars` characters, so a 20 MiB answer never reaches the trainer whole."""
+    text = text[:max_chars]
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+
+
 def first_line(err: BaseException, limit: int = 200) -> str:
     """An error's first line; with the next one when the first only introduces it ("...:")."""
     lines = [ln.strip() for ln in str(err).splitlines() if ln.strip()]

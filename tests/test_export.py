@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from plait import driver
 from plait.cli import main
+from plait.trainers.checkpoint import write_manifest
 from plait.build import resolve_model
 from plait.trainers.lm import prompt_batch
 from plait.workers.actor import Actor, response_forward
@@ -137,6 +138,7 @@ def test_sharded_checkpoint_exports_equal_to_its_unsharded_twin(tmp_path):
     mp.spawn(_shard_and_save, args=(model_dir, str(ckpt), str(tmp_path / "rdzv")), nprocs=2)
     assert (ckpt / "sharded" / "actor" / "sharded" / "__1_0.distcp").is_file()
     for kind in ("sharded", "whole"):
+        write_manifest(str(ckpt / kind), 1)  # an export takes a checkpoint whose save finished only
         assert main(["export", str(ckpt / kind), str(tmp_path / f"out_{kind}")]) == 0
     sharded, whole = load_file(tmp_path / "out_sharded" / "model.safetensors"), load_file(tmp_path / "out_whole" / "model.safetensors")
     original = load_file(os.path.join(model_dir, "model.safetensors"))
@@ -158,3 +160,121 @@ def test_save_contents_without_what_a_resume_needs_still_saves_it(capsys):
         load_config(None, ["actor_rollout_ref.actor.checkpoint.save_contents=[model,optimizer,extra,weights]"])
     with pytest.raises(ConfigError, match="each one of model, optimizer, extra, hf_model"):
         load_config(None, ["actor_rollout_ref.actor.checkpoint.save_contents=[weights]"])
+
+
+# -- hostile checkpoints and output paths: one line, exit 2, nothing half-written, nothing from outside --
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """A plain and a LoRA global_step_2, trained once for the module; each test works on a copy."""
+    from plait.config import load_config
+    from tests.conftest import TINY
+    root = tmp_path_factory.mktemp("ckpts")
+    out = {}
+    for name, extra in (("plain", []), ("lora", ["actor_rollout_ref.model.lora_rank=4", "actor_rollout_ref.model.lora_alpha=8"])):
+        cfg = load_config(None, [*TINY, f"trainer.default_local_dir={root / name}", *SAVE, *extra])
+        driver.build(cfg, progress=False).run()
+        out[name] = root / name / "checkpoints" / "global_step_2"
+    return out
+
+
+def copy_of(checkpoints, tmp_path, name="plain"):
+    import shutil
+    step = tmp_path / "ckpt" / "global_step_2"
+    shutil.copytree(checkpoints[name], step, symlinks=True)
+    return step
+
+
+def export_line(capsys, *args) -> str:  # args: the command line after `plait`
+    capsys.readouterr()
+    assert main([*map(str, args)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("plait: export: ") and "Traceback" not in err[0], err
+    return err[0]
+
+
+def remanifest(step):
+    from plait.trainers.checkpoint import MANIFEST, write_manifest
+    os.remove(step / MANIFEST)
+    write_manifest(str(step), 2)
+
+
+def test_export_follows_no_link_out_of_the_checkpoint(checkpoints, tmp_path, capsys):
+    step = copy_of(checkpoints, tmp_path)
+    secret = tmp_path / "secret.txt"
+    secret.write_text("outside the checkpoint")
+    os.symlink(secret, step / "actor" / "huggingface" / "notes.txt")
+    remanifest(step)  # even under a manifest that lists it
+    line = export_line(capsys, "export", step, tmp_path / "out")
+    assert "actor/huggingface/notes.txt is a symbolic link" in line and not (tmp_path / "out").exists()
+
+
+def test_export_refuses_a_crashed_save_without_a_manifest(checkpoints, tmp_path, capsys):
+    step = copy_of(checkpoints, tmp_path)
+    os.remove(step / "manifest.json")
+    assert "no manifest.json: its save did not finish" in export_line(capsys, "export", step, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("kind", ["file", "dangling symlink"])
+def test_export_into_a_path_that_is_not_a_folder_is_one_line(checkpoints, tmp_path, capsys, kind):
+    step = copy_of(checkpoints, tmp_path)
+    out = tmp_path / "out"
+    out.write_text("mine") if kind == "file" else os.symlink(tmp_path / "nowhere", out)
+    assert "exists and is not a folder" in export_line(capsys, "export", step, out)
+    assert os.path.islink(out) or out.read_text() == "mine"
+
+
+def _export_with_file_size_limit(step, out, limit):
+    import resource
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+    import signal
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG, as a full disk gives ENOSPC
+    os._exit(main(["export", str(step), str(out)]))
+
+
+def test_a_failed_write_leaves_no_half_written_export(checkpoints, tmp_path):
+    step = copy_of(checkpoints, tmp_path)
+    out = tmp_path / "out"
+    pid = os.fork()
+    if pid == 0:
+        _export_with_file_size_limit(step, out, 4096)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 2
+    assert os.listdir(tmp_path) == ["ckpt"]  # no out, no temporary folder
+
+
+def test_export_refuses_a_config_that_does_not_fit_the_weights(checkpoints, tmp_path, capsys):
+    step = copy_of(checkpoints, tmp_path)
+    config = step / "actor" / "huggingface" / "config.json"
+    crafted = json.loads(config.read_text())
+    crafted.update(hidden_size=65536, intermediate_size=262144)  # ~GiBs, from a few MiB of weights
+    config.write_text(json.dumps(crafted))
+    remanifest(step)
+    assert "describes a model of" in export_line(capsys, "export", step, tmp_path / "out")
+    config.write_text('{"model_type": "no_such_model"}')
+    remanifest(step)
+    assert "its model does not load" in export_line(capsys, "export", step, tmp_path / "out")
+
+
+def test_export_refuses_a_tampered_or_pickled_adapter(checkpoints, tmp_path, capsys):
+    pytest.importorskip("peft")
+    step = copy_of(checkpoints, tmp_path, "lora")
+    adapter = step / "actor" / "lora_adapter" / "adapter_model.safetensors"
+    data = bytearray(adapter.read_bytes())
+    data[8:16] = b'{"a":1}x'  # the JSON header, broken
+    adapter.write_bytes(bytes(data))
+    remanifest(step)
+    assert "its model does not load" in export_line(capsys, "export", step, tmp_path / "out")
+    marker = tmp_path / "ran"
+    import pickle
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+    (step / "actor" / "lora_adapter" / "adapter_model.bin").write_bytes(pickle.dumps(Payload()))
+    os.remove(adapter)
+    remanifest(step)
+    for mode in ("merge", "adapter"):
+        line = export_line(capsys, "export", step, tmp_path / "out", "--lora", mode)
+        assert "a .bin is a pickle it never loads" in line and not marker.exists()

@@ -36,7 +36,7 @@ import yaml
 
 from plait.agents.compat import ToolLoadError, resolve_tool_class
 from plait.data.math_rewards import gsm8k_score
-from plait.safeload import first_line
+from plait.safeload import first_line, outside_text
 
 logger = logging.getLogger(__name__)
 INTERACTION_WORKER = os.path.abspath(__file__)
@@ -162,6 +162,7 @@ async def _run(interaction, op: str, call: dict):
     done, text, score, metrics = await interaction.generate_response(rid, call["messages"], **kwargs)
     if not isinstance(text, str):
         raise TypeError(f"generate_response's text is {type(text).__name__}, not a string")
+    text = outside_text(text, call["max_chars"])  # bounded here, before it crosses to the trainer
     if score is not None:
         score = float(score)
     return {"terminate": bool(done), "text": text, "score": score,
@@ -200,9 +201,12 @@ class InteractionBox:
         if not os.path.isfile(path):
             raise ConfigError(KEY, path, "verl's interaction YAML (interaction: a list of name, class_name, config): no such file")
         wording = PoolWording(describe=_describe, timeout_key=limits.timeout_key, memory_key=limits.memory_key,
-                              must="an interaction must return its answer")
+                              must="an interaction must return its answer",
+                              load_timeout_key="the interactions' load time limit")
+        # as the tool workers: a (re)started worker loads the interactions under the load time limit
         pools = [RewardPool(RewardSpec(INTERACTION_WORKER, "serve", {"interaction_config_path": path}), "interactions",
-                            1, limits.load_timeout_s, limits.memory_limit_mb, limits.max_processes, wording)
+                            1, limits.timeout_s, limits.memory_limit_mb, limits.max_processes, wording,
+                            warmup={"op": "describe"}, load_timeout=limits.load_timeout_s)
                  for _ in range(limits.num_workers)]
         try:
             replies = _run_now([p(op="describe") for p in pools])
@@ -214,8 +218,6 @@ class InteractionBox:
                 p.close()
             raise ConfigError(KEY, path, bad[0].get("load_error", f"{bad[0]!r:.100}") if isinstance(bad[0], dict)
                               else f"{bad[0]!r:.100}")
-        for p in pools:
-            p.timeout = limits.timeout_s
         return cls(pools, replies[0]["names"])
 
     def pick(self, kwargs: Any, row: str) -> str:
@@ -230,12 +232,14 @@ class InteractionBox:
         return name
 
     async def call(self, op: str, name: str, instance_id: str, kwargs: dict, row: str,
-                   messages: Optional[list] = None) -> tuple[Any, Optional[str]]:
-        """(value, None) or (None, the failure line naming the interaction and the row)."""
+                   messages: Optional[list] = None, max_chars: int = 1 << 20) -> tuple[Any, Optional[str]]:
+        """(value, None) or (None, the failure line naming the interaction and the row). `max_chars`: where
+        the user turn's text is cut (the loop's response budget in characters: more could never be kept)."""
         from plait.errors import RunError
         pool = self.pools[int(hashlib.sha1(instance_id.encode()).hexdigest(), 16) % len(self.pools)]
         try:
-            out = await pool(op=op, name=name, instance_id=instance_id, kwargs=kwargs, messages=messages, row=row)
+            out = await pool(op=op, name=name, instance_id=instance_id, kwargs=kwargs, messages=messages, row=row,
+                             max_chars=max_chars)
         except RunError as err:  # the worker died, hung or broke: it is replaced at the next call
             return None, str(err)
         if "ok" in out:

@@ -332,7 +332,8 @@ class ToolAgentLoop(AgentLoopBase):
         the conversation (data.interaction becomes None)."""
         with Timer(data.metrics, "interaction"):
             value, error = await self.interactions.call(op, data.interaction, data.request_id, data.interaction_kwargs,
-                                                        data.row, messages=list(data.messages) if op == "respond" else None)
+                                                        data.row, messages=list(data.messages) if op == "respond" else None,
+                                                        max_chars=CHARS_PER_TOKEN * self.response_length)
         if error is not None:
             logger.warning(error)
             data.interaction_errors.append(error)
@@ -360,6 +361,9 @@ class ToolAgentLoop(AgentLoopBase):
             data.assistant_turns += 1  # is cut to it) and samples one more turn, which the cut drops: counted, not sampled
             return AgentState.TERMINATED
         return AgentState.GENERATING
+
+
+CHARS_PER_TOKEN = 64  # a user turn cut at 64 characters per token of the budget loses nothing the budget keeps
 
 
 def _arguments(call) -> Any:

@@ -37,6 +37,7 @@ from typing import Any, Optional
 from uuid import uuid4
 
 from plait.agents.tools import BaseTool, OpenAIFunctionToolSchema, ToolResponse
+from plait.reaper import caller_pid
 
 RETRIED_STATUS = (500, 502, 503, 504)  # server errors verl retries; other HTTP errors end the call
 
@@ -73,7 +74,7 @@ class SearchTool(BaseTool):
                 "enable_global_rate_limit")
         self.settings = SearchConfig(**{k: config[k] for k in keys if k in config})
         # the trainer process started the tool workers: its id names the slots they share
-        self.slots = (RequestSlots(f"plait-search-{os.getuid()}-{os.getppid()}", self.settings.rate_limit)
+        self.slots = (RequestSlots(f"plait-search-{os.getuid()}-{caller_pid()}", self.settings.rate_limit)
                       if self.settings.enable_global_rate_limit else None)
         self._instances: dict[str, list[str]] = {}  # instance -> the texts it answered (verl's "reward" list)
 

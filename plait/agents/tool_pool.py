@@ -30,7 +30,7 @@ import yaml
 from plait.agents.compat import ToolLoadError, exec_user_file, resolve_tool_class
 from plait.agents.tools import (FUNCTION_TOOL_REGISTRY, FunctionTool, OpenAIFunctionToolSchema,
                                 is_tool_response, normalize_function_tool_return)
-from plait.safeload import first_line
+from plait.safeload import first_line, outside_text
 
 # -- loading (worker side: runs user code) ------------------------------------------------------
 
@@ -176,6 +176,10 @@ def serve(op: str, tool_config_path: Optional[str] = None, function_tool_path: O
     # a parquet struct column fills a row's missing tools with null: none given, then
     create_kwargs = (call["tools_kwargs"].get(call["name"]) or {}).get("create_kwargs") or {}
     out = _STATE["loop"].run_until_complete(run_call(tools[call["name"]], call["arguments"], create_kwargs, view))
-    if out["failure"] is None:
-        out["text"] = truncate_text(out["text"], call["max_length"], call["side"])
+    if out["text"] is not None:  # bounded here, before it crosses to the trainer; an error text too
+        cut = out["text"] if out["failure"] else truncate_text(out["text"], call["max_length"], call["side"])
+        out["text"] = outside_text(cut, ERROR_CHARS if out["failure"] else call["max_length"] + 32)  # + the markers
     return out
+
+
+ERROR_CHARS = 1024  # an error text the model reads (verl's "Error executing tool ...": the exception's whole text)

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import dataclasses
 import inspect
 import json
 import logging
@@ -283,6 +282,22 @@ def is_tool_response(value: Any) -> bool:
     return isinstance(value, ToolResponse) or type(value).__name__ == "ToolResponse"
 
 
+def tools_kwargs_problem(value: Any) -> Optional[str]:
+    """What is wrong with a row's `extra_info.tools_kwargs` (verl's form: {tool name: {"create_kwargs": {...},
+    ...}}, any level may be null), or None. Checked per row at start (rows) and per call (user loops)."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        return f" is {type(value).__name__} {value!r:.60}, not a mapping of tool name -> {{'create_kwargs': {{...}}}}"
+    for name, entry in value.items():
+        if entry is not None and not isinstance(entry, dict):
+            return f"[{name!r}] is {type(entry).__name__} {entry!r:.60}, not a mapping like {{'create_kwargs': {{...}}}}"
+        for key, kwargs in (entry or {}).items():
+            if str(key).endswith("_kwargs") and kwargs is not None and not isinstance(kwargs, dict):
+                return f"[{name!r}][{key!r}] is {type(kwargs).__name__} {kwargs!r:.60}, not a mapping of keyword arguments"
+    return None
+
+
 # -- the loop's side: ToolBox ----------------------------------------------------------------------
 
 @dataclass
@@ -347,10 +362,12 @@ class ToolBox:
         from plait.errors import RunError
         limits = limits or ToolLimits()
         wording = PoolWording(describe=_describe_call, timeout_key=limits.timeout_key, memory_key=limits.memory_key,
-                              must="a tool must return its answer")
-        pool = RewardPool(RewardSpec(TOOL_WORKER, "serve", paths), "tools", limits.num_workers,
-                          limits.load_timeout_s, limits.memory_limit_mb, limits.max_processes,
-                          dataclasses.replace(wording, timeout_key="the tools' load time limit"))
+                              must="a tool must return its answer", load_timeout_key="the tools' load time limit")
+        # a worker loads the tools (op "describe") when it starts, under the load time limit, so a worker
+        # replaced after a failed call never spends the next call's time limit on loading them
+        pool = RewardPool(RewardSpec(TOOL_WORKER, "serve", paths), "tools", limits.num_workers, limits.timeout_s,
+                          limits.memory_limit_mb, limits.max_processes, wording, warmup={"op": "describe"},
+                          load_timeout=limits.load_timeout_s)
         try:
             replies = _run_now([pool(op="describe") for _ in range(limits.num_workers)])  # one per worker
         except RunError as err:  # loading crashed, hung or ran out of memory
@@ -362,7 +379,6 @@ class ToolBox:
         if failed:
             pool.close()
             raise _load_error(failed[0], paths)
-        pool.timeout, pool.wording = limits.timeout_s, wording  # loaded: from now on each call has the call's limit
         return cls(pool, replies[0]["schemas"], multi_turn.max_tool_response_length,
                    multi_turn.tool_response_truncate_side)
 
@@ -386,6 +402,12 @@ class ToolBox:
         for what a tool or the model did. `row` names the row in failure lines; `messages` is what
         a tool's execute sees as agent_data.messages."""
         active = self._active(selection)
+        problem = tools_kwargs_problem(tools_kwargs)
+        if problem is not None:  # the row's fault, not the tool's: no worker is asked (nor replaced)
+            line = f"{row}: extra_info.tools_kwargs{problem}"
+            logger.warning(line)
+            return [ToolResult(f"Error executing tool '{c.name}': the row's tools_kwargs are malformed", 0.0, {}, line, 0.0)
+                    for c in calls]
         return list(await asyncio.gather(*(self._one(c, active, tools_kwargs or {}, row, messages) for c in calls)))
 
     async def _one(self, call, active: list[str], tools_kwargs: dict, row: str, messages) -> ToolResult:

@@ -26,6 +26,11 @@ class LocalWorkerGroup:
         """Split `batch` across the data-parallel workers; one result per rank, in rank order."""
         return [method(self.worker, batch, *args, **kwargs)]
 
+    def recover(self, method: Callable) -> None:
+        """`method` on the worker, to repair what failed in it (Rollout.restart_engine); in one process the
+        worker itself is never gone."""
+        method(self.worker)
+
     def pipe(self, get: Callable, dst: "LocalWorkerGroup", put: Callable, *args, **kwargs) -> None:
         """`put(dst's worker, get(this worker), *args)`: one process, nothing to move."""
         put(dst.worker, get(self.worker), *args, **kwargs)

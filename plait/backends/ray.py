@@ -54,7 +54,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from plait.config import PlaitConfig, RayConfig
 from plait.configtree import ConfigError
-from plait.errors import RunError
+from plait.errors import EngineDied, RunError
 from plait.profiler.config import ROLE_KEYS
 from plait.profiler.timeline import TIMELINE
 from plait.workers.allocator import keep_freed_memory
@@ -62,6 +62,7 @@ from plait.workers.engine import ENGINES
 
 DATA_PARALLEL_ROLES = ("actor", "critic", "ref", "reward_model", "teacher")
 OWN_POOLS = {"reward_model": "reward", "teacher": "teacher"}  # roles that may have a pool of their own: its name
+CHANNEL_DEATH_S = 60.0  # how long a weight sender may take to notice its receiver died (gloo sees the socket close)
 QUIET_TORCH_ENV = {"KINETO_LOG_LEVEL": "6", "TORCH_CPP_LOG_LEVEL": "ERROR"}
 LOOPBACK = "127.0.0.1"
 
@@ -129,6 +130,7 @@ class Host:
             os.environ["GLOO_SOCKET_IFNAME"] = "lo"
         else:  # across nodes: the hostname's interface (the train pool may have set lo in this process)
             os.environ.pop("GLOO_SOCKET_IFNAME", None)
+        self.channel_syncs = 0  # a fresh channel (a respawned rollout): both ends count its syncs from 0
         if rank == 1:
             self.channel_store = dist.TCPStore(host, port, 2, is_master=False)
         store = dist.PrefixStore("weights", self.channel_store)
@@ -364,6 +366,7 @@ class RayBackend:
         self.own_pools: set[str] = set()  # roles on a pool of their own (reward.reward_model.enable_resource_pool,
         #   distillation.nnodes > 0)
         self.salvaged: list[dict] = []  # profiler records rescued from a failing group
+        self.pool_args: dict[str, tuple] = {}  # pool -> what made its hosts (placement group, bundle, ...): respawn
         self.profile_open = False
         self.profiler_tool = cfg.global_profiler.tool
         if not ray.is_initialized():
@@ -459,13 +462,40 @@ class RayBackend:
         self.pgs.append(pg)
         if not pg.wait(self.cfg.placement_timeout_s):
             raise WorkerError(self._placement_message(name, size, bundle))
-        threads = max(1, int(bundle["CPU"]))
-        custom = {k: v for k, v in bundle.items() if k not in ("CPU", "GPU")}
-        hosts = [Host.options(num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0), resources=custom, runtime_env=runtime_env,
-                              scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i))
-                 .remote(i, size, os.getcwd(), threads, profiler_cfg, roles) for i, roles in enumerate(roles_per_rank)]
+        self.pool_args[name] = (pg, bundle, roles_per_rank, profiler_cfg, runtime_env)
+        hosts = [self._host(name, i) for i in range(size)]
         self.hosts += hosts
         return hosts
+
+    def _host(self, pool: str, rank: int):
+        """Start rank `rank`'s Host of `pool` in its bundle of the pool's placement group."""
+        pg, bundle, roles_per_rank, profiler_cfg, runtime_env = self.pool_args[pool]
+        custom = {k: v for k, v in bundle.items() if k not in ("CPU", "GPU")}
+        return Host.options(num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0), resources=custom, runtime_env=runtime_env,
+                            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank)
+                            ).remote(rank, len(roles_per_rank), os.getcwd(), max(1, int(bundle["CPU"])), profiler_cfg,
+                                     roles_per_rank[rank])
+
+    def respawn(self, group: "RayWorkerGroup") -> None:
+        """A fresh worker process for a role on a pool of its own (the separated rollout) whose process died,
+        in the same bundle, its role object built again from the same arguments; the weight channel reopens
+        at the next sync."""
+        pool = pool_of(group.role, self.reward_pool)
+        [old] = group.hosts
+        try:
+            ray.kill(old, no_restart=True)
+        except RayError:
+            pass
+        new = self._host(pool, 0)
+        self.hosts[self.hosts.index(old)] = new
+        self.pools[pool] = [new]
+        self.locations.pop(old, None)
+        self.locations[new] = self.gather([new.where.remote()], f"{group.role} worker", "respawn")[0]
+        if self.channel is not None and old in self.channel:
+            self.channel = None
+        group.pids = self.gather([new.construct.remote(group.role, group.cls, group.payload)], f"{group.role} worker",
+                                 f"{group.cls.__name__}()")
+        group.hosts, group.gone = [new], False
 
     def _placement_message(self, name: str, size: int, bundle: dict) -> str:
         total, free = ray.cluster_resources(), ray.available_resources()
@@ -483,7 +513,8 @@ class RayBackend:
         payload = ray.put((args, kwargs))
         pids = self.gather([h.construct.remote(role, cls, payload) for h in hosts], f"{role} worker", f"{cls.__name__}()")
         print(f"plait: {self.placement_line(role, hosts)}", file=sys.stderr)
-        return RayWorkerGroup(self, role, hosts, pids)
+        own_pool = pool_of(role, self.reward_pool) == "rollout" and hosts[0] is not self.pools["train"][0]
+        return RayWorkerGroup(self, role, hosts, pids, cls, payload, own_pool)
 
     def placement_line(self, role: str, hosts: list) -> str:
         """Where a role runs, one line: per node, its ranks and devices."""
@@ -541,8 +572,10 @@ class RayBackend:
         if not self.hosts:
             raise WorkerError("the Ray backend has been shut down")
 
-    def gather(self, refs: list, who: str, what: str) -> list:
-        """Results in rank order; the first failure (by time, not rank) fails the backend at once."""
+    def gather(self, refs: list, who: str, what: str, group: Optional["RayWorkerGroup"] = None) -> list:
+        """Results in rank order; the first failure (by time, not rank) fails the backend at once, except a
+        rollout engine's death (EngineDied: its engine process, or the `group`'s own worker process when it
+        is the separated rollout's), which the trainer repairs (LMTrainer.generate_call)."""
         rank_of = {ref: i for i, ref in enumerate(refs)}
         out: list = [None] * len(refs)
         pending = list(refs)
@@ -550,6 +583,16 @@ class RayBackend:
             [ready], pending = ray.wait(pending, num_returns=1)
             try:
                 value = ray.get(ready)
+            except RayTaskError as err:
+                if isinstance(err.cause, EngineDied):
+                    raise EngineDied(str(err.cause)) from None
+                raise self._fail(who, rank_of[ready], what, err) from None
+            except RayActorError as err:
+                if group is not None and group.own_pool:  # its process alone: the rest of the run is whole
+                    group.gone = True
+                    self._log(who, rank_of[ready], what, err)
+                    raise EngineDied(f"its Ray worker process died during {what}; details in {self.error_log}") from None
+                raise self._fail(who, rank_of[ready], what, err) from None
             except RayError as err:
                 raise self._fail(who, rank_of[ready], what, err) from None
             if isinstance(value, Reply):
@@ -584,16 +627,21 @@ class RayBackend:
                     pass
         started = self.link_dir is not None
         self.shutdown()
-        os.makedirs(os.path.dirname(self.error_log) or ".", exist_ok=True)
-        with open(self.error_log, "a") as f:
-            f.write(f"== {time.strftime('%Y-%m-%d %H:%M:%S')} {who} rank {rank} during {what}\n{err}\n")
+        self._log(who, rank, what, err)
         error = WorkerError(
             f"{who} rank {rank} {summary} during {what}; every Ray worker was stopped"
             f"{' and the Ray instance plait started was shut down' if started else ''}; "
             f"details in {self.error_log}")
         error.cause = err.cause if isinstance(err, RayTaskError) else None  # what the worker raised
         error.log = self.error_log
+        error.recoverable = isinstance(err, RayActorError)  # a process died (OOM, a node lost): max_restarts
         return error
+
+    def _log(self, who: str, rank: int, what: str, err: RayError) -> None:
+        """The remote traceback, or Ray's account of a death, into worker_errors.log."""
+        os.makedirs(os.path.dirname(self.error_log) or ".", exist_ok=True)
+        with open(self.error_log, "a") as f:
+            f.write(f"== {time.strftime('%Y-%m-%d %H:%M:%S')} {who} rank {rank} during {what}\n{err}\n")
 
 
 def pool_of(role: str, own: set[str]) -> str:
@@ -623,11 +671,23 @@ def pool_keys(pool: str, resource: str, cfg: PlaitConfig, gpu: bool) -> tuple[st
 
 
 class RayWorkerGroup:
-    """One role's workers: `call` runs a method on every rank, `call_dp` gives each rank a shard."""
+    """One role's workers: `call` runs a method on every rank, `call_dp` gives each rank a shard. `cls` and
+    `payload` built the role objects; `own_pool`: the role has its pool to itself (the separated rollout),
+    so the death of its process (`gone`) is repaired by `recover` instead of stopping the run."""
 
-    def __init__(self, backend: RayBackend, role: str, hosts: list, pids: list[int]):
+    def __init__(self, backend: RayBackend, role: str, hosts: list, pids: list[int], cls: type = object,
+                 payload: Any = None, own_pool: bool = False):
         self.backend, self.role, self.hosts, self.pids = backend, role, hosts, pids
+        self.cls, self.payload, self.own_pool, self.gone = cls, payload, own_pool, False
         self.world_size = len(hosts)
+
+    def recover(self, method: Callable) -> None:
+        """Repair the role after an EngineDied: a new worker process when its process died, else `method`
+        on the living workers (Rollout.restart_engine)."""
+        if self.gone:
+            self.backend.respawn(self)
+        else:
+            self.call(method)
 
     def call(self, method: Callable, *args, **kwargs) -> Any:
         """Run `method` on every rank with the same arguments (stored once); return rank 0's result."""
@@ -637,7 +697,7 @@ class RayWorkerGroup:
             refs = [h.run_out_of_band.remote(self.role, method, payload) for h in self.hosts]
         else:
             refs = [h.run.remote(self.role, method, payload, rank == 0) for rank, h in enumerate(self.hosts)]
-        return self.backend.gather(refs, f"{self.role} worker", method.__qualname__)[0]
+        return self.backend.gather(refs, f"{self.role} worker", method.__qualname__, self)[0]
 
     def call_dp(self, method: Callable, batch, *args, **kwargs) -> list[Any]:
         """Split `batch` (a RolloutBatch) across the ranks; one result per rank, in rank order."""
@@ -664,7 +724,11 @@ class RayWorkerGroup:
         else:
             b.open_channel(self.hosts[0], dst.hosts[0])
             refs = [h.send.remote(self.role, get, r == 0) for r, h in enumerate(self.hosts)]
-            refs.append(dst.hosts[0].receive.remote(dst.role, put, payload))
+            try:
+                b.gather([dst.hosts[0].receive.remote(dst.role, put, payload)], f"{dst.role} worker", what, dst)
+            except EngineDied:  # the receiver's process died: the sender's broadcast fails with it, not on its own
+                ray.wait(refs, num_returns=len(refs), timeout=CHANNEL_DEATH_S)
+                raise
         b.gather(refs, f"{self.role} worker", what)
 
 

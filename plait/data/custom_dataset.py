@@ -20,6 +20,7 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -76,12 +77,13 @@ def load_custom_dataset(cfg, key: str, files: list[str], tokenizer, hf_processor
         dataset = cls(data_files=list(files), tokenizer=tokenizer, processor=hf_processor, config=data_section(cfg),
                       max_samples=-1)
         count = len(dataset)
-    except Exception as err:  # noqa: BLE001 - the user's class; one line, not a traceback
+    except (Exception, SystemExit) as err:  # noqa: BLE001 - the user's class; one line, not a traceback (nor exit 0)
         raise ConfigError(NAME_KEY, c.name, f"building {cls.__name__} over {key}={list(files)} failed: "
                                             f"{type(err).__name__}: {first_line(err)}") from None
     d = cfg.data
-    rows = [verl_row(cls.__name__, i, read_item(cls.__name__, dataset, i), d.prompt_key, d.reward_fn_key, d.image_key)
-            for i in range(count)]
+    rows = []
+    for i, item in enumerate(read_items(cls.__name__, dataset, count)):
+        rows.append(verl_row(cls.__name__, i, item, d.prompt_key, d.reward_fn_key, d.image_key))
     if not rows:
         raise ConfigError(NAME_KEY, c.name, f"{cls.__name__} over {key}={list(files)} holds no items")
     if not (cfg.reward.custom_reward_function.path or cfg.reward.reward_model.enable):  # as for data files, at start
@@ -97,10 +99,38 @@ def load_custom_dataset(cfg, key: str, files: list[str], tokenizer, hf_processor
     return data
 
 
+def read_items(name: str, dataset, count: int):
+    """Every item, in order: all are read at start (plait keeps the tokenized prompts in memory). The items'
+    memory so far is projected onto `count` at each power of two; a length that would not fit in the memory
+    this machine has free is refused there (a len() of 10^9 grew to GiBs without a word), and a read that
+    runs long says where it is every PROGRESS_S seconds."""
+    import psutil
+    start, said = time.monotonic(), time.monotonic()
+    before = psutil.Process().memory_info().rss
+    for i in range(count):
+        yield read_item(name, dataset, i)
+        done = i + 1
+        if done >= 1024 and done & (done - 1) == 0 and done < count:
+            grown = max(psutil.Process().memory_info().rss - before, 0)
+            need, free = grown / done * count, psutil.virtual_memory().available
+            if need > 0.8 * free:
+                raise ConfigError(NAME_KEY, name, f"len() of {name} is {count}: its first {done} items took "
+                                  f"{grown / 2**20:.0f} MiB, so all would need ~{need / 2**30:.1f} GiB and "
+                                  f"{free / 2**30:.1f} GiB are free (every item is read and kept at start); "
+                                  "give the class fewer items")
+        if time.monotonic() - said > PROGRESS_S:
+            said = time.monotonic()
+            print(f"plait: data.custom_cls: read {done} of {count} items of {name} in {said - start:.0f} s",
+                  file=sys.stderr)
+
+
+PROGRESS_S = 10.0
+
+
 def read_item(name: str, dataset, i: int) -> Any:
     try:
         return dataset[i]
-    except Exception as err:  # noqa: BLE001 - the user's __getitem__
+    except (Exception, SystemExit) as err:  # noqa: BLE001 - the user's __getitem__ (sys.exit(0): not a clean exit)
         raise ConfigError(NAME_KEY, name, f"{name}[{i}] failed: {type(err).__name__}: {first_line(err)}") from None
 
 

@@ -1,7 +1,7 @@
 """Reward functions run in their own processes (`reward.num_workers`), never in the trainer's.
 
     trainer thread ── pool(**call) ──▶ requests queue ──▶ feeder thread i ──socket──▶ worker process i
-      awaits its futures                  (one per worker; blocks on     (own session; the reward loaded
+      awaits its futures                  (one per worker; blocks on     (under a guardian; the reward loaded
                                           its worker's reply, at most    from its file; RLIMIT_AS; a
                                           reward.custom_reward_function  pids limit shared by the pool)
                                           .timeout)
@@ -9,8 +9,9 @@
 A pool call returns an awaitable, so the reward managers (rewards.py) score a batch's responses on
 all workers at once. Whatever user code does to its process (raises, returns garbage, calls
 sys.exit, segfaults, is killed for memory, forks without end, hangs) becomes one RunError naming
-the function, the data source and the sample; the worker's whole process group is killed and the
-trainer's state is untouched. Results come back through plait's plain-data unpickler, so a reward
+the function, the data source and the sample; the worker and everything it started are killed (its
+guardian, plait/reaper.py, is their subreaper: setsid and double forks included, and on the trainer's
+death too) and the trainer's state is untouched. Results come back through plait's plain-data unpickler, so a reward
 cannot hand the trainer anything but data. Workers start at the first call and end at
 `close_reward_workers()` (the lifecycle's shutdown), on EOF of their socket, or when the trainer dies.
 
@@ -44,6 +45,7 @@ from multiprocessing.connection import Connection
 from typing import Any, Callable, Optional
 
 from plait.errors import RunError
+from plait.reaper import ReapedPopen
 from plait.safeload import UnsafeFileError, first_line, loads_plain
 
 PIDS_CGROUP = "/sys/fs/cgroup/pids"
@@ -76,6 +78,7 @@ class PoolWording:
     describe: Optional[Callable[[str, tuple, dict], str]] = None  # (label, args, kwargs) -> line; None: describe_call
     timeout_key: str = "reward.custom_reward_function.timeout"
     memory_key: str = "reward.memory_limit_mb"
+    load_timeout_key: str = "the workers' load time limit"
     must: str = "a reward function must return a score"
 
 
@@ -84,8 +87,12 @@ class RewardPool:
 
     def __init__(self, spec: RewardSpec, label: str, num_workers: int, timeout: Optional[float] = None,
                  memory_limit_mb: Optional[int] = None, max_processes: int = 64,
-                 wording: PoolWording = PoolWording()):
+                 wording: PoolWording = PoolWording(), warmup: Optional[dict] = None, load_timeout: float = 600.0):
+        """`warmup`: the keyword arguments of a call each new worker answers before its first real call,
+        within `load_timeout` rather than the call's `timeout` (the tool workers load their tools so);
+        `load_timeout` also bounds the import of the function's file."""
         self.spec, self.label, self.timeout, self.wording = spec, label, timeout, wording
+        self.warmup, self.load_timeout = warmup, load_timeout
         self.memory_limit_mb, self.max_processes = memory_limit_mb, max_processes
         self.workers = [_Worker(self) for _ in range(num_workers)]
         self.requests: queue.SimpleQueue = queue.SimpleQueue()
@@ -153,7 +160,7 @@ class _Worker:
 
     def __init__(self, pool: RewardPool):
         self.pool = pool
-        self.proc: Optional[subprocess.Popen] = None
+        self.proc: Optional[ReapedPopen] = None
         self.conn: Optional[Connection] = None
         # kill() runs on the feeder thread (a failed call) and on the closing thread at once:
         # each takes the process and socket out under the lock, so an fd is never closed twice.
@@ -177,15 +184,19 @@ class _Worker:
         where = describe(self.pool.label, args, kwargs)
         if self.proc is None or self.proc.poll() is not None:
             self.start(where)
+            if self.pool.warmup is not None:  # its loading, under the load time limit: not the call's
+                self.request((), self.pool.warmup, where, self.pool.load_timeout, self.pool.wording.load_timeout_key)
+        return self.request(args, kwargs, where, self.pool.timeout, self.pool.wording.timeout_key)
+
+    def request(self, args: tuple, kwargs: dict, where: str, timeout: Optional[float], timeout_key: str) -> Any:
         conn = self.conn  # a local: close() may take self.conn away mid-call
         try:
             if conn is None:
                 raise EOFError
             conn.send_bytes(pickle.dumps((args, kwargs)))
-            if not conn.poll(self.pool.timeout):
+            if not conn.poll(timeout):
                 self.kill()
-                raise RunError(f"{where} did not return within {self.pool.wording.timeout_key}={self.pool.timeout} s; "
-                               "its worker process was killed")
+                raise RunError(f"{where} did not return within {timeout_key}={timeout} s; its worker process was killed")
             kind, detail = loads_plain(conn.recv_bytes(), "a reward worker's reply")
         except (EOFError, OSError):
             raise RunError(f"{where} {self.death()}") from None
@@ -202,17 +213,19 @@ class _Worker:
         # The worker imports this same plait, wherever the trainer found it.
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
-        self.proc = subprocess.Popen([sys.executable, "-m", "plait.data.reward_pool", str(theirs.fileno())],
-                                     pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, start_new_session=True,
-                                     env=env)
+        # under a guardian (plait/reaper.py): whatever the worker starts ends with it, on every exit
+        # path (kill -9 of this process included); it joins the pids cgroup before any user code runs
+        self.proc = ReapedPopen([sys.executable, "-m", "plait.data.reward_pool", str(theirs.fileno())],
+                                cgroup=self.pool.cgroup, pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, env=env)
         theirs.close()
         self.conn = Connection(ours.detach())
-        if self.pool.cgroup is not None:  # before the worker runs any user code
-            with open(os.path.join(self.pool.cgroup, "cgroup.procs"), "w") as f:
-                f.write(str(self.proc.pid))
         pool = self.pool
         self.conn.send_bytes(pickle.dumps((vars(pool.spec), pool.memory_limit_mb, pool.max_processes, pool.cgroup is not None)))
         try:
+            if not self.conn.poll(pool.load_timeout):
+                self.kill()
+                raise RunError(f"{where}: its worker process did not load the function within "
+                               f"{pool.wording.load_timeout_key}={pool.load_timeout} s; it was killed")
             kind, detail = loads_plain(self.conn.recv_bytes(), "a reward worker's reply")
         except (EOFError, OSError):
             raise RunError(f"{where}: its worker process {self.death()} while loading the function") from None
@@ -241,16 +254,12 @@ class _Worker:
         return f"ended its worker process with exit status {code} (os._exit?); {self.pool.wording.must}"
 
     def kill(self) -> None:
-        """SIGKILL the worker's process group (it leads its own session), and close the socket."""
+        """End the worker and every process it started (its guardian kills the tree), and close the socket."""
         with self.kill_lock:
             proc, self.proc = self.proc, None
             conn, self.conn = self.conn, None
         if proc is not None:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except OSError:
-                pass
-            proc.wait()
+            proc.stop()
         if conn is not None:
             conn.close()
 

@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import http.client
 import json
 import logging
 import math
+import socket
 import threading
 import time
-import urllib.error
-import urllib.request
+import urllib.parse
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional
@@ -111,28 +112,74 @@ if __name__ == "__main__":
 
 def post_run_code(url: str, payload: dict, timeout: float) -> tuple[Optional[Any], Optional[str]]:
     """The service's JSON answer to one /run_code request, or (None, why) after 3 tries on 504 or at the
-    first other failure (connection refused, another HTTP error, a time-out, an answer that is not JSON)."""
+    first other failure (connection refused, another HTTP error, no whole answer within `timeout`
+    seconds, an answer that is not JSON or is over MAX_ANSWER_BYTES)."""
     body = json.dumps(payload).encode()
     why = None
     for attempt in range(RETRIES):
-        request = urllib.request.Request(url, body, {"Content-Type": "application/json",
-                                                     "Accept": "application/json"})
         try:
-            with urllib.request.urlopen(request, timeout=timeout) as response:
-                return json.loads(response.read()), None
-        except urllib.error.HTTPError as err:
-            why = f"HTTP {err.code} {err.reason}"
-            if err.code != 504:
-                break
+            status, reason, data = post_within(url, body, timeout)
+        except (OSError, ValueError, http.client.HTTPException) as err:  # refused, reset, the deadline, a bad URL
+            why = f"{type(err).__name__}: {err}"
+            break
+        if status == 504:
+            why = f"HTTP {status} {reason}"
             if attempt < RETRIES - 1:
                 time.sleep(attempt + 1)
-        except json.JSONDecodeError as err:
+            continue
+        if not 200 <= status < 300:
+            why = f"HTTP {status} {reason}"
+            break
+        try:
+            return json.loads(data), None
+        except ValueError as err:  # JSONDecodeError, or bytes that are not UTF-8
             why = f"the answer is not JSON ({err})"
             break
-        except (OSError, ValueError) as err:  # URLError, socket time-out, connection reset
-            why = f"{type(err).__name__}: {getattr(err, 'reason', err)}"
-            break
     return None, why
+
+
+MAX_ANSWER_BYTES = 16 << 20  # a /run_code answer (the program's stdout and stderr): more is not an answer
+
+
+def post_within(url: str, body: bytes, deadline_s: float) -> tuple[int, str, bytes]:
+    """POST `body` as JSON and read the whole answer within `deadline_s` seconds, connection, headers and
+    body together: a socket time-out alone bounds each read, so a service that sends a byte every few
+    seconds would hold the caller forever. At the deadline the socket is shut down from a timer thread,
+    which ends any read under way; the answer is (status, reason, body) or TimeoutError."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"not an http(s) URL: {url!r}")
+    kind = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+    conn = kind(parts.hostname, parts.port, timeout=deadline_s)
+    late = threading.Event()
+
+    def give_up():
+        late.set()
+        if conn.sock is not None:
+            try:
+                conn.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+    timer = threading.Timer(deadline_s, give_up)
+    timer.daemon = True
+    timer.start()
+    try:
+        conn.request("POST", parts.path or "/", body, {"Content-Type": "application/json",
+                                                         "Accept": "application/json"})
+        answer = conn.getresponse()
+        data = answer.read(MAX_ANSWER_BYTES + 1)
+        if len(data) > MAX_ANSWER_BYTES:
+            raise ValueError(f"the answer is over {MAX_ANSWER_BYTES >> 20} MiB")
+        if late.is_set():
+            raise TimeoutError
+        return answer.status, answer.reason, data
+    except (OSError, http.client.HTTPException):
+        if late.is_set():
+            raise TimeoutError(f"no whole answer within {deadline_s:g} s") from None
+        raise
+    finally:
+        timer.cancel()
+        conn.close()
 
 
 def case_status(answer: Any, expected: Any) -> str:

@@ -7,9 +7,25 @@ import contextlib
 import threading
 import time
 
+from plait.errors import RunError
+
 
 class RolloutError(RuntimeError):
     """Generation running beside the trainer failed; the cause is chained."""
+
+
+class RolloutRunError(RolloutError, RunError):
+    """The same, when the cause already said itself in one line (a Ray worker's death, a tool pool's
+    RunError): the CLI prints the line, no traceback."""
+
+
+def rollout_error(what: str, err: BaseException) -> RolloutError:
+    """`what` failed in the generation thread with `err`: a RunError cause stays one line."""
+    if isinstance(err, RunError):
+        error = RolloutRunError(f"{what}: {err}")
+        error.recoverable = err.recoverable  # a dead worker or engine stays a crash trainer.max_restarts resumes after
+        return error
+    return RolloutError(f"{what}: {type(err).__name__}: {err}")
 
 
 class BusyClock:

@@ -203,7 +203,7 @@ SAFE_TO_CHANGE = (
     "actor_rollout_ref.rollout.n_gpus_per_node", "reward.reward_model.enable_resource_pool", "reward.reward_model.nnodes",
     "reward.reward_model.n_gpus_per_node", "global_profiler", "*.profiler", "*.optim.total_training_steps",
     "reward.custom_reward_function.timeout", "reward.num_workers", "reward.memory_limit_mb", "reward.max_processes",
-    "trainer.val_only", "trainer.checkpoint_callback_class",
+    "trainer.check_weight_sync", "trainer.max_restarts", "trainer.val_only", "trainer.checkpoint_callback_class",
 )
 
 

@@ -58,12 +58,11 @@ from dataclasses import dataclass
 import torch
 
 from plait.profiler.timeline import TIMELINE
-from plait.trainers.async_common import BusyClock, RolloutError
+from plait.trainers.async_common import BusyClock, RolloutError, rollout_error
 from plait.trainers.lifecycle import StageTimer
 from plait.trainers.lm import DataCursor, LMTrainer, call_quietly
 from plait.types import RolloutBatch
 from plait.workers.rollout import Rollout
-from plait.workers.weight_sync import sync_weights
 
 log = logging.getLogger("plait.trainers")
 
@@ -181,8 +180,8 @@ class FullyAsyncTrainer(LMTrainer):
                 self.syncing = True
             if self.partial_rollout:
                 self.roles.rollout.call(Rollout.abort)
-            try:
-                sync_weights(self.roles.actor, self.roles.rollout, step)  # waits for a running generate
+            try:  # the check too while the rollouter waits: its probe never queues behind a generate
+                checked = self.push_weights(step)  # waits for a running generate
             finally:
                 with self.cond:
                     self.syncing = False
@@ -197,13 +196,13 @@ class FullyAsyncTrainer(LMTrainer):
         self.consumed_partial = []
         return {"trainer/idle_ratio": timer.times.get("wait_rollout", 0.0) / (self.cycle_start - start),
                 "rollouter/idle_ratio": self.gen_clock.idle_ratio(start, self.cycle_start),
-                "rollouter/queue_depth": backlog, "fully_async/partial/partial_ratio": partial.mean().item()}
+                "rollouter/queue_depth": backlog, "fully_async/partial/partial_ratio": partial.mean().item(), **checked}
 
     def _raise_if_failed(self) -> None:
         """Call holding self.cond."""
         if self.error is not None:
             err = self.error
-            raise RolloutError(f"fully_async: the rollouter thread failed: {type(err).__name__}: {err}") from err
+            raise rollout_error("fully_async: the rollouter thread failed", err) from err
 
     def close(self) -> None:
         """Stop the rollouter; whatever is queued or in flight now is discarded (see the module docstring)."""

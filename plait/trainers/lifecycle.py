@@ -29,13 +29,13 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Optional, Protocol, Sequence
 
-from plait.errors import Interrupted
+from plait.errors import Interrupted, RunError
 from plait.profiler import StepProfiler
 from plait.profiler.live import LiveReport
 from plait.profiler.naming import write_location
 from plait.profiler.samples import SAMPLES, SAMPLES_FILE
 from plait.profiler.timeline import TIMELINE, TIMELINE_FILE, StagePeaks, fold_peaks, stage_memory_metrics
-from plait.trainers.checkpoint import STEP_METRICS, Checkpoints
+from plait.trainers.checkpoint import STEP_METRICS, Checkpoints, verify_checkpoint
 from plait.trainers.summary import RunClock, summarise_run
 
 
@@ -105,6 +105,8 @@ class Lifecycle:
         self.shutdown = shutdown  # the backend's: worker processes and a Ray instance plait started
         self.checkpoints = Checkpoints(cfg, trainer)
         self.clock = RunClock(started)  # from build's start, so start-up counts model and worker set-up
+        self.stop = StopRequest()
+        self.saved = 0  # the step of the newest checkpoint this run wrote
         self.live = LiveReport(cfg.output_dir, profiler_cfg.report_freq)  # report/ rewritten while it trains
 
     def run(self) -> dict[str, float]:
@@ -117,7 +119,7 @@ class Lifecycle:
         TIMELINE.open(os.path.join(self.cfg.output_dir, TIMELINE_FILE))
         SAMPLES.open(os.path.join(self.cfg.output_dir, SAMPLES_FILE))  # per-sample spans (profiler/samples.py)
         try:
-            with signals_as_interrupt():
+            with signals_as_interrupt(self.stop):
                 start = self._restart(last, profiler)
                 self.trainer.start()
                 self.clock.parts["startup"] = self.clock.elapsed()
@@ -130,7 +132,14 @@ class Lifecycle:
                     with self.clock.part("validation"):
                         self.tracker.log(self.trainer.validate(), step=0)
                 for step in self.tracker.progress(range(start, last + 1), total=last, initial=start - 1):
+                    if self.stop.requested:  # preempted between steps (or at start): the newest checkpoint stands
+                        print(f"plait: stopped on SIGTERM before step {step}; the newest checkpoint stands",
+                              file=sys.stderr)
+                        break
                     metrics = self._step(step, last, profiler)
+                    if self.stop.requested:
+                        self._stopped_after(step, metrics)
+                        break
         except BaseException as err:
             error = err
             raise
@@ -174,9 +183,10 @@ class Lifecycle:
             if _due(step, self.cfg.test_freq, last):
                 with timer.stage("testing"):
                     metrics.update(self.trainer.validate())
-            if _due(step, self.cfg.save_freq, last):
+            if _due(step, self.cfg.save_freq, last) or self.stop.requested:  # SIGTERM: this step's checkpoint
                 with timer.stage("save_checkpoint"):
                     self.checkpoints.save(step, self._record(step, metrics, timer, result))
+                    self.saved = step
         profiler.end_step(step)
         with TIMELINE.span("trainer", "log", self.trainer.version):  # between steps: a span, so no time is unnamed
             record = self._record(step, metrics, timer, result)
@@ -185,6 +195,19 @@ class Lifecycle:
         SAMPLES.flush(step)
         self.live.step(step)
         return record
+
+    def _stopped_after(self, step: int, record: dict) -> None:
+        """SIGTERM (preemption) arrived during `step`, which finished: its checkpoint written (unless the step
+        saved it already) and verified, then one line; the run then ends as a finished one does (exit 0)."""
+        if self.saved != step:  # the signal came after the step's save point
+            self.checkpoints.save(step, record)
+            self.saved = step
+        path = os.path.join(self.checkpoints.dir, f"global_step_{step}")
+        problem = verify_checkpoint(path)
+        if problem:
+            raise RunError(f"stopping on SIGTERM: the checkpoint of step {step} ({path}) does not verify: {problem}")
+        print(f"plait: stopped on SIGTERM after step {step}: {path} written and verified; the same command resumes "
+              f"from step {step + 1}", file=sys.stderr)
 
     def _record(self, step: int, metrics: dict, timer: StageTimer, result: StepResult) -> dict[str, float]:
         out = {**metrics, **timing_metrics(timer.times, result, self.cfg.n_devices), **stage_memory_metrics(timer.peaks)}
@@ -195,7 +218,8 @@ class Lifecycle:
 
     def _summarise(self, start: int, last: int, profiler: StepProfiler, error: BaseException | None) -> None:
         """summary.json in the output dir, and the console lines unless the run failed (its error is the last word)."""
-        status = "done" if error is None else "interrupted" if isinstance(error, KeyboardInterrupt) else "failed"
+        status = ("preempted" if self.stop.requested else "done") if error is None else \
+            "interrupted" if isinstance(error, KeyboardInterrupt) else "failed"
         summarise_run(self.cfg.output_dir, self.tracker.path, self.checkpoints.newest(), self.profiler_cfg.save_path,
                       self.cfg.run_config, max(start, 1), last, self.clock, profiler.busy_s, status)
 
@@ -236,11 +260,25 @@ def memory_metrics() -> dict[str, float]:
     return out
 
 
+class StopRequest:
+    """A SIGTERM that asks the run to stop once the current step is done and checkpointed (preemption:
+    a scheduler's SIGTERM comes with a grace period before its SIGKILL)."""
+
+    def __init__(self):
+        self.requested = False
+
+
 @contextlib.contextmanager
-def signals_as_interrupt():
-    """SIGTERM and SIGINT raise Interrupted in the main thread, so windows close, no partial
-    checkpoint stays and the exit status says which signal it was (143, 130)."""
+def signals_as_interrupt(stop: Optional[StopRequest] = None):
+    """SIGINT raises Interrupted in the main thread, so windows close, no partial checkpoint stays and the
+    exit status says which signal it was (130). A first SIGTERM only sets `stop` (the step finishes and
+    is saved, exit 0); a second one, or without `stop` any SIGTERM, raises Interrupted (143) at once."""
     def handler(signum, frame):
+        if signum == signal.SIGTERM and stop is not None and not stop.requested:
+            stop.requested = True  # os.write: a print here could re-enter a write to stderr under way
+            os.write(2, b"plait: SIGTERM: finishing this step, then saving and verifying its checkpoint (another "
+                        b"SIGTERM or SIGINT stops at once, with the previous checkpoint)\n")
+            return
         raise Interrupted(signum)
     try:
         previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}

@@ -27,6 +27,7 @@ import os
 import random
 import shutil
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -39,8 +40,9 @@ from plait.algorithms.kl import apply_kl_penalty, make_kl_controller
 from plait.algorithms.rollout_correction import rollout_correction
 from plait.config import PlaitConfig, SamplingConfig
 from plait.configtree import ConfigError
-from plait.errors import RunError
-from plait.export import HF_DIR, export_checkpoint
+from plait.errors import EngineDied, EngineFailed, RunError
+from plait.safeload import first_line
+from plait.export import HF_DIR, write_export
 from plait.data.dataset import PromptDataset, iterate_batches
 from plait.data.rewards import ScoreRequest, Scores
 from plait.profiler.samples import SAMPLES, now, sample_ids
@@ -56,7 +58,7 @@ from plait.workers.ref import Ref
 from plait.workers.reward_model import RewardModel
 from plait.workers.rollout import Rollout
 from plait.workers.teacher import Teacher
-from plait.workers.weight_sync import sync_weights
+from plait.workers.weight_sync import SyncCheck, sync_weights
 
 
 @dataclass
@@ -127,6 +129,12 @@ class LMTrainer:
         self.updates_per_step = 1  # fully async: several local updates per policy version
         self.keeps_pi_old = False  # separate_async: pi_old is the step's synced weights (Actor.keep_pi_old), not the current
         self.version = 0
+        self.sync_check = SyncCheck(roles.actor, roles.rollout, tokenizer) if cfg.trainer.check_weight_sync else None
+        # engine restarts (generate_call): the run's count, the step of the last one; the actor lock keeps a
+        # restart's weight push (from a generation thread) from reading the weights mid-update
+        self.engine_restarts, self.restart_step, self.restarts_logged = 0, -1, 0
+        self.restart_lock, self.actor_lock = threading.Lock(), threading.Lock()
+        self.step = 0
         self.model_flops = None  # the policy's FLOPs per token (asked of the actor at start)
         self.routers: list[str] | None = None  # the judge's replicas (host:port), asked at start
 
@@ -136,15 +144,50 @@ class LMTrainer:
         return self.cfg.total_steps(self.cursor.batches_per_epoch)
 
     def start(self) -> None:
-        """Asked once here, not in a step: a step's time is its stages (profiler/analysis/accounting.py)."""
+        """Asked once here, not in a step: a step's time is its stages (profiler/analysis/accounting.py);
+        the weight-sync check's numerical gap, while the actor and the engine hold the same weights."""
         self.model_flops = self.roles.actor.call(Actor.model_flops)
         if self.roles.judge is not None:
             self.routers = self.roles.judge.call(Judge.addresses)
             print(f"plait: the judge ({self.cfg.reward.reward_model.model_path}, {len(self.routers)} replica(s)) answers "
                   f"the reward function's reward_router_address at {', '.join(self.routers)}", file=sys.stderr)
+        if self.sync_check is not None:
+            self.sync_check.start()
+
+    def push_weights(self, version: int, share: bool = False) -> dict[str, float]:
+        """The actor's weights to the rollout as policy `version`, then the weight-sync check; its metrics."""
+        while True:  # the engine may die during the sync too (restart_engine raises at the second death in a step)
+            try:
+                sync_weights(self.roles.actor, self.roles.rollout, version, share)
+                return {} if self.sync_check is None else self.sync_check.after_sync(version)
+            except EngineDied as err:
+                self.restart_engine(err)
+
+    def generate_call(self, method, *args):
+        """A rollout call that generates (generate, resume). When its engine died (EngineDied: vLLM's engine
+        core, the rollout's Ray worker process), the engine is restarted with the current weights and the call
+        re-issued whole (same prompts, same seed), once per step; a second death in that step is one line."""
+        while True:  # restart_engine raises at the second death in a step
+            try:
+                return self.roles.rollout.call(method, *args)
+            except EngineDied as err:
+                self.restart_engine(err)
+
+    def restart_engine(self, err: EngineDied) -> None:
+        with self.restart_lock:
+            if self.restart_step == self.step:
+                raise EngineFailed(f"the rollout engine failed again in step {self.step}, after a restart in the same "
+                                   f"step: {first_line(err)}")
+            self.restart_step, self.engine_restarts = self.step, self.engine_restarts + 1
+            print(f"plait: warning: the rollout engine died in step {self.step} ({first_line(err)}); restarting it with "
+                  f"the current weights (policy version {self.version}); the call it died in is re-issued", file=sys.stderr)
+            self.roles.rollout.recover(Rollout.restart_engine)
+            with self.actor_lock:  # not mid-update: the weights of one version
+                sync_weights(self.roles.actor, self.roles.rollout, self.version)
 
     def train_step(self, step: int, timer: StageTimer) -> StepResult:
         start, results, samples, lengths = time.perf_counter(), [], 0, []
+        self.step = step
         # verl's rule: the actor trains from step critic_warmup on (steps 1..critic_warmup-1 train the critic only)
         update_actor = step >= self.cfg.trainer.critic_warmup
         for _ in range(self.updates_per_step):
@@ -162,6 +205,8 @@ class LMTrainer:
             result.metrics["perf/mfu/old_log_prob"] = self.model_flops.mfu(
                 self.model_flops.forward(lengths) / self.roles.actor.world_size, timer.times["old_log_prob"])
         result.metrics["perf/samples_per_s"] = samples / (time.perf_counter() - start)
+        restarts = self.engine_restarts  # since the last step's record: a generation thread's between steps too
+        result.metrics["rollout/engine_restarts"], self.restarts_logged = restarts - self.restarts_logged, restarts
         if self.cfg.data.filter_overlong_prompts:
             result.metrics["data/filtered_overlong_prompts"] = self.cursor.dataset.filtered
         return result
@@ -177,7 +222,7 @@ class LMTrainer:
         for start in range(0, total, size):
             self.live_validation(start, total, size, time.perf_counter() - started)
             prompts = prompt_batch([self.val_data[i] for i in range(start, min(start + size, total))])
-            batch = self.roles.rollout.call(Rollout.generate, prompts, val, self.cfg.trainer.seed)
+            batch = self.generate_call(Rollout.generate, prompts, val, self.cfg.trainer.seed)
             scored, extra = self.score(batch)
             for key, values in extra.items():
                 extras.setdefault(key, []).extend(values)
@@ -230,7 +275,7 @@ class LMTrainer:
         self.tokenizer.save_pretrained(hf)
         save_image_processor(self.cfg.actor_rollout_ref.model.path, hf)  # a VL policy's: the export loads as one
         if "hf_model" in self.cfg.actor_rollout_ref.actor.checkpoint.save_contents:  # verl's: the policy, ready to serve
-            export_checkpoint(path, hf)
+            write_export(os.path.join(path, "actor"), hf)
         if self.roles.critic is not None:
             self.roles.critic.call(Critic.save_checkpoint, os.path.join(path, "critic"))
         with open(os.path.join(path, "trainer_state.json"), "w") as f:
@@ -274,7 +319,7 @@ class LMTrainer:
         and a `gen` span of the call (agent loops: their own per-turn `gen` and `tool` spans); a resume
         adds a `resume` span to the rows it finished."""
         started = now()
-        batch = self.roles.rollout.call(method, *args)
+        batch = self.generate_call(method, *args)  # restarts a dead engine once per step
         ended = now()
         if method is Rollout.resume:
             rows = [i for i, r in enumerate(args[0].stop_reasons) if r == "aborted"]
@@ -338,8 +383,7 @@ class LMTrainer:
                               extra_infos=[batch.extra_infos[i] for i in rows], indices=list(first),
                               multi_modal=[] if batch.multi_modal_inputs is None else
                               [batch.multi_modal_inputs[i] for i in rows])
-        greedy = self.roles.rollout.call(Rollout.generate, prompts, SamplingConfig(n=1, do_sample=False),
-                                         self.cfg.trainer.seed)
+        greedy = self.generate_call(Rollout.generate, prompts, SamplingConfig(n=1, do_sample=False), self.cfg.trainer.seed)
         scores, _ = self.score(greedy)
         by_group = dict(zip(greedy.group_ids.tolist(), scores))
         return torch.tensor([by_group[g] for g in batch.group_ids.tolist()], dtype=torch.float32)
@@ -435,7 +479,7 @@ class LMTrainer:
             with timer.stage("update_critic"):
                 metrics.update(roles.critic.call(Critic.update, batch))
         if update_actor:
-            with timer.stage("update_actor"):
+            with timer.stage("update_actor"), self.actor_lock:
                 actor_metrics = roles.actor.call(Actor.update, batch, self.correction)
                 if "actor/entropy" in metrics:  # verl's actor/entropy is the pre-update one, when it was computed
                     actor_metrics.pop("actor/entropy")
@@ -622,9 +666,16 @@ def uses_agent_loops(cfg: PlaitConfig, *datasets) -> bool:
     agent = cfg.actor_rollout_ref.rollout.agent
     if not (cfg.actor_rollout_ref.rollout.agent_loops or names):
         return False
+    from plait.agents.tools import tools_kwargs_problem
     from plait.agents.worker import check_agent_names
     check_agent_names(agent.agent_loop_config_path, agent.default_agent_loop, names,
                       cfg.actor_rollout_ref.rollout.multi_turn.format, agent.openai_agent)
+    for split, d in zip(("data.train_files", "data.val_files"), datasets):
+        for it in d.items if d is not None else []:
+            problem = tools_kwargs_problem((it.extra_info or {}).get("tools_kwargs"))
+            if problem is not None:  # else every call of the row would fail, blamed on its tool
+                raise ConfigError(split, getattr(cfg.data, split.split(".")[1]),
+                                  f"row {it.index}: extra_info.tools_kwargs{problem} (verl's form)")
     return True
 
 

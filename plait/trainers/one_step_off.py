@@ -36,12 +36,11 @@ import torch
 from plait.profiler.samples import now
 from plait.profiler.timeline import TIMELINE
 from plait.safeload import load_tensors
-from plait.trainers.async_common import BusyClock, RolloutError
+from plait.trainers.async_common import BusyClock, rollout_error
 from plait.trainers.lifecycle import StageTimer
 from plait.trainers.lm import LMTrainer, call_quietly
 from plait.types import PromptBatch, RolloutBatch
 from plait.workers.rollout import Rollout
-from plait.workers.weight_sync import sync_weights
 
 
 class OneStepOffTrainer(LMTrainer):
@@ -97,15 +96,16 @@ class OneStepOffTrainer(LMTrainer):
                 try:
                     self.ready = pending.result()
                 except Exception as err:
-                    raise RolloutError(f"one_step_off: generating the batch for step {step + 1} failed in the "
-                                       f"generation thread: {type(err).__name__}: {err}") from err
+                    raise rollout_error(f"one_step_off: generating the batch for step {step + 1} failed in the "
+                                        "generation thread", err) from err
         with timer.stage("param_sync"):
-            sync_weights(self.roles.actor, self.roles.rollout, step)
+            checked = self.push_weights(step)
         self.version = step
         start, self.cycle_start = self.cycle_start, time.perf_counter()
         wall = self.cycle_start - start
         waited = timer.times.get("gen", 0.0) + timer.times.get("wait_rollout", 0.0)
-        return {"trainer/idle_ratio": waited / wall, "rollouter/idle_ratio": self.gen_clock.idle_ratio(start, self.cycle_start)}
+        return {"trainer/idle_ratio": waited / wall, "rollouter/idle_ratio": self.gen_clock.idle_ratio(start, self.cycle_start),
+                **checked}
 
     def save_checkpoint(self, path: str, step: int) -> None:
         super().save_checkpoint(path, step)

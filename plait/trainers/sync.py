@@ -18,7 +18,6 @@ from plait.trainers.lifecycle import StageTimer
 from plait.trainers.lm import LMTrainer
 from plait.types import RolloutBatch
 from plait.workers.rollout import Rollout
-from plait.workers.weight_sync import sync_weights
 
 
 class SyncTrainer(LMTrainer):
@@ -32,13 +31,13 @@ class SyncTrainer(LMTrainer):
         """Sync: push the new weights to the rollout; they are policy version `step`. Returns the mode's metrics."""
         with timer.stage("update_weights"):
             # Nothing generates until the next step's gen: the rollout may read the actor's own tensors.
-            sync_weights(self.roles.actor, self.roles.rollout, step, share=True)
+            checked = self.push_weights(step, share=True)
         self.version = step
         # One waits while the other works: the trainer while the rollout generates, the rollout through
         # every training stage; update_weights is work for both (the step's outer "step" is still open).
         busy = sum(t for name, t in timer.times.items() if name != "step") or 1.0
         gen = timer.times.get("gen", 0.0)
         if self.cfg.trainer.placement == "colocated":  # one set of workers does both: no rollouter to sit idle
-            return {"trainer/idle_ratio": gen / busy}
-        return {"trainer/idle_ratio": gen / busy,
+            return {"trainer/idle_ratio": gen / busy, **checked}
+        return {"trainer/idle_ratio": gen / busy, **checked,
                 "rollouter/idle_ratio": (busy - gen - timer.times.get("update_weights", 0.0)) / busy}

@@ -54,7 +54,12 @@ class Tracker:
         check_loggers(loggers)
         if "tensorboard" in loggers:
             from torch.utils.tensorboard import SummaryWriter
-            self.sinks["tensorboard"] = SummaryWriter(os.path.join(output_dir, "tensorboard"))
+            folder = os.path.join(output_dir, "tensorboard")
+            try:
+                self.sinks["tensorboard"] = SummaryWriter(folder)
+            except OSError as err:  # read-only, not a folder, full: the run would log nowhere it was asked to
+                raise ConfigError("trainer.logger", "tensorboard", f"cannot write its event file in {folder} "
+                                  f"({err.strerror or type(err).__name__}); fix the folder or drop tensorboard") from None
         if "wandb" in loggers:
             import wandb
             try:
@@ -188,9 +193,15 @@ def read_records(path: str) -> list[dict]:
             if not line.strip():
                 continue
             try:
-                records.append(json.loads(line))
+                record = json.loads(line)
             except ValueError:
                 print(f"plait: warning: {path} line {n} is torn (a crash mid-write); dropped", file=sys.stderr)
+                continue
+            if not isinstance(record, dict) or not isinstance(record.get("step", 0), int):
+                print(f"plait: warning: {path} line {n} is not a step record (a JSON object with an integer "
+                      f"step: {line.strip()[:60]!r}); dropped", file=sys.stderr)
+                continue
+            records.append(record)
     return records
 
 

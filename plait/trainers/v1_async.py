@@ -45,7 +45,6 @@ from plait.trainers.rollouter import GroupRollouter
 from plait.trainers.sampler import GroupBuffer, build_sampler, merge_sampler_metrics, take
 from plait.types import RolloutBatch
 from plait.workers.actor import Actor
-from plait.workers.weight_sync import sync_weights
 
 
 class V1AsyncTrainer(LMTrainer):
@@ -109,11 +108,11 @@ class V1AsyncTrainer(LMTrainer):
 
     def after_update(self, step: int, timer: StageTimer) -> dict[str, float]:
         with timer.stage("update_weights"), self.rollouter.sync():
-            sync_weights(self.roles.actor, self.roles.rollout, step)  # waits for the cut generate to return
+            checked = self.push_weights(step)  # waits for the cut generate to return; the weight-sync check
         self.version = step
         start, self.cycle_start = self.cycle_start, time.perf_counter()
         metrics, self.step_metrics = self.step_metrics, {}
-        return {**metrics, "trainer/idle_ratio": timer.times.get("gen", 0.0) / (self.cycle_start - start),
+        return {**metrics, **checked, "trainer/idle_ratio": timer.times.get("gen", 0.0) / (self.cycle_start - start),
                 "rollouter/idle_ratio": self.rollouter.clock.idle_ratio(start, self.cycle_start)}
 
     def save_checkpoint(self, path: str, step: int) -> None:

@@ -33,7 +33,7 @@ from plait.config import ActorConfig, ModelConfig, OptimConfig, RolloutCorrectio
 from plait.configtree import ConfigError
 from plait.export import HF_DIR
 from plait.models import add_lora, enable_activation_checkpointing, load_causal_lm, merged_state_dict
-from plait.models_vl import is_vl
+from plait.models_vl import is_vl, sequence_logprobs
 from plait.safeload import load_tensors
 from plait.types import RolloutBatch
 from plait.workers.flops import ModelFlops
@@ -41,7 +41,7 @@ from plait.workers.logprobs import check_lm_head, response_logprobs, response_st
 from plait.workers.packing import MicroBatching, checked_remove_padding
 from plait.workers.parallel import (SHARDED_DIR, EvenMicroBatching, all_reduce_grads, check_same_batch, checkpoint_state,
                                     clip_grads, data_parallel, dp_rank_size, dp_share, even_micro_batches, full_state_dict,
-                                    global_extremes, global_sum, is_sharded, load_checkpoint_state, load_sharded,
+                                    global_extremes, global_maxima, global_sum, is_sharded, load_checkpoint_state, load_sharded,
                                     offloads_optimizer,
                                     optimizer_step, save_sharded, shard_model, use_fsdp)
 from plait.workers.precision import cast_buffers, compute_autocast, role_dtype
@@ -130,9 +130,9 @@ def make_optimizer(params, cfg: OptimConfig):
 
 
 def add_stats(into: dict[str, float], new: dict[str, float], weight: float) -> None:
-    """Sum a micro-batch's per-token means into a mini-batch's, weighted by its share of the tokens."""
-    for k, v in new.items():
-        into[k] = into.get(k, 0.0) + v * weight
+    """Sum a micro-batch's per-token means into a mini-batch's, weighted by its share of the tokens (a max: the max)."""
+    for k, v in new.items():  # |p_actor - p_rollout|'s max stays a max
+        into[k] = max(into.get(k, v), v) if k == DIFF_MAX else into.get(k, 0.0) + v * weight
 
 
 def merge_extremes(into: dict[str, float], new: dict[str, float]) -> None:
@@ -142,6 +142,32 @@ def merge_extremes(into: dict[str, float], new: dict[str, float]) -> None:
 
 
 LORA_DIR = "lora_adapter"  # the adapter's folder in an actor checkpoint
+
+
+def probs_diff(logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """One micro-batch's share of verl's training/rollout_probs_diff_{max,mean,std} on the paths without the
+    separate old_log_prob pass (fused, bypass): means weighted by its tokens in _optimizer_step, the max a max."""
+    diff = (logp.detach().exp() - rollout_logp.exp()).abs()[mask.bool()]  # [response tokens]
+    if not diff.numel():
+        return {}
+    return {"training/rollout_probs_diff_mean": diff.mean().item(), DIFF_SQUARE: diff.square().mean().item(),
+            DIFF_MAX: diff.max().item()}
+
+
+def reduce_over_ranks(stats: dict[str, float], resp_tokens: float) -> dict[str, float]:
+    """One optimizer step's stats summed over ranks (each rank summed its rows' parts); the fused or bypass pass's
+    |p_actor - p_rollout| max taken as a max, and its std from the mean and the mean square."""
+    peak = global_maxima([stats.pop(DIFF_MAX)]) if DIFF_MAX in stats else None
+    stats = dict(zip(stats, global_sum(list(stats.values()))))
+    if peak is not None:
+        mean, square, n = stats["training/rollout_probs_diff_mean"], stats.pop(DIFF_SQUARE), max(resp_tokens, 2.0)
+        std = math.sqrt(max(square - mean**2, 0.0) * n / (n - 1))  # unbiased, as torch's std over the tokens
+        stats.update({DIFF_MAX: peak[0], "training/rollout_probs_diff_std": std})
+    return stats
+
+
+DIFF_MAX = "training/rollout_probs_diff_max"
+DIFF_SQUARE = "training/rollout_probs_diff_square"  # the fused pass's mean square, for the std (not logged)
 
 
 class Actor:
@@ -217,6 +243,11 @@ class Actor:
     def model_flops(self) -> ModelFlops:
         return self.flops
 
+    def probe_logprobs(self, ids: list[int]) -> list[float]:
+        """The weight-sync check's probe under the policy being trained (LoRA adapters on), in its compute dtype."""
+        with self.autocast():
+            return sequence_logprobs(self.model, ids)
+
     def compute_ref_log_prob(self, batch: RolloutBatch, micro_batch_size: int,
                              max_token_len: int | None = None) -> torch.Tensor:
         """LoRA only: log-probs [batch, resp_len] of the base model (adapters off), the reference."""
@@ -248,7 +279,7 @@ class Actor:
         mini = cfg.ppo_mini_batch_size * self.n
         sums: dict[str, float] = {}
         extremes: dict[str, float] = {}  # verl's */*_min and */*_max metrics: over every mini-batch
-        count = 0
+        count, peak = 0, 0.0
         for _ in range(cfg.ppo_epochs):
             order = torch.randperm(len(batch), generator=self.shuffle_gen) if cfg.shuffle else torch.arange(len(batch))
             for start in range(0, len(batch), mini):
@@ -256,10 +287,13 @@ class Actor:
                     stats, ext = self._optimizer_step(batch.select(dp_share(order[start:start + mini])), correction)
                 for k, v in stats.items():
                     sums[k] = sums.get(k, 0.0) + v
+                peak = max(peak, stats.get(DIFF_MAX, peak))
                 merge_extremes(extremes, ext)
                 count += 1
         metrics = {(k if "/" in k else f"actor/{k}"): v / count for k, v in sums.items()}
         metrics.update({k: v for k, v in extremes.items() if math.isfinite(v)})  # infinite: no token had one
+        if DIFF_MAX in metrics:  # a max over the mini-batches, not their mean
+            metrics[DIFF_MAX] = peak
         if cfg.use_kl_loss:
             metrics["actor/kl_coef"] = cfg.kl_loss_coef
         return metrics
@@ -335,7 +369,7 @@ class Actor:
         grad_norm = clip_grads(self.model, cfg.grad_clip)
         if math.isfinite(grad_norm):  # a non-finite norm would poison the weights: skip the step
             optimizer_step(self.optimizer, self.offload_optimizer)
-        stats = dict(zip(stats, global_sum(list(stats.values()))))  # each rank summed its rows' parts
+        stats = reduce_over_ranks(stats, resp_tokens)
         stats["grad_norm"] = grad_norm
         return {(f"actor/{k}" if k.startswith("distillation/") else k): v for k, v in stats.items()}, \
             {f"actor/{k}": v for k, v in global_extremes(extremes).items()}
@@ -364,8 +398,7 @@ class Actor:
         """The loss with pi_old = logp.detach(), and the off-policy metrics the old_log_prob pass gives."""
         rollout_logp = micro.rollout_logprobs.to(logp.device)
         _, _, corr = rollout_correction(logp.detach(), rollout_logp, mask, None, 1.0, False, None, None)
-        diff = (logp.detach().exp() - rollout_logp.exp()).abs() * mask
-        corr["training/rollout_probs_diff_mean"] = (diff.sum() / mask.sum().clamp(min=1)).item()
+        corr.update(probs_diff(logp, rollout_logp, mask))
         loss, stats = policy_loss(self.cfg.policy_loss.loss_mode, logp, logp.detach(), micro.advantages.to(logp.device),
                                   mask, knobs, **norm)
         return loss, {**stats, **corr}
@@ -377,6 +410,7 @@ class Actor:
         rollout_logp, adv = micro.old_logprobs.to(device), micro.advantages.to(device)  # old_logprobs = rollout's here
         is_w, loss_mask, corr = rollout_correction(logp.detach(), rollout_logp, mask, c.rollout_is, c.rollout_is_threshold,
                                                    c.rollout_is_batch_normalize, c.rollout_rs, c.rollout_rs_threshold)
+        corr.update(probs_diff(logp, rollout_logp, mask))
         if c.loss_type == "reinforce":  # -A log pi, weighted by pi / pi_rollout
             loss, stats = gpg_loss(logp, adv, loss_mask, knobs.agg_mode, is_w, loss_scale_factor=knobs.loss_scale_factor,
                                    **norm)

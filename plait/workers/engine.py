@@ -3,7 +3,7 @@
     Rollout (workers/rollout.py) ──ENGINES[rollout.name].build(EngineArgs)──▶ Engine
         generate(prompts, params) -> Generation      one batch, token ids in, tokens + log-probs out
         serve(admit, deliver, stop)                   continuous engines only: per-request token-in/token-out
-        load_weights / abort / close
+        load_weights / probe_logprobs / abort / close
 
 The rest of plait asks the table, never an engine's name: config.py for the valid names, whether the
 engine can run here, the devices it holds, its start notes and the rollout keys it does not read; the
@@ -40,6 +40,10 @@ class Engine(Protocol):
         request's tokens as it finishes (plait/agents/runner.py drive_stream). True when an abort cut in."""
 
     def load_weights(self, state_dict: dict[str, torch.Tensor], share: bool = False) -> None: ...
+
+    def probe_logprobs(self, ids: list[int]) -> list[float] | None:
+        """The log-prob of each token of `ids` after its prefix, at temperature 1, under the weights the engine
+        holds now: the weight-sync check (workers/weight_sync.py) compares it with the trainer's. None: it cannot."""
 
     def abort(self) -> None:
         """From another thread: make a running generate / serve return at its next token."""

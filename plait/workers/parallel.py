@@ -51,6 +51,16 @@ def global_sum(values: list[float]) -> list[float]:
     return t.tolist()
 
 
+def global_maxima(values: list[float]) -> list[float]:
+    """Each value's maximum over data-parallel ranks, in one collective (identity on one rank)."""
+    if dp_rank_size()[1] == 1:
+        return values
+    t = torch.tensor(values, dtype=torch.float64)
+    with RANK_SPANS.collective("all_reduce"):
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
 def dp_share(rows: torch.Tensor) -> torch.Tensor:
     """This rank's share of a global mini-batch's row indices."""
     rank, world = dp_rank_size()

@@ -44,12 +44,33 @@ def auto_dtype(device: str) -> tuple[str, str]:
 
 
 def resolve_dtype(key: str, value: str, device: str) -> torch.dtype:
-    """The torch dtype of config `key`'s `value`; `auto` says in one line which one it chose and why."""
+    """The torch dtype of config `key`'s `value`; `auto` says in one line which one it chose and why, and
+    an explicit bfloat16 or float16 on a CPU that computes it far slower than float32 (an AVX2 host: ~50x)
+    says so once, with the measurement: the run does what it was asked, knowingly."""
     if value != "auto":
+        if device == "cpu" and value != "float32":
+            slow = slow_on_cpu(value)
+            if slow is not None:
+                print(f"plait: warning: {key}={value} on this CPU: {slow}; {key}=auto picks the faster one",
+                      file=sys.stderr)
         return DTYPES[value]
     name, why = auto_dtype(device)
     print(f"plait: {key}=auto -> {name} on {device}: {why}", file=sys.stderr)
     return DTYPES[name]
+
+
+@functools.cache
+def slow_on_cpu(name: str) -> str | None:
+    """The measurement, when a matmul in dtype `name` runs over SLOW_FACTOR times slower than in float32 here."""
+    f32, other = (device_peak_flops("cpu", dtype, size=PROBE_SIZE) for dtype in (torch.float32, DTYPES[name]))
+    if other * SLOW_FACTOR >= f32:
+        return None
+    return (f"a {PROBE_SIZE}x{PROBE_SIZE} matmul runs {other / 1e9:.1f} GFLOP/s in {name} vs {f32 / 1e9:.1f} in float32, "
+            f"{f32 / max(other, 1.0):.0f}x slower (torch CPU capability {torch.backends.cpu.get_cpu_capability()}: "
+            "no AMX or AVX-512 BF16/FP16 kernels)")
+
+
+SLOW_FACTOR = 3  # an explicit dtype this many times slower than float32 is said at start
 
 
 def compute_autocast(device: str, dtype: torch.dtype, sharded: bool):

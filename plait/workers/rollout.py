@@ -37,9 +37,9 @@ class Rollout:
         self.max_response_length, self.pad_token_id, self.profiler = max_response_length, tokenizer.pad_token_id, profiler
         eos = [] if ignore_eos else eos_token_ids(tokenizer, load_generation_config(model_path))
         self.eos_ids = eos
-        name = PLAIT_ENGINE if cfg is None else cfg.name
-        self.engine = ENGINES[name].build(EngineArgs(
-            model_path, cfg, dtype, device, eos, ignore_eos, self.pad_token_id, profiler, colocated))
+        self.engine_name = PLAIT_ENGINE if cfg is None else cfg.name
+        self.engine_args = EngineArgs(model_path, cfg, dtype, device, eos, ignore_eos, self.pad_token_id, profiler, colocated)
+        self.engine = ENGINES[self.engine_name].build(self.engine_args)
         self.version = 0
         self._lock = threading.Lock()
         self.agents = None if agent_cfg is None else _agent_worker(agent_cfg, tokenizer, model_path, eos)
@@ -174,6 +174,21 @@ class Rollout:
         with self._lock, self.profiler.annotate("update_weights"):
             self.engine.load_weights(state_dict, share)
             self.version = version
+
+    def restart_engine(self) -> None:
+        """A fresh engine in place of one whose process died (EngineDied): the model's initial weights, until
+        the trainer pushes the current ones (which it does next)."""
+        with self._lock:
+            try:
+                self.engine.close()
+            except Exception:  # noqa: BLE001 - the dead engine's clean-up; the new one is what matters
+                pass
+            self.engine = ENGINES[self.engine_name].build(self.engine_args)
+
+    def probe_logprobs(self, ids: list[int]) -> list[float] | None:
+        """The engine's log-probs of the weight-sync check's probe; None: this engine cannot say (the check is off)."""
+        with self._lock:
+            return self.engine.probe_logprobs(ids)
 
     def close(self) -> None:
         """Stop the engine's own processes, if it has any (vLLM's engine core), and the agent loops' tools."""

@@ -33,7 +33,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from plait.configtree import check
 from plait.models import load_causal_lm
-from plait.models_vl import is_vl, mask_logits, never_sampled, vl_inputs
+from plait.models_vl import is_vl, mask_logits, never_sampled, sequence_logprobs, vl_inputs
 
 
 @dataclass
@@ -148,6 +148,11 @@ class TransformersEngine:
                     params[name].data = value
                 else:
                     own[name].copy_(value)
+
+    def probe_logprobs(self, ids: list[int]) -> list[float]:
+        """The weight-sync check's probe under the weights this engine holds (plait/workers/weight_sync.py)."""
+        with torch.inference_mode():
+            return sequence_logprobs(self.model, ids)
 
     def abort(self) -> None:
         """Thread-safe: a running generate returns at its next decode step; unfinished rows say "aborted"."""

@@ -35,7 +35,9 @@ earlier turns' KV blocks.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import multiprocessing.connection
 import os
 import shutil
 import tempfile
@@ -45,6 +47,7 @@ import time
 import torch
 from transformers import AutoConfig
 
+from plait.errors import EngineDied
 from plait.models_vl import never_sampled
 from plait.workers.vllm_notes import iteration_bounds
 from plait.workers.rollout_engine import Generation, SamplingParams
@@ -53,6 +56,8 @@ from plait.workers.vllm_noise import quiet_known_warnings
 log = logging.getLogger("plait.rollout")
 
 STOP_REASONS = {"stop": "eos", "length": "length", "abort": "aborted"}  # vLLM's finish_reason -> plait's
+WATCH_S = 1.0           # how often the health watch looks at a call in flight (it sees a death at once)
+STEP_TIMEOUT_S = 600.0  # a call into the engine core that runs longer is a hung core (a weight reload included)
 
 
 def build(args) -> VLLMEngine:
@@ -115,6 +120,10 @@ class VLLMEngine:
         self._io = threading.Lock()  # the engine client is not thread-safe; calls interleave per step
         self._abort = threading.Event()
         self._calls = 0  # request ids stay unique across calls
+        self._dead: str | None = None        # why the engine core is gone (EngineDied), once it is
+        self._busy_since: float | None = None  # when the call into the engine core under way began
+        self._closing = False
+        threading.Thread(target=self._watch, name="plait-vllm-watch", daemon=True).start()
 
     def generate(self, prompts: list[list[int]], params: SamplingParams,
                  generator: torch.Generator | None = None, on_forward=None,
@@ -136,16 +145,16 @@ class VLLMEngine:
         tokens: dict[str, list[int]] = {i: [] for i in ids}
         logprobs: dict[str, list[float]] = {i: [] for i in ids}
         reasons: dict[str, str] = {}
-        with self._io:
+        with self._call():
             for rid, prompt, seed in zip(ids, inputs, seeds):
                 self._engine.add_request(rid, prompt, self._params(params, seed))
         while len(reasons) < len(ids):
             if self._abort.is_set():
-                with self._io:
+                with self._call():
                     self._engine.abort_request([i for i in ids if i not in reasons])
                 reasons.update({i: "aborted" for i in ids if i not in reasons})
                 break
-            with self._io:
+            with self._call():
                 outputs = self._engine.step()
             for out in outputs:
                 c = out.outputs[0]
@@ -187,11 +196,11 @@ class VLLMEngine:
             for key, prompt, params in admit():
                 self._calls += 1
                 rid, seed = f"{self._calls}-s", int(torch.randint(0, 2**31 - 1, (1,), generator=generator))
-                with self._io:
+                with self._call():
                     self._engine.add_request(rid, TokensPrompt(prompt_token_ids=list(prompt)), self._params(params, seed))
                 live[rid] = (key, [], [])
             if self._abort.is_set() or (not live and stop()):
-                with self._io:
+                with self._call():
                     self._engine.abort_request(list(live))
                 for key, tokens, logprobs in live.values():
                     deliver(key, tokens, logprobs, "aborted")
@@ -201,7 +210,7 @@ class VLLMEngine:
             if not live:
                 time.sleep(0.002)  # every trajectory is in its tools: wait for the next turn
                 continue
-            with self._io:
+            with self._call():
                 outputs = self._engine.step()
             for out in outputs:
                 key, tokens, logprobs = live[out.request_id]
@@ -219,7 +228,7 @@ class VLLMEngine:
         version_dir = tempfile.mkdtemp(dir=self._weights_dir)
         try:
             save_weights(state_dict, version_dir)
-            with self._io:
+            with self._call():
                 self.llm.collective_rpc("reload_weights", kwargs={"weights_path": version_dir, "is_checkpoint_format": True})
                 self.llm.reset_prefix_cache()
                 # image embeddings from the old vision tower, kept by image hash: stale now (and after a
@@ -228,21 +237,81 @@ class VLLMEngine:
         finally:
             shutil.rmtree(version_dir, ignore_errors=True)
 
+    def probe_logprobs(self, ids: list[int]) -> list[float]:
+        """The weight-sync check's probe: vLLM's prompt log-probs of `ids` (temperature 1) under the weights the
+        engine core holds now (plait/workers/weight_sync.py)."""
+        from vllm import SamplingParams as VLLMParams
+        self.wake()
+        self._calls += 1
+        rid = f"{self._calls}-probe"
+        params = VLLMParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False)
+        with self._call():
+            self._engine.add_request(rid, {"prompt_token_ids": list(ids)}, params)
+        while True:
+            with self._call():
+                outputs = self._engine.step()
+            for out in outputs:
+                if out.request_id == rid and out.finished:
+                    return [step[tok].logprob for step, tok in zip(out.prompt_logprobs[1:], ids[1:])]
+
     def abort(self) -> None:
         """Thread-safe: a running generate returns at its next engine step; unfinished rows say "aborted"."""
         self._abort.set()
+
+    # -- health: the engine core process dead or hung is EngineDied (the trainer restarts the engine) --
+
+    @contextlib.contextmanager
+    def _call(self):
+        """One call into the engine core, holding the client's lock; a dead core's error is EngineDied."""
+        from vllm.v1.engine.exceptions import EngineDeadError
+        if self._dead:
+            raise EngineDied(self._dead)
+        with self._io:
+            self._busy_since = time.monotonic()
+            try:
+                yield
+            except (EngineDied, EngineDeadError, OSError) as err:
+                raise EngineDied(self._dead or f"vLLM's engine core failed ({type(err).__name__}: {err})") from None
+            finally:
+                self._busy_since = None
+
+    def _watch(self) -> None:
+        """A thread: when the engine core process ends, or a call into it runs past STEP_TIMEOUT_S (a hung
+        core, then killed), say why and wake the caller blocked on the core's output queue (vLLM's client
+        would wait forever: its reader thread stops without a word when the core dies). vLLM 0.32's private
+        client attributes; an in-process client (none of them) is not watched."""
+        core = self._engine.engine_core
+        manager = getattr(core.resources, "engine_manager", None)
+        if manager is None or not hasattr(core, "outputs_queue"):
+            return
+        procs = list(manager.processes)
+        while not self._closing:
+            ended = multiprocessing.connection.wait([p.sentinel for p in procs], timeout=WATCH_S)
+            if self._closing:
+                return
+            busy = self._busy_since
+            if ended:
+                self._dead = f"vLLM's engine core process {procs[0].pid} ended (exit code {procs[0].exitcode})"
+            elif busy is not None and time.monotonic() - busy > STEP_TIMEOUT_S:
+                self._dead = f"vLLM's engine core did not answer within {STEP_TIMEOUT_S} s; it was killed"
+                for p in procs:
+                    p.kill()
+            else:
+                continue
+            core.outputs_queue.put_nowait(EngineDied(self._dead))
+            return
 
     # -- sleep mode (GPU colocation: free the KV cache and offload weights while training runs) --
 
     def sleep(self) -> None:
         if not self.sleeping:
-            with self._io:
+            with self._call():
                 self.llm.sleep(level=1)
             self.sleeping = True
 
     def wake(self) -> None:
         if self.sleeping:
-            with self._io:
+            with self._call():
                 self.llm.wake_up()
             self.sleeping = False
 
@@ -250,15 +319,16 @@ class VLLMEngine:
 
     def start_profile(self, tokens: tuple[int | None, int | None] | None = None) -> None:
         """`tokens`: the rollout's profile_token_start / end (see `iteration_bounds`)."""
-        with self._io:
+        with self._call():
             self.llm.start_profile(**iteration_bounds(tokens))
 
     def stop_profile(self) -> None:
-        with self._io:
+        with self._call():
             self.llm.stop_profile()
 
     def close(self) -> None:
         """Stop the engine core process now rather than at garbage collection."""
+        self._closing = True
         self.llm.llm_engine.engine_core.shutdown()
         shutil.rmtree(self._weights_dir, ignore_errors=True)
 

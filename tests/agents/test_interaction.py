@@ -3,6 +3,7 @@ on a scripted engine (the model's turns as text) so ids, masks, scores and limit
 The interactions are real: verl's GSM8K class name (plait's built-in twin) and user classes from a
 file, each loaded in a worker process."""
 
+import asyncio
 import os
 import sys
 import textwrap
@@ -171,6 +172,35 @@ def test_a_failing_interaction_is_one_line_and_ends_the_row(tmp_path, tokenizer,
     assert batch.extra_infos[0]["num_turns"] == 3 and batch.extra_infos[0]["turn_scores"] == []
     assert int(batch.attended[0].sum()) == len("hi") + 1
     assert agent_metrics(batch)["agent_loop/interaction_error_rate"] == 1.0
+
+
+def test_an_interactions_text_is_valid_unicode_and_bounded_by_the_budget(tmp_path, tokenizer):
+    """A lone surrogate (the tokenizer raises on it) becomes U+FFFD; a 20 MiB answer is cut in its worker
+    at 64 characters per token of the response budget, before it crosses to the trainer."""
+    (tmp_path / "floodusers.py").write_text(textwrap.dedent('''
+        from plait.agents.interactions import BaseInteraction
+
+        class Flood(BaseInteraction):
+            async def generate_response(self, instance_id, messages, **kwargs):
+                if len(messages) < 4:
+                    return False, "bad \\ud800 text", 0.5, {}
+                return True, "z" * (20 << 20), 0.5, {}
+    '''))
+    cwd = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        box = box_for(tmp_path, "interaction:\n  - name: flood\n    class_name: floodusers.Flood\n", workers=1)
+    finally:
+        os.chdir(cwd)
+    try:
+        reply, error = asyncio.run(box.call("respond", "flood", "r1", {}, "row 0", messages=[{}] * 4, max_chars=100))
+        assert error is None and reply["text"] == "z" * 100
+        batch = generate(tokenizer, box, lambda turn: "hi", [{"name": "flood"}], response_length=60)
+    finally:
+        box.close()
+    text = tokenizer.decode(batch.responses[0][batch.attended[0].bool()])
+    assert "<|user|>bad \ufffd text<|end|>" in text and batch.extra_infos[0]["turn_scores"] == [0.5, 0.5]
+    assert "<|user|>zzz" in text and text.endswith("zzz") and int(batch.attended[0].sum()) == 60  # cut at the budget
 
 
 @pytest.mark.parametrize("text, match", [

@@ -439,3 +439,36 @@ def test_a_transcript_tokenizes_as_the_tool_loop_lays_it_out(tmp_path):
     assert prompt + batch.responses[0, :n].tolist() == expected.ids
     assert [int(x) for x in batch.response_mask[0, :n].tolist()] == expected.mask
     assert 0 in expected.mask and expected.mask[-1] == 1
+
+
+# -- a row's tools_kwargs --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("value, said", [
+    ("ground truth 5", " is str 'ground truth 5', not a mapping of tool name"),
+    ({"calc_gsm8k_reward": ["5"]}, "['calc_gsm8k_reward'] is list ['5'], not a mapping like"),
+    ({"calc_gsm8k_reward": {"create_kwargs": "5"}}, "['calc_gsm8k_reward']['create_kwargs'] is str '5', not a mapping"),
+])
+def test_malformed_tools_kwargs_are_the_rows_fault_at_start_and_never_reload_a_worker(tmp_path, toolbox, capsys, value,
+                                                                                    said):
+    """Each call of such a row used to raise in the tool's worker, blamed on the tool, and replace the worker."""
+    from plait.cli import main
+    box = toolbox(write(tmp_path, "t.yaml", GSM8K_YAML))
+    worker = box.pool.workers[0].proc.pid
+    result = call(box, ("calc_gsm8k_reward", '{"answer": "5"}'), tools_kwargs=value)[0]
+    assert result.error.startswith(f"row 7: extra_info.tools_kwargs{said}")
+    assert result.text == "Error executing tool 'calc_gsm8k_reward': the row's tools_kwargs are malformed"
+    assert box.pool.workers[0].proc.pid == worker  # nothing was asked of the worker
+    good = {"calc_gsm8k_reward": {"create_kwargs": {"ground_truth": "5"}}}
+    rows = [{"prompt": [{"role": "user", "content": f"{i} + 5?"}], "data_source": "openai/gsm8k",
+             "reward_model": {"ground_truth": "5"}, "extra_info": {"tools_kwargs": value if i == 3 else good}}
+            for i in range(8)]
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    code = main(["train", "--no-progress", f"trainer.default_local_dir={tmp_path / 'out'}", "demo.model_size=xs",
+                 f"data.train_files=[{data}]", f"data.val_files=[{data}]", "data.train_batch_size=4",
+                 "actor_rollout_ref.actor.ppo_mini_batch_size=2", "critic.ppo_mini_batch_size=2",
+                 f"actor_rollout_ref.rollout.multi_turn.tool_config_path={tmp_path / 't.yaml'}",
+                 "actor_rollout_ref.rollout.agent.default_agent_loop=tool_agent", "trainer.logger=[]"])
+    err = capsys.readouterr().err
+    assert code == 2 and f"plait: config error: data.train_files=['{data}']: row 3: extra_info.tools_kwargs{said}" in err
+    assert not (tmp_path / "out" / "checkpoints").exists()

@@ -51,6 +51,18 @@ def segv():
 def garbage():
     return (object(), "not a number")
 
+@function_tool(schema=schema("surrogate"))
+def surrogate():
+    return "half \\ud83d of a pair, a pair \\ud83d\\ude00"
+
+@function_tool(schema=schema("flood"))
+def flood():
+    return "x" * (20 << 20)
+
+@function_tool(schema=schema("flood_error"))
+def flood_error():
+    raise ValueError("\\udc80" + "y" * (20 << 20))
+
 @function_tool(schema=schema("not_text"))
 def not_text():
     from plait.agents.tools import ToolResponse
@@ -93,6 +105,43 @@ def test_a_hostile_tool_is_one_line_and_the_next_call_works(box, name, text, err
     assert os.getpid() == trainer
     after = run(box, "ok")[0]
     assert after.error is None and after.text.startswith("pid ") and after.text != f"pid {trainer}"
+
+
+def test_tool_text_is_valid_unicode_and_bounded_before_it_leaves_the_worker(box):
+    """A lone surrogate would make the tokenizer raise; 20 MiB (as an answer or as an error) is cut in the worker."""
+    half, flood, error = run(box, "surrogate", "flood", "flood_error")
+    assert half.error is None and half.text == "half \ufffd of a pair, a pair \U0001f600"
+    assert flood.error is None and flood.text == "x" * 128 + "...(truncated)..." + "x" * 128
+    assert error.text.startswith("Error executing tool 'flood_error': \ufffdyyy") and len(error.text) <= 1024
+    for text in (half.text, flood.text, error.text):
+        text.encode("utf-8")
+
+
+def test_a_replaced_worker_loads_its_tools_outside_the_next_calls_time_limit(tmp_path):
+    """Loading the tool file takes longer than a call may: after a hung call's worker is replaced, the next
+    calls still answer (the replacement's loading is timed by the load limit, not theirs)."""
+    path = tmp_path / "slow_to_load.py"
+    path.write_text(textwrap.dedent('''
+        import time
+        from plait.agents.tools import function_tool
+        time.sleep(2)
+
+        @function_tool(schema={"type": "function", "function": {"name": "ok", "description": "o"}})
+        def ok():
+            return "fine"
+
+        @function_tool(schema={"type": "function", "function": {"name": "hang", "description": "h"}})
+        def hang():
+            time.sleep(600)
+    '''))
+    multi_turn = SimpleNamespace(tool_config_path=None, function_tool_path=str(path), max_tool_response_length=256,
+                                 tool_response_truncate_side="middle")
+    box = ToolBox.from_config(multi_turn, ToolLimits(num_workers=1, timeout_s=1, load_timeout_s=30))
+    try:
+        assert "did not return within" in run(box, "hang")[0].error
+        assert [r.text for r in run(box, "ok", "ok", "ok")] == ["fine"] * 3
+    finally:
+        box.close()
 
 
 def test_a_hanging_call_does_not_hold_up_the_others(box):

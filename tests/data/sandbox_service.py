@@ -75,6 +75,8 @@ class SandboxService:
                     return self.send_error(504 if self.path == "/gateway" else 500)
                 if self.path == "/slow":
                     time.sleep(slow_s)
+                if self.path in ("/drip", "/drip_headers"):  # a byte every 0.5 s, for 10 s: no read ever times out
+                    return self.drip(self.path == "/drip_headers")
                 answer = b"<html>not json</html>" if self.path == "/bad_json" else json.dumps(
                     (compile_python if self.path == "/compiling" else run_python)(body, max_run_s)).encode()
                 try:
@@ -84,6 +86,17 @@ class SandboxService:
                     self.end_headers()
                     self.wfile.write(answer)
                 except (BrokenPipeError, ConnectionResetError):  # /slow's client gave up waiting
+                    pass
+
+            def drip(self, in_headers: bool):
+                head = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 100\r\n"
+                try:
+                    self.wfile.write(head if in_headers else head + b"\r\n")
+                    for _ in range(20):
+                        self.wfile.write(b"X-Slow: 1\r\n" if in_headers else b" ")
+                        self.wfile.flush()
+                        time.sleep(0.5)
+                except (BrokenPipeError, ConnectionResetError):
                     pass
 
             def log_message(self, *args):  # quiet: pytest shows failures, not every request

@@ -107,7 +107,17 @@ VIDEO_ITEM = CLASS.replace('[{"role": "user", "content": text + " " + text}]',
                            '[{"role": "user", "content": [{"type": "video", "video": "v.mp4"}]}]')
 
 
+EXITS_ITEM = CLASS.replace("row = dict(self.rows[i])", "import sys; sys.exit(0)")
+EXITS_BUILD = CLASS.replace("self.rows = [", "import sys; sys.exit(0); self.rows = [")
+HUGE = CLASS.replace("return len(self.rows)", "return 10**9").replace("dict(self.rows[i])",
+                                                                       "dict(self.rows[i % len(self.rows)])")
+
+
 @pytest.mark.parametrize("source, name, key, said", [
+    (EXITS_ITEM, "Doubled", "data.custom_cls.name='Doubled'", "Doubled[0] failed: SystemExit: 0"),  # was exit 0, untrained
+    (EXITS_BUILD, "Doubled", "data.custom_cls.name='Doubled'", "failed: SystemExit: 0"),
+    (HUGE, "Doubled", "data.custom_cls.name='Doubled'",  # grew to GiBs without a word
+     "len() of Doubled is 1000000000: its first"),
     (CLASS, "Missing", "data.custom_cls.name='Missing'", "defines no class 'Missing'; its Dataset classes: Doubled"),
     (CLASS + "\nclass Plain:\n    pass\n", "Plain", "data.custom_cls.name='Plain'",
      "Plain in '{cls}' is not a torch.utils.data.Dataset subclass"),

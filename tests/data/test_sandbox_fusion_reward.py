@@ -265,6 +265,16 @@ def test_plait_train_goes_on_when_the_service_fails(tmp_path, tiny_config, servi
     assert len(warned) == 1 and "got no answer (last: HTTP 500" in warned[0]  # once a minute at most
 
 
+@pytest.mark.parametrize("path", ["/drip", "/drip_headers"])
+def test_a_service_that_drips_its_answer_is_given_up_at_the_deadline(service, path):
+    """A byte every 0.5 s never trips a per-read time-out: the request's deadline bounds the whole answer."""
+    import time
+    start = time.monotonic()
+    answer, why = sandbox_fusion.post_run_code(service.url(path), {"code": "print(1)"}, timeout=1.5)
+    assert answer is None and why == "TimeoutError: no whole answer within 1.5 s"
+    assert time.monotonic() - start < 4
+
+
 def test_code_rows_without_a_url_are_refused_at_start(tmp_path, tiny_config, capsys):
     import yaml
     from plait import cli

@@ -63,6 +63,22 @@ def test_a_bad_row_is_one_line_naming_file_and_row(tmp_path, processor, content,
     assert message in text and "rows.parquet" in text and "\n" not in text
 
 
+@pytest.mark.parametrize("special", ["fifo", "/dev/zero", "folder"])
+def test_an_image_path_that_is_not_a_file_is_one_line_and_never_blocks(tmp_path, processor, special):
+    """A FIFO nobody writes blocked the load forever; a device never ends."""
+    import os
+    import time
+    if special == "fifo":
+        os.mkfifo(tmp_path / "fifo")
+    elif special == "folder":
+        (tmp_path / "folder").mkdir()
+    start = time.monotonic()
+    with pytest.raises(ConfigError) as err:
+        load(tmp_path, [row("one <image>", [{"path": special}])], processor)
+    assert "row 0: image 0: " in str(err.value) and "is not a regular file" in str(err.value)
+    assert time.monotonic() - start < 10
+
+
 def test_video_rows_are_refused(tmp_path, processor):
     with pytest.raises(ConfigError, match=r"row 0: column 'videos' \(data.video_key\) holds list media"):
         load(tmp_path, [row("<video>", None, videos=[{"video": "a.mp4"}])], processor)

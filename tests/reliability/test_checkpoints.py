@@ -77,6 +77,26 @@ def test_a_torn_last_metrics_line_is_dropped_with_a_warning(tmp_path, walk, capf
     assert steps_logged(tmp_path) == [0, 1, 2, 3]
 
 
+@pytest.mark.parametrize("line", ['[1, 2]', '"text"', '7', 'null', '{"step": "three"}'])
+def test_a_metrics_line_that_is_not_a_step_record_is_dropped_with_a_warning(tmp_path, walk, capfd, line):
+    """It crashed the resume (AttributeError: 'list' object has no attribute 'get')."""
+    walk(tmp_path, steps=2).run()
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write(line + "\n")
+    walk(tmp_path, steps=3).run()
+    assert f"{tmp_path / 'metrics.jsonl'} line 4 is not a step record" in capfd.readouterr().err
+    assert steps_logged(tmp_path) == [0, 1, 2, 3]
+
+
+def test_a_tensorboard_folder_that_cannot_be_written_is_one_config_line(tmp_path):
+    from plait.configtree import ConfigError
+    from plait.trainers.tracking import Tracker
+    (tmp_path / "tensorboard").write_text("a file where the folder goes")
+    with pytest.raises(ConfigError) as err:
+        Tracker(str(tmp_path), ["tensorboard"], "p", "e", progress=False)
+    assert err.value.key == "trainer.logger" and "cannot write its event file in" in str(err.value)
+
+
 def test_a_lost_metrics_line_is_restored_from_its_checkpoint(tmp_path, walk):
     walk(tmp_path / "full", steps=3).run()
     walk(tmp_path, steps=2).run()

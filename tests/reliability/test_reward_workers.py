@@ -211,7 +211,7 @@ def test_workers_end_when_the_trainer_is_killed(reward_file):
     assert not [p for p in pids if alive(p)]
 
 
-def test_sigterm_while_a_reward_hangs_exits_143_and_ends_its_workers(tmp_path, tiny_config):
+def test_a_second_sigterm_while_a_reward_hangs_exits_143_and_ends_its_workers(tmp_path, tiny_config):
     import signal
     import subprocess
     import sys
@@ -234,6 +234,8 @@ def test_sigterm_while_a_reward_hangs_exits_143_and_ends_its_workers(tmp_path, t
         time.sleep(0.1)
     workers = [int(p) for p in os.listdir(tmp_path / "pids")]
     assert len(workers) == 2 and all(alive(p) for p in workers)
+    trainer.send_signal(signal.SIGTERM)  # the first waits for the step (which hangs); the second stops at once
+    time.sleep(0.5)
     trainer.send_signal(signal.SIGTERM)
     assert trainer.wait(timeout=30) == 143
     assert "Traceback" not in trainer.stderr.read()

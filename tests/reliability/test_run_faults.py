@@ -1,6 +1,7 @@
 """The `plait` command under faults: a busy output dir, SIGTERM and SIGINT (exit 143 and 130, no
 partial checkpoint). Runs are forked children of the test process (torch already imported)."""
 
+import json
 import os
 import signal
 import time
@@ -58,18 +59,44 @@ def _hold(out, ready_w):
     return 0
 
 
-@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
-def test_a_signal_mid_run_exits_128_plus_signum_and_leaves_nothing_partial(tmp_path, tiny_config, sig, code):
+@pytest.mark.parametrize("sigs, code", [((signal.SIGTERM, signal.SIGTERM), 143), ((signal.SIGINT,), 130),
+                                         ((signal.SIGTERM, signal.SIGINT), 130)])
+def test_a_signal_mid_run_exits_128_plus_signum_and_leaves_nothing_partial(tmp_path, tiny_config, sigs, code):
+    """SIGINT, or a second SIGTERM while the first waits for the step to end: at once, nothing partial."""
     config = config_file(tmp_path, tiny_config, "trainer.total_training_steps=200", "trainer.save_freq=1",
                          "trainer.test_freq=-1")
     pid = fork(lambda: cli.main(["train", "--no-progress", "--config", config]))
     metrics = tmp_path / "out" / "metrics.jsonl"
     while not (metrics.exists() and len(read_metrics(metrics)) >= 2):
         time.sleep(0.05)
-    os.kill(pid, sig)
+    for sig in sigs:
+        os.kill(pid, sig)
+        time.sleep(0.01)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == code
     ckpts = os.listdir(tmp_path / "out" / "checkpoints")
     assert not [p for p in ckpts if ".tmp-" in p]
     latest = (tmp_path / "out" / "checkpoints" / "latest_checkpointed_iteration.txt").read_text()
     assert verify_checkpoint(str(tmp_path / "out" / "checkpoints" / f"global_step_{latest}")) is None
+
+
+def test_one_sigterm_finishes_the_step_saves_and_verifies_it_and_exits_0(tmp_path, tiny_config, capfd):
+    """Preemption: no periodic checkpoints (save_freq -1), yet the step under way when SIGTERM came is
+    finished, saved and verified; one line says so; the same command resumes after it."""
+    config = config_file(tmp_path, tiny_config, "trainer.total_training_steps=200", "trainer.save_freq=-1",
+                         "trainer.test_freq=-1")
+    pid = fork(lambda: cli.main(["train", "--no-progress", "--config", config]))
+    metrics = tmp_path / "out" / "metrics.jsonl"
+    while not (metrics.exists() and len(read_metrics(metrics)) >= 2):
+        time.sleep(0.05)
+    os.kill(pid, signal.SIGTERM)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    last = read_metrics(metrics)[-1]["step"]
+    step = tmp_path / "out" / "checkpoints" / f"global_step_{last}"
+    assert sorted(os.listdir(tmp_path / "out" / "checkpoints")) == [f"global_step_{last}", "latest_checkpointed_iteration.txt"]
+    assert verify_checkpoint(str(step)) is None
+    err = capfd.readouterr().err
+    assert f"plait: stopped on SIGTERM after step {last}: {step} written and verified; the same command resumes " \
+           f"from step {last + 1}" in err and "Traceback" not in err
+    assert json.loads((tmp_path / "out" / "summary.json").read_text())["status"] == "preempted"

@@ -16,6 +16,7 @@ pytest.importorskip("ray")
 
 from plait import driver  # noqa: E402
 from plait.backends import LEAN_RAY_ENV  # noqa: E402
+from plait.errors import RunError  # noqa: E402
 from plait.trainers.lifecycle import read_metrics  # noqa: E402
 
 pytestmark = pytest.mark.ray
@@ -104,6 +105,7 @@ def test_killed_rollout_process_is_a_clear_error(ray_up, tmp_path, tiny_config):
     with pytest.raises(RuntimeError, match="died") as info:
         lifecycle.run()
     print(f"{type(info.value).__name__}: {info.value}")
+    assert isinstance(info.value, RunError) and "\n" not in str(info.value)  # the CLI's one line, no traceback
     assert time.perf_counter() - start < 60
     assert not [t for t in threading.enumerate() if t.name.startswith("plait-")]
     assert all(gone(pid) for pid in trainer.roles.actor.pids)

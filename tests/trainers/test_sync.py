@@ -106,7 +106,8 @@ def test_bypass_mode_skips_the_recompute_and_trains_the_same(tmp_path, tiny_conf
     [a] = read_metrics(os.path.join(tmp_path, "recompute", "metrics.jsonl"))
     [b] = read_metrics(os.path.join(tmp_path, "bypass", "metrics.jsonl"))
     assert "timing_s/old_log_prob" in a and "timing_s/old_log_prob" not in b
-    for key in ("critic/score/mean", "actor/pg_loss", "actor/grad_norm", "actor/ppo_kl"):
+    for key in ("critic/score/mean", "actor/pg_loss", "actor/grad_norm", "actor/ppo_kl",
+                *(f"training/rollout_probs_diff_{s}" for s in ("max", "mean", "std"))):  # on every path
         assert b[key] == pytest.approx(a[key], rel=1e-3, abs=1e-5), key
 
 
@@ -121,7 +122,8 @@ def test_one_optimizer_step_per_batch_fuses_pi_old_and_trains_the_same(tmp_path,
     [b] = read_metrics(os.path.join(tmp_path, "fused", "metrics.jsonl"))
     assert "timing_s/old_log_prob" in a and "actor/old_log_prob_fused" not in a
     assert "timing_s/old_log_prob" not in b and b["actor/old_log_prob_fused"] == 1.0
-    for key in ("critic/score/mean", "training/rollout_probs_diff_mean", "global_seqlen/real_tokens"):
+    for key in ("critic/score/mean", "global_seqlen/real_tokens",
+                *(f"training/rollout_probs_diff_{s}" for s in ("max", "mean", "std"))):  # the fused path logged the mean only
         assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
     run(tiny_config(tmp_path / "corrected", *common, "actor_rollout_ref.actor.ppo_mini_batch_size=4",
                     "algorithm.rollout_correction.rollout_is=token"))

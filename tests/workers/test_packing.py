@@ -8,6 +8,7 @@ import torch
 from plait.config import ActorConfig, CriticConfig, OptimConfig
 from plait.models import create_tiny_model
 from plait.profiler import GlobalProfilerConfig, ProfilerSession, RoleProfilerConfig
+from plait.trainers.lm import rollout_probs_diff
 from plait.types import RolloutBatch
 from plait.workers.actor import Actor, micro_forward
 from plait.workers.critic import Critic
@@ -119,9 +120,12 @@ def test_fused_old_log_prob_equals_recompute_path(model_dir):
     m_fu = fused.update(batch)                                                # old_logprobs None
     assert_close(params(fused.model), params(recompute.model), tol=1e-5)
     assert m_fu["actor/pg_loss"] == pytest.approx(m_re["actor/pg_loss"], abs=1e-6)
-    mask = batch.response_mask
-    diff = ((old_logp.exp() - batch.rollout_logprobs.exp()).abs() * mask).sum() / mask.sum()
-    assert m_fu["training/rollout_probs_diff_mean"] == pytest.approx(diff.item(), rel=1e-5)
+    # verl's three metrics on the fused path too (it logged only the mean), equal to the separate pass's
+    want = rollout_probs_diff(old_logp, batch.rollout_logprobs, batch.response_mask)
+    assert set(want) == {f"training/rollout_probs_diff_{s}" for s in ("max", "mean", "std")}
+    for key, value in want.items():
+        assert m_fu[key] == pytest.approx(value, rel=1e-4, abs=1e-7), key
+    assert "training/rollout_probs_diff_square" not in m_fu
 
 
 def test_gradient_checkpointing_same_update(model_dir):

@@ -20,7 +20,7 @@ from plait.trainers.lm import rollout_probs_diff
 from plait.types import PromptBatch
 from plait.workers.actor import Actor
 from plait.workers.logprobs import chunked_logprobs
-from plait.workers.precision import AUTO_MARGIN, auto_dtype, resolve_dtype
+from plait.workers.precision import AUTO_MARGIN, SLOW_FACTOR, auto_dtype, resolve_dtype, slow_on_cpu
 from plait.workers.rollout import Rollout
 
 from tests.workers.test_packing import make_batch
@@ -119,9 +119,17 @@ def test_auto_measures_and_says_which_and_why(capsys):
     assert resolve_dtype("actor_rollout_ref.model.dtype", "auto", "cpu") == getattr(torch, name)
     lines = capsys.readouterr().err.splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"plait: actor_rollout_ref.model.dtype=auto -> {name} on cpu: ")
-    for explicit in ("float32", "bfloat16", "float16"):  # always honoured, silently
+    for explicit in ("float32", "bfloat16", "float16"):  # always honoured
         assert resolve_dtype("actor_rollout_ref.model.dtype", explicit, "cpu") == getattr(torch, explicit)
-    assert capsys.readouterr().err == ""
+    said = capsys.readouterr().err.splitlines()
+    for explicit in ("bfloat16", "float16"):  # ... and said when this CPU computes it far slower than float32
+        slow = slow_on_cpu(explicit)
+        warned = [line for line in said if line.startswith(f"plait: warning: actor_rollout_ref.model.dtype={explicit} ")]
+        assert len(warned) == (slow is not None)
+        if slow is not None:
+            other, f32 = map(float, re.search(rf"([\d.]+) GFLOP/s in {explicit} vs ([\d.]+) in float32", slow).groups())
+            assert other * SLOW_FACTOR < f32 + 0.2 and "=auto picks the faster one" in warned[0]
+    assert not [line for line in said if "float32" in line.split(" on this CPU")[0]]  # float32: nothing to say
 
 
 def test_a_run_with_auto_prints_one_line_and_its_workers_compute_in_it(tmp_path, tiny_config, capsys):

@@ -431,24 +431,10 @@ class LMTrainer:
     def learn(self, batch: RolloutBatch, timer: StageTimer, update_actor: bool = True,
               scored: Scores | None = None) -> StepResult:
         cfg, roles = self.cfg, self.roles
-        metrics: dict[str, float] = {}
         record_tool_spans(batch)
         ids = batch.sample_ids or []
         SAMPLES.take(ids, now())
-        scoring = now()
-        with timer.stage("reward"):
-            since = time.perf_counter()
-            scores, extra = self.score(batch) if scored is None else scored
-            if scored is None:
-                metrics.update(self.judge_stage(since, timer))
-            batch.scores = scores
-            batch.token_scores = last_token_scores(scores, batch.response_mask)
-            for key, values in extra.items():
-                finite = [v for v in values if v == v]
-                if finite:
-                    metrics[f"reward_extra/{key}/mean"] = sum(finite) / len(finite)
-        if scored is None:
-            SAMPLES.add_many(ids, "reward", scoring, now())
+        metrics, extra = self.reward_stage(batch, timer, scored)
         baselines = None
         if cfg.algorithm.adv_estimator in NEEDS_GREEDY_BASELINE:
             with timer.stage("gen_max"):
@@ -491,6 +477,26 @@ class LMTrainer:
         metrics.update(seqlen_metrics(batch.attention_mask))
         num_tokens = int(batch.attention_mask.sum())
         return StepResult(metrics, num_tokens=num_tokens, response_tokens=int(batch.response_mask.sum()))
+
+    def reward_stage(self, batch: RolloutBatch, timer: StageTimer, scored: Scores | None) -> tuple[dict, dict]:
+        """The batch's scores (or those dynamic sampling computed), the judge's share of the stage, and the reward
+        function's extra values: (metrics, extra)."""
+        metrics: dict[str, float] = {}
+        scoring = now()
+        with timer.stage("reward"):
+            since = time.perf_counter()
+            scores, extra = self.score(batch) if scored is None else scored
+            if scored is None:
+                metrics.update(self.judge_stage(since, timer))
+            batch.scores = scores
+            batch.token_scores = last_token_scores(scores, batch.response_mask)
+            for key, values in extra.items():
+                finite = [v for v in values if v == v]
+                if finite:
+                    metrics[f"reward_extra/{key}/mean"] = sum(finite) / len(finite)
+        if scored is None:
+            SAMPLES.add_many(batch.sample_ids or [], "reward", scoring, now())
+        return metrics, extra
 
     def say_failed_sessions(self, batch: RolloutBatch) -> None:
         """One line per step naming the agent sessions that failed (each cost its own sample)."""

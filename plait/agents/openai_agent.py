@@ -31,8 +31,10 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from plait.agents.loop import AgentLoopBase, AgentLoopOutput, output_of, register
+from plait import reaper
 from plait.agents.tokens import Trajectory
 from plait.profiler.samples import add_span, now
+from plait.reaper import reaped_argv
 from plait.safeload import first_line
 from plait.serving.gateway import Gateway
 from plait.serving.server import Server
@@ -58,7 +60,7 @@ class ExternalAgents:
         self.memory_limit_mb = self.cfg.memory_limit_mb or cfg.reward.memory_limit_mb or 0
         self.functions = None if not self.cfg.path else FunctionAgents(
             self.cfg.path, self.cfg.name, self.cfg.num_workers, self.cfg.timeout, self.memory_limit_mb)
-        self.commands: set[int] = set()  # process groups of the command agents running now
+        self.commands: set[int] = set()  # guardians of the command agents running now (plait/reaper.py)
 
     async def run(self, row: dict, session) -> Outcome:
         base = f"{self.server.url}/sessions/{session.id}"
@@ -74,7 +76,7 @@ class ExternalAgents:
         if self.functions is not None:
             self.functions.close()
         for pid in list(self.commands):
-            _killpg(pid)
+            reaper.stop(pid)  # the guardian kills the command's whole tree
         self.server.close()
 
 
@@ -203,7 +205,7 @@ class _AgentProcess:
     async def _start(self) -> None:
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this plait, in the child too
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
-        self.proc = await asyncio.create_subprocess_exec(*self.args, stdin=asyncio.subprocess.PIPE,
+        self.proc = await asyncio.create_subprocess_exec(*reaped_argv(self.args), stdin=asyncio.subprocess.PIPE,
                                                          stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
                                                          start_new_session=True, env=env, limit=2**24)
         asyncio.get_running_loop().create_task(self._read())
@@ -244,26 +246,25 @@ class _AgentProcess:
                 future.set_result(Outcome(failure=f"its worker process {how}{said}"))
 
     def kill(self) -> None:
+        """The worker and everything it started (its guardian ends the tree: plait/reaper.py)."""
         self.dead = True
         if self.proc is not None and self.proc.returncode is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except OSError:
-                pass
+            reaper.stop(self.proc.pid)
 
 
 # -- the command form ----------------------------------------------------------------------------
 
 async def run_command(command: str, row: dict, env: dict, timeout: float, memory_limit_mb: int,
                       running: set[int]) -> Outcome:
-    """The command in a shell of its own process group, the row as JSON on stdin; killed at `timeout`.
-    `running` holds its process group while it runs."""
+    """The command in a shell under a guardian (plait/reaper.py: whatever it starts, setsid and double forks
+    included, ends with it), the row as JSON on stdin; killed at `timeout`. `running` holds the guardian's pid
+    while it runs."""
     def limits():
         if memory_limit_mb > 0:
             resource.setrlimit(resource.RLIMIT_AS, (memory_limit_mb * 2**20,) * 2)
-    proc = await asyncio.create_subprocess_shell(command, stdin=asyncio.subprocess.PIPE,
-                                                 stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
-                                                 start_new_session=True, env=env, preexec_fn=limits)
+    proc = await asyncio.create_subprocess_exec(*reaped_argv(["/bin/sh", "-c", command]), stdin=asyncio.subprocess.PIPE,
+                                                stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
+                                                start_new_session=True, env=env, preexec_fn=limits)
     running.add(proc.pid)
     tail: collections.deque[str] = collections.deque(maxlen=20)
     reader = asyncio.get_running_loop().create_task(_tail(proc.stderr, tail))
@@ -276,17 +277,26 @@ async def run_command(command: str, row: dict, env: dict, timeout: float, memory
     try:
         code = await asyncio.wait_for(proc.wait(), timeout)
     except asyncio.TimeoutError:
-        _killpg(proc.pid)
-        await proc.wait()
-        return Outcome(failure=f"did not finish within its timeout ({timeout:g} s); its process group was killed")
+        await _end(proc)
+        return Outcome(failure=f"did not finish within its timeout ({timeout:g} s); it and what it started were killed")
     finally:
-        _killpg(proc.pid)  # what it left running in its group
+        await _end(proc)  # what it left running
         running.discard(proc.pid)
         await asyncio.wait([reader], timeout=1)
     if code != 0:
         how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with status {code}"
         return Outcome(failure=how + (f": {tail[-1]}" if tail else ""))
     return Outcome()
+
+
+async def _end(proc) -> None:
+    """A guardian's whole tree, then the guardian (its group at once if it does not answer in 10 s)."""
+    reaper.stop(proc.pid)
+    try:
+        await asyncio.wait_for(proc.wait(), 10)
+    except asyncio.TimeoutError:
+        _killpg(proc.pid)
+        await proc.wait()
 
 
 def _killpg(pid: int) -> None:

@@ -1,8 +1,10 @@
 """The openai_agent loop: outside agents (a function in worker processes, a command per row) drive rows through
 the gateway with the `openai` SDK; what they sample is a batch of trajectories; each failure costs one sample."""
 
+import os
 import sys
 import textwrap
+import time
 
 import pytest
 import torch
@@ -121,6 +123,41 @@ def test_a_command_that_fails_and_a_batch_where_every_session_fails(tokenizer, t
     with pytest.raises(RunError, match=r"every agent session of the batch failed \(4\); the first: agent .* \(row 0\) "
                                        r"exited with status 3: no key found"):
         generate(tokenizer, cfg)
+
+
+LEAVE_A_DAEMON = """
+import os, subprocess, sys
+pid = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"], start_new_session=True).pid
+open(sys.argv[1], "a").write(str(pid) + chr(10))
+"""
+
+
+@pytest.mark.parametrize("form", ["command", "function"])
+def test_what_an_agent_starts_ends_with_it(tokenizer, tmp_path, form):
+    """An agent that leaves a daemon in a session of its own (setsid): gone once the rollout is over."""
+    pids = tmp_path / "pids"
+    (tmp_path / "daemon.py").write_text(LEAVE_A_DAEMON)
+    leave = f"subprocess.run([sys.executable, {str(tmp_path / 'daemon.py')!r}, {str(pids)!r}], check=True)"
+    (tmp_path / "cli.py").write_text(f"import json, os, subprocess, sys, openai\n{leave}\nrow = json.loads(sys.stdin.readline())\n"
+                                     "openai.OpenAI().chat.completions.create(model='m', messages=row['messages'])\n")
+    cfg = (cfg_for(command=f"{sys.executable} {tmp_path / 'cli.py'}") if form == "command" else
+           cfg_for(path=agent_file(tmp_path, f"import subprocess, sys\n{leave}")))
+    generate(tokenizer, cfg, n_rows=1, n=2)
+    started = [int(p) for p in pids.read_text().split()]
+    assert len(started) == 2
+    deadline = time.time() + 10
+    while any(alive(p) for p in started) and time.time() < deadline:
+        time.sleep(0.1)
+    assert not any(alive(p) for p in started)
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie waiting for init is gone too
+        return f.read().split(")")[-1].split()[0] != "Z"
 
 
 def test_a_dead_agent_worker_fails_its_sessions_and_is_replaced(tokenizer, tmp_path):

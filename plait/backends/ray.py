@@ -480,7 +480,7 @@ class RayBackend:
         """A fresh worker process for a role on a pool of its own (the separated rollout) whose process died,
         in the same bundle, its role object built again from the same arguments; the weight channel reopens
         at the next sync."""
-        pool = pool_of(group.role, self.reward_pool)
+        pool = pool_of(group.role, self.own_pools)
         [old] = group.hosts
         try:
             ray.kill(old, no_restart=True)
@@ -513,7 +513,7 @@ class RayBackend:
         payload = ray.put((args, kwargs))
         pids = self.gather([h.construct.remote(role, cls, payload) for h in hosts], f"{role} worker", f"{cls.__name__}()")
         print(f"plait: {self.placement_line(role, hosts)}", file=sys.stderr)
-        own_pool = pool_of(role, self.reward_pool) == "rollout" and hosts[0] is not self.pools["train"][0]
+        own_pool = pool_of(role, self.own_pools) == "rollout" and hosts[0] is not self.pools["train"][0]
         return RayWorkerGroup(self, role, hosts, pids, cls, payload, own_pool)
 
     def placement_line(self, role: str, hosts: list) -> str:

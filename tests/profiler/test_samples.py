@@ -108,6 +108,16 @@ def test_the_producer_api_appends_spans_under_the_rows_sample_id(tmp_path):
     assert rows[2]["start"] == 12.0 and rows[2]["end"] == 13.0
 
 
+def test_a_gateway_sessions_spans_count_as_generating_and_waiting():
+    """The report's histograms read a session's calls (request_queue, prefill, decode) and its agent's own time."""
+    from plait.profiler.analysis.report import GENERATING, WAITING, part_s, sample_lives
+    spans = [("agent", 0.0, 0.5), ("request_queue", 0.5, 1.0), ("prefill", 1.0, 1.25), ("decode", 1.25, 3.0),
+             ("agent", 3.0, 3.5), ("queued", 3.5, 5.0), ("reward", 5.0, 5.5), ("consumed", 5.5, 5.5)]
+    life = sample_lives([{"sample": "0.1.0", "span": n, "start": a, "end": b, "step": 1, "attrs": {}}
+                         for n, a, b in spans])["0.1.0"]
+    assert part_s(life, GENERATING) == 3.0 and part_s(life, WAITING) == 2.0 and life["total"] == 5.5
+
+
 def test_a_run_without_samples_writes_no_file(tmp_path):
     log = SampleLog()
     log.open(str(tmp_path / "samples.jsonl"))

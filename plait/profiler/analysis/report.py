@@ -453,16 +453,16 @@ def _samples_section(inp: Inputs) -> str:
     lives = sample_lives(inp.samples)
     out = ["<h2 id='samples'>3. Samples</h2><p class='note'>Each sample from its submission to the update that trained "
            "on it (samples.jsonl; the merged trace's <code>samples</code> lanes): queue (waiting for the rollout), gen, "
-           "tool, resume, queued (generated, waiting for the trainer), reward.</p>"]
+           "tool, resume, queued (generated, waiting for the trainer), reward; a gateway session's calls as "
+           "request_queue, prefill and decode, its agent's own time as agent.</p>"]
     ends = defaultdict(int)
     for life in lives.values():
         ends[life["end"]] += 1
     out.append("<p>" + _esc(", ".join(f"{k}: {v}" for k, v in sorted(ends.items()))) + "</p>")
     done = [x for x in lives.values() if x["end"] == "consumed"]
     for title, values in (("submission to update", [x["total"] for x in done]),
-                          ("generating (gen, tool, resume)", [x["parts"].get("gen", 0) + x["parts"].get("tool", 0)
-                                                              + x["parts"].get("resume", 0) for x in done]),
-                          ("waiting (queue, queued)", [x["parts"].get("queue", 0) + x["parts"].get("queued", 0) for x in done])):
+                          (f"generating ({', '.join(GENERATING)})", [part_s(x, GENERATING) for x in done]),
+                          (f"waiting ({', '.join(WAITING)})", [part_s(x, WAITING) for x in done])):
         out.append(f"<h3>{_esc(title)}</h3>" + svg.histogram(values, "s", title))
     stale = defaultdict(int)
     for x in done:
@@ -476,6 +476,17 @@ def _samples_section(inp: Inputs) -> str:
                                                         [[k, x["end"], x["step"], x["total"], *[x["parts"].get(s, 0.0) for s in spans]]
                                                          for k, x in slow]))
     return "".join(out)
+
+
+# A sample's spans by what they are: making it (plait's rollout, an agent loop's turns and tools, a gateway
+# session's calls and its agent's own time) or waiting (for the rollout, for an engine round, for the trainer).
+GENERATING = ("gen", "prefill", "decode", "tool", "agent", "resume")
+WAITING = ("queue", "request_queue", "queued")
+
+
+def part_s(life: dict, spans: tuple[str, ...]) -> float:
+    """A sample's seconds in those spans."""
+    return sum(life["parts"].get(s, 0.0) for s in spans)
 
 
 def sample_lives(samples: list[dict]) -> dict[str, dict]:

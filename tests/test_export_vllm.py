@@ -10,6 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from plait.cli import main
+from plait.trainers.checkpoint import write_manifest
 
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.vllm
@@ -34,6 +35,7 @@ def test_an_exported_checkpoint_loads_in_vllm_with_transformers_greedy_answers(t
             shutil.copy2(os.path.join(vllm_model_path, name), actor / "huggingface" / name)
     torch.save(model.state_dict(), actor / "model.pt")
     torch.save({}, actor / "optim.pt")
+    write_manifest(str(tmp_path / "global_step_1"), 1)  # an export takes a checkpoint whose save finished only
     out = tmp_path / "exported"
     assert main(["export", str(tmp_path / "global_step_1"), str(out)]) == 0
 

@@ -1203,8 +1203,10 @@ def start_notices(cfg: PlaitConfig, user: dict, no_effect: list[str], moved: lis
     teacher_inert = distillation_no_effect(cfg.distillation, user, cfg.trainer.backend)
     no_effect, cluster = no_effect + list(teacher_inert), {**cluster, **teacher_inert}
     no_effect += [key for key in user if any(p in engine.no_effect for p in _prefixes(key))]
-    if cfg.reward.reward_model.rollout.name != "vllm":  # the judge's vLLM settings, on plait's engine
-        no_effect, cluster = no_effect + [key for key in user if key in JUDGE_VLLM_ONLY], {**cluster, **JUDGE_VLLM_ONLY}
+    judge_engine = ENGINES.get(cfg.reward.reward_model.rollout.name)  # the judge's settings its engine does not read
+    judge_inert = {key: why for key, why in JUDGE_VLLM_ONLY.items() if judge_engine is not None
+                   and "actor_rollout_ref.rollout." + key.rsplit(".", 1)[1] in judge_engine.no_effect}
+    no_effect, cluster = no_effect + [key for key in user if key in judge_inert], {**cluster, **judge_inert}
     if no_effect:
         lines.append(no_effect_notice(no_effect, cluster))
     lines += distillation_notes(cfg.distillation)

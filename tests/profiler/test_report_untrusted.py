@@ -139,7 +139,7 @@ def test_nesting_deeper_than_the_parser_and_numbers_too_long(run, tmp_path, caps
 def test_files_and_lines_past_the_bounds(run, tmp_path, capsys, monkeypatch):
     """Small bounds stand for the real ones (inputs.MAX_*): checked on what is read, so the same code runs."""
     from plait.profiler.analysis import inputs
-    monkeypatch.setattr(inputs, "MAX_LINE_BYTES", 4096)
+    monkeypatch.setattr(inputs, "MAX_LINE_BYTES", 1 << 14)  # a step record is ~4 KiB
     monkeypatch.setattr(inputs, "MAX_RECORDS", 50)
     monkeypatch.setattr(inputs, "MAX_JSON_BYTES", 1 << 16)
     folder = copy_of(run, tmp_path)
@@ -153,7 +153,7 @@ def test_files_and_lines_past_the_bounds(run, tmp_path, capsys, monkeypatch):
     text = report_ok(folder, capsys)
     assert "timeline.jsonl: records past the first 50 not read" in text
     assert "summary.json: larger than 64 KiB; not read" in text
-    assert "metrics.jsonl: 1 line(s) longer than 4 KiB skipped" in text
+    assert "metrics.jsonl: 1 line(s) longer than 16 KiB skipped" in text
     monkeypatch.setattr(inputs, "MAX_FILE_BYTES", 8192)
     text = report_ok(folder, capsys)
     assert "timeline.jsonl: past the first 8 KiB not read" in text

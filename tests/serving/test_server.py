@@ -99,6 +99,29 @@ def test_wrong_requests_get_the_apis_errors(tokenizer):
         assert err.value.body["error"]["type"] == "invalid_request_error" and "role" in err.value.message
 
 
+def test_the_server_answers_keep_alive_clients_without_nagles_delay(tokenizer):
+    """Accepted connections have TCP_NODELAY (inherited from the listening socket): without it every request of a
+    keep-alive client (the openai SDK's) waited for the client's delayed ACK, ~40 ms on Linux."""
+    import http.client
+    import socket
+
+    from plait.agents.runner import EventLoopThread
+    from plait.serving.gateway import Gateway
+    from plait.serving.server import Server
+    thread = EventLoopThread()
+    server = Server(Gateway(tokenizer, "qwen2", "hermes", [tokenizer.eos_token_id], "tiny"), thread.loop)
+    try:
+        conn = http.client.HTTPConnection(server.host, server.port)
+        conn.request("GET", "/v1/models")  # keep-alive: the connection stays open
+        assert conn.getresponse().read()
+        sockets = [c.transport.get_extra_info("socket") for c in server.uvicorn.server_state.connections]
+        assert sockets and all(s.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) for s in sockets)
+        conn.close()
+    finally:
+        server.close()
+        thread.close()
+
+
 def test_sessions_by_path_and_by_key_and_their_reward(tokenizer):
     with served(tokenizer, plain=False) as (gateway, url, _e, queue):
         session = gateway.open("row 0", queue.generate, {"temperature": 1.0}, 256, 200)

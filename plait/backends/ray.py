@@ -94,8 +94,8 @@ class Host:
         RANK_SPANS.enable(rank)
         self.session = ProfilerSession(profiler_cfg, roles_cfg, rank=rank, world_size=world_size)
         self.workers: dict[str, Any] = {}
-        self.store = self.listener = None
-        self.channel = self.channel_store = self.channel_listener = None  # the weight channel (join_channel)
+        self.store = None
+        self.channel = self.channel_store = None  # the weight channel (join_channel)
         self.channel_syncs = 0
 
     def where(self) -> tuple[str, str, list[int], float]:
@@ -111,14 +111,18 @@ class Host:
         import socket
         import torch.distributed as dist
         host = LOOPBACK if one_node else ray.util.get_node_ip_address()
-        listener = socket.create_server((host, 0))  # kept open: the store serves on its descriptor
+        listener = socket.create_server((host, 0))
         port = listener.getsockname()[1]
         store = dist.TCPStore(host, port, size or self.world_size, is_master=True, wait_for_workers=False,
                               master_listen_fd=listener.fileno())
+        # the store owns the descriptor now and closes it when it goes: a socket object closing it too (when a
+        # respawned rollout's channel replaced the store) could close a descriptor reused meanwhile, such as the
+        # new channel's connection ("Failed to recv, got 0 bytes")
+        listener.detach()
         if size is None:
-            self.store, self.listener = store, listener
+            self.store = store
         else:
-            self.channel_store, self.channel_listener = store, listener
+            self.channel_store = store
         return host, port
 
     def join_channel(self, host: str, port: int, rank: int) -> None:

@@ -317,7 +317,7 @@ class ToolLimits:
     num_workers: int = 2                     # tool worker processes: calls in flight at once
     timeout_s: Optional[float] = 60.0        # a call (create + execute + release) that runs longer is killed
     memory_limit_mb: Optional[int] = 4096    # address space (RLIMIT_AS) of each worker
-    max_processes: int = 64                  # processes and threads tool code may start per pool
+    max_processes: int = 64                  # processes and threads tool code may start per worker
     load_timeout_s: float = 600.0            # each worker's first loading of the tools
     timeout_key: str = "actor_rollout_ref.rollout.multi_turn.tool_timeout"
     memory_key: str = "reward.memory_limit_mb"

@@ -3,7 +3,7 @@
     trainer thread ── pool(**call) ──▶ requests queue ──▶ feeder thread i ──socket──▶ worker process i
       awaits its futures                  (one per worker; blocks on     (under a guardian; the reward loaded
                                           its worker's reply, at most    from its file; RLIMIT_AS; a
-                                          reward.custom_reward_function  pids limit shared by the pool)
+                                          reward.custom_reward_function  pids limit of its own)
                                           .timeout)
 
 A pool call returns an awaitable, so the reward managers (rewards.py) score a batch's responses on
@@ -96,7 +96,6 @@ class RewardPool:
         self.memory_limit_mb, self.max_processes = memory_limit_mb, max_processes
         self.workers = [_Worker(self) for _ in range(num_workers)]
         self.requests: queue.SimpleQueue = queue.SimpleQueue()
-        self.cgroup: Optional[str] = None
         self.feeders: list[threading.Thread] = []
         self.started = False
         self.lock = threading.Lock()
@@ -116,7 +115,8 @@ class RewardPool:
             if self.started:
                 return
             self.started = True
-            self.cgroup = _make_pids_cgroup(len(self.workers) * 4 + self.max_processes)
+            for worker in self.workers:  # a cgroup each: one worker's fork bomb cannot starve another's start
+                worker.cgroup = _make_pids_cgroup(4 + self.max_processes)
             self.feeders = [threading.Thread(target=w.feed, daemon=True, name="plait-reward-feeder")
                             for w in self.workers]  # daemons: a hung call never holds up the exit
             for feeder in self.feeders:
@@ -134,8 +134,9 @@ class RewardPool:
                 worker.kill()
             for feeder in self.feeders:  # each sees its worker's socket close, then the None
                 feeder.join(timeout=5)
-            _remove_cgroup(self.cgroup)
-            self.cgroup = None
+            for worker in self.workers:
+                _remove_cgroup(worker.cgroup)
+                worker.cgroup = None
 
 
 def pids_limit() -> str | None:
@@ -162,6 +163,7 @@ class _Worker:
         self.pool = pool
         self.proc: Optional[ReapedPopen] = None
         self.conn: Optional[Connection] = None
+        self.cgroup: Optional[str] = None  # its pids cgroup, where plait may make one (the pool's start)
         # kill() runs on the feeder thread (a failed call) and on the closing thread at once:
         # each takes the process and socket out under the lock, so an fd is never closed twice.
         self.kill_lock = threading.Lock()
@@ -216,11 +218,11 @@ class _Worker:
         # under a guardian (plait/reaper.py): whatever the worker starts ends with it, on every exit
         # path (kill -9 of this process included); it joins the pids cgroup before any user code runs
         self.proc = ReapedPopen([sys.executable, "-m", "plait.data.reward_pool", str(theirs.fileno())],
-                                cgroup=self.pool.cgroup, pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, env=env)
+                                cgroup=self.cgroup, pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, env=env)
         theirs.close()
         self.conn = Connection(ours.detach())
         pool = self.pool
-        self.conn.send_bytes(pickle.dumps((vars(pool.spec), pool.memory_limit_mb, pool.max_processes, pool.cgroup is not None)))
+        self.conn.send_bytes(pickle.dumps((vars(pool.spec), pool.memory_limit_mb, pool.max_processes, self.cgroup is not None)))
         try:
             if not self.conn.poll(pool.load_timeout):
                 self.kill()

@@ -183,7 +183,7 @@ class RewardConfig:
     reward_model and sandbox_fusion keys onto it)."""
     num_workers: int = 8                      # reward worker processes (verl's default); 0: in the trainer's process
     memory_limit_mb: Optional[int] = 4096     # plait's own: address space (RLIMIT_AS) of each worker; null: no limit
-    max_processes: int = 64                   # plait's own: processes and threads reward code may start per pool
+    max_processes: int = 64                   # plait's own: processes and threads reward code may start per worker
     custom_reward_function: CustomRewardConfig = field(default_factory=CustomRewardConfig)
     reward_manager: RewardManagerConfig = field(default_factory=RewardManagerConfig)
     reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)

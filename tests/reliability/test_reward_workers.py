@@ -54,6 +54,20 @@ def nothing(data_source, solution_str, ground_truth, extra_info=None):
 def no_score(data_source, solution_str, ground_truth, extra_info=None):
     return {"acc": 1.0}
 
+def greedy(data_source, solution_str, ground_truth, extra_info=None):
+    if solution_str == "fill":  # as many processes as its worker may start, left running
+        started = 0
+        try:
+            while True:
+                if os.fork() == 0:
+                    time.sleep(30)
+                    os._exit(0)
+                started += 1
+        except OSError:
+            return float(started)
+    time.sleep(0.3)
+    return 1.0
+
 def batch_of_strings(data_sources, solution_strs, ground_truths, extra_infos):
     return ["x" for _ in solution_strs]
 '''
@@ -111,10 +125,10 @@ def test_hostile_reward_in_a_worker_is_one_line_and_leaves_no_process(reward_fil
     assert message.startswith(f"reward function {name} (data_source 'mine', response ")
     assert said in message
     assert time.monotonic() - started < 30
-    cgroup = pool.cgroup
+    cgroups = [w.cgroup for w in pool.workers if w.cgroup is not None]
     pool.close()
     assert all(w.proc is None for w in pool.workers)
-    assert cgroup is None or not os.path.exists(cgroup)  # its processes, forks included, are gone
+    assert not any(os.path.exists(c) for c in cgroups)  # their processes, forks included, are gone
 
 
 def test_the_pool_goes_on_after_a_failed_call_and_workers_end_at_close(reward_file):
@@ -126,6 +140,19 @@ def test_the_pool_goes_on_after_a_failed_call_and_workers_end_at_close(reward_fi
     close_reward_workers()
     assert not [p for p in pids if alive(p)]
     assert naive_manager(guard_reward(pool, "fine"), REQUEST)[0] == [1.0, 1.0]  # restarts on demand
+    pool.close()
+
+
+def test_a_worker_that_used_up_its_processes_does_not_starve_another_workers_start(reward_file):
+    """Each worker has a pids limit of its own: one that started all it may start (and keeps them) leaves
+    the other worker free to start and score."""
+    if pids_limit() != "cgroup":
+        pytest.skip("no writable pids cgroup here: workers are bounded by RLIMIT_NPROC, which is per user")
+    pool = pool_for(reward_file, "greedy", max_processes=8)
+    filled = naive_manager(guard_reward(pool, "greedy"), ScoreRequest(["m"], ["fill"], ["x"], [None], [1]))[0]
+    assert 0 < filled[0] <= 8 + 4
+    assert naive_manager(guard_reward(pool, "greedy"), REQUEST)[0] == [1.0, 1.0]  # both workers: one starts now
+    assert len({w.cgroup for w in pool.workers}) == 2
     pool.close()
 
 

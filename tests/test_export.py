@@ -119,6 +119,7 @@ def _shard_and_save(rank: int, model_dir: str, ckpt: str, rdzv: str) -> None:
     whole = full_state_dict(model)
     if rank == 0:
         torch.save(whole, os.path.join(ckpt, "whole", "actor", "model.pt"))
+    dist.barrier()  # neither rank tears the group down while the other still talks to it
     dist.destroy_process_group()
 
 

@@ -65,6 +65,7 @@ OWN_POOLS = {"reward_model": "reward", "teacher": "teacher"}  # roles that may h
 CHANNEL_DEATH_S = 60.0  # how long a weight sender may take to notice its receiver died (gloo sees the socket close)
 QUIET_TORCH_ENV = {"KINETO_LOG_LEVEL": "6", "TORCH_CPP_LOG_LEVEL": "ERROR"}
 LOOPBACK = "127.0.0.1"
+PEER_DEATH_GRACE_S = 3.0  # how long a failed call waits for its peers' calls to say whether one of them died
 
 
 class WorkerError(RunError):
@@ -590,7 +591,8 @@ class RayBackend:
             except RayTaskError as err:
                 if isinstance(err.cause, EngineDied):
                     raise EngineDied(str(err.cause)) from None
-                raise self._fail(who, rank_of[ready], what, err) from None
+                rank, err = self._dead_peer(pending, rank_of) or (rank_of[ready], err)
+                raise self._fail(who, rank, what, err) from None
             except RayActorError as err:
                 if group is not None and group.own_pool:  # its process alone: the rest of the run is whole
                     group.gone = True
@@ -604,6 +606,20 @@ class RayBackend:
                 value = value.out
             out[rank_of[ready]] = value
         return out
+
+    def _dead_peer(self, pending: list, rank_of: dict) -> Optional[tuple[int, RayActorError]]:
+        """A rank that died, among the calls still pending, within a short grace. When one rank is killed
+        mid-collective its peers' calls fail too ('Connection reset by peer'), sometimes before Ray has
+        reported the death: the dead rank is the cause and is what the error names."""
+        ready, _ = ray.wait(pending, num_returns=len(pending), timeout=PEER_DEATH_GRACE_S) if pending else ([], [])
+        for ref in ready:
+            try:
+                ray.get(ref)
+            except RayActorError as err:
+                return rank_of[ref], err
+            except RayError:
+                pass
+        return None
 
     def _fail(self, who: str, rank: int, what: str, err: RayError) -> WorkerError:
         with self.fail_lock:  # two driver threads (async modes) may see the failure; the first account wins

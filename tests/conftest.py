@@ -9,6 +9,9 @@ torch.set_num_threads(1)  # 2 cores; several processes may run at once (see feas
 
 
 def pytest_collection_modifyitems(config, items):
+    for item in items:  # the real model's runs take minutes: a larger limit than pyproject's `timeout`
+        if "realmodel" in item.keywords:
+            item.add_marker(pytest.mark.timeout(3600))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA")

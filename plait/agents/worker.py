@@ -161,11 +161,11 @@ class AgentWorker:
         serve = getattr(engine_round, "serve", None)  # an engine with continuous batching (vLLM)
         cut = drive(run, engine_round, version, GRACE_S, aborted) if serve is None else \
             drive_stream(run, serve, version, aborted)
-        if cut:
+        outs = outputs(run)
+        if cut and any(o is None for o in outs):  # an abort that came as the last trajectory ended leaves none to resume
             if self.suspended is not None:
                 raise RuntimeError("a rollout was cut short while another one waited to resume")
             self.suspended = (run, prompts, n)
-        outs = outputs(run)
         failed = [o.extra_fields["session"]["failure"] for o in outs if o is not None and "session" in o.extra_fields]
         if failed and all(failed) and len(failed) == len(outs):
             raise RunError(f"every agent session of the batch failed ({len(failed)}); the first: {failed[0]}")

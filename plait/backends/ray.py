@@ -485,6 +485,7 @@ class RayBackend:
         """A fresh worker process for a role on a pool of its own (the separated rollout) whose process died,
         in the same bundle, its role object built again from the same arguments; the weight channel reopens
         at the next sync."""
+        self.check_up()  # not after another call's failure shut the backend down: that failure is the error
         pool = pool_of(group.role, self.own_pools)
         [old] = group.hosts
         try:
@@ -594,6 +595,8 @@ class RayBackend:
                 rank, err = self._dead_peer(pending, rank_of) or (rank_of[ready], err)
                 raise self._fail(who, rank, what, err) from None
             except RayActorError as err:
+                if self.failed is not None:  # killed by the shutdown after another call's failure: that one
+                    raise self.failed from None
                 if group is not None and group.own_pool:  # its process alone: the rest of the run is whole
                     group.gone = True
                     self._log(who, rank_of[ready], what, err)

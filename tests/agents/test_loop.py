@@ -268,6 +268,33 @@ def test_abort_inside_a_turn_resumes_with_new_weights_and_versions(tokenizer, to
     assert text.startswith(CALL) and text.endswith("#### 5<eos>".replace("<eos>", tokenizer.eos_token))
 
 
+def test_an_abort_that_lands_as_the_last_trajectory_ends_leaves_nothing_to_resume(tokenizer, tools, monkeypatch):
+    """A weight sync's abort seen just as a rollout's last trajectory ended: the rollout is whole (no aborted
+    row, so the trainer never resumes it) and nothing stays suspended: the next rollout may be cut and resumed.
+    (It stayed suspended, and the next cut raised 'a rollout was cut short while another one waited to resume'.)"""
+    import plait.agents.worker as agent_worker
+    whole = agent_worker.drive
+
+    def abort_seen_at_the_end(run, *args):
+        whole(run, *args)  # every trajectory runs to its end ...
+        return True        # ... and the abort is seen as the last one ends
+    cfg = config()
+    cfg.actor_rollout_ref.rollout.agent.default_agent_loop = "tool_agent"
+    worker = AgentWorker(cfg, tokenizer, "qwen2", tools)
+    engine = ScriptedEngine(tokenizer, tool_then_answer)
+    try:
+        monkeypatch.setattr(agent_worker, "drive", abort_seen_at_the_end)
+        first = worker.generate(prompts(2), SamplingConfig(n=1), engine, lambda: engine.version)
+        assert first.stop_reasons == ["eos", "eos"] and worker.suspended is None
+        monkeypatch.setattr(agent_worker, "drive", whole)
+        engine.cut_after = 5
+        second = worker.generate(prompts(2), SamplingConfig(n=1), engine, lambda: engine.version)
+        assert second.stop_reasons == ["aborted", "aborted"]
+        assert worker.resume(second, engine, lambda: engine.version).stop_reasons == ["eos", "eos"]
+    finally:
+        worker.thread.close()
+
+
 def test_rollout_worker_cut_by_a_weight_sync_resumes_on_the_new_weights(tmp_path, tokenizer):
     """The real engine: a sync aborts a rollout mid-turn; resume finishes it with the loaded weights
     (version 1) and its tokens carry the version that sampled each."""

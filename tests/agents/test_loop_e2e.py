@@ -85,10 +85,11 @@ def verl_command(tmp_path: Path, *extra: str) -> list[str]:
 RAY = ["trainer.backend=ray", "trainer.ray.num_cpu_workers=1", "trainer.ray.cpus_per_worker=0.5"]
 
 
-@pytest.mark.parametrize("mode", ["sync", "one_step_off", "fully_async", "sync_ray", "one_step_off_ray", "fully_async_ray"])
+# one_step_off on Ray runs in tests/trainers/test_async_modes_ray.py (without tools: its Ray path is the same)
+@pytest.mark.parametrize("mode", ["sync", "one_step_off", "fully_async", "sync_ray", "fully_async_ray"])
 def test_verls_gsm8k_multiturn_command_line_runs(tmp_path, mode):
     extra = {"sync": [], "one_step_off": ["trainer.mode=one_step_off", "trainer.placement=separated"],
-             "sync_ray": RAY, "one_step_off_ray": [*RAY, "trainer.mode=one_step_off", "trainer.placement=separated"],
+             "sync_ray": RAY,
              "fully_async_ray": [*RAY, "trainer.mode=fully_async", "trainer.placement=separated",
                                  "async_training.partial_rollout=True", "async_training.trigger_parameter_sync_step=1",
                                  "async_training.staleness_threshold=1"],
@@ -117,12 +118,12 @@ FULLY_ASYNC = ["trainer.mode=fully_async", "trainer.placement=separated", "async
 
 
 @pytest.mark.vllm
-@pytest.mark.parametrize("mode", ["sync", "one_step_off", "fully_async", "fully_async_ray"])
+@pytest.mark.parametrize("mode", ["sync", "fully_async_ray"])
 def test_verls_gsm8k_multiturn_command_line_on_vllm(tmp_path, mode, vllm_model_path):
-    """The same command line with rollout.name=vllm (run with the vLLM environment's python)."""
+    """The same command line with rollout.name=vllm (run with the vLLM environment's python); one_step_off and
+    local fully_async with vLLM run in tests/trainers/test_vllm_modes.py."""
     pytest.importorskip("vllm")
-    extra = {"sync": [], "one_step_off": ["trainer.mode=one_step_off", "trainer.placement=separated"],
-             "fully_async": FULLY_ASYNC, "fully_async_ray": [*RAY, *FULLY_ASYNC]}[mode]
+    extra = {"sync": [], "fully_async_ray": [*RAY, *FULLY_ASYNC]}[mode]
     cmd = [c.replace("actor_rollout_ref.rollout.name=hf", VLLM[0]) for c in verl_command(tmp_path, *VLLM[1:], *extra)]
     cmd.append(f"actor_rollout_ref.model.path={vllm_model_path}")
     env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}

@@ -88,10 +88,9 @@ def agent_keys(tmp_path: Path, form: str) -> list[str]:
     return [f"{key}.path={tmp_path / 'agent.py'}"]
 
 
-@pytest.mark.parametrize("mode,form", [("sync", "function"), ("fully_async", "command"), ("sync_ray", "command"),
-                                       ("fully_async_ray", "function")])
+@pytest.mark.parametrize("mode,form", [("sync", "function"), ("fully_async", "command"), ("fully_async_ray", "function")])
 def test_an_openai_sdk_agent_trains_through_the_gateway(tmp_path, mode, form):
-    extra = {"sync": [], "fully_async": FULLY_ASYNC, "sync_ray": RAY, "fully_async_ray": [*RAY, *FULLY_ASYNC]}[mode]
+    extra = {"sync": [], "fully_async": FULLY_ASYNC, "fully_async_ray": [*RAY, *FULLY_ASYNC]}[mode]
     proc, steps = train(tmp_path, agent_keys(tmp_path, form), *extra)
     assert len(steps) == 3
     for r in steps:

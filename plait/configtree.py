@@ -93,17 +93,18 @@ def build_without(cls: type, tree: dict, errors: list[ConfigError], rounds: int 
     hidden behind the first ones (a node's `__post_init__` stops at its first failed check), and the
     config when it builds (None when dropping a key does not clear its error), for checks that need one."""
     import copy
-    tree, seen, hidden = copy.deepcopy(tree), {str(e) for e in errors}, []
+    tree, keys, hidden = copy.deepcopy(tree), {e.key for e in errors}, []
     for _ in range(rounds):
         for err in [*errors, *hidden]:
             _drop(tree, err.key.split("[")[0])
         try:
             return hidden, build(cls, tree)
         except ConfigError as err:
-            new = [e for e in (err.errors if isinstance(err, ConfigErrors) else [err]) if str(e) not in seen]
+            # a key already reported is not reported again (its default may fail the same check)
+            new = [e for e in (err.errors if isinstance(err, ConfigErrors) else [err]) if e.key not in keys]
             if not new:
                 return hidden, None
-            seen |= {str(e) for e in new}
+            keys |= {e.key for e in new}
             hidden += new
     return hidden, None
 

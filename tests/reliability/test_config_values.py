@@ -75,3 +75,12 @@ def test_each_bad_value_is_refused_naming_its_key(override):
     with pytest.raises(ConfigError) as err:
         load_config(None, [override])
     assert str(err.value).startswith(key)
+
+
+def test_a_key_is_refused_once_even_when_its_default_fails_the_same_check():
+    """data.train_batch_size=4 fails the preset's ppo_mini_batch_size=16; the search for errors hidden behind
+    it drops that key, and verl's default (256) fails the same check: one error for the key, not two."""
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["data.train_batch_size=4"])
+    found = err.value.errors if isinstance(err.value, ConfigErrors) else [err.value]
+    assert [str(e) for e in found] == ["actor_rollout_ref.actor.ppo_mini_batch_size=16: must divide data.train_batch_size=4"]

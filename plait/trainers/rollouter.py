@@ -28,10 +28,12 @@ MAX_FAILED_CALLS = 3
 
 
 class GroupRollouter:
-    def __init__(self, mode: str, buffer: GroupBuffer, rollout, sampling, chunk: int, seed_of, version_of):
+    def __init__(self, mode: str, buffer: GroupBuffer, rollout, sampling, chunk: int, seed_of, version_of, generate_call):
         """`rollout`: the rollout worker group; `seed_of(uid)`: a sampling seed; `version_of()`: the trainer's
-        policy version (for the timeline)."""
+        policy version (for the timeline); `generate_call(method, *args)`: a generating call on the rollout,
+        restarting its engine if it died (LMTrainer.generate_call)."""
         self.mode, self.buffer, self.rollout, self.sampling, self.chunk = mode, buffer, rollout, sampling, chunk
+        self.generate_call = generate_call
         self.seed_of, self.version_of = seed_of, version_of
         self.paused = self.syncing = self.stop = self.generating = False  # guarded by buffer.cond
         self.clock = BusyClock()
@@ -125,4 +127,4 @@ class GroupRollouter:
     def _call(self, method, *args) -> RolloutBatch:
         stage = "gen" if method is Rollout.generate else "resume"  # gen: the name its worker's range has (one name)
         with self.clock.busy(), TIMELINE.span("rollout", stage, self.version_of()):
-            return self.rollout.call(method, *args)
+            return self.generate_call(method, *args)

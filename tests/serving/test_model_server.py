@@ -76,8 +76,14 @@ def test_full_determinism_gives_a_request_the_same_verdict_alone_and_amid_others
     s = server(model_dir, max_tokens=8, seed=42, window_s=0.3)  # a judge with full_determinism: seed + replica rank
     try:
         alone = [asyncio.run(ask_at_once(s.address, [p]))[0] for p in prompts[:2]]
-        together = asyncio.run(ask_at_once(s.address, prompts))
-        assert together[:2] == alone and s.rounds_since(0)[-1].requests == len(prompts)
+        for _ in range(3):  # on a loaded machine the six may miss one window: asked again until they share a round
+            before = len(s.rounds_since(0))
+            together = asyncio.run(ask_at_once(s.address, prompts))
+            if [r.requests for r in s.rounds_since(0)[before:]] == [len(prompts)]:
+                break
+        else:
+            pytest.fail("the six requests never shared one engine round")
+        assert together[:2] == alone
         assert len({tuple(t) for t in together}) > 1  # seeded, yet different prompts sample different answers
     finally:
         s.close()

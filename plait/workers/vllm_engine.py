@@ -264,9 +264,9 @@ class VLLMEngine:
     def _call(self):
         """One call into the engine core, holding the client's lock; a dead core's error is EngineDied."""
         from vllm.v1.engine.exceptions import EngineDeadError
-        if self._dead:
-            raise EngineDied(self._dead)
         with self._io:
+            if self._dead:
+                raise EngineDied(self._dead)
             self._busy_since = time.monotonic()
             try:
                 yield
@@ -277,29 +277,38 @@ class VLLMEngine:
 
     def _watch(self) -> None:
         """A thread: when the engine core process ends, or a call into it runs past STEP_TIMEOUT_S (a hung
-        core, then killed), say why and wake the caller blocked on the core's output queue (vLLM's client
-        would wait forever: its reader thread stops without a word when the core dies). vLLM 0.32's private
-        client attributes; an in-process client (none of them) is not watched."""
+        core, then killed), say why and wake every caller blocked on the core: the one waiting on its output
+        queue (a step) and those waiting on a utility call's future (a weight reload, sleep, wake, profile).
+        vLLM's client would wait forever on either: its reader thread stops without a word when the core
+        dies. vLLM 0.32's private client attributes; an in-process client (none of them) is not watched."""
         core = self._engine.engine_core
         manager = getattr(core.resources, "engine_manager", None)
         if manager is None or not hasattr(core, "outputs_queue"):
             return
         procs = list(manager.processes)
-        while not self._closing:
+        while not self._closing and not self._dead:
             ended = multiprocessing.connection.wait([p.sentinel for p in procs], timeout=WATCH_S)
+            busy = self._busy_since
             if self._closing:
                 return
-            busy = self._busy_since
             if ended:
                 self._dead = f"vLLM's engine core process {procs[0].pid} ended (exit code {procs[0].exitcode})"
             elif busy is not None and time.monotonic() - busy > STEP_TIMEOUT_S:
                 self._dead = f"vLLM's engine core did not answer within {STEP_TIMEOUT_S} s; it was killed"
                 for p in procs:
                     p.kill()
-            else:
-                continue
-            core.outputs_queue.put_nowait(EngineDied(self._dead))
+        if self._closing:
             return
+        core.outputs_queue.put_nowait(EngineDied(self._dead))
+        # a utility call may have passed _call's check just before _dead was set: keep failing what waits
+        while not self._closing:
+            for call_id in list(getattr(core, "utility_results", {})):
+                future = core.utility_results.pop(call_id, None)
+                if future is not None and not future.done():
+                    future.set_exception(EngineDied(self._dead))
+            if self._busy_since is None and not self._io.locked():
+                return  # no call in flight, and _call refuses every new one
+            time.sleep(WATCH_S / 10)
 
     # -- sleep mode (GPU colocation: free the KV cache and offload weights while training runs) --
 

@@ -1,6 +1,6 @@
 """A rollout engine that really dies mid-run is restarted and the run completes: the separated rollout's Ray
-worker process killed (hf engine), and vLLM's engine core process killed mid-rollout (run with the vLLM
-environment's python). The planted deaths of tests/workers/test_engine_restart.py cover every mode."""
+worker process killed (hf engine), and vLLM's engine core process killed or hung mid weight reload and
+killed mid-rollout (run with the vLLM environment's python). The planted deaths of tests/workers/test_engine_restart.py cover every mode."""
 
 import os
 import signal
@@ -30,13 +30,11 @@ def killing_in_step_2(lifecycle, pid_of):
     return killed
 
 
-def restarted_once(out, capfd, step: int, why: str = "") -> list[dict]:
+def restarted_once(out, capfd, step: int) -> list[dict]:
     records = read_metrics(os.path.join(out, "metrics.jsonl"))
     assert [r["step"] for r in records] == [1, 2, 3]
     assert [r["rollout/engine_restarts"] for r in records] == [int(s == step) for s in (1, 2, 3)]
-    err = capfd.readouterr().err
-    assert err.count(f"plait: warning: the rollout engine died in step {step} ") == 1
-    assert f"plait: warning: the rollout engine died in step {step} ({why}" in err
+    assert capfd.readouterr().err.count(f"plait: warning: the rollout engine died in step {step} ") == 1
     return records
 
 
@@ -56,51 +54,51 @@ def test_the_separated_rollouts_ray_worker_killed_is_respawned_and_the_run_compl
     assert "training/weight_sync_probe_diff" in records[-1]  # the new engine took the weights (over a new channel)
 
 
-def vllm_lifecycle(tmp_path, tiny_config, vllm_model_path):
-    return driver.build(tiny_config(tmp_path, *COMMON, f"actor_rollout_ref.model.path={vllm_model_path}",
-                                    "actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.dtype=float32",
-                                    "actor_rollout_ref.rollout.max_model_len=512", "data.max_response_length=24"),
-                        progress=False)
-
-
 def core_pid(trainer) -> int:
     return trainer.roles.rollout.worker.engine.llm.llm_engine.engine_core.resources.engine_manager.processes[0].pid
 
 
-def killing_the_core_in(trainer, method: str, step: int, hang: bool) -> list[int]:
-    """Stop vLLM's engine core (SIGSTOP) as the engine's `method` begins in `step`, so the call surely waits on
-    it; then kill it (SIGKILL) 0.5 s later, or, `hang`, leave it hung for the health watch to find (its limit,
-    STEP_TIMEOUT_S, is 2 s for this one call)."""
-    from plait.workers import vllm_engine
-    engine, killed = trainer.roles.rollout.worker.engine, []
-    call = getattr(engine, method)
-
-    def calling(*args, **kwargs):
-        if trainer.step != step or killed:
-            return call(*args, **kwargs)
-        killed.append(core_pid(trainer))
-        os.kill(killed[0], signal.SIGSTOP)
-        if not hang:
-            threading.Timer(0.5, os.kill, (killed[0], signal.SIGKILL)).start()
-        limit, vllm_engine.STEP_TIMEOUT_S = vllm_engine.STEP_TIMEOUT_S, 2.0 if hang else vllm_engine.STEP_TIMEOUT_S
-        try:
-            return call(*args, **kwargs)
-        finally:
-            vllm_engine.STEP_TIMEOUT_S = limit
-    setattr(engine, method, calling)
-    return killed
-
-
 @pytest.mark.vllm
-@pytest.mark.parametrize("method, step, hang", [("generate", 3, False), ("load_weights", 2, False), ("load_weights", 2, True)],
-                         ids=["killed_mid_rollout", "killed_mid_weight_reload", "hung_mid_weight_reload"])
-def test_vllms_engine_core_dead_or_hung_is_restarted_and_the_run_completes(tmp_path, tiny_config, vllm_model_path, capfd,
-                                                                          method, step, hang):
-    """A weight reload waits on a utility call's future, which vLLM's client never fails when the core dies
-    (it hung CI for an hour); the health watch fails it, as it wakes a step waiting on the core's outputs."""
+def test_vllms_engine_core_dead_or_hung_in_each_step_is_restarted_and_the_run_completes(tmp_path, tiny_config,
+                                                                                      vllm_model_path, capfd,
+                                                                                      monkeypatch):
+    """Each step the engine core dies a different way, while a call surely waits on it (the core is stopped,
+    SIGSTOP, as the call begins): killed mid weight reload (step 1), hung mid reload (step 2: the health
+    watch's limit, STEP_TIMEOUT_S, is 2 s for that one call, and the watch kills the core), killed mid-rollout
+    (step 3). A reload waits on a utility call's future, which vLLM's client never fails when the core dies
+    (it hung CI for an hour); the watch fails it, as it wakes a step waiting on the core's outputs."""
     pytest.importorskip("vllm")
-    lifecycle = vllm_lifecycle(tmp_path, tiny_config, vllm_model_path)
-    killed = killing_the_core_in(lifecycle.trainer, method, step, hang)
+    from plait.workers import vllm_engine
+    lifecycle = driver.build(tiny_config(tmp_path, *COMMON, f"actor_rollout_ref.model.path={vllm_model_path}",
+                                         "actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.dtype=float32",
+                                         "actor_rollout_ref.rollout.max_model_len=512", "data.max_response_length=24"),
+                             progress=False)
+    trainer, killed = lifecycle.trainer, {}
+    plan = {1: ("load_weights", False), 2: ("load_weights", True), 3: ("generate", False)}  # step: (call, hang)
+
+    def planting(method):
+        call = getattr(vllm_engine.VLLMEngine, method)
+
+        def calling(engine, *args, **kwargs):
+            if plan.get(trainer.step, (None,))[0] != method or trainer.step in killed:
+                return call(engine, *args, **kwargs)
+            hang = plan[trainer.step][1]
+            pid = killed[trainer.step] = core_pid(trainer)
+            os.kill(pid, signal.SIGSTOP)
+            if not hang:
+                threading.Timer(0.5, os.kill, (pid, signal.SIGKILL)).start()
+            limit, vllm_engine.STEP_TIMEOUT_S = vllm_engine.STEP_TIMEOUT_S, 2.0 if hang else vllm_engine.STEP_TIMEOUT_S
+            try:
+                return call(engine, *args, **kwargs)
+            finally:
+                vllm_engine.STEP_TIMEOUT_S = limit
+        monkeypatch.setattr(vllm_engine.VLLMEngine, method, calling)
+    planting("load_weights")
+    planting("generate")
     lifecycle.run()
-    assert killed and core_pid(lifecycle.trainer) != killed[0]
-    restarted_once(tmp_path, capfd, step, "vLLM's engine core " + ("did not answer within 2.0 s" if hang else ""))
+    assert sorted(killed) == [1, 2, 3] and core_pid(trainer) not in killed.values()
+    records = read_metrics(os.path.join(tmp_path, "metrics.jsonl"))
+    assert [(r["step"], r["rollout/engine_restarts"]) for r in records] == [(1, 1), (2, 1), (3, 1)]
+    warnings = [line for line in capfd.readouterr().err.splitlines() if "plait: warning: the rollout engine died" in line]
+    assert len(warnings) == 3 and all(f"died in step {s} (vLLM's engine core " in w for s, w in zip((1, 2, 3), warnings))
+    assert "did not answer within 2.0 s; it was killed" in warnings[1]

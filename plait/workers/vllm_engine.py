@@ -300,7 +300,7 @@ class VLLMEngine:
         if self._closing:
             return
         core.outputs_queue.put_nowait(EngineDied(self._dead))
-        # a utility call may have passed _call's check just before _dead was set: keep failing what waits
+        # fail every utility call that waits, including one sent by a call under way after this first sweep
         while not self._closing:
             for call_id in list(getattr(core, "utility_results", {})):
                 future = core.utility_results.pop(call_id, None)

@@ -1,6 +1,7 @@
 """A rollout engine that really dies mid-run is restarted and the run completes: the separated rollout's Ray
 worker process killed (hf engine), and vLLM's engine core process killed or hung mid weight reload and
-killed mid-rollout (run with the vLLM environment's python). The planted deaths of tests/workers/test_engine_restart.py cover every mode."""
+killed mid-rollout (run with the vLLM environment's python). The planted deaths of
+tests/workers/test_engine_restart.py cover every mode."""
 
 import os
 import signal
@@ -87,7 +88,8 @@ def test_vllms_engine_core_dead_or_hung_in_each_step_is_restarted_and_the_run_co
             os.kill(pid, signal.SIGSTOP)
             if not hang:
                 threading.Timer(0.5, os.kill, (pid, signal.SIGKILL)).start()
-            limit, vllm_engine.STEP_TIMEOUT_S = vllm_engine.STEP_TIMEOUT_S, 2.0 if hang else vllm_engine.STEP_TIMEOUT_S
+            limit = vllm_engine.STEP_TIMEOUT_S
+            vllm_engine.STEP_TIMEOUT_S = 2.0 if hang else limit
             try:
                 return call(engine, *args, **kwargs)
             finally:

@@ -44,7 +44,7 @@ class PromptBatch:
 
 _OPTIONAL_TENSORS = ("token_scores", "token_rewards", "old_logprobs", "ref_logprobs", "values",
                      "advantages", "returns", "rollout_is_weights", "loss_mask", "sum_pi_squared",
-                     "response_attention", "token_versions", "teacher_logprobs", "teacher_ids")
+                     "response_attention", "token_versions", "teacher_logprobs", "teacher_ids", "sampled_from")
 
 
 @dataclass
@@ -77,6 +77,9 @@ class RolloutBatch:
     teacher_logprobs: Optional[torch.Tensor] = None  # [batch, resp_len] the distillation teacher's log-prob of each
     #   sampled token, or [batch, resp_len, k] its top-k log-probs (distillation_loss.loss_mode=forward_kl_topk)
     teacher_ids: Optional[torch.Tensor] = None    # [batch, resp_len, k] long, the teacher's top-k tokens; None: not top-k
+    sampled_from: Optional[torch.Tensor] = None   # [batch, resp_len, k] long: the ids the sampler's top-k / top-p kept
+    #   at each sampled token, -1 padded (a position of all -1: the whole vocabulary). Old, new and reference log-probs
+    #   are taken over this set, the distribution the token was drawn from; None: the whole vocabulary everywhere
     multi_modal_inputs: Optional[list[dict]] = None  # per row, a VL model's processor outputs: {"pixel_values":
     #   [patches, 3 * temporal_patch * patch^2], "image_grid_thw": [images, 3]}, {} for a text row; None: no media.
     #   Every forward over the row (old log-prob, ref, update) gives them to the model (plait/models_vl.vl_inputs)
@@ -143,9 +146,9 @@ class RolloutBatch:
                 out[f.name] = None
             elif f.name in _DEFAULTED and any(v is None for v in values):  # some parts single-turn: fill in the default
                 values = [_default(p, f.name) if v is None else v for p, v in zip(parts, values)]
-                out[f.name] = torch.cat([_pad_to(v, f.name, pad_p, pad_r) for v in values], dim=0)
+                out[f.name] = _cat(values, f.name, pad_p, pad_r)
             elif isinstance(values[0], torch.Tensor):
-                out[f.name] = torch.cat([_pad_to(v, f.name, pad_p, pad_r) for v in values], dim=0)
+                out[f.name] = _cat(values, f.name, pad_p, pad_r)
             else:
                 out[f.name] = [x for p, v in zip(parts, values) for x in (v if v is not None else [{}] * len(p))]
         return RolloutBatch(**out)
@@ -154,20 +157,29 @@ class RolloutBatch:
         return dataclasses.replace(self, **changes)
 
 
-_DEFAULTED = ("response_attention", "token_versions")  # None means a default (see the field comments)
+_DEFAULTED = ("response_attention", "token_versions", "sampled_from")  # None means a default (see the field comments)
 
 
 def _default(batch: RolloutBatch, name: str) -> torch.Tensor:
-    """What a None `response_attention` / `token_versions` stands for, as a tensor [batch, resp_len]."""
+    """What a None `response_attention` / `token_versions` / `sampled_from` stands for, as a tensor [batch, resp_len(, 1)]."""
     if name == "response_attention":
         return batch.response_mask
+    if name == "sampled_from":
+        return torch.full((*batch.response_mask.shape, 1), -1, dtype=torch.long)
     sampled = batch.response_mask.bool()
     return torch.where(sampled, batch.versions[:, None].expand_as(sampled), torch.full_like(sampled, -1, dtype=torch.long))
 
 
-def _pad_to(t: torch.Tensor, name: str, prompt_len: int, resp_len: int) -> torch.Tensor:
+def _cat(values: list[torch.Tensor], name: str, prompt_len: int, resp_len: int) -> torch.Tensor:
+    width = max(v.shape[-1] for v in values) if name == "sampled_from" else None  # kept sets differ in size
+    return torch.cat([_pad_to(v, name, prompt_len, resp_len, width) for v in values], dim=0)
+
+
+def _pad_to(t: torch.Tensor, name: str, prompt_len: int, resp_len: int, width: int | None = None) -> torch.Tensor:
     if name in ("prompts", "prompt_mask"):  # left-padded
         return torch.nn.functional.pad(t, (prompt_len - t.shape[1], 0), value=0)
+    if name == "sampled_from":               # [batch, resp_len, k]: -1 is "no id" (0 is a token)
+        return torch.nn.functional.pad(t, (0, width - t.shape[2], 0, resp_len - t.shape[1]), value=-1)
     if t.dim() in (2, 3):                    # response-aligned ([batch, resp_len(, k)]), right-padded
         return torch.nn.functional.pad(t, (0, 0) * (t.dim() - 2) + (0, resp_len - t.shape[1]), value=0)
     return t

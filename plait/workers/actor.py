@@ -61,7 +61,8 @@ def response_forward(model, batch: RolloutBatch, temperature: float, layout: Mic
         with torch.set_grad_enabled(grad):
             logp[rows], micro_ent, micro_sq = response_stats(
                 model, micro.input_ids.to(device), micro.attention_mask.to(device), micro.responses.shape[1],
-                temperature, with_entropy, with_sum_pi_squared, layout.remove_padding, micro.multi_modal_inputs)
+                temperature, with_entropy, with_sum_pi_squared, layout.remove_padding, micro.multi_modal_inputs,
+                micro.sampled_from)
         if with_entropy:
             ent[rows] = micro_ent
         if with_sum_pi_squared:
@@ -73,7 +74,8 @@ def micro_forward(model, micro: RolloutBatch, temperature: float, with_entropy: 
     """Log-probs (and entropy) [micro, resp_len], 0 at padding; packed: only the real tokens go through the model."""
     device = next(model.parameters()).device
     return response_logprobs(model, micro.input_ids.to(device), micro.attention_mask.to(device),
-                             micro.responses.shape[1], temperature, with_entropy, remove_padding, micro.multi_modal_inputs)
+                             micro.responses.shape[1], temperature, with_entropy, remove_padding, micro.multi_modal_inputs,
+                             micro.sampled_from)
 
 
 def micro_topk_forward(model, micro: RolloutBatch, temperature: float, remove_padding: bool = False):
@@ -82,7 +84,7 @@ def micro_topk_forward(model, micro: RolloutBatch, temperature: float, remove_pa
     device = next(model.parameters()).device
     return response_topk_stats(model, micro.input_ids.to(device), micro.attention_mask.to(device),
                                micro.responses.shape[1], temperature, True, micro.teacher_ids, remove_padding,
-                               micro.multi_modal_inputs)
+                               micro.multi_modal_inputs, micro.sampled_from)
 
 
 def freeze_vision_tower(model) -> None:

@@ -77,6 +77,9 @@ class EngineSpec:
     no_effect: dict[str, str] = field(default_factory=dict)  # rollout keys it does not read -> why
     # None: generate takes multi_modal= (per prompt: images, pixel_values, image_grid_thw); else the one-line why not
     images: Callable[[], Optional[str]] = lambda: "does not take images; rows with images generate with rollout.name=hf"
+    # None: generate returns the set top-k / top-p kept at each token (Generation.kept), which the trainer's
+    # log-probs are taken over; else why not (config refuses rollout.top_p < 1 / top_k > 0 with this engine)
+    kept_set: Optional[str] = "returns no kept set with its tokens"
 
 
 PLAIT_ENGINE = "hf"  # plait's own engine (workers/rollout_engine.py): the rollout's when no node names one
@@ -165,9 +168,12 @@ SGLANG_WHY = ("sglang does not run here: its PyPI release (0.5.23) is a CUDA bui
               f"rollout.name=vllm ({VLLM_INSTALL}) or hf (docs/rollout.md)")
 
 ENGINES: dict[str, EngineSpec] = {
-    "hf": EngineSpec(build=_build_hf, unavailable=lambda: None, no_effect=VLLM_ONLY_KEYS, images=lambda: None),
+    "hf": EngineSpec(build=_build_hf, unavailable=lambda: None, no_effect=VLLM_ONLY_KEYS, images=lambda: None,
+                     kept_set=None),
     "vllm": EngineSpec(build=_build_vllm, unavailable=_vllm_unavailable,
                        devices=lambda rollout: rollout.tensor_model_parallel_size,
-                       devices_rule="rollout.tensor_model_parallel_size", notes=_vllm_notes, images=_vllm_images),
+                       devices_rule="rollout.tensor_model_parallel_size", notes=_vllm_notes, images=_vllm_images,
+                       kept_set="vLLM 0.32 returns no kept set with its tokens (its processed log-probs are renormalised "
+                                "over one the trainer cannot see)"),
     "sglang": EngineSpec(build=_refused, unavailable=lambda: SGLANG_WHY),
 }

@@ -31,35 +31,39 @@ GRAD_BUDGET = 2 ** 26    # bytes of logits' gradients per matmul with the head's
 
 def response_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, resp_len: int,
                       temperature: float, with_entropy: bool, remove_padding: bool = False,
-                      multi_modal: list[dict] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                      multi_modal: list[dict] | None = None,
+                      kept: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs and entropy [batch, resp_len] of the last `resp_len` tokens of each row (rows are
     [left-padded prompt | right-padded response]), of softmax(logits / temperature); 0 at padding.
 
     `remove_padding`: the rows' real tokens go through the model packed (plait/workers/packing.py).
-    `multi_modal`: a VL model's per-row processor outputs (RolloutBatch.multi_modal_inputs; None: text rows)."""
+    `multi_modal`: a VL model's per-row processor outputs (RolloutBatch.multi_modal_inputs; None: text rows).
+    `kept`: the sampler's top-k / top-p set at each response token [batch, resp_len, k] (RolloutBatch.sampled_from):
+    the softmax is taken over it alone, the distribution the token was drawn from; None: the whole vocabulary."""
     return response_stats(model, input_ids, attention_mask, resp_len, temperature, with_entropy, False,
-                          remove_padding, multi_modal)[:2]
+                          remove_padding, multi_modal, kept)[:2]
 
 
 def response_stats(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, resp_len: int,
                    temperature: float, with_entropy: bool, with_sum_pi_squared: bool, remove_padding: bool = False,
-                   multi_modal: list[dict] | None = None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+                   multi_modal: list[dict] | None = None,
+                   kept: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """`response_logprobs`, plus with `with_sum_pi_squared` the sum over the vocabulary of the squared
     probabilities [batch, resp_len] at each response token (verl's sum_pi_squared: optimal-token-baseline
     estimators), from the same chunked LM head; no gradient flows through it."""
     return _stats(model, input_ids, attention_mask, resp_len, temperature, with_entropy, with_sum_pi_squared,
-                  remove_padding, multi_modal)[:3]
+                  remove_padding, multi_modal, kept=kept)[:3]
 
 
 def response_topk_stats(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, resp_len: int,
                         temperature: float, with_entropy: bool, ids: torch.Tensor, remove_padding: bool = False,
-                        multi_modal: list[dict] | None = None) -> tuple[torch.Tensor, ...]:
+                        multi_modal: list[dict] | None = None, kept: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
     """`response_logprobs` (log-probs and entropy [batch, resp_len]) and, from the same LM head pass, the
     log-probs at `ids` [batch, resp_len, k] (a teacher's top-k tokens; gradients flow as through the sampled
     token's) and this model's own top-k ids there [batch, resp_len, k] (no gradient): the student's side of
     a top-k distillation loss."""
     logp, ent, _, at_ids, top = _stats(model, input_ids, attention_mask, resp_len, temperature, with_entropy, False,
-                                       remove_padding, multi_modal, ids=ids)
+                                       remove_padding, multi_modal, ids=ids, kept=kept)
     return logp, ent, at_ids, top[1]
 
 
@@ -72,7 +76,8 @@ def response_topk(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, 
 
 def _stats(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, resp_len: int, temperature: float,
            with_entropy: bool, with_sum_pi_squared: bool, remove_padding: bool = False,
-           multi_modal: list[dict] | None = None, ids: torch.Tensor | None = None, topk: int = 0) -> tuple:
+           multi_modal: list[dict] | None = None, ids: torch.Tensor | None = None, topk: int = 0,
+           kept: torch.Tensor | None = None) -> tuple:
     """(logp, entropy, sum_pi_squared, log-probs at `ids`, (top-k log-probs, top-k ids)) of the response tokens,
     each padded to [batch, resp_len(, k)] (None where not asked); `ids` asks the top-k ids too (its k)."""
     resp_mask = attention_mask[:, -resp_len:]                                 # [batch, resp_len]
@@ -92,16 +97,18 @@ def _stats(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, resp_le
         media = multi_modal if multi_modal is not None else [{}] * input_ids.shape[0]
         inputs.update(vl_inputs(model.config, media, input_ids, attention_mask, packed))
     tokens = input_ids[:, -resp_len:][rows, cols]                             # [N]
+    if kept is not None:
+        kept = kept.to(tokens.device)[rows, cols]                             # [N, k]
     if ids is not None:  # the sampled token first, then the k asked for: one gather, one gradient
         tokens, topk = torch.cat([tokens[:, None], ids.to(tokens.device)[rows, cols]], 1), ids.shape[-1]  # [N, 1 + k]
     if is_sharded(model):
         logp, ent, spsq, top_logp, top_ids = _sharded_logprobs(model, inputs, before, tokens, temperature, with_entropy,
-                                                               with_sum_pi_squared, never_sampled(model.config), topk)
+                                                               with_sum_pi_squared, never_sampled(model.config), topk, kept)
     else:
         hidden = last_hidden(model, **inputs).flatten(0, 1)[before]          # [N, hidden]
         logp, ent, spsq, top_logp, top_ids = _chunked(hidden, tokens, model.get_output_embeddings(), temperature,
                                                       with_entropy, with_sum_pi_squared, banned=never_sampled(model.config),
-                                                      topk=topk)
+                                                      topk=topk, kept=kept)
 
     def padded(values):  # [N, ...] -> [batch, resp_len, ...], 0 at padding
         if values is None:
@@ -116,7 +123,8 @@ def _stats(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, resp_le
 
 def _sharded_logprobs(model, inputs: dict, before: torch.Tensor, tokens: torch.Tensor, temperature: float,
                       with_entropy: bool, with_sum_pi_squared: bool = False,
-                      banned: list[int] | None = None, topk: int = 0) -> tuple[torch.Tensor, ...]:
+                      banned: list[int] | None = None, topk: int = 0,
+                      kept: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
     """FSDP2: the LM head runs inside the root's forward, at the response positions only
     (`logits_to_keep` as a mask), so [N, vocab] logits exist at once. A head called per chunk after
     the root's forward (its own fully_shard group) gave wrong gradients of the head's group after a
@@ -126,7 +134,7 @@ def _sharded_logprobs(model, inputs: dict, before: torch.Tensor, tokens: torch.T
     logits = model(**inputs, use_cache=False, logits_to_keep=keep.view_as(inputs["input_ids"])).logits
     order = torch.empty_like(before)
     order[before.argsort()] = torch.arange(len(before), device=before.device)  # mask order -> ours
-    z = mask_logits(logits[order].float() / temperature, banned)             # [N, vocab]
+    z = only_kept(mask_logits(logits[order].float() / temperature, banned), kept)  # [N, vocab]
     logp, ent, top_logp, top_ids = _LogpEntropy.apply(z, tokens, with_entropy, topk)
     return logp, ent, _sum_squared_probs(z) if with_sum_pi_squared else None, top_logp, top_ids
 
@@ -167,11 +175,11 @@ def chunked_logprobs(hidden: torch.Tensor, tokens: torch.Tensor, head, temperatu
 
 def _chunked(hidden: torch.Tensor, tokens: torch.Tensor, head, temperature: float, with_entropy: bool,
              with_sum_pi_squared: bool, chunk_tokens: int | None = None,
-             banned: list[int] | None = None, topk: int = 0) -> tuple[torch.Tensor, ...]:
+             banned: list[int] | None = None, topk: int = 0, kept: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
     """`chunked_logprobs`, plus the sum of squared probabilities [N] (None unless asked; never under grad)
     and, with `topk`, the k most likely tokens' log-probs and ids [N, k] (no gradient); tokens `banned`
     (models_vl.never_sampled) get no probability. `tokens` [N] or [N, m] (several per position: log-probs
-    [N, m] out)."""
+    [N, m] out); `kept` [N, k]: each position's softmax over these ids alone (`only_kept`)."""
     chunk_tokens = chunk_tokens or max(1, LOGITS_BUDGET // head.out_features)
     grad = torch.is_grad_enabled()
     if grad and with_sum_pi_squared:
@@ -180,33 +188,48 @@ def _chunked(hidden: torch.Tensor, tokens: torch.Tensor, head, temperature: floa
         device = hidden.device.type  # mixed precision: the head's gradient is computed in the autocast dtype
         grad_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else head.weight.dtype
         logp, ent, top_logp, top_ids = _HeadLogpEntropy.apply(hidden, head.weight, head.bias, tokens, temperature,
-                                                              with_entropy, chunk_tokens, banned, grad_dtype, topk)
+                                                              with_entropy, chunk_tokens, banned, grad_dtype, topk, kept)
         return logp, ent, None, top_logp, top_ids
 
-    def logits(h):
+    def logits(h, keep):
         with torch.autocast(h.device.type, enabled=False):
-            return mask_logits(head(h.to(head.weight.dtype)).float() / temperature, banned)  # [chunk, vocab]
+            return only_kept(mask_logits(head(h.to(head.weight.dtype)).float() / temperature, banned), keep)  # [chunk, vocab]
 
-    def one(h, tok):
-        return _LogpEntropy.apply(logits(h), tok, with_entropy, topk)
+    def one(h, tok, keep):
+        return _LogpEntropy.apply(logits(h, keep), tok, with_entropy, topk)
     parts = []
-    for h, tok in zip(hidden.split(chunk_tokens), tokens.split(chunk_tokens)):
+    kept_chunks = [None] * len(tokens) if kept is None else kept.split(chunk_tokens)
+    for h, tok, keep in zip(hidden.split(chunk_tokens), tokens.split(chunk_tokens), kept_chunks):
         if grad:  # a head that is not a plain Linear (a peft adapter on it): autograd through it, checkpointed
-            parts.append((*checkpoint(one, h, tok, use_reentrant=False), None))
+            parts.append((*checkpoint(one, h, tok, keep, use_reentrant=False), None))
         else:
-            z = logits(h)                                                      # [chunk, vocab]
+            z = logits(h, keep)                                                # [chunk, vocab]
             parts.append((*_LogpEntropy.apply(z, tok, with_entropy, topk), _sum_squared_probs(z) if with_sum_pi_squared else None))
     logp, ent, top_logp, top_ids, spsq = (None if p[0] is None else torch.cat(p) for p in zip(*parts))
     return logp, ent, spsq, top_logp, top_ids                              # [N] each ([N, k] the top-k ones)
 
 
 def _head_logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, temperature: float,
-                 banned: list[int] | None, dtype: torch.dtype | None = None) -> torch.Tensor:
+                 banned: list[int] | None, dtype: torch.dtype | None = None,
+                 kept: torch.Tensor | None = None) -> torch.Tensor:
     """Logits / T [chunk, vocab] of hidden states [chunk, hidden], the matmul in `weight`'s dtype, in `dtype`
     (None: float32, or float64 for a float64 weight)."""
     z = torch.nn.functional.linear(h.to(weight.dtype), weight, None if bias is None else bias.to(weight.dtype))
     z = z.to(dtype or torch.promote_types(weight.dtype, torch.float32))
-    return mask_logits(z if temperature == 1.0 else z.div_(temperature), banned)
+    return only_kept(mask_logits(z if temperature == 1.0 else z.div_(temperature), banned), kept)
+
+
+def only_kept(z: torch.Tensor, kept: torch.Tensor | None) -> torch.Tensor:
+    """Logits z [N, vocab] with every id outside its row's kept set (kept [N, k], -1 padded) set to -1e30, as
+    mask_logits bans a token: the softmax is then the sampler's top-k / top-p distribution, renormalised over
+    the set, and the entropy and gradients stay finite. A row of all -1 keeps the whole vocabulary (the tokens an
+    agent loop inserted, and every token of a run that samples from the whole vocabulary)."""
+    if kept is None:
+        return z
+    allowed = torch.zeros(len(z), z.shape[-1] + 1, dtype=torch.bool, device=z.device)  # [N, vocab + 1]
+    allowed.scatter_(1, kept.masked_fill(kept < 0, z.shape[-1]), True)               # padding lands in the spare column
+    allowed = allowed[:, :-1] | (kept < 0).all(-1, keepdim=True)                      # [N, vocab]
+    return z.masked_fill(~allowed, -1e30)
 
 
 class _HeadLogpEntropy(torch.autograd.Function):
@@ -222,12 +245,14 @@ class _HeadLogpEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, tokens, temperature: float, with_entropy: bool, chunk: int,
-                banned: list[int] | None, grad_dtype: torch.dtype, topk: int = 0):
+                banned: list[int] | None, grad_dtype: torch.dtype, topk: int = 0, kept: torch.Tensor | None = None):
         parts = []
+        kept_chunks = [None] * len(tokens) if kept is None else kept.split(chunk)
         with torch.autocast(hidden.device.type, enabled=False):
-            for h, tok in zip(hidden.split(chunk), tokens.split(chunk)):
-                parts.append(_logp_entropy(_head_logits(h, weight, bias, temperature, banned), tok, with_entropy, topk))
-        ctx.save_for_backward(hidden, weight, bias, tokens)
+            for h, tok, keep in zip(hidden.split(chunk), tokens.split(chunk), kept_chunks):
+                z = _head_logits(h, weight, bias, temperature, banned, kept=keep)
+                parts.append(_logp_entropy(z, tok, with_entropy, topk))
+        ctx.save_for_backward(hidden, weight, bias, tokens, kept)
         ctx.args = temperature, chunk, banned, grad_dtype
         ctx.set_materialize_grads(False)
         logp, ent, top_logp, top_ids = (None if p[0] is None else torch.cat(p) for p in zip(*parts))
@@ -236,11 +261,11 @@ class _HeadLogpEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_logp, g_ent, *_top):
-        hidden, weight, bias, tokens = ctx.saved_tensors
+        hidden, weight, bias, tokens, kept = ctx.saved_tensors
         temperature, chunk, banned, dtype = ctx.args
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         if g_logp is None and g_ent is None:
-            return (None,) * 10
+            return (None,) * 11
         # the forward's float32 logits again, or the compute dtype's (mixed precision)
         logits_dtype = None if dtype == weight.dtype else dtype
         w, b = weight.to(dtype), None if bias is None else bias.to(dtype)
@@ -254,7 +279,8 @@ class _HeadLogpEntropy(torch.autograd.Function):
                 g = torch.empty(len(h), weight.shape[0], dtype=dtype, device=h.device)  # [group, vocab]
                 for c in range(0, len(h), chunk):
                     rows = slice(start + c, start + c + chunk)
-                    z = _head_logits(h[c:c + chunk], w, b, temperature, banned, logits_dtype)  # [chunk, vocab]
+                    z = _head_logits(h[c:c + chunk], w, b, temperature, banned, logits_dtype,
+                                     None if kept is None else kept[rows])  # [chunk, vocab]
                     g[c:c + chunk] = _logits_grad(z, tokens[rows], None if g_logp is None else g_logp[rows],
                                                   None if g_ent is None else g_ent[rows])
                 if need_h:
@@ -267,7 +293,7 @@ class _HeadLogpEntropy(torch.autograd.Function):
             for grad in (grad_h, grad_w, grad_b):
                 if grad is not None:
                     grad.div_(temperature)
-        return grad_h, grad_w, grad_b, None, None, None, None, None, None, None
+        return grad_h, grad_w, grad_b, None, None, None, None, None, None, None, None
 
 
 def _logp_entropy(z: torch.Tensor, tokens: torch.Tensor, with_entropy: bool, topk: int = 0):

@@ -112,6 +112,7 @@ class Rollout:
         responses = F.pad(batch.responses, grow, value=self.pad_token_id)    # [batch, max_response_length]
         mask, logprobs = F.pad(batch.response_mask, grow), F.pad(batch.rollout_logprobs, grow)
         token_versions = F.pad(batch.token_version_map, grow, value=-1)     # the earlier tokens keep theirs
+        kept = _grown_kept(batch, out.kept, self.max_response_length)         # None: no filter either time
         versions, reasons = batch.versions.clone(), list(batch.stop_reasons)
         new_lengths = out.response_mask.sum(-1).long().tolist()
         for j, i in enumerate(rows):
@@ -121,12 +122,15 @@ class Rollout:
             mask[i, start:start + take] = 1.0
             logprobs[i, start:start + take] = out.logprobs[j, :take].float().cpu()
             token_versions[i, start:start + take] = self.version
+            if kept is not None and out.kept is not None:
+                kept[i, start:start + take, :out.kept.shape[-1]] = out.kept[j, :take].cpu()
             reasons[i] = out.stop_reasons[j] if take == new_lengths[j] else "length"
             versions[i] = self.version
         width = int(mask.sum(-1).max())
         return batch.replace(responses=responses[:, :width], response_mask=mask[:, :width],
                              rollout_logprobs=logprobs[:, :width], versions=versions, stop_reasons=reasons,
-                             token_versions=token_versions[:, :width])
+                             token_versions=token_versions[:, :width],
+                             sampled_from=None if kept is None else kept[:, :width])
 
     def _engine_generate(self, ids: list[list[int]], params: SamplingParams, seed: int,
                          multi_modal: list[dict] | None = None):
@@ -167,7 +171,8 @@ class Rollout:
             versions=torch.full((len(ids),), self.version, dtype=torch.long),
             data_sources=rep(prompts.data_sources), ground_truths=rep(prompts.ground_truths),
             extra_infos=rep(prompts.extra_infos), stop_reasons=list(out.stop_reasons),
-            multi_modal_inputs=None if inputs is None else rep(inputs))
+            multi_modal_inputs=None if inputs is None else rep(inputs),
+            sampled_from=None if out.kept is None else out.kept.cpu())
 
     def load_weights(self, state_dict: dict[str, torch.Tensor], version: int, share: bool = False) -> None:
         """`share`: alias tensors of the engine's dtype and device instead of copying (see weight_sync)."""
@@ -222,3 +227,12 @@ def _agent_worker(cfg, tokenizer, model_path: str, eos_ids: list[int]):
             tools.close()
         raise
     return AgentWorker(cfg, tokenizer, model_type, tools, interactions, eos_ids)
+
+
+def _grown_kept(batch: RolloutBatch, resumed: torch.Tensor | None, length: int) -> torch.Tensor | None:
+    """The batch's kept sets [batch, length, k] (-1: none yet), wide enough for the resumed tokens' too."""
+    if batch.sampled_from is None and resumed is None:
+        return None
+    kept = batch.sampled_from if batch.sampled_from is not None else torch.full((*batch.responses.shape, 1), -1)
+    width = max(kept.shape[-1], 0 if resumed is None else resumed.shape[-1])
+    return F.pad(kept, (0, width - kept.shape[-1], 0, length - kept.shape[1]), value=-1)

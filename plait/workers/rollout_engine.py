@@ -2,8 +2,10 @@
 
 `TransformersEngine.generate` left-pads the prompts into one batch, prefills once, then decodes one
 token per step for all rows until every row has hit an EOS id or `max_new_tokens`, or until
-`abort()` is called from another thread. Each sampled token comes with its log-prob under
-softmax(logits / temperature), before top-k/top-p filtering, which is what the PPO ratio needs.
+`abort()` is called from another thread. Each sampled token comes with its log-prob under the
+distribution it was drawn from: softmax(logits / temperature), renormalised over the tokens top-k /
+top-p kept, and with that kept set (`Generation.kept`), so the trainer takes its log-probs over the
+same set (plait/workers/logprobs.py only_kept) and the ratio compares the policy that sampled.
 
 Where the time goes: with the small models plait trains on CPU, a decode step costs more in
 per-op Python and dispatch than in arithmetic, and HF's forward adds mask building, rotary
@@ -58,6 +60,8 @@ class Generation:
     logprobs: torch.Tensor       # [batch, max_len] float32, 0 at padding
     stop_reasons: list[str]      # per row: "eos" | "length" | "aborted"
     prefilled: float = 0.0       # wall time the prefill ended, where the caller asked (agent-loop rounds); 0: unknown
+    kept: torch.Tensor | None = None  # [batch, max_len, k] long: the ids top-k / top-p kept at each token, -1 padded;
+    #   None: no filter (the whole vocabulary)
 
 
 def build(args) -> TransformersEngine:
@@ -100,14 +104,17 @@ class TransformersEngine:
             logprobs = torch.zeros(len(prompts), n, device=device)           # [batch, n]
             rows = torch.arange(len(prompts), device=device)                 # [active] output row of each active row
             done = torch.zeros(len(prompts), dtype=torch.bool, device=device)  # [active]
+            kept_steps = []                                                  # (rows, step, kept [active, k]) per step
             if on_forward is not None:
                 on_forward(0)
             logits = stepper.prefill(ids, (real.cumsum(-1) - 1).clamp(min=0))  # [active, vocab]
             banned = never_sampled(self.model.config)                          # a VL model's image / video pads
             for step in range(n):
-                tok, logp = sample_tokens(mask_logits(logits.float(), banned), params, generator)  # [active], [active]
+                tok, logp, kept = sample_tokens(mask_logits(logits.float(), banned), params, generator)  # [active] x2
                 tokens[rows, step] = tok.masked_fill(done, pad)
                 logprobs[rows, step] = logp.masked_fill(done, 0.0)
+                if kept is not None:
+                    kept_steps.append((rows, step, kept.masked_fill(done[:, None], -1)))
                 done |= torch.isin(tok, eos)
                 finished = int(done.sum())  # the one host sync per step
                 if step + 1 == n or finished == len(done) or self._abort.is_set():
@@ -125,10 +132,11 @@ class TransformersEngine:
             is_eos = torch.isin(tokens, eos)
             mask = (is_eos.cumsum(1) - is_eos.long()) == 0                  # up to and including the first EOS
             stop_reasons = ["eos" if e else "length" if step + 1 == n else "aborted" for e in is_eos.any(1).tolist()]
+            kept = _stack_kept(kept_steps, tokens.shape) if kept_steps else None
         # clone() outside inference mode: inference tensors cannot be saved for backward, and
         # the trainer feeds these responses to forwards that need grad.
         return Generation(responses=tokens.clone(), response_mask=mask.float(), logprobs=logprobs.clone(),
-                          stop_reasons=stop_reasons)
+                          stop_reasons=stop_reasons, kept=None if kept is None else kept.clone())
 
     def load_weights(self, state_dict: dict[str, torch.Tensor], share: bool = False) -> None:
         """Copy tensors into the model in place; names as in model.state_dict(). Tied weights share
@@ -163,33 +171,53 @@ class TransformersEngine:
 
 
 def sample_tokens(logits: torch.Tensor, params: SamplingParams,
-                  generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pick one token per row and return (tokens [batch], their log-probs under softmax(logits/T) [batch]).
+                  generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Pick one token per row; return (tokens [batch], their log-probs [batch], the kept set [batch, k] or None).
 
-    Top-k, then top-p over the renormalised top-k, as HF does. The draw is inverse-CDF with one
-    uniform per row: several times cheaper on CPU than torch.multinomial, which draws batch x vocab
-    exponentials.
+    Top-k, then top-p over the renormalised top-k, as HF does. A token's log-prob is under the distribution
+    it was drawn from: softmax(logits / T) renormalised over the kept ids (-1 pads a row's set; None: no
+    filter, the whole vocabulary). The draw is inverse-CDF with one uniform per row: several times cheaper
+    on CPU than torch.multinomial, which draws batch x vocab exponentials.
     """
     scaled = logits.float() / params.temperature                              # [batch, vocab]
-    logp = scaled.log_softmax(-1)                                             # [batch, vocab]
     if not params.do_sample:
         tok = logits.argmax(-1, keepdim=True)                                 # [batch, 1]
-        return tok[:, 0], logp.gather(-1, tok)[:, 0]
+        return tok[:, 0], scaled.log_softmax(-1).gather(-1, tok)[:, 0], None
     top_k = params.top_k if 0 < params.top_k < logits.shape[-1] else 0
-    if top_k or params.top_p < 1:
-        vals, order = scaled.topk(top_k) if top_k else scaled.sort(-1, descending=True)  # [batch, k]
+    if not (top_k or params.top_p < 1):
+        logp = scaled.log_softmax(-1)                                         # [batch, vocab]
+        tok = _draw(logp.exp(), generator)
+        return tok[:, 0], logp.gather(-1, tok)[:, 0], None
+    vals, order = scaled.topk(top_k) if top_k else scaled.sort(-1, descending=True)  # [batch, k]
+    dropped = None
+    if params.top_p < 1:  # drop a token once the mass before it has reached top_p
         probs = vals.softmax(-1)
-        if params.top_p < 1:  # drop a token once the mass before it has reached top_p
-            probs = probs.masked_fill(probs.cumsum(-1) - probs >= params.top_p, 0.0)
-    else:
-        probs, order = logp.exp(), None
+        dropped = probs.cumsum(-1) - probs >= params.top_p                    # [batch, k]
+        width = int((~dropped).sum(-1).max())                                 # the kept ids lead each row
+        vals, order, dropped = vals[:, :width], order[:, :width], dropped[:, :width]
+        vals = vals.masked_fill(dropped, float("-inf"))
+    logp = vals.log_softmax(-1)                                               # [batch, k] over the kept set
+    pick = _draw(logp.exp(), generator)                                       # [batch, 1]
+    kept = order if dropped is None else order.masked_fill(dropped, -1)
+    return order.gather(-1, pick)[:, 0], logp.gather(-1, pick)[:, 0], kept
+
+
+def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One index per row of `probs` [batch, k] (zeros never drawn) -> [batch, 1]."""
     cdf = probs.cumsum(-1)                                                    # [batch, k]
     # u in (0, 1] and "first cdf >= u * total" never lands on a zero-probability token or past the end
     u = 1 - torch.rand(len(cdf), 1, generator=generator,
                        device=generator.device if generator is not None else cdf.device)
-    pick = torch.searchsorted(cdf, u.to(cdf.device) * cdf[:, -1:])           # [batch, 1]
-    tok = pick if order is None else order.gather(-1, pick)
-    return tok[:, 0], logp.gather(-1, tok)[:, 0]
+    return torch.searchsorted(cdf, u.to(cdf.device) * cdf[:, -1:])           # [batch, 1]
+
+
+def _stack_kept(steps: list, shape: torch.Size) -> torch.Tensor:
+    """The per-step kept sets (output rows, step, [active, k]) as one [batch, steps, k] tensor, -1 padded."""
+    width = max(kept.shape[-1] for _, _, kept in steps)
+    out = torch.full((*shape, width), -1, dtype=torch.long, device=steps[0][2].device)  # [batch, n, k]
+    for rows, step, kept in steps:
+        out[rows, step, :kept.shape[-1]] = kept
+    return out
 
 
 def _is_llama_layout(config) -> bool:

@@ -195,3 +195,57 @@ def test_model_whose_logits_are_not_the_head_of_the_last_hidden_state_is_refused
     model.register_forward_hook(soft_cap)
     with pytest.raises(ConfigError, match="actor_rollout_ref.model.path.*last hidden state"):
         check_lm_head(model, "actor_rollout_ref.model.path")
+
+
+def random_kept(batch, vocab: int, k: int, seed: int = 0) -> torch.Tensor:
+    """[rows, resp_len, k] kept sets holding each response token and k - 1 others (some -1), and one position of
+    all -1 per row (a token an agent loop inserted: the whole vocabulary)."""
+    g = torch.Generator().manual_seed(seed)
+    kept = torch.randint(0, vocab, (*batch.responses.shape, k), generator=g)
+    kept[..., 0] = batch.responses
+    kept[..., -1] = -1
+    kept[:, 0] = -1
+    return kept
+
+
+def masked_full_vocab_forward(model, micro, temperature):
+    """The reference: full-vocabulary logits with every id outside the position's kept set at -inf."""
+    input_ids, mask, resp_len = micro.input_ids, micro.attention_mask, micro.responses.shape[1]
+    logits = model(input_ids=input_ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+                   use_cache=False).logits[:, -resp_len - 1:-1].float() / temperature
+    kept = micro.sampled_from
+    outside = torch.ones(*logits.shape[:2], logits.shape[-1] + 1, dtype=torch.bool)
+    outside.scatter_(-1, kept.masked_fill(kept < 0, logits.shape[-1]), False)
+    outside = outside[..., :-1] & ~(kept < 0).all(-1, keepdim=True)
+    z = logits.masked_fill(outside, float("-inf"))
+    logq = z.log_softmax(-1)
+    ent = -(logq.exp() * logq.masked_fill(outside, 0)).sum(-1)
+    return logq.gather(-1, input_ids[:, -resp_len:, None])[..., 0], ent
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_logprobs_over_the_samplers_kept_set(model_dir, packed):
+    """Top-k / top-p: log-probs, entropy and gradients are the softmax over each position's kept set, where the
+    sampler drew the token from; a kept set of one token gives log-prob 0 (top_k=1)."""
+    model = load_causal_lm(model_dir)
+    batch = make_batch(rows=6, prompt_len=7, resp_len=9)
+    batch.sampled_from = random_kept(batch, model.config.vocab_size, k=4)
+    want = logp_ent_grads(model, batch, lambda m, b: masked_full_vocab_forward(m, b, T))
+    got = logp_ent_grads(model, batch, lambda m, b: micro_forward(m, b, T, True, remove_padding=packed))
+    assert_same(got, want)
+    whole = logp_ent_grads(model, batch.replace(sampled_from=None), lambda m, b: micro_forward(m, b, T, True))
+    assert (whole[0] < got[0] - 1e-3).any()  # over the whole vocabulary the sampled tokens are less likely
+    only = batch.replace(sampled_from=batch.responses[..., None])  # top_k=1: each token was certain
+    with torch.no_grad():
+        logp, _ = micro_forward(model, only, T, False, remove_padding=packed)
+    assert logp[batch.response_mask.bool()].abs().max() == 0
+
+
+def test_hand_backward_over_a_kept_set_passes_gradcheck():
+    h, w, b = (torch.randn(*shape, dtype=torch.float64, requires_grad=True) for shape in ((7, 4), (5, 4), (5,)))
+    tokens = torch.tensor([0, 4, 2, 1, 1, 0, 4])
+    kept = torch.tensor([[0, 1, -1], [4, -1, -1], [2, 0, 4], [-1, -1, -1], [1, 2, 3], [0, 4, -1], [4, 0, 1]])
+    assert torch.autograd.gradcheck(lambda h, w, b: _HeadLogpEntropy.apply(
+        h, w, b, tokens, T, True, 2, None, torch.float64, 0, kept)[:2], (h, w, b))
+    logp = _HeadLogpEntropy.apply(h, w, b, tokens, T, True, 2, None, torch.float64, 0, kept)[0]
+    assert logp[1] == 0  # a kept set of one

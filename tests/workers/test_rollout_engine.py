@@ -79,8 +79,9 @@ def test_greedy_matches_hf_generate_llama_and_gpt2():
         assert torch.equal(out.responses, hf_greedy(m, PROMPTS, 10, None)), type(m).__name__
 
 
-def teacher_forced_logprobs(model, prompts, out, temperature):
-    """log_softmax(logits / T) at the sampled tokens from one forward over prompt + response."""
+def teacher_forced_logprobs(model, prompts, out, temperature, kept=None):
+    """log_softmax(logits / T) at the sampled tokens from one forward over prompt + response; with `kept`
+    ([batch, len, k], -1 padded), the softmax over each position's kept ids alone."""
     ids, mask = left_padded(prompts)
     ids, mask = ids.to(out.responses.device), mask.to(out.responses.device)
     full_mask = torch.cat([mask, out.response_mask.long()], 1)
@@ -88,6 +89,11 @@ def teacher_forced_logprobs(model, prompts, out, temperature):
         logits = model(input_ids=torch.cat([ids, out.responses], 1), attention_mask=full_mask,
                        position_ids=(full_mask.cumsum(-1) - 1).clamp(min=0)).logits
     logits = logits[:, ids.shape[1] - 1:-1] / temperature
+    if kept is not None:
+        kept = kept.to(logits.device)
+        keep = torch.zeros(*logits.shape[:2], logits.shape[-1] + 1, dtype=torch.bool, device=logits.device)
+        keep.scatter_(-1, kept.masked_fill(kept < 0, logits.shape[-1]), True)
+        logits = logits.masked_fill(~(keep[..., :-1] | (kept < 0).all(-1, keepdim=True)), float("-inf"))
     return logits.log_softmax(-1).gather(-1, out.responses[..., None])[..., 0] * out.response_mask
 
 
@@ -95,7 +101,19 @@ def test_logprobs_match_teacher_forced_forward(model, path):
     params = SamplingParams(max_new_tokens=16, temperature=0.7, top_k=20, top_p=0.9)
     out = TransformersEngine(model, PAD, [2, 3]).generate(PROMPTS, params, torch.Generator().manual_seed(3))
     assert "eos" in out.stop_reasons  # some rows are padded
-    torch.testing.assert_close(out.logprobs, teacher_forced_logprobs(model, PROMPTS, out, 0.7), atol=1e-4, rtol=0)
+    assert out.kept.shape[:2] == out.responses.shape and out.kept.shape[2] <= 20
+    assert (out.kept == out.responses[..., None]).any(-1)[out.response_mask.bool()].all()  # each token in its set
+    torch.testing.assert_close(out.logprobs, teacher_forced_logprobs(model, PROMPTS, out, 0.7, out.kept),
+                               atol=1e-4, rtol=0)
+    # over the whole vocabulary the same tokens are less likely: the kept mass, which the trainer must not see
+    assert (teacher_forced_logprobs(model, PROMPTS, out, 0.7) < out.logprobs - 1e-3)[out.response_mask.bool()].any()
+
+
+def test_no_filter_returns_no_kept_set(model):
+    out = TransformersEngine(model, PAD, [2, 3]).generate(PROMPTS, SamplingParams(max_new_tokens=6),
+                                                          torch.Generator().manual_seed(3))
+    assert out.kept is None
+    torch.testing.assert_close(out.logprobs, teacher_forced_logprobs(model, PROMPTS, out, 1.0), atol=1e-4, rtol=0)
 
 
 def test_both_paths_draw_the_same_samples(model, monkeypatch):
@@ -179,14 +197,21 @@ def test_responses_can_feed_a_forward_with_grad(model):
     assert trained.model.embed_tokens.weight.grad is not None
 
 
-def test_sample_tokens_filters_and_unfiltered_logprobs():
+def test_sample_tokens_filters_and_gives_logprobs_over_the_kept_set():
     logits = torch.tensor([[2.0, 1.5, 1.0, 0.0, -1.0]]).expand(40000, -1)
     gen = torch.Generator().manual_seed(0)
 
     def freqs(**kw):
         params = SamplingParams(max_new_tokens=1, **kw)
-        tok, logp = sample_tokens(logits, params, gen)
-        torch.testing.assert_close(logp, (logits / params.temperature).log_softmax(-1).gather(-1, tok[:, None])[:, 0])
+        tok, logp, kept = sample_tokens(logits, params, gen)
+        z = logits / params.temperature
+        if kept is not None:  # the distribution drawn from: softmax over the kept ids alone
+            assert (kept == tok[:, None]).any(-1).all()
+            outside = torch.ones_like(z, dtype=torch.bool).scatter_(1, kept.clamp(min=0), False)
+            z = z.masked_fill(outside, float("-inf"))
+        else:
+            assert not kw.get("top_k", 0) > 0 and kw.get("top_p", 1) == 1
+        torch.testing.assert_close(logp, z.log_softmax(-1).gather(-1, tok[:, None])[:, 0])
         return torch.bincount(tok, minlength=5).float() / len(tok)
 
     probs = (logits[0] / 0.5).softmax(-1)
@@ -199,6 +224,8 @@ def test_sample_tokens_filters_and_unfiltered_logprobs():
     top3 = freqs(top_p=0.75)
     assert (top3[:3] > 0).all() and top3[3:].sum() == 0
     assert freqs(top_k=1)[0] == 1 and freqs(do_sample=False)[0] == 1
+    _, logp, kept = sample_tokens(logits[:3], SamplingParams(max_new_tokens=1, top_k=1), gen)
+    assert logp.eq(0).all() and kept.tolist() == [[0]] * 3  # one kept token: it was certain
 
 
 def test_sampling_params_are_validated():
@@ -221,7 +248,8 @@ def test_runs_where_the_model_is(device):
     params = SamplingParams(max_new_tokens=12, temperature=0.7, top_k=20)
     for gen in (torch.Generator().manual_seed(0), torch.Generator(device).manual_seed(0)):  # CPU or model device
         out = engine.generate(PROMPTS, params, gen)
-        torch.testing.assert_close(out.logprobs, teacher_forced_logprobs(m, PROMPTS, out, 0.7), atol=1e-4, rtol=0)
+        torch.testing.assert_close(out.logprobs, teacher_forced_logprobs(m, PROMPTS, out, 0.7, out.kept.cpu()),
+                                   atol=1e-4, rtol=0)
 
 
 def test_load_weights_shared_reads_the_source_tensors_without_copies():

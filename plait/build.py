@@ -19,7 +19,7 @@ import sys
 from functools import partial
 from typing import Callable
 
-from plait.config import PlaitConfig
+from plait.config import PlaitConfig, check_kept_set
 from plait.configtree import ConfigError
 from plait.data.images import IMAGE_REWARDS, PROMPT_IMAGE_REWARDS, clip_score, condition_split
 from plait.data.prompts import load_prompts
@@ -215,6 +215,7 @@ def build_lm_trainer(cfg: PlaitConfig, backend, device: str, tracker, mode: type
     train_data, val_data = load_lm_data(cfg, model_path, tokenizer)
     agent_loops = uses_agent_loops(cfg, train_data, val_data)  # unknown agent names: a config error, before any model
     check_images(cfg, agent_loops, train_data, val_data)
+    check_kept_set(cfg.actor_rollout_ref.rollout, cfg.trainer.mode, agent_loops)  # rows may name an agent loop
     teachers = resolve_teachers(cfg, model_path, tokenizer, train_data, device) if cfg.distillation.enabled else None
     resolve_schedule(cfg, len(train_data))
     roles = spawn_lm_roles(cfg, backend, device, model_path, tokenizer, agent_loops, judge)

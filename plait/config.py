@@ -502,6 +502,23 @@ class RolloutConfig:
               "log_prob_micro_batch_size_per_gpu", self.log_prob_micro_batch_size_per_gpu, "must be > 0 or null")
 
 
+def check_kept_set(r: RolloutConfig, mode: str, agent_loops: bool) -> None:
+    """Top-k / top-p sample from a kept set, and the trainer must take its log-probs over that same set, or it
+    trains another distribution than the one sampled (the ratio's mean would be the kept mass). Where the set
+    cannot reach the trainer the key is refused: plait's engine returns it on its generate path; vLLM's and the
+    agent loops' (multi-turn, the gateway, rows naming a loop) do not carry it yet. `agent_loops`: the run's
+    rows run agent loops (the config's keys, or build's look at the data)."""
+    if mode == "diffusion" or not r.do_sample or r.temperature == 0 or (r.top_p == 1 and r.top_k <= 0):
+        return
+    key, value = ("top_p", r.top_p) if r.top_p < 1 else ("top_k", r.top_k)
+    why = ENGINES[r.name].kept_set or ("agent loops (multi_turn, the gateway, an agent_name column) do not carry "
+                                       "the kept set to the trainer yet" if agent_loops else None)
+    check(why is None, f"actor_rollout_ref.rollout.{key}", value,
+          f"{'1' if key == 'top_p' else '-1'} with rollout.name={r.name}{' and agent loops' if agent_loops else ''}: "
+          f"the trainer takes its log-probs over the set top-k / top-p kept, and {why} (rollout.name=hf on plain "
+          "generation carries it; val_kwargs may filter freely)")
+
+
 def torch_cuda_count() -> int:
     import torch
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -937,7 +954,7 @@ class PlaitConfig:
         if r.name is None:
             r.name = default_engine(self.actor_rollout_ref.model.path)
         r.dtype = r.dtype or self.actor_rollout_ref.model.dtype
-        self._check_kept_set()
+        check_kept_set(r, self.trainer.mode, r.agent_loops)
         judge = self.reward.reward_model.rollout
         if judge.name is None:
             judge.name = default_engine(self.reward.reward_model.model_path)
@@ -948,22 +965,6 @@ class PlaitConfig:
                   f"1 here: tensor parallelism needs {r.tensor_model_parallel_size} CUDA devices and this machine "
                   f"has {torch_cuda_count()}")
         self._resolve_teachers()
-
-    def _check_kept_set(self) -> None:
-        """Top-k / top-p sample from a kept set, and the trainer must take its log-probs over that same set, or it
-        trains another distribution than the one sampled (the ratio's mean would be the kept mass). Where the set
-        cannot reach the trainer, the key is refused: plait's engine returns it on its generate path; vLLM's and
-        the agent loops' (multi-turn, the gateway) paths do not carry it yet."""
-        r = self.actor_rollout_ref.rollout
-        if self.trainer.mode == "diffusion" or not r.do_sample or r.temperature == 0 or (r.top_p == 1 and r.top_k <= 0):
-            return
-        key, value = ("top_p", r.top_p) if r.top_p < 1 else ("top_k", r.top_k)
-        why = ENGINES[r.name].kept_set or ("agent loops (multi_turn, the gateway) do not carry the kept set to the "
-                                           "trainer yet" if r.agent_loops else None)
-        check(why is None, f"actor_rollout_ref.rollout.{key}", value,
-              f"{'1' if key == 'top_p' else '-1'} with rollout.name={r.name}{' and agent loops' if r.agent_loops else ''}: "
-              f"the trainer takes its log-probs over the set top-k / top-p kept, and {why} (rollout.name=hf on plain "
-              "generation carries it; val_kwargs may filter freely)")
 
     def _resolve_teachers(self) -> None:
         """The distillation teachers' inference keys that verl fills from the student's rollout, then verl's length

@@ -111,3 +111,15 @@ def test_keys_that_the_kept_set_cannot_follow_are_refused():
     for fine in (["actor_rollout_ref.rollout.top_p=0.7"], ["actor_rollout_ref.rollout.val_kwargs.top_p=0.7",
                                                           "actor_rollout_ref.rollout.multi_turn.enable=true"]):
         load_config(None, ["demo.model_size=xs", *fine])
+
+
+def test_rows_that_name_an_agent_loop_refuse_top_p_before_any_model(tmp_path, tiny_config):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    rows = [{"data_source": "arithmetic", "agent_name": "single_turn_agent", "prompt": [{"role": "user", "content": f"{i}+1="}],
+             "reward_model": {"style": "rule", "ground_truth": str(i)}, "extra_info": {"index": i}} for i in range(8)]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "train.parquet")
+    cfg = tiny_config(tmp_path / "run", f"data.train_files=[{tmp_path / 'train.parquet'}]",
+                      f"data.val_files=[{tmp_path / 'train.parquet'}]", "actor_rollout_ref.rollout.top_p=0.9")
+    with pytest.raises(ConfigError, match=r"rollout\.top_p=0\.9.*agent_name column"):
+        driver.build(cfg, progress=False)

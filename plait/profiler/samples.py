@@ -6,8 +6,9 @@ One JSON line per span of one sample (a sample is one response: prompt x rollout
     {"sample": "0.17.2", "span": "gen", "start": 1796304555.73, "end": 1796304555.74, "step": 3,
      "version": 2, "attrs": {"turn": 1}}
 
-    sample   the row's id, "<epoch>.<prompt index>.<response j>" (RolloutBatch.sample_ids); ids of
-             other producers are any string they keep for one sample
+    sample   the row's id, "<epoch>.<prompt index>.<response j>" (RolloutBatch.sample_ids); verl's V1
+             modes' "g<group uid>.<j>" (a group's uid is unique in a run); ids of other producers are any
+             string they keep for one sample
     span     what the sample was doing; plait writes
                queue      submitted, waiting for the rollout to start it (one_step_off, fully_async)
                gen        in a generate call (agent loops: one per assistant turn, attrs.turn)

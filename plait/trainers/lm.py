@@ -313,11 +313,12 @@ class LMTrainer:
     def sample_seed(self, step: int) -> int:
         return self.cfg.trainer.seed * 1_000_003 + step
 
-    def rollout_call(self, method, *args, epoch: int = 0, submitted: float | None = None) -> RolloutBatch:
+    def rollout_call(self, method, *args, epoch: int = 0, submitted: float | None = None,
+                     ids: list[str] | None = None) -> RolloutBatch:
         """Rollout.generate (or resume) for training, with its samples' spans (profiler/samples.py): a
-        generated batch's rows get their ids ("<epoch>.<prompt>.<j>"), a `queue` span from `submitted`,
-        and a `gen` span of the call (agent loops: their own per-turn `gen` and `tool` spans); a resume
-        adds a `resume` span to the rows it finished."""
+        generated batch's rows get their ids (`ids`, else "<epoch>.<prompt>.<j>"), a `queue` span from
+        `submitted`, and a `gen` span of the call (agent loops: their own per-turn `gen` and `tool` spans); a
+        resume adds a `resume` span to the rows it finished."""
         started = now()
         batch = self.generate_call(method, *args)  # restarts a dead engine once per step
         ended = now()
@@ -325,7 +326,7 @@ class LMTrainer:
             rows = [i for i, r in enumerate(args[0].stop_reasons) if r == "aborted"]
             SAMPLES.add_many([batch.sample_ids[i] for i in rows] if batch.sample_ids else [], "resume", started, ended)
             return batch
-        batch.sample_ids = sample_ids(epoch, batch.group_ids.tolist())
+        batch.sample_ids = ids if ids is not None else sample_ids(epoch, batch.group_ids.tolist())
         versions = batch.versions.tolist()
         if submitted is not None and started > submitted:
             SAMPLES.add_many(batch.sample_ids, "queue", submitted, started, versions)

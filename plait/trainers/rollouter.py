@@ -28,12 +28,12 @@ MAX_FAILED_CALLS = 3
 
 
 class GroupRollouter:
-    def __init__(self, mode: str, buffer: GroupBuffer, rollout, sampling, chunk: int, seed_of, version_of, generate_call):
+    def __init__(self, mode: str, buffer: GroupBuffer, rollout, sampling, chunk: int, seed_of, version_of, rollout_call):
         """`rollout`: the rollout worker group; `seed_of(uid)`: a sampling seed; `version_of()`: the trainer's
-        policy version (for the timeline); `generate_call(method, *args)`: a generating call on the rollout,
-        restarting its engine if it died (LMTrainer.generate_call)."""
+        policy version (for the timeline); `rollout_call(method, *args, ids=...)`: a generating call on the rollout
+        that records its samples' spans and restarts a dead engine (LMTrainer.rollout_call)."""
         self.mode, self.buffer, self.rollout, self.sampling, self.chunk = mode, buffer, rollout, sampling, chunk
-        self.generate_call = generate_call
+        self.rollout_call = rollout_call
         self.seed_of, self.version_of = seed_of, version_of
         self.paused = self.syncing = self.stop = self.generating = False  # guarded by buffer.cond
         self.clock = BusyClock()
@@ -111,7 +111,8 @@ class GroupRollouter:
         """The groups' responses; cut short by a pause or sync, finished from their tokens with the new
         weights. None when stopped meanwhile."""
         seed = self.seed_of(groups[0].uid) * 64
-        batch = self._call(Rollout.generate, PromptBatch.concat([g.prompt for g in groups]), self.sampling, seed)
+        ids = [f"g{g.uid}.{j}" for g in groups for j in range(self.sampling.n)]  # samples.jsonl: uids are unique in a run
+        batch = self._call(Rollout.generate, PromptBatch.concat([g.prompt for g in groups]), self.sampling, seed, ids=ids)
         while "aborted" in batch.stop_reasons:
             with self.buffer.cond, TIMELINE.span("rollout", "wait_sync", self.version_of()):
                 self.generating = False
@@ -124,7 +125,7 @@ class GroupRollouter:
             batch = self._call(Rollout.resume, batch, self.sampling, seed)
         return batch
 
-    def _call(self, method, *args) -> RolloutBatch:
+    def _call(self, method, *args, **ids) -> RolloutBatch:
         stage = "gen" if method is Rollout.generate else "resume"  # gen: the name its worker's range has (one name)
         with self.clock.busy(), TIMELINE.span("rollout", stage, self.version_of()):
-            return self.generate_call(method, *args)
+            return self.rollout_call(method, *args, **ids)

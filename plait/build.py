@@ -1,14 +1,14 @@
-"""From a config to a trainer: one flat table of modes (`MODES`, at the bottom), each row the function
-that builds that mode's trainer from (config, backend, device, tracker).
+"""From a config to a trainer: one flat table (`TRAINERS`, at the bottom), for each mode of plait/modes.py the
+function that builds its trainer from (config, backend, device, tracker).
 
-    driver.build ─▶ MODES[trainer.mode](cfg, backend, device, tracker) ─▶ a Trainer for the lifecycle
+    driver.build ─▶ TRAINERS[trainer.mode](cfg, backend, device, tracker) ─▶ a Trainer for the lifecycle
                      sync · one_step_off · fully_async · colocate_async · separate_async: build_lm_trainer
                      below with the mode's class
                      diffusion: build_diffusion_trainer below (flow model, conditions, image reward)
 
 Each builder resolves its model and data here: the language-model modes' (resolve_model, load_lm_data,
-then the roles) and the diffusion mode's (flow model, conditions, image reward). A new mode is a row
-here and its name in TrainerConfig.mode (plait/config.py).
+then the roles) and the diffusion mode's (flow model, conditions, image reward). A new mode is a row in
+plait/modes.py (its facts) and one here (its trainer).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from functools import partial
 from typing import Callable
 
 from plait.config import PlaitConfig, check_kept_set
+from plait.modes import COLOCATE_ASYNC, DIFFUSION, FULLY_ASYNC, ONE_STEP_OFF, SEPARATE_ASYNC, SYNC
 from plait.configtree import ConfigError
 from plait.data.images import IMAGE_REWARDS, PROMPT_IMAGE_REWARDS, clip_score, condition_split
 from plait.data.prompts import load_prompts
@@ -204,7 +205,7 @@ def resolve_data(cfg: PlaitConfig) -> tuple[list[str], list[str] | None]:
 
 
 def build_lm_trainer(cfg: PlaitConfig, backend, device: str, tracker, mode: type[LMTrainer]) -> LMTrainer:
-    """Model, data, reward and the four language-model roles, handed to the trainer `mode` (a row of MODES).
+    """Model, data, reward and the four language-model roles, handed to the trainer `mode` (a row of TRAINERS).
     In order: the model's folder, its tokenizer and the data (both checked before any model loads), the
     schedule's length, then the roles."""
     judge = resolve_judge(cfg)
@@ -414,11 +415,11 @@ def spawn_teacher(cfg: PlaitConfig, backend, device: str, teachers: dict[str, Te
                          device=device, remove_padding=cfg.actor_rollout_ref.model.use_remove_padding)
 
 
-MODES = {
-    "sync": partial(build_lm_trainer, mode=SyncTrainer),
-    "one_step_off": partial(build_lm_trainer, mode=OneStepOffTrainer),
-    "fully_async": partial(build_lm_trainer, mode=FullyAsyncTrainer),
-    "colocate_async": partial(build_lm_trainer, mode=ColocateAsyncTrainer),  # verl 0.9.1's V1 modes
-    "separate_async": partial(build_lm_trainer, mode=V1AsyncTrainer),
-    "diffusion": build_diffusion_trainer,
+TRAINERS = {  # plait/modes.py holds each mode's facts; here, the function that builds its trainer
+    SYNC: partial(build_lm_trainer, mode=SyncTrainer),
+    ONE_STEP_OFF: partial(build_lm_trainer, mode=OneStepOffTrainer),
+    FULLY_ASYNC: partial(build_lm_trainer, mode=FullyAsyncTrainer),
+    COLOCATE_ASYNC: partial(build_lm_trainer, mode=ColocateAsyncTrainer),  # verl 0.9.1's V1 modes
+    SEPARATE_ASYNC: partial(build_lm_trainer, mode=V1AsyncTrainer),
+    DIFFUSION: build_diffusion_trainer,
 }

@@ -14,6 +14,7 @@ import os
 from pathlib import Path
 
 from plait.configtree import ConfigError, ConfigErrors, raise_all
+from plait.modes import MODES
 
 BUILTIN_MODEL_NAMES = ("smollm2-135m-instruct", "tiny-qwen2-vl-demo", "demo-grpo-teacher")  # builtin_models.BUILTIN_MODELS:
 # built from an installed package (SmolLM2), from a config plus a warm start (the vl_demo preset's, plait/vl_demo.py)
@@ -32,7 +33,7 @@ def check_data_files(cfg) -> None:
 def model_dirs_exist(cfg) -> None:
     """The model paths that must be directories and are not (a built-in model name is not a path)."""
     model, rm = cfg.actor_rollout_ref.model, cfg.reward.reward_model
-    paths = (("actor_rollout_ref.model.path", model.path if cfg.trainer.mode != "diffusion" and model.path not in BUILTIN_MODEL_NAMES else None),
+    paths = (("actor_rollout_ref.model.path", model.path if MODES[cfg.trainer.mode].lm and model.path not in BUILTIN_MODEL_NAMES else None),
              ("critic.model.path", cfg.critic.model.path if cfg.critic.enable else None),
              ("actor_rollout_ref.model.lora_adapter_path", model.lora_adapter_path if model.lora_rank else None),
              ("reward.reward_model.model_path", rm.model_path if rm.enable and rm.model_path not in BUILTIN_MODEL_NAMES else None))

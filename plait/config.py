@@ -31,7 +31,8 @@ from plait.configtree import ConfigError, build, ConfigErrors, build_without, ch
 from plait.configtree import shipped_tool_config  # noqa: F401 - config's name for it (tools, agents)
 from plait.data.rewards import RewardConfig
 from plait.profiler.config import GlobalProfilerConfig, RoleProfilerConfig
-from plait.trainers.v1_config import V1_MODES, V1Config
+from plait.modes import ASYNC_MODES, MODES, SEPARATE_ASYNC, SYNC, V1_MODES
+from plait.trainers.v1_config import V1Config
 from plait.workers.diffusion_config import DiffusionConfig
 from plait.workers.distillation_config import (DistillationConfig, check_lengths, no_effect as distillation_no_effect,
                                                notes as distillation_notes)
@@ -508,7 +509,7 @@ def check_kept_set(r: RolloutConfig, mode: str, agent_loops: bool) -> None:
     cannot reach the trainer the key is refused: plait's engine returns it on its generate path; vLLM's and the
     agent loops' (multi-turn, the gateway, rows naming a loop) do not carry it yet. `agent_loops`: the run's
     rows run agent loops (the config's keys, or build's look at the data)."""
-    if mode == "diffusion" or not r.do_sample or r.temperature == 0 or (r.top_p == 1 and r.top_k <= 0):
+    if not MODES[mode].lm or not r.do_sample or r.temperature == 0 or (r.top_p == 1 and r.top_k <= 0):
         return
     key, value = ("top_p", r.top_p) if r.top_p < 1 else ("top_k", r.top_k)
     why = ENGINES[r.name].kept_set or ("agent loops (multi_turn, the gateway, an agent_name column) do not carry "
@@ -763,7 +764,7 @@ class TrainerConfig:
     project_name: str = "plait"
     experiment_name: Optional[str] = None     # null: the mode's name, so demos of different modes don't share outputs
     seed: int = 1
-    mode: Literal["sync", "one_step_off", "fully_async", "colocate_async", "separate_async", "diffusion"] = "sync"
+    mode: Literal[tuple(MODES)] = SYNC              # plait/modes.py: one row per mode
     placement: Literal["colocated", "separated"] = "colocated"
     backend: Literal["local", "ray"] = "local"
     device: Literal["auto", "cpu", "cuda"] = "auto"
@@ -828,9 +829,6 @@ class AsyncTrainingConfig:
               "must be > 0 or null")
 
 
-ASYNC_MODES = ("one_step_off", "fully_async")
-
-
 @dataclass
 class PlaitConfig:
     data: DataConfig = field(default_factory=DataConfig)
@@ -850,7 +848,7 @@ class PlaitConfig:
         """The rules across nodes. Over 60 lines: one check after another, each on its own, read top to bottom."""
         actor = self.actor_rollout_ref.actor
         if self.data.train_batch_size == 0:  # verl's fully-async scripts: a trainer batch is one local update's prompts
-            check(self.trainer.mode == "fully_async", "data.train_batch_size", 0,
+            check(MODES[self.trainer.mode].streams, "data.train_batch_size", 0,
                   "> 0 (0 only with trainer.mode=fully_async: the trainer's batch is then ppo_mini_batch_size x "
                   "async_training.require_batches)")
             self.data.train_batch_size = actor.ppo_mini_batch_size * self.async_training.require_batches
@@ -861,7 +859,7 @@ class PlaitConfig:
                   f"0 here: the warm start trains on generated tool transcripts, which only the built-in task(s) "
                   f"{', '.join(TRANSCRIPT_TASKS)} have (data.task={self.data.task}, data.train_files={self.data.train_files})")
         # Diffusion mode has no critic and updates on the whole batch with diffusion.actor's settings.
-        lm = self.trainer.mode != "diffusion"
+        lm = MODES[self.trainer.mode].lm
         check(not lm or self.data.train_batch_size % actor.ppo_mini_batch_size == 0, "actor_rollout_ref.actor.ppo_mini_batch_size",
               actor.ppo_mini_batch_size, f"must divide data.train_batch_size={self.data.train_batch_size}")
         if self.critic.enable is None:
@@ -873,7 +871,7 @@ class PlaitConfig:
                   self.critic.ppo_mini_batch_size, f"must divide data.train_batch_size={self.data.train_batch_size}")
         # grpo/rloo with rollout.n=1 run as in verl: a group of one has no baseline (algorithms/advantages.py).
         mode = self.trainer.mode
-        check(mode not in ASYNC_MODES or self.trainer.placement == "separated", "trainer.placement",
+        check(MODES[mode].placement in (None, self.trainer.placement) or MODES[mode].v1, "trainer.placement",
               self.trainer.placement, f"must be separated with trainer.mode={mode}: the rollout generates "
               "on its own workers while the actor trains")
         check(self.actor_rollout_ref.rollout.nnodes == 0 or self.trainer.placement == "separated",
@@ -891,7 +889,7 @@ class PlaitConfig:
         self._resolve_correction(mode)
         self._resolve_engine()
         self._check_v1(mode)
-        if mode == "fully_async":
+        if MODES[mode].streams:
             a = self.async_training
             required = actor.ppo_mini_batch_size * a.require_batches
             a.gen_batch_size = a.gen_batch_size or actor.ppo_mini_batch_size
@@ -908,7 +906,7 @@ class PlaitConfig:
         check(not self.algorithm.filter_groups.enable, "algorithm.filter_groups.enable", True,
               f"false with trainer.v1.trainer_mode={mode}: verl's V1 sampler evicts the groups DAPO's filter drops and "
               "issues fresh prompts for them, which plait's V1 modes do not do yet (trainer.v1.trainer_mode=sync filters)")
-        if mode == "separate_async":
+        if mode == SEPARATE_ASYNC:
             sync_step = self.trainer.v1.separate_async.parameter_sync_step
             check(batch == sync_step * mini, "trainer.v1.separate_async.parameter_sync_step", sync_step,
                   f"data.train_batch_size / actor.ppo_mini_batch_size = {batch} / {mini}"
@@ -921,7 +919,7 @@ class PlaitConfig:
         """Per-stage torch traces (tool_config.torch.discrete) of an async mode on the local backend are refused:
         the rollout generates in a thread of the driver there, and torch.profiler runs one collection per
         process, so traces of concurrent stages cannot be taken."""
-        if mode not in (*ASYNC_MODES, *V1_MODES) or self.trainer.backend != "local" or self.global_profiler.tool != "torch":
+        if not MODES[mode].rollout_thread or self.trainer.backend != "local" or self.global_profiler.tool != "torch":
             return
         roles = {"actor_rollout_ref.actor": self.actor_rollout_ref.actor, "actor_rollout_ref.rollout":
                  self.actor_rollout_ref.rollout, "actor_rollout_ref.ref": self.actor_rollout_ref.ref,
@@ -970,7 +968,7 @@ class PlaitConfig:
         """The distillation teachers' inference keys that verl fills from the student's rollout, then verl's length
         check."""
         d, r = self.distillation, self.actor_rollout_ref.rollout
-        check(self.trainer.mode != "diffusion" or not d.enabled, "distillation.enabled", True,
+        check(MODES[self.trainer.mode].lm or not d.enabled, "distillation.enabled", True,
               "false with trainer.mode=diffusion (on-policy distillation trains language models)")
         for t in d.teacher_models.values():
             i = t.inference
@@ -1148,7 +1146,7 @@ def parse_config(path: str | None = None, overrides: list[str] = (),
     refused = refusal(user)
     if refused:
         raise ConfigError(*refused)
-    mode, async_set = user.get("trainer.mode", "sync"), _changed(user, "async_training", AsyncTrainingConfig())
+    mode, async_set = user.get("trainer.mode", SYNC), _changed(user, "async_training", AsyncTrainingConfig())
     if async_set and mode not in ASYNC_MODES:
         errors.append(ConfigError("trainer.mode", mode, f"one of {', '.join(ASYNC_MODES)} when async_training.* is "
                                   f"set ({', '.join(async_set)})"))
@@ -1189,7 +1187,7 @@ def start_notices(cfg: PlaitConfig, user: dict, no_effect: list[str], moved: lis
     if demo:
         lines.append("plait: actor_rollout_ref.model.path is null: the demo preset "
                      "(plait/configs/demo.yaml) applies under your settings")
-    if not demo and user.get("actor_rollout_ref.rollout.name") is None and cfg.trainer.mode != "diffusion":
+    if not demo and user.get("actor_rollout_ref.rollout.name") is None and MODES[cfg.trainer.mode].lm:
         lines.append(unset_note(cfg.actor_rollout_ref.rollout.name))
     engine = ENGINES[cfg.actor_rollout_ref.rollout.name]
     lines += engine.notes(cfg)
@@ -1238,8 +1236,8 @@ def map_v1_mode(tree: dict, user: dict, errors: list) -> list[str]:
     """verl 0.9.1's `trainer.v1.trainer_mode` (its V1 trainer, `trainer.use_v1`, is the default) picks plait's mode
     of that name, in place: separate_async on a rollout of its own (placement=separated) unless set otherwise.
     A contradicting trainer.mode goes to `errors`; returns the start line for a V1 mode set with use_v1=false."""
-    v1 = user.get("trainer.v1.trainer_mode", "sync")
-    if v1 == "sync":
+    v1 = user.get("trainer.v1.trainer_mode", SYNC)
+    if v1 == SYNC:
         return []
     if user.get("trainer.use_v1", True) is False:
         return [f"plait: trainer.v1.trainer_mode={v1} has no effect with trainer.use_v1=false: verl's legacy trainer "
@@ -1250,7 +1248,7 @@ def map_v1_mode(tree: dict, user: dict, errors: list) -> list[str]:
                                   "verl's V1 trainer runs)"))
         return []
     _set(tree, "trainer.mode", v1)
-    if v1 == "separate_async" and "trainer.placement" not in user:
+    if v1 == SEPARATE_ASYNC and "trainer.placement" not in user:
         _set(tree, "trainer.placement", "separated")
     return []
 

@@ -19,6 +19,7 @@ import transformers
 
 from plait.config import PlaitConfig
 from plait.configtree import ConfigError, raise_all, to_dict
+from plait.modes import MODES
 from plait.errors import RunError
 from plait.data.reward_pool import close_reward_workers
 from plait.checks import check_data_files, check_loggers, collect_errors, not_a_directory
@@ -52,7 +53,7 @@ def check_data_sources(cfg: PlaitConfig) -> None:
     needs a built-in reward, and the scorers that read the ground truth as text (DAPO, aime*, math)
     a string one: every train and val file is checked here, before any model loads, rather than at
     the first reward. A file that does not read is left to load_dataset to name."""
-    if (cfg.trainer.mode == "diffusion" or cfg.reward.custom_reward_function.path or cfg.reward.reward_model.enable
+    if (not MODES[cfg.trainer.mode].lm or cfg.reward.custom_reward_function.path or cfg.reward.reward_model.enable
             or cfg.data.custom_cls.path):  # a dataset class's rows: checked as it loads them (custom_dataset.py)
         return
     errors = []
@@ -70,7 +71,7 @@ def check_custom_dataset(cfg: PlaitConfig) -> None:
     c = cfg.data.custom_cls
     if not c.path:
         return
-    if cfg.trainer.mode == "diffusion":
+    if not MODES[cfg.trainer.mode].lm:
         raise ConfigError("data.custom_cls.path", c.path, "the diffusion trainer reads prompt files; a dataset class "
                                                          "is implemented for the language-model modes")
     if not cfg.data.train_files:
@@ -105,7 +106,7 @@ def check_model_path(cfg: PlaitConfig) -> None:
     checks = []
     if builtin is not None:  # built on first use (plait/build.py); here only what it needs is checked
         checks.append(lambda: builtin.check("actor_rollout_ref.model.path", model.path))
-    elif model.path is not None and cfg.trainer.mode != "diffusion":
+    elif model.path is not None and MODES[cfg.trainer.mode].lm:
         checks.append(lambda: check_model_dir("actor_rollout_ref.model.path", model.path))
     if cfg.critic.enable and cfg.critic.model.path:
         checks.append(lambda: check_model_dir("critic.model.path", cfg.critic.model.path, tokenizer=False))
@@ -184,7 +185,7 @@ def check_user_classes(cfg: PlaitConfig) -> None:
     t = cfg.trainer
     if t.checkpoint_callback_class:
         checkpoint_callback_class(t.checkpoint_callback_class)
-    if t.mode in ("colocate_async", "separate_async"):
+    if MODES[t.mode].v1:
         sampler_class(t.v1.sampler.custom_sampler.path, t.v1.sampler.custom_sampler.name)
     if t.val_only and t.val_before_train and cfg.data.train_files is not None and not cfg.data.val_files:
         raise ConfigError("trainer.val_only", True, "needs data.val_files: it validates and stops")
@@ -205,8 +206,8 @@ def build(cfg: PlaitConfig, progress: bool = True, checked: bool = False) -> Lif
     announce_resume(cfg)  # before Ray's start-up: a reused output dir is said while it is cheap to stop
     backend = make_backend(cfg)
     try:
-        from plait.build import MODES  # here, not at the top: `plait config show` needs no trainer or worker
-        trainer = MODES[t.mode](cfg, backend, device, tracker)
+        from plait.build import TRAINERS  # here, not at the top: `plait config show` needs no trainer or worker
+        trainer = TRAINERS[t.mode](cfg, backend, device, tracker)
     except BaseException:
         backend.shutdown()
         close_reward_workers()
@@ -296,7 +297,7 @@ ABSENT_WHY = {"rollout": "trainer.mode=diffusion samples inside the actor",
 
 def run_roles(cfg: PlaitConfig) -> set[str]:
     """The roles build() spawns for this config."""
-    if cfg.trainer.mode == "diffusion":
+    if not MODES[cfg.trainer.mode].lm:
         return {"actor"} | ({"ref"} if cfg.diffusion.actor.kl_loss_coef > 0 else set())
     lora = cfg.actor_rollout_ref.model.lora_rank > 0  # the actor's base model is the reference
     return ({"actor", "rollout"} | ({"ref"} if cfg.uses_ref and not lora else set())
@@ -306,9 +307,9 @@ def run_roles(cfg: PlaitConfig) -> set[str]:
 
 def check_memory_profiling(cfg: PlaitConfig, roles_cfg: dict) -> None:
     """torch_memory on CPU records allocations only on the collector's thread (the driver's main
-    thread): an async mode's rollout thread on the local backend would be missing from it."""
+    thread): a rollout thread beside the trainer on the local backend (plait/modes.py) would be missing from it."""
     t, g = cfg.trainer, cfg.global_profiler
-    if (g.tool == "torch_memory" and g.steps and t.mode in ("one_step_off", "fully_async") and t.backend == "local"
+    if (g.tool == "torch_memory" and g.steps and MODES[t.mode].rollout_thread and t.backend == "local"
             and roles_cfg["rollout"].enable and not torch.cuda.is_available()):
         raise ConfigError("global_profiler.tool", g.tool,
                           f"without CUDA it records only the driver's main thread, and trainer.mode={t.mode} on the "

@@ -38,6 +38,7 @@ import time
 
 import torch
 
+from plait.modes import COLOCATE_ASYNC, SEPARATE_ASYNC
 from plait.safeload import load_tensors
 from plait.trainers.lifecycle import StageTimer, StepResult
 from plait.trainers.lm import DataCursor, LMTrainer, prompt_batch
@@ -52,7 +53,7 @@ class V1AsyncTrainer(LMTrainer):
 
     def __init__(self, cfg, roles, tokenizer, train_data, val_data, reward_fn, targets, tracker):
         super().__init__(cfg, roles, tokenizer, train_data, val_data, reward_fn, targets, tracker)
-        batch, self.mode = cfg.data.train_batch_size, "colocate_async" if self.colocated else "separate_async"
+        batch, self.mode = cfg.data.train_batch_size, COLOCATE_ASYNC if self.colocated else SEPARATE_ASYNC
         node = getattr(cfg.trainer.v1, self.mode)
         self.updates_per_step = 1 if self.colocated else node.parameter_sync_step
         self.keeps_pi_old = self.updates_per_step > 1 and not self.correction.bypass_mode

@@ -12,8 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
 from plait.configtree import check
-
-V1_MODES = ("colocate_async", "separate_async")
+from plait.modes import SYNC, V1_MODES
 
 
 @dataclass
@@ -59,7 +58,7 @@ class SamplerConfig:
 
 @dataclass
 class V1Config:
-    trainer_mode: Literal["sync", "colocate_async", "separate_async"] = "sync"
+    trainer_mode: Literal[(SYNC, *V1_MODES)] = SYNC
     colocate_async: ColocateAsyncConfig = field(default_factory=ColocateAsyncConfig)
     separate_async: SeparateAsyncConfig = field(default_factory=SeparateAsyncConfig)
     sampler: SamplerConfig = field(default_factory=SamplerConfig)

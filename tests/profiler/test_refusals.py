@@ -24,8 +24,11 @@ def test_a_role_the_run_lacks_is_profiled_nothing_with_one_warning(tmp_path, tin
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA snapshots see every thread")
-def test_cpu_torch_memory_of_a_local_async_rollout_is_refused(tmp_path, tiny_config):
-    cfg = tiny_config(tmp_path / "out", "trainer.mode=one_step_off", "trainer.placement=separated",
+@pytest.mark.parametrize("mode", [["trainer.mode=one_step_off", "trainer.placement=separated"],
+                                  ["trainer.v1.trainer_mode=colocate_async"]], ids=["one_step_off", "colocate_async"])
+def test_cpu_torch_memory_of_a_local_async_rollout_is_refused(tmp_path, tiny_config, mode):
+    """Every mode with a rollout thread (plait/modes.py): verl's V1 modes were missing from the check's own list."""
+    cfg = tiny_config(tmp_path / "out", *mode,
                       "global_profiler.tool=torch_memory", "global_profiler.steps=[1]",
                       f"global_profiler.save_path={tmp_path}/profile", "actor_rollout_ref.rollout.profiler.enable=true")
     with pytest.raises(ConfigError, match="global_profiler.tool='torch_memory'.*trainer.backend=ray"):

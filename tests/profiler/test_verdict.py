@@ -79,6 +79,14 @@ def test_async_idle_pair_reads_verl_7601s_table():
     assert unsplit.driver == "training (4 s per step)"
     assert V.async_idle(facts(TRAIN, ASYNC, {"trainer/idle_ratio": 0.2, "rollouter/idle_ratio": 0.2})) is None
     assert V.async_idle(facts(TRAIN, SYNC, {"trainer/idle_ratio": 0.9, "rollouter/idle_ratio": 0.0})) is None
+    # verl's V1 modes (plait/modes.py): separate_async overlaps the two sides like one_step_off; colocate_async
+    # pauses its rollouter while training by design, so its pair is no overlap to read
+    v1 = {**gpu_ray, "trainer.mode": "separate_async"}
+    assert V.async_idle(facts({**TRAIN, "wait_rollout": 4.0}, v1, {"trainer/idle_ratio": 0.5, "rollouter/idle_ratio": 0.02},
+                              busy=8.0)).rule == "rollout_bound"
+    colocated = {**gpu_ray, "trainer.mode": "colocate_async"}
+    assert V.async_idle(facts({**TRAIN, "wait_rollout": 4.0}, colocated, {"trainer/idle_ratio": 0.5,
+                                                                        "rollouter/idle_ratio": 0.02}, busy=8.0)) is None
 
 
 def test_device_keys_are_suggested_only_where_they_act():

@@ -31,6 +31,7 @@ import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Optional
 
+from plait.modes import MODES, ONE_STEP_OFF, SYNC, Mode
 from plait.profiler.analysis.accounting import UNATTRIBUTED, StepTime, median_shares
 from plait.profiler.timeline import ROLLOUT_WORK, rank_stages
 
@@ -249,12 +250,18 @@ def training_s(f: Facts) -> float:
     return sum(v for k, v in f.trainer_s.items() if k not in NOT_TRAINING)
 
 
+def run_mode(f: Facts) -> Mode:
+    """The run's row of plait/modes.py; a mode this plait does not know (another version's profile) reads as a
+    mode with none of the facts the rules ask about."""
+    return MODES.get(f.settings.get("trainer.mode", SYNC), Mode(lm=False))
+
+
 def responses_per_step(f: Facts) -> Optional[int]:
     s = f.settings
     if "data.train_batch_size" not in s or "actor_rollout_ref.rollout.n" not in s:
         return None
     per = s["data.train_batch_size"] * s["actor_rollout_ref.rollout.n"]
-    return per * s.get("async_training.trigger_parameter_sync_step", 1) if s.get("trainer.mode") == "fully_async" else per
+    return per * s.get("async_training.trigger_parameter_sync_step", 1) if run_mode(f).streams else per
 
 
 # -- the rules ----------------------------------------------------------------------------------
@@ -263,7 +270,7 @@ def generation_bound(f: Facts) -> Optional[Verdict]:
     """Sync, generation >= GEN_SHARE (or training-bound with an overlap saving >= OVERLAP_SAVING):
     overlap generation with training (one_step_off); the step is then bounded by the longer side."""
     gen, train = f.trainer_s.get("gen", 0.0), training_s(f)
-    if f.settings.get("trainer.mode", "sync") != "sync" or not f.step_s:
+    if f.settings.get("trainer.mode", SYNC) != SYNC or not f.step_s:
         return None
     bound = f.step_s - min(gen, train)
     n, length = responses_per_step(f), f.metrics.get("response_length/mean")
@@ -276,7 +283,7 @@ def generation_bound(f: Facts) -> Optional[Verdict]:
         what = f"reward to update_actor ({train:.3g} s) after a generation of {gen:.3g} s that could run beside it"
     else:
         return None
-    return Verdict(rule, where, share, _of_step(f), what, "trainer.mode", "one_step_off",
+    return Verdict(rule, where, share, _of_step(f), what, "trainer.mode", ONE_STEP_OFF,
                    f"step >= max(gen {gen:.3g} s, training {train:.3g} s): about {bound:.3g} s instead of {f.step_s:.3g} s; "
                    "samples one policy version behind", min(gen, train) / f.step_s,
                    [f"gen {gen:.3g} s of a {f.step_s:.3g} s step", f"training stages {train:.3g} s"],
@@ -284,17 +291,17 @@ def generation_bound(f: Facts) -> Optional[Verdict]:
 
 
 def async_idle(f: Facts) -> Optional[Verdict]:
-    """one_step_off / fully_async: verl #7601's reading of the idle-ratio pair."""
+    """A mode whose rollout overlaps training (plait/modes.py idle_pair): verl #7601's reading of the idle-ratio pair."""
     t, r = f.metrics.get("trainer/idle_ratio"), f.metrics.get("rollouter/idle_ratio")
-    mode, s = f.settings.get("trainer.mode"), f.settings
-    if mode not in ("one_step_off", "fully_async") or t is None or r is None:
+    mode, s = run_mode(f), f.settings
+    if not mode.idle_pair or t is None or r is None:
         return None
     train, gen = training_s(f), f.rollout_busy_s
     evidence = [f"trainer/idle_ratio {t:.2f}", f"rollouter/idle_ratio {r:.2f}",
                 f"training {train:.3g} s, generation {gen:.3g} s per step"]
     inputs = {"trainer_idle": t, "rollouter_idle": r, "training_s": train, "generation_s": gen, "step_s": f.step_s}
     wait = f.trainer.get("wait_rollout", t)
-    if t >= IDLE_HIGH and r >= IDLE_HIGH and mode == "fully_async":  # each waits for the other: the bound, not a side
+    if t >= IDLE_HIGH and r >= IDLE_HIGH and mode.streams:  # each waits for the other: the bound, not a side
         stale, trigger = s.get("async_training.staleness_threshold", 0), s.get("async_training.trigger_parameter_sync_step", 1)
         key, value = (("async_training.staleness_threshold", 1) if stale < 1 else
                       ("async_training.trigger_parameter_sync_step", 2 * trigger))
@@ -360,12 +367,12 @@ def response_tail(f: Facts) -> Optional[Verdict]:
     p99, med, top = (f.metrics.get(k) for k in ("response_length/p99", "response_length/median", "response_length/max"))
     if not p99 or not med or p99 / med < TAIL_RATIO:
         return None
-    mode, s = f.settings.get("trainer.mode", "sync"), f.settings
-    gen_share = f.trainer.get("gen", 0.0) if mode == "sync" else f.metrics.get("trainer/idle_ratio", 0.0)
+    mode, s = f.settings.get("trainer.mode", SYNC), f.settings
+    gen_share = f.trainer.get("gen", 0.0) if mode == SYNC else f.metrics.get("trainer/idle_ratio", 0.0)
     if gen_share < TAIL_GEN_SHARE:
         return None
-    gen = f.trainer_s.get("gen", 0.0) if mode == "sync" else f.rollout_busy_s
-    if mode == "fully_async" and not s.get("async_training.partial_rollout", True):
+    gen = f.trainer_s.get("gen", 0.0) if mode == SYNC else f.rollout_busy_s
+    if run_mode(f).streams and not s.get("async_training.partial_rollout", True):
         key, value, cut = "async_training.partial_rollout", True, med / top
         what = "a sync no longer waits for the longest responses: they finish with the new weights"
     else:
@@ -438,7 +445,7 @@ def weight_sync(f: Facts) -> Optional[Verdict]:
         return None
     sync, s = f.trainer_s[stage], f.settings
     evidence = [f"{stage} {sync:.3g} s of a {f.step_s:.3g} s step"]
-    if s.get("trainer.mode") == "fully_async":
+    if run_mode(f).streams:
         k = s.get("async_training.trigger_parameter_sync_step", 1)
         per_update = sync / k
         return Verdict("weight_sync", stage, f.trainer[stage], _of_step(f), f"one sync per {k} local update(s)",
@@ -446,7 +453,7 @@ def weight_sync(f: Facts) -> Optional[Verdict]:
                        f"sync time per local update {per_update / 2:.3g} s instead of {per_update:.3g} s; samples "
                        "may be one more update behind", (sync / 2) / f.step_s, evidence + [f"trigger_parameter_sync_step={k}"],
                        {"sync_s": sync, "updates_per_sync": k}, {"sync_s_per_update": per_update / 2})
-    if s.get("trainer.placement") == "separated" and s.get("trainer.mode") == "sync":
+    if s.get("trainer.placement") == "separated" and s.get("trainer.mode") == SYNC:
         return Verdict("weight_sync", stage, f.trainer[stage], _of_step(f), "a copy of the weights to the rollout's own process",
                        "trainer.placement", "colocated", "the rollout reads the actor's weights in place: update_weights "
                        "near 0", sync / f.step_s, evidence + ["trainer.placement=separated"], {"sync_s": sync}, {"sync_s": 0.0})
@@ -518,7 +525,7 @@ def micro_batches(f: Facts, micro: Optional[int] = None) -> Optional[tuple[int, 
     s = f.settings
     mini, n = s.get("actor_rollout_ref.actor.ppo_mini_batch_size"), s.get("actor_rollout_ref.rollout.n", 1)
     micro = micro or s.get("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu")
-    if s.get("trainer.mode") == "fully_async":  # one local update's prompts
+    if run_mode(f).streams:  # one local update's prompts
         rows = (mini or 0) * s.get("async_training.require_batches", 1) * n
     else:
         rows = s.get("data.train_batch_size", 0) * n

@@ -31,10 +31,11 @@ from plait.data.dataset import PromptDataset, load_dataset
 from plait.data.rewards import resolve_reward
 from plait.models import load_tokenizer, reward_model_kind, use_chat_template
 from plait.models_vl import is_vl_dir, load_processor
-from plait.trainers.lm import LMTrainer, Roles, check_images, uses_agent_loops
+from plait.trainers.lm import LMTrainer, Roles
 from plait.workers.actor import Actor
 from plait.workers.critic import Critic
 from plait.workers.judge import Judge
+from plait.workers.engine import ENGINES
 from plait.workers.precision import resolve_dtype
 from plait.workers.ref import Ref
 from plait.workers.reward_model import RewardModel
@@ -202,6 +203,39 @@ def resolve_data(cfg: PlaitConfig) -> tuple[list[str], list[str] | None]:
         return d.train_files, d.val_files
     train, val = write_task_files(d.task, os.path.join(cfg.output_dir, "data"), d.train_size, d.val_size, d.seed)
     return [train], [val]
+
+
+def check_images(cfg: PlaitConfig, agent_loops: bool, *datasets) -> None:
+    """Rows with images need an engine that takes them and single-turn generation: a ConfigError otherwise."""
+    if not any(it.multi_modal for d in datasets if d is not None for it in d.items):
+        return
+    name = cfg.actor_rollout_ref.rollout.name
+    why = ENGINES[name].images()
+    if why:
+        raise ConfigError("actor_rollout_ref.rollout.name", name, f"{why} (docs/vlm.md)")
+    if agent_loops:
+        raise ConfigError("actor_rollout_ref.rollout.multi_turn.enable", True, "agent loops with images are not "
+                          "implemented; rows with images run single-turn generation (drop the agent loop keys)")
+
+
+def uses_agent_loops(cfg: PlaitConfig, *datasets) -> bool:
+    """Rows run agent loops (plait/agents) when the rollout.multi_turn / rollout.agent keys ask for them or
+    a row names its loop in an agent_name column; otherwise plain generation (single_turn_agent's result)."""
+    names = {it.agent_name for d in datasets if d is not None for it in d.items if it.agent_name}
+    agent = cfg.actor_rollout_ref.rollout.agent
+    if not (cfg.actor_rollout_ref.rollout.agent_loops or names):
+        return False
+    from plait.agents.tools import tools_kwargs_problem
+    from plait.agents.worker import check_agent_names
+    check_agent_names(agent.agent_loop_config_path, agent.default_agent_loop, names,
+                      cfg.actor_rollout_ref.rollout.multi_turn.format, agent.openai_agent)
+    for split, d in zip(("data.train_files", "data.val_files"), datasets):
+        for it in d.items if d is not None else []:
+            problem = tools_kwargs_problem((it.extra_info or {}).get("tools_kwargs"))
+            if problem is not None:  # else every call of the row would fail, blamed on its tool
+                raise ConfigError(split, getattr(cfg.data, split.split(".")[1]),
+                                  f"row {it.index}: extra_info.tools_kwargs{problem} (verl's form)")
+    return True
 
 
 def build_lm_trainer(cfg: PlaitConfig, backend, device: str, tracker, mode: type[LMTrainer]) -> LMTrainer:

@@ -14,7 +14,7 @@ from plait import driver
 from plait.cli import main
 from plait.trainers.checkpoint import write_manifest
 from plait.build import resolve_model
-from plait.trainers.lm import prompt_batch
+from plait.data.dataset import prompt_batch
 from plait.workers.actor import Actor, response_forward
 from plait.workers.packing import MicroBatching
 from plait.workers.rollout import Rollout

@@ -26,6 +26,7 @@ import pyarrow.parquet as pq
 from transformers import PreTrainedTokenizerBase
 
 from plait.configtree import ConfigError, check
+from plait.types import PromptBatch
 
 def read_parquet(path: Path) -> list[dict]:
     try:
@@ -339,3 +340,12 @@ def iterate_batches(dataset: PromptDataset, batch_size: int, shuffle: bool = Tru
         random.Random(f"{seed}/{epoch}").shuffle(order)
     for start in range(0, len(order) - batch_size + 1, batch_size):
         yield [dataset[i] for i in order[start:start + batch_size]]
+
+
+def prompt_batch(items) -> PromptBatch:
+    """Dataset items as one PromptBatch (the rollout's input)."""
+    media = [it.multi_modal for it in items]
+    return PromptBatch(prompt_ids=[it.prompt_ids for it in items], data_sources=[it.data_source for it in items],
+                       ground_truths=[it.ground_truth for it in items], extra_infos=[it.extra_info for it in items],
+                       indices=[it.index for it in items], agent_names=[it.agent_name for it in items],
+                       multi_modal=media if any(media) else [])

@@ -41,7 +41,8 @@ import torch
 from plait.modes import COLOCATE_ASYNC, SEPARATE_ASYNC
 from plait.safeload import load_tensors
 from plait.trainers.lifecycle import StageTimer, StepResult
-from plait.trainers.lm import DataCursor, LMTrainer, prompt_batch
+from plait.data.dataset import prompt_batch
+from plait.trainers.lm import DataCursor, LMTrainer
 from plait.trainers.rollouter import GroupRollouter
 from plait.trainers.sampler import GroupBuffer, build_sampler, merge_sampler_metrics, take
 from plait.types import RolloutBatch

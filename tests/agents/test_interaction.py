@@ -20,7 +20,7 @@ from plait.agents.worker import AgentWorker
 from plait.config import PlaitConfig, SamplingConfig
 from plait.configtree import ConfigError
 from plait.models import build_char_tokenizer
-from plait.trainers.lm import agent_metrics
+from plait.trainers.metrics import agent_metrics
 from plait.types import PromptBatch
 from plait.workers.rollout_engine import Generation
 

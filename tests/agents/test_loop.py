@@ -15,7 +15,7 @@ from plait.agents.tools import ToolBox, ToolLimits
 from plait.agents.worker import AgentWorker
 from plait.config import PlaitConfig, SamplingConfig
 from plait.models import build_char_tokenizer
-from plait.trainers.lm import agent_metrics, loop_scores
+from plait.trainers.metrics import agent_metrics, loop_scores
 from plait.types import PromptBatch
 from plait.workers.rollout_engine import Generation
 
@@ -128,7 +128,7 @@ def test_tool_agent_ids_masks_and_logprobs(tokenizer, tools):
 
 def test_tool_calls_are_timeline_spans(tokenizer, tools, tmp_path):
     from plait.profiler.timeline import TIMELINE, read_timeline
-    from plait.trainers.lm import record_tool_spans
+    from plait.trainers.metrics import record_tool_spans
     batch, _ = run(tokenizer, tools, tool_then_answer)
     TIMELINE.open(str(tmp_path / "timeline.jsonl"))
     try:

@@ -9,7 +9,7 @@ from plait.algorithms.kl import apply_kl_penalty
 from plait.config import ActorConfig, OptimConfig, RolloutCorrectionConfig
 from plait.models import create_tiny_model
 from plait.profiler import GlobalProfilerConfig, ProfilerSession, RoleProfilerConfig
-from plait.trainers.lm import data_metrics, last_token_scores
+from plait.trainers.metrics import data_metrics, last_token_scores
 from plait.types import RolloutBatch
 from plait.workers.actor import Actor, response_forward
 from plait.workers.packing import MicroBatching

@@ -13,7 +13,7 @@ from gateway_helpers import CALL, Scripted, tool_then_answer
 from plait.agents.worker import AgentWorker
 from plait.config import PlaitConfig, SamplingConfig
 from plait.errors import RunError
-from plait.trainers.lm import loop_scores, session_advantages, session_owners
+from plait.trainers.metrics import loop_scores, session_advantages, session_owners
 from plait.types import PromptBatch
 
 AGENT = '''

@@ -8,7 +8,7 @@ import pytest
 from plait import driver
 from plait.errors import RunError
 from plait.trainers.lifecycle import StageTimer, read_metrics
-from plait.trainers.lm import filter_values, groups_with_signal
+from plait.trainers.metrics import filter_values, groups_with_signal
 
 # Odd answers score by the response's characters (varies within a group); even ones all score 0.
 PARITY = ("def parity(data_source, solution_str, ground_truth, extra_info=None):\n"

@@ -10,7 +10,7 @@ import torch
 
 from plait import driver
 from plait.trainers.lifecycle import memory_metrics, read_metrics
-from plait.trainers.lm import data_metrics, validation_metrics
+from plait.trainers.metrics import data_metrics, validation_metrics
 from plait.types import RolloutBatch
 from plait.workers.actor import lr_factor
 

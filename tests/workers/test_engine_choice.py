@@ -7,7 +7,7 @@ import torch
 
 from plait.config import load_config
 from plait.configtree import ConfigError
-from plait.trainers.lm import rollout_probs_diff
+from plait.trainers.metrics import rollout_probs_diff
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ import torch
 from plait import driver
 from plait.models import load_causal_lm
 from plait.build import resolve_model
-from plait.trainers.lm import prompt_batch
+from plait.data.dataset import prompt_batch
 from plait.workers.actor import Actor, response_forward
 from plait.workers.packing import MicroBatching
 from plait.workers.rollout import Rollout

@@ -8,7 +8,7 @@ import torch
 from plait.config import ActorConfig, CriticConfig, OptimConfig
 from plait.models import create_tiny_model
 from plait.profiler import GlobalProfilerConfig, ProfilerSession, RoleProfilerConfig
-from plait.trainers.lm import rollout_probs_diff
+from plait.trainers.metrics import rollout_probs_diff
 from plait.types import RolloutBatch
 from plait.workers.actor import Actor, micro_forward
 from plait.workers.critic import Critic

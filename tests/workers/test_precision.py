@@ -16,7 +16,7 @@ from plait.configtree import ConfigError
 from plait.models import create_tiny_model, load_tokenizer
 from plait.profiler import GlobalProfilerConfig, ProfilerSession, RoleProfilerConfig
 from plait.trainers.lifecycle import read_metrics
-from plait.trainers.lm import rollout_probs_diff
+from plait.trainers.metrics import rollout_probs_diff
 from plait.types import PromptBatch
 from plait.workers.actor import Actor
 from plait.workers.logprobs import chunked_logprobs

@@ -13,7 +13,7 @@ from plait.models import load_tokenizer
 from plait.profiler import read_manifest
 from plait.trainers.lifecycle import read_metrics
 from plait.build import resolve_model
-from plait.trainers.lm import prompt_batch
+from plait.data.dataset import prompt_batch
 from plait.workers.reward_model import RewardModel
 from plait.workers.rollout import Rollout
 

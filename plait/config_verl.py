@@ -17,9 +17,8 @@ from __future__ import annotations
 import os
 import re
 
-import yaml
-
 from plait.configtree import ConfigError
+from plait.safeload import YamlBomb, load_yaml  # noqa: F401 - config's and the tests' names for them
 
 _GROUPS = {
     ("FSDP/Megatron knobs plait's sharding does not have (mesh size, sequence parallelism, fused-kernel "
@@ -758,54 +757,6 @@ def drop_empty(tree: dict) -> None:
 # is read and merged as Hydra does (the file's own keys last unless `_self_` says otherwise).
 # `hydra:` and every `_target_` are dropped; `${...}` interpolations are resolved against the file,
 # then plait's defaults; `???` (a value verl requires) is left to plait's default.
-
-MAX_YAML_VALUES = 100_000  # verl's whole trainer tree is a few thousand values; aliases may not multiply past this
-
-
-class YamlBomb(yaml.YAMLError):
-    """A YAML document whose aliases expand past MAX_YAML_VALUES values, or refer to themselves."""
-
-
-def load_yaml(stream):
-    """yaml.safe_load, except that the document's size with every alias expanded is counted on the
-    node graph first (each node once), so an alias bomb is refused before anything is built."""
-    loader = yaml.SafeLoader(stream)
-    try:
-        node = loader.get_single_node()
-        if node is None:
-            return None
-        _check_expansion(node)
-        return loader.construct_document(node)
-    except RecursionError:  # PyYAML composes and constructs recursively
-        raise YamlBomb("nested too deeply") from None
-    finally:
-        loader.dispose()
-
-
-def _check_expansion(root) -> None:
-    """YamlBomb unless `root` with its aliases expanded has at most MAX_YAML_VALUES nodes; iterative,
-    post-order, each distinct node sized once."""
-    def children(node):
-        if isinstance(node, yaml.SequenceNode):
-            return node.value
-        return [n for pair in node.value for n in pair] if isinstance(node, yaml.MappingNode) else []
-    sizes: dict[int, int] = {}
-    on_path: set[int] = set()
-    stack = [(root, False)]
-    while stack:
-        node, finished = stack.pop()
-        if finished:
-            sizes[id(node)] = 1 + sum(sizes[id(c)] for c in children(node))
-            on_path.discard(id(node))
-            if sizes[id(node)] > MAX_YAML_VALUES:
-                raise YamlBomb(f"its aliases expand to more than {MAX_YAML_VALUES} values (an alias bomb)")
-        elif id(node) in on_path:
-            raise YamlBomb(f"an alias refers to a node that contains it (line {node.start_mark.line + 1})")
-        elif id(node) not in sizes:
-            on_path.add(id(node))
-            stack.append((node, True))
-            stack.extend((c, False) for c in children(node))
-
 
 VERL_CONFIGS = ("ppo_trainer", "_generated_ppo_trainer", "legacy_reward_impl", "evaluation")
 VERL_GROUPS = ("actor", "critic", "data", "model", "ref", "reward", "rollout", "algorithm", "distillation",

@@ -19,6 +19,8 @@ import os
 import pickle
 from typing import Any
 
+import yaml
+
 
 class UnsafeFileError(ValueError):
     """A file plait would not (or could not) load; the message is one line naming it."""
@@ -169,3 +171,53 @@ def _check_dcp_index(path: str) -> None:
     if outside:
         raise UnsafeFileError(f"{path}: refused to load: it names shard files outside its folder ({outside[0]!r}); "
                               "nothing was read")
+
+
+# -- YAML: verl's configs, tool, interaction and agent-loop files ------------------------------------
+
+MAX_YAML_VALUES = 100_000  # verl's whole trainer tree is a few thousand values; aliases may not multiply past this
+
+
+class YamlBomb(yaml.YAMLError):
+    """A YAML document whose aliases expand past MAX_YAML_VALUES values, or refer to themselves."""
+
+
+def load_yaml(stream):
+    """yaml.safe_load, except that the document's size with every alias expanded is counted on the
+    node graph first (each node once), so an alias bomb is refused before anything is built."""
+    loader = yaml.SafeLoader(stream)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        _check_expansion(node)
+        return loader.construct_document(node)
+    except RecursionError:  # PyYAML composes and constructs recursively
+        raise YamlBomb("nested too deeply") from None
+    finally:
+        loader.dispose()
+
+
+def _check_expansion(root) -> None:
+    """YamlBomb unless `root` with its aliases expanded has at most MAX_YAML_VALUES nodes; iterative,
+    post-order, each distinct node sized once."""
+    def children(node):
+        if isinstance(node, yaml.SequenceNode):
+            return node.value
+        return [n for pair in node.value for n in pair] if isinstance(node, yaml.MappingNode) else []
+    sizes: dict[int, int] = {}
+    on_path: set[int] = set()
+    stack = [(root, False)]
+    while stack:
+        node, finished = stack.pop()
+        if finished:
+            sizes[id(node)] = 1 + sum(sizes[id(c)] for c in children(node))
+            on_path.discard(id(node))
+            if sizes[id(node)] > MAX_YAML_VALUES:
+                raise YamlBomb(f"its aliases expand to more than {MAX_YAML_VALUES} values (an alias bomb)")
+        elif id(node) in on_path:
+            raise YamlBomb(f"an alias refers to a node that contains it (line {node.start_mark.line + 1})")
+        elif id(node) not in sizes:
+            on_path.add(id(node))
+            stack.append((node, True))
+            stack.extend((c, False) for c in children(node))

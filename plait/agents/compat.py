@@ -52,10 +52,12 @@ def refused_tool_lines(path: str) -> list[str]:
     importable here), read without running any tool code: what loading the tools at start would refuse. A
     file that does not read is left to that load to name."""
     import yaml
+
+    from plait.safeload import load_yaml
     try:
         with open(path) as f:
-            entries = (yaml.safe_load(f) or {}).get("tools")
-    except (OSError, ValueError, AttributeError):
+            entries = (load_yaml(f) or {}).get("tools")
+    except (OSError, ValueError, AttributeError, yaml.YAMLError):
         return []
     entries = entries if isinstance(entries, list) else []
     names = [e.get("class_name") if isinstance(e, dict) else None for e in entries]

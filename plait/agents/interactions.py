@@ -35,6 +35,7 @@ from uuid import uuid4
 import yaml
 
 from plait.agents.compat import ToolLoadError, resolve_tool_class
+from plait.safeload import load_yaml
 from plait.data.math_rewards import gsm8k_score
 from plait.safeload import first_line, outside_text
 
@@ -99,8 +100,11 @@ class Gsm8kInteraction(BaseInteraction):
 
 def load_interactions(path: str) -> dict[str, Any]:
     """name -> interaction instance, in the YAML's order (verl's naming rule for entries without a name)."""
-    with open(path) as f:
-        data = yaml.safe_load(f)
+    try:
+        with open(path) as f:
+            data = load_yaml(f)
+    except yaml.YAMLError as err:  # an alias bomb too (safeload.load_yaml)
+        raise ToolLoadError(f"{path}: not valid YAML: {' '.join(str(err).split())}") from None
     entries = data.get("interaction") if isinstance(data, dict) else None
     if not isinstance(entries, list) or not entries:
         raise ToolLoadError(f"{path}: expected a mapping with a non-empty list under 'interaction' "

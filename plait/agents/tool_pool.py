@@ -30,7 +30,7 @@ import yaml
 from plait.agents.compat import ToolLoadError, exec_user_file, resolve_tool_class
 from plait.agents.tools import (FUNCTION_TOOL_REGISTRY, FunctionTool, OpenAIFunctionToolSchema,
                                 is_tool_response, normalize_function_tool_return)
-from plait.safeload import first_line, outside_text
+from plait.safeload import first_line, load_yaml, outside_text
 
 # -- loading (worker side: runs user code) ------------------------------------------------------
 
@@ -51,8 +51,11 @@ def load_tools(tool_config_path: Optional[str], function_tool_path: Optional[str
 
 
 def _native_tools(path: str) -> list:
-    with open(path) as f:
-        data = yaml.safe_load(f)
+    try:
+        with open(path) as f:
+            data = load_yaml(f)
+    except yaml.YAMLError as err:  # an alias bomb too (safeload.load_yaml)
+        raise ToolLoadError(f"{path}: not valid YAML: {' '.join(str(err).split())}") from None
     entries = data.get("tools") if isinstance(data, dict) else None
     if not isinstance(entries, list):
         raise ToolLoadError(f"{path}: expected a mapping with a list under 'tools' (verl's tool config)")

@@ -26,6 +26,7 @@ from plait.agents.runner import EventLoopThread, Run, Scheduler, drive, drive_st
 from plait.config import SamplingConfig
 from plait.configtree import ConfigError
 from plait.errors import RunError
+from plait.safeload import load_yaml
 from plait.types import PromptBatch, RolloutBatch
 
 GRACE_S = 0.05  # how long a ready request waits for trajectories still in tools before a round starts
@@ -41,7 +42,10 @@ def load_loop_configs(path: str | None) -> dict[str, dict]:
     key = "actor_rollout_ref.rollout.agent.agent_loop_config_path"
     if not Path(path).is_file():
         raise ConfigError(key, path, "no such file: a YAML list of {name, _target_: module.Class, ...kwargs}")
-    entries = yaml.safe_load(Path(path).read_text()) or []
+    try:
+        entries = load_yaml(Path(path).read_text()) or []
+    except yaml.YAMLError as err:  # an alias bomb too (safeload.load_yaml)
+        raise ConfigError(key, path, f"not valid YAML: {' '.join(str(err).split())}") from None
     if not isinstance(entries, list) or not all(isinstance(e, dict) and "name" in e and "_target_" in e for e in entries):
         raise ConfigError(key, path, "must hold a YAML list of mappings, each with `name` and `_target_` (module.Class)")
     for e in entries:

@@ -175,17 +175,20 @@ def test_openai_agents_default_model_runs_and_streams(tokenizer):
     assert "raw_response_event" in kinds and engine.prompts[-1].startswith("<|system|>Use the tool.<|end|>")
 
 
-def test_openai_agents_in_a_session_trains_the_sampled_tokens(tokenizer):
+@pytest.mark.parametrize("chained", [False, True])
+def test_openai_agents_in_a_session_trains_the_sampled_tokens(tokenizer, chained):
     """openai-agents on its default Responses model, the session named by the API key (as the gateway hands the
-    function form its key): it re-sends the whole input each turn, and the session keeps one chain whose trained
-    tokens are exactly what was sampled."""
+    function form its key): whether it re-sends the whole input each turn or chains responses by
+    previous_response_id (auto_previous_response_id), the session keeps one chain whose trained tokens are exactly
+    what was sampled."""
     agents = pytest.importorskip("agents")
     agents.set_tracing_disabled(True)
     with served(tokenizer, plain=False) as (gateway, url, _e, queue):
         session = gateway.open("row 0", queue.generate, {"temperature": 1.0}, 256, 200)
         model = agents.OpenAIResponsesModel("plait", openai.AsyncOpenAI(base_url=url + "/v1", api_key=session.id))
         agent = agents.Agent(name="calc", instructions="Use the tool.", tools=[add_tool([])], model=model)
-        assert agents.Runner.run_sync(agent, "what is 2+3?").final_output == "#### 5"
+        result = agents.Runner.run_sync(agent, "what is 2+3?", auto_previous_response_id=chained)
+        assert result.final_output == "#### 5"
     [t] = session.trajectories()
     turn1 = tokenizer.encode(CALL, add_special_tokens=False) + [tokenizer.eos_token_id]
     turn2 = tokenizer.encode("#### 5", add_special_tokens=False) + [tokenizer.eos_token_id]

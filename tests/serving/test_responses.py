@@ -212,6 +212,7 @@ def test_openai_agents_completes_a_run_against_plait_serve(tmp_path):
     try:
         while not urls and server.is_alive():
             server.join(0.05)
+        assert urls, "plait serve did not start"
         model = agents.OpenAIResponsesModel("tiny", openai.AsyncOpenAI(base_url=urls[0] + "/v1", api_key="none"))
         agent = agents.Agent(name="calc", instructions="Use the tool.", tools=[add_tool([])], model=model,
                              model_settings=agents.ModelSettings(extra_body={"seed": 1}))

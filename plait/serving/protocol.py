@@ -13,9 +13,10 @@ read. A field that would change what is sampled and that plait cannot honour (`p
 API's own error shape and status (400), naming the field; fields that change nothing sampled
 (`user`, `metadata`, `store`, ...) are accepted. A `seed` samples the request alone with its own
 generator (outside sessions), so the same request with the same seed gets the same answer. Out: the APIs' bodies, with tool calls read
-from the model's text by plait's tool parsers (multi_turn.format).
+from the model's text by plait's tool parsers (multi_turn.format). The Responses API is translated into a chat
+call by plait/serving/responses.py.
 
-Left out: the Responses API, audio, images, `n` > 1 with streaming, true token-by-token streaming (an
+Left out: audio, images, `n` > 1 with streaming, true token-by-token streaming (an
 engine answers a request when it finishes, so a stream carries the whole answer at once).
 """
 

@@ -1,6 +1,7 @@
 """The HTTP server: OpenAI's and Anthropic's endpoints over a Gateway, on an event loop of plait's.
 
     /v1/chat/completions   /v1/completions   /v1/models        OpenAI (base_url .../v1)
+    /v1/responses                                              OpenAI's Responses API (plait/serving/responses.py)
     /v1/messages           /v1/messages/count_tokens           Anthropic (base_url ...)
     /generate                                                  SGLang's token-level generate (verl's reward router)
     /sessions/{id}/...     the same, inside a session (one row's rollout while plait trains)
@@ -27,7 +28,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from plait.serving import protocol
+from plait.serving import protocol, responses
 from plait.serving.gateway import Gateway
 from plait.serving.protocol import ApiError
 
@@ -55,6 +56,7 @@ class Api:
 
     def __init__(self, gateway: Gateway):
         self.gateway = gateway
+        self.remembered: dict = {}  # outside sessions: response id -> its conversation, for previous_response_id
 
     def session_of(self, request: Request):
         """The session a request names by its path or its API key; None outside sessions (plait serve)."""
@@ -82,6 +84,14 @@ class Api:
             return _sse([f"data: {json.dumps(c)}\n\n" for c in protocol.chat_stream(req, choices[0], prompt, ids[0])]
                         + ["data: [DONE]\n\n"])
         return JSONResponse(protocol.chat_response(req, choices, prompt, ids))
+
+    @handled("openai")
+    async def response(self, request: Request) -> Response:
+        body, session = await self.body_of(request), self.session_of(request)
+        out = await responses.respond(self.gateway, body, session, self.remembered if session is None else session.responses)
+        if body.get("stream"):  # a bool: respond checked it
+            return _sse([f"event: {e}\ndata: {json.dumps(d)}\n\n" for e, d in responses.events(out)])
+        return JSONResponse(out)
 
     @handled("openai")
     async def completions(self, request: Request) -> Response:
@@ -149,6 +159,7 @@ def make_app(gateway: Gateway) -> Starlette:
         routes += [Route(f"{prefix}/v1/chat/completions", api.chat, methods=["POST"]),
                    Route(f"{prefix}/generate", api.generate, methods=["POST"]),
                    Route(f"{prefix}/v1/completions", api.completions, methods=["POST"]),
+                   Route(f"{prefix}/v1/responses", api.response, methods=["POST"]),
                    Route(f"{prefix}/v1/messages", api.messages, methods=["POST"]),
                    Route(f"{prefix}/v1/messages/count_tokens", api.count_tokens, methods=["POST"]),
                    Route(f"{prefix}/v1/models", api.models, methods=["GET"])]

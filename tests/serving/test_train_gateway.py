@@ -52,6 +52,18 @@ async def run(row, base_url, api_key):
     return 1.0 if str(row["ground_truth"]) in str(result.final_output) else 0.0
 '''
 
+RESPONSES_AGENT = '''
+import openai
+
+async def run(row, base_url, api_key):
+    client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key)
+    first = await client.responses.create(model="m", input=row["messages"], max_output_tokens=3)
+    async with client.responses.stream(model="m", previous_response_id=first.id, input="again:",
+                                       max_output_tokens=3) as stream:
+        last = [event.type async for event in stream][-1]
+    assert last in ("response.completed", "response.incomplete"), last  # incomplete: the chain's budget cut it
+'''
+
 TINY = ["demo.model_size=xs", "demo.warmstart_steps=0", "data.train_size=64", "data.val_size=8",
         "data.train_batch_size=4", "data.max_response_length=6", "actor_rollout_ref.rollout.n=4",
         "actor_rollout_ref.actor.ppo_mini_batch_size=2", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
@@ -116,6 +128,19 @@ def test_a_third_party_agent_framework_trains_unchanged(tmp_path):
     assert len(steps) == 3 and all(r["agent/failed_sessions"] == 0 and r["agent/requests_per_session"] >= 1
                                    for r in steps)
     assert all(r["training/rollout_probs_diff_max"] <= 1e-5 for r in steps)
+
+
+def test_an_agent_on_the_responses_api_trains_through_the_gateway(tmp_path):
+    """The Responses API in training: a call, then a streamed one continuing it by previous_response_id (the first
+    answer cut by max_output_tokens, so its turn is closed before the next message): one chain per session, whose
+    trained tokens are the sampled ones."""
+    (tmp_path / "agent.py").write_text(RESPONSES_AGENT)
+    _, steps = train(tmp_path, [f"actor_rollout_ref.rollout.agent.openai_agent.path={tmp_path / 'agent.py'}"],
+                     "data.max_response_length=32")  # room for the closed turn and the user's message between the two
+    assert len(steps) == 3
+    for r in steps:
+        assert r["agent/failed_sessions"] == 0 and r["agent/requests_per_session"] == 2
+        assert r["agent/chains_per_session"] == 1.0 and r["training/rollout_probs_diff_max"] <= 1e-5
 
 
 VLLM = ["actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.gpu_memory_utilization=0.6",

@@ -45,9 +45,10 @@ class ModelServer:
     def __init__(self, path: str, cfg, profiler, name: str, device: str = "cpu", dtype=None, host: str = "127.0.0.1",
                  port: int = 0, max_tokens: int = 1024, tool_format: str = "hermes", defaults: dict | None = None,
                  seed: int | None = None, context: int | None = None, max_num_seqs: int | None = None,
-                 window_s: float = WINDOW_S, stage: str = "serve"):
+                 window_s: float = WINDOW_S, stage: str = "serve", tinker_dir: str | None = None):
         """`cfg`: the rollout node naming the engine and its settings; `profiler`: the role's handle (each round is
-        its `stage`); the rest: Gateway's (`max_tokens` the default budget, `context` prompt + answer)."""
+        its `stage`); the rest: Gateway's (`max_tokens` the default budget, `context` prompt + answer).
+        `tinker_dir`: serve the Tinker training API too (plait/serving/tinker), its checkpoints in that folder."""
         import torch
         from transformers import AutoConfig
 
@@ -67,9 +68,17 @@ class ModelServer:
         model_type = AutoConfig.from_pretrained(path, local_files_only=True).model_type
         self.gateway = Gateway(tokenizer, model_type, tool_format, self.rollout.eos_ids, name, generate=self.queue.generate,
                                max_tokens=max_tokens, defaults=defaults, seed=seed, context=context)
+        self.tinker = None
         try:
-            self.server = Server(self.gateway, self.loop.loop, host, port)
+            if tinker_dir is not None:
+                from plait.serving.tinker import tinker_api
+                from plait.serving.tinker.routes import tinker_routes
+                self.tinker = tinker_api(path, name, tokenizer, self.rollout.eos_ids, tinker_dir, max_tokens)
+            self.server = Server(self.gateway, self.loop.loop, host, port,
+                                 tinker_routes(self.tinker) if self.tinker is not None else None)
         except BaseException:
+            if self.tinker is not None:
+                self.tinker.close()
             self.loop.close()
             self.rollout.close()
             raise
@@ -111,6 +120,8 @@ class ModelServer:
         self.queue.notify()
         self.engine.join(timeout=30)
         self.server.close()
+        if self.tinker is not None:
+            self.tinker.close()
         self.loop.close()
         self.rollout.close()
 

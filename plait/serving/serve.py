@@ -18,6 +18,7 @@ greedy); tool calls are read in the hermes format unless `--tool-format` says ot
 from __future__ import annotations
 
 import collections
+import importlib.util
 import os
 import sys
 import tempfile
@@ -127,8 +128,10 @@ class ModelServer:
 
 
 def serve(model: str, host: str = "127.0.0.1", port: int = 8000, engine: str | None = None, max_tokens: int = 1024,
-          tool_format: str = "hermes", ready=None, stop: threading.Event | None = None) -> None:
-    """Serve until Ctrl-C (or `stop` is set); `ready(url)` is called once the server listens."""
+          tool_format: str = "hermes", ready=None, stop: threading.Event | None = None, name: str | None = None,
+          tinker_dir: str | None = None) -> None:
+    """Serve until Ctrl-C (or `stop` is set); `ready(url)` is called once the server listens. `tinker_dir`: the
+    Tinker API too (plait/serving/tinker), its checkpoints there; off, with a line saying so, without its packages."""
     import transformers
 
     from plait.config import RolloutConfig
@@ -145,11 +148,17 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8000, engine: str | N
     with tempfile.TemporaryDirectory(prefix="plait-serve-") as scratch:
         path = model_folder(model, scratch)
         profiler = ProfilerSession(GlobalProfilerConfig(), {"rollout": RoleProfilerConfig()}, rank=0).for_role("rollout")
-        name = os.path.basename(model.rstrip("/")) or model
+        name = name or os.path.basename(model.rstrip("/")) or model
+        missing = [p for p in ("tinker", "peft") if importlib.util.find_spec(p) is None]
+        if tinker_dir is not None and missing:
+            print(f"plait: serve: the Tinker API is off: it needs {' and '.join(missing)} "
+                  "(pip install 'plait[tinker]')", file=sys.stderr)
+            tinker_dir = None
         server = ModelServer(path, RolloutConfig(name=engine), profiler, name, host=host, port=port,
-                             max_tokens=max_tokens, tool_format=tool_format)
-        print(f"plait: serving {model} ({engine} engine) at {server.url}/v1 (OpenAI) and {server.url} (Anthropic); "
-              "Ctrl-C stops", file=sys.stderr)
+                             max_tokens=max_tokens, tool_format=tool_format, tinker_dir=tinker_dir)
+        tinker = f", Tinker at {server.url} as base_model {name!r} (checkpoints in {tinker_dir})" if tinker_dir else ""
+        print(f"plait: serving {model} ({engine} engine) at {server.url}/v1 (OpenAI) and {server.url} (Anthropic)"
+              f"{tinker}; Ctrl-C stops", file=sys.stderr)
         if ready is not None:
             ready(server.url)
         try:

@@ -162,11 +162,11 @@ class TinkerTrainer:
             logps = self.logprobs(net, [(d.tokens, d.inputs["target_tokens"]) for d in req.data])
             losses = [loss_fn(logp, d.inputs, req.config) for logp, d in zip(logps, req.data)]
             total = torch.stack([loss.sum() for loss in losses]).sum()
+            if not torch.isfinite(total):  # refused before its backward: it would poison the gradients kept so far
+                raise ApiError(400, f"{req.loss_fn} gave a non-finite loss (check the inputs' logprobs and "
+                                    "advantages)", param="loss_fn_inputs")
             if not req.forward_only and total.requires_grad:
                 total.backward()  # gradients add up over calls until optim_step
-        if not all(torch.isfinite(loss).all() for loss in losses):
-            raise ApiError(400, f"{req.loss_fn} gave a non-finite loss (check the inputs' logprobs and advantages)",
-                           param="loss_fn_inputs")
         outputs = [{"logprobs": logp.detach(), "elementwise_loss": loss.detach()} for logp, loss in zip(logps, losses)]
         return encode_forward_backward(outputs, {"loss:sum": total.item()})
 

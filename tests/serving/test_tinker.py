@@ -161,6 +161,20 @@ def test_save_state_and_load_state_round_trip_the_loss_exactly(service, tokenize
         client.forward(data, "cross_entropy").result(timeout=60).metrics["loss:sum"]
 
 
+def test_futures_answer_try_again_until_done_and_custom_losses_run_client_side(service, tokenizer, monkeypatch):
+    from plait.serving.tinker import routes
+    monkeypatch.setattr(routes, "POLL_S", 0.0)  # every retrieve answers try_again until its job is done
+    client = service.create_lora_training_client(base_model=NAME, rank=2, seed=7).result(timeout=60)
+    data = [sft_datum(tokenizer, "polled until done")]
+    built_in = client.forward(data, "cross_entropy").result(timeout=60).metrics["loss:sum"]
+
+    def custom(data, logprobs):  # the SDK runs it here and sends its gradient as cross_entropy's weights
+        loss = -sum(lp.sum() for lp in logprobs)
+        return loss, {"mine": loss.item()}
+    out = client.forward_backward_custom(data, custom).result(timeout=60)
+    assert out.metrics["mine"] == pytest.approx(built_in, rel=1e-5)
+
+
 def test_two_lora_clients_train_without_mixing(service, tokenizer):
     a = service.create_lora_training_client(base_model=NAME, rank=4, seed=4).result(timeout=60)
     b = service.create_lora_training_client(base_model=NAME, rank=8, seed=5, train_unembed=False).result(timeout=60)

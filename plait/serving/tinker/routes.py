@@ -330,10 +330,15 @@ class TinkerApi:
         future = self.futures.get(request_id)
         if future is None:
             raise ApiError(404, f"request_id {request_id!r} is not a future of this server", param="request_id")
+        if not future.done():
+            try:
+                await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), POLL_S)
+            except asyncio.TimeoutError:
+                return JSONResponse({"type": "try_again", "request_id": request_id, "queue_state": "active"})
+            except Exception:  # noqa: BLE001 - the job's failure, read from the future below
+                pass
         try:
-            result = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), POLL_S)
-        except asyncio.TimeoutError:
-            return JSONResponse({"type": "try_again", "request_id": request_id, "queue_state": "active"})
+            result = future.result()
         except ApiError as err:
             return JSONResponse({"error": err.message, "category": "user"})
         except Exception as err:  # noqa: BLE001 - the job's failure, as the API's failed future

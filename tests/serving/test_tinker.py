@@ -203,7 +203,16 @@ def test_malformed_requests_fail_fast_naming_the_field_and_the_server_keeps_serv
         service.create_lora_training_client(base_model="no-such-model", rank=2).result(timeout=30)
     with pytest.raises(tinker.BadRequestError, match="lora_config.rank"):
         service.create_lora_training_client(base_model=NAME, rank=0).result(timeout=30)
+    sampler = client.save_weights_and_get_sampling_client().result(timeout=60)
+    with pytest.raises(tinker.BadRequestError, match="over the model's context"):
+        sampler.sample(types.ModelInput.from_ints(ids), 1, types.SamplingParams(max_tokens=100_000)).result(timeout=30)
     assert time.time() - start < 10  # refused at the door, no retries, no hang
+    import httpx  # what the SDK never sends: no tml- key, a body that is not JSON, an endpoint not served
+    assert httpx.post(f"{served.url}/api/v1/optim_step", content=b"{}", headers={"X-API-Key": "sk-x"}).status_code == 401
+    refused = httpx.post(f"{served.url}/api/v1/optim_step", content=b"not json", headers={"X-API-Key": "tml-x"})
+    assert refused.status_code == 400 and refused.json()["field"] == "body"
+    refused = httpx.get(f"{served.url}/api/v1/training_runs", headers={"X-API-Key": "tml-x"})
+    assert refused.status_code == 404 and "/api/v1/training_runs is not served" in refused.json()["error"]
     # refused by the job itself: the API's failed future, naming what is wrong
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)

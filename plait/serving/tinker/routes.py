@@ -60,12 +60,14 @@ def endpoint(method):
     return run
 
 
-def parse(model, body: dict):
-    """`body` as the SDK's request type `model` (its own pydantic model), or ApiError naming the first bad field."""
+async def parse(request: Request, model):
+    """The JSON body as the SDK's request type `model` (its own pydantic model), or ApiError naming the first bad field."""
     import pydantic
     try:
-        return model.model_validate(body)
-    except pydantic.ValidationError as err:
+        return model.model_validate(await request.json())
+    except ValueError as err:  # not JSON (json's error is a ValueError)
+        if not isinstance(err, pydantic.ValidationError):
+            raise ApiError(400, f"the body is not JSON: {err}", param="body") from None
         first = err.errors()[0]
         where = ".".join(str(p) for p in first["loc"])
         raise ApiError(400, f"{where}: {first['msg']}", param=where) from None
@@ -123,7 +125,12 @@ class TinkerApi:
             raise ApiError(400, f"base_model {base_model!r} is not served here; this server serves "
                                 f"{self.trainer.name!r}", param="base_model")
 
-    def tokens(self, tokens: list[int], field: str) -> None:
+    def tokens(self, tokens: list[int], field: str, then: int = 0) -> None:
+        """Token ids in the vocabulary, and `then` more tokens (a sample's budget) within the model's context."""
+        context = self.trainer.context
+        if context is not None and len(tokens) + then > context:
+            raise ApiError(400, f"{field} has {len(tokens)} tokens{f' and {then} to sample' if then else ''}: over the "
+                                f"model's context of {context}", param=field)
         bad = [t for t in tokens if not 0 <= t < self.trainer.vocab]
         if bad:
             raise ApiError(400, f"{field} has token ids outside the vocabulary [0, {self.trainer.vocab}): {bad[:5]}",
@@ -175,7 +182,7 @@ class TinkerApi:
     @endpoint
     async def create_model(self, request: Request) -> Response:
         from tinker import types
-        req = parse(types.CreateModelRequest, await request.json())
+        req = await parse(request, types.CreateModelRequest)
         self.base(req.base_model)
         if req.session_id not in self.sessions:
             raise ApiError(404, f"session_id {req.session_id!r} is not a session of this server", param="session_id")
@@ -191,8 +198,9 @@ class TinkerApi:
 
     @endpoint
     async def get_info(self, request: Request) -> Response:
-        body = await request.json()
-        return JSONResponse(self.trainer.info(self.client(body.get("model_id"))))
+        from tinker import types
+        req = await parse(request, types.GetInfoRequest)
+        return JSONResponse(self.trainer.info(self.client(req.model_id)))
 
     @endpoint
     async def forward_backward(self, request: Request) -> Response:
@@ -209,7 +217,7 @@ class TinkerApi:
     @endpoint
     async def optim_step(self, request: Request) -> Response:
         from tinker import types
-        req = parse(types.OptimStepRequest, await request.json())
+        req = await parse(request, types.OptimStepRequest)
         self.client(req.model_id)
         if not isinstance(req.optim_params, types.AdamParams):
             raise ApiError(400, f"optim_params of type {req.optim_params.type!r} are not served; AdamParams only",
@@ -219,7 +227,7 @@ class TinkerApi:
     @endpoint
     async def save_weights(self, request: Request) -> Response:
         from tinker import types
-        req = parse(types.SaveWeightsRequest, await request.json())
+        req = await parse(request, types.SaveWeightsRequest)
         self.client(req.model_id)
         name = self._name(req.path)
         return self.submit(lambda: {"path": self.trainer.save(req.model_id, name, "weights", req.overwrite),
@@ -228,7 +236,7 @@ class TinkerApi:
     @endpoint
     async def load_weights(self, request: Request) -> Response:
         from tinker import types
-        req = parse(types.LoadWeightsRequest, await request.json())
+        req = await parse(request, types.LoadWeightsRequest)
         self.trainer.folder(req.path)  # a malformed path is refused now
         if req.model_id is not None:
             self.client(req.model_id)
@@ -242,7 +250,7 @@ class TinkerApi:
     @endpoint
     async def save_for_sampler(self, request: Request) -> Response:
         from tinker import types
-        req = parse(types.SaveWeightsForSamplerRequest, await request.json())
+        req = await parse(request, types.SaveWeightsForSamplerRequest)
         self.client(req.model_id)
         if req.path is not None:
             name = self._name(req.path)
@@ -263,7 +271,7 @@ class TinkerApi:
     @endpoint
     async def create_sampling_session(self, request: Request) -> Response:
         from tinker import types
-        req = parse(types.CreateSamplingSessionRequest, await request.json())
+        req = await parse(request, types.CreateSamplingSessionRequest)
         if req.model_path is None:
             self.base(req.base_model or self.trainer.name)
         else:
@@ -283,7 +291,7 @@ class TinkerApi:
     @endpoint
     async def asample(self, request: Request) -> Response:
         from tinker import types
-        req = parse(types.SampleRequest, await request.json())
+        req = await parse(request, types.SampleRequest)
         if req.sampling_session_id not in self.trainer.samplers:
             raise ApiError(404, f"sampling_session_id {req.sampling_session_id!r} is not a sampling session of this "
                                 "server (sampling by model_path or base_model without a session is not served)",
@@ -301,10 +309,10 @@ class TinkerApi:
             raise ApiError(400, f"prompt: {err}", param="prompt") from None
         if not prompt:
             raise ApiError(400, "prompt is empty", param="prompt")
-        self.tokens(prompt, "prompt")
         if req.num_samples < 1:
             raise ApiError(400, f"num_samples must be at least 1, got {req.num_samples}", param="num_samples")
         params = self._sample_params(req.sampling_params)
+        self.tokens(prompt, "prompt", then=params.max_tokens)
         sequence_ids = [f"{req.sampling_session_id}:{req.seq_id}:{i}" for i in range(req.num_samples)]
         return self.submit(self.trainer.sample, req.sampling_session_id, prompt, req.num_samples, params,
                            bool(req.prompt_logprobs), sample_sequence_ids=sequence_ids)
@@ -325,8 +333,8 @@ class TinkerApi:
     # -- futures ---------------------------------------------------------------------------------------------------
     @endpoint
     async def retrieve_future(self, request: Request) -> Response:
-        body = await request.json()
-        request_id = body.get("request_id")
+        from tinker import types
+        request_id = (await parse(request, types.FutureRetrieveRequest)).request_id
         future = self.futures.get(request_id)
         if future is None:
             raise ApiError(404, f"request_id {request_id!r} is not a future of this server", param="request_id")

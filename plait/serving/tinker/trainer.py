@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -100,7 +101,9 @@ class TinkerTrainer:
         name = f"a{self.adapters}"  # peft's adapter names are module keys: no dots or colons
         self.adapters += 1
         config = LoraConfig(r=lora.rank, lora_alpha=LORA_ALPHA, target_modules=targets, lora_dropout=0.0, bias="none")
-        with torch.random.fork_rng(devices=[]):
+        with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+            # peft warns that a LoRA on a head tied to the embeddings leaves the embeddings as they are: as meant here
+            warnings.filterwarnings("ignore", message=".*tie_word_embeddings.*")
             torch.manual_seed(lora.seed if lora.seed is not None else int.from_bytes(os.urandom(4), "little"))
             if self.peft is None:
                 self.peft = get_peft_model(self.model, config, adapter_name=name)

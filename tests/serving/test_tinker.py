@@ -175,6 +175,21 @@ def test_futures_answer_try_again_until_done_and_custom_losses_run_client_side(s
     assert out.metrics["mine"] == pytest.approx(built_in, rel=1e-5)
 
 
+def test_a_retried_request_is_applied_once(served, service):
+    import httpx
+    client = service.create_lora_training_client(base_model=NAME, rank=2, seed=8).result(timeout=60)
+    headers = {"X-API-Key": "tml-retry"}
+
+    def optim_step(seq_id: int) -> dict:
+        body = {"adam_params": {"learning_rate": 1e-3}, "model_id": client.model_id, "seq_id": seq_id}
+        request_id = httpx.post(f"{served.url}/api/v1/optim_step", json=body, headers=headers).json()["request_id"]
+        return httpx.post(f"{served.url}/api/v1/retrieve_future", json={"request_id": request_id}, headers=headers,
+                          timeout=30).json()
+    first = optim_step(1000)
+    assert optim_step(1000) == first  # the same request sent again: its first answer, no second step
+    assert optim_step(1001)["metrics"]["step:max"] == first["metrics"]["step:max"] + 1
+
+
 def test_two_lora_clients_train_without_mixing(service, tokenizer):
     a = service.create_lora_training_client(base_model=NAME, rank=4, seed=4).result(timeout=60)
     b = service.create_lora_training_client(base_model=NAME, rank=8, seed=5, train_unembed=False).result(timeout=60)

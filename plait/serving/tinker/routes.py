@@ -11,8 +11,11 @@ local). A job's failure comes back as the API's failed future (`{"error", "categ
 once as HTTP 400/404/409 with `{"error", "category": "user", "field"}`; an endpoint plait does not serve as 404
 naming it. The server keeps serving after either.
 
-Left out: futures that survive a server restart (they live in memory), retried requests applied once (seq_id is
-not deduplicated), session traces (`export_session_trace`), server-side custom losses, the REST listing endpoints.
+A future is named by what the SDK sent (its model or sampler and the request's seq_id), so a request retried after
+a lost answer finds its first future and is applied once.
+
+Left out: futures that survive a server restart (they live in memory), session traces (`export_session_trace`),
+server-side custom losses, the REST listing endpoints.
 """
 
 from __future__ import annotations
@@ -73,6 +76,11 @@ async def parse(request: Request, model):
         raise ApiError(400, f"{where}: {first['msg']}", param=where) from None
 
 
+def seq(owner: str, seq_id: int | None) -> str:
+    """A request's future id: its model or sampler and its seq_id (a fresh id when it sent none)."""
+    return f"{owner}:{seq_id}" if seq_id is not None else f"{owner}:{uuid.uuid4().hex}"
+
+
 class TinkerApi:
     """The endpoints, the sessions and the futures over one trainer; jobs run on `self.worker`."""
 
@@ -99,8 +107,11 @@ class TinkerApi:
                 log.exception("plait tinker: %s failed", fn.__name__)
                 future.set_exception(err)
 
-    def submit(self, fn, *args, **extra) -> JSONResponse:
-        request_id = uuid.uuid4().hex
+    def submit(self, request_id: str, fn, *args, **extra) -> JSONResponse:
+        """Queue `fn(*args)` as the future `request_id`, named by what the SDK sent (its model or sampler and seq_id):
+        a retried request finds its first future and is applied once."""
+        if request_id in self.futures:
+            return JSONResponse({"request_id": request_id, **extra})
         future: concurrent.futures.Future = concurrent.futures.Future()
         self.futures[request_id] = future
         while len(self.futures) > KEPT_RESULTS:
@@ -194,7 +205,7 @@ class TinkerApi:
                            param="optimizer_config.type")
         lora = Lora(**req.lora_config.model_dump(include={"rank", "seed", "train_mlp", "train_attn", "train_unembed"}))
         model_id = f"{req.session_id}:train:{req.model_seq_id}"
-        return self.submit(self.trainer.create, model_id, lora, model_id=model_id)
+        return self.submit(f"{model_id}:create", self.trainer.create, model_id, lora, model_id=model_id)
 
     @endpoint
     async def get_info(self, request: Request) -> Response:
@@ -212,7 +223,7 @@ class TinkerApi:
         for i, datum in enumerate(req.data):
             self.tokens(datum.tokens, f"data[{i}].model_input")
             self.tokens(datum.inputs["target_tokens"].tolist(), f"data[{i}].loss_fn_inputs.target_tokens")
-        return self.submit(self.trainer.forward_backward, req, model_id=req.model_id)
+        return self.submit(f"{req.model_id}:{req.seq_id}", self.trainer.forward_backward, req, model_id=req.model_id)
 
     @endpoint
     async def optim_step(self, request: Request) -> Response:
@@ -222,7 +233,8 @@ class TinkerApi:
         if not isinstance(req.optim_params, types.AdamParams):
             raise ApiError(400, f"optim_params of type {req.optim_params.type!r} are not served; AdamParams only",
                            param="optim_params")
-        return self.submit(self.trainer.optim_step, req.model_id, req.optim_params, model_id=req.model_id)
+        return self.submit(seq(req.model_id, req.seq_id), self.trainer.optim_step, req.model_id, req.optim_params,
+                           model_id=req.model_id)
 
     @endpoint
     async def save_weights(self, request: Request) -> Response:
@@ -230,8 +242,8 @@ class TinkerApi:
         req = await parse(request, types.SaveWeightsRequest)
         self.client(req.model_id)
         name = self._name(req.path)
-        return self.submit(lambda: {"path": self.trainer.save(req.model_id, name, "weights", req.overwrite),
-                                    "type": "save_weights"}, model_id=req.model_id)
+        return self.submit(seq(req.model_id, req.seq_id), self.trainer.save, req.model_id, name, "weights", req.overwrite,
+                           model_id=req.model_id)
 
     @endpoint
     async def load_weights(self, request: Request) -> Response:
@@ -240,12 +252,14 @@ class TinkerApi:
         self.trainer.folder(req.path)  # a malformed path is refused now
         if req.model_id is not None:
             self.client(req.model_id)
-            return self.submit(self.trainer.load, req.model_id, req.path, req.optimizer, model_id=req.model_id)
+            return self.submit(seq(req.model_id, req.seq_id), self.trainer.load, req.model_id, req.path, req.optimizer,
+                               model_id=req.model_id)
         if req.session_id not in self.sessions or req.model_seq_id is None:
             raise ApiError(404, f"session_id {req.session_id!r} is not a session of this server", param="session_id")
         self.base(req.base_model)
         model_id = f"{req.session_id}:train:{req.model_seq_id}"
-        return self.submit(self.trainer.create_from, model_id, req.path, req.optimizer, model_id=model_id)
+        return self.submit(f"{model_id}:create", self.trainer.create_from, model_id, req.path, req.optimizer,
+                           model_id=model_id)
 
     @endpoint
     async def save_for_sampler(self, request: Request) -> Response:
@@ -254,12 +268,13 @@ class TinkerApi:
         self.client(req.model_id)
         if req.path is not None:
             name = self._name(req.path)
-            return self.submit(lambda: {"path": self.trainer.save(req.model_id, name, "sampler_weights", True),
-                                        "type": "save_weights_for_sampler"}, model_id=req.model_id)
+            return self.submit(seq(req.model_id, req.seq_id), self.trainer.save, req.model_id, name, "sampler_weights",
+                               True, model_id=req.model_id)
         if req.kind != "snapshot":
             raise ApiError(400, f"kind {req.kind!r} is not served; snapshot only", param="kind")
         sampler_id = f"{req.model_id}:sample:{req.sampling_session_seq_id}"
-        return self.submit(self.trainer.sampler_from_client, sampler_id, req.model_id, model_id=req.model_id)
+        return self.submit(seq(req.model_id, req.seq_id), self.trainer.sampler_from_client, sampler_id, req.model_id,
+                           model_id=req.model_id)
 
     @staticmethod
     def _name(path: str | None) -> str:
@@ -314,8 +329,8 @@ class TinkerApi:
         params = self._sample_params(req.sampling_params)
         self.tokens(prompt, "prompt", then=params.max_tokens)
         sequence_ids = [f"{req.sampling_session_id}:{req.seq_id}:{i}" for i in range(req.num_samples)]
-        return self.submit(self.trainer.sample, req.sampling_session_id, prompt, req.num_samples, params,
-                           bool(req.prompt_logprobs), sample_sequence_ids=sequence_ids)
+        return self.submit(seq(req.sampling_session_id, req.seq_id), self.trainer.sample, req.sampling_session_id, prompt,
+                           req.num_samples, params, bool(req.prompt_logprobs), sample_sequence_ids=sequence_ids)
 
     def _sample_params(self, sp) -> SampleParams:
         if sp.max_tokens is not None and sp.max_tokens < 1:

@@ -196,7 +196,8 @@ class TinkerTrainer:
                                 "tinker://RUN/sampler_weights/NAME", param=field_name)
         return os.path.join(self.root, *parts)
 
-    def save(self, model_id: str, name: str, kind: str, overwrite: bool) -> str:
+    def save(self, model_id: str, name: str, kind: str, overwrite: bool) -> dict:
+        """The client's adapter (and, for `weights`, its optimizer) at tinker://MODEL/KIND/NAME."""
         client = self.clients[model_id]
         path = f"tinker://{model_id}/{kind}/{name}"
         folder = self.folder(path)
@@ -209,7 +210,7 @@ class TinkerTrainer:
         os.makedirs(folder, exist_ok=True)
         torch.save(state, os.path.join(folder, STATE_FILE) + ".tmp")
         os.replace(os.path.join(folder, STATE_FILE) + ".tmp", os.path.join(folder, STATE_FILE))
-        return path
+        return {"path": path, "type": "save_weights" if kind == "weights" else "save_weights_for_sampler"}
 
     def read(self, path: str, field_name: str = "path") -> dict:
         file = os.path.join(self.folder(path, field_name), STATE_FILE)

@@ -137,7 +137,7 @@ def test_an_rl_loop_gives_finite_outputs(service, tokenizer, loss_fn):
     assert out.metrics["loss:sum"] == pytest.approx(expected, rel=1e-3, abs=1e-3)
 
 
-def test_save_state_and_load_state_round_trip_the_loss_exactly(service, tokenizer):
+def test_save_state_and_load_state_round_trip_the_loss_exactly(served, service, tokenizer):
     client = service.create_lora_training_client(base_model=NAME, rank=4, seed=3).result(timeout=60)
     data = [sft_datum(tokenizer, "save me, load me")]
     step(client, data)
@@ -152,6 +152,15 @@ def test_save_state_and_load_state_round_trip_the_loss_exactly(service, tokenize
         warnings.simplefilter("ignore", FutureWarning)  # load_state_with_optimizer is deprecated in 0.38, still served
         client.load_state_with_optimizer(saved.path).result(timeout=60)
     assert client.forward(data, "cross_entropy").result(timeout=60).metrics["loss:sum"] == loss_at_save
+    # the checkpoint's adapter/ is a plain peft adapter over the served folder: the same loss without plait's server
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+    adapter = os.path.join(served.tinker.trainer.folder(saved.path), "adapter")
+    peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(served.tinker.trainer.path), adapter)
+    ids = [*data[0].model_input.to_ints(), data[0].loss_fn_inputs["target_tokens"].tolist()[-1]]
+    with torch.no_grad():
+        logp = torch.log_softmax(peft_model(input_ids=torch.tensor([ids])).logits[0, :-1], -1)
+    assert -logp.gather(-1, torch.tensor(ids[1:])[:, None]).sum().item() == pytest.approx(loss_at_save, rel=1e-5)
     # a new client from the state (the SDK's recommended path), optimizer included: the same next step
     resumed = service.create_training_client_from_state_with_optimizer(saved.path).result(timeout=60)
     assert resumed.forward(data, "cross_entropy").result(timeout=60).metrics["loss:sum"] == loss_at_save

@@ -9,7 +9,8 @@ log-probs come from the same forward as `compute_logprobs` and `forward` (on-pol
 
 Every method here runs on the service's one worker thread (routes.py), so requests never race.
 `tinker://RUN/weights/NAME` (save_state: adapter + optimizer) and `tinker://RUN/sampler_weights/NAME`
-(adapter only) are the folders ROOT/RUN/weights/NAME and ROOT/RUN/sampler_weights/NAME.
+(adapter only) are the folders ROOT/RUN/weights/NAME and ROOT/RUN/sampler_weights/NAME: `state.pt` for this server,
+and `adapter/`, the adapter as peft saves one, for anything else that loads peft adapters.
 
 Left out: full fine-tuning (rank 0), sampling through plait's rollout engines (samples are drawn here, token
 by token with the KV cache), top-k and prompt-token alternatives, evicting old samplers (each is an adapter).
@@ -208,9 +209,23 @@ class TinkerTrainer:
         if kind == "weights":
             state["optimizer"] = client.optimizer.state_dict()
         os.makedirs(folder, exist_ok=True)
-        torch.save(state, os.path.join(folder, STATE_FILE) + ".tmp")
+        self._save_peft(client.adapter, os.path.join(folder, "adapter"))
+        torch.save(state, os.path.join(folder, STATE_FILE) + ".tmp")  # last: a state.pt is a complete checkpoint
         os.replace(os.path.join(folder, STATE_FILE) + ".tmp", os.path.join(folder, STATE_FILE))
         return {"path": path, "type": "save_weights" if kind == "weights" else "save_weights_for_sampler"}
+
+    def _save_peft(self, adapter: str, folder: str) -> None:
+        """The adapter as peft saves one (adapter_config.json, adapter_model.safetensors) over the served model's
+        folder: `PeftModel.from_pretrained(base, folder)` loads it without plait."""
+        import copy
+
+        from peft import get_peft_model_state_dict
+        from safetensors.torch import save_file
+        config = copy.deepcopy(self.peft.peft_config[adapter])
+        config.base_model_name_or_path = os.path.abspath(self.path)
+        config.save_pretrained(folder)
+        weights = get_peft_model_state_dict(self.peft, adapter_name=adapter)
+        save_file({k: v.detach().contiguous() for k, v in weights.items()}, os.path.join(folder, "adapter_model.safetensors"))
 
     def read(self, path: str, field_name: str = "path") -> dict:
         file = os.path.join(self.folder(path, field_name), STATE_FILE)

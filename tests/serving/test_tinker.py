@@ -110,7 +110,11 @@ def test_sampled_logprobs_equal_compute_logprobs_and_the_trainers_forward(servic
     assert base_lp[1:] != pytest.approx(again[1:], abs=1e-4)  # the base model is not the adapter
 
 
-@pytest.mark.parametrize("loss_fn", ["importance_sampling", "ppo"])
+CONFIGS = {"importance_sampling": None, "ppo": {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1},
+           "cispo": {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1}, "dro": {"beta": 0.1}}
+
+
+@pytest.mark.parametrize("loss_fn", CONFIGS)
 def test_an_rl_loop_gives_finite_outputs(service, tokenizer, loss_fn):
     client = service.create_lora_training_client(base_model=NAME, rank=4, seed=2).result(timeout=60)
     prompt = tokenizer.encode("count a:")
@@ -127,13 +131,19 @@ def test_an_rl_loop_gives_finite_outputs(service, tokenizer, loss_fn):
             data.append(types.Datum(model_input=types.ModelInput.from_ints(ids[:-1]), loss_fn_inputs={
                 "target_tokens": ids[1:], "logprobs": zeros + list(seq.logprobs),
                 "advantages": zeros + [reward - mean + 0.5] * (n - len(zeros))}))
-        out = step(client, data, loss_fn, lr=1e-3, config={"clip_low_threshold": 0.9, "clip_high_threshold": 1.1}
-                   if loss_fn == "ppo" else None)
+        out = step(client, data, loss_fn, lr=1e-3, config=CONFIGS[loss_fn])
         assert math.isfinite(out.metrics["loss:sum"])
         for o in out.loss_fn_outputs:
             assert torch.isfinite(o["logprobs"].to_torch()).all() and torch.isfinite(o["elementwise_loss"].to_torch()).all()
-    # on-policy data: the ratio is 1, so the loss is -sum(advantages) over the sampled tokens (both losses)
-    expected = -sum(sum(d.loss_fn_inputs["advantages"].tolist()) for d in data)
+    # on-policy data (the ratio is 1 on sampled tokens): importance_sampling's and ppo's loss is -sum(advantages);
+    # cispo's weighs each advantage by its token's log-prob; dro's adds beta/2 * (logp - logprobs)^2 (the prompt's)
+    advantages = [a for d in data for a in d.loss_fn_inputs["advantages"].tolist()]
+    sampled = [lp for d in data for lp in d.loss_fn_inputs["logprobs"].tolist()]
+    logprobs = [lp for o in out.loss_fn_outputs for lp in o["logprobs"].tolist()]
+    expected = {"importance_sampling": lambda a, lp, old: -a, "ppo": lambda a, lp, old: -a,
+                "cispo": lambda a, lp, old: -a * lp,
+                "dro": lambda a, lp, old: -(a * lp - 0.05 * (lp - old) ** 2)}[loss_fn]
+    expected = sum(expected(a, lp, old) for a, lp, old in zip(advantages, logprobs, sampled))
     assert out.metrics["loss:sum"] == pytest.approx(expected, rel=1e-3, abs=1e-3)
 
 

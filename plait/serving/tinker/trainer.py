@@ -74,27 +74,37 @@ class SampleParams:
 
 class TinkerTrainer:
     def __init__(self, path: str, name: str, tokenizer, eos_ids: list[int], root: str):
-        from plait.models import load_causal_lm
+        from transformers import AutoConfig
         self.path, self.name, self.tokenizer, self.eos_ids, self.root = path, name, tokenizer, eos_ids, root
-        self.model = load_causal_lm(path).eval()  # eval: no dropout; gradients still flow to the adapters
-        self.model.requires_grad_(False)
-        self.vocab = self.model.get_output_embeddings().weight.shape[0]
-        self.context = getattr(self.model.config, "max_position_embeddings", None)
-        self.linears = {"mlp": [], "attn": [], "unembed": []}
-        for mod_name, module in self.model.named_modules():
-            if isinstance(module, torch.nn.Linear):
-                kind = "unembed" if mod_name.split(".")[-1] == "lm_head" else "mlp" if ".mlp." in f".{mod_name}." \
-                    else "attn" if "attn" in mod_name else None
-                if kind:
-                    self.linears[kind].append(mod_name)
+        config = AutoConfig.from_pretrained(path, local_files_only=True)
+        text = config.get_text_config()  # a VL model's language part (the config itself for a causal LM)
+        self.arch, self.vocab = config.model_type, text.vocab_size
+        self.context = getattr(text, "max_position_embeddings", None)  # not every architecture names one
+        self.model = None  # loaded by the first request that needs it (base())
+        self.linears: dict[str, list[str]] = {"mlp": [], "attn": [], "unembed": []}
         self.peft = None
         self.clients: dict[str, Client] = {}
         self.samplers: dict[str, Sampler] = {}
         self.adapters = 0
 
     # -- adapters -------------------------------------------------------------------------------------------------
+    def base(self):
+        """The served model, loaded on first use: a `plait serve` that is never asked to train holds no second copy."""
+        from plait.models import load_causal_lm
+        if self.model is None:
+            self.model = load_causal_lm(self.path).eval()  # eval: no dropout; gradients still flow to the adapters
+            self.model.requires_grad_(False)
+            for mod_name, module in self.model.named_modules():
+                if isinstance(module, torch.nn.Linear):
+                    kind = "unembed" if mod_name.split(".")[-1] == "lm_head" else "mlp" \
+                        if ".mlp." in f".{mod_name}." else "attn" if "attn" in mod_name else None
+                    if kind:
+                        self.linears[kind].append(mod_name)
+        return self.model
+
     def _add_adapter(self, lora: Lora) -> str:
         from peft import LoraConfig, get_peft_model
+        self.base()
         targets = [m for kind in ("mlp", "attn", "unembed") if getattr(lora, f"train_{kind}") for m in self.linears[kind]]
         if not targets:
             raise ApiError(400, f"lora_config trains nothing on this model (its linear layers: "
@@ -120,7 +130,7 @@ class TinkerTrainer:
         """The model with `adapter` active (None: the base model, adapters off); a context manager."""
         import contextlib
         if self.peft is None:
-            return contextlib.nullcontext(self.model)
+            return contextlib.nullcontext(self.base())
         if adapter is None:
             @contextlib.contextmanager
             def base():
@@ -142,7 +152,7 @@ class TinkerTrainer:
     def info(self, model_id: str) -> dict:
         client = self.clients[model_id]
         return {"type": "get_info", "model_id": model_id, "is_lora": True, "lora_rank": client.lora.rank,
-                "model_name": self.name, "model_data": {"arch": self.model.config.model_type, "model_name": self.name,
+                "model_name": self.name, "model_data": {"arch": self.arch, "model_name": self.name,
                                                         "tokenizer_id": self.path}}
 
     def logprobs(self, net, rows: list[tuple[list[int], list[int] | torch.Tensor]]) -> list[torch.Tensor]:

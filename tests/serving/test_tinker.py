@@ -26,12 +26,13 @@ NAME = "tiny-tinker"
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     from plait.models import create_tiny_model
-    os.environ["TINKER_TELEMETRY"] = "0"  # the SDK's telemetry posts would only add requests
     root = tmp_path_factory.mktemp("tinker")
     path = create_tiny_model(root / "model", size="xs", seed=3)
     profiler = ProfilerSession(GlobalProfilerConfig(), {"rollout": RoleProfilerConfig()}, rank=0).for_role("rollout")
     server = ModelServer(path, RolloutConfig(name="hf"), profiler, name=NAME, max_tokens=16, tinker_dir=str(root / "ckpt"))
-    yield server
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("TINKER_TELEMETRY", "0")  # the SDK's telemetry posts would only add requests
+        yield server
     server.close()
 
 

@@ -70,13 +70,18 @@ def main(argv: list[str] | None = None) -> int:
     export.add_argument("--lora", choices=("merge", "adapter"), default="merge",
                         help="a LoRA checkpoint: merge the adapter into the base weights (default) or write the peft adapter")
     export.add_argument("--base", help="a LoRA checkpoint's base model folder, when it moved since training")
-    serve = sub.add_parser("serve", help="serve a model or checkpoint over OpenAI's and Anthropic's APIs (no training)")
+    serve = sub.add_parser("serve", help="serve a model or checkpoint over OpenAI's and Anthropic's APIs, and train "
+                                         "LoRA adapters on it over the Tinker API (docs/tinker.md)")
     serve.add_argument("model", help="a checkpoint (checkpoints/global_step_N), a model folder or a built-in model name")
     serve.add_argument("--host", default="127.0.0.1", help="the address to listen on (default 127.0.0.1)")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--engine", help="the rollout engine (a row of plait/workers/engine.py; default plait's own)")
     serve.add_argument("--max-tokens", type=int, default=1024, help="a request's budget when it names none")
     serve.add_argument("--tool-format", default="hermes", help="how tool calls are read from the model's text")
+    serve.add_argument("--name", help="the model's name in both APIs (Tinker's base_model; default: MODEL's folder name)")
+    serve.add_argument("--tinker-dir", help="where tinker:// checkpoints are kept (default $PLAIT_CACHE/tinker or "
+                                            "~/.cache/plait/tinker)")
+    serve.add_argument("--no-tinker", action="store_true", help="serve without the Tinker API (no training)")
     args = parser.parse_args(argv)
     if args.command == "export":
         return export_command(args)
@@ -179,10 +184,15 @@ def export_command(args) -> int:
     return 0
 
 
+def default_tinker_dir() -> str:
+    return os.path.join(os.environ.get("PLAIT_CACHE") or os.path.expanduser("~/.cache/plait"), "tinker")
+
+
 def serve_command(args) -> int:
     from plait.serving.serve import serve
     try:
-        serve(args.model, args.host, args.port, args.engine, args.max_tokens, args.tool_format)
+        serve(args.model, args.host, args.port, args.engine, args.max_tokens, args.tool_format, name=args.name,
+              tinker_dir=None if args.no_tinker else args.tinker_dir or default_tinker_dir())
     except (FileNotFoundError, ConfigError, OSError) as err:
         print(f"plait: serve: {err}", file=sys.stderr)
         return 2

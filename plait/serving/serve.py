@@ -18,6 +18,7 @@ greedy); tool calls are read in the hermes format unless `--tool-format` says ot
 from __future__ import annotations
 
 import collections
+import importlib.util
 import os
 import sys
 import tempfile
@@ -45,9 +46,10 @@ class ModelServer:
     def __init__(self, path: str, cfg, profiler, name: str, device: str = "cpu", dtype=None, host: str = "127.0.0.1",
                  port: int = 0, max_tokens: int = 1024, tool_format: str = "hermes", defaults: dict | None = None,
                  seed: int | None = None, context: int | None = None, max_num_seqs: int | None = None,
-                 window_s: float = WINDOW_S, stage: str = "serve"):
+                 window_s: float = WINDOW_S, stage: str = "serve", tinker_dir: str | None = None):
         """`cfg`: the rollout node naming the engine and its settings; `profiler`: the role's handle (each round is
-        its `stage`); the rest: Gateway's (`max_tokens` the default budget, `context` prompt + answer)."""
+        its `stage`); the rest: Gateway's (`max_tokens` the default budget, `context` prompt + answer).
+        `tinker_dir`: serve the Tinker training API too (plait/serving/tinker), its checkpoints in that folder."""
         import torch
         from transformers import AutoConfig
 
@@ -67,9 +69,17 @@ class ModelServer:
         model_type = AutoConfig.from_pretrained(path, local_files_only=True).model_type
         self.gateway = Gateway(tokenizer, model_type, tool_format, self.rollout.eos_ids, name, generate=self.queue.generate,
                                max_tokens=max_tokens, defaults=defaults, seed=seed, context=context)
+        self.tinker = None
         try:
-            self.server = Server(self.gateway, self.loop.loop, host, port)
+            if tinker_dir is not None:
+                from plait.serving.tinker import tinker_api
+                from plait.serving.tinker.routes import tinker_routes
+                self.tinker = tinker_api(path, name, tokenizer, self.rollout.eos_ids, tinker_dir, max_tokens)
+            self.server = Server(self.gateway, self.loop.loop, host, port,
+                                 tinker_routes(self.tinker) if self.tinker is not None else None)
         except BaseException:
+            if self.tinker is not None:
+                self.tinker.close()
             self.loop.close()
             self.rollout.close()
             raise
@@ -111,13 +121,17 @@ class ModelServer:
         self.queue.notify()
         self.engine.join(timeout=30)
         self.server.close()
+        if self.tinker is not None:
+            self.tinker.close()
         self.loop.close()
         self.rollout.close()
 
 
 def serve(model: str, host: str = "127.0.0.1", port: int = 8000, engine: str | None = None, max_tokens: int = 1024,
-          tool_format: str = "hermes", ready=None, stop: threading.Event | None = None) -> None:
-    """Serve until Ctrl-C (or `stop` is set); `ready(url)` is called once the server listens."""
+          tool_format: str = "hermes", ready=None, stop: threading.Event | None = None, name: str | None = None,
+          tinker_dir: str | None = None) -> None:
+    """Serve until Ctrl-C (or `stop` is set); `ready(url)` is called once the server listens. `tinker_dir`: the
+    Tinker API too (plait/serving/tinker), its checkpoints there; off, with a line saying so, without its packages."""
     import transformers
 
     from plait.config import RolloutConfig
@@ -134,11 +148,17 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8000, engine: str | N
     with tempfile.TemporaryDirectory(prefix="plait-serve-") as scratch:
         path = model_folder(model, scratch)
         profiler = ProfilerSession(GlobalProfilerConfig(), {"rollout": RoleProfilerConfig()}, rank=0).for_role("rollout")
-        name = os.path.basename(model.rstrip("/")) or model
+        name = name or os.path.basename(model.rstrip("/")) or model
+        missing = [p for p in ("tinker", "peft") if importlib.util.find_spec(p) is None]
+        if tinker_dir is not None and missing:
+            print(f"plait: serve: the Tinker API is off: it needs {' and '.join(missing)} "
+                  "(pip install 'plait[tinker]')", file=sys.stderr)
+            tinker_dir = None
         server = ModelServer(path, RolloutConfig(name=engine), profiler, name, host=host, port=port,
-                             max_tokens=max_tokens, tool_format=tool_format)
-        print(f"plait: serving {model} ({engine} engine) at {server.url}/v1 (OpenAI) and {server.url} (Anthropic); "
-              "Ctrl-C stops", file=sys.stderr)
+                             max_tokens=max_tokens, tool_format=tool_format, tinker_dir=tinker_dir)
+        tinker = f", Tinker at {server.url} as base_model {name!r} (checkpoints in {tinker_dir})" if tinker_dir else ""
+        print(f"plait: serving {model} ({engine} engine) at {server.url}/v1 (OpenAI) and {server.url} (Anthropic)"
+              f"{tinker}; Ctrl-C stops", file=sys.stderr)
         if ready is not None:
             ready(server.url)
         try:

@@ -152,7 +152,8 @@ class Api:
         return JSONResponse({"status": "ok", "model": self.gateway.model_name, "sessions": len(self.gateway.sessions)})
 
 
-def make_app(gateway: Gateway) -> Starlette:
+def make_app(gateway: Gateway, extra: list[Route] | None = None) -> Starlette:
+    """The gateway's routes, and `extra` ones served beside them (the Tinker API's under /api/v1)."""
     api = Api(gateway)
     routes = [Route("/health", api.health, methods=["GET"]), Route("/sessions/{sid}/reward", api.reward, methods=["POST"])]
     for prefix in ("", "/sessions/{sid}"):
@@ -163,7 +164,7 @@ def make_app(gateway: Gateway) -> Starlette:
                    Route(f"{prefix}/v1/messages", api.messages, methods=["POST"]),
                    Route(f"{prefix}/v1/messages/count_tokens", api.count_tokens, methods=["POST"]),
                    Route(f"{prefix}/v1/models", api.models, methods=["GET"])]
-    return Starlette(routes=routes)
+    return Starlette(routes=routes + (extra or []))
 
 
 def _sse(events: list[str]) -> StreamingResponse:
@@ -176,7 +177,8 @@ def _sse(events: list[str]) -> StreamingResponse:
 class Server:
     """uvicorn serving `make_app(gateway)` as a task on `loop` (another thread's running loop)."""
 
-    def __init__(self, gateway: Gateway, loop: asyncio.AbstractEventLoop, host: str = "127.0.0.1", port: int = 0):
+    def __init__(self, gateway: Gateway, loop: asyncio.AbstractEventLoop, host: str = "127.0.0.1", port: int = 0,
+                 extra: list[Route] | None = None):
         import uvicorn
         self.sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -189,7 +191,7 @@ class Server:
             self.sock.close()
             raise OSError(f"the gateway cannot listen on {host}:{port}: {err.strerror}") from None
         self.host, self.port, self.loop = host, self.sock.getsockname()[1], loop
-        config = uvicorn.Config(make_app(gateway), log_config=None, log_level="warning", access_log=False,
+        config = uvicorn.Config(make_app(gateway, extra), log_config=None, log_level="warning", access_log=False,
                                 lifespan="off", timeout_keep_alive=30, timeout_graceful_shutdown=2)  # a held call
         # (a session whose rollout was given up) must not hold the close
         self.uvicorn = uvicorn.Server(config)

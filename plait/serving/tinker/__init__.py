@@ -1,0 +1,19 @@
+"""A local Tinker: the Tinker training API (Thinking Machines' `tinker` SDK, 0.38) on `plait serve`'s server.
+
+    routes.py   the /api/v1 endpoints, sessions, futures and the one worker thread that runs the jobs
+    trainer.py  the base model, a LoRA adapter per training client and per sampler, AdamW, tinker:// checkpoints
+    losses.py   the built-in losses as the SDK documents them (pure functions)
+    wire.py     the SDK's protobuf bodies in and out
+
+`tinker_api(...)` builds it for a model folder; `plait serve` mounts its routes beside the OpenAI-compatible
+ones, in the same process. docs/tinker.md says what runs and what is refused.
+"""
+
+from __future__ import annotations
+
+
+def tinker_api(path: str, name: str, tokenizer, eos_ids: list[int], root: str, max_tokens: int):
+    """The Tinker endpoints over the model at `path` served as `name`; checkpoints under `root`."""
+    from plait.serving.tinker.routes import TinkerApi
+    from plait.serving.tinker.trainer import TinkerTrainer
+    return TinkerApi(TinkerTrainer(path, name, tokenizer, eos_ids, root), max_tokens)

@@ -1,0 +1,389 @@
+"""The Tinker API's HTTP endpoints (`/api/v1/...`, as the `tinker` SDK 0.38 calls them) over one TinkerTrainer.
+
+    SDK ──POST /api/v1/forward_backward (protobuf) ──▶ checked here ──▶ job queue ──▶ worker thread (trainer.py)
+        ◀─ {"request_id"} at once (a malformed request: 400 naming the field, before any work)
+        ──POST /api/v1/retrieve_future ──▶ waits up to POLL_S for the job ──▶ its result, its error, or try_again
+
+Training, saving, loading and sampling are futures run one at a time, in arrival order, on the worker thread
+(the SDK sends a client's requests in its own order, so a client's steps apply in order); sessions, config
+and capabilities answer at once. Any `tml-` API key is accepted (the SDK requires the prefix; this server is
+local). A job's failure comes back as the API's failed future (`{"error", "category"}`); a request refused at
+once as HTTP 400/404/409 with `{"error", "category": "user", "field"}`; an endpoint plait does not serve as 404
+naming it. The server keeps serving after either.
+
+A future is named by what the SDK sent (its model or sampler and the request's seq_id), so a request retried after
+a lost answer finds its first future and is applied once.
+
+Left out: futures that survive a server restart (they live in memory), session traces (`export_session_trace`),
+server-side custom losses, the REST listing endpoints.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import logging
+import queue
+import threading
+import uuid
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from plait.serving.protocol import ApiError
+from plait.serving.tinker.trainer import Lora, SampleParams, TinkerTrainer
+from plait.serving.tinker.wire import decode_forward_backward
+
+log = logging.getLogger("plait.serving.tinker")
+POLL_S = 10.0        # how long a retrieve_future waits for its job before answering try_again
+KEPT_RESULTS = 4096  # finished futures kept for a repeated retrieve
+
+
+def error(err: ApiError) -> JSONResponse:
+    return JSONResponse({"error": err.message, "category": "user", "field": err.param}, status_code=err.status)
+
+
+def endpoint(method):
+    """An endpoint's refusals in the Tinker error shape; anything unexpected a 500 (logged, no traceback out)."""
+    async def run(self, request: Request) -> Response:
+        key = request.headers.get("x-api-key", "")
+        if not key.startswith("tml-"):
+            return error(ApiError(401, "X-API-Key must be a Tinker API key (any key starting with 'tml-' is "
+                                       "accepted here)", param="X-API-Key"))
+        try:
+            return await method(self, request)
+        except ApiError as err:
+            return error(err)
+        except Exception as err:  # noqa: BLE001 - never a traceback to the client; the server log has it
+            log.exception("plait tinker: %s %s failed", request.method, request.url.path)
+            return JSONResponse({"error": f"internal error: {type(err).__name__}: {err}", "category": "server"},
+                                status_code=500)
+    return run
+
+
+async def parse(request: Request, model):
+    """The JSON body as the SDK's request type `model` (its own pydantic model), or ApiError naming the first bad field."""
+    import pydantic
+    try:
+        return model.model_validate(await request.json())
+    except ValueError as err:  # not JSON (json's error is a ValueError)
+        if not isinstance(err, pydantic.ValidationError):
+            raise ApiError(400, f"the body is not JSON: {err}", param="body") from None
+        first = err.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        raise ApiError(400, f"{where}: {first['msg']}", param=where) from None
+
+
+def seq(owner: str, seq_id: int | None) -> str:
+    """A request's future id: its model or sampler and its seq_id (a fresh id when it sent none)."""
+    return f"{owner}:{seq_id}" if seq_id is not None else f"{owner}:{uuid.uuid4().hex}"
+
+
+class TinkerApi:
+    """The endpoints, the sessions and the futures over one trainer; jobs run on `self.worker`."""
+
+    def __init__(self, trainer: TinkerTrainer, max_tokens: int):
+        self.trainer, self.max_tokens = trainer, max_tokens
+        self.sessions: set[str] = set()
+        self.futures: collections.OrderedDict[str, concurrent.futures.Future] = collections.OrderedDict()
+        self.jobs: queue.Queue = queue.Queue()
+        self.worker = threading.Thread(target=self._work, name="plait-tinker-trainer", daemon=True)
+        self.worker.start()
+
+    def close(self) -> None:
+        self.jobs.put(None)
+        self.worker.join(timeout=30)
+
+    def _work(self) -> None:
+        while (job := self.jobs.get()) is not None:
+            future, fn, args = job
+            try:
+                future.set_result(fn(*args))
+            except ApiError as err:
+                future.set_exception(err)
+            except Exception as err:  # noqa: BLE001 - a failed future, the server goes on
+                log.exception("plait tinker: %s failed", fn.__name__)
+                future.set_exception(err)
+
+    def submit(self, request_id: str, fn, *args, **extra) -> JSONResponse:
+        """Queue `fn(*args)` as the future `request_id`, named by what the SDK sent (its model or sampler and seq_id):
+        a retried request finds its first future and is applied once."""
+        if request_id in self.futures:
+            return JSONResponse({"request_id": request_id, **extra})
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self.futures[request_id] = future
+        while len(self.futures) > KEPT_RESULTS:
+            self.futures.popitem(last=False)
+        self.jobs.put((future, fn, args))
+        return JSONResponse({"request_id": request_id, **extra})
+
+    async def run(self, fn, *args):
+        """A job run on the worker (in order with the futures) and awaited here: for the calls the SDK does not poll."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self.jobs.put((future, fn, args))
+        return await asyncio.wrap_future(future)
+
+    # -- checks at the door ----------------------------------------------------------------------------------------
+    def client(self, model_id: str | None) -> str:
+        if model_id not in self.trainer.clients:
+            raise ApiError(404, f"model_id {model_id!r} is not a training client on this server", param="model_id")
+        return model_id
+
+    def base(self, base_model: str | None) -> None:
+        if base_model is not None and base_model != self.trainer.name:
+            raise ApiError(400, f"base_model {base_model!r} is not served here; this server serves "
+                                f"{self.trainer.name!r}", param="base_model")
+
+    def tokens(self, tokens: list[int], field: str, then: int = 0) -> None:
+        """Token ids in the vocabulary, and `then` more tokens (a sample's budget) within the model's context."""
+        context = self.trainer.context
+        if context is not None and len(tokens) + then > context:
+            raise ApiError(400, f"{field} has {len(tokens)} tokens{f' and {then} to sample' if then else ''}: over the "
+                                f"model's context of {context}", param=field)
+        bad = [t for t in tokens if not 0 <= t < self.trainer.vocab]
+        if bad:
+            raise ApiError(400, f"{field} has token ids outside the vocabulary [0, {self.trainer.vocab}): {bad[:5]}",
+                           param=field)
+
+    # -- sessions, config ------------------------------------------------------------------------------------------
+    @endpoint
+    async def client_config(self, request: Request) -> Response:
+        # API keys only (no JWT exchange), plain httpx, one forward_backward chunk at a time in order
+        return JSONResponse({"pjwt_auth_enabled": False, "use_pyqwest_transport": False, "parallel_fwdbwd_chunks": False})
+
+    @endpoint
+    async def dynamic_config(self, request: Request) -> Response:
+        return JSONResponse({"refresh_interval_sec": 300})
+
+    @endpoint
+    async def create_session(self, request: Request) -> Response:
+        session_id = f"plait-{uuid.uuid4().hex[:12]}"
+        self.sessions.add(session_id)
+        return JSONResponse({"type": "create_session", "session_id": session_id})
+
+    @endpoint
+    async def heartbeat(self, request: Request) -> Response:
+        return JSONResponse({"type": "session_heartbeat"})
+
+    @endpoint
+    async def finish(self, request: Request) -> Response:
+        self.sessions.discard(request.path_params["sid"])
+        return JSONResponse({})
+
+    @endpoint
+    async def telemetry(self, request: Request) -> Response:
+        return JSONResponse({"status": "accepted"})  # the SDK's own telemetry: not kept
+
+    @endpoint
+    async def capabilities(self, request: Request) -> Response:
+        return JSONResponse({"supported_models": [{"model_name": self.trainer.name, "trainable": True, "sampleable": True,
+                                                   "max_context_length": self.trainer.context}]})
+
+    @endpoint
+    async def healthz(self, request: Request) -> Response:
+        return JSONResponse({"status": "ok"})
+
+    @endpoint
+    async def cancel(self, request: Request) -> Response:
+        return JSONResponse({})  # a sample runs to its end; its result is simply never retrieved
+
+    # -- training --------------------------------------------------------------------------------------------------
+    @endpoint
+    async def create_model(self, request: Request) -> Response:
+        from tinker import types
+        req = await parse(request, types.CreateModelRequest)
+        self.base(req.base_model)
+        if req.session_id not in self.sessions:
+            raise ApiError(404, f"session_id {req.session_id!r} is not a session of this server", param="session_id")
+        if req.lora_config is None or req.lora_config.rank <= 0:
+            raise ApiError(400, "lora_config.rank must be a positive integer: plait's local Tinker trains LoRA "
+                                "adapters only (no full fine-tuning)", param="lora_config.rank")
+        if req.optimizer_config.type != "adamw":
+            raise ApiError(400, f"optimizer_config.type {req.optimizer_config.type!r} is not served; adamw only",
+                           param="optimizer_config.type")
+        lora = Lora(**req.lora_config.model_dump(include={"rank", "seed", "train_mlp", "train_attn", "train_unembed"}))
+        model_id = f"{req.session_id}:train:{req.model_seq_id}"
+        return self.submit(f"{model_id}:create", self.trainer.create, model_id, lora, model_id=model_id)
+
+    @endpoint
+    async def get_info(self, request: Request) -> Response:
+        from tinker import types
+        req = await parse(request, types.GetInfoRequest)
+        return JSONResponse(self.trainer.info(self.client(req.model_id)))
+
+    @endpoint
+    async def forward_backward(self, request: Request) -> Response:
+        if "protobuf" not in request.headers.get("content-type", ""):
+            raise ApiError(400, "forward_backward takes the SDK's protobuf body (Content-Type: application/x-protobuf)",
+                           param="Content-Type")
+        req = decode_forward_backward(await request.body(), request.headers.get("content-encoding"))
+        self.client(req.model_id)
+        for i, datum in enumerate(req.data):
+            self.tokens(datum.tokens, f"data[{i}].model_input")
+            self.tokens(datum.inputs["target_tokens"].tolist(), f"data[{i}].loss_fn_inputs.target_tokens")
+        return self.submit(f"{req.model_id}:{req.seq_id}", self.trainer.forward_backward, req, model_id=req.model_id)
+
+    @endpoint
+    async def optim_step(self, request: Request) -> Response:
+        from tinker import types
+        req = await parse(request, types.OptimStepRequest)
+        self.client(req.model_id)
+        if not isinstance(req.optim_params, types.AdamParams):
+            raise ApiError(400, f"optim_params of type {req.optim_params.type!r} are not served; AdamParams only",
+                           param="optim_params")
+        return self.submit(seq(req.model_id, req.seq_id), self.trainer.optim_step, req.model_id, req.optim_params,
+                           model_id=req.model_id)
+
+    @endpoint
+    async def save_weights(self, request: Request) -> Response:
+        from tinker import types
+        req = await parse(request, types.SaveWeightsRequest)
+        self.client(req.model_id)
+        name = self._name(req.path)
+        return self.submit(seq(req.model_id, req.seq_id), self.trainer.save, req.model_id, name, "weights", req.overwrite,
+                           model_id=req.model_id)
+
+    @endpoint
+    async def load_weights(self, request: Request) -> Response:
+        from tinker import types
+        req = await parse(request, types.LoadWeightsRequest)
+        self.trainer.folder(req.path)  # a malformed path is refused now
+        if req.model_id is not None:
+            self.client(req.model_id)
+            return self.submit(seq(req.model_id, req.seq_id), self.trainer.load, req.model_id, req.path, req.optimizer,
+                               model_id=req.model_id)
+        if req.session_id not in self.sessions or req.model_seq_id is None:
+            raise ApiError(404, f"session_id {req.session_id!r} is not a session of this server", param="session_id")
+        self.base(req.base_model)
+        model_id = f"{req.session_id}:train:{req.model_seq_id}"
+        return self.submit(f"{model_id}:create", self.trainer.create_from, model_id, req.path, req.optimizer,
+                           model_id=model_id)
+
+    @endpoint
+    async def save_for_sampler(self, request: Request) -> Response:
+        from tinker import types
+        req = await parse(request, types.SaveWeightsForSamplerRequest)
+        self.client(req.model_id)
+        if req.path is not None:
+            name = self._name(req.path)
+            return self.submit(seq(req.model_id, req.seq_id), self.trainer.save, req.model_id, name, "sampler_weights",
+                               True, model_id=req.model_id)
+        if req.kind != "snapshot":
+            raise ApiError(400, f"kind {req.kind!r} is not served; snapshot only", param="kind")
+        sampler_id = f"{req.model_id}:sample:{req.sampling_session_seq_id}"
+        return self.submit(seq(req.model_id, req.seq_id), self.trainer.sampler_from_client, sampler_id, req.model_id,
+                           model_id=req.model_id)
+
+    @staticmethod
+    def _name(path: str | None) -> str:
+        if not path or "/" in path or path in (".", ".."):
+            raise ApiError(400, f"path {path!r} must be a checkpoint name (no '/')", param="path")
+        return path
+
+    # -- sampling --------------------------------------------------------------------------------------------------
+    @endpoint
+    async def create_sampling_session(self, request: Request) -> Response:
+        from tinker import types
+        req = await parse(request, types.CreateSamplingSessionRequest)
+        if req.model_path is None:
+            self.base(req.base_model or self.trainer.name)
+        else:
+            self.trainer.folder(req.model_path, "model_path")
+        sampler_id = f"{req.session_id}:sample:{req.sampling_session_seq_id}"
+        await self.run(self.trainer.sampler_from_path, sampler_id, req.model_path)
+        return JSONResponse({"type": "create_sampling_session", "sampling_session_id": sampler_id})
+
+    @endpoint
+    async def get_sampler(self, request: Request) -> Response:
+        sampler_id = request.path_params["sid"]
+        if sampler_id not in self.trainer.samplers:
+            raise ApiError(404, f"sampler {sampler_id!r} is not a sampling session of this server", param="sampler_id")
+        return JSONResponse({"sampler_id": sampler_id, "base_model": self.trainer.name,
+                             "model_path": self.trainer.samplers[sampler_id].model_path})
+
+    @endpoint
+    async def asample(self, request: Request) -> Response:
+        from tinker import types
+        req = await parse(request, types.SampleRequest)
+        if req.sampling_session_id not in self.trainer.samplers:
+            raise ApiError(404, f"sampling_session_id {req.sampling_session_id!r} is not a sampling session of this "
+                                "server (sampling by model_path or base_model without a session is not served)",
+                           param="sampling_session_id")
+        for name in ("topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k"):
+            if getattr(req, name):
+                raise ApiError(400, f"{name} is not served (0 only)", param=name)
+        if req.target_prompt_logprobs is not None or req.prompt_logprobs_last_n is not None or req.record_stability_info:
+            field = next(f for f in ("target_prompt_logprobs", "prompt_logprobs_last_n", "record_stability_info")
+                         if getattr(req, f))
+            raise ApiError(400, f"{field} is not served", param=field)
+        try:
+            prompt = req.prompt.to_ints()
+        except ValueError as err:
+            raise ApiError(400, f"prompt: {err}", param="prompt") from None
+        if not prompt:
+            raise ApiError(400, "prompt is empty", param="prompt")
+        if req.num_samples < 1:
+            raise ApiError(400, f"num_samples must be at least 1, got {req.num_samples}", param="num_samples")
+        params = self._sample_params(req.sampling_params)
+        self.tokens(prompt, "prompt", then=params.max_tokens)
+        sequence_ids = [f"{req.sampling_session_id}:{req.seq_id}:{i}" for i in range(req.num_samples)]
+        return self.submit(seq(req.sampling_session_id, req.seq_id), self.trainer.sample, req.sampling_session_id, prompt,
+                           req.num_samples, params, bool(req.prompt_logprobs), sample_sequence_ids=sequence_ids)
+
+    def _sample_params(self, sp) -> SampleParams:
+        if sp.max_tokens is not None and sp.max_tokens < 1:
+            raise ApiError(400, f"sampling_params.max_tokens must be at least 1, got {sp.max_tokens}",
+                           param="sampling_params.max_tokens")
+        if sp.temperature < 0 or not 0 < sp.top_p <= 1:
+            field = "temperature" if sp.temperature < 0 else "top_p"
+            raise ApiError(400, f"sampling_params.{field} is out of range ({getattr(sp, field)})",
+                           param=f"sampling_params.{field}")
+        stop = sp.stop if isinstance(sp.stop, (list, tuple)) else [sp.stop] if sp.stop is not None else None
+        ids = {t for t in stop if isinstance(t, int)} if stop is not None else set(self.trainer.eos_ids)
+        strings = [s for s in stop or [] if isinstance(s, str)]
+        return SampleParams(sp.max_tokens or self.max_tokens, sp.temperature, sp.top_k, sp.top_p, sp.seed, ids, strings)
+
+    # -- futures ---------------------------------------------------------------------------------------------------
+    @endpoint
+    async def retrieve_future(self, request: Request) -> Response:
+        from tinker import types
+        request_id = (await parse(request, types.FutureRetrieveRequest)).request_id
+        future = self.futures.get(request_id)
+        if future is None:
+            raise ApiError(404, f"request_id {request_id!r} is not a future of this server", param="request_id")
+        if not future.done():
+            try:
+                await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), POLL_S)
+            except asyncio.TimeoutError:
+                return JSONResponse({"type": "try_again", "request_id": request_id, "queue_state": "active"})
+            except Exception:  # noqa: BLE001 - the job's failure, read from the future below
+                pass
+        try:
+            result = future.result()
+        except ApiError as err:
+            return JSONResponse({"error": err.message, "category": "user"})
+        except Exception as err:  # noqa: BLE001 - the job's failure, as the API's failed future
+            return JSONResponse({"error": f"{type(err).__name__}: {err}", "category": "server"})
+        if isinstance(result, bytes):
+            return Response(result, media_type="application/x-protobuf")
+        return JSONResponse(result)
+
+    async def unserved(self, request: Request) -> Response:
+        return error(ApiError(404, f"{request.method} {request.url.path} is not served by plait's local Tinker "
+                                   "(docs/tinker.md lists what is)", param="path"))
+
+
+def tinker_routes(api: TinkerApi) -> list[Route]:
+    post = [("client/config", api.client_config), ("client/dynamic_config", api.dynamic_config),
+            ("create_session", api.create_session), ("session_heartbeat", api.heartbeat),
+            ("sessions/{sid}/finish", api.finish), ("telemetry", api.telemetry), ("cancel_future", api.cancel),
+            ("create_model", api.create_model), ("get_info", api.get_info), ("forward_backward", api.forward_backward),
+            ("optim_step", api.optim_step), ("save_weights", api.save_weights), ("load_weights", api.load_weights),
+            ("save_weights_for_sampler", api.save_for_sampler), ("create_sampling_session", api.create_sampling_session),
+            ("asample", api.asample), ("retrieve_future", api.retrieve_future)]
+    get = [("get_server_capabilities", api.capabilities), ("healthz", api.healthz), ("samplers/{sid}", api.get_sampler)]
+    return ([Route(f"/api/v1/{path}", fn, methods=["POST"]) for path, fn in post]
+            + [Route(f"/api/v1/{path}", fn, methods=["GET"]) for path, fn in get]
+            + [Route("/api/v1/{rest:path}", api.unserved, methods=["GET", "POST", "PUT", "DELETE", "PATCH"])])

@@ -1,0 +1,346 @@
+"""The training side of the local Tinker: one base model, a LoRA adapter (peft) per training client and per
+sampler snapshot, each client's own AdamW, and `tinker://` checkpoints in a local folder.
+
+Clients never mix: each is an adapter of its own name in one PeftModel, made active for its requests only
+(peft runs only the active adapter, so no other adapter's weights take part or get gradients), with an
+optimizer over its own parameters. A sampler (`save_weights_and_get_sampling_client`) is a frozen copy of
+the client's adapter at that moment, so later training does not move what it samples; its sampled
+log-probs come from the same forward as `compute_logprobs` and `forward` (on-policy by construction).
+
+Every method here runs on the service's one worker thread (routes.py), so requests never race.
+`tinker://RUN/weights/NAME` (save_state: adapter + optimizer) and `tinker://RUN/sampler_weights/NAME`
+(adapter only) are the folders ROOT/RUN/weights/NAME and ROOT/RUN/sampler_weights/NAME: `state.pt` for this server,
+and `adapter/`, the adapter as peft saves one, for anything else that loads peft adapters.
+
+Left out: full fine-tuning (rank 0), sampling through plait's rollout engines (samples are drawn here, token
+by token with the KV cache), top-k and prompt-token alternatives, evicting old samplers (each is an adapter).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+
+from plait.algorithms.losses import token_logprobs
+from plait.serving.protocol import ApiError
+from plait.serving.tinker.losses import LOSSES
+from plait.serving.tinker.wire import FwdBwd, encode_forward_backward, encode_sample
+
+LORA_ALPHA = 32  # Tinker's LoRA scale is alpha / rank with alpha 32
+STATE_FILE = "state.pt"
+
+
+@dataclass
+class Lora:
+    rank: int
+    seed: int | None = None
+    train_mlp: bool = True
+    train_attn: bool = True
+    train_unembed: bool = True
+
+
+@dataclass
+class Client:
+    """A training client: its adapter's name, its parameters (by name with the adapter named `{}`), its optimizer."""
+    model_id: str
+    adapter: str
+    lora: Lora
+    params: dict[str, torch.nn.Parameter]
+    optimizer: torch.optim.Optimizer
+    steps: int = 0
+
+
+@dataclass
+class Sampler:
+    adapter: str | None           # None: the base model
+    model_path: str | None = None
+    lora: Lora | None = None
+
+
+@dataclass
+class SampleParams:
+    max_tokens: int
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_ids: set[int] = field(default_factory=set)
+    stop_strings: list[str] = field(default_factory=list)
+
+
+class TinkerTrainer:
+    def __init__(self, path: str, name: str, tokenizer, eos_ids: list[int], root: str):
+        from transformers import AutoConfig
+        self.path, self.name, self.tokenizer, self.eos_ids, self.root = path, name, tokenizer, eos_ids, root
+        config = AutoConfig.from_pretrained(path, local_files_only=True)
+        text = config.get_text_config()  # a VL model's language part (the config itself for a causal LM)
+        self.arch, self.vocab = config.model_type, text.vocab_size
+        self.context = getattr(text, "max_position_embeddings", None)  # not every architecture names one
+        self.model = None  # loaded by the first request that needs it (base())
+        self.linears: dict[str, list[str]] = {"mlp": [], "attn": [], "unembed": []}
+        self.peft = None
+        self.clients: dict[str, Client] = {}
+        self.samplers: dict[str, Sampler] = {}
+        self.adapters = 0
+
+    # -- adapters -------------------------------------------------------------------------------------------------
+    def base(self):
+        """The served model, loaded on first use: a `plait serve` that is never asked to train holds no second copy."""
+        from plait.models import load_causal_lm
+        if self.model is None:
+            self.model = load_causal_lm(self.path).eval()  # eval: no dropout; gradients still flow to the adapters
+            self.model.requires_grad_(False)
+            for mod_name, module in self.model.named_modules():
+                if isinstance(module, torch.nn.Linear):
+                    kind = "unembed" if mod_name.split(".")[-1] == "lm_head" else "mlp" \
+                        if ".mlp." in f".{mod_name}." else "attn" if "attn" in mod_name else None
+                    if kind:
+                        self.linears[kind].append(mod_name)
+        return self.model
+
+    def _add_adapter(self, lora: Lora) -> str:
+        from peft import LoraConfig, get_peft_model
+        self.base()
+        targets = [m for kind in ("mlp", "attn", "unembed") if getattr(lora, f"train_{kind}") for m in self.linears[kind]]
+        if not targets:
+            raise ApiError(400, f"lora_config trains nothing on this model (its linear layers: "
+                                f"{ {k: len(v) for k, v in self.linears.items()} })", param="lora_config")
+        name = f"a{self.adapters}"  # peft's adapter names are module keys: no dots or colons
+        self.adapters += 1
+        config = LoraConfig(r=lora.rank, lora_alpha=LORA_ALPHA, target_modules=targets, lora_dropout=0.0, bias="none")
+        with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+            # peft warns that a LoRA on a head tied to the embeddings leaves the embeddings as they are: as meant here
+            warnings.filterwarnings("ignore", message=".*tie_word_embeddings.*")
+            torch.manual_seed(lora.seed if lora.seed is not None else int.from_bytes(os.urandom(4), "little"))
+            if self.peft is None:
+                self.peft = get_peft_model(self.model, config, adapter_name=name)
+            else:
+                self.peft.add_adapter(name, config)
+        return name
+
+    def _params(self, adapter: str) -> dict[str, torch.nn.Parameter]:
+        tag = f".{adapter}."
+        return {n.replace(tag, ".{}."): p for n, p in sorted(self.peft.named_parameters()) if tag in n}
+
+    def _net(self, adapter: str | None):
+        """The model with `adapter` active (None: the base model, adapters off); a context manager."""
+        import contextlib
+        if self.peft is None:
+            return contextlib.nullcontext(self.base())
+        if adapter is None:
+            @contextlib.contextmanager
+            def base():
+                with self.peft.disable_adapter():
+                    yield self.peft
+            return base()
+        self.peft.base_model.set_adapter(adapter)
+        for p in self._params(adapter).values():  # set_adapter freezes the others; its own must train
+            p.requires_grad_(True)
+        return contextlib.nullcontext(self.peft)
+
+    # -- training clients -----------------------------------------------------------------------------------------
+    def create(self, model_id: str, lora: Lora) -> dict:
+        adapter = self._add_adapter(lora)
+        params = self._params(adapter)
+        self.clients[model_id] = Client(model_id, adapter, lora, params, torch.optim.AdamW(params.values(), weight_decay=0.0))
+        return {"model_id": model_id, "type": "create_model"}
+
+    def info(self, model_id: str) -> dict:
+        client = self.clients[model_id]
+        return {"type": "get_info", "model_id": model_id, "is_lora": True, "lora_rank": client.lora.rank,
+                "model_name": self.name, "model_data": {"arch": self.arch, "model_name": self.name,
+                                                        "tokenizer_id": self.path}}
+
+    def logprobs(self, net, rows: list[tuple[list[int], list[int] | torch.Tensor]]) -> list[torch.Tensor]:
+        """Log-prob of each row's target at each of its positions ([len(row)] each), rows right-padded into one batch."""
+        n = max(len(tokens) for tokens, _ in rows)
+        ids = torch.zeros(len(rows), n, dtype=torch.long)
+        targets = torch.zeros_like(ids)
+        mask = torch.zeros_like(ids)
+        for i, (tokens, target) in enumerate(rows):
+            ids[i, :len(tokens)] = torch.as_tensor(tokens)
+            targets[i, :len(tokens)] = torch.as_tensor(target)
+            mask[i, :len(tokens)] = 1
+        logits = net(input_ids=ids, attention_mask=mask).logits  # [batch, n, vocab]
+        logp = token_logprobs(logits, targets)  # [batch, n]
+        return [logp[i, :len(tokens)] for i, (tokens, _) in enumerate(rows)]
+
+    def forward_backward(self, req: FwdBwd) -> bytes:
+        client = self.clients[req.model_id]
+        loss_fn = LOSSES[req.loss_fn][0]
+        with self._net(client.adapter) as net, torch.set_grad_enabled(not req.forward_only):
+            logps = self.logprobs(net, [(d.tokens, d.inputs["target_tokens"]) for d in req.data])
+            losses = [loss_fn(logp, d.inputs, req.config) for logp, d in zip(logps, req.data)]
+            total = torch.stack([loss.sum() for loss in losses]).sum()
+            if not torch.isfinite(total):  # refused before its backward: it would poison the gradients kept so far
+                raise ApiError(400, f"{req.loss_fn} gave a non-finite loss (check the inputs' logprobs and "
+                                    "advantages)", param="loss_fn_inputs")
+            if not req.forward_only and total.requires_grad:
+                total.backward()  # gradients add up over calls until optim_step
+        outputs = [{"logprobs": logp.detach(), "elementwise_loss": loss.detach()} for logp, loss in zip(logps, losses)]
+        return encode_forward_backward(outputs, {"loss:sum": total.item()})
+
+    def optim_step(self, model_id: str, adam) -> dict:
+        client = self.clients[model_id]
+        for group in client.optimizer.param_groups:
+            group.update(lr=adam.learning_rate, betas=(adam.beta1, adam.beta2), eps=adam.eps,
+                         weight_decay=adam.weight_decay)
+        params = [p for p in client.params.values() if p.grad is not None]
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, adam.grad_clip_norm if adam.grad_clip_norm > 0 else math.inf) \
+            if params else torch.tensor(0.0)
+        client.optimizer.step()
+        client.optimizer.zero_grad(set_to_none=True)
+        client.steps += 1
+        return {"metrics": {"grad_norm:mean": float(grad_norm), "step:max": float(client.steps)}}
+
+    # -- checkpoints ----------------------------------------------------------------------------------------------
+    def folder(self, tinker_path: str, field_name: str = "path") -> str:
+        """ROOT/RUN/KIND/NAME for tinker://RUN/KIND/NAME (ApiError naming `field_name` when it is not one)."""
+        parts = tinker_path.removeprefix("tinker://").split("/")
+        if not tinker_path.startswith("tinker://") or len(parts) != 3 or parts[1] not in ("weights", "sampler_weights") \
+                or any(p in ("", ".", "..") for p in parts):
+            raise ApiError(400, f"{field_name} {tinker_path!r} is not tinker://RUN/weights/NAME or "
+                                "tinker://RUN/sampler_weights/NAME", param=field_name)
+        return os.path.join(self.root, *parts)
+
+    def save(self, model_id: str, name: str, kind: str, overwrite: bool) -> dict:
+        """The client's adapter (and, for `weights`, its optimizer) at tinker://MODEL/KIND/NAME."""
+        client = self.clients[model_id]
+        path = f"tinker://{model_id}/{kind}/{name}"
+        folder = self.folder(path)
+        if os.path.exists(os.path.join(folder, STATE_FILE)) and not overwrite:
+            raise ApiError(409, f"{path} exists (save with overwrite=True to replace it)", param="path")
+        state = {"base_model": self.name, "lora": vars(client.lora),
+                 "adapter": {n: p.detach().clone() for n, p in client.params.items()}}
+        if kind == "weights":
+            state["optimizer"] = client.optimizer.state_dict()
+        os.makedirs(folder, exist_ok=True)
+        self._save_peft(client.adapter, os.path.join(folder, "adapter"))
+        torch.save(state, os.path.join(folder, STATE_FILE) + ".tmp")  # last: a state.pt is a complete checkpoint
+        os.replace(os.path.join(folder, STATE_FILE) + ".tmp", os.path.join(folder, STATE_FILE))
+        return {"path": path, "type": "save_weights" if kind == "weights" else "save_weights_for_sampler"}
+
+    def _save_peft(self, adapter: str, folder: str) -> None:
+        """The adapter as peft saves one (adapter_config.json, adapter_model.safetensors) over the served model's
+        folder: `PeftModel.from_pretrained(base, folder)` loads it without plait."""
+        import copy
+
+        from peft import get_peft_model_state_dict
+        from safetensors.torch import save_file
+        config = copy.deepcopy(self.peft.peft_config[adapter])
+        config.base_model_name_or_path = os.path.abspath(self.path)
+        config.save_pretrained(folder)
+        weights = get_peft_model_state_dict(self.peft, adapter_name=adapter)
+        save_file({k: v.detach().contiguous() for k, v in weights.items()}, os.path.join(folder, "adapter_model.safetensors"))
+
+    def read(self, path: str, field_name: str = "path") -> dict:
+        file = os.path.join(self.folder(path, field_name), STATE_FILE)
+        if not os.path.isfile(file):
+            raise ApiError(404, f"{field_name} {path!r}: no such checkpoint on this server (under {self.root})",
+                           param=field_name)
+        return torch.load(file, weights_only=True)
+
+    def load(self, model_id: str, path: str, optimizer: bool) -> dict:
+        state = self.read(path)
+        client = self.clients[model_id]
+        saved = Lora(**state["lora"])
+        if (saved.rank, saved.train_mlp, saved.train_attn, saved.train_unembed) != \
+                (client.lora.rank, client.lora.train_mlp, client.lora.train_attn, client.lora.train_unembed):
+            raise ApiError(400, f"{path} was saved with LoRA {state['lora']}, this client has {vars(client.lora)}",
+                           param="path")
+        self._copy_into(client.params, state["adapter"])
+        if optimizer:
+            if "optimizer" not in state:
+                raise ApiError(400, f"{path} holds no optimizer state (a sampler checkpoint)", param="optimizer")
+            client.optimizer.load_state_dict(state["optimizer"])
+        client.optimizer.zero_grad(set_to_none=True)
+        return {"path": path, "model_id": model_id, "type": "load_weights"}
+
+    def create_from(self, model_id: str, path: str, optimizer: bool) -> dict:
+        state = self.read(path)
+        self.create(model_id, Lora(**state["lora"]))
+        return self.load(model_id, path, optimizer)
+
+    @staticmethod
+    def _copy_into(params: dict[str, torch.nn.Parameter], saved: dict[str, torch.Tensor]) -> None:
+        with torch.no_grad():
+            for n, p in params.items():
+                p.copy_(saved[n])
+
+    # -- samplers -------------------------------------------------------------------------------------------------
+    def sampler_from_client(self, sampler_id: str, model_id: str) -> dict:
+        client = self.clients[model_id]
+        adapter = self._add_adapter(client.lora)
+        params = self._params(adapter)
+        self._copy_into(params, {n: p for n, p in client.params.items()})
+        for p in params.values():
+            p.requires_grad_(False)
+        self.samplers[sampler_id] = Sampler(adapter, None, client.lora)
+        return {"sampling_session_id": sampler_id, "type": "save_weights_for_sampler"}
+
+    def sampler_from_path(self, sampler_id: str, path: str | None) -> None:
+        if path is None:
+            self.samplers[sampler_id] = Sampler(None)
+            return
+        state = self.read(path, "model_path")
+        lora = Lora(**state["lora"])
+        adapter = self._add_adapter(lora)
+        params = self._params(adapter)
+        self._copy_into(params, state["adapter"])
+        for p in params.values():
+            p.requires_grad_(False)
+        self.samplers[sampler_id] = Sampler(adapter, path, lora)
+
+    @torch.no_grad()
+    def sample(self, sampler_id: str, prompt: list[int], num_samples: int, params: SampleParams,
+               with_prompt_logprobs: bool) -> bytes:
+        """`num_samples` continuations of `prompt`, each token's log-prob under the model itself (temperature 1: what
+        `compute_logprobs` and `forward` give for the same tokens)."""
+        sampler = self.samplers[sampler_id]
+        generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+        with self._net(sampler.adapter) as net:
+            ids = torch.tensor([prompt] * num_samples)  # [n, prompt]
+            out = net(input_ids=ids, use_cache=True)
+            prompt_logprobs = None
+            if with_prompt_logprobs:
+                prompt_logprobs = [math.nan] + token_logprobs(out.logits[:1, :-1], ids[:1, 1:])[0].tolist()
+            cache, logits = out.cache, out.logits[:, -1].float()  # [n, vocab]
+            tokens = [[] for _ in range(num_samples)]
+            logprobs = [[] for _ in range(num_samples)]
+            reasons = ["length"] * num_samples
+            for _ in range(params.max_tokens):
+                logp = torch.log_softmax(logits, dim=-1)  # [n, vocab]
+                picked = _pick(logits, params, generator)  # [n]
+                for i, token in enumerate(picked.tolist()):
+                    if reasons[i] == "stop":
+                        continue
+                    tokens[i].append(token)
+                    logprobs[i].append(logp[i, token].item())
+                    if token in params.stop_ids or (params.stop_strings and any(
+                            s in self.tokenizer.decode(tokens[i]) for s in params.stop_strings)):
+                        reasons[i] = "stop"
+                if all(r == "stop" or len(t) >= params.max_tokens for r, t in zip(reasons, tokens)):
+                    break
+                out = net(input_ids=picked[:, None], cache=cache, use_cache=True)
+                cache, logits = out.cache, out.logits[:, -1].float()
+        return encode_sample(list(zip(tokens, logprobs, reasons)), prompt_logprobs)
+
+
+def _pick(logits: torch.Tensor, params: SampleParams, generator) -> torch.Tensor:
+    """The next token of each row [n] from logits [n, vocab]: greedy at temperature 0, else top-k / top-p sampling."""
+    if params.temperature == 0:
+        return logits.argmax(-1)
+    z = logits / params.temperature
+    if params.top_k > 0:
+        kth = z.topk(min(params.top_k, z.shape[-1]), dim=-1).values[:, -1:]
+        z = z.masked_fill(z < kth, -math.inf)
+    if params.top_p < 1:
+        sorted_z, order = z.sort(dim=-1, descending=True)
+        probs = torch.softmax(sorted_z, dim=-1)
+        drop = probs.cumsum(-1) - probs > params.top_p  # keep the smallest prefix reaching top_p
+        z = z.scatter(-1, order, sorted_z.masked_fill(drop, -math.inf))
+    return torch.multinomial(torch.softmax(z, dim=-1), 1, generator=generator).squeeze(-1)

@@ -1,0 +1,287 @@
+"""The local Tinker (plait/serving/tinker) driven only by the real `tinker` SDK (0.38) against `plait serve`'s server
+(ModelServer with tinker_dir) on 127.0.0.1, over a tiny model built here: SFT lowers its loss, sampled log-probs
+equal compute_logprobs and the trainer's forward, an RL loop with importance_sampling and ppo stays finite,
+save_state/load_state round-trips the loss exactly, two LoRA clients do not mix, and malformed requests fail fast
+naming the field while the server keeps serving. One server for the module."""
+
+import math
+import os
+import time
+import warnings
+
+import pytest
+import torch
+
+tinker = pytest.importorskip("tinker")
+from tinker import types  # noqa: E402
+
+from plait.config import RolloutConfig  # noqa: E402
+from plait.profiler.config import GlobalProfilerConfig, RoleProfilerConfig  # noqa: E402
+from plait.profiler.session import ProfilerSession  # noqa: E402
+from plait.serving.serve import ModelServer  # noqa: E402
+
+NAME = "tiny-tinker"
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    from plait.models import create_tiny_model
+    root = tmp_path_factory.mktemp("tinker")
+    path = create_tiny_model(root / "model", size="xs", seed=3)
+    profiler = ProfilerSession(GlobalProfilerConfig(), {"rollout": RoleProfilerConfig()}, rank=0).for_role("rollout")
+    server = ModelServer(path, RolloutConfig(name="hf"), profiler, name=NAME, max_tokens=16, tinker_dir=str(root / "ckpt"))
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("TINKER_TELEMETRY", "0")  # the SDK's telemetry posts would only add requests
+        yield server
+    server.close()
+
+
+@pytest.fixture(scope="module")
+def service(served):
+    client = tinker.ServiceClient(base_url=served.url, api_key="tml-local-test")
+    yield client
+    client.close("success").result(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(served):
+    return served.gateway.tokenizer
+
+
+def sft_datum(tokenizer, text: str) -> types.Datum:
+    ids = tokenizer.encode(text)
+    return types.Datum(model_input=types.ModelInput.from_ints(ids[:-1]),
+                       loss_fn_inputs={"target_tokens": ids[1:], "weights": [1.0] * (len(ids) - 1)})
+
+
+def step(client, data, loss_fn="cross_entropy", lr=1e-2, config=None):
+    fwd_bwd = client.forward_backward(data, loss_fn, config)
+    optim = client.optim_step(types.AdamParams(learning_rate=lr))
+    out = fwd_bwd.result(timeout=60)
+    optim.result(timeout=60)
+    return out
+
+
+def forward_logprobs(client, data) -> list[list[float]]:
+    out = client.forward(data, "cross_entropy").result(timeout=60)
+    return [o["logprobs"].tolist() for o in out.loss_fn_outputs]
+
+
+def test_sft_with_cross_entropy_lowers_the_loss_and_reports_per_token_outputs(service, tokenizer):
+    client = service.create_lora_training_client(base_model=NAME, rank=4, seed=0).result(timeout=60)
+    data = [sft_datum(tokenizer, "hello world, hello plait"), sft_datum(tokenizer, "tinker on a laptop")]
+    losses = []
+    for _ in range(4):
+        out = step(client, data)
+        losses.append(out.metrics["loss:sum"])
+    assert losses[-1] < 0.8 * losses[0], losses
+    first = out.loss_fn_outputs[0]
+    n = len(tokenizer.encode("hello world, hello plait")) - 1
+    assert first["logprobs"].shape == [n] and first["elementwise_loss"].shape == [n]
+    total = sum(-sum(o["logprobs"].tolist()) for o in out.loss_fn_outputs)  # weights are ones
+    assert total == pytest.approx(out.metrics["loss:sum"], rel=1e-5)
+    info = client.get_info()
+    assert info.lora_rank == 4 and info.model_data.model_name == NAME
+
+
+def test_sampled_logprobs_equal_compute_logprobs_and_the_trainers_forward(service, tokenizer):
+    client = service.create_lora_training_client(base_model=NAME, rank=4, seed=1).result(timeout=60)
+    step(client, [sft_datum(tokenizer, "abcabcabc")])  # a non-zero adapter: the sampler must carry it
+    sampler = client.save_weights_and_get_sampling_client().result(timeout=60)
+    prompt = tokenizer.encode("abc")
+    result = sampler.sample(types.ModelInput.from_ints(prompt), 2, types.SamplingParams(max_tokens=8, seed=7)).result(timeout=60)
+    assert len(result.sequences) == 2
+    scored_first = None
+    for seq in result.sequences:
+        assert len(seq.tokens) == len(seq.logprobs) > 0
+        scored = sampler.compute_logprobs(types.ModelInput.from_ints(prompt + seq.tokens)).result(timeout=60)
+        assert scored[0] is None
+        assert torch.allclose(torch.tensor(scored[len(prompt):]), torch.tensor(seq.logprobs), atol=1e-3)
+        scored_first = scored_first or scored
+        ids = prompt + seq.tokens
+        datum = types.Datum(model_input=types.ModelInput.from_ints(ids[:-1]), loss_fn_inputs={"target_tokens": ids[1:]})
+        trained = forward_logprobs(client, [datum])[0][len(prompt) - 1:]
+        assert torch.allclose(torch.tensor(trained), torch.tensor(seq.logprobs), atol=1e-3)  # on-policy
+    # the sampler is a snapshot: training further does not move what it samples
+    step(client, [sft_datum(tokenizer, "abcabcabc")])
+    again = sampler.compute_logprobs(types.ModelInput.from_ints(prompt + result.sequences[0].tokens)).result(timeout=60)
+    assert again == scored_first
+    base = service.create_sampling_client(base_model=NAME).result(timeout=60)
+    base_lp = base.compute_logprobs(types.ModelInput.from_ints(prompt + result.sequences[0].tokens)).result(timeout=60)
+    assert base_lp[1:] != pytest.approx(again[1:], abs=1e-4)  # the base model is not the adapter
+
+
+CONFIGS = {"importance_sampling": None, "ppo": {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1},
+           "cispo": {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1}, "dro": {"beta": 0.1}}
+
+
+@pytest.mark.parametrize("loss_fn", CONFIGS)
+def test_an_rl_loop_gives_finite_outputs(service, tokenizer, loss_fn):
+    client = service.create_lora_training_client(base_model=NAME, rank=4, seed=2).result(timeout=60)
+    prompt = tokenizer.encode("count a:")
+    for _ in range(2):
+        sampler = client.save_weights_and_get_sampling_client().result(timeout=60)
+        sampled = sampler.sample(types.ModelInput.from_ints(prompt), 4, types.SamplingParams(max_tokens=6)).result(timeout=60)
+        rewards = [tokenizer.decode(s.tokens).count("a") for s in sampled.sequences]
+        mean = sum(rewards) / len(rewards)
+        data = []
+        for seq, reward in zip(sampled.sequences, rewards):
+            ids = prompt + seq.tokens
+            n = len(ids) - 1
+            zeros = [0.0] * (len(prompt) - 1)
+            data.append(types.Datum(model_input=types.ModelInput.from_ints(ids[:-1]), loss_fn_inputs={
+                "target_tokens": ids[1:], "logprobs": zeros + list(seq.logprobs),
+                "advantages": zeros + [reward - mean + 0.5] * (n - len(zeros))}))
+        out = step(client, data, loss_fn, lr=1e-3, config=CONFIGS[loss_fn])
+        assert math.isfinite(out.metrics["loss:sum"])
+        for o in out.loss_fn_outputs:
+            assert torch.isfinite(o["logprobs"].to_torch()).all() and torch.isfinite(o["elementwise_loss"].to_torch()).all()
+    # on-policy data (the ratio is 1 on sampled tokens): importance_sampling's and ppo's loss is -sum(advantages);
+    # cispo's weighs each advantage by its token's log-prob; dro's adds beta/2 * (logp - logprobs)^2 (the prompt's)
+    advantages = [a for d in data for a in d.loss_fn_inputs["advantages"].tolist()]
+    sampled = [lp for d in data for lp in d.loss_fn_inputs["logprobs"].tolist()]
+    logprobs = [lp for o in out.loss_fn_outputs for lp in o["logprobs"].tolist()]
+    expected = {"importance_sampling": lambda a, lp, old: -a, "ppo": lambda a, lp, old: -a,
+                "cispo": lambda a, lp, old: -a * lp,
+                "dro": lambda a, lp, old: -(a * lp - 0.05 * (lp - old) ** 2)}[loss_fn]
+    expected = sum(expected(a, lp, old) for a, lp, old in zip(advantages, logprobs, sampled))
+    assert out.metrics["loss:sum"] == pytest.approx(expected, rel=1e-3, abs=1e-3)
+
+
+def test_save_state_and_load_state_round_trip_the_loss_exactly(served, service, tokenizer):
+    client = service.create_lora_training_client(base_model=NAME, rank=4, seed=3).result(timeout=60)
+    data = [sft_datum(tokenizer, "save me, load me")]
+    step(client, data)
+    saved = client.save_state("step1").result(timeout=60)
+    assert saved.path == f"tinker://{client.model_id}/weights/step1"
+    loss_at_save = client.forward(data, "cross_entropy").result(timeout=60).metrics["loss:sum"]
+    after_one = step(client, data).metrics["loss:sum"]  # the loss before this step's update
+    assert after_one == loss_at_save
+    moved = client.forward(data, "cross_entropy").result(timeout=60).metrics["loss:sum"]
+    assert moved != loss_at_save
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # load_state_with_optimizer is deprecated in 0.38, still served
+        client.load_state_with_optimizer(saved.path).result(timeout=60)
+    assert client.forward(data, "cross_entropy").result(timeout=60).metrics["loss:sum"] == loss_at_save
+    # the checkpoint's adapter/ is a plain peft adapter over the served folder: the same loss without plait's server
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+    adapter = os.path.join(served.tinker.trainer.folder(saved.path), "adapter")
+    peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(served.tinker.trainer.path), adapter)
+    ids = [*data[0].model_input.to_ints(), data[0].loss_fn_inputs["target_tokens"].tolist()[-1]]
+    with torch.no_grad():
+        logp = torch.log_softmax(peft_model(input_ids=torch.tensor([ids])).logits[0, :-1], -1)
+    assert -logp.gather(-1, torch.tensor(ids[1:])[:, None]).sum().item() == pytest.approx(loss_at_save, rel=1e-5)
+    # a new client from the state (the SDK's recommended path), optimizer included: the same next step
+    resumed = service.create_training_client_from_state_with_optimizer(saved.path).result(timeout=60)
+    assert resumed.forward(data, "cross_entropy").result(timeout=60).metrics["loss:sum"] == loss_at_save
+    step(client, data)
+    step(resumed, data)
+    assert resumed.forward(data, "cross_entropy").result(timeout=60).metrics["loss:sum"] == \
+        client.forward(data, "cross_entropy").result(timeout=60).metrics["loss:sum"]
+
+
+def test_futures_answer_try_again_until_done_and_custom_losses_run_client_side(service, tokenizer, monkeypatch):
+    from plait.serving.tinker import routes
+    monkeypatch.setattr(routes, "POLL_S", 0.0)  # every retrieve answers try_again until its job is done
+    client = service.create_lora_training_client(base_model=NAME, rank=2, seed=7).result(timeout=60)
+    data = [sft_datum(tokenizer, "polled until done")]
+    built_in = client.forward(data, "cross_entropy").result(timeout=60).metrics["loss:sum"]
+
+    def custom(data, logprobs):  # the SDK runs it here and sends its gradient as cross_entropy's weights
+        loss = -sum(lp.sum() for lp in logprobs)
+        return loss, {"mine": loss.item()}
+    out = client.forward_backward_custom(data, custom).result(timeout=60)
+    assert out.metrics["mine"] == pytest.approx(built_in, rel=1e-5)
+
+
+def test_a_retried_request_is_applied_once(served, service):
+    import httpx
+    client = service.create_lora_training_client(base_model=NAME, rank=2, seed=8).result(timeout=60)
+    headers = {"X-API-Key": "tml-retry"}
+
+    def optim_step(seq_id: int) -> dict:
+        body = {"adam_params": {"learning_rate": 1e-3}, "model_id": client.model_id, "seq_id": seq_id}
+        request_id = httpx.post(f"{served.url}/api/v1/optim_step", json=body, headers=headers).json()["request_id"]
+        return httpx.post(f"{served.url}/api/v1/retrieve_future", json={"request_id": request_id}, headers=headers,
+                          timeout=30).json()
+    first = optim_step(1000)
+    assert optim_step(1000) == first  # the same request sent again: its first answer, no second step
+    assert optim_step(1001)["metrics"]["step:max"] == first["metrics"]["step:max"] + 1
+
+
+def test_two_lora_clients_train_without_mixing(service, tokenizer):
+    a = service.create_lora_training_client(base_model=NAME, rank=4, seed=4).result(timeout=60)
+    b = service.create_lora_training_client(base_model=NAME, rank=8, seed=5, train_unembed=False).result(timeout=60)
+    data = [sft_datum(tokenizer, "only a learns this")]
+    step(b, data)  # b's own adapter is non-zero
+    a_before, b_before = forward_logprobs(a, data), forward_logprobs(b, data)
+    for _ in range(3):
+        step(a, data)
+    assert forward_logprobs(b, data) == b_before
+    assert forward_logprobs(a, data) != a_before
+
+
+def test_malformed_requests_fail_fast_naming_the_field_and_the_server_keeps_serving(served, service, tokenizer):
+    client = service.create_lora_training_client(base_model=NAME, rank=2, seed=6).result(timeout=60)
+    ids = tokenizer.encode("a malformed datum")
+    short = types.Datum(model_input=types.ModelInput.from_ints(ids[:-1]), loss_fn_inputs={"target_tokens": ids[1:-2]})
+    start = time.time()
+    with pytest.raises(tinker.BadRequestError, match=r"data\[0\]\.loss_fn_inputs\.target_tokens has"):
+        client.forward_backward([short], "cross_entropy").result(timeout=30)
+    missing = types.Datum(model_input=types.ModelInput.from_ints(ids[:-1]), loss_fn_inputs={"target_tokens": ids[1:]})
+    with pytest.raises(tinker.BadRequestError, match=r"data\[0\]\.loss_fn_inputs\.logprobs is missing"):
+        client.forward_backward([missing], "ppo").result(timeout=30)
+    with pytest.raises(tinker.BadRequestError, match="loss_fn 'gspo' is not served"):
+        client.forward_backward([missing], "gspo").result(timeout=30)
+    with pytest.raises(tinker.BadRequestError, match="base_model 'no-such-model' is not served"):
+        service.create_lora_training_client(base_model="no-such-model", rank=2).result(timeout=30)
+    with pytest.raises(tinker.BadRequestError, match="lora_config.rank"):
+        service.create_lora_training_client(base_model=NAME, rank=0).result(timeout=30)
+    sampler = client.save_weights_and_get_sampling_client().result(timeout=60)
+    with pytest.raises(tinker.BadRequestError, match="over the model's context"):
+        sampler.sample(types.ModelInput.from_ints(ids), 1, types.SamplingParams(max_tokens=100_000)).result(timeout=30)
+    assert time.time() - start < 10  # refused at the door, no retries, no hang
+    import httpx  # what the SDK never sends: no tml- key, a body that is not JSON, an endpoint not served
+    assert httpx.post(f"{served.url}/api/v1/optim_step", content=b"{}", headers={"X-API-Key": "sk-x"}).status_code == 401
+    refused = httpx.post(f"{served.url}/api/v1/optim_step", content=b"not json", headers={"X-API-Key": "tml-x"})
+    assert refused.status_code == 400 and refused.json()["field"] == "body"
+    refused = httpx.get(f"{served.url}/api/v1/training_runs", headers={"X-API-Key": "tml-x"})
+    assert refused.status_code == 404 and "/api/v1/training_runs is not served" in refused.json()["error"]
+    # refused by the job itself: the API's failed future, naming what is wrong
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        with pytest.raises(tinker.RequestFailedError, match="no such checkpoint"):
+            client.load_state(f"tinker://{client.model_id}/weights/never-saved").result(timeout=30)
+    nan = types.Datum(model_input=types.ModelInput.from_ints(ids[:-1]), loss_fn_inputs={
+        "target_tokens": ids[1:], "logprobs": [0.0] * (len(ids) - 1), "advantages": [math.nan] * (len(ids) - 1)})
+    with pytest.raises(tinker.RequestFailedError, match="non-finite loss"):
+        client.forward_backward([nan], "importance_sampling").result(timeout=30)
+    # and the same client trains on
+    out = step(client, [sft_datum(tokenizer, "a well-formed datum")])
+    assert math.isfinite(out.metrics["loss:sum"])
+    rest = tinker.RestClient(base_url=served.url, api_key="tml-local-test")
+    models = rest.get_server_capabilities().result(timeout=30).supported_models
+    assert [m.model_name for m in models] == [NAME]
+
+
+def test_plait_serve_speaks_tinker_under_the_name_it_is_given(served, tmp_path):
+    import threading
+
+    from plait.serving.serve import serve
+    urls, stop = [], threading.Event()
+    thread = threading.Thread(target=serve, args=(served.gateway.tokenizer.name_or_path,), daemon=True,
+                              kwargs=dict(port=0, name="my-model", tinker_dir=str(tmp_path), ready=urls.append, stop=stop))
+    thread.start()
+    try:
+        deadline = time.time() + 60
+        while not urls and thread.is_alive() and time.time() < deadline:
+            time.sleep(0.05)
+        service = tinker.ServiceClient(base_url=urls[0], api_key="tml-cli")
+        client = service.create_lora_training_client(base_model="my-model", rank=2).result(timeout=60)
+        assert client.save_state("s").result(timeout=60).path.endswith("/weights/s")
+        assert any(p.name == "state.pt" for p in tmp_path.rglob("*"))
+        service.close("success").result(timeout=30)
+    finally:
+        stop.set()
+        thread.join(timeout=30)

@@ -106,6 +106,7 @@ def test_a_stage_stuck_far_past_its_median_is_a_stall_naming_step_stage_and_rank
     assert "trainer reward was open 12 s, 240x its median 0.05 s" in found[0].line()
     assert A.alarms(*spans_and_records([0.05, 0.05, 9.0, 0.05])) == []   # under 10 s
     assert A.alarms(*spans_and_records([2.0, 2.0, 12.0, 2.0])) == []     # 6x its median
+    assert A.alarms(*spans_and_records([12.0, 0.05, 0.05, 0.05])) == []  # the first call warms up
     spans, records = spans_and_records([0.05, 0.05, 0.05, 0.05])
     ranked = [{**s, "role": "actor", "rank": r, "start": s["start"] + 0.01, "stage": "update_actor"}
               for s in spans if s["stage"] == "update_actor" for r in (0, 1)]

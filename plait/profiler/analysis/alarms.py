@@ -9,7 +9,8 @@
 A rule is a pure function of (spans, records, settings) returning a list of Alarms, each naming the step it
 first held at, the stage or rank where it has one, the numbers it rests on and the config key to look at:
 
-    stall        a stage's span >= STALL_RATIO x the median of its (role, stage, rank) and >= STALL_S
+    stall        a stage's span >= STALL_RATIO x the median of its (role, stage, rank) and >= STALL_S (its
+                 first span, a warm-up, excepted)
     no_signal    median share of prompt groups whose every response has zero advantage (all rewards equal)
                  >= NO_SIGNAL: GRPO learns nothing from them (training/no_signal_group_ratio)
     truncation   median share of responses cut at data.max_response_length >= TRUNCATED
@@ -87,7 +88,8 @@ def console_lines(found: list[dict], advice: bool) -> list[str]:
 # -- the rules ----------------------------------------------------------------------------------
 
 def stall(spans: list[dict], records: list[dict], settings: dict) -> list[Alarm]:
-    """The longest span of each (role, stage, rank) that ran >= STALL_RATIO x the stage's median and >= STALL_S."""
+    """The longest span of each (role, stage, rank) that ran >= STALL_RATIO x the stage's median and >= STALL_S.
+    Its first span is not a candidate: a first call warms up (compiles, loads weights, fills caches)."""
     by_stage: dict[tuple, list[dict]] = {}
     for s in spans:
         if s["stage"] not in NOT_STALLS and not s["stage"].startswith("wait"):
@@ -97,7 +99,7 @@ def stall(spans: list[dict], records: list[dict], settings: dict) -> list[Alarm]
         if len(group) < STALL_MIN_SPANS:
             continue
         median = statistics.median(s["end"] - s["start"] for s in group)
-        worst = max(group, key=lambda s: s["end"] - s["start"])
+        worst = max(sorted(group, key=lambda s: s["start"])[1:], key=lambda s: s["end"] - s["start"])
         took = worst["end"] - worst["start"]
         if took >= STALL_S and took >= STALL_RATIO * median:
             where = f"{role} {stage}" + (f" on rank {rank}" if rank is not None else "")

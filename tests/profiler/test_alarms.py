@@ -6,6 +6,7 @@ The stall is planted in a hand-written timeline (a 12 s reward at step 3) rather
 
 import json
 import os
+import shutil
 
 import pytest
 import torch
@@ -66,11 +67,16 @@ def test_an_always_one_reward_cut_at_four_tokens(tmp_path, tiny_config, capsys):
     assert [line.split(" at step")[0] for line in said[:2]] == ["alarm: no_signal", "alarm: truncation"]
     assert "key algorithm.filter_groups.enable: " in said[0] and "key data.max_response_length: " in said[1]
     assert all(v["caveat"] == A.CAVEAT for v in summary["verdict"])
-    # the live report's last refresh (report_freq) found them too: said once each (during a run, at a step)
+    # the live report (report_freq=2), as a run drives it: a step after a finished refresh says its alarms, once
+    shutil.rmtree(out / "report")
     said = []
     live = LiveReport(str(out), 2, said.append)
-    live.raise_alarms()
-    live.raise_alarms()
+    live.step(2)  # starts a refresh
+    live.child.wait()
+    live.step(4)  # says what it found, starts the next
+    live.child.wait()
+    live.step(6)
+    live.close()
     assert [line.split(" at step")[0] for line in said] == ["plait: alarm (live report): no_signal",
                                                             "plait: alarm (live report): truncation"]
 

@@ -848,7 +848,7 @@ def no_signal_ratio(advantages: torch.Tensor, mask: torch.Tensor, group_ids: tor
     update learns nothing from them (the profile's no-signal alarm, plait/profiler/analysis/alarms.py)."""
     moved = ((advantages.abs() > 1e-6) & mask).any(-1).float()  # [batch] a response with any signal
     groups, row_group = torch.unique(group_ids, return_inverse=True)
-    signal = torch.zeros(len(groups)).index_add_(0, row_group, moved)  # [groups] responses with signal
+    signal = moved.new_zeros(len(groups)).index_add_(0, row_group.to(moved.device), moved)  # [groups] with signal
     return (signal == 0).float().mean().item()
 
 

@@ -18,7 +18,7 @@ first held at, the stage or rank where it has one, the numbers it rests on and t
                  empty (response/aborted_ratio)
     failures     >= FAILED of a step's agent sessions failed, or rollouts evicted as failed
     non_finite   a loss or grad norm that is NaN or infinite
-    exploding    a grad norm >= EXPLODING x the median of the steps before it
+    exploding    a grad norm >= EXPLODING x the median of the (last EXPLODING_WINDOW) steps before it
 
 While an alarm holds, the verdict's tuning advice may mislead (a stalled or signal-less run is not slow for
 the reasons the speed rules read), and every reader says so. The thresholds are the constants below, set so
@@ -42,7 +42,8 @@ TRUNCATED = 0.20     # median share of responses cut at the length limit
 ABORTED = 0.10       # share of a step's responses aborted (empty)
 FAILED = 0.10        # share of a step's agent sessions that failed
 EXPLODING = 10.0     # a grad norm >= 10x the median of the earlier steps' ...
-EXPLODING_AFTER = 3  # ... once there are at least three of them
+EXPLODING_AFTER = 3  # ... once there are at least three of them ...
+EXPLODING_WINDOW = 20  # ... the last 20 (a long run's scale drifts; and a median over all of them is quadratic)
 MAX_EVIDENCE = 8      # evidence lines kept per alarm
 NONFINITE = ("nan", "inf", "-inf")  # how metrics.jsonl holds a non-finite number (tracking.as_record)
 NOT_STALLS = ("step", "testing", "save_checkpoint", "profiler_start", "profiler_stop", "finish_hook")  # once-only or
@@ -198,14 +199,14 @@ def exploding(spans: list[dict], records: list[dict], settings: dict) -> list[Al
             v = r.get(key)
             if not _finite(v):
                 continue
-            median = statistics.median(seen) if len(seen) >= EXPLODING_AFTER else 0.0
+            median = statistics.median(seen[-EXPLODING_WINDOW:]) if len(seen) >= EXPLODING_AFTER else 0.0
             if median > 0 and v >= EXPLODING * median:
                 role = _role(key)
                 out.append(Alarm("exploding", r["step"], f"{key} {v:.3g} is {v / median:.0f}x its median {median:.3g} over "
                                  f"the steps before", f"{role}.optim.lr",
                                  f"lower it ({role}.grad_clip bounds each update, not the norm)",
                                  evidence=[f"{key} {v:.3g} at step {r['step']}; median {median:.3g} over the "
-                                           f"{len(seen)} nonzero steps before"]))
+                                           f"{min(len(seen), EXPLODING_WINDOW)} nonzero steps before"]))
                 break
             if v > 0:  # a step without signal has a zero norm: it says nothing about the scale
                 seen.append(v)

@@ -116,8 +116,9 @@ def test_a_stage_stuck_far_past_its_median_is_a_stall_naming_step_stage_and_rank
     spans, records = spans_and_records([0.05, 0.05, 0.05, 0.05])
     ranked = [{**s, "role": "actor", "rank": r, "start": s["start"] + 0.01, "stage": "update_actor"}
               for s in spans if s["stage"] == "update_actor" for r in (0, 1)]
-    ranked[5]["end"] += 20.0  # rank 1 at step 3
-    (a,) = A.alarms(spans + ranked, records)
+    ranked[5]["end"] += 20.0  # rank 1 at step 3 ...
+    waits = [{**s, "stage": "all_reduce", "rank": 0} for s in ranked if s["rank"] == 1]  # ... rank 0 waits for it
+    (a,) = A.alarms(spans + ranked + waits, records)
     assert (a.step, a.stage, a.rank, a.key) == (3, "update_actor", 1, "") and "on rank 1" in a.line()
 
 

@@ -34,6 +34,8 @@ import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
+from plait.profiler.timeline import COLLECTIVES
+
 STALL_RATIO = 10.0   # a span >= 10x the median span of its stage ...
 STALL_S = 10.0       # ... and >= 10 s
 STALL_MIN_SPANS = 3  # a median needs at least three spans of the stage
@@ -46,8 +48,9 @@ EXPLODING_AFTER = 3  # ... once there are at least three of them ...
 EXPLODING_WINDOW = 20  # ... the last 20 (a long run's scale drifts; and a median over all of them is quadratic)
 MAX_EVIDENCE = 8      # evidence lines kept per alarm
 NONFINITE = ("nan", "inf", "-inf")  # how metrics.jsonl holds a non-finite number (tracking.as_record)
-NOT_STALLS = ("step", "testing", "save_checkpoint", "profiler_start", "profiler_stop", "finish_hook")  # once-only or
-# containers of other stages; waits ("wait_*") are where another stage's stall shows, not a stall of their own
+# once-only, or containers of other stages; waits ("wait_*", a rank's collectives) are where another stage's or
+# rank's stall shows, not a stall of their own
+NOT_STALLS = ("step", "testing", "save_checkpoint", "profiler_start", "profiler_stop", "finish_hook", *COLLECTIVES)
 STALL_KEYS = {"reward": "reward.custom_reward_function.timeout"}
 CAVEAT = "advice while an alarm holds may mislead: fix the alarms first"
 

@@ -47,7 +47,8 @@ def test_a_healthy_run_raises_no_alarm(tmp_path, tiny_config, capsys):
     assert summary["alarms"] == []
     assert not any(line.startswith("plait: alarm") for line in capsys.readouterr().err.splitlines())
     lines, judged, page = report(tmp_path, capsys)
-    assert judged["schema"] == 1 and judged["alarms"] == [] and not any("caveat" in v for v in judged["verdicts"])
+    assert judged["schema"] == 1 and "SCHEMA" not in judged["thresholds"]
+    assert judged["alarms"] == [] and not any("caveat" in v for v in judged["verdicts"])
     assert lines[0].startswith("verdict: ") and "<h2 id='alarms'>Alarms</h2><p class='note'>None" in page
 
 

@@ -782,4 +782,4 @@ def report(f: Facts, alarms: Optional[list[dict]] = None) -> dict:
             "verdicts": [{**v.as_dict(), **caveat} for v in verdicts(f, skipped=skipped)], "skipped_rules": skipped,
             "profiler": profiler_line(f),
             "facts": asdict(f),
-            "thresholds": {k: v for k, v in globals().items() if k.isupper() and type(v) in (int, float)}}
+            "thresholds": {k: v for k, v in globals().items() if k.isupper() and type(v) in (int, float) and k != "SCHEMA"}}

@@ -107,7 +107,7 @@ class Lifecycle:
         self.clock = RunClock(started)  # from build's start, so start-up counts model and worker set-up
         self.stop = StopRequest()
         self.saved = 0  # the step of the newest checkpoint this run wrote
-        self.live = LiveReport(cfg.output_dir, profiler_cfg.report_freq)  # report/ rewritten while it trains
+        self.live = LiveReport(cfg.output_dir, profiler_cfg.report_freq, tracker.note)  # report/ rewritten while it trains
 
     def run(self) -> dict[str, float]:
         """Train to the last step; returns the last step's metrics."""

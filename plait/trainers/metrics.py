@@ -232,6 +232,15 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
     return ((x * mask).sum() / mask.sum().clamp(min=1)).item()
 
 
+def no_signal_ratio(advantages: torch.Tensor, mask: torch.Tensor, group_ids: torch.Tensor) -> float:
+    """The share of prompt groups whose every response has a zero advantage (GRPO's all-equal rewards): the
+    update learns nothing from them (the profile's no-signal alarm, plait/profiler/analysis/alarms.py)."""
+    moved = ((advantages.abs() > 1e-6) & mask).any(-1).float()  # [batch] a response with any signal
+    groups, row_group = torch.unique(group_ids, return_inverse=True)
+    signal = moved.new_zeros(len(groups)).index_add_(0, row_group.to(moved.device), moved)  # [groups] with signal
+    return (signal == 0).float().mean().item()
+
+
 def data_metrics(batch: RolloutBatch, max_prompt_length: int) -> dict[str, float]:
     """verl's data metrics: critic/{score,rewards,advantages,returns,values}, critic/vf_explained_var,
     lengths (all, and of non-aborted responses: an aborted response is an empty one, as in verl)."""
@@ -248,6 +257,8 @@ def data_metrics(batch: RolloutBatch, max_prompt_length: int) -> dict[str, float
             v = t[mask]
             out.update({f"critic/{name}/mean": v.mean().item(), f"critic/{name}/max": v.max().item(),
                         f"critic/{name}/min": v.min().item()})
+    if batch.advantages is not None:
+        out["training/no_signal_group_ratio"] = no_signal_ratio(batch.advantages, mask, batch.group_ids)
     if batch.values is not None and mask.any():
         # 1 - Var(returns - values) / Var(returns) over valid tokens: 1 is a perfect critic, 0 a constant one
         ret, val = batch.returns[mask], batch.values[mask]

@@ -4,7 +4,7 @@
                 with clock.part("startup"): ...          resume, trainer start
                 summarise_run(out_dir, ...)              at the run's end, whatever ended it:
                   summarise(records, clock, ...) -> dict   from this run's metrics.jsonl records
-                  + settings, the profile report's verdict
+                  + settings, the profile report's alarms and verdict
                   write_summary(out_dir, summary)          summary.json, and a few console lines
 
 Step, validation and checkpoint time come from the records' `timing_s/*` (the same numbers as
@@ -26,6 +26,7 @@ from collections import defaultdict
 from typing import Optional
 
 from plait.profiler.analysis.memory import process_peak
+from plait.profiler.analysis.alarms import CAVEAT, alarms, console_lines
 from plait.profiler.analysis.verdict import of_run, profiler_line, settings_of, verdicts
 from plait.profiler.naming import MANIFEST as PROFILE_MANIFEST
 from plait.profiler.timeline import TIMELINE_FILE, read_timeline
@@ -66,7 +67,7 @@ def summarise_run(output_dir: str, metrics_path: str, checkpoint: Optional[str],
         records = read_records(metrics_path) if os.path.exists(metrics_path) else []
         summary = summarise(records, first, last, clock, profiler_s, paths, status)
         summary["settings"] = settings_of(flatten(run_config or {}), memory_capacity_gb(), device_kind())
-        summary["verdict"], summary["profiler"], cycle = run_verdict(output_dir, records, first, summary)
+        summary["alarms"], summary["verdict"], summary["profiler"], cycle = run_verdict(output_dir, records, first, summary)
         if cycle is not None:  # one step time everywhere: the report's and the verdict's cycle
             summary["step_s"] = cycle
         write_summary(output_dir, summary, console=status != "failed")
@@ -74,19 +75,24 @@ def summarise_run(output_dir: str, metrics_path: str, checkpoint: Optional[str],
         print(f"plait: warning: no run summary written: {type(err).__name__}: {err}", file=sys.stderr)
 
 
-def run_verdict(output_dir: str, records: list[dict], first: int, summary: dict) -> tuple[list[dict], Optional[dict], Optional[dict]]:
-    """The profile report's verdict on this run's steps (profiler/analysis/verdict.py), its profiler line,
-    and the step time it measured ({median, p90, basis}: the trainer's cycle, outside profiler windows);
-    a rule that fails says so in one line and leaves the summary whole."""
+def run_verdict(output_dir: str, records: list[dict], first: int,
+                summary: dict) -> tuple[list[dict], list[dict], Optional[dict], Optional[dict]]:
+    """The profile report's health alarms (profiler/analysis/alarms.py) and verdict (verdict.py, marked with
+    the caveat while an alarm holds) on this run's steps, its profiler line, and the step time it measured
+    ({median, p90, basis}: the trainer's cycle, outside profiler windows); a rule that fails says so in one
+    line and leaves the summary whole."""
     path = os.path.join(output_dir, TIMELINE_FILE)
     try:
         spans = [s for s in read_timeline(path) if s["step"] >= first] if os.path.exists(path) else []
-        f = of_run(spans, [r for r in records if r.get("step", 0) >= first], summary)
+        ran = [r for r in records if r.get("step", 0) >= first]
+        found = [a.as_dict() for a in alarms(spans, ran, summary.get("settings"))]
+        f = of_run(spans, ran, summary)
         cycle = {"median": f.step_s, "p90": f.step_p90, "basis": f.basis} if f.steps else None
-        return [v.as_dict() for v in verdicts(f)], profiler_line(f), cycle
+        caveat = {"caveat": CAVEAT} if found else {}
+        return found, [{**v.as_dict(), **caveat} for v in verdicts(f)], profiler_line(f), cycle
     except Exception as err:  # noqa: BLE001 - advice must never cost the run its summary
         print(f"plait: warning: no verdict: {type(err).__name__}: {err}", file=sys.stderr)
-        return [], None, None
+        return [], [], None, None
 
 
 NESTED = {"judge": "reward"}  # a stage timed inside another (the judge's rounds within the reward stage)
@@ -169,6 +175,7 @@ def summary_lines(s: dict, path: str) -> list[str]:
     parts = ", ".join(f"{k} {w[k]:.1f} s" for k in ("startup", "steps", "validation", "checkpoints", "profiler", "other"))
     steps = f"steps {st['first']}-{st['last']}" if st["done"] else "no steps"
     lines = [f"{s['status']}: {steps} of {st['run_last_step']} in {w['total']:.1f} s ({parts})"]
+    lines += console_lines(s.get("alarms") or [], bool(s.get("verdict")))
     lines += [f"verdict: {v['line']}" for v in s.get("verdict") or []]
     if s.get("profiler"):
         lines.append(s["profiler"]["line"])

@@ -51,6 +51,13 @@ def first(summary: dict) -> dict:
     return summary["verdict"][0]
 
 
+def after_alarms(text: str) -> list[str]:
+    """The report's console lines from its first verdict on: an always-0 reward on the untrained tiny model
+    raises health alarms (no signal, truncation) first (tests/profiler/test_alarms.py)."""
+    lines = text.splitlines()
+    return lines[next(i for i, line in enumerate(lines) if line.startswith("verdict: ")):]
+
+
 def test_a_balanced_run_gets_no_verdict(tmp_path, tiny_config):
     assert planted(tmp_path, tiny_config)["verdict"] == []
 
@@ -106,7 +113,7 @@ def test_the_report_shows_the_verdict_first_with_its_evidence(tmp_path, tiny_con
     planted(tmp_path, tiny_config, *slow_reward(tmp_path))
     capsys.readouterr()
     assert cli.main(["profile", "report", str(tmp_path)]) == 0
-    lines = capsys.readouterr().out.splitlines()
+    lines = after_alarms(capsys.readouterr().out)
     assert lines[0].startswith("verdict: reward is ") and "try reward.num_workers=8" in lines[0]
     assert lines[1].startswith("  evidence: reward ")
     page = open(tmp_path / "report" / "index.html").read()
@@ -138,7 +145,7 @@ def test_profiling_a_run_does_not_change_its_first_verdict(tmp_path, tiny_config
     capsys.readouterr()
     assert cli.main(["profile", "report", str(tmp_path / "profiled")]) == 0
     text = capsys.readouterr().out
-    assert text.splitlines()[0] == f"verdict: {profiled['line']}" and "\nprofiler: 3 windows" in text
+    assert after_alarms(text)[0] == f"verdict: {profiled['line']}" and "\nprofiler: 3 windows" in text
     page = open(tmp_path / "profiled" / "report" / "index.html").read()
     median = f"{profiled_summary['step_s']['median']:.3f} s"
     assert f"p50 {median}" in page and page.count(" s · p90 ") == 1  # the summary's step time, once

@@ -21,6 +21,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional
 
+from plait.profiler.analysis.alarms import NONFINITE
 from plait.profiler.naming import LOCATION, MANIFEST
 from plait.profiler.timeline import TIMELINE_FILE
 
@@ -44,6 +45,7 @@ class Inputs:
     summary: dict = field(default_factory=dict)      # summary.json, reduced (clean_summary)
     validation: list[dict] = field(default_factory=list)  # metrics.jsonl records with step 0 too
     samples: list[dict] = field(default_factory=list)     # samples.jsonl (checked)
+    nonfinite: list[dict] = field(default_factory=list)   # per step >= 1: {step, key: "nan" | "inf" | "-inf"} (alarms)
     notes: list[str] = field(default_factory=list)
 
 
@@ -68,11 +70,13 @@ def locate(path: str, profile: Optional[str] = None, run: Optional[str] = None) 
                                 f"manifest in {', '.join(looked)} (give a run's output dir or a profiler save_path)")
     read = lambda d, name, clean: [r for r in map(clean, read_jsonl(os.path.join(d, name), notes)) if r is not None] \
         if has(d, name) else []  # noqa: E731
-    metrics = read(run, METRICS_FILE, clean_metrics)
+    raw = read(run, METRICS_FILE, lambda r: r)
+    metrics = [m for m in map(clean_metrics, raw) if m is not None]
+    nonfinite = [m for m in map(clean_nonfinite, raw) if m is not None]
     summary = read_json(os.path.join(run, SUMMARY_FILE), notes) if has(run, SUMMARY_FILE) else None
     return Inputs(run, profile, read(run, TIMELINE_FILE, clean_span), [m for m in metrics if m["step"] >= 1],
                   read(profile, MANIFEST, clean_record), looked, clean_summary(summary, notes), metrics,
-                  read(run, SAMPLES_FILE, clean_sample), notes)
+                  read(run, SAMPLES_FILE, clean_sample), nonfinite, notes)
 
 
 def below(root: str, rel: str) -> Optional[str]:
@@ -186,6 +190,15 @@ def clean_metrics(r: dict) -> Optional[dict]:
     if not integer(r.get("step")) or r["step"] < 0:
         return None
     return {k: v for k, v in r.items() if isinstance(k, str) and number(v)}
+
+
+def clean_nonfinite(r: dict) -> Optional[dict]:
+    """A metrics.jsonl record's non-finite values ({step, key: "nan", ...}), or None when it has none or is
+    not a step >= 1: what the NaN alarm reads (clean_metrics keeps finite numbers only)."""
+    if not integer(r.get("step")) or r["step"] < 1:
+        return None
+    bad = {k: v for k, v in r.items() if isinstance(k, str) and len(k) <= 1000 and v in NONFINITE}
+    return {"step": r["step"], **bad} if bad else None
 
 
 def clean_record(r: dict) -> Optional[dict]:

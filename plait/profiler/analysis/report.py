@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from plait.profiler.analysis import memory as mem
-from plait.profiler.analysis import svg, verdict
+from plait.profiler.analysis import alarms, svg, verdict
 from plait.profiler.analysis.accounting import StepTime, account
 from plait.profiler.analysis.inputs import Inputs, below, locate, number
 from plait.profiler.analysis.traces import (Clock, MergedTrace, load_trace, op_totals, origin_of, timeline_lanes,
@@ -64,7 +64,7 @@ def build_report(path: str, profile: Optional[str] = None, run: Optional[str] = 
     clock = Clock(origin_of(inp.spans, inp.manifest))
     steps = account(inp.spans)
     f = verdict.facts(steps, inp.metrics, inp.summary, inp.spans)
-    judged = verdict.report(f)
+    judged = verdict.report(f, [a.as_dict() for a in alarms.alarms(inp.spans, inp.metrics + inp.nonfinite, f.settings)])
     artifacts = read_artifacts(inp, clock, out_dir if merge else None)
     if merge:
         merged = MergedTrace(os.path.join(out_dir, TIMELINE_TRACE), clock)
@@ -184,7 +184,8 @@ def sample_lanes(samples: list[dict], clock: Clock, notes: list[str]) -> list[tu
 # -- the text summary ---------------------------------------------------------------------------
 
 def summary(inp: Inputs, f: verdict.Facts, artifacts: list[Artifact], out_dir: str, judged: dict, merge: bool) -> str:
-    lines = [f"verdict: {v['line']}" for v in judged["verdicts"]] or ["verdict: nothing stands out"]
+    lines = alarms.console_lines(judged["alarms"], bool(judged["verdicts"]))
+    lines += [f"verdict: {v['line']}" for v in judged["verdicts"]] or ["verdict: nothing stands out"]
     lines += [f"  evidence: {'; '.join(v['evidence'])}" for v in judged["verdicts"][:1]]
     if judged["profiler"]:
         lines.append(judged["profiler"]["line"])
@@ -272,13 +273,26 @@ def _page(inp: Inputs, steps: list[StepTime], f: verdict.Facts, artifacts: list[
              f"<style>{CSS}</style></head><body><h1>plait profile report</h1>",
              f"<p class='note'>run: {_esc(inp.run_dir or '(none)')} · profiler save_path: "
              f"{_esc(inp.profile_dir or '(none)')} · {traces}</p>",
-             _verdict_section(judged), _summary_box(inp, f, artifacts, judged), _ranks_section(f),
+             _alarms_section(judged), _verdict_section(judged), _summary_box(inp, f, artifacts, judged), _ranks_section(f),
              _gantt_section(inp, steps), _breakdown_section(inp), _samples_section(inp),
              _windows_section(artifacts, inp.profile_dir, out_dir), _memory_section(inp, artifacts, out_dir),
              _learning_section(inp)]
     if inp.notes:
         parts.append("<h2 id='notes'>Not shown</h2><ul>" + "".join(f"<li>{_esc(n)}</li>" for n in inp.notes) + "</ul>")
     return "".join(parts) + "</body></html>"
+
+
+def _alarms_section(judged: dict) -> str:
+    """The run's health alarms, before the verdict: while one holds, its advice may mislead."""
+    out = ["<h2 id='alarms'>Alarms</h2>"]
+    if not judged["alarms"]:
+        return out[0] + ("<p class='note'>None: no stalled stage, groups without signal, truncated responses, engine "
+                         "restarts, failures or non-finite losses (docs/profiling.md lists the rules).</p>")
+    for a in judged["alarms"]:
+        out.append(f"<p><b>{_esc(a['line'])}</b></p><p class='note'>rests on: {_esc('; '.join(a['evidence']))} "
+                   f"· rule {_esc(a['rule'])}</p>")
+    out.append(f"<p class='note'><b>{_esc(alarms.CAVEAT)}</b> (the verdict below)</p>")
+    return "".join(out)
 
 
 def _verdict_section(judged: dict) -> str:

@@ -33,6 +33,7 @@ from typing import Any, Callable, Optional
 
 from plait.modes import MODES, ONE_STEP_OFF, SYNC, Mode
 from plait.profiler.analysis.accounting import UNATTRIBUTED, StepTime, median_shares
+from plait.profiler.analysis.alarms import CAVEAT
 from plait.profiler.timeline import ROLLOUT_WORK, rank_stages
 
 MIN_SAVING = 0.10      # a verdict must be able to save >= 10 % of the step (or of the run's wall time)
@@ -776,10 +777,16 @@ def of_run(spans: list[dict], metrics: list[dict], summary: Optional[dict]) -> F
     return facts(account(spans), [m for m in metrics if m.get("step", 0) >= 1], summary, spans)
 
 
-def report(f: Facts) -> dict:
-    """verdict.json: the verdicts, and every rule's facts (so a reader can redo the numbers)."""
+SCHEMA = 1  # verdict.json's version (docs/profiling.md): raised when a field changes meaning or goes away
+
+
+def report(f: Facts, alarms: Optional[list[dict]] = None) -> dict:
+    """verdict.json: the run's health alarms first (alarms.py), then the verdicts (each marked with the caveat
+    while an alarm holds), and every rule's facts (so a reader can redo the numbers)."""
     skipped: list[str] = []
-    return {"verdicts": [v.as_dict() for v in verdicts(f, skipped=skipped)], "skipped_rules": skipped,
+    caveat = {"caveat": CAVEAT} if alarms else {}
+    return {"schema": SCHEMA, "alarms": alarms or [],
+            "verdicts": [{**v.as_dict(), **caveat} for v in verdicts(f, skipped=skipped)], "skipped_rules": skipped,
             "profiler": profiler_line(f),
             "facts": asdict(f),
-            "thresholds": {k: v for k, v in globals().items() if k.isupper() and type(v) in (int, float)}}
+            "thresholds": {k: v for k, v in globals().items() if k.isupper() and type(v) in (int, float) and k != "SCHEMA"}}

@@ -7,8 +7,11 @@ input before any work is a ConfigError (exit 2), in configtree.py."""
 
 class RunError(RuntimeError):
     """`recoverable`: not the user's doing (a worker process or an engine that died); trainer.max_restarts
-    resumes the run from its last checkpoint after one. User code's failures and plait's own refusals are not."""
+    resumes the run from its last checkpoint after one. User code's failures and plait's own refusals are not.
+    `cause`: what a worker process raised, where a backend reports one; `log`: the file with its traceback."""
     recoverable = False
+    cause: BaseException | None = None
+    log: str = ""
 
 
 class EngineDied(RunError):

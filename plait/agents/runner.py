@@ -117,7 +117,7 @@ def run_round(requests: list[Request], engine_round: Round, version: int) -> lis
         gen = engine_round([r.prompt_ids + r.tokens for r in reqs], max(budget), reqs[0].sampling)
         lengths = gen.response_mask.sum(-1).long().tolist()
         for r in reqs:
-            r.prefilled = r.prefilled or getattr(gen, "prefilled", 0.0)
+            r.prefilled = r.prefilled or gen.prefilled
         for i, (r, room) in enumerate(zip(reqs, budget)):
             n = min(lengths[i], room)
             r.tokens += gen.responses[i, :n].tolist()

@@ -105,6 +105,7 @@ class AgentWorker:
         self.default = cfg.actor_rollout_ref.rollout.agent.default_agent_loop
         self.thread = EventLoopThread()
         self.suspended: tuple[Run, PromptBatch, int] | None = None
+        self.scheduler: Scheduler | None = None  # the running batch's (generate)
         self.abort_flag = False
         self.warned_single_turn = False
 
@@ -177,9 +178,8 @@ class AgentWorker:
 
     def abort(self) -> None:
         self.abort_flag = True
-        scheduler = getattr(self, "scheduler", None)
-        if scheduler is not None:
-            scheduler.notify()
+        if self.scheduler is not None:
+            self.scheduler.notify()
 
     @staticmethod
     def row_kwargs(prompts: PromptBatch, i: int, name: str) -> dict:

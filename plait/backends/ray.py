@@ -73,9 +73,6 @@ class WorkerError(RunError):
     traceback (or Ray's account of the death) goes to `<output_dir>/worker_errors.log` (`log`), and
     `cause` is the exception the worker raised (None when it died)."""
 
-    cause: BaseException | None = None
-    log: str = ""
-
 
 @ray.remote(concurrency_groups={"control": 1})
 class Host:

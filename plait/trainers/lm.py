@@ -264,12 +264,12 @@ class LMTrainer:
         try:
             self._save_checkpoint(path, step)
         except RunError as err:  # a Ray worker's failed write (a full disk): the line the in-process save gives
-            cause = getattr(err, "cause", None)
+            cause = err.cause
             if not isinstance(cause, OSError):
                 raise
             raise RunError(f"checkpoint of step {step} not written to {path}: {cause.strerror or cause}; the previous "
                            f"checkpoint stays latest (the Ray workers were stopped; details in "
-                           f"{getattr(err, 'log', '') or 'worker_errors.log'})") from err
+                           f"{err.log or 'worker_errors.log'})") from err
 
     def _save_checkpoint(self, path: str, step: int) -> None:
         os.makedirs(path, exist_ok=True)

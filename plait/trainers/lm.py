@@ -51,7 +51,7 @@ from plait.trainers.lifecycle import StageTimer, StepResult
 from plait.trainers.metrics import (agent_metrics, data_metrics, filter_values, groups_with_signal, last_token_scores,
                                     loop_scores, masked_mean, merge_results, off_policy_metrics, record_tool_spans,
                                     rollout_probs_diff, session_advantages, session_owners, sessions_of, union_of,
-                                    validation_metrics)
+                                    validation_metrics, TokenLedger)
 from plait.types import PromptBatch, RolloutBatch
 from plait.workers.actor import Actor
 from plait.workers.critic import Critic
@@ -138,6 +138,7 @@ class LMTrainer:
         self.engine_restarts, self.restart_step, self.restarts_logged = 0, -1, 0
         self.restart_lock, self.actor_lock = threading.Lock(), threading.Lock()
         self.step = 0
+        self.ledger = TokenLedger()  # tokens/*: every sampled token once, trained or discarded by cause
         self.model_flops = None  # the policy's FLOPs per token (asked of the actor at start)
         self.routers: list[str] | None = None  # the judge's replicas (host:port), asked at start
 
@@ -202,6 +203,7 @@ class LMTrainer:
         result = merge_results(results)
         result.metrics["training/epoch"] = self.cursor.epoch
         result.metrics.update(self.after_update(step, timer))
+        result.metrics.update(self.ledger.step_metrics())
         if "gen" in timer.times:  # generated in this step (sync); prefill + decode cost one forward's FLOPs
             result.metrics["perf/mfu/gen"] = self.model_flops.mfu(self.model_flops.forward(lengths), timer.times["gen"])
         if "old_log_prob" in timer.times:  # one forward over the step's rows, split over the actor's ranks
@@ -421,6 +423,7 @@ class LMTrainer:
             dropped += len(set(ids)) - len(room)
             rows = [i for i, g in enumerate(ids) if g in room]
             SAMPLES.finish([x for i, x in enumerate(batch.sample_ids or []) if ids[i] not in room], "dropped", now())
+            self.ledger.discard("filtered", batch.response_mask[[g not in room for g in ids]])
             kept += len(room)
             parts.append(batch.select(rows))
             scores += [s[i] for i in rows]
@@ -475,6 +478,7 @@ class LMTrainer:
                     actor_metrics.pop("actor/entropy")
                 metrics.update(actor_metrics)
         SAMPLES.finish(ids, "consumed", now(), staleness=behind.long().tolist())
+        self.ledger.trained(batch)
         metrics.update(data_metrics(batch, cfg.data.max_prompt_length))
         metrics.update(agent_metrics(batch))
         self.say_failed_sessions(batch)

@@ -281,3 +281,37 @@ def data_metrics(batch: RolloutBatch, max_prompt_length: int) -> dict[str, float
                 "prompt_length/mean": prompt_len.mean().item(), "prompt_length/max": prompt_len.max().item(),
                 "prompt_length/min": prompt_len.min().item()})
     return out
+
+
+class TokenLedger:
+    """A step's token ledger: each sampled token is counted once, when its fate is decided: trained, or discarded
+    by a cause (`filtered`: DAPO's filter_groups dropped its group; `stale`: verl's V1 sampler evicted its group
+    past max_off_policy_threshold; `rejected`: in the batch but masked out of the loss, by rollout correction's
+    rejection or a failed agent session). `tokens/generated` = `tokens/trained` + `tokens/discarded` exactly, per
+    step; `tokens/no_signal` is the trained tokens whose advantage is 0 (a group with equal rewards). Tokens cut by a
+    weight sync are not waste here: a partial rollout resumes them. What a run's end leaves queued or in flight is
+    samples.jsonl's `discarded`, not a step's."""
+
+    CAUSES = ("filtered", "stale", "rejected")
+
+    def __init__(self):
+        self.counts = dict.fromkeys(("trained", "no_signal", *self.CAUSES), 0.0)
+
+    def discard(self, cause: str, response_mask: torch.Tensor) -> None:
+        self.counts[cause] += float(response_mask.sum())
+
+    def trained(self, batch: RolloutBatch) -> None:
+        sampled = batch.response_mask                                          # [batch, resp_len]
+        trained = sampled if batch.loss_mask is None else batch.loss_mask * sampled
+        self.counts["trained"] += float(trained.sum())
+        self.discard("rejected", sampled - trained)
+        if batch.advantages is not None:
+            self.counts["no_signal"] += float((trained * (batch.advantages.abs() <= 1e-6)).sum())
+
+    def step_metrics(self) -> dict[str, float]:
+        """The step's ledger as metrics, and a new one for the next step."""
+        c, self.counts = self.counts, dict.fromkeys(self.counts, 0.0)
+        discarded = sum(c[k] for k in self.CAUSES)
+        return {"tokens/generated": c["trained"] + discarded, "tokens/trained": c["trained"],
+                "tokens/discarded": discarded, **{f"tokens/discarded/{k}": c[k] for k in self.CAUSES},
+                "tokens/no_signal": c["no_signal"]}

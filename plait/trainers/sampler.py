@@ -35,6 +35,8 @@ from plait.data.rewards import import_user_file
 from plait.errors import RunError
 from plait.trainers.async_common import RolloutError
 
+STALE_TOKENS = "tokens/discarded/stale"  # not verl's: the trainer moves it to its token ledger
+
 
 @dataclass
 class Group:
@@ -165,6 +167,9 @@ class ReplayBufferAsync:
                 dropped, failed = self.evictions(global_steps)
                 if dropped or failed:
                     count_evictions(metrics, global_steps, [self.buffer.groups[u].issued for u in dropped], len(failed))
+                    if dropped:  # the token ledger's (trainers/metrics.py TokenLedger): taken out by the trainer
+                        metrics[STALE_TOKENS] = metrics.get(STALE_TOKENS, 0.0) + sum(
+                            float(self.buffer.groups[u].batch.response_mask.sum()) for u in dropped)
                     self.buffer.remove(dropped | failed)
                     self.refill_fn(len(dropped | failed))
                     continue

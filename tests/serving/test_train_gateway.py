@@ -108,6 +108,7 @@ def test_an_openai_sdk_agent_trains_through_the_gateway(tmp_path, mode, form):
     for r in steps:
         assert r["agent/sessions"] >= 8 and r["agent/chains_per_session"] == 2.0 and r["agent/requests_per_session"] == 2
         assert r["training/rollout_probs_diff_max"] <= 1e-5
+        assert r["tokens/generated"] == r["tokens/trained"] + r["tokens/discarded"] and r["tokens/trained"] > 0
     spans = per_sample(tmp_path)  # samples.jsonl: each session's calls and the agent's time between them
     trained = [kinds for kinds in spans.values() if "consumed" in kinds]
     assert trained and all({"request_queue", "agent", "reward"} <= kinds and ({"prefill", "decode"} <= kinds

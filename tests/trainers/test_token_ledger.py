@@ -7,6 +7,7 @@ import os
 import pytest
 
 from plait import driver
+from plait.profiler.analysis.alarms import alarms
 from plait.trainers.lifecycle import read_metrics
 
 from tests.profiler.test_samples import EVERY_LM_MODE
@@ -42,6 +43,10 @@ def test_the_ledger_balances_on_every_step(case, tmp_path, tiny_config):
     if case == "separate_async_drop":  # the groups its sampler evicted as stale are the waste
         assert sum(r["tokens/discarded/stale"] for r in records) > 0
         assert all(r["tokens/discarded/stale"] > 0 for r in records if r.get("training/off_policy/evicted_samples"))
+        [waste] = [a for a in alarms([], records, {}) if a.rule == "waste"]  # the profile says so, with its key
+        assert waste.key == "trainer.v1.sampler.max_off_policy_threshold" and "most as stale" in waste.what
+    else:
+        assert not [a for a in alarms([], records, {}) if a.rule == "waste"]
 
 
 def test_filtered_groups_and_groups_without_signal_are_counted(tmp_path, tiny_config):

@@ -19,6 +19,8 @@ first held at, the stage or rank where it has one, the numbers it rests on and t
     failures     >= FAILED of a step's agent sessions failed, or rollouts evicted as failed
     non_finite   a loss or grad norm that is NaN or infinite
     exploding    a grad norm >= EXPLODING x the median of the (last EXPLODING_WINDOW) steps before it
+    waste        median share of a step's generated tokens discarded (the token ledger, tokens/discarded/<cause>)
+                 >= WASTED: the largest cause named with its key
 
 While an alarm holds, the verdict's tuning advice may mislead (a stalled or signal-less run is not slow for
 the reasons the speed rules read), and every reader says so. The thresholds are the constants below, set so
@@ -46,6 +48,7 @@ FAILED = 0.10        # share of a step's agent sessions that failed
 EXPLODING = 10.0     # a grad norm >= 10x the median of the earlier steps' ...
 EXPLODING_AFTER = 3  # ... once there are at least three of them ...
 EXPLODING_WINDOW = 20  # ... the last 20 (a long run's scale drifts; and a median over all of them is quadratic)
+WASTED = 0.30        # median share of a step's generated tokens discarded
 MAX_EVIDENCE = 8      # evidence lines kept per alarm
 NONFINITE = ("nan", "inf", "-inf")  # how metrics.jsonl holds a non-finite number (tracking.as_record)
 # once-only, or containers of other stages; waits ("wait_*", a rank's collectives) are where another stage's or
@@ -53,6 +56,14 @@ NONFINITE = ("nan", "inf", "-inf")  # how metrics.jsonl holds a non-finite numbe
 NOT_STALLS = ("step", "testing", "save_checkpoint", "profiler_start", "profiler_stop", "finish_hook", *COLLECTIVES)
 STALL_KEYS = {"reward": "reward.custom_reward_function.timeout"}
 CAVEAT = "advice while an alarm holds may mislead: fix the alarms first"
+WASTE_KEYS = {  # the token ledger's causes (trainers/metrics.py TokenLedger): the key that acts on each, and how
+    "stale": ("trainer.v1.sampler.max_off_policy_threshold", "raise it, or set max_off_policy_strategy=wait: groups "
+              "evicted as stale are generated again, and evicting them again and again leaves the easy prompts"),
+    "filtered": ("algorithm.filter_groups.enable", "the dropped groups had equal rewards: data nearer the policy's "
+                 "difficulty wastes less (or drop the filter and accept their zero advantage)"),
+    "rejected": ("algorithm.rollout_correction.rollout_rs", "its rejection (or failed agent sessions) masked them out "
+                 "of the loss: loosen the threshold, or read the failures the run printed"),
+}
 
 
 @dataclass
@@ -216,7 +227,25 @@ def exploding(spans: list[dict], records: list[dict], settings: dict) -> list[Al
     return out
 
 
-RULES = [stall, non_finite, exploding, engine, failures, no_signal, truncation]
+def waste(spans: list[dict], records: list[dict], settings: dict) -> list[Alarm]:
+    """Much of what the rollout generated was thrown away (the token ledger): name the largest cause and its key."""
+    shares = [(r["step"], r["tokens/discarded"] / r["tokens/generated"]) for r in records
+              if _num(r.get("tokens/generated")) > 0 and _finite(r.get("tokens/discarded"))]
+    if not shares or statistics.median(v for _, v in shares) < WASTED:
+        return []
+    median = statistics.median(v for _, v in shares)
+    by_cause = {c: sum(_num(r.get(f"tokens/discarded/{c}")) for r in records) for c in WASTE_KEYS}
+    cause = max(by_cause, key=by_cause.get)
+    key, fix = WASTE_KEYS[cause]
+    first = next(s for s, v in shares if v >= WASTED)
+    total = sum(by_cause.values())
+    return [Alarm("waste", first, f"{_pct(median)} of the generated tokens were discarded (median over {len(shares)} "
+                  f"steps), most as {cause} ({_pct(by_cause[cause] / total if total else 0)} of the waste)", key, fix,
+                  evidence=[f"tokens/discarded/{c} {n:.0f} in all" for c, n in by_cause.items() if n]
+                  + [f"tokens/discarded / tokens/generated median {median:.3g} (>= {WASTED:g}), first at step {first}"])]
+
+
+RULES = [stall, non_finite, exploding, engine, failures, waste, no_signal, truncation]
 
 
 # -- helpers ------------------------------------------------------------------------------------

@@ -25,6 +25,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer,
                           GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase, PreTrainedTokenizerFast,
@@ -164,7 +165,8 @@ def use_chat_template(tokenizer: PreTrainedTokenizerBase, template: str | None,
 def load_causal_lm(path: str | Path, dtype: torch.dtype = torch.float32,
                    device: str | torch.device = "cpu", key: str = "actor_rollout_ref.model.path") -> PreTrainedModel:
     """Any local HF causal LM (safetensors or bin), in `dtype`, on `device`. A `.bin` that asks for
-    code (transformers loads it weights_only) is a ConfigError naming `key`, not a traceback."""
+    code (transformers loads it weights_only), or a weights file that does not read (a truncated or corrupt
+    safetensors), is a ConfigError naming `key`, not a traceback."""
     try:
         if is_vl_dir(_local_dir(path)):  # Qwen2-VL / Qwen2.5-VL (check_model_dir refused the others)
             model_type = AutoConfig.from_pretrained(str(path), local_files_only=True).model_type
@@ -175,6 +177,9 @@ def load_causal_lm(path: str | Path, dtype: torch.dtype = torch.float32,
     except pickle.UnpicklingError as err:
         raise ConfigError(key, str(path), f"its weights do not load as tensors ({torch_reason(err)}); "
                                           "nothing in them ran") from None
+    except SafetensorError as err:  # a file cut short (a copy interrupted, a full disk) or not safetensors at all
+        raise ConfigError(key, str(path), f"its safetensors weights do not read ({' '.join(str(err).split())}): "
+                                          "the file is truncated or corrupt") from None
     return model.to(device)
 
 

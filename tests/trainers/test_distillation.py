@@ -167,3 +167,20 @@ def test_top_k_distillation_on_two_fsdp2_ranks_equals_one_process(tmp_path, tiny
     local, ray = read(tmp_path / "local")[-1], read(tmp_path / "ray")[-1]
     for key in ("loss", "student_mass", "teacher_mass_min", "loss_max", "overlap_ratio"):
         assert ray[f"actor/distillation/{key}"] == pytest.approx(local[f"actor/distillation/{key}"], rel=1e-4, abs=1e-7), key
+
+
+def test_a_truncated_teacher_is_one_line_naming_its_key(tmp_path, tiny_config, capsys):
+    """A teacher's safetensors cut short (a copy interrupted, a full disk): one line, exit 2, no traceback."""
+    import shutil
+
+    from plait import cli
+    from tests.conftest import TINY
+    broken = tmp_path / "teacher"
+    shutil.copytree(create_tiny_model(tmp_path / "t", size="xs", seed=7), broken)
+    weights = next(broken.glob("*.safetensors"))
+    weights.write_bytes(weights.read_bytes()[:len(weights.read_bytes()) // 2])
+    code = cli.main(["train", "--no-progress", *TINY, f"trainer.default_local_dir={tmp_path / 'run'}",
+                     "trainer.total_training_steps=1", *on(str(broken))])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err
+    assert "distillation.teacher_models.teacher_model.model_path=" in err and "truncated or corrupt" in err

@@ -7,7 +7,9 @@
 `ModelServer` is that whole: the engine (a Rollout worker's, chosen by a rollout node), the server on
 127.0.0.1 unless told otherwise, and the thread that runs engine rounds, each round recorded (wall clock,
 requests, tokens) for whoever accounts for the server's time (a judge's stage, plait/workers/judge.py).
-`serve` runs one until Ctrl-C.
+A round the engine fails answers its requests with a 500 naming the error (said once on stderr) and the thread
+goes on to the next, so no caller waits on a dead round. A prompt is bounded by the model's context
+(`max_position_embeddings` unless told a smaller one). `serve` runs one until Ctrl-C.
 
 MODEL is a training checkpoint (`checkpoints/global_step_N`, or `checkpoints/` for its newest: its policy is
 exported to a temporary folder first, as `plait export` would), an exported or any transformers model
@@ -64,8 +66,12 @@ class ModelServer:
         self.in_round = threading.Lock()  # held from a round's start until it is recorded
         self.stopped = threading.Event()
         self.loop = EventLoopThread()
-        model_type = AutoConfig.from_pretrained(path, local_files_only=True).model_type
-        self.gateway = Gateway(tokenizer, model_type, tool_format, self.rollout.eos_ids, name, generate=self.queue.generate,
+        model = AutoConfig.from_pretrained(path, local_files_only=True)
+        # (not every architecture names its context so: those keep the bound they were given)
+        bounds = [c for c in (context, getattr(model.get_text_config(), "max_position_embeddings", None)) if c]
+        context = min(bounds) if bounds else None
+        self.failed: set[str] = set()  # the engine errors said on stderr
+        self.gateway = Gateway(tokenizer, model.model_type, tool_format, self.rollout.eos_ids, name, generate=self.queue.generate,
                                max_tokens=max_tokens, defaults=defaults, seed=seed, context=context)
         try:
             self.server = Server(self.gateway, self.loop.loop, host, port)
@@ -94,10 +100,26 @@ class ModelServer:
                 continue
             with self.in_round:
                 start = time.time()
-                with self.profiler.annotate(self.stage):
-                    run_round(requests, engine_round, 0)
+                try:
+                    with self.profiler.annotate(self.stage):
+                        run_round(requests, engine_round, 0)
+                except Exception as err:  # noqa: BLE001 - the engine's own error: its callers get it, the server goes on
+                    self._fail(requests, err)
+                    continue
                 self.rounds.append(EngineRound(start, time.time(), len(requests),
                                                sum(len(r.prompt_ids) for r in requests), sum(len(r.tokens) for r in requests)))
+
+    def _fail(self, requests: list, err: Exception) -> None:
+        """Answer a failed round's requests with the engine's error (a 500 in the API's shape), said once."""
+        from plait.serving.protocol import ApiError
+        why = f"{type(err).__name__}: {err}".splitlines()[0][:300]
+        if why not in self.failed:
+            self.failed.add(why)
+            print(f"plait: the {self.stage} engine failed a round of {len(requests)} request(s) ({why}); they are "
+                  "answered 500 and the server goes on", file=sys.stderr)
+        for r in requests:
+            r.loop.call_soon_threadsafe(_fail_future, r.future, ApiError(
+                500, f"the model's engine failed this request: {why}", kind="server_error"))
 
     def rounds_since(self, since: float) -> list[EngineRound]:
         """The engine rounds that ended after `since` (wall clock). A round whose answers went out is recorded
@@ -113,6 +135,11 @@ class ModelServer:
         self.server.close()
         self.loop.close()
         self.rollout.close()
+
+
+def _fail_future(future, err: Exception) -> None:
+    if not future.done():
+        future.set_exception(err)
 
 
 def serve(model: str, host: str = "127.0.0.1", port: int = 8000, engine: str | None = None, max_tokens: int = 1024,

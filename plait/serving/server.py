@@ -54,7 +54,7 @@ class Limits:
     max_json_depth: int = 64         # nesting of the body's JSON (400 past it; Python's parser recurses)
     head_timeout_s: float = 30.0     # a request's line and headers, from the connection's start or its last answer
     body_timeout_s: float = 60.0     # a request's body, once its head is in (408 past it)
-    max_connections: int = 2048      # past it (or half the open-files limit) the connection waiting longest for a head is dropped
+    max_connections: int = 2048      # past it (or half the open-files limit) the slowest client is dropped
 
     def __post_init__(self):
         for key in ("max_body_bytes", "max_json_depth", "head_timeout_s", "body_timeout_s", "max_connections"):
@@ -329,26 +329,30 @@ def _bounded_h11():
     class BoundedH11(H11Protocol):
         """uvicorn's h11 protocol with a deadline for each request's head (uvicorn has none: a client sending a
         header byte a minute held its connection forever) and a cap on connections: at the cap a new connection
-        drops the one that has waited longest for a head (a slow client's), never one whose request is running."""
+        drops the one that has waited longest for its client's bytes (a slow head or body), never one whose
+        request is in whole."""
 
         def __init__(self, *args, head_timeout_s: float, max_connections: int, **kwargs):
             super().__init__(*args, **kwargs)
             self.head_timeout_s, self.max_connections = head_timeout_s, max_connections
-            self.head_since: float | None = None  # waiting for a request's head since (loop time); None: one runs
+            self.waiting_since: float | None = None  # waiting for the client's request since (loop time)
             self.head_timer: asyncio.TimerHandle | None = None
 
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
             self._await_head()
             if len(self.connections) > self.max_connections:
-                waiting = [c for c in self.connections if isinstance(c, BoundedH11) and c.head_since is not None]
-                min(waiting, key=lambda c: c.head_since)._drop()
+                waiting = [c for c in self.connections if isinstance(c, BoundedH11) and c.waiting_since is not None]
+                min(waiting, key=lambda c: c.waiting_since)._drop()
 
         def handle_events(self) -> None:
             super().handle_events()
-            if self.conn.their_state is not h11.IDLE and self.head_since is not None:  # a head came in whole
-                self.head_since = None
+            state = self.conn.their_state
+            if state is not h11.IDLE and self.head_timer is not None:  # the head came in whole
                 self.head_timer.cancel()
+                self.head_timer = None
+            if state is not h11.IDLE and state is not h11.SEND_BODY:  # and the body
+                self.waiting_since = None
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
@@ -363,11 +367,11 @@ def _bounded_h11():
         def _await_head(self) -> None:
             if self.head_timer is not None:
                 self.head_timer.cancel()
-            self.head_since = self.loop.time()
+            self.waiting_since = self.loop.time()
             self.head_timer = self.loop.call_later(self.head_timeout_s, self._drop)
 
         def _drop(self) -> None:
-            self.head_since = None
+            self.waiting_since = self.head_timer = None
             if not self.transport.is_closing():
                 self.transport.close()
 

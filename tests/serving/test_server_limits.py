@@ -123,7 +123,7 @@ from gateway_helpers import served, CHATML
 from plait.models import build_char_tokenizer
 from plait.serving.server import Limits
 tok = build_char_tokenizer(); tok.chat_template = CHATML
-with served(tok, script=lambda text: "hi", limits=Limits(head_timeout_s=2.0, body_timeout_s=2.0)) as (_, url, _e, _q):
+with served(tok, script=lambda text: "hi", limits=Limits(head_timeout_s=30.0, body_timeout_s=30.0)) as (_, url, _e, _q):
     print(url, flush=True)
     sys.stdin.read()
 """
@@ -132,7 +132,7 @@ with served(tok, script=lambda text: "hi", limits=Limits(head_timeout_s=2.0, bod
 def test_slow_clients_leave_normal_requests_answered(tmp_path):
     """Slowloris: 1,100 clients each holding a connection with half a head (or half a body) left normal requests
     unanswered and printed a traceback per accept out of file descriptors (1.3 M). Here the server may hold 256 files
-    (soft and hard limit); 300 slow heads and 20 slow bodies are connected while 10 normal requests are sent."""
+    (soft and hard limit: it holds 96 connections); 160 slow bodies, then 160 slow heads are connected while 10 normal requests are sent."""
     import resource
 
     def few_files():
@@ -145,17 +145,20 @@ def test_slow_clients_leave_normal_requests_answered(tmp_path):
     try:
         url = server.stdout.readline().strip()
         host, port = url.removeprefix("http://").split(":")
-        for _ in range(320):  # connecting at once (a full accept queue makes a blocking connect wait 1 s for SYN again)
-            slow.append(socket.socket())
-            slow[-1].setblocking(False)
-            slow[-1].connect_ex((host, int(port)))
-        for i, s in enumerate(slow):
-            s.settimeout(10)
-            try:
-                s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n" + (
-                    b"Content-Length: 1000\r\n\r\n{" if i % 16 == 0 else b""))
-            except OSError:  # dropped already, for a newer slow client
-                pass
+        for body in (True, True, False, False):  # 80 at once (a blocking connect to a full accept queue waits 1 s)
+            wave = [socket.socket() for _ in range(80)]
+            for s in wave:
+                s.setblocking(False)
+                s.connect_ex((host, int(port)))
+            for s in wave:
+                s.settimeout(10)
+                try:
+                    s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n" + (
+                        b"Content-Length: 1000\r\n\r\n{" if body else b""))
+                except OSError:  # dropped already, for a newer slow client
+                    pass
+            slow += wave
+            time.sleep(0.3)
         answered = 0
         for _ in range(10):
             r = requests.post(url + "/v1/chat/completions", json=HI, timeout=10)

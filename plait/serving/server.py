@@ -63,7 +63,9 @@ class Limits:
 
 
 def _answer(api: str, err: ApiError) -> JSONResponse:
-    return JSONResponse(err.openai() if api == "openai" else err.anthropic(), status_code=err.status)
+    # a body refused before it was read whole: the rest must not be read as the connection's next request
+    close = {"Connection": "close"} if err.status in (408, 413) else None
+    return JSONResponse(err.openai() if api == "openai" else err.anthropic(), status_code=err.status, headers=close)
 
 
 def handled(api: str):
@@ -284,12 +286,14 @@ class Server:
         self.host, self.port, self.loop = host, self.sock.getsockname()[1], loop
         # Out of file descriptors, asyncio's accept loop logs a traceback per try and answers no one: the soft limit
         # is raised to the hard one, and connections are kept well under it.
-        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        if soft != hard:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (resource.getrlimit(resource.RLIMIT_NOFILE)[1],) * 2)
+        except (ValueError, OSError):  # macOS: an unlimited hard limit cannot be the soft one
+            pass
         # asyncio accepts up to `backlog` connections at once before the cap is applied; the other half is the
         # process's own (a rollout worker's agents, pipes, checkpoints)
         files = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        files = 1 << 16 if files == resource.RLIM_INFINITY else files
         backlog = max(8, min(2048, files // 8))
         most = max(8, min(limits.max_connections, files // 2 - backlog))
         protocol = functools.partial(_bounded_h11(), head_timeout_s=limits.head_timeout_s, max_connections=most)

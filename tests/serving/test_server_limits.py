@@ -63,6 +63,7 @@ def test_a_body_past_the_limit_is_a_413_before_it_is_read(tokenizer):
         head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
         answer = raw(url, head + b"Content-Length: 50000000\r\n\r\n", b'{"messages": [')  # the rest never comes
         assert answer.startswith(b"HTTP/1.1 413") and b"larger than 1048576 bytes" in answer
+        assert b"connection: close" in answer.lower()  # the unread rest is not taken for a next request
         assert time.time() - t < 5
         chunks = (b"%x\r\n%s\r\n" % (1 << 16, b" " * (1 << 16)) for _ in range(64))  # 4 MiB of spaces, chunked
         r = requests.post(url + "/v1/chat/completions", data=chunks, headers={"content-type": "application/json"})

@@ -70,7 +70,7 @@ class ModelServer:
         # (not every architecture names its context so: those keep the bound they were given)
         bounds = [c for c in (context, getattr(model.get_text_config(), "max_position_embeddings", None)) if c]
         context = min(bounds) if bounds else None
-        self.failed: set[str] = set()  # the engine errors said on stderr
+        self.failed: set[str] = set()  # the kinds of engine error said on stderr (once each: a dead engine fails every round)
         self.gateway = Gateway(tokenizer, model.model_type, tool_format, self.rollout.eos_ids, name, generate=self.queue.generate,
                                max_tokens=max_tokens, defaults=defaults, seed=seed, context=context)
         try:
@@ -110,11 +110,11 @@ class ModelServer:
                                                sum(len(r.prompt_ids) for r in requests), sum(len(r.tokens) for r in requests)))
 
     def _fail(self, requests: list, err: Exception) -> None:
-        """Answer a failed round's requests with the engine's error (a 500 in the API's shape), said once."""
+        """Answer a failed round's requests with the engine's error (a 500 in the API's shape), said once a kind."""
         from plait.serving.protocol import ApiError
         why = f"{type(err).__name__}: {err}".splitlines()[0][:300]
-        if why not in self.failed:
-            self.failed.add(why)
+        if type(err).__name__ not in self.failed:
+            self.failed.add(type(err).__name__)
             print(f"plait: the {self.stage} engine failed a round of {len(requests)} request(s) ({why}); they are "
                   "answered 500 and the server goes on", file=sys.stderr)
         for r in requests:

@@ -77,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--engine", help="the rollout engine (a row of plait/workers/engine.py; default plait's own)")
     serve.add_argument("--max-tokens", type=int, default=1024, help="a request's budget when it names none")
     serve.add_argument("--tool-format", default="hermes", help="how tool calls are read from the model's text")
+    serve.add_argument("--max-body-mb", type=float, default=8, help="the largest request body, in MiB (413 past it)")
     args = parser.parse_args(argv)
     if args.command == "export":
         return export_command(args)
@@ -182,7 +183,8 @@ def export_command(args) -> int:
 def serve_command(args) -> int:
     from plait.serving.serve import serve
     try:
-        serve(args.model, args.host, args.port, args.engine, args.max_tokens, args.tool_format)
+        serve(args.model, args.host, args.port, args.engine, args.max_tokens, args.tool_format,
+              max_body_mb=args.max_body_mb)
     except (FileNotFoundError, ConfigError, OSError) as err:
         print(f"plait: serve: {err}", file=sys.stderr)
         return 2

@@ -47,9 +47,10 @@ class ModelServer:
     def __init__(self, path: str, cfg, profiler, name: str, device: str = "cpu", dtype=None, host: str = "127.0.0.1",
                  port: int = 0, max_tokens: int = 1024, tool_format: str = "hermes", defaults: dict | None = None,
                  seed: int | None = None, context: int | None = None, max_num_seqs: int | None = None,
-                 window_s: float = WINDOW_S, stage: str = "serve"):
+                 window_s: float = WINDOW_S, stage: str = "serve", limits=None):
         """`cfg`: the rollout node naming the engine and its settings; `profiler`: the role's handle (each round is
-        its `stage`); the rest: Gateway's (`max_tokens` the default budget, `context` prompt + answer)."""
+        its `stage`); `limits`: the server's (plait/serving/server.py's Limits); the rest: Gateway's (`max_tokens` the
+        default budget, `context` prompt + answer)."""
         import torch
         from transformers import AutoConfig
 
@@ -74,7 +75,7 @@ class ModelServer:
         self.gateway = Gateway(tokenizer, model.model_type, tool_format, self.rollout.eos_ids, name, generate=self.queue.generate,
                                max_tokens=max_tokens, defaults=defaults, seed=seed, context=context)
         try:
-            self.server = Server(self.gateway, self.loop.loop, host, port)
+            self.server = Server(self.gateway, self.loop.loop, host, port, limits)
         except BaseException:
             self.loop.close()
             self.rollout.close()
@@ -143,7 +144,7 @@ def _fail_future(future, err: Exception) -> None:
 
 
 def serve(model: str, host: str = "127.0.0.1", port: int = 8000, engine: str | None = None, max_tokens: int = 1024,
-          tool_format: str = "hermes", ready=None, stop: threading.Event | None = None) -> None:
+          tool_format: str = "hermes", ready=None, stop: threading.Event | None = None, max_body_mb: float = 8) -> None:
     """Serve until Ctrl-C (or `stop` is set); `ready(url)` is called once the server listens."""
     import transformers
 
@@ -151,8 +152,11 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8000, engine: str | N
     from plait.profiler.config import GlobalProfilerConfig, RoleProfilerConfig
     from plait.profiler.session import ProfilerSession
     from plait.configtree import ConfigError
+    from plait.serving.server import Limits
     from plait.workers.engine import ENGINES, PLAIT_ENGINE
     stop = stop or threading.Event()
+    if not max_body_mb > 0:
+        raise ConfigError("--max-body-mb", max_body_mb, "a size in MiB > 0")
     engine = engine or PLAIT_ENGINE
     if engine not in ENGINES or ENGINES[engine].unavailable():
         why = ENGINES[engine].unavailable() if engine in ENGINES else f"one of {', '.join(ENGINES)}"
@@ -163,7 +167,8 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8000, engine: str | N
         profiler = ProfilerSession(GlobalProfilerConfig(), {"rollout": RoleProfilerConfig()}, rank=0).for_role("rollout")
         name = os.path.basename(model.rstrip("/")) or model
         server = ModelServer(path, RolloutConfig(name=engine), profiler, name, host=host, port=port,
-                             max_tokens=max_tokens, tool_format=tool_format)
+                             max_tokens=max_tokens, tool_format=tool_format,
+                             limits=Limits(max_body_bytes=int(max_body_mb * (1 << 20))))
         print(f"plait: serving {model} ({engine} engine) at {server.url}/v1 (OpenAI) and {server.url} (Anthropic); "
               "Ctrl-C stops", file=sys.stderr)
         if ready is not None:

@@ -16,9 +16,14 @@ HI = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
 
 
 @pytest.fixture(scope="module")
-def served_model(tmp_path_factory):
+def model_path(tmp_path_factory):
     from plait.models import create_tiny_model
-    path = create_tiny_model(tmp_path_factory.mktemp("served") / "m", size="xs", seed=5)
+    return create_tiny_model(tmp_path_factory.mktemp("served") / "m", size="xs", seed=5)
+
+
+@pytest.fixture(scope="module")
+def served_model(model_path):
+    path = model_path
     profiler = ProfilerSession(GlobalProfilerConfig(), {"rollout": RoleProfilerConfig()}, rank=0).for_role("rollout")
     server = ModelServer(path, RolloutConfig(name="hf"), profiler, name="tiny", max_tokens=8)  # as `plait serve`
     yield server
@@ -78,3 +83,26 @@ def test_an_engine_that_fails_a_round_fails_its_callers_fast_and_the_server_goes
     err = capfd.readouterr().err
     assert err.count("the serve engine failed a round") == 1 and "Traceback" not in err, err
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+def test_plait_serve_takes_its_body_limit(model_path):
+    """`plait serve --max-body-mb`: the request body bound is the user's to set (8 MiB unless told)."""
+    import threading
+
+    from plait.configtree import ConfigError
+    from plait.serving.serve import serve
+    with pytest.raises(ConfigError, match="--max-body-mb"):
+        serve(model_path, max_body_mb=0)
+    urls, stop = [], threading.Event()
+    thread = threading.Thread(target=serve, args=(model_path,),
+                              kwargs=dict(port=0, ready=urls.append, stop=stop, max_body_mb=0.01))
+    thread.start()
+    try:
+        while not urls and thread.is_alive():
+            thread.join(0.05)
+        big = {"messages": [{"role": "user", "content": "x" * 20_000}]}
+        r = requests.post(urls[0] + "/v1/chat/completions", json=big, timeout=20)
+        assert r.status_code == 413 and "larger than 10485 bytes" in r.json()["error"]["message"]
+    finally:
+        stop.set()
+        thread.join(30)

@@ -71,7 +71,7 @@ class ModelServer:
         # (not every architecture names its context so: those keep the bound they were given)
         bounds = [c for c in (context, getattr(model.get_text_config(), "max_position_embeddings", None)) if c]
         context = min(bounds) if bounds else None
-        self.failed: set[str] = set()  # the kinds of engine error said on stderr (once each: a dead engine fails every round)
+        self.failed: set[str] = set()  # the kinds of engine error said (once each: a dead engine fails every round)
         self.gateway = Gateway(tokenizer, model.model_type, tool_format, self.rollout.eos_ids, name, generate=self.queue.generate,
                                max_tokens=max_tokens, defaults=defaults, seed=seed, context=context)
         try:

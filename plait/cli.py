@@ -82,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--tinker-dir", help="where tinker:// checkpoints are kept (default $PLAIT_CACHE/tinker or "
                                             "~/.cache/plait/tinker)")
     serve.add_argument("--no-tinker", action="store_true", help="serve without the Tinker API (no training)")
+    serve.add_argument("--max-body-mb", type=float, default=8, help="the largest request body, in MiB (413 past it)")
     args = parser.parse_args(argv)
     if args.command == "export":
         return export_command(args)
@@ -192,7 +193,7 @@ def serve_command(args) -> int:
     from plait.serving.serve import serve
     try:
         serve(args.model, args.host, args.port, args.engine, args.max_tokens, args.tool_format, name=args.name,
-              tinker_dir=None if args.no_tinker else args.tinker_dir or default_tinker_dir())
+              tinker_dir=None if args.no_tinker else args.tinker_dir or default_tinker_dir(), max_body_mb=args.max_body_mb)
     except (FileNotFoundError, ConfigError, OSError) as err:
         print(f"plait: serve: {err}", file=sys.stderr)
         return 2

@@ -41,7 +41,7 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
 
     def anthropic(self) -> dict:
-        kind = {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error",
+        kind = {401: "authentication_error", 404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
                 500: "api_error", 503: "overloaded_error"}.get(self.status, "invalid_request_error")
         return {"type": "error", "error": {"type": kind, "message": self.message}}
 
@@ -226,8 +226,17 @@ def _openai_tools(tools: Any) -> Optional[list[dict]]:
     return tools or None
 
 
-def completion_request(body: Any, encode) -> tuple[list[int], ChatRequest]:
-    """An OpenAI Completions body: (prompt token ids, the sampling); `encode(text)` tokenises text."""
+def _in_vocab(ids: list[int], vocab: int, key: str) -> list[int]:
+    """Token ids a client sent, checked before they reach an engine (an id past the embedding kills its round)."""
+    bad = next((t for t in ids if t >= vocab), None)
+    if bad is not None:
+        raise ApiError(400, f"'{key}' holds token id {bad}, outside this model's vocabulary (ids 0 to {vocab - 1})", key)
+    return list(ids)
+
+
+def completion_request(body: Any, encode, vocab: int) -> tuple[list[int], ChatRequest]:
+    """An OpenAI Completions body: (prompt token ids, the sampling); `encode(text)` tokenises text, `vocab`: the
+    tokenizer's size (ids past it are refused)."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     req = ChatRequest(messages=[], parse_tools=False)
@@ -245,7 +254,7 @@ def completion_request(body: Any, encode) -> tuple[list[int], ChatRequest]:
         return encode(prompt), req
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
                                                    for t in prompt):
-        return list(prompt), req
+        return _in_vocab(prompt, vocab, "prompt"), req
     raise ApiError(400, "'prompt' must be a non-empty string or a list of token ids (one prompt per request)", "prompt")
 
 
@@ -256,7 +265,7 @@ GENERATE_NEUTRAL = {  # SGLang sampling_params that change what is sampled, with
 GENERATE_REFUSED = ("input_embeds", "image_data", "video_data", "audio_data", "lora_path", "custom_logit_processor")
 
 
-def generate_request(body: Any, encode) -> tuple[list[int], ChatRequest, bool]:
+def generate_request(body: Any, encode, vocab: int) -> tuple[list[int], ChatRequest, bool]:
     """SGLang's `/generate` body (one prompt): (prompt token ids, the sampling, whether to return log-probs).
     `input_ids` or `text` (`encode(text)` tokenises it); `sampling_params` in SGLang's names (`max_new_tokens`,
     `temperature`, `top_p`, `top_k`, `stop`, `n`, `sampling_seed`) or vLLM's (`max_tokens`, `seed`), as verl's
@@ -283,7 +292,7 @@ def generate_request(body: Any, encode) -> tuple[list[int], ChatRequest, bool]:
     ids, text = body.get("input_ids"), body.get("text")
     if ids is not None and isinstance(ids, list) and ids and all(
             isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
-        return list(ids), req, logprob
+        return _in_vocab(ids, vocab, "input_ids"), req, logprob
     if ids is None and isinstance(text, str) and text:
         return encode(text), req, logprob
     raise ApiError(400, "'input_ids' (a non-empty list of token ids) or 'text' (a non-empty string) is required, one "

@@ -7,7 +7,9 @@
 `ModelServer` is that whole: the engine (a Rollout worker's, chosen by a rollout node), the server on
 127.0.0.1 unless told otherwise, and the thread that runs engine rounds, each round recorded (wall clock,
 requests, tokens) for whoever accounts for the server's time (a judge's stage, plait/workers/judge.py).
-`serve` runs one until Ctrl-C.
+A round the engine fails answers its requests with a 500 naming the error (said once on stderr) and the thread
+goes on to the next, so no caller waits on a dead round. A prompt is bounded by the model's context
+(`max_position_embeddings` unless told a smaller one). `serve` runs one until Ctrl-C.
 
 MODEL is a training checkpoint (`checkpoints/global_step_N`, or `checkpoints/` for its newest: its policy is
 exported to a temporary folder first, as `plait export` would), an exported or any transformers model
@@ -46,10 +48,11 @@ class ModelServer:
     def __init__(self, path: str, cfg, profiler, name: str, device: str = "cpu", dtype=None, host: str = "127.0.0.1",
                  port: int = 0, max_tokens: int = 1024, tool_format: str = "hermes", defaults: dict | None = None,
                  seed: int | None = None, context: int | None = None, max_num_seqs: int | None = None,
-                 window_s: float = WINDOW_S, stage: str = "serve", tinker_dir: str | None = None):
+                 window_s: float = WINDOW_S, stage: str = "serve", tinker_dir: str | None = None, limits=None):
         """`cfg`: the rollout node naming the engine and its settings; `profiler`: the role's handle (each round is
-        its `stage`); the rest: Gateway's (`max_tokens` the default budget, `context` prompt + answer).
-        `tinker_dir`: serve the Tinker training API too (plait/serving/tinker), its checkpoints in that folder."""
+        its `stage`); `limits`: the server's (plait/serving/server.py's Limits); the rest: Gateway's (`max_tokens` the
+        default budget, `context` prompt + answer). `tinker_dir`: serve the Tinker training API too
+        (plait/serving/tinker), its checkpoints in that folder."""
         import torch
         from transformers import AutoConfig
 
@@ -66,8 +69,12 @@ class ModelServer:
         self.in_round = threading.Lock()  # held from a round's start until it is recorded
         self.stopped = threading.Event()
         self.loop = EventLoopThread()
-        model_type = AutoConfig.from_pretrained(path, local_files_only=True).model_type
-        self.gateway = Gateway(tokenizer, model_type, tool_format, self.rollout.eos_ids, name, generate=self.queue.generate,
+        model = AutoConfig.from_pretrained(path, local_files_only=True)
+        # (not every architecture names its context so: those keep the bound they were given)
+        bounds = [c for c in (context, getattr(model.get_text_config(), "max_position_embeddings", None)) if c]
+        context = min(bounds) if bounds else None
+        self.failed: set[str] = set()  # the kinds of engine error said (once each: a dead engine fails every round)
+        self.gateway = Gateway(tokenizer, model.model_type, tool_format, self.rollout.eos_ids, name, generate=self.queue.generate,
                                max_tokens=max_tokens, defaults=defaults, seed=seed, context=context)
         self.tinker = None
         try:
@@ -76,7 +83,7 @@ class ModelServer:
                 from plait.serving.tinker.routes import tinker_routes
                 self.tinker = tinker_api(path, name, tokenizer, self.rollout.eos_ids, tinker_dir, max_tokens)
             self.server = Server(self.gateway, self.loop.loop, host, port,
-                                 tinker_routes(self.tinker) if self.tinker is not None else None)
+                                 tinker_routes(self.tinker) if self.tinker is not None else None, limits)
         except BaseException:
             if self.tinker is not None:
                 self.tinker.close()
@@ -104,10 +111,26 @@ class ModelServer:
                 continue
             with self.in_round:
                 start = time.time()
-                with self.profiler.annotate(self.stage):
-                    run_round(requests, engine_round, 0)
+                try:
+                    with self.profiler.annotate(self.stage):
+                        run_round(requests, engine_round, 0)
+                except Exception as err:  # noqa: BLE001 - the engine's own error: its callers get it, the server goes on
+                    self._fail(requests, err)
+                    continue
                 self.rounds.append(EngineRound(start, time.time(), len(requests),
                                                sum(len(r.prompt_ids) for r in requests), sum(len(r.tokens) for r in requests)))
+
+    def _fail(self, requests: list, err: Exception) -> None:
+        """Answer a failed round's requests with the engine's error (a 500 in the API's shape), said once a kind."""
+        from plait.serving.protocol import ApiError
+        why = f"{type(err).__name__}: {err}".splitlines()[0][:300]
+        if type(err).__name__ not in self.failed:
+            self.failed.add(type(err).__name__)
+            print(f"plait: the {self.stage} engine failed a round of {len(requests)} request(s) ({why}); they are "
+                  "answered 500 and the server goes on", file=sys.stderr)
+        for r in requests:
+            r.loop.call_soon_threadsafe(_fail_future, r.future, ApiError(
+                500, f"the model's engine failed this request: {why}", kind="server_error"))
 
     def rounds_since(self, since: float) -> list[EngineRound]:
         """The engine rounds that ended after `since` (wall clock). A round whose answers went out is recorded
@@ -127,9 +150,14 @@ class ModelServer:
         self.rollout.close()
 
 
+def _fail_future(future, err: Exception) -> None:
+    if not future.done():
+        future.set_exception(err)
+
+
 def serve(model: str, host: str = "127.0.0.1", port: int = 8000, engine: str | None = None, max_tokens: int = 1024,
           tool_format: str = "hermes", ready=None, stop: threading.Event | None = None, name: str | None = None,
-          tinker_dir: str | None = None) -> None:
+          tinker_dir: str | None = None, max_body_mb: float = 8) -> None:
     """Serve until Ctrl-C (or `stop` is set); `ready(url)` is called once the server listens. `tinker_dir`: the
     Tinker API too (plait/serving/tinker), its checkpoints there; off, with a line saying so, without its packages."""
     import transformers
@@ -138,8 +166,11 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8000, engine: str | N
     from plait.profiler.config import GlobalProfilerConfig, RoleProfilerConfig
     from plait.profiler.session import ProfilerSession
     from plait.configtree import ConfigError
+    from plait.serving.server import Limits
     from plait.workers.engine import ENGINES, PLAIT_ENGINE
     stop = stop or threading.Event()
+    if not max_body_mb > 0:
+        raise ConfigError("--max-body-mb", max_body_mb, "a size in MiB > 0")
     engine = engine or PLAIT_ENGINE
     if engine not in ENGINES or ENGINES[engine].unavailable():
         why = ENGINES[engine].unavailable() if engine in ENGINES else f"one of {', '.join(ENGINES)}"
@@ -155,7 +186,8 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8000, engine: str | N
                   "(pip install 'plait[tinker]')", file=sys.stderr)
             tinker_dir = None
         server = ModelServer(path, RolloutConfig(name=engine), profiler, name, host=host, port=port,
-                             max_tokens=max_tokens, tool_format=tool_format, tinker_dir=tinker_dir)
+                             max_tokens=max_tokens, tool_format=tool_format, tinker_dir=tinker_dir,
+                             limits=Limits(max_body_bytes=int(max_body_mb * (1 << 20))))
         tinker = f", Tinker at {server.url} as base_model {name!r} (checkpoints in {tinker_dir})" if tinker_dir else ""
         print(f"plait: serving {model} ({engine} engine) at {server.url}/v1 (OpenAI) and {server.url} (Anthropic)"
               f"{tinker}; Ctrl-C stops", file=sys.stderr)

@@ -8,6 +8,11 @@
     POST /sessions/{id}/reward  {"reward": float}               the agent's own reward for its row
     GET /health
 
+Every request and connection is bounded (`Limits`): the body's size and JSON depth, the time its head and
+body may take to arrive, the connections held at once; past a bound a request is answered in its API's error
+shape (or, before a request exists, its connection is closed), and a client that goes away costs only its own
+request. Unknown routes and methods are answered in the API's error shape too.
+
 A session is named by its path or by the API key (`Authorization: Bearer <id>`, `x-api-key: <id>`),
 so an agent needs nothing but a base URL and a key. Starlette and uvicorn, the stack FastAPI itself
 runs on, without FastAPI's request models: plait checks bodies itself (plait/serving/protocol.py) so
@@ -19,12 +24,20 @@ training, so a handler awaits the engine queue directly), bound to 127.0.0.1 unl
 from __future__ import annotations
 
 import asyncio
+import functools
+import itertools
 import json
 import logging
+import re
+import resource
 import socket
 import time
+from dataclasses import dataclass
+from typing import Any
+
 from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
@@ -35,18 +48,42 @@ from plait.serving.protocol import ApiError
 log = logging.getLogger("plait.serving")
 
 
+@dataclass
+class Limits:
+    """What one client may hold of the server, so that none can stall the others or grow it without bound."""
+    max_body_bytes: int = 8 << 20    # a request body (413 past it: by its Content-Length before reading, else as it comes)
+    max_json_depth: int = 64         # nesting of the body's JSON (400 past it; Python's parser recurses)
+    head_timeout_s: float = 30.0     # a request's line and headers, from the connection's start or its last answer
+    body_timeout_s: float = 60.0     # a request's body, once its head is in (408 past it)
+    max_connections: int = 2048      # past it (or half the open-files limit) the slowest client is dropped
+
+    def __post_init__(self):
+        for key in ("max_body_bytes", "max_json_depth", "head_timeout_s", "body_timeout_s", "max_connections"):
+            if not getattr(self, key) > 0:
+                raise ValueError(f"gateway limit {key}={getattr(self, key)!r}: must be > 0")
+
+
+def _answer(api: str, err: ApiError) -> JSONResponse:
+    # a body refused before it was read whole: the rest must not be read as the connection's next request
+    close = {"Connection": "close"} if err.status in (408, 413) else None
+    return JSONResponse(err.openai() if api == "openai" else err.anthropic(), status_code=err.status, headers=close)
+
+
 def handled(api: str):
-    """An endpoint's errors in its API's shape: ApiError as itself, anything else a 500 (logged, no traceback out)."""
+    """An endpoint's errors in its API's shape: ApiError as itself, anything else a 500 (logged, no traceback out);
+    a client gone before its body arrived is nobody's error (there is no one to answer)."""
     def wrap(method):
         async def endpoint(self, request: Request) -> Response:
             try:
                 return await method(self, request)
             except ApiError as err:
-                return JSONResponse(err.openai() if api == "openai" else err.anthropic(), status_code=err.status)
+                return _answer(api, err)
+            except ClientDisconnect:
+                log.debug("plait gateway: %s %s: the client went away", request.method, request.url.path)
+                return Response(status_code=499)
             except Exception as err:  # noqa: BLE001 - never a traceback to the client; the server log has it
                 log.exception("plait gateway: %s %s failed", request.method, request.url.path)
-                err = ApiError(500, f"internal error: {type(err).__name__}: {err}", kind="server_error")
-                return JSONResponse(err.openai() if api == "openai" else err.anthropic(), status_code=500)
+                return _answer(api, ApiError(500, f"internal error: {type(err).__name__}: {err}", kind="server_error"))
         return endpoint
     return wrap
 
@@ -54,8 +91,8 @@ def handled(api: str):
 class Api:
     """The endpoints over one Gateway."""
 
-    def __init__(self, gateway: Gateway):
-        self.gateway = gateway
+    def __init__(self, gateway: Gateway, limits: Limits):
+        self.gateway, self.limits = gateway, limits
         self.remembered: dict = {}  # outside sessions: response id -> its conversation, for previous_response_id
 
     def session_of(self, request: Request):
@@ -67,12 +104,26 @@ class Api:
             sid = key if key and key in gateway.sessions else (None if gateway.plain is not None else key or None)
         return gateway.session(sid)
 
-    @staticmethod
-    async def body_of(request: Request):
+    async def body_of(self, request: Request) -> Any:
+        """The body as JSON, read within the limits (its size as it streams in, its time, its nesting)."""
+        most, size = self.limits.max_body_bytes, request.headers.get("content-length", "")
+        too_large = ApiError(413, f"the request body is larger than {most} bytes (this server's limit)")
+        if size.isdigit() and int(size) > most:
+            raise too_large
+
+        async def read() -> bytes:
+            chunks, held = [], 0
+            async for chunk in request.stream():
+                held += len(chunk)
+                if held > most:
+                    raise too_large
+                chunks.append(chunk)
+            return b"".join(chunks)
         try:
-            return json.loads(await request.body())
-        except ValueError as err:
-            raise ApiError(400, f"the request body is not JSON: {err}") from None
+            body = await asyncio.wait_for(read(), self.limits.body_timeout_s)
+        except asyncio.TimeoutError:
+            raise ApiError(408, f"the request body did not arrive within {self.limits.body_timeout_s:g} s") from None
+        return parse_json(body, self.limits.max_json_depth)
 
     @handled("openai")
     async def chat(self, request: Request) -> Response:
@@ -96,7 +147,7 @@ class Api:
     @handled("openai")
     async def completions(self, request: Request) -> Response:
         encode = lambda text: self.gateway.tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
-        prompt_ids, req = protocol.completion_request(await self.body_of(request), encode)
+        prompt_ids, req = protocol.completion_request(await self.body_of(request), encode, len(self.gateway.tokenizer))
         req.model = req.model or self.gateway.model_name
         choices, prompt = await self.gateway.complete(prompt_ids, req, self.session_of(request))
         body = protocol.completion_response(req, choices, prompt)
@@ -109,7 +160,7 @@ class Api:
         """SGLang's `/generate`, as verl's reward router answers a GenRM reward function's token-level request."""
         body = await self.body_of(request)
         encode = lambda text: self.gateway.tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
-        prompt_ids, req, logprob = protocol.generate_request(body, encode)
+        prompt_ids, req, logprob = protocol.generate_request(body, encode, len(self.gateway.tokenizer))
         choices, prompt = await self.gateway.complete(prompt_ids, req, self.session_of(request))
         for c in choices:  # SGLang's text: the output ids decoded without special tokens
             c.content = self.gateway.tokenizer.decode(c.token_ids, skip_special_tokens=True)
@@ -152,9 +203,9 @@ class Api:
         return JSONResponse({"status": "ok", "model": self.gateway.model_name, "sessions": len(self.gateway.sessions)})
 
 
-def make_app(gateway: Gateway, extra: list[Route] | None = None) -> Starlette:
+def make_app(gateway: Gateway, extra: list[Route] | None = None, limits: Limits | None = None) -> Starlette:
     """The gateway's routes, and `extra` ones served beside them (the Tinker API's under /api/v1)."""
-    api = Api(gateway)
+    api = Api(gateway, limits or Limits())
     routes = [Route("/health", api.health, methods=["GET"]), Route("/sessions/{sid}/reward", api.reward, methods=["POST"])]
     for prefix in ("", "/sessions/{sid}"):
         routes += [Route(f"{prefix}/v1/chat/completions", api.chat, methods=["POST"]),
@@ -164,7 +215,60 @@ def make_app(gateway: Gateway, extra: list[Route] | None = None) -> Starlette:
                    Route(f"{prefix}/v1/messages", api.messages, methods=["POST"]),
                    Route(f"{prefix}/v1/messages/count_tokens", api.count_tokens, methods=["POST"]),
                    Route(f"{prefix}/v1/models", api.models, methods=["GET"])]
-    return Starlette(routes=routes + (extra or []))
+    return Starlette(routes=routes + (extra or []), exception_handlers={HTTPException: _no_route})
+
+
+async def _no_route(request: Request, exc: HTTPException) -> Response:
+    """Starlette's 404 and 405 in the API's error shape (Anthropic's under /v1/messages), naming the route."""
+    route = f"{request.method} {request.url.path}"
+    if exc.status_code == 405:
+        message = f"{route}: method not allowed here (allowed: {(exc.headers or {}).get('Allow', '')})"
+    else:
+        message = f"{route}: no such route on this server" if exc.status_code == 404 else f"{route}: {exc.detail}"
+    api = "anthropic" if "/v1/messages" in request.url.path else "openai"
+    return _answer(api, ApiError(exc.status_code, message, kind="invalid_request_error"))
+
+
+_STRINGS = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+_NOT_BRACKETS = bytes(set(range(256)) - set(b"[]{}"))
+_DEPTH = bytes.maketrans(b"[{]}", b"\x01\x01\xff\xff")  # +1 and -1 as signed bytes
+
+
+def parse_json(body: bytes, max_depth: int) -> Any:
+    """A request body's JSON; its nesting is measured first, without recursion (Python's parser recurses and
+    raises RecursionError on a deep enough body), and lone surrogates are refused (no tokenizer takes them)."""
+    steps = _STRINGS.sub(b"", body).translate(_DEPTH, _NOT_BRACKETS)
+    if max(itertools.accumulate(memoryview(steps).cast("b")), default=0) > max_depth:
+        raise ApiError(400, f"the request body's JSON is nested deeper than {max_depth} levels")
+    try:
+        value = json.loads(body)
+    except ValueError as err:
+        raise ApiError(400, f"the request body is not JSON: {err}") from None
+    if re.search(rb"\\u[dD][89a-fA-F]", body):  # a surrogate escape: valid only as half of a pair
+        where = _lone_surrogate(value, "")
+        if where is not None:  # (a key's path may hold the surrogate itself: written escaped)
+            where = where.encode("utf-8", "backslashreplace").decode("utf-8")
+            raise ApiError(400, f"{where or 'the body'}: a lone surrogate (\\ud800-\\udfff unpaired) is not valid "
+                                "Unicode text", where or None)
+    return value
+
+
+def _lone_surrogate(value: Any, path: str) -> str | None:
+    """The path of the first string (or key) in `value` that UTF-8 cannot encode; None if there is none."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path
+        return None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        where = f"{path}.{key}".lstrip(".") if isinstance(value, dict) else f"{path}[{key}]"
+        found = _lone_surrogate(key, where) if isinstance(key, str) else None
+        found = found if found is not None else _lone_surrogate(item, where)
+        if found is not None:
+            return found
+    return None
 
 
 def _sse(events: list[str]) -> StreamingResponse:
@@ -178,8 +282,9 @@ class Server:
     """uvicorn serving `make_app(gateway)` as a task on `loop` (another thread's running loop)."""
 
     def __init__(self, gateway: Gateway, loop: asyncio.AbstractEventLoop, host: str = "127.0.0.1", port: int = 0,
-                 extra: list[Route] | None = None):
+                 extra: list[Route] | None = None, limits: Limits | None = None):
         import uvicorn
+        limits = limits or Limits()
         self.sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         # accepted connections inherit it: without it a keep-alive client's every request waited ~40 ms (Nagle's
@@ -191,9 +296,24 @@ class Server:
             self.sock.close()
             raise OSError(f"the gateway cannot listen on {host}:{port}: {err.strerror}") from None
         self.host, self.port, self.loop = host, self.sock.getsockname()[1], loop
-        config = uvicorn.Config(make_app(gateway, extra), log_config=None, log_level="warning", access_log=False,
-                                lifespan="off", timeout_keep_alive=30, timeout_graceful_shutdown=2)  # a held call
-        # (a session whose rollout was given up) must not hold the close
+        # Out of file descriptors, asyncio's accept loop logs a traceback per try and answers no one: the soft limit
+        # is raised to the hard one, and connections are kept well under it.
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (resource.getrlimit(resource.RLIMIT_NOFILE)[1],) * 2)
+        except (ValueError, OSError):  # macOS: an unlimited hard limit cannot be the soft one
+            pass
+        # asyncio accepts up to `backlog` connections at once before the cap is applied; the other half is the
+        # process's own (a rollout worker's agents, pipes, checkpoints)
+        files = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        files = 1 << 16 if files == resource.RLIM_INFINITY else files
+        backlog = max(8, min(2048, files // 8))
+        most = max(8, min(limits.max_connections, files // 2 - backlog))
+        protocol = functools.partial(_bounded_h11(), head_timeout_s=limits.head_timeout_s, max_connections=most)
+        config = uvicorn.Config(make_app(gateway, extra, limits), http=protocol, backlog=backlog, log_config=None,
+                                log_level="warning",
+                                access_log=False, lifespan="off", timeout_keep_alive=min(30, limits.head_timeout_s),
+                                timeout_graceful_shutdown=2)  # a held call (a session whose rollout was given up)
+        # must not hold the close
         self.uvicorn = uvicorn.Server(config)
         self.task = asyncio.run_coroutine_threadsafe(self.uvicorn.serve(sockets=[self.sock]), loop)
         deadline = time.time() + 30
@@ -216,3 +336,60 @@ class Server:
             pass
         self.sock.close()
 
+
+
+@functools.cache
+def _bounded_h11():
+    """uvicorn's h11 protocol, bounded (a class made once, when the first server starts: uvicorn is imported then)."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol, h11
+
+    class BoundedH11(H11Protocol):
+        """uvicorn's h11 protocol with a deadline for each request's head (uvicorn has none: a client sending a
+        header byte a minute held its connection forever) and a cap on connections: at the cap a new connection
+        drops the one that has waited longest for its client's bytes (a slow head or body), never one whose
+        request is in whole."""
+
+        def __init__(self, *args, head_timeout_s: float, max_connections: int, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.head_timeout_s, self.max_connections = head_timeout_s, max_connections
+            self.waiting_since: float | None = None  # waiting for the client's request since (loop time)
+            self.head_timer: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._await_head()
+            if len(self.connections) > self.max_connections:
+                waiting = [c for c in self.connections if isinstance(c, BoundedH11) and c.waiting_since is not None]
+                min(waiting, key=lambda c: c.waiting_since)._drop()
+
+        def handle_events(self) -> None:
+            super().handle_events()
+            state = self.conn.their_state
+            if state is not h11.IDLE and self.head_timer is not None:  # the head came in whole
+                self.head_timer.cancel()
+                self.head_timer = None
+            if state is not h11.IDLE and state is not h11.SEND_BODY:  # and the body
+                self.waiting_since = None
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self.transport.is_closing() and self.conn.their_state is h11.IDLE:
+                self._await_head()
+
+        def connection_lost(self, exc) -> None:
+            if self.head_timer is not None:
+                self.head_timer.cancel()
+            super().connection_lost(exc)
+
+        def _await_head(self) -> None:
+            if self.head_timer is not None:
+                self.head_timer.cancel()
+            self.waiting_since = self.loop.time()
+            self.head_timer = self.loop.call_later(self.head_timeout_s, self._drop)
+
+        def _drop(self) -> None:
+            self.waiting_since = self.head_timer = None
+            if not self.transport.is_closing():
+                self.transport.close()
+
+    return BoundedH11

@@ -56,13 +56,14 @@ def tool_then_answer(text: str) -> str:
 
 
 @contextmanager
-def served(tokenizer, script=tool_then_answer, plain=True, version=lambda: 0):
-    """(gateway, url, engine): a Gateway with its server, and a thread running the queue's rounds."""
+def served(tokenizer, script=tool_then_answer, plain=True, version=lambda: 0, limits=None):
+    """(gateway, url, engine): a Gateway with its server (bounded by `limits`, plait/serving/server.py's Limits),
+    and a thread running the queue's rounds."""
     thread, queue, stop = EventLoopThread(), Scheduler(512), threading.Event()
     engine = Scripted(tokenizer, script)
     gateway = Gateway(tokenizer, "qwen2", "hermes", [tokenizer.eos_token_id], "tiny",
                       generate=queue.generate if plain else None, max_tokens=200)
-    server = Server(gateway, thread.loop)
+    server = Server(gateway, thread.loop, limits=limits)
 
     def drive():
         while not stop.is_set():

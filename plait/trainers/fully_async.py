@@ -179,7 +179,7 @@ class FullyAsyncTrainer(LMTrainer):
             with self.cond:
                 self.syncing = True
             if self.partial_rollout:
-                self.roles.rollout.call(Rollout.abort)
+                self.abort_generation()
             try:  # the check too while the rollouter waits: its probe never queues behind a generate
                 checked = self.push_weights(step)  # waits for a running generate
             finally:

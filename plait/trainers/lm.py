@@ -161,33 +161,50 @@ class LMTrainer:
     def push_weights(self, version: int, share: bool = False) -> dict[str, float]:
         """The actor's weights to the rollout as policy `version`, then the weight-sync check; its metrics."""
         while True:  # the engine may die during the sync too (restart_engine raises at the second death in a step)
+            seen = self.engine_restarts
             try:
                 sync_weights(self.roles.actor, self.roles.rollout, version, share)
                 return {} if self.sync_check is None else self.sync_check.after_sync(version)
             except EngineDied as err:
-                self.restart_engine(err)
+                self.restart_engine(err, seen)
 
     def generate_call(self, method, *args):
         """A rollout call that generates (generate, resume). When its engine died (EngineDied: vLLM's engine
         core, the rollout's Ray worker process), the engine is restarted with the current weights and the call
         re-issued whole (same prompts, same seed), once per step; a second death in that step is one line."""
         while True:  # restart_engine raises at the second death in a step
+            seen = self.engine_restarts
             try:
                 return self.roles.rollout.call(method, *args)
             except EngineDied as err:
-                self.restart_engine(err)
+                self.restart_engine(err, seen)
 
-    def restart_engine(self, err: EngineDied) -> None:
+    def abort_generation(self) -> None:
+        """Cut the rollout's running generate short (a weight sync comes). A dead engine has nothing to cut: its death
+        is met, and the engine restarted, by the next call that needs it (generate_call, push_weights)."""
+        try:
+            self.roles.rollout.call(Rollout.abort)
+        except EngineDied:
+            pass
+
+    def restart_engine(self, err: EngineDied, seen: int) -> None:
+        """Restart the dead engine with the current weights, once per step. `seen`: the restarts counted when the
+        failed call began; one finished since (another thread's call met the same death: a rollouter's generate and
+        the trainer's sync) repaired it already, and the call is only re-issued. Counted once repaired, so that a call
+        that began while the repair ran counts as meeting the same death."""
         with self.restart_lock:
+            if self.engine_restarts != seen:
+                return
             if self.restart_step == self.step:
                 raise EngineFailed(f"the rollout engine failed again in step {self.step}, after a restart in the same "
                                    f"step: {first_line(err)}")
-            self.restart_step, self.engine_restarts = self.step, self.engine_restarts + 1
+            self.restart_step = self.step
             print(f"plait: warning: the rollout engine died in step {self.step} ({first_line(err)}); restarting it with "
                   f"the current weights (policy version {self.version}); the call it died in is re-issued", file=sys.stderr)
             self.roles.rollout.recover(Rollout.restart_engine)
             with self.actor_lock:  # not mid-update: the weights of one version
                 sync_weights(self.roles.actor, self.roles.rollout, self.version)
+            self.engine_restarts += 1
 
     def train_step(self, step: int, timer: StageTimer) -> StepResult:
         start, results, samples, lengths = time.perf_counter(), [], 0, []

@@ -28,11 +28,12 @@ MAX_FAILED_CALLS = 3
 
 
 class GroupRollouter:
-    def __init__(self, mode: str, buffer: GroupBuffer, rollout, sampling, chunk: int, seed_of, version_of, rollout_call):
-        """`rollout`: the rollout worker group; `seed_of(uid)`: a sampling seed; `version_of()`: the trainer's
-        policy version (for the timeline); `rollout_call(method, *args, ids=...)`: a generating call on the rollout
-        that records its samples' spans and restarts a dead engine (LMTrainer.rollout_call)."""
-        self.mode, self.buffer, self.rollout, self.sampling, self.chunk = mode, buffer, rollout, sampling, chunk
+    def __init__(self, mode: str, buffer: GroupBuffer, abort, sampling, chunk: int, seed_of, version_of, rollout_call):
+        """`abort()`: cut the rollout's running generate short (LMTrainer.abort_generation); `seed_of(uid)`: a
+        sampling seed; `version_of()`: the trainer's policy version (for the timeline); `rollout_call(method, *args,
+        ids=...)`: a generating call on the rollout that records its samples' spans and restarts a dead engine
+        (LMTrainer.rollout_call)."""
+        self.mode, self.buffer, self.abort, self.sampling, self.chunk = mode, buffer, abort, sampling, chunk
         self.rollout_call = rollout_call
         self.seed_of, self.version_of = seed_of, version_of
         self.paused = self.syncing = self.stop = self.generating = False  # guarded by buffer.cond
@@ -46,7 +47,7 @@ class GroupRollouter:
             self.paused = paused
             self.buffer.cond.notify_all()
         while paused:
-            self.rollout.call(Rollout.abort)
+            self.abort()
             with self.buffer.cond:
                 if self.buffer.cond.wait_for(lambda: not self.generating, timeout=0.05):
                     return
@@ -56,7 +57,7 @@ class GroupRollouter:
         """Around a weight load: the running generate is cut (partial rollout) and resumes after it, unpaused."""
         with self.buffer.cond:
             self.syncing = True
-        self.rollout.call(Rollout.abort)
+        self.abort()
         try:
             yield
         finally:
@@ -70,7 +71,7 @@ class GroupRollouter:
             self.buffer.cond.notify_all()
         while self.thread.is_alive():
             with contextlib.suppress(Exception):  # the backend may be down after the failure that stops us
-                self.rollout.call(Rollout.abort)
+                self.abort()
             self.thread.join(0.1)
 
     @property

@@ -65,7 +65,7 @@ class V1AsyncTrainer(LMTrainer):
         self.buffer = GroupBuffer()
         self.sampler = build_sampler(cfg, self.mode, self.buffer, self.issue)
         self.global_steps = 1  # the tag of prompts issued now (verl's refill_fn takes only a count)
-        self.rollouter = GroupRollouter(self.mode, self.buffer, roles.rollout, self.sampling, self.chunk,
+        self.rollouter = GroupRollouter(self.mode, self.buffer, self.abort_generation, self.sampling, self.chunk,
                                         self.sample_seed, lambda: self.version, self.rollout_call)
         self.cycle_start = 0.0
         self.step_metrics: dict[str, float] = {}  # the sampler's, summed over a step's local updates

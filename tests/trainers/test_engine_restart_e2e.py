@@ -39,14 +39,21 @@ def restarted_once(out, capfd, step: int) -> list[dict]:
     return records
 
 
+RAY_MODES = {"sync": (), "fully_async": ("trainer.mode=fully_async",),
+             "separate_async": ("trainer.v1.trainer_mode=separate_async", "trainer.v1.separate_async.parameter_sync_step=2")}
+
+
 @pytest.mark.ray
-def test_the_separated_rollouts_ray_worker_killed_is_respawned_and_the_run_completes(tmp_path, tiny_config, capfd):
+@pytest.mark.parametrize("mode", RAY_MODES)
+def test_the_separated_rollouts_ray_worker_killed_is_respawned_and_the_run_completes(tmp_path, tiny_config, capfd, mode):
+    """In every mode whose rollout has a Ray worker of its own: the kill is met by whichever call comes next (the
+    weight sync, the rollouter's generate, V1's abort before a sync) and the engine comes back once."""
     pytest.importorskip("ray")
     from plait.backends import LEAN_RAY_ENV
     os.environ.update(LEAN_RAY_ENV)
     lifecycle = driver.build(tiny_config(tmp_path, *COMMON, "trainer.backend=ray", "trainer.placement=separated",
-                                         "trainer.ray.num_cpu_workers=1", "trainer.ray.cpus_per_worker=0.5"),
-                             progress=False)
+                                         "trainer.ray.num_cpu_workers=1", "trainer.ray.cpus_per_worker=0.5",
+                                         *RAY_MODES[mode]), progress=False)
     rollout = lifecycle.trainer.roles.rollout
     killed = killing_in_step_2(lifecycle, lambda: rollout.pids[0])
     lifecycle.run()

@@ -1,8 +1,9 @@
 """`plait profile diff RUN_A RUN_B`: one run against another, and A's verdict against what B measured.
 
     A, B (run output dirs, read as untrusted data) ─▶ facts of each (verdict.py: the same steps, the same
-    cycle) ─▶ stage medians side by side · top operators added / removed / slower per stage (their torch
-    windows, per profiled step) · memory peaks · each of A's verdicts: what it predicted, what B measured
+    cycle) ─▶ stage medians side by side · top operators added / removed / slower per stage in both runs'
+    torch windows (per profiled step; what only one run has is named, not compared) · memory peaks · each
+    of A's verdicts: what it predicted, what B measured
 
 The usual use: A is a run, B the rerun with A's verdict applied (`try <key>=<value>`). For each predicted
 quantity of A's verdicts (`predicted` in verdict.json) B's measurement of the same quantity is read from
@@ -35,6 +36,7 @@ def diff_runs(a: str, b: str, as_json: bool = False) -> str:
     ra, rb = _run(a), _run(b)
     out = {"a": a, "b": b, "steps": {"a": _steps(ra["facts"]), "b": _steps(rb["facts"])},
            "stages": stages(ra["facts"], rb["facts"]), "operators": operators(ra["ops"], rb["ops"]),
+           "operators_not_compared": not_compared(ra["ops"], rb["ops"]),
            "memory": {"a": process_peak(ra["inputs"].metrics), "b": process_peak(rb["inputs"].metrics)},
            "predictions": predictions(ra["facts"], rb["facts"])}
     return json.dumps(out, indent=1) if as_json else text(out)
@@ -87,10 +89,11 @@ def _ops_per_step(inp: Inputs) -> dict[str, dict[str, float]]:
 
 
 def operators(a: dict, b: dict) -> dict[str, dict[str, list]]:
-    """Per stage in either run's traces: the operators only B has (added), only A has (removed), and those
-    SLOWER times and MIN_OP_US slower per step in B; the largest TOP of each, µs per profiled step."""
+    """Per stage in both runs' traces: the operators only B has (added), only A has (removed), and those
+    SLOWER times and MIN_OP_US slower per step in B; the largest TOP of each, µs per profiled step. A stage
+    in one run's traces only is not compared (`not_compared`): an unprofiled rerun removed nothing."""
     out = {}
-    for stage in sorted(set(a) | set(b)):
+    for stage in sorted(set(a) & set(b)):
         oa, ob = a.get(stage, {}), b.get(stage, {})
         added = sorted(((op, us) for op, us in ob.items() if op not in oa), key=lambda x: -x[1])[:TOP]
         removed = sorted(((op, us) for op, us in oa.items() if op not in ob), key=lambda x: -x[1])[:TOP]
@@ -99,6 +102,13 @@ def operators(a: dict, b: dict) -> dict[str, dict[str, list]]:
         if added or removed or slower:
             out[stage] = {"added": added, "removed": removed, "slower": slower}
     return out
+
+
+def not_compared(a: dict, b: dict) -> list[str]:
+    """What one run's traces have and the other's lack, one line each."""
+    if bool(a) != bool(b):
+        return [f"{'B' if a else 'A'} has no torch traces (global_profiler.tool=torch): operators not compared"]
+    return [f"{stage}: only in {'A' if stage in a else 'B'}'s traces; not compared" for stage in sorted(set(a) ^ set(b))]
 
 
 def measured(fb: verdict.Facts, quantity: str, rule: str) -> Optional[float]:
@@ -135,7 +145,7 @@ def predictions(fa: verdict.Facts, fb: verdict.Facts) -> list[dict]:
             got = measured(fb, quantity, v["rule"])
             rows.append({"rule": v["rule"], "line": v["line"], "key": v["key"], "value": v["value"], "b_value": applied,
                          "quantity": quantity, "a_measured": _a_value(v, quantity, fa), "predicted": predicted,
-                         "b_measured": got, "measured_over_predicted": got / predicted if got and predicted else None})
+                         "b_measured": got, "measured_over_predicted": got / predicted if got is not None and predicted else None})
     return rows
 
 
@@ -157,7 +167,8 @@ def text(out: dict) -> str:
         lines += [f"  added   {op}: {us:.0f}" for op, us in ops["added"]]
         lines += [f"  removed {op}: {us:.0f}" for op, us in ops["removed"]]
         lines += [f"  slower  {op}: {x:.0f} -> {y:.0f}" for op, x, y in ops["slower"]]
-    if not out["operators"]:
+    lines += [f"operators: {line}" for line in out["operators_not_compared"]]
+    if not out["operators"] and not out["operators_not_compared"]:
         lines.append("operators: no torch traces in both runs (global_profiler.tool=torch) or no change")
     ma, mb = out["memory"]["a"], out["memory"]["b"]
     if ma or mb:
@@ -166,8 +177,8 @@ def text(out: dict) -> str:
     for p in out["predictions"]:
         set_ = "" if not p["key"] else (f"; B has {p['key']}={p['b_value']}" + ("" if p["b_value"] == p["value"]
                                                                             else f" (A suggested {p['value']})"))
-        got = "B did not measure it" if p["b_measured"] is None else (
-            f"B measured {p['b_measured']:.3g} s ({p['measured_over_predicted']:.2f}x the prediction)")
+        ratio = "" if p["measured_over_predicted"] is None else f" ({p['measured_over_predicted']:.2f}x the prediction)"
+        got = "B did not measure it" if p["b_measured"] is None else f"B measured {p['b_measured']:.3g} s{ratio}"
         was = f"A {p['a_measured']:.3g} s, " if p["a_measured"] is not None else ""
         lines.append(f"A's verdict ({p['rule']}): {p['quantity']}: {was}predicted {p['predicted']:.3g} s; {got}{set_}")
     if not out["predictions"]:

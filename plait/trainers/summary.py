@@ -26,7 +26,7 @@ from collections import defaultdict
 from typing import Optional
 
 from plait.profiler.analysis.memory import process_peak
-from plait.profiler.analysis.verdict import of_run, profiler_line, settings_of, verdicts
+from plait.profiler.analysis.verdict import MIN_SAVING, of_run, profiler_line, settings_of, verdicts
 from plait.profiler.naming import MANIFEST as PROFILE_MANIFEST
 from plait.profiler.timeline import TIMELINE_FILE, read_timeline
 from plait.trainers.checkpoint import flatten
@@ -169,7 +169,9 @@ def summary_lines(s: dict, path: str) -> list[str]:
     parts = ", ".join(f"{k} {w[k]:.1f} s" for k in ("startup", "steps", "validation", "checkpoints", "profiler", "other"))
     steps = f"steps {st['first']}-{st['last']}" if st["done"] else "no steps"
     lines = [f"{s['status']}: {steps} of {st['run_last_step']} in {w['total']:.1f} s ({parts})"]
-    lines += [f"verdict: {v['line']}" for v in s.get("verdict") or []]
+    lines += [f"verdict: {v['line']}" for v in s.get("verdict") or []] or (
+        [f"verdict: nothing stands out (no stage or setting could save {100 * MIN_SAVING:.0f} % of the step; "
+         "docs/profiling.md lists the rules)"] if s["step_s"].get("basis") else [])  # the verdict read the steps
     if s.get("profiler"):
         lines.append(s["profiler"]["line"])
     if s["step_s"]["median"] is not None:

@@ -285,3 +285,14 @@ def test_no_verdict_suggests_a_key_that_does_nothing_on_this_run():
     assert V.no_effect_here("trainer.n_gpus_per_node", {"trainer.backend": "ray", "device": "cpu"})
     assert V.no_effect_here("trainer.n_gpus_per_node", {"trainer.backend": "ray", "device": "cuda"}) is None
     assert V.no_effect_here("actor_rollout_ref.rollout.max_num_seqs", {}) is None  # unknown engine: not claimed
+
+
+def test_counts_in_a_line_agree_with_their_noun():
+    """issue 52: "micro-batches of 1 samples"."""
+    one = V.update_cost(facts({**BALANCED, "update_actor": 9.0}, {"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": 1}))
+    assert "micro-batches of 1 sample per optimizer step" in one.line()
+    two = V.update_cost(facts({**BALANCED, "update_actor": 9.0}, {"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": 2}))
+    assert "micro-batches of 2 samples per optimizer step" in two.line()
+    both = V.async_idle(facts({**TRAIN, "wait_rollout": 3.5}, ASYNC, {"trainer/idle_ratio": 0.45, "rollouter/idle_ratio": 0.5},
+                              busy=3.9))
+    assert "samples up to 1 version behind" in both.line()

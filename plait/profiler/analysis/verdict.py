@@ -143,6 +143,11 @@ def _of_step(f: Facts) -> str:
     return f"of the step ({f.basis})"
 
 
+def _count(n: int, noun: str) -> str:
+    """"1 sample", "4 samples": a verdict line is read by people."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
 def _value(v) -> str:
     return str(v).lower() if isinstance(v, bool) else str(v).replace(" ", "")
 
@@ -303,8 +308,9 @@ def async_idle(f: Facts) -> Optional[Verdict]:
                        f"the staleness bound: each side waits for the other, the rollouter may not run ahead "
                        f"(staleness_threshold={stale:g}, trigger_parameter_sync_step={trigger})", key, value,
                        f"generation overlaps training: step about max(training, generation) = {bound:.3g} s instead of "
-                       f"{f.step_s:.3g} s; samples up to {max(1, math.ceil(value if key.endswith('threshold') else stale))} "
-                       "versions behind", 1 - bound / f.step_s if f.step_s else 0.0, evidence, inputs, {"step_s": bound})
+                       f"{f.step_s:.3g} s; samples up to "
+                       f"{_count(max(1, math.ceil(value if key.endswith('threshold') else stale)), 'version')} behind",
+                       1 - bound / f.step_s if f.step_s else 0.0, evidence, inputs, {"step_s": bound})
     if t >= IDLE_HIGH and r < IDLE_LOW:
         bound = max(train, gen / 2)
         key, value, how = more_devices(f, "rollout")
@@ -473,7 +479,7 @@ def update_cost(f: Facts) -> Optional[Verdict]:
     if mini and micro and counts and not s.get("actor_rollout_ref.actor.use_dynamic_bsz") \
             and mini * n / micro >= MICRO_BATCHES and (room is None or room >= 0.5):  # larger micro-batches need the memory
         key, value = "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", min(mini * n, micro * MICRO_BATCHES)
-        driver = (f"{math.ceil(mini * n / micro)} micro-batches of {micro} samples per optimizer step "
+        driver = (f"{math.ceil(mini * n / micro)} micro-batches of {_count(micro, 'sample')} per optimizer step "
                   f"(ppo_mini_batch_size {mini} x rollout.n {n})")
         bound, how = micro_batch_fit(f, counts[0], micro_batches(f, value)[0], counts[1])
     elif s.get("actor_rollout_ref.actor.use_dynamic_bsz") and _token_budgets(f) >= MICRO_BATCHES and counts \

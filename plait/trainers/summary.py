@@ -25,7 +25,7 @@ import time
 from collections import defaultdict
 from typing import Optional
 
-from plait.profiler.analysis.memory import process_peak
+from plait.profiler.analysis.memory import peak_text, process_peak
 from plait.profiler.analysis.verdict import MIN_SAVING, of_run, profiler_line, settings_of, verdicts
 from plait.profiler.naming import MANIFEST as PROFILE_MANIFEST
 from plait.profiler.timeline import TIMELINE_FILE, read_timeline
@@ -184,7 +184,7 @@ def summary_lines(s: dict, path: str) -> list[str]:
                      f"{v['best']['value']:.4g} (step {v['best']['step']}), last {v['last']['value']:.4g} (step {v['last']['step']})")
     m = s["memory_peak"]
     if m:
-        lines.append(f"memory peak {m['gb']:.3g} GB in stage {m['stage']} at step {m['step']} ({m['metric']})")
+        lines.append(f"memory peak {peak_text(m)}")
     files = [f"{k} {p}" for k, p in s["paths"].items() if p and k != "output_dir"]
     lines.append("files: " + " · ".join(files + [f"summary {path}"]))
     lines.append(f"next: {s['next']}")

@@ -332,7 +332,7 @@ def _summary_box(inp: Inputs, f: verdict.Facts, artifacts: list[Artifact], judge
                      + " of this device's measured matmul peak at the model's dtype (workers/flops.py)"])
     peak = mem.process_peak(inp.metrics)  # the run summary's memory_peak
     if peak:
-        rows.append(["process memory peak", f"{peak['gb']:.3g} GB in stage {peak['stage']} at step {peak['step']} ({peak['metric']})"])
+        rows.append(["process memory peak", mem.peak_text(peak)])
     for a in artifacts:
         if a.memory is not None:
             r = a.memory

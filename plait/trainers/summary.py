@@ -66,6 +66,7 @@ def summarise_run(output_dir: str, metrics_path: str, checkpoint: Optional[str],
         records = read_records(metrics_path) if os.path.exists(metrics_path) else []
         summary = summarise(records, first, last, clock, profiler_s, paths, status)
         summary["settings"] = settings_of(flatten(run_config or {}), memory_capacity_gb(), device_kind())
+        summary["load"] = machine_load()
         summary["verdict"], summary["profiler"], cycle = run_verdict(output_dir, records, first, summary)
         if cycle is not None:  # one step time everywhere: the report's and the verdict's cycle
             summary["step_s"] = cycle
@@ -135,6 +136,16 @@ def memory_capacity_gb() -> float:
     if torch.cuda.is_available():
         return torch.cuda.get_device_properties(0).total_memory / 2**30
     return psutil.virtual_memory().total / 2**30
+
+
+def machine_load() -> Optional[dict]:
+    """The host's load averages (/proc/loadavg) at the run's end and its CPU count: two runs timed on a
+    machine loaded differently compare poorly (`plait profile diff` warns). None where there are none."""
+    try:
+        one, five, fifteen = os.getloadavg()
+    except OSError:
+        return None
+    return {"1m": one, "5m": five, "15m": fifteen, "cpus": os.cpu_count() or 1}
 
 
 def device_kind() -> str:

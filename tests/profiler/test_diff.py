@@ -27,3 +27,24 @@ def test_a_profiled_run_against_an_unprofiled_rerun(tmp_path, capsys):
     assert cli.main(["profile", "diff", str(tmp_path / "a"), str(tmp_path / "b"), "--json"]) == 0
     got = json.loads(capsys.readouterr().out)
     assert got["operators"] == {} and len(got["operators_not_compared"]) == 1
+    assert set(got["load"]["a"]) == {"1m", "5m", "15m", "cpus"} and got["load"]["b"]["cpus"] >= 1
+
+
+def test_runs_timed_under_loads_far_apart_are_warned_of(tmp_path, capsys):
+    """issue 52: two identical runs diffed 1.6x apart without a word; each summary.json now records /proc/loadavg."""
+    cfg = load_config(None, [*TINY, *QUIET, f"trainer.default_local_dir={tmp_path / 'a'}"])
+    driver.build(cfg, progress=False).run()
+    summary = json.loads((tmp_path / "a" / "summary.json").read_text())
+    for name, one in (("quiet", 0.3), ("same", 0.5), ("busy", 3.1)):
+        (tmp_path / name).mkdir()
+        for f in ("timeline.jsonl", "metrics.jsonl"):
+            (tmp_path / name / f).write_bytes((tmp_path / "a" / f).read_bytes())
+        (tmp_path / name / "summary.json").write_text(json.dumps({**summary, "load": {"1m": one, "5m": one, "15m": one,
+                                                                                       "cpus": 2}}))
+    capsys.readouterr()
+    assert cli.main(["profile", "diff", str(tmp_path / "quiet"), str(tmp_path / "busy")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[2] == ("warning: the machine's load differed: A 0.3 on 2 CPUs, B 3.1 on 2 (1-minute load average at "
+                        "each run's end): the times below compare the machine too; rerun both on a quiet one")
+    assert cli.main(["profile", "diff", str(tmp_path / "quiet"), str(tmp_path / "same")]) == 0
+    assert "load differed" not in capsys.readouterr().out

@@ -10,7 +10,8 @@ quantity of A's verdicts (`predicted` in verdict.json) B's measurement of the sa
 B's own facts: step_s (the median cycle outside profiler windows), update_s, reward_s, generation_s
 (sync: gen; async: the rollouter's generating), sync_s (param_sync / update_weights), spent_s (the wall
 time of validation or checkpoints). Whether B set the suggested key to the suggested value is read from
-B's summary.json settings and said beside it.
+B's summary.json settings and said beside it. Each run's summary.json records the host's load averages at
+its end (`load`); runs timed under loads far apart get a warning line first.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from plait.profiler.analysis.traces import Clock, load_trace, op_totals, origin_
 SLOWER = 1.2          # an operator at >= 1.2x its time in A (per profiled step) is "slower"
 MIN_OP_US = 100.0     # ... and by at least this many µs per step: noise is not a change
 TOP = 5
+LOAD_APART, LOAD_RATIO = 1.0, 1.5  # two runs' loads this far apart make their times incomparable
 
 
 def diff_runs(a: str, b: str, as_json: bool = False) -> str:
@@ -38,7 +40,9 @@ def diff_runs(a: str, b: str, as_json: bool = False) -> str:
            "stages": stages(ra["facts"], rb["facts"]), "operators": operators(ra["ops"], rb["ops"]),
            "operators_not_compared": not_compared(ra["ops"], rb["ops"]),
            "memory": {"a": process_peak(ra["inputs"].metrics), "b": process_peak(rb["inputs"].metrics)},
-           "predictions": predictions(ra["facts"], rb["facts"])}
+           "predictions": predictions(ra["facts"], rb["facts"]),
+           "load": {"a": ra["inputs"].summary.get("load"), "b": rb["inputs"].summary.get("load")}}
+    out["load"]["warning"] = load_warning(out["load"]["a"], out["load"]["b"])
     return json.dumps(out, indent=1) if as_json else text(out)
 
 
@@ -61,6 +65,19 @@ def stages(fa: verdict.Facts, fb: verdict.Facts) -> list[dict]:
     for r in rows:
         r["ratio"] = r["b_s"] / r["a_s"] if r["a_s"] > 0 else None
     return rows
+
+
+def load_warning(a: Optional[dict], b: Optional[dict]) -> Optional[str]:
+    """One line when the two runs' machines were loaded differently (1-minute load average at each run's end,
+    LOAD_APART runnable tasks apart and LOAD_RATIO times the lower): their timings then measure the machine."""
+    if not a or not b:
+        return None
+    low, high = sorted((a["1m"], b["1m"]))
+    if high - low < LOAD_APART or high < LOAD_RATIO * low:
+        return None
+    return (f"warning: the machine's load differed: A {a['1m']:.2g} on {a['cpus']:g} CPUs, B {b['1m']:.2g} on "
+            f"{b['cpus']:g} (1-minute load average at each run's end): the times below compare the machine too; "
+            "rerun both on a quiet one")
 
 
 def _ops_per_step(inp: Inputs) -> dict[str, dict[str, float]]:
@@ -157,6 +174,8 @@ def text(out: dict) -> str:
     sa, sb = out["steps"]["a"], out["steps"]["b"]
     lines = [f"plait profile diff: A {out['a']}", f"                    B {out['b']}",
              f"step: A {sa['median_s']:.3g} s, B {sb['median_s']:.3g} s (median cycle; A {sa['basis']}, B {sb['basis']})"]
+    if out["load"]["warning"]:
+        lines.insert(2, out["load"]["warning"])
     lines.append("stages (median s per step):  A  ->  B")
     for r in out["stages"]:
         ratio = f"{r['ratio']:.2f}x" if r["ratio"] is not None else "new"

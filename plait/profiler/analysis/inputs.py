@@ -239,6 +239,7 @@ def clean_sample(r: dict) -> Optional[dict]:
 
 
 WALL_PARTS = ("total", "startup", "steps", "validation", "checkpoints", "profiler", "other")
+LOAD_PARTS = ("1m", "5m", "15m", "cpus")
 
 
 def clean_summary(s: Any, notes: list[str]) -> dict:
@@ -262,6 +263,11 @@ def clean_summary(s: Any, notes: list[str]) -> dict:
         out["memory_peak"] = {k: peak[k] for k in ("gb", "stage", "metric", "step")}
     elif peak is not None:
         notes.append("summary.json: memory_peak not read (gb, stage, metric, step)")
+    load = s.get("load")
+    if isinstance(load, dict) and all(number(load.get(k)) and load[k] >= 0 for k in LOAD_PARTS):
+        out["load"] = {k: load[k] for k in LOAD_PARTS}
+    elif load is not None:
+        notes.append("summary.json: load not read (" + ", ".join(LOAD_PARTS) + " must be numbers)")
     settings = s.get("settings")
     if isinstance(settings, dict):
         out["settings"] = {k: v for k, v in settings.items() if k in SETTINGS and fits(v, SETTINGS[k])}

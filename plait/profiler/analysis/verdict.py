@@ -13,8 +13,10 @@ predicted bound (`inputs`, `predicted`: verdict.json). Nothing stands out, nothi
 
 Every share is of the step's whole cycle (profiler/analysis/accounting.py: stages, the time between
 steps and what no span names), so unattributed time is never ignored: it has its own rule. The steps
-read are those outside profiler windows (a window slows its steps and closes with `profiler_stop`);
-when every step was profiled, each cycle without the profiler's own spans. The profiler's cost is not a
+read are those outside profiler windows (a window slows its steps and closes with `profiler_stop`),
+less the run's first (its warm-up) while another remains; when every step was profiled, each cycle
+without the profiler's own spans. Each cycle is read without its validation and checkpoint (they come
+every test_freq / save_freq steps; the overhead rules read them from the wall time). The profiler's cost is not a
 verdict but a line of its own (`profiler_line`), so profiling a run does not change what it is told.
 A rule suggests only keys that act on the run's backend and device (config_verl's tables of keys with
 no effect there), and each prediction is computed for the value it suggests (`predicted`, the quantity
@@ -89,6 +91,7 @@ def fits(value, kind: str) -> bool:
 
 
 PROFILER_SPANS = ("profiler_start", "profiler_stop", "finish_hook")  # the profiler's own time between steps
+OCCASIONAL = ("testing", "save_checkpoint")  # every test_freq / save_freq steps: not the step's own time
 BETWEEN = ("log", *PROFILER_SPANS)  # the lifecycle's own spans
 NOT_TRAINING = ("gen", "wait_rollout", "testing", "save_checkpoint", UNATTRIBUTED, *BETWEEN)
 WALL = "of the run's wall time after start-up"
@@ -160,12 +163,17 @@ def facts(steps: list[StepTime], metrics: list[dict], summary: Optional[dict], s
     summary, spans = summary or {}, spans or []
     profiled = profiled_steps(spans)
     kept = [st for st in steps if st.step not in profiled]
+    # the run's first step warms up (allocations, lazy inits, a cold cache): left out while another step is read
+    warm = min((st.step for st in steps), default=None)
+    after_warmup = ", after the first (warm-up)" if len(kept) > 1 and kept[0].step == warm else ""
+    kept = kept[1:] if after_warmup else kept
     if kept:
         basis = ("median over the steps" if not profiled else
-                 f"median over the {len(kept)} step{'s' if len(kept) > 1 else ''} outside profiler windows")
+                 f"median over the {len(kept)} step{'s' if len(kept) > 1 else ''} outside profiler windows") + after_warmup
     else:  # every step profiled: each cycle less the profiler's own spans (its recording still slows the stages)
-        kept = [without_profiler(st) for st in steps]
+        kept = [without(st, PROFILER_SPANS) for st in steps]
         basis = "median over the steps" + (", the profiler's own time taken out" if profiled else "")
+    kept = [without(st, OCCASIONAL) for st in kept]  # validation and checkpoints: their own rules read the wall time
     chosen = {st.step for st in kept}
     metrics = [m for m in metrics if m.get("step") in chosen] or metrics
     lanes = list(kept[0].lanes) if kept else []
@@ -201,14 +209,14 @@ def profiled_steps(spans: list[dict]) -> set[int]:
     return out
 
 
-def without_profiler(st: StepTime) -> StepTime:
-    """A step's cycle less the profiler's own spans (start, stop and write, finish hook) on the trainer."""
+def without(st: StepTime, stages: tuple[str, ...]) -> StepTime:
+    """A step's cycle less the trainer's spans of `stages` (the profiler's own, validation, checkpoints)."""
     lanes = dict(st.lanes)
     first = next(iter(lanes), None)
     if first is None:
         return st
-    own = sum(lanes[first].get(k, 0.0) for k in PROFILER_SPANS)
-    lanes[first] = {k: v for k, v in lanes[first].items() if k not in PROFILER_SPANS}
+    own = sum(lanes[first].get(k, 0.0) for k in stages)
+    lanes[first] = {k: v for k, v in lanes[first].items() if k not in stages}
     return StepTime(st.step, st.start, max(st.wall - own, 0.0), lanes)
 
 
@@ -218,7 +226,7 @@ def profiler_cost(steps: list[StepTime], profiled: set[int], spans: list[dict]) 
     own = {k: sum(s["end"] - s["start"] for s in spans if s["role"] == "trainer" and s["stage"] == k
                   and s.get("rank") is None) for k in PROFILER_SPANS}
     windows = sum(1 for s in spans if s["role"] == "trainer" and s["stage"] == "profiler_start" and s.get("rank") is None)
-    inside = [without_profiler(st).wall for st in steps if st.step in profiled]
+    inside = [without(st, PROFILER_SPANS).wall for st in steps if st.step in profiled]
     outside = [st.wall for st in steps if st.step not in profiled]
     slowdown = statistics.median(inside) / statistics.median(outside) if inside and outside and statistics.median(outside) else None
     return {"windows": windows, "start_s": own["profiler_start"], "stop_s": own["profiler_stop"],

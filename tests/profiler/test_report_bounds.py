@@ -42,10 +42,13 @@ def report_of(folder, capsys) -> tuple[str, str]:
 def test_a_span_past_the_clock_is_skipped_and_counted(tmp_path, capsys):
     huge = [span(2, "gen", -1e308, 1e308), span(2, "gen", 1001.0, 1e308), span(10**30, "gen", 1001.0, 1001.1)]
     write_run(tmp_path / "run", extra=huge)
-    (tmp_path / "run" / "samples.jsonl").write_text(json.dumps(
-        {"sample": "a", "span": "gen", "start": -1e308, "end": 1e308, "step": 1}) + "\n")
+    (tmp_path / "run" / "samples.jsonl").write_text(
+        json.dumps({"sample": "a", "span": "gen", "start": -1e308, "end": 1e308, "step": 1}) + "\n"
+        + json.dumps({"sample": "b", "span": "gen", "start": 1001.0, "end": 1001.1, "step": 1,
+                      "attrs": {"staleness": 10**400}}) + "\n")  # an integer no float holds
     with open(tmp_path / "run" / "metrics.jsonl", "a") as f:  # charts sum these: 1e308 + 1e308 is inf
-        f.write(json.dumps({"step": 3, "timing_s/gen": 1e308, "perf/time_per_step": -1.7e308}) + "\n")
+        f.write(json.dumps({"step": 3, "timing_s/gen": 1e308, "perf/time_per_step": -1.7e308,
+                            "perf/throughput": 10**400}) + "\n")
     page, console = report_of(tmp_path / "run", capsys)
     assert "not shown: timeline.jsonl: 3 record(s) not of the shape plait writes skipped" in console
     assert "samples.jsonl: 1 record(s) not of the shape plait writes skipped" in console

@@ -177,8 +177,13 @@ def _size(n: int) -> str:
 # -- the shapes plait writes --------------------------------------------------------------------
 
 def number(v) -> bool:
-    """A finite int or float (a bool is not a number here)."""
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    """A finite int or float (a bool is not a number here; nor an integer past a float's range, 10**400)."""
+    if not isinstance(v, (int, float)) or isinstance(v, bool):
+        return False
+    try:
+        return math.isfinite(v)
+    except OverflowError:
+        return False
 
 
 def moment(v) -> bool:

@@ -7,10 +7,10 @@ A JSONL file is streamed a line at a time: a line longer than MAX_LINE_BYTES, on
 (torn, nested past the parser's stack, a number too long) or one not of the shape plait writes is
 skipped and counted; past MAX_RECORDS records or MAX_FILE_BYTES bytes the rest is not read. A JSON file (summary.json) past
 MAX_JSON_BYTES is not read. Each record is checked field by field against the shape plait writes:
-types (a bool is not a number), finite numbers, times within MAX_TIME_S of the epoch (a crafted ±1e308 would
-overflow the µs clock), steps below MAX_STEP, metrics below MAX_VALUE, an end not before its start; records not of that shape are counted, one note per
-file; summary.json is reduced to
-the parts the report and the verdict read, each of its type (the verdict's settings key by key, against
+types (a bool is not a number), finite numbers, times within MAX_TIME_S of the epoch (a crafted
+±1e308 would overflow the µs clock), steps below MAX_STEP, metrics below MAX_VALUE, an end not before
+its start; records not of that shape are counted, one note per file. summary.json is reduced to the
+parts the report and the verdict read, each of its type (the verdict's settings key by key, against
 verdict.SETTINGS). Whatever is dropped is said in one line in `notes` (the page's "Not shown" list).
 Nothing here evaluates or unpickles anything (memory snapshots go through plait/safeload.py).
 """

@@ -16,8 +16,9 @@ steps and what no span names), so unattributed time is never ignored: it has its
 read are those outside profiler windows (a window slows its steps and closes with `profiler_stop`),
 less the run's first (its warm-up) while another remains; when every step was profiled, each cycle
 without the profiler's own spans. Each cycle is read without its validation and checkpoint (they come
-every test_freq / save_freq steps; the overhead rules read them from the wall time). The profiler's cost is not a
-verdict but a line of its own (`profiler_line`), so profiling a run does not change what it is told.
+every test_freq / save_freq steps; the overhead rules read them from the wall time). The profiler's
+cost is not a verdict but a line of its own (`profiler_line`), so profiling a run does not change what
+it is told.
 A rule suggests only keys that act on the run's backend and device (config_verl's tables of keys with
 no effect there), and each prediction is computed for the value it suggests (`predicted`, the quantity
 `plait profile diff` measures in the rerun). The

@@ -217,7 +217,7 @@ def clean_metrics(r: dict) -> Optional[dict]:
     """A metrics.jsonl record: a step number and its finite numbers below MAX_VALUE (anything else is not plotted)."""
     if not step_number(r.get("step")):
         return None
-    return {k: v for k, v in r.items() if isinstance(k, str) and number(v) and abs(v) < MAX_VALUE}
+    return {k: v for k, v in r.items() if text(k) and number(v) and abs(v) < MAX_VALUE}
 
 
 def clean_record(r: dict) -> Optional[dict]:

@@ -37,15 +37,16 @@ from plait.safeload import load_pickle
 
 # The page's size is bounded whatever the timeline holds (a million spans, a thousand stage names): per step at
 # most MAX_GANTT_BARS bars in MAX_GANTT_LANES rows, MAX_STAGES stages per chart and table (the rest summed
-# into one "other"), MAX_BAR_STEPS steps in the stacked bars; each cut is said on the page. PAGE_BOUND is
-# what that adds up to (tests/profiler/test_report_bounds.py holds the page under it).
+# into one "other"), MAX_BAR_STEPS steps in the stacked bars, svg.MAX_TEXT characters of a name; each cut is
+# said on the page. PAGE_BOUND is what that adds up to with crafted names (each "&" is 5 bytes escaped);
+# tests/profiler/test_report_bounds.py holds such a page under it.
 MAX_GANTT_STEPS = 16
 MAX_GANTT_LANES = 32
-MAX_GANTT_BARS = 1_000
+MAX_GANTT_BARS = 500
 MAX_KEY_NAMES = 40
 MAX_STAGES = 16
 MAX_BAR_STEPS = 200
-PAGE_BOUND = 4 << 20
+PAGE_BOUND = 8 << 20
 MAX_SAMPLE_LANES = 256
 VERDICT_FILE = "verdict.json"
 TIMELINE_TRACE = "timeline.json.gz"
@@ -328,7 +329,8 @@ def _summary_box(inp: Inputs, f: verdict.Facts, artifacts: list[Artifact], judge
             rows.append([key, f"mean {sum(vals) / len(vals):.2f} (min {min(vals):.2f}, max {max(vals):.2f})"])
     mfu = {k: v for k, v in f.metrics.items() if k.startswith("perf/mfu/")}
     if mfu:
-        rows.append(["MFU (median)", ", ".join(f"{k.removeprefix('perf/mfu/')} {_pct_fine(v)}" for k, v in sorted(mfu.items()))
+        rows.append(["MFU (median)", ", ".join(f"{k.removeprefix('perf/mfu/')} {_pct_fine(v)}"
+                                               for k, v in sorted(mfu.items())[:MAX_STAGES])
                      + " of this device's measured matmul peak at the model's dtype (workers/flops.py)"])
     peak = mem.process_peak(inp.metrics)  # the run summary's memory_peak
     if peak:
@@ -390,7 +392,7 @@ def _gantt_section(inp: Inputs, steps: list[StepTime]) -> str:
     drawn = set(lanes)
     version = lambda v: "" if v is None else f" · v{v}"  # noqa: E731 - a span outside any policy version has none
     bars = [(lane(s), s["stage"], s["start"], s["end"],
-             f"{s['stage'][:100]} · step {s['step']}{version(s['version'])} · {1000 * (s['end'] - s['start']):.1f} ms")
+             f"{s['stage'][:60]} · step {s['step']}{version(s['version'])} · {1000 * (s['end'] - s['start']):.1f} ms")
             for s in inp.spans if s["stage"] != "step" and lane(s) in drawn]
     versions = {s["step"]: s["version"] for s in inp.spans if s["role"] == "trainer" and s["stage"] == "step"}
     busy: dict[str, float] = defaultdict(float)  # stage -> seconds drawn, for the key's order
@@ -454,7 +456,7 @@ def _breakdown_section(inp: Inputs) -> str:
     for key, unit in (("perf/time_per_step", "s"), ("perf/throughput", "tokens/s/device")):
         out.append(f"<h3>{key} ({unit})</h3>")
         out.append(svg.lines(xs, {key: [m.get(key, float("nan")) for m in inp.metrics]}, unit))
-    mfu = sorted({k for m in inp.metrics for k in m if k.startswith("perf/mfu/")})
+    mfu = sorted({k for m in inp.metrics for k in m if k.startswith("perf/mfu/")})[:MAX_STAGES]
     if mfu:
         out.append("<h3>MFU per stage (share of this device's measured matmul peak at the model's dtype)</h3>")
         out.append(svg.lines(xs, {k: [m.get(k, float("nan")) for m in inp.metrics] for k in mfu}, "MFU"))
@@ -511,7 +513,11 @@ def _samples_section(inp: Inputs) -> str:
     if stale:
         out.append("<h3>Staleness at the update (policy versions behind)</h3>"
                    + _table(["versions behind", "samples"], [[k, v] for k, v in sorted(stale.items(), key=lambda kv: str(kv[0]))]))
-    spans = sorted({k for x in lives.values() for k in x["parts"]})
+    spent: dict[str, float] = defaultdict(float)
+    for x in lives.values():
+        for k, v in x["parts"].items():
+            spent[k] += v
+    spans = sorted(sorted(spent, key=lambda k: -spent[k])[:MAX_STAGES])  # the columns: the spans with the most time
     slow = sorted(lives.items(), key=lambda kv: -kv[1]["total"])[:10]
     out.append("<h3>The slowest samples</h3>" + _table(["sample", "end", "step", "total s", *spans],
                                                         [[k, x["end"], x["step"], x["total"], *[x["parts"].get(s, 0.0) for s in spans]]

@@ -25,9 +25,9 @@ import time
 from collections import defaultdict
 from typing import Optional
 
-from plait.profiler.analysis.memory import process_peak
 from plait.profiler.analysis.alarms import CAVEAT, alarms, console_lines
-from plait.profiler.analysis.verdict import of_run, profiler_line, settings_of, verdicts
+from plait.profiler.analysis.memory import peak_text, process_peak
+from plait.profiler.analysis.verdict import MIN_SAVING, of_run, profiler_line, settings_of, verdicts
 from plait.profiler.naming import MANIFEST as PROFILE_MANIFEST
 from plait.profiler.timeline import TIMELINE_FILE, read_timeline
 from plait.trainers.checkpoint import flatten
@@ -67,6 +67,7 @@ def summarise_run(output_dir: str, metrics_path: str, checkpoint: Optional[str],
         records = read_records(metrics_path) if os.path.exists(metrics_path) else []
         summary = summarise(records, first, last, clock, profiler_s, paths, status)
         summary["settings"] = settings_of(flatten(run_config or {}), memory_capacity_gb(), device_kind())
+        summary["load"] = machine_load()
         summary["alarms"], summary["verdict"], summary["profiler"], cycle = run_verdict(output_dir, records, first, summary)
         if cycle is not None:  # one step time everywhere: the report's and the verdict's cycle
             summary["step_s"] = cycle
@@ -143,6 +144,16 @@ def memory_capacity_gb() -> float:
     return psutil.virtual_memory().total / 2**30
 
 
+def machine_load() -> Optional[dict]:
+    """The host's load averages (/proc/loadavg) at the run's end and its CPU count: two runs timed on a
+    machine loaded differently compare poorly (`plait profile diff` warns). None where there are none."""
+    try:
+        one, five, fifteen = os.getloadavg()
+    except OSError:
+        return None
+    return {"1m": one, "5m": five, "15m": fifteen, "cpus": os.cpu_count() or 1}
+
+
 def device_kind() -> str:
     import torch
     return "cuda" if torch.cuda.is_available() else "cpu"
@@ -176,7 +187,9 @@ def summary_lines(s: dict, path: str) -> list[str]:
     steps = f"steps {st['first']}-{st['last']}" if st["done"] else "no steps"
     lines = [f"{s['status']}: {steps} of {st['run_last_step']} in {w['total']:.1f} s ({parts})"]
     lines += console_lines(s.get("alarms") or [], bool(s.get("verdict")))
-    lines += [f"verdict: {v['line']}" for v in s.get("verdict") or []]
+    lines += [f"verdict: {v['line']}" for v in s.get("verdict") or []] or (
+        [f"verdict: nothing stands out (no stage or setting could save {100 * MIN_SAVING:.0f} % of the step; "
+         "docs/profiling.md lists the rules)"] if s["step_s"].get("basis") else [])  # the verdict read the steps
     if s.get("profiler"):
         lines.append(s["profiler"]["line"])
     if s["step_s"]["median"] is not None:
@@ -189,7 +202,7 @@ def summary_lines(s: dict, path: str) -> list[str]:
                      f"{v['best']['value']:.4g} (step {v['best']['step']}), last {v['last']['value']:.4g} (step {v['last']['step']})")
     m = s["memory_peak"]
     if m:
-        lines.append(f"memory peak {m['gb']:.3g} GB in stage {m['stage']} at step {m['step']} ({m['metric']})")
+        lines.append(f"memory peak {peak_text(m)}")
     files = [f"{k} {p}" for k, p in s["paths"].items() if p and k != "output_dir"]
     lines.append("files: " + " · ".join(files + [f"summary {path}"]))
     lines.append(f"next: {s['next']}")

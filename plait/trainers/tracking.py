@@ -1,7 +1,7 @@
 """Where step metrics go: metrics.jsonl (always), the console, TensorBoard, W&B, MLflow, SwanLab.
 
-A logger that fails while training (disk full, a W&B hiccup) is reported once and switched off;
-it never stops the run. Asking for a logger whose package is missing fails at start instead,
+A logger that fails while training (disk full, a W&B hiccup), or a TensorBoard folder that cannot be
+written at start, is reported in one line and switched off; it never stops the run. Asking for a logger whose package is missing fails at start instead,
 before any training work (`check_loggers`, which `plait config show` runs too); verl's `file` and
 `json_eval` loggers are metrics.jsonl itself. Each metrics.jsonl line is fsync'd when written; on resume the file is
 cut back to the checkpoint's step (`keep_until`), a torn line dropped with a warning.
@@ -57,9 +57,10 @@ class Tracker:
             folder = os.path.join(output_dir, "tensorboard")
             try:
                 self.sinks["tensorboard"] = SummaryWriter(folder)
-            except OSError as err:  # read-only, not a folder, full: the run would log nowhere it was asked to
-                raise ConfigError("trainer.logger", "tensorboard", f"cannot write its event file in {folder} "
-                                  f"({err.strerror or type(err).__name__}); fix the folder or drop tensorboard") from None
+            except OSError as err:  # read-only, not a folder, full: metrics.jsonl still has every step
+                print(f"plait: warning: trainer.logger=tensorboard cannot write its event file in {folder} "
+                      f"({err.strerror or type(err).__name__}); training goes on without TensorBoard "
+                      f"(every step is in {self.path})", file=sys.stderr)
         if "wandb" in loggers:
             import wandb
             try:

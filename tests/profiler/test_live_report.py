@@ -23,7 +23,7 @@ def test_the_run_refreshes_its_report_every_n_steps(tmp_path, tiny_config):
     page = (tmp_path / "report" / "index.html").read_text()
     judged = json.load(open(tmp_path / "report" / "verdict.json"))
     assert "id='verdict'" in page and "wall time</td>" in page  # the last refresh read summary.json
-    assert judged["facts"]["steps"] == 4
+    assert judged["facts"]["steps"] == 3  # steps 2-4: the verdict leaves out step 1, the warm-up
     assert not any(n.endswith(".json.gz") for n in os.listdir(tmp_path / "report"))  # live: no merged traces
     assert "Traceback" not in (tmp_path / "report_live.log").read_text()
 
@@ -49,5 +49,5 @@ def test_watch_follows_a_run_from_outside_until_it_ends(tmp_path, capsys):
     assert run.returncode == 0
     refreshes = [line for line in capsys.readouterr().err.splitlines() if line.startswith("plait: report refreshed")]
     assert len(refreshes) >= 2  # while it trained, and after it ended
-    assert json.load(open(tmp_path / "report" / "verdict.json"))["facts"]["steps"] == 6
+    assert json.load(open(tmp_path / "report" / "verdict.json"))["facts"]["steps"] == 5  # 2-6: 1 warms up
     assert "wall time</td>" in (tmp_path / "report" / "index.html").read_text()

@@ -273,5 +273,15 @@ def test_the_process_memory_peak_is_the_first_stage_to_reach_it():
     records = [{"step": 1, "memory/update_actor/peak_rss_gb": 2.0, "memory/step/peak_rss_gb": 9.0},
                {"step": 2, "memory/gen/peak_rss_gb": 2.0, "memory/save_checkpoint/peak_rss_gb": 2.0, "log": True}]
     assert mem.process_peak(records) == {"gb": 2.0, "metric": "memory/update_actor/peak_rss_gb",
-                                         "stage": "update_actor", "step": 1}
+                                         "stage": "update_actor", "step": 1, "tied": ["gen", "save_checkpoint"]}
     assert mem.process_peak([{"step": 1, "perf/mfu/actor": 0.5}]) is None
+
+
+def test_a_tied_memory_peak_says_the_stage_named_is_only_the_first():
+    """issue 52: a tie named one stage as if it alone held the peak."""
+    tied = mem.process_peak([{"step": 1, "memory/gen/peak_rss_gb": 2.0, "memory/update_actor/peak_rss_gb": 2.0},
+                             {"step": 2, "memory/reward/peak_rss_gb": 2.0, "memory/adv/peak_rss_gb": 1.0}])
+    assert mem.peak_text(tied) == ("2 GB in stage gen at step 1 (memory/gen/peak_rss_gb); reward, update_actor reached "
+                                   "the same peak (the first is named: a held resident size, not one stage's)")
+    alone = mem.process_peak([{"step": 1, "memory/gen/peak_rss_gb": 1.0, "memory/update_actor/peak_rss_gb": 2.0}])
+    assert mem.peak_text(alone) == "2 GB in stage update_actor at step 1 (memory/update_actor/peak_rss_gb)"

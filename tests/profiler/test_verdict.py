@@ -247,7 +247,8 @@ def test_facts_come_from_accounted_steps_and_records():
     steps = [StepTime(i, float(i), 2.0, {"trainer (MainThread)": {"gen": 1.5, "update_actor": 0.5, "unattributed": 0.0},
                                          "rollout (plait-rollouter)": {"gen": 1.0, "wait_capacity": 1.0}}) for i in (1, 2, 3)]
     f = V.facts(steps, [{"step": i, "trainer/idle_ratio": 0.1 * i} for i in (1, 2, 3)], {"settings": {"trainer.mode": "sync"}})
-    assert (f.step_s, f.trainer["gen"], f.rollout_busy_s, f.metrics["trainer/idle_ratio"]) == (2.0, 0.75, 1.0, pytest.approx(0.2))
+    assert (f.step_s, f.trainer["gen"], f.rollout_busy_s, f.metrics["trainer/idle_ratio"]) == (2.0, 0.75, 1.0, pytest.approx(0.25))
+    assert f.basis == "median over the steps, after the first (warm-up)"  # steps 2 and 3
     assert V.report(f)["thresholds"]["MIN_SAVING"] == V.MIN_SAVING
 
 
@@ -266,7 +267,7 @@ def test_recorded_runs_from_timeline_to_verdict(name, rule, key):
     metrics = [json.loads(line) for line in open(os.path.join(folder, "metrics.jsonl"))]
     summary = json.load(open(os.path.join(folder, "summary.json")))
     f = V.of_run(spans, metrics, summary)
-    assert f.steps == 4 and sum(f.trainer_s.values()) == pytest.approx(f.step_s, rel=0.2)  # medians of parts ~ the median
+    assert f.steps == 3 and sum(f.trainer_s.values()) == pytest.approx(f.step_s, rel=0.2)  # steps 2-4: 1 warms up
     got = V.verdicts(f)
     assert (got[0].rule, got[0].key) == (rule, key)
     assert json.loads(json.dumps(V.report(f)))["verdicts"][0]["line"] == got[0].line()
@@ -293,3 +294,30 @@ def test_no_verdict_suggests_a_key_that_does_nothing_on_this_run():
     assert V.no_effect_here("trainer.n_gpus_per_node", {"trainer.backend": "ray", "device": "cpu"})
     assert V.no_effect_here("trainer.n_gpus_per_node", {"trainer.backend": "ray", "device": "cuda"}) is None
     assert V.no_effect_here("actor_rollout_ref.rollout.max_num_seqs", {}) is None  # unknown engine: not claimed
+
+
+def test_counts_in_a_line_agree_with_their_noun():
+    """issue 52: "micro-batches of 1 samples"."""
+    one = V.update_cost(facts({**BALANCED, "update_actor": 9.0}, {"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": 1}))
+    assert "micro-batches of 1 sample per optimizer step" in one.line()
+    two = V.update_cost(facts({**BALANCED, "update_actor": 9.0}, {"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": 2}))
+    assert "micro-batches of 2 samples per optimizer step" in two.line()
+    both = V.async_idle(facts({**TRAIN, "wait_rollout": 3.5}, ASYNC, {"trainer/idle_ratio": 0.45, "rollouter/idle_ratio": 0.5},
+                              busy=3.9))
+    assert "samples up to 1 version behind" in both.line()
+
+
+def test_the_step_time_leaves_out_the_warm_up_and_reads_steps_without_validation_and_checkpoints():
+    """issue 52: the step-time median counted step 1's warm-up and the validation and checkpoint inside steps."""
+    lane = "trainer (MainThread)"
+    part = lambda **extra: {lane: {"gen": 0.4, "update_actor": 0.6, **extra}}  # noqa: E731
+    steps = [StepTime(1, 0.0, 5.0, part(unattributed=4.0)),                           # warm-up
+             StepTime(2, 5.0, 1.0, part()),
+             StepTime(3, 6.0, 4.0, part(testing=2.0, save_checkpoint=1.0)),           # test_freq, save_freq
+             StepTime(4, 10.0, 1.0, part())]
+    f = V.facts(steps, [], {})
+    assert (f.steps, f.step_s, f.step_p90) == (3, 1.0, 1.0)
+    assert "testing" not in f.trainer and f.trainer["update_actor"] == pytest.approx(0.6)
+    assert f.basis == "median over the steps, after the first (warm-up)"
+    only = V.facts(steps[:1], [], {})  # one step: it is all there is
+    assert (only.steps, only.step_s) == (1, 5.0)

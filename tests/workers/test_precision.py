@@ -260,3 +260,22 @@ def test_fsdp2_and_replicas_in_bf16_on_two_gloo_ranks(model_dir, tmp_path):
     want = {"fp32": actor(model_dir, torch.float32).compute_log_prob(batch, 4)[0],
             "bf16": actor(model_dir, torch.bfloat16).compute_log_prob(batch, 4)[0]}
     mp.spawn(_fsdp2_bf16_rank, args=(model_dir, str(tmp_path / "rdzv"), want), nprocs=2)
+
+
+def test_an_explicit_slow_dtype_is_said_on_the_console_of_plait_train(tmp_path, monkeypatch, capfd):
+    """issue 54: `plait train` with an explicit bfloat16 on a CPU that computes it ~50x slower printed nothing.
+    This CPU may be fast in bfloat16, so the threshold is set for any CPU to count as slow: what is tested
+    is the path from the probe to the console of a real `plait train`, once."""
+    from plait import cli, workers
+    from tests.conftest import TINY
+    monkeypatch.setattr(workers.precision, "SLOW_FACTOR", 1e-9)
+    slow_on_cpu.cache_clear()
+    try:
+        assert cli.main(["train", *TINY, "trainer.total_training_steps=1", "trainer.val_before_train=false",
+                         "trainer.save_freq=-1", f"trainer.default_local_dir={tmp_path}",
+                         "actor_rollout_ref.model.dtype=bfloat16"]) == 0
+    finally:
+        slow_on_cpu.cache_clear()  # the real measurement for the tests after this one
+    warned = [line for line in capfd.readouterr().err.splitlines()
+              if line.startswith("plait: warning: actor_rollout_ref.model.dtype=bfloat16 on this CPU: ")]
+    assert len(warned) == 1 and "GFLOP/s in bfloat16 vs" in warned[0], warned

@@ -1,15 +1,17 @@
 """`plait profile diff RUN_A RUN_B`: one run against another, and A's verdict against what B measured.
 
     A, B (run output dirs, read as untrusted data) ─▶ facts of each (verdict.py: the same steps, the same
-    cycle) ─▶ stage medians side by side · top operators added / removed / slower per stage (their torch
-    windows, per profiled step) · memory peaks · each of A's verdicts: what it predicted, what B measured
+    cycle) ─▶ stage medians side by side · top operators added / removed / slower per stage in both runs'
+    torch windows (per profiled step; what only one run has is named, not compared) · memory peaks · each
+    of A's verdicts: what it predicted, what B measured
 
 The usual use: A is a run, B the rerun with A's verdict applied (`try <key>=<value>`). For each predicted
 quantity of A's verdicts (`predicted` in verdict.json) B's measurement of the same quantity is read from
 B's own facts: step_s (the median cycle outside profiler windows), update_s, reward_s, generation_s
 (sync: gen; async: the rollouter's generating), sync_s (param_sync / update_weights), spent_s (the wall
 time of validation or checkpoints). Whether B set the suggested key to the suggested value is read from
-B's summary.json settings and said beside it.
+B's summary.json settings and said beside it. Each run's summary.json records the host's load averages at
+its end (`load`); runs timed under loads far apart get a warning line first.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from plait.profiler.analysis.traces import Clock, load_trace, op_totals, origin_
 SLOWER = 1.2          # an operator at >= 1.2x its time in A (per profiled step) is "slower"
 MIN_OP_US = 100.0     # ... and by at least this many µs per step: noise is not a change
 TOP = 5
+LOAD_APART, LOAD_RATIO = 1.0, 1.5  # two runs' loads this far apart make their times incomparable
 
 
 def diff_runs(a: str, b: str, as_json: bool = False) -> str:
@@ -35,8 +38,11 @@ def diff_runs(a: str, b: str, as_json: bool = False) -> str:
     ra, rb = _run(a), _run(b)
     out = {"a": a, "b": b, "steps": {"a": _steps(ra["facts"]), "b": _steps(rb["facts"])},
            "stages": stages(ra["facts"], rb["facts"]), "operators": operators(ra["ops"], rb["ops"]),
+           "operators_not_compared": not_compared(ra["ops"], rb["ops"]),
            "memory": {"a": process_peak(ra["inputs"].metrics), "b": process_peak(rb["inputs"].metrics)},
-           "predictions": predictions(ra["facts"], rb["facts"])}
+           "predictions": predictions(ra["facts"], rb["facts"]),
+           "load": {"a": ra["inputs"].summary.get("load"), "b": rb["inputs"].summary.get("load")}}
+    out["load"]["warning"] = load_warning(out["load"]["a"], out["load"]["b"])
     return json.dumps(out, indent=1) if as_json else text(out)
 
 
@@ -59,6 +65,19 @@ def stages(fa: verdict.Facts, fb: verdict.Facts) -> list[dict]:
     for r in rows:
         r["ratio"] = r["b_s"] / r["a_s"] if r["a_s"] > 0 else None
     return rows
+
+
+def load_warning(a: Optional[dict], b: Optional[dict]) -> Optional[str]:
+    """One line when the two runs' machines were loaded differently (1-minute load average at each run's end,
+    LOAD_APART runnable tasks apart and LOAD_RATIO times the lower): their timings then measure the machine."""
+    if not a or not b:
+        return None
+    low, high = sorted((a["1m"], b["1m"]))
+    if high - low < LOAD_APART or high < LOAD_RATIO * low:
+        return None
+    return (f"warning: the machine's load differed: A {a['1m']:.2g} on {a['cpus']:g} CPUs, B {b['1m']:.2g} on "
+            f"{b['cpus']:g} (1-minute load average at each run's end): the times below compare the machine too; "
+            "rerun both on a quiet one")
 
 
 def _ops_per_step(inp: Inputs) -> dict[str, dict[str, float]]:
@@ -87,10 +106,11 @@ def _ops_per_step(inp: Inputs) -> dict[str, dict[str, float]]:
 
 
 def operators(a: dict, b: dict) -> dict[str, dict[str, list]]:
-    """Per stage in either run's traces: the operators only B has (added), only A has (removed), and those
-    SLOWER times and MIN_OP_US slower per step in B; the largest TOP of each, µs per profiled step."""
+    """Per stage in both runs' traces: the operators only B has (added), only A has (removed), and those
+    SLOWER times and MIN_OP_US slower per step in B; the largest TOP of each, µs per profiled step. A stage
+    in one run's traces only is not compared (`not_compared`): an unprofiled rerun removed nothing."""
     out = {}
-    for stage in sorted(set(a) | set(b)):
+    for stage in sorted(set(a) & set(b)):
         oa, ob = a.get(stage, {}), b.get(stage, {})
         added = sorted(((op, us) for op, us in ob.items() if op not in oa), key=lambda x: -x[1])[:TOP]
         removed = sorted(((op, us) for op, us in oa.items() if op not in ob), key=lambda x: -x[1])[:TOP]
@@ -99,6 +119,13 @@ def operators(a: dict, b: dict) -> dict[str, dict[str, list]]:
         if added or removed or slower:
             out[stage] = {"added": added, "removed": removed, "slower": slower}
     return out
+
+
+def not_compared(a: dict, b: dict) -> list[str]:
+    """What one run's traces have and the other's lack, one line each."""
+    if bool(a) != bool(b):
+        return [f"{'B' if a else 'A'} has no torch traces (global_profiler.tool=torch): operators not compared"]
+    return [f"{stage}: only in {'A' if stage in a else 'B'}'s traces; not compared" for stage in sorted(set(a) ^ set(b))]
 
 
 def measured(fb: verdict.Facts, quantity: str, rule: str) -> Optional[float]:
@@ -135,7 +162,7 @@ def predictions(fa: verdict.Facts, fb: verdict.Facts) -> list[dict]:
             got = measured(fb, quantity, v["rule"])
             rows.append({"rule": v["rule"], "line": v["line"], "key": v["key"], "value": v["value"], "b_value": applied,
                          "quantity": quantity, "a_measured": _a_value(v, quantity, fa), "predicted": predicted,
-                         "b_measured": got, "measured_over_predicted": got / predicted if got and predicted else None})
+                         "b_measured": got, "measured_over_predicted": got / predicted if got is not None and predicted else None})
     return rows
 
 
@@ -147,6 +174,8 @@ def text(out: dict) -> str:
     sa, sb = out["steps"]["a"], out["steps"]["b"]
     lines = [f"plait profile diff: A {out['a']}", f"                    B {out['b']}",
              f"step: A {sa['median_s']:.3g} s, B {sb['median_s']:.3g} s (median cycle; A {sa['basis']}, B {sb['basis']})"]
+    if out["load"]["warning"]:
+        lines.insert(2, out["load"]["warning"])
     lines.append("stages (median s per step):  A  ->  B")
     for r in out["stages"]:
         ratio = f"{r['ratio']:.2f}x" if r["ratio"] is not None else "new"
@@ -157,7 +186,8 @@ def text(out: dict) -> str:
         lines += [f"  added   {op}: {us:.0f}" for op, us in ops["added"]]
         lines += [f"  removed {op}: {us:.0f}" for op, us in ops["removed"]]
         lines += [f"  slower  {op}: {x:.0f} -> {y:.0f}" for op, x, y in ops["slower"]]
-    if not out["operators"]:
+    lines += [f"operators: {line}" for line in out["operators_not_compared"]]
+    if not out["operators"] and not out["operators_not_compared"]:
         lines.append("operators: no torch traces in both runs (global_profiler.tool=torch) or no change")
     ma, mb = out["memory"]["a"], out["memory"]["b"]
     if ma or mb:
@@ -166,8 +196,8 @@ def text(out: dict) -> str:
     for p in out["predictions"]:
         set_ = "" if not p["key"] else (f"; B has {p['key']}={p['b_value']}" + ("" if p["b_value"] == p["value"]
                                                                             else f" (A suggested {p['value']})"))
-        got = "B did not measure it" if p["b_measured"] is None else (
-            f"B measured {p['b_measured']:.3g} s ({p['measured_over_predicted']:.2f}x the prediction)")
+        ratio = "" if p["measured_over_predicted"] is None else f" ({p['measured_over_predicted']:.2f}x the prediction)"
+        got = "B did not measure it" if p["b_measured"] is None else f"B measured {p['b_measured']:.3g} s{ratio}"
         was = f"A {p['a_measured']:.3g} s, " if p["a_measured"] is not None else ""
         lines.append(f"A's verdict ({p['rule']}): {p['quantity']}: {was}predicted {p['predicted']:.3g} s; {got}{set_}")
     if not out["predictions"]:

@@ -7,8 +7,10 @@ A JSONL file is streamed a line at a time: a line longer than MAX_LINE_BYTES, on
 (torn, nested past the parser's stack, a number too long) or one not of the shape plait writes is
 skipped and counted; past MAX_RECORDS records or MAX_FILE_BYTES bytes the rest is not read. A JSON file (summary.json) past
 MAX_JSON_BYTES is not read. Each record is checked field by field against the shape plait writes:
-types (a bool is not a number), finite numbers, an end not before its start; summary.json is reduced to
-the parts the report and the verdict read, each of its type (the verdict's settings key by key, against
+types (a bool is not a number), finite numbers, times within MAX_TIME_S of the epoch (a crafted
+±1e308 would overflow the µs clock), steps below MAX_STEP, metrics below MAX_VALUE, an end not before
+its start; records not of that shape are counted, one note per file. summary.json is reduced to the
+parts the report and the verdict read, each of its type (the verdict's settings key by key, against
 verdict.SETTINGS). Whatever is dropped is said in one line in `notes` (the page's "Not shown" list).
 Nothing here evaluates or unpickles anything (memory snapshots go through plait/safeload.py).
 """
@@ -29,6 +31,9 @@ MAX_LINE_BYTES = 1 << 20      # a JSONL line plait writes is well under 1 MiB
 MAX_RECORDS = 2_000_000       # records read from one JSONL file (a long run's timeline is far fewer)
 MAX_FILE_BYTES = 512 << 20    # bytes read from one JSONL file
 MAX_JSON_BYTES = 64 << 20     # summary.json, verdict.json, profile_location.json
+MAX_TIME_S = 1e11             # a span's wall-clock seconds (year 5138): past it, not a time plait wrote
+MAX_STEP = 10**9              # a step number past it is not one a run reached
+MAX_VALUE = 1e15              # a metric past it is not a measurement (sums of a few 1e308 overflow the charts)
 METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"
 SAMPLES_FILE = "samples.jsonl"
@@ -68,11 +73,11 @@ def locate(path: str, profile: Optional[str] = None, run: Optional[str] = None) 
     if run is None and profile is None:
         raise FileNotFoundError(f"{path}: no timeline.jsonl, metrics.jsonl or manifest.jsonl here, nor a "
                                 f"manifest in {', '.join(looked)} (give a run's output dir or a profiler save_path)")
-    read = lambda d, name, clean: [r for r in map(clean, read_jsonl(os.path.join(d, name), notes)) if r is not None] \
-        if has(d, name) else []  # noqa: E731
-    raw = read(run, METRICS_FILE, lambda r: r)
-    metrics = [m for m in map(clean_metrics, raw) if m is not None]
-    nonfinite = [m for m in map(clean_nonfinite, raw) if m is not None]
+    read = lambda d, name, clean: read_checked(os.path.join(d, name), clean, notes) if has(d, name) else []  # noqa: E731
+    metrics = read(run, METRICS_FILE, clean_metrics)
+    # the NaN alarm's records: clean_metrics keeps finite numbers only (a second pass, its own notes unsaid)
+    nonfinite = [m for m in map(clean_nonfinite, read_jsonl(os.path.join(run, METRICS_FILE), [])) if m is not None] \
+        if has(run, METRICS_FILE) else []
     summary = read_json(os.path.join(run, SUMMARY_FILE), notes) if has(run, SUMMARY_FILE) else None
     return Inputs(run, profile, read(run, TIMELINE_FILE, clean_span), [m for m in metrics if m["step"] >= 1],
                   read(profile, MANIFEST, clean_record), looked, clean_summary(summary, notes), metrics,
@@ -125,6 +130,20 @@ def read_jsonl(path: str, notes: list[str]) -> Iterator[dict]:
         notes.append(f"{name}: {bad} line(s) that are not JSON objects skipped")
 
 
+def read_checked(path: str, clean, notes: list[str]) -> list[dict]:
+    """The records of a JSONL file that `clean` keeps; the ones it drops are counted in one note."""
+    rows, dropped = [], 0
+    for row in read_jsonl(path, notes):
+        kept = clean(row)
+        dropped += kept is None
+        if kept is not None:
+            rows.append(kept)
+    if dropped:
+        notes.append(f"{os.path.basename(path)}: {dropped} record(s) not of the shape plait writes skipped "
+                     "(a wrong type, a missing key, a number not finite or out of range, an end before its start)")
+    return rows
+
+
 def read_json(path: str, notes: list[str]) -> Any:
     """A JSON file's value, or None (said in `notes`) when it is too large or does not parse."""
     name = os.path.basename(path)
@@ -163,12 +182,26 @@ def _size(n: int) -> str:
 # -- the shapes plait writes --------------------------------------------------------------------
 
 def number(v) -> bool:
-    """A finite int or float (a bool is not a number here)."""
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    """A finite int or float (a bool is not a number here; nor an integer past a float's range, 10**400)."""
+    if not isinstance(v, (int, float)) or isinstance(v, bool):
+        return False
+    try:
+        return math.isfinite(v)
+    except OverflowError:
+        return False
+
+
+def moment(v) -> bool:
+    """A wall-clock time in seconds that the µs clock can hold (see MAX_TIME_S)."""
+    return number(v) and abs(v) < MAX_TIME_S
 
 
 def integer(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
+
+
+def step_number(v) -> bool:
+    return integer(v) and 0 <= v < MAX_STEP
 
 
 def text(v) -> bool:
@@ -177,8 +210,8 @@ def text(v) -> bool:
 
 def clean_span(r: dict) -> Optional[dict]:
     """A timeline.jsonl record: {step, role, stage, pid, thread, start, end, version[, tid, rank]}."""
-    ok = (integer(r.get("step")) and text(r.get("role")) and text(r.get("stage")) and integer(r.get("pid"))
-          and text(r.get("thread")) and number(r.get("start")) and number(r.get("end")) and r["end"] >= r["start"]
+    ok = (step_number(r.get("step")) and text(r.get("role")) and text(r.get("stage")) and integer(r.get("pid"))
+          and text(r.get("thread")) and moment(r.get("start")) and moment(r.get("end")) and r["end"] >= r["start"]
           and (r.get("version") is None or integer(r["version"])) and all(
               k not in r or integer(r[k]) for k in ("tid", "rank")))
     return {k: r.get(k) for k in ("step", "role", "stage", "pid", "thread", "start", "end", "version", "tid",
@@ -186,10 +219,10 @@ def clean_span(r: dict) -> Optional[dict]:
 
 
 def clean_metrics(r: dict) -> Optional[dict]:
-    """A metrics.jsonl record: an integer step >= 0 and its finite numbers (anything else is not plotted)."""
-    if not integer(r.get("step")) or r["step"] < 0:
+    """A metrics.jsonl record: a step number and its finite numbers below MAX_VALUE (anything else is not plotted)."""
+    if not step_number(r.get("step")):
         return None
-    return {k: v for k, v in r.items() if isinstance(k, str) and number(v)}
+    return {k: v for k, v in r.items() if text(k) and number(v) and abs(v) < MAX_VALUE}
 
 
 def clean_nonfinite(r: dict) -> Optional[dict]:
@@ -204,19 +237,19 @@ def clean_nonfinite(r: dict) -> Optional[dict]:
 def clean_record(r: dict) -> Optional[dict]:
     """A manifest.jsonl record as the profiler writes it (steps [first, last], or null for an OOM dump)."""
     steps = r.get("steps")
-    ok = ((steps is None or (isinstance(steps, list) and len(steps) == 2 and all(map(integer, steps))
+    ok = ((steps is None or (isinstance(steps, list) and len(steps) == 2 and all(map(step_number, steps))
                              and 1 <= steps[0] <= steps[1]))
           and text(r.get("role")) and integer(r.get("rank")) and integer(r.get("pid")) and text(r.get("tool"))
           and isinstance(r.get("complete"), bool) and all(r.get(k) is None or text(r[k]) for k in ("path", "stage"))
           and (r.get("policy_version") is None or integer(r["policy_version"]))
-          and all(number(r.get(k)) for k in ("start_time", "end_time")))
+          and all(moment(r.get(k)) for k in ("start_time", "end_time")))
     return dict(r) if ok else None
 
 
 def clean_sample(r: dict) -> Optional[dict]:
     """A samples.jsonl record (plait/profiler/samples.py): sample, span, start, end, step[, version, attrs]."""
-    ok = (text(r.get("sample")) and text(r.get("span")) and number(r.get("start")) and number(r.get("end"))
-          and r["end"] >= r["start"] and integer(r.get("step"))
+    ok = (text(r.get("sample")) and text(r.get("span")) and moment(r.get("start")) and moment(r.get("end"))
+          and r["end"] >= r["start"] and step_number(r.get("step"))
           and (r.get("version") is None or integer(r["version"])) and isinstance(r.get("attrs", {}), dict))
     if not ok:
         return None
@@ -225,6 +258,7 @@ def clean_sample(r: dict) -> Optional[dict]:
 
 
 WALL_PARTS = ("total", "startup", "steps", "validation", "checkpoints", "profiler", "other")
+LOAD_PARTS = ("1m", "5m", "15m", "cpus")
 
 
 def clean_summary(s: Any, notes: list[str]) -> dict:
@@ -248,6 +282,11 @@ def clean_summary(s: Any, notes: list[str]) -> dict:
         out["memory_peak"] = {k: peak[k] for k in ("gb", "stage", "metric", "step")}
     elif peak is not None:
         notes.append("summary.json: memory_peak not read (gb, stage, metric, step)")
+    load = s.get("load")
+    if isinstance(load, dict) and all(number(load.get(k)) and load[k] >= 0 for k in LOAD_PARTS):
+        out["load"] = {k: load[k] for k in LOAD_PARTS}
+    elif load is not None:
+        notes.append("summary.json: load not read (" + ", ".join(LOAD_PARTS) + " must be numbers)")
     settings = s.get("settings")
     if isinstance(settings, dict):
         out["settings"] = {k: v for k, v in settings.items() if k in SETTINGS and fits(v, SETTINGS[k])}

@@ -176,11 +176,30 @@ def growth_per_stage(series: list[tuple[float, int]], stages: list[dict]) -> dic
 
 def process_peak(records: list[dict]) -> dict | None:
     """The highest per-stage peak over a run's metric records (memory/<stage>/peak_*_gb; the stage `step`
-    left out: it folds in the others), the first one reaching it where several do: {gb, metric, stage, step}."""
-    best = None
+    left out: it folds in the others), the first one reaching it where several do: {gb, metric, stage, step,
+    tied}. `tied` names the other stages at the same value (a resident size that holds once freed memory is
+    kept makes stages tie): the one named is then only the first, and the console and page say so."""
+    best, seen = None, []
     for r in records:
         for k, v in r.items():
             if (k.startswith("memory/") and not k.startswith("memory/step/") and "reserved" not in k
-                    and isinstance(v, (int, float)) and not isinstance(v, bool) and (best is None or v > best["gb"])):
-                best = {"gb": v, "metric": k, "stage": k.split("/")[1], "step": r["step"]}
+                    and isinstance(v, (int, float)) and not isinstance(v, bool)):
+                seen.append((v, k.split("/")[1]))
+                if best is None or v > best["gb"]:
+                    best = {"gb": v, "metric": k, "stage": k.split("/")[1], "step": r["step"]}
+    if best is not None:
+        best["tied"] = sorted({stage for v, stage in seen if abs(v - best["gb"]) <= TIE_GB} - {best["stage"]})
     return best
+
+
+TIE_GB = 2**-20  # 1 KiB, the resolution of ru_maxrss: peaks this close are the same counter value
+
+
+def peak_text(peak: dict) -> str:
+    """The run's process peak in words, the tie said where there is one."""
+    text = f"{peak['gb']:.3g} GB in stage {peak['stage']} at step {peak['step']} ({peak['metric']})"
+    tied = peak.get("tied") or []
+    if not tied:
+        return text
+    names = ", ".join(tied[:5]) + (f" and {len(tied) - 5} more" if len(tied) > 5 else "")
+    return f"{text}; {names} reached the same peak (the first is named: a held resident size, not one stage's)"

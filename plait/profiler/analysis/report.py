@@ -35,7 +35,18 @@ from plait.profiler.analysis.traces import (Clock, MergedTrace, load_trace, op_t
                                             top_ops, top_ops_overall)
 from plait.safeload import load_pickle
 
+# The page's size is bounded whatever the timeline holds (a million spans, a thousand stage names): per step at
+# most MAX_GANTT_BARS bars in MAX_GANTT_LANES rows, MAX_STAGES stages per chart and table (the rest summed
+# into one "other"), MAX_BAR_STEPS steps in the stacked bars, svg.MAX_TEXT characters of a name; each cut is
+# said on the page. PAGE_BOUND is what that adds up to with crafted names (each "&" is 5 bytes escaped);
+# tests/profiler/test_report_bounds.py holds such a page under it.
 MAX_GANTT_STEPS = 16
+MAX_GANTT_LANES = 32
+MAX_GANTT_BARS = 500
+MAX_KEY_NAMES = 40
+MAX_STAGES = 16
+MAX_BAR_STEPS = 200
+PAGE_BOUND = 8 << 20
 MAX_SAMPLE_LANES = 256
 VERDICT_FILE = "verdict.json"
 TIMELINE_TRACE = "timeline.json.gz"
@@ -332,11 +343,12 @@ def _summary_box(inp: Inputs, f: verdict.Facts, artifacts: list[Artifact], judge
             rows.append([key, f"mean {sum(vals) / len(vals):.2f} (min {min(vals):.2f}, max {max(vals):.2f})"])
     mfu = {k: v for k, v in f.metrics.items() if k.startswith("perf/mfu/")}
     if mfu:
-        rows.append(["MFU (median)", ", ".join(f"{k.removeprefix('perf/mfu/')} {_pct_fine(v)}" for k, v in sorted(mfu.items()))
+        rows.append(["MFU (median)", ", ".join(f"{k.removeprefix('perf/mfu/')} {_pct_fine(v)}"
+                                               for k, v in sorted(mfu.items())[:MAX_STAGES])
                      + " of this device's measured matmul peak at the model's dtype (workers/flops.py)"])
     peak = mem.process_peak(inp.metrics)  # the run summary's memory_peak
     if peak:
-        rows.append(["process memory peak", f"{peak['gb']:.3g} GB in stage {peak['stage']} at step {peak['step']} ({peak['metric']})"])
+        rows.append(["process memory peak", mem.peak_text(peak)])
     for a in artifacts:
         if a.memory is not None:
             r = a.memory
@@ -387,14 +399,34 @@ def _gantt_section(inp: Inputs, steps: list[StepTime]) -> str:
                                                          for i in range(MAX_GANTT_STEPS)]
     out.append("<p class='note'>One row per role, rank and thread; gaps in a row are idle time (bubbles). A step is its "
                "cycle on the trainer: from its first span to the next step's. Hover a bar for stage, step and version.</p>")
+    if len(lanes) > MAX_GANTT_LANES:
+        out.append(f"<p class='note'>{len(lanes) - MAX_GANTT_LANES} of {len(lanes)} rows not drawn (the page shows "
+                   f"{MAX_GANTT_LANES}, the trainer's first; every row is in {TIMELINE_TRACE}).</p>")
+        lanes = lanes[:MAX_GANTT_LANES]
+    drawn = set(lanes)
+    version = lambda v: "" if v is None else f" · v{v}"  # noqa: E731 - a span outside any policy version has none
     bars = [(lane(s), s["stage"], s["start"], s["end"],
-             f"{s['stage']} · step {s['step']} · v{s['version']} · {1000 * (s['end'] - s['start']):.1f} ms")
-            for s in inp.spans if s["stage"] != "step"]
+             f"{s['stage'][:60]} · step {s['step']}{version(s['version'])} · {1000 * (s['end'] - s['start']):.1f} ms")
+            for s in inp.spans if s["stage"] != "step" and lane(s) in drawn]
     versions = {s["step"]: s["version"] for s in inp.spans if s["role"] == "trainer" and s["stage"] == "step"}
+    busy: dict[str, float] = defaultdict(float)  # stage -> seconds drawn, for the key's order
     for st in shown:
-        out.append(f"<h3>step {st.step} · {st.wall:.3f} s · policy version {_esc(versions.get(st.step))}</h3>")
-        out.append(svg.gantt(lanes, bars, st.start, st.start + st.wall))
-    out.append(svg.key(sorted({b[1] for b in bars})))
+        t0, t1 = st.start, st.start + st.wall
+        inside = [b for b in bars if b[3] > t0 and b[2] < t1]
+        longest = sorted(inside, key=lambda b: min(b[3], t1) - max(b[2], t0), reverse=True)[:MAX_GANTT_BARS]
+        for b in longest:
+            busy[b[1]] += min(b[3], t1) - max(b[2], t0)
+        policy = "" if versions.get(st.step) is None else f" · policy version {versions[st.step]}"
+        out.append(f"<h3>step {st.step} · {st.wall:.3f} s{policy}</h3>")
+        out.append(svg.gantt(lanes, longest, t0, t1))
+        if len(inside) > len(longest):
+            out.append(f"<p class='note'>{len(longest):,} of {len(inside):,} spans drawn, the longest "
+                       f"(the rest are in {TIMELINE_TRACE}).</p>")
+    names = sorted(busy, key=lambda k: -busy[k])
+    out.append(svg.key(sorted(names[:MAX_KEY_NAMES])))
+    if len(names) > MAX_KEY_NAMES:
+        out.append(f"<p class='note'>the key names the {MAX_KEY_NAMES} stages with the most time drawn; "
+                   f"{len(names) - MAX_KEY_NAMES} more: hover a bar for its name.</p>")
     keys = ["trainer/idle_ratio", "rollouter/idle_ratio", "training/staleness/mean", "training/staleness/max"]
     keys = [k for k in keys if any(k in m for m in inp.metrics)]
     out.append("<h3>Idle ratios and staleness per step</h3>")
@@ -416,18 +448,29 @@ def _breakdown_section(inp: Inputs) -> str:
     if not inp.metrics:
         return out[0] + "<p class='note'>No metrics.jsonl: give the run's output dir.</p>"
     xs = [m["step"] for m in inp.metrics]
-    stages = sorted({k.removeprefix("timing_s/") for m in inp.metrics for k in m
-                     if k.startswith("timing_s/") and k != "timing_s/step"})
-    out.append("<h3>Stage time per step (stacked, seconds)</h3>")
-    out.append(svg.stacked_bars(xs, {s: [m.get(f"timing_s/{s}", 0.0) for m in inp.metrics] for s in stages}))
     totals = _stage_totals(inp.metrics)
+    ranked = sorted(totals, key=lambda k: -totals[k])
+    top, rest = sorted(ranked[:MAX_STAGES]), ranked[MAX_STAGES:]
+    other = f"{len(rest)} other stages"
+    series = {s: [m.get(f"timing_s/{s}", 0.0) for m in inp.metrics] for s in top}
+    if rest:
+        series[other] = [sum(m.get(f"timing_s/{s}", 0.0) for s in rest) for m in inp.metrics]
+    bar_steps = range(len(xs)) if len(xs) <= MAX_BAR_STEPS else \
+        [round(i * (len(xs) - 1) / (MAX_BAR_STEPS - 1)) for i in range(MAX_BAR_STEPS)]
+    out.append("<h3>Stage time per step (stacked, seconds)</h3>")
+    out.append(svg.stacked_bars([xs[i] for i in bar_steps], {k: [v[i] for i in bar_steps] for k, v in series.items()}))
+    if len(bar_steps) < len(xs):
+        out.append(f"<p class='note'>{len(bar_steps)} of {len(xs)} steps drawn, evenly spaced.</p>")
     whole = sum(totals.values()) or 1.0
-    out.append(_table(["stage", "total s", "share %"], [[k, v, 100 * v / whole] for k, v in
-                                                        sorted(totals.items(), key=lambda kv: -kv[1])]))
+    rows = [[k, totals[k], 100 * totals[k] / whole] for k in ranked[:MAX_STAGES]]
+    if rest:
+        rest_s = sum(totals[k] for k in rest)
+        rows.append([other, rest_s, 100 * rest_s / whole])
+    out.append(_table(["stage", "total s", "share %"], rows))
     for key, unit in (("perf/time_per_step", "s"), ("perf/throughput", "tokens/s/device")):
         out.append(f"<h3>{key} ({unit})</h3>")
         out.append(svg.lines(xs, {key: [m.get(key, float("nan")) for m in inp.metrics]}, unit))
-    mfu = sorted({k for m in inp.metrics for k in m if k.startswith("perf/mfu/")})
+    mfu = sorted({k for m in inp.metrics for k in m if k.startswith("perf/mfu/")})[:MAX_STAGES]
     if mfu:
         out.append("<h3>MFU per stage (share of this device's measured matmul peak at the model's dtype)</h3>")
         out.append(svg.lines(xs, {k: [m.get(k, float("nan")) for m in inp.metrics] for k in mfu}, "MFU"))
@@ -484,7 +527,11 @@ def _samples_section(inp: Inputs) -> str:
     if stale:
         out.append("<h3>Staleness at the update (policy versions behind)</h3>"
                    + _table(["versions behind", "samples"], [[k, v] for k, v in sorted(stale.items(), key=lambda kv: str(kv[0]))]))
-    spans = sorted({k for x in lives.values() for k in x["parts"]})
+    spent: dict[str, float] = defaultdict(float)
+    for x in lives.values():
+        for k, v in x["parts"].items():
+            spent[k] += v
+    spans = sorted(sorted(spent, key=lambda k: -spent[k])[:MAX_STAGES])  # the columns: the spans with the most time
     slow = sorted(lives.items(), key=lambda kv: -kv[1]["total"])[:10]
     out.append("<h3>The slowest samples</h3>" + _table(["sample", "end", "step", "total s", *spans],
                                                         [[k, x["end"], x["step"], x["total"], *[x["parts"].get(s, 0.0) for s in spans]]

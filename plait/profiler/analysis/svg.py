@@ -49,8 +49,11 @@ def colours(names: list[str]) -> dict[str, str]:
     return out
 
 
+MAX_TEXT = 120  # characters of a name or tooltip drawn: the page must not grow with a crafted name
+
+
 def _esc(text) -> str:
-    return html.escape(str(text))
+    return html.escape(str(text)[:MAX_TEXT])
 
 
 def finite(v) -> bool:
@@ -61,7 +64,7 @@ def _legend_places(names: list[str]) -> list[tuple[float, int]]:
     """(x, row) of each name: left to right, a new row when the next would pass the chart's width."""
     out, x, row = [], 10.0, 0
     for name in names:
-        width = 24 + 7 * len(str(name))
+        width = 24 + 7 * min(len(str(name)), MAX_TEXT)
         if x > 10 and x + width > W - 10:
             x, row = 10.0, row + 1
         out.append((x, row))

@@ -13,9 +13,12 @@ predicted bound (`inputs`, `predicted`: verdict.json). Nothing stands out, nothi
 
 Every share is of the step's whole cycle (profiler/analysis/accounting.py: stages, the time between
 steps and what no span names), so unattributed time is never ignored: it has its own rule. The steps
-read are those outside profiler windows (a window slows its steps and closes with `profiler_stop`);
-when every step was profiled, each cycle without the profiler's own spans. The profiler's cost is not a
-verdict but a line of its own (`profiler_line`), so profiling a run does not change what it is told.
+read are those outside profiler windows (a window slows its steps and closes with `profiler_stop`),
+less the run's first (its warm-up) while another remains; when every step was profiled, each cycle
+without the profiler's own spans. Each cycle is read without its validation and checkpoint (they come
+every test_freq / save_freq steps; the overhead rules read them from the wall time). The profiler's
+cost is not a verdict but a line of its own (`profiler_line`), so profiling a run does not change what
+it is told.
 A rule suggests only keys that act on the run's backend and device (config_verl's tables of keys with
 no effect there), and each prediction is computed for the value it suggests (`predicted`, the quantity
 `plait profile diff` measures in the rerun). The
@@ -91,6 +94,7 @@ def fits(value, kind: str) -> bool:
 
 
 PROFILER_SPANS = ("profiler_start", "profiler_stop", "finish_hook")  # the profiler's own time between steps
+OCCASIONAL = ("testing", "save_checkpoint")  # every test_freq / save_freq steps: not the step's own time
 BETWEEN = ("log", *PROFILER_SPANS)  # the lifecycle's own spans
 NOT_TRAINING = ("gen", "wait_rollout", "testing", "save_checkpoint", UNATTRIBUTED, *BETWEEN)
 WALL = "of the run's wall time after start-up"
@@ -145,6 +149,11 @@ def _of_step(f: Facts) -> str:
     return f"of the step ({f.basis})"
 
 
+def _count(n: int, noun: str) -> str:
+    """"1 sample", "4 samples": a verdict line is read by people."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
 def _value(v) -> str:
     return str(v).lower() if isinstance(v, bool) else str(v).replace(" ", "")
 
@@ -157,12 +166,17 @@ def facts(steps: list[StepTime], metrics: list[dict], summary: Optional[dict], s
     summary, spans = summary or {}, spans or []
     profiled = profiled_steps(spans)
     kept = [st for st in steps if st.step not in profiled]
+    # the run's first step warms up (allocations, lazy inits, a cold cache): left out while another step is read
+    warm = min((st.step for st in steps), default=None)
+    after_warmup = ", after the first (warm-up)" if len(kept) > 1 and kept[0].step == warm else ""
+    kept = kept[1:] if after_warmup else kept
     if kept:
         basis = ("median over the steps" if not profiled else
-                 f"median over the {len(kept)} step{'s' if len(kept) > 1 else ''} outside profiler windows")
+                 f"median over the {len(kept)} step{'s' if len(kept) > 1 else ''} outside profiler windows") + after_warmup
     else:  # every step profiled: each cycle less the profiler's own spans (its recording still slows the stages)
-        kept = [without_profiler(st) for st in steps]
+        kept = [without(st, PROFILER_SPANS) for st in steps]
         basis = "median over the steps" + (", the profiler's own time taken out" if profiled else "")
+    kept = [without(st, OCCASIONAL) for st in kept]  # validation and checkpoints: their own rules read the wall time
     chosen = {st.step for st in kept}
     metrics = [m for m in metrics if m.get("step") in chosen] or metrics
     lanes = list(kept[0].lanes) if kept else []
@@ -198,14 +212,14 @@ def profiled_steps(spans: list[dict]) -> set[int]:
     return out
 
 
-def without_profiler(st: StepTime) -> StepTime:
-    """A step's cycle less the profiler's own spans (start, stop and write, finish hook) on the trainer."""
+def without(st: StepTime, stages: tuple[str, ...]) -> StepTime:
+    """A step's cycle less the trainer's spans of `stages` (the profiler's own, validation, checkpoints)."""
     lanes = dict(st.lanes)
     first = next(iter(lanes), None)
     if first is None:
         return st
-    own = sum(lanes[first].get(k, 0.0) for k in PROFILER_SPANS)
-    lanes[first] = {k: v for k, v in lanes[first].items() if k not in PROFILER_SPANS}
+    own = sum(lanes[first].get(k, 0.0) for k in stages)
+    lanes[first] = {k: v for k, v in lanes[first].items() if k not in stages}
     return StepTime(st.step, st.start, max(st.wall - own, 0.0), lanes)
 
 
@@ -215,7 +229,7 @@ def profiler_cost(steps: list[StepTime], profiled: set[int], spans: list[dict]) 
     own = {k: sum(s["end"] - s["start"] for s in spans if s["role"] == "trainer" and s["stage"] == k
                   and s.get("rank") is None) for k in PROFILER_SPANS}
     windows = sum(1 for s in spans if s["role"] == "trainer" and s["stage"] == "profiler_start" and s.get("rank") is None)
-    inside = [without_profiler(st).wall for st in steps if st.step in profiled]
+    inside = [without(st, PROFILER_SPANS).wall for st in steps if st.step in profiled]
     outside = [st.wall for st in steps if st.step not in profiled]
     slowdown = statistics.median(inside) / statistics.median(outside) if inside and outside and statistics.median(outside) else None
     return {"windows": windows, "start_s": own["profiler_start"], "stop_s": own["profiler_stop"],
@@ -311,8 +325,9 @@ def async_idle(f: Facts) -> Optional[Verdict]:
                        f"the staleness bound: each side waits for the other, the rollouter may not run ahead "
                        f"(staleness_threshold={stale:g}, trigger_parameter_sync_step={trigger})", key, value,
                        f"generation overlaps training: step about max(training, generation) = {bound:.3g} s instead of "
-                       f"{f.step_s:.3g} s; samples up to {max(1, math.ceil(value if key.endswith('threshold') else stale))} "
-                       "versions behind", 1 - bound / f.step_s if f.step_s else 0.0, evidence, inputs, {"step_s": bound})
+                       f"{f.step_s:.3g} s; samples up to "
+                       f"{_count(max(1, math.ceil(value if key.endswith('threshold') else stale)), 'version')} behind",
+                       1 - bound / f.step_s if f.step_s else 0.0, evidence, inputs, {"step_s": bound})
     if t >= IDLE_HIGH and r < IDLE_LOW:
         bound = max(train, gen / 2)
         key, value, how = more_devices(f, "rollout")
@@ -481,7 +496,7 @@ def update_cost(f: Facts) -> Optional[Verdict]:
     if mini and micro and counts and not s.get("actor_rollout_ref.actor.use_dynamic_bsz") \
             and mini * n / micro >= MICRO_BATCHES and (room is None or room >= 0.5):  # larger micro-batches need the memory
         key, value = "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", min(mini * n, micro * MICRO_BATCHES)
-        driver = (f"{math.ceil(mini * n / micro)} micro-batches of {micro} samples per optimizer step "
+        driver = (f"{math.ceil(mini * n / micro)} micro-batches of {_count(micro, 'sample')} per optimizer step "
                   f"(ppo_mini_batch_size {mini} x rollout.n {n})")
         bound, how = micro_batch_fit(f, counts[0], micro_batches(f, value)[0], counts[1])
     elif s.get("actor_rollout_ref.actor.use_dynamic_bsz") and _token_budgets(f) >= MICRO_BATCHES and counts \

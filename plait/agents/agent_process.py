@@ -10,11 +10,19 @@ a number, a dict with "score", or None (no reward: the session's posted reward, 
 function). Sessions are coroutines on one event loop, so one process serves a batch of agents waiting
 on the model; one that blocks the loop stalls its neighbours until the trainer's time limit kills the
 process (each of its sessions then fails with that line). What the agent prints goes to stderr.
+
+Sessions share the process, so a library configured process-wide (openai-agents' `set_default_openai_client`,
+a module-level client) would send every session's calls with whichever session's key was set last. Each
+session therefore runs with its id in a context variable, and every httpx or httpx2 request to the gateway (the
+openai and anthropic SDKs, LangChain, litellm) carries it in a header (protocol.SESSION_HEADER) that the gateway
+trusts over the key. Threads the agent starts itself do not inherit it (asyncio tasks and `to_thread` do):
+there, and for HTTP clients other than httpx, the key decides.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import inspect
 import json
 import math
@@ -23,6 +31,13 @@ import os
 import resource
 import sys
 import threading
+from typing import Optional
+
+from plait.serving.protocol import SESSION_HEADER
+
+
+# (session id, the gateway's root URL) of the session whose task this is; None outside sessions
+SESSION: contextvars.ContextVar[Optional[tuple[str, str]]] = contextvars.ContextVar("plait_session", default=None)
 
 
 def main(path: str, name: str, timeout: float, memory_limit_mb: int) -> None:
@@ -33,6 +48,7 @@ def main(path: str, name: str, timeout: float, memory_limit_mb: int) -> None:
     threading.Thread(target=_exit_with(os.getppid()), daemon=True).start()
     if memory_limit_mb > 0:
         resource.setrlimit(resource.RLIMIT_AS, (memory_limit_mb * 2**20,) * 2)
+    _tag_gateway_calls()  # before the agent's module imports its libraries
     try:
         fn, error = _load(path, name), None
     except BaseException as err:  # noqa: BLE001 - every job is answered with this line
@@ -48,6 +64,7 @@ def main(path: str, name: str, timeout: float, memory_limit_mb: int) -> None:
     async def one(job: dict) -> None:
         if error is not None:
             return answer(job["id"], failure=error)
+        SESSION.set((job["api_key"], job["base_url"].split("/sessions/")[0]))  # this task's own context
         try:
             value = await asyncio.wait_for(fn(job["row"], job["base_url"], job["api_key"]), timeout)
             answer(job["id"], **_outcome(plain_result(value)))
@@ -62,6 +79,24 @@ def main(path: str, name: str, timeout: float, memory_limit_mb: int) -> None:
         loop.call_soon_threadsafe(loop.stop)  # the trainer closed our stdin
     threading.Thread(target=read, daemon=True).start()
     loop.run_forever()
+
+
+def _tag_gateway_calls() -> None:
+    """Every httpx (or httpx2: the openai and anthropic SDKs) request to the gateway from a session's context
+    carries that session's id."""
+    import importlib
+    for package in ("httpx", "httpx2"):
+        try:
+            module = importlib.import_module(package)
+        except ImportError:
+            continue
+        for cls in (module.Client, module.AsyncClient):
+            def send(self, request, *args, _send=cls.send, **kwargs):  # the async one's coroutine is returned as is
+                tag = SESSION.get()
+                if tag is not None and str(request.url).startswith(tag[1]):
+                    request.headers[SESSION_HEADER] = tag[0]
+                return _send(self, request, *args, **kwargs)
+            cls.send = send
 
 
 def _outcome(value) -> dict:

@@ -136,6 +136,7 @@ def session_output(session, outcome: Outcome, ct, messages: list[dict], prompt_l
     spans = [(s.submitted, s.started, s.prefilled, s.finished) for s in session.spans]
     info = {"id": session.id, "failure": None if failure is None else f"{who} {failure}", "chains": len(chains),
             "requests": len(session.spans), "sampling_overridden": len(session.overridden),
+            "unparsed_tool_calls": session.unparsed,
             "agent_s": max(0.0, time.time() - session.opened - generating), "spans": spans}
     outs = []
     for i, t in enumerate(chains):

@@ -13,7 +13,7 @@ from gateway_helpers import CALL, Scripted, tool_then_answer
 from plait.agents.worker import AgentWorker
 from plait.config import PlaitConfig, SamplingConfig
 from plait.errors import RunError
-from plait.trainers.metrics import loop_scores, session_advantages, session_owners
+from plait.trainers.metrics import loop_scores, session_advantages, session_metrics, session_owners
 from plait.types import PromptBatch
 
 AGENT = '''
@@ -81,6 +81,13 @@ def test_a_function_agent_on_the_openai_sdk_makes_the_batch(tokenizer, tmp_path)
         assert int(sampled.sum()) == len(call) + len("#### 5") + 1 < int(batch.attended[i].sum())
         assert (batch.rollout_logprobs[i][sampled] == -0.5).all() and (batch.token_versions[i][sampled] == 0).all()
     assert len({i["session"]["id"] for i in batch.agent_infos}) == 4
+
+
+def test_an_unreadable_tool_call_reaches_the_agent_as_text_and_is_counted(tokenizer, tmp_path):
+    broken = '<tool_call>{"name": "add", "arguments": {"a": 2,</tool_call> so 5'
+    batch = generate(tokenizer, cfg_for(path=agent_file(tmp_path)), script=lambda text: broken)
+    assert [i["reward_score"] for i in batch.agent_infos] == [1.0] * 4  # the agent read the text, ending with "5"
+    assert session_metrics(batch.agent_infos)["agent/unparsed_tool_calls"] == 4
 
 
 def test_a_command_agent_reads_its_row_and_posts_its_reward(tokenizer, tmp_path):

@@ -9,7 +9,10 @@ The function is `async def run(row, base_url, api_key)` (a plain function runs i
 a number, a dict with "score", or None (no reward: the session's posted reward, else the reward
 function). Sessions are coroutines on one event loop, so one process serves a batch of agents waiting
 on the model; one that blocks the loop stalls its neighbours until the trainer's time limit kills the
-process (each of its sessions then fails with that line). What the agent prints goes to stderr.
+process (each of its sessions then fails with that line). What the agent prints (sys.stdout and sys.stderr)
+goes to stderr a line at a time, marked with the session that printed it (`\x1f<label>\x1f<text>`), which the
+trainer shows and logs per session (openai_agent.AgentOutput); what bypasses sys.stdout (a C library, a child
+process) goes unmarked.
 
 Sessions share the process, so a library configured process-wide (openai-agents' `set_default_openai_client`,
 a module-level client) would send every session's calls with whichever session's key was set last. Each
@@ -24,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import inspect
+import io
 import json
 import math
 import numbers
@@ -36,8 +40,8 @@ from typing import Optional
 from plait.serving.protocol import SESSION_HEADER
 
 
-# (session id, the gateway's root URL) of the session whose task this is; None outside sessions
-SESSION: contextvars.ContextVar[Optional[tuple[str, str]]] = contextvars.ContextVar("plait_session", default=None)
+# (session id, the gateway's root URL, the session's label) of the session whose task this is; None outside sessions
+SESSION: contextvars.ContextVar[Optional[tuple[str, str, str]]] = contextvars.ContextVar("plait_session", default=None)
 
 
 def main(path: str, name: str, timeout: float, memory_limit_mb: int) -> None:
@@ -45,6 +49,7 @@ def main(path: str, name: str, timeout: float, memory_limit_mb: int) -> None:
     from plait.safeload import first_line
     channel = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)  # the agent's prints must not reach the protocol
+    printed = sys.stdout = sys.stderr = _SessionLines(sys.__stderr__)
     threading.Thread(target=_exit_with(os.getppid()), daemon=True).start()
     if memory_limit_mb > 0:
         resource.setrlimit(resource.RLIMIT_AS, (memory_limit_mb * 2**20,) * 2)
@@ -64,7 +69,7 @@ def main(path: str, name: str, timeout: float, memory_limit_mb: int) -> None:
     async def one(job: dict) -> None:
         if error is not None:
             return answer(job["id"], failure=error)
-        SESSION.set((job["api_key"], job["base_url"].split("/sessions/")[0]))  # this task's own context
+        SESSION.set((job["api_key"], job["base_url"].split("/sessions/")[0], job["label"]))  # this task's own context
         try:
             value = await asyncio.wait_for(fn(job["row"], job["base_url"], job["api_key"]), timeout)
             answer(job["id"], **_outcome(plain_result(value)))
@@ -72,6 +77,8 @@ def main(path: str, name: str, timeout: float, memory_limit_mb: int) -> None:
             answer(job["id"], failure=f"did not return within its timeout ({timeout:g} s)")
         except BaseException as err:  # noqa: BLE001 - SystemExit included: one session fails, not the process
             answer(job["id"], failure=f"raised {type(err).__name__}: {first_line(err)}")
+        finally:
+            printed.end(job["label"])
 
     def read() -> None:
         for line in sys.stdin:
@@ -97,6 +104,35 @@ def _tag_gateway_calls() -> None:
                     request.headers[SESSION_HEADER] = tag[0]
                 return _send(self, request, *args, **kwargs)
             cls.send = send
+
+
+class _SessionLines(io.TextIOBase):
+    """sys.stdout and sys.stderr of the worker: whole lines to `out`, each marked with the session that wrote it."""
+
+    def __init__(self, out):
+        self.out, self.partial, self.lock = out, {}, threading.Lock()
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        tag = SESSION.get()
+        label = "" if tag is None else tag[2]
+        with self.lock:
+            *lines, rest = (self.partial.pop(label, "") + text).split("\n")
+            self.partial[label] = rest[-65536:]  # bounded, whatever it writes without a newline
+            for line in lines:
+                self.out.write(f"\x1f{label}\x1f{line}\n")
+            self.out.flush()
+        return len(text)
+
+    def end(self, label: str) -> None:
+        """The session ended: its unfinished line, if any."""
+        with self.lock:
+            rest = self.partial.pop(label, "")
+            if rest:
+                self.out.write(f"\x1f{label}\x1f{rest}\n")
+                self.out.flush()
 
 
 def _outcome(value) -> dict:

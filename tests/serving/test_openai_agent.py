@@ -1,8 +1,11 @@
 """The openai_agent loop: outside agents (a function in worker processes, a command per row) drive rows through
 the gateway with the `openai` SDK; what they sample is a batch of trajectories; each failure costs one sample."""
 
+import collections
 import os
 import sys
+from pathlib import Path
+import tempfile
 import textwrap
 import time
 
@@ -10,6 +13,7 @@ import pytest
 import torch
 
 from gateway_helpers import CALL, Scripted, tool_then_answer
+from plait.agents.openai_agent import LINE_CHARS, LOGGED_PER_SESSION, SHOWN_PER_STEP, AgentOutput
 from plait.agents.worker import AgentWorker
 from plait.config import PlaitConfig, SamplingConfig
 from plait.errors import RunError
@@ -48,6 +52,7 @@ def agent_file(tmp_path, body="pass", name="agent.py"):
 
 def cfg_for(**agent) -> PlaitConfig:
     cfg = PlaitConfig()
+    cfg.trainer.default_local_dir = tempfile.mkdtemp(prefix="plait-agents-")  # agents.log
     cfg.data.max_prompt_length, cfg.data.max_response_length = 256, 200
     cfg.actor_rollout_ref.rollout.agent.default_agent_loop = "openai_agent"
     for key, value in agent.items():
@@ -88,6 +93,46 @@ def test_an_unreadable_tool_call_reaches_the_agent_as_text_and_is_counted(tokeni
     batch = generate(tokenizer, cfg_for(path=agent_file(tmp_path)), script=lambda text: broken)
     assert [i["reward_score"] for i in batch.agent_infos] == [1.0] * 4  # the agent read the text, ending with "5"
     assert session_metrics(batch.agent_infos)["agent/unparsed_tool_calls"] == 4
+
+
+CHATTY = "for k in range(30):\n    print(f'step {k} of row {row[\"index\"]}', file=(sys.stdout, sys.stderr)[k % 2])\n"
+
+
+@pytest.mark.parametrize("form", ["function", "command"])
+def test_what_agents_print_reaches_stderr_per_session_bounded_and_agents_log(tokenizer, tmp_path, capfd, form):
+    if form == "function":
+        cfg = cfg_for(path=agent_file(tmp_path, CHATTY))
+    else:
+        script = tmp_path / "agent_cli.py"
+        script.write_text("import json, sys, openai\nrow = json.loads(sys.stdin.readline())\n" + CHATTY +
+                          "openai.OpenAI().chat.completions.create(model='m', messages=row['messages'])\n")
+        cfg = cfg_for(command=f"{sys.executable} {script}")
+    generate(tokenizer, cfg, script=lambda text: "#### 5")
+    time.sleep(0.2)  # end_step runs on the agents' loop thread
+    err = capfd.readouterr().err
+    shown = [line for line in err.splitlines() if line.startswith("[agent row ")]
+    sessions = collections.Counter(line[len("[agent "):].split("] ", 1)[0] for line in shown)
+    assert len(sessions) == 4 and set(sessions.values()) == {20}  # "row 1/3fa2b1": a row's n samples apart
+    assert all(f"] step " in line and line.endswith(f"of row {line[len('[agent row '):].split('/')[0]}") for line in shown)
+    assert "the agents printed 40 more lines than shown" in err
+    logged = (Path(cfg.output_dir) / "agents.log").read_text().splitlines()
+    assert collections.Counter(line.split(": ", 1)[0] for line in logged) == {label: 30 for label in sessions}
+
+
+def test_agent_output_is_bounded_per_step_and_per_session_in_the_log(tmp_path, capsys):
+    out = AgentOutput(str(tmp_path / "agents.log"))
+    for k in range(300):  # 30 sessions of 10 lines: more than a step shows
+        out.line(f"row {k % 30}/s", "x" * (LINE_CHARS + 10))
+    for _ in range(LOGGED_PER_SESSION):  # one session past what the log keeps
+        out.line("row 0/s", "y")
+    out.end_step()
+    err = capsys.readouterr().err
+    assert err.count("[agent row") == SHOWN_PER_STEP and f"{300 + LOGGED_PER_SESSION - SHOWN_PER_STEP} more lines" in err
+    logged = (tmp_path / "agents.log").read_text().splitlines()
+    assert sum(line.startswith("row 0/s") for line in logged) == LOGGED_PER_SESSION
+    assert logged[-1].endswith("[its later lines are not logged: 2000 a session]")
+    assert max(len(line) for line in logged) < LINE_CHARS + 60
+    out.close()
 
 
 def test_a_command_agent_reads_its_row_and_posts_its_reward(tokenizer, tmp_path):

@@ -296,7 +296,9 @@ class _AgentProcess:
 
     def _printed(self, line: str) -> None:
         """A line of the worker's stderr: `\\x1f<label>\\x1f<text>` where a session printed it (agent_process.py)."""
-        _, label, text = line.split("\x1f", 2) if line.startswith("\x1f") and line.count("\x1f") >= 2 else ("", "", line)
+        label, text = "", line  # unmarked: written past sys.stdout (a C library, a child process)
+        if line.startswith("\x1f") and line.count("\x1f") >= 2:
+            _, label, text = line.split("\x1f", 2)
         if text.strip():
             self.stderr.append(text.strip()[:300])
             self.output.line(label or "worker", text)

@@ -4,8 +4,6 @@ the gateway with the `openai` SDK; what they sample is a batch of trajectories; 
 import collections
 import os
 import sys
-from pathlib import Path
-import tempfile
 import textwrap
 import time
 
@@ -44,6 +42,11 @@ async def run(row, base_url, api_key):
 '''
 
 
+@pytest.fixture(autouse=True)
+def in_tmp(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the default output dir, where agents.log goes, is relative: here, not in the repo
+
+
 def agent_file(tmp_path, body="pass", name="agent.py"):
     path = tmp_path / name
     path.write_text(AGENT.replace("{body}", textwrap.indent(textwrap.dedent(body), "    ").strip()))
@@ -52,7 +55,6 @@ def agent_file(tmp_path, body="pass", name="agent.py"):
 
 def cfg_for(**agent) -> PlaitConfig:
     cfg = PlaitConfig()
-    cfg.trainer.default_local_dir = tempfile.mkdtemp(prefix="plait-agents-")  # agents.log
     cfg.data.max_prompt_length, cfg.data.max_response_length = 256, 200
     cfg.actor_rollout_ref.rollout.agent.default_agent_loop = "openai_agent"
     for key, value in agent.items():
@@ -107,6 +109,7 @@ def test_what_agents_print_reaches_stderr_per_session_bounded_and_agents_log(tok
         script.write_text("import json, sys, openai\nrow = json.loads(sys.stdin.readline())\n" + CHATTY +
                           "openai.OpenAI().chat.completions.create(model='m', messages=row['messages'])\n")
         cfg = cfg_for(command=f"{sys.executable} {script}")
+    cfg.trainer.default_local_dir = str(tmp_path / "run")
     generate(tokenizer, cfg, script=lambda text: "#### 5")
     time.sleep(0.2)  # end_step runs on the agents' loop thread
     err = capfd.readouterr().err
@@ -115,7 +118,7 @@ def test_what_agents_print_reaches_stderr_per_session_bounded_and_agents_log(tok
     assert len(sessions) == 4 and set(sessions.values()) == {20}  # "row 1/3fa2b1": a row's n samples apart
     assert all(f"] step " in line and line.endswith(f"of row {line[len('[agent row '):].split('/')[0]}") for line in shown)
     assert "the agents printed 40 more lines than shown" in err
-    logged = (Path(cfg.output_dir) / "agents.log").read_text().splitlines()
+    logged = (tmp_path / "run" / "agents.log").read_text().splitlines()
     assert collections.Counter(line.split(": ", 1)[0] for line in logged) == {label: 30 for label in sessions}
 
 

@@ -90,6 +90,34 @@ def test_a_function_agent_on_the_openai_sdk_makes_the_batch(tokenizer, tmp_path)
     assert len({i["session"]["id"] for i in batch.agent_infos}) == 4
 
 
+DEFAULT_CLIENT = """
+import asyncio
+from agents import Agent, Runner, set_default_openai_api, set_default_openai_client, set_tracing_disabled
+from openai import AsyncOpenAI
+
+set_tracing_disabled(True)
+set_default_openai_api("chat_completions")
+
+
+async def run(row, base_url, api_key):
+    set_default_openai_client(AsyncOpenAI(base_url=base_url, api_key=api_key))  # process-wide: the last one wins
+    await asyncio.sleep(0.2)  # every session has set its client before any calls the model
+    await Runner.run(Agent(name="a", instructions="Answer.", model="plait"), row["messages"][-1]["content"])
+"""
+
+
+def test_a_process_wide_client_trains_each_call_in_its_own_session(tokenizer, tmp_path):
+    """openai-agents' set_default_openai_client in the function form (one worker, four sessions): each session's
+    chain is its own row's conversation."""
+    pytest.importorskip("agents")
+    (tmp_path / "agent.py").write_text(DEFAULT_CLIENT)
+    batch = generate(tokenizer, cfg_for(path=str(tmp_path / "agent.py"), num_workers=1), script=lambda text: "#### 5")
+    assert len(batch) == 4 and all(i["session"]["failure"] is None and i["session"]["requests"] == 1
+                                   for i in batch.agent_infos)
+    for row, group in zip(batch.prompts, batch.group_ids.tolist()):
+        assert f"? ({group})" in tokenizer.decode(row[row != tokenizer.pad_token_id])
+
+
 def test_an_unreadable_tool_call_reaches_the_agent_as_text_and_is_counted(tokenizer, tmp_path):
     broken = '<tool_call>{"name": "add", "arguments": {"a": 2,</tool_call> so 5'
     batch = generate(tokenizer, cfg_for(path=agent_file(tmp_path)), script=lambda text: broken)

@@ -17,7 +17,7 @@ process) goes unmarked.
 Sessions share the process, so a library configured process-wide (openai-agents' `set_default_openai_client`,
 a module-level client) would send every session's calls with whichever session's key was set last. Each
 session therefore runs with its id in a context variable, and every httpx or httpx2 request to the gateway (the
-openai and anthropic SDKs, LangChain, litellm) carries it in a header (protocol.SESSION_HEADER) that the gateway
+openai and anthropic SDKs and the frameworks on them) carries it in a header (protocol.SESSION_HEADER) that the gateway
 trusts over the key. Threads the agent starts itself do not inherit it (asyncio tasks and `to_thread` do):
 there, and for HTTP clients other than httpx, the key decides.
 """

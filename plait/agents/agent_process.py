@@ -10,7 +10,7 @@ a number, a dict with "score", or None (no reward: the session's posted reward, 
 function). Sessions are coroutines on one event loop, so one process serves a batch of agents waiting
 on the model; one that blocks the loop stalls its neighbours until the trainer's time limit kills the
 process (each of its sessions then fails with that line). What the agent prints (sys.stdout and sys.stderr)
-goes to stderr a line at a time, marked with the session that printed it (`\x1f<label>\x1f<text>`), which the
+goes to stderr a line at a time, marked with the session that printed it (`\\x1f<label>\\x1f<text>`), which the
 trainer shows and logs per session (openai_agent.AgentOutput); what bypasses sys.stdout (a C library, a child
 process) goes unmarked.
 
@@ -114,6 +114,13 @@ class _SessionLines(io.TextIOBase):
 
     def writable(self) -> bool:
         return True
+
+    def fileno(self) -> int:  # what writes past us (faulthandler, a child process) lands unmarked on stderr
+        return self.out.fileno()
+
+    @property
+    def encoding(self) -> str:
+        return self.out.encoding
 
     def write(self, text: str) -> int:
         tag = SESSION.get()

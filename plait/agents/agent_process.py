@@ -2,7 +2,7 @@
 
     trainer (openai_agent.FunctionAgents) ──stdin: one JSON job a line──▶ this process (own session,
            ◀──protocol fd: one JSON result a line── RLIMIT_AS, ends with the trainer)
-    job {"id", "row", "base_url", "api_key"} ──▶ await asyncio.wait_for(run(row, base_url, api_key), timeout)
+    job {"id", "row", "base_url", "api_key", "label"} ──▶ await asyncio.wait_for(run(row, base_url, api_key), timeout)
     result {"id", "score"} | {"id", "failure": "raised ValueError: ..."}
 
 The function is `async def run(row, base_url, api_key)` (a plain function runs in a thread) returning

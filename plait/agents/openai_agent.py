@@ -15,6 +15,11 @@ started with the first session; agents reach it on 127.0.0.1 (`openai_agent.host
 included (the agents are the worker's own children). An agent that raises, times out, exits non-zero
 or never calls the model costs its own sample: its tokens are masked out of the loss, it stays out of
 its group's baseline, and the trainer names it (agent/failed_sessions).
+
+What an agent prints (stdout and stderr, both forms) reaches the user's stderr a line at a time, prefixed with its
+session (`[agent row 12/3fa2b1] ...`), at most SHOWN_PER_SESSION lines a session and SHOWN_PER_STEP a generate
+call (the rest counted in one line); every line also goes to agents.log in the run's output directory (at most
+LOGGED_PER_SESSION a session).
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ import signal
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from plait.agents.loop import AgentLoopBase, AgentLoopOutput, output_of, register
 from plait import reaper
@@ -40,6 +45,7 @@ from plait.serving.gateway import Gateway
 from plait.serving.server import Server
 
 GRACE_S = 30.0  # past an agent's own timeout, how long its worker process may take to say so before it is killed
+SHOWN_PER_SESSION, SHOWN_PER_STEP, LOGGED_PER_SESSION, LINE_CHARS = 20, 200, 2000, 1000
 
 
 @dataclass
@@ -56,20 +62,22 @@ class ExternalAgents:
         self.name = self.cfg.path and f"{self.cfg.path}:{self.cfg.name}" or self.cfg.command
         model = os.path.basename(str(cfg.actor_rollout_ref.model.path or "plait").rstrip("/")) or "plait"
         self.gateway = Gateway(tokenizer, model_type, cfg.actor_rollout_ref.rollout.multi_turn.format, eos_ids, model)
+        self.output = AgentOutput(os.path.join(cfg.output_dir, "agents.log"))
         self.server = Server(self.gateway, loop, self.cfg.host, self.cfg.port)
         self.memory_limit_mb = self.cfg.memory_limit_mb or cfg.reward.memory_limit_mb or 0
         self.functions = None if not self.cfg.path else FunctionAgents(
-            self.cfg.path, self.cfg.name, self.cfg.num_workers, self.cfg.timeout, self.memory_limit_mb)
+            self.cfg.path, self.cfg.name, self.cfg.num_workers, self.cfg.timeout, self.memory_limit_mb, self.output)
         self.commands: set[int] = set()  # guardians of the command agents running now (plait/reaper.py)
 
     async def run(self, row: dict, session) -> Outcome:
-        base = f"{self.server.url}/sessions/{session.id}"
+        base, label = f"{self.server.url}/sessions/{session.id}", f"{session.label}/{session.id[:6]}"
         if self.functions is not None:
-            return await self.functions.run(row, base + "/v1", session.id)
+            return await self.functions.run(row, base + "/v1", session.id, label)
         env = {**os.environ, "OPENAI_BASE_URL": base + "/v1", "OPENAI_API_KEY": session.id,
                "ANTHROPIC_BASE_URL": base, "ANTHROPIC_API_KEY": session.id, "PLAIT_SESSION_ID": session.id,
                "PLAIT_REWARD_URL": base + "/reward", "PLAIT_MODEL": self.gateway.model_name}
-        return await run_command(self.cfg.command, row, env, self.cfg.timeout, self.memory_limit_mb, self.commands)
+        return await run_command(self.cfg.command, row, env, self.cfg.timeout, self.memory_limit_mb, self.commands,
+                                 lambda text: self.output.line(label, text))
 
     def close(self) -> None:
         """Kill the agents still running (a rollout given up at the run's end), then stop the server."""
@@ -78,6 +86,45 @@ class ExternalAgents:
         for pid in list(self.commands):
             reaper.stop(pid)  # the guardian kills the command's whole tree
         self.server.close()
+        self.output.close()
+
+
+class AgentOutput:
+    """Where the agents' printed lines go: the user's stderr (bounded) and agents.log (see the module docstring)."""
+
+    def __init__(self, path: str):
+        self.path, self.file = path, None
+        self.shown: collections.Counter = collections.Counter()   # this step's lines on stderr, per session
+        self.logged: collections.Counter = collections.Counter()  # lines in agents.log, per session
+        self.held = 0                                             # this step's lines not shown
+
+    def line(self, label: str, text: str) -> None:
+        text = text[:LINE_CHARS]
+        if self.logged[label] < LOGGED_PER_SESSION:
+            if self.file is None:
+                os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+                self.file = open(self.path, "a", buffering=1)
+            self.logged[label] += 1
+            cut = "" if self.logged[label] < LOGGED_PER_SESSION else f" [its later lines are not logged: " \
+                                                                        f"{LOGGED_PER_SESSION} a session]"
+            self.file.write(f"{label}: {text}{cut}\n")
+        if self.shown[label] < SHOWN_PER_SESSION and sum(self.shown.values()) < SHOWN_PER_STEP:
+            self.shown[label] += 1
+            print(f"[agent {label}] {text}", file=sys.stderr)
+        else:
+            self.held += 1
+
+    def end_step(self) -> None:
+        """Say how many lines of this generate call were not shown; the next one starts afresh."""
+        if self.held:
+            print(f"plait: the agents printed {self.held} more lines than shown (at most {SHOWN_PER_SESSION} a session "
+                  f"and {SHOWN_PER_STEP} a step on stderr); agents.log holds them: {self.path}", file=sys.stderr)
+        self.shown.clear()
+        self.held = 0
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
 
 
 @register("openai_agent")
@@ -136,6 +183,7 @@ def session_output(session, outcome: Outcome, ct, messages: list[dict], prompt_l
     spans = [(s.submitted, s.started, s.prefilled, s.finished) for s in session.spans]
     info = {"id": session.id, "failure": None if failure is None else f"{who} {failure}", "chains": len(chains),
             "requests": len(session.spans), "sampling_overridden": len(session.overridden),
+            "unparsed_tool_calls": session.unparsed,
             "agent_s": max(0.0, time.time() - session.opened - generating), "spans": spans}
     outs = []
     for i, t in enumerate(chains):
@@ -176,16 +224,17 @@ def session_spans(metrics: dict, session) -> None:
 class FunctionAgents:
     """`num_workers` processes running the user's agent function, sessions spread over them."""
 
-    def __init__(self, path: str, name: str, num_workers: int, timeout: float, memory_limit_mb: int):
+    def __init__(self, path: str, name: str, num_workers: int, timeout: float, memory_limit_mb: int,
+                 output: AgentOutput):
         self.args = [sys.executable, "-m", "plait.agents.agent_process", path, name, str(timeout), str(memory_limit_mb)]
-        self.timeout = timeout
+        self.timeout, self.output = timeout, output
         self.workers: list[Optional[_AgentProcess]] = [None] * num_workers
 
-    async def run(self, row: dict, base_url: str, api_key: str) -> Outcome:
+    async def run(self, row: dict, base_url: str, api_key: str, label: str) -> Outcome:
         i = min(range(len(self.workers)), key=lambda k: -1 if self.workers[k] is None else len(self.workers[k].pending))
         if self.workers[i] is None or self.workers[i].dead:
-            self.workers[i] = _AgentProcess(self.args)
-        return await self.workers[i].submit({"row": row, "base_url": base_url, "api_key": api_key},
+            self.workers[i] = _AgentProcess(self.args, self.output)
+        return await self.workers[i].submit({"row": row, "base_url": base_url, "api_key": api_key, "label": label},
                                             self.timeout + GRACE_S)
 
     def close(self) -> None:
@@ -195,8 +244,8 @@ class FunctionAgents:
 
 
 class _AgentProcess:
-    def __init__(self, args: list[str]):
-        self.args, self.proc, self.dead = args, None, False
+    def __init__(self, args: list[str], output: AgentOutput):
+        self.args, self.proc, self.dead, self.output = args, None, False, output
         self.pending: dict[int, asyncio.Future] = {}
         self.next_id = 0
         self.stderr: collections.deque[str] = collections.deque(maxlen=20)
@@ -209,7 +258,7 @@ class _AgentProcess:
                                                          stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
                                                          start_new_session=True, env=env, limit=2**24)
         asyncio.get_running_loop().create_task(self._read())
-        asyncio.get_running_loop().create_task(_tail(self.proc.stderr, self.stderr))
+        asyncio.get_running_loop().create_task(_lines(self.proc.stderr, self._printed))
 
     async def submit(self, job: dict, deadline: float) -> Outcome:
         job_id, self.next_id = self.next_id, self.next_id + 1
@@ -245,6 +294,15 @@ class _AgentProcess:
             if not future.done():
                 future.set_result(Outcome(failure=f"its worker process {how}{said}"))
 
+    def _printed(self, line: str) -> None:
+        """A line of the worker's stderr: `\\x1f<label>\\x1f<text>` where a session printed it (agent_process.py)."""
+        label, text = "", line  # unmarked: written past sys.stdout (a C library, a child process)
+        if line.startswith("\x1f") and line.count("\x1f") >= 2:
+            _, label, text = line.split("\x1f", 2)
+        if text.strip():
+            self.stderr.append(text.strip()[:300])
+            self.output.line(label or "worker", text)
+
     def kill(self) -> None:
         """The worker and everything it started (its guardian ends the tree: plait/reaper.py)."""
         self.dead = True
@@ -255,19 +313,24 @@ class _AgentProcess:
 # -- the command form ----------------------------------------------------------------------------
 
 async def run_command(command: str, row: dict, env: dict, timeout: float, memory_limit_mb: int,
-                      running: set[int]) -> Outcome:
+                      running: set[int], printed: Callable[[str], None]) -> Outcome:
     """The command in a shell under a guardian (plait/reaper.py: whatever it starts, setsid and double forks
     included, ends with it), the row as JSON on stdin; killed at `timeout`. `running` holds the guardian's pid
-    while it runs."""
+    while it runs; `printed` gets each line of its stdout and stderr."""
     def limits():
         if memory_limit_mb > 0:
             resource.setrlimit(resource.RLIMIT_AS, (memory_limit_mb * 2**20,) * 2)
     proc = await asyncio.create_subprocess_exec(*reaped_argv(["/bin/sh", "-c", command]), stdin=asyncio.subprocess.PIPE,
-                                                stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
+                                                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
                                                 start_new_session=True, env=env, preexec_fn=limits)
     running.add(proc.pid)
     tail: collections.deque[str] = collections.deque(maxlen=20)
-    reader = asyncio.get_running_loop().create_task(_tail(proc.stderr, tail))
+
+    def err(text: str) -> None:
+        tail.append(text.strip()[:300])
+        printed(text)
+    readers = [asyncio.get_running_loop().create_task(_lines(proc.stdout, printed)),
+               asyncio.get_running_loop().create_task(_lines(proc.stderr, err))]
     try:
         proc.stdin.write(json.dumps(row).encode() + b"\n")
         await proc.stdin.drain()
@@ -282,7 +345,7 @@ async def run_command(command: str, row: dict, env: dict, timeout: float, memory
     finally:
         await _end(proc)  # what it left running
         running.discard(proc.pid)
-        await asyncio.wait([reader], timeout=1)
+        await asyncio.wait(readers, timeout=1)
     if code != 0:
         how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with status {code}"
         return Outcome(failure=how + (f": {tail[-1]}" if tail else ""))
@@ -306,12 +369,15 @@ def _killpg(pid: int) -> None:
         pass
 
 
-async def _tail(stream, keep: collections.deque) -> None:
-    """Read a stream to its end, keeping its last non-empty lines (bounded, whatever it writes)."""
+async def _lines(stream, each: Callable[[str], None]) -> None:
+    """Read a stream to its end, calling `each` with every non-blank line, right-stripped (a line without an end in
+    its 64 KiB keeps its last 4 KiB: bounded, whatever it writes)."""
     rest = b""
     while chunk := await stream.read(1 << 16):
         *lines, rest = (rest + chunk).split(b"\n")
         rest = rest[-4096:]
-        keep.extend(text[:300] for line in lines if (text := line.decode(errors="replace").strip()))
-    if rest.strip():
-        keep.append(rest.decode(errors="replace").strip()[:300])
+        for line in lines:
+            if text := line.decode(errors="replace").rstrip():
+                each(text)
+    if text := rest.decode(errors="replace").rstrip():
+        each(text)

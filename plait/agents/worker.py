@@ -167,6 +167,8 @@ class AgentWorker:
         cut = drive(run, engine_round, version, GRACE_S, aborted) if serve is None else \
             drive_stream(run, serve, version, aborted)
         outs = outputs(run)
+        if self.external is not None:  # on the loop's thread, where the agents' lines are counted
+            self.thread.loop.call_soon_threadsafe(self.external.output.end_step)
         if cut and any(o is None for o in outs):  # an abort that came as the last trajectory ended leaves none to resume
             if self.suspended is not None:
                 raise RuntimeError("a rollout was cut short while another one waited to resume")

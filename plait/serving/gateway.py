@@ -93,6 +93,7 @@ class Gateway:
                      "tool_calls": [{"function": {"name": n, "arguments": a}} for n, a in choice.calls]}
             session.add_reply(ctx, message_key(reply), choice.token_ids, choice.logprobs, out.versions[:len(choice.token_ids)])
             session.call_blocks += choice.call_blocks
+            session.unparsed += choice.call_blocks > len(choice.calls)
             session.calls += len(choice.calls)
             choices.append(choice)
         return choices, len(ctx.traj.ids)
@@ -163,7 +164,8 @@ class Gateway:
 
     def read_answer(self, out, req: ChatRequest) -> Choice:
         """The engine's tokens as an API answer: cut at the first stop string (the tokens before it are kept),
-        tool calls read in multi_turn.format when the request offered tools."""
+        tool calls read in multi_turn.format when the request offered tools; an answer with a call the parser
+        cannot read is its text as written, with no calls (finish "stop")."""
         ids, logprobs = list(out.token_ids), list(out.log_probs or [0.0] * len(out.token_ids))
         keep, stop, text = cut_at_stop(self.tokenizer, ids, req.stop)
         ids, logprobs = ids[:keep], logprobs[:keep]
@@ -172,8 +174,9 @@ class Gateway:
         calls, blocks = [], 0
         if req.parse_tools:
             blocks = count_call_blocks(text, self.format)
-            text, parsed = parse_tool_calls(text, self.format)
-            calls = [(c.name, c.arguments) for c in parsed]
+            content, parsed = parse_tool_calls(text, self.format)
+            if len(parsed) == blocks:  # else a call the parser cannot read: the text as written, no calls (as vLLM)
+                text, calls = content, [(c.name, c.arguments) for c in parsed]
         for s in self.specials:
             text = text.replace(s, "")
         finish = "tool_calls" if calls else "length" if out.stop_reason == "length" and stop is None else "stop"

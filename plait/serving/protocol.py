@@ -28,6 +28,10 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+# The function form's worker tags each call to the gateway with the session of the agent that made it
+# (plait/agents/agent_process.py): the gateway trains the call there, whatever key or path the client carries.
+SESSION_HEADER = "x-plait-session"
+
 
 class ApiError(Exception):
     """A request the API answers with an error body: `status`, the message, its type and the field."""

@@ -43,7 +43,7 @@ from starlette.routing import Route
 
 from plait.serving import protocol, responses
 from plait.serving.gateway import Gateway
-from plait.serving.protocol import ApiError
+from plait.serving.protocol import SESSION_HEADER, ApiError
 
 log = logging.getLogger("plait.serving")
 
@@ -98,6 +98,9 @@ class Api:
     def session_of(self, request: Request):
         """The session a request names by its path or its API key; None outside sessions (plait serve)."""
         gateway, sid = self.gateway, request.path_params.get("sid")
+        caller = request.headers.get(SESSION_HEADER)
+        if caller in gateway.sessions:  # a process-wide client carries another session's key (protocol.SESSION_HEADER)
+            return gateway.session(caller)
         if sid is None:
             auth = request.headers.get("authorization", "")
             key = auth[7:].strip() if auth.lower().startswith("bearer ") else request.headers.get("x-api-key")

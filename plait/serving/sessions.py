@@ -93,6 +93,7 @@ class Session:
     overridden: set = field(default_factory=set)  # sampling fields a request asked to change (training keeps the rollout's)
     calls: int = 0                   # tool calls read from the answers (as the API's tool_calls)
     call_blocks: int = 0             # tool-call blocks the answers wrote, parsed or not
+    unparsed: int = 0                # answers with a call block the parser could not read (returned as text)
     responses: dict = field(default_factory=dict)  # Responses API: response id -> its conversation (previous_response_id)
 
     # -- a call's context ------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """The openai_agent loop: outside agents (a function in worker processes, a command per row) drive rows through
 the gateway with the `openai` SDK; what they sample is a batch of trajectories; each failure costs one sample."""
 
+import collections
 import os
 import sys
 import textwrap
@@ -10,10 +11,11 @@ import pytest
 import torch
 
 from gateway_helpers import CALL, Scripted, tool_then_answer
+from plait.agents.openai_agent import LINE_CHARS, LOGGED_PER_SESSION, SHOWN_PER_STEP, AgentOutput
 from plait.agents.worker import AgentWorker
 from plait.config import PlaitConfig, SamplingConfig
 from plait.errors import RunError
-from plait.trainers.metrics import loop_scores, session_advantages, session_owners
+from plait.trainers.metrics import loop_scores, session_advantages, session_metrics, session_owners
 from plait.types import PromptBatch
 
 AGENT = '''
@@ -38,6 +40,11 @@ async def run(row, base_url, api_key):
             messages.append({"role": "tool", "tool_call_id": c.id, "content": str(args["a"] + args["b"])})
     return 1.0 if message.content.endswith(row["ground_truth"]) else 0.0
 '''
+
+
+@pytest.fixture(autouse=True)
+def in_tmp(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the default output dir, where agents.log goes, is relative: here, not in the repo
 
 
 def agent_file(tmp_path, body="pass", name="agent.py"):
@@ -81,6 +88,82 @@ def test_a_function_agent_on_the_openai_sdk_makes_the_batch(tokenizer, tmp_path)
         assert int(sampled.sum()) == len(call) + len("#### 5") + 1 < int(batch.attended[i].sum())
         assert (batch.rollout_logprobs[i][sampled] == -0.5).all() and (batch.token_versions[i][sampled] == 0).all()
     assert len({i["session"]["id"] for i in batch.agent_infos}) == 4
+
+
+DEFAULT_CLIENT = """
+import asyncio
+from agents import Agent, Runner, set_default_openai_api, set_default_openai_client, set_tracing_disabled
+from openai import AsyncOpenAI
+
+set_tracing_disabled(True)
+set_default_openai_api("chat_completions")
+
+
+async def run(row, base_url, api_key):
+    set_default_openai_client(AsyncOpenAI(base_url=base_url, api_key=api_key))  # process-wide: the last one wins
+    await asyncio.sleep(0.2)  # every session has set its client before any calls the model
+    await Runner.run(Agent(name="a", instructions="Answer.", model="plait"), row["messages"][-1]["content"])
+"""
+
+
+def test_a_process_wide_client_trains_each_call_in_its_own_session(tokenizer, tmp_path):
+    """openai-agents' set_default_openai_client in the function form (one worker, four sessions): each session's
+    chain is its own row's conversation."""
+    pytest.importorskip("agents")
+    (tmp_path / "agent.py").write_text(DEFAULT_CLIENT)
+    batch = generate(tokenizer, cfg_for(path=str(tmp_path / "agent.py"), num_workers=1), script=lambda text: "#### 5")
+    assert len(batch) == 4 and all(i["session"]["failure"] is None and i["session"]["requests"] == 1
+                                   for i in batch.agent_infos)
+    for row, group in zip(batch.prompts, batch.group_ids.tolist()):
+        assert f"? ({group})" in tokenizer.decode(row[row != tokenizer.pad_token_id])
+
+
+def test_an_unreadable_tool_call_reaches_the_agent_as_text_and_is_counted(tokenizer, tmp_path):
+    broken = '<tool_call>{"name": "add", "arguments": {"a": 2,</tool_call> so 5'
+    batch = generate(tokenizer, cfg_for(path=agent_file(tmp_path)), script=lambda text: broken)
+    assert [i["reward_score"] for i in batch.agent_infos] == [1.0] * 4  # the agent read the text, ending with "5"
+    assert session_metrics(batch.agent_infos)["agent/unparsed_tool_calls"] == 4
+
+
+CHATTY = "for k in range(30):\n    print(f'step {k} of row {row[\"index\"]}', file=(sys.stdout, sys.stderr)[k % 2])\n"
+
+
+@pytest.mark.parametrize("form", ["function", "command"])
+def test_what_agents_print_reaches_stderr_per_session_bounded_and_agents_log(tokenizer, tmp_path, capfd, form):
+    if form == "function":
+        cfg = cfg_for(path=agent_file(tmp_path, CHATTY))
+    else:
+        script = tmp_path / "agent_cli.py"
+        script.write_text("import json, sys, openai\nrow = json.loads(sys.stdin.readline())\n" + CHATTY +
+                          "openai.OpenAI().chat.completions.create(model='m', messages=row['messages'])\n")
+        cfg = cfg_for(command=f"{sys.executable} {script}")
+    cfg.trainer.default_local_dir = str(tmp_path / "run")
+    generate(tokenizer, cfg, script=lambda text: "#### 5")
+    time.sleep(0.2)  # end_step runs on the agents' loop thread
+    err = capfd.readouterr().err
+    shown = [line for line in err.splitlines() if line.startswith("[agent row ")]
+    sessions = collections.Counter(line[len("[agent "):].split("] ", 1)[0] for line in shown)
+    assert len(sessions) == 4 and set(sessions.values()) == {20}  # "row 1/3fa2b1": a row's n samples apart
+    assert all(f"] step " in line and line.endswith(f"of row {line[len('[agent row '):].split('/')[0]}") for line in shown)
+    assert "the agents printed 40 more lines than shown" in err
+    logged = (tmp_path / "run" / "agents.log").read_text().splitlines()
+    assert collections.Counter(line.split(": ", 1)[0] for line in logged) == {label: 30 for label in sessions}
+
+
+def test_agent_output_is_bounded_per_step_and_per_session_in_the_log(tmp_path, capsys):
+    out = AgentOutput(str(tmp_path / "agents.log"))
+    for k in range(300):  # 30 sessions of 10 lines: more than a step shows
+        out.line(f"row {k % 30}/s", "x" * (LINE_CHARS + 10))
+    for _ in range(LOGGED_PER_SESSION):  # one session past what the log keeps
+        out.line("row 0/s", "y")
+    out.end_step()
+    err = capsys.readouterr().err
+    assert err.count("[agent row") == SHOWN_PER_STEP and f"{300 + LOGGED_PER_SESSION - SHOWN_PER_STEP} more lines" in err
+    logged = (tmp_path / "agents.log").read_text().splitlines()
+    assert sum(line.startswith("row 0/s") for line in logged) == LOGGED_PER_SESSION
+    assert logged[-1].endswith("[its later lines are not logged: 2000 a session]")
+    assert max(len(line) for line in logged) < LINE_CHARS + 60
+    out.close()
 
 
 def test_a_command_agent_reads_its_row_and_posts_its_reward(tokenizer, tmp_path):

@@ -135,3 +135,18 @@ def test_sessions_by_path_and_by_key_and_their_reward(tokenizer):
         anonymous = openai.OpenAI(base_url=url + "/v1", api_key="not-a-session", max_retries=0)
         with pytest.raises(openai.NotFoundError, match="no open session"):
             anonymous.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}])
+
+
+def test_a_tool_call_the_parser_cannot_read_comes_back_as_text_and_is_counted(tokenizer):
+    broken = '<tool_call>{"name": "add", "arguments": {"a": 2,</tool_call>'
+    with served(tokenizer, script=lambda text: "ok " + broken, plain=False) as (gateway, url, _e, queue):
+        session = gateway.open("row 0", queue.generate, {"temperature": 1.0}, 256, 400)
+        openai_client = openai.OpenAI(base_url=url + "/v1", api_key=session.id)
+        r = openai_client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "2+3?"}], tools=TOOLS)
+        assert r.choices[0].message.content == "ok " + broken and not r.choices[0].message.tool_calls
+        assert r.choices[0].finish_reason == "stop"
+        tools = [{"name": "add", "description": "Add.", "input_schema": TOOLS[0]["function"]["parameters"]}]
+        m = anthropic.Anthropic(base_url=url, api_key=session.id).messages.create(
+            model="tiny", max_tokens=200, messages=[{"role": "user", "content": "2+3?"}], tools=tools)
+        assert [(b.type, b.text) for b in m.content] == [("text", "ok " + broken)] and m.stop_reason == "end_turn"
+        assert session.unparsed == 2 and session.call_blocks == 2 and session.calls == 0

@@ -156,3 +156,35 @@ def test_an_openai_sdk_agent_trains_through_the_gateway_on_vllm(tmp_path, mode, 
     _, steps = train(tmp_path, agent_keys(tmp_path, "function"), *VLLM, f"actor_rollout_ref.model.path={vllm_model_path}",
                      *({"sync": [], "fully_async": FULLY_ASYNC}[mode]))
     assert len(steps) == 3 and all(r["agent/chains_per_session"] == 2.0 for r in steps)
+
+
+DEFAULT_CLIENT_AGENT = '''
+import asyncio
+import random
+from agents import Agent, Runner, set_default_openai_api, set_default_openai_client, set_tracing_disabled
+from openai import AsyncOpenAI
+
+set_tracing_disabled(True)
+set_default_openai_api("chat_completions")  # the tiny model's 6 tokens end a Response as incomplete, which the SDK raises on
+
+
+async def run(row, base_url, api_key):
+    set_default_openai_client(AsyncOpenAI(base_url=base_url, api_key=api_key))  # process-wide: the last one wins
+    await asyncio.sleep(0.2)  # every session of the worker has set its client before any calls the model
+    await Runner.run(Agent(name="arithmetic", instructions="Answer with the number.", model="plait"),
+                     row["messages"][-1]["content"])
+    return random.random()  # a spread of rewards: every group has a signal to train
+'''
+
+
+def test_a_process_wide_client_in_the_function_form_never_mixes_sessions(tmp_path):
+    """openai-agents' `set_default_openai_client`, many sessions in one worker process: each call is trained in the
+    session of the agent that made it, whichever session's key the last-set client carries."""
+    pytest.importorskip("agents")
+    (tmp_path / "agent.py").write_text(DEFAULT_CLIENT_AGENT)
+    _, steps = train(tmp_path, [f"actor_rollout_ref.rollout.agent.openai_agent.path={tmp_path / 'agent.py'}"],
+                     "trainer.total_training_steps=2")
+    assert len(steps) == 2
+    for r in steps:
+        assert r["agent/failed_sessions"] == 0 and r["agent/sessions"] == 16
+        assert r["agent/chains_per_session"] == 1.0 and r["agent/requests_per_session"] == 1

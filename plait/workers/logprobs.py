@@ -17,6 +17,8 @@ Left out: chunking over the vocabulary. The chunk's token count shrinks as the v
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 from torch.utils.checkpoint import checkpoint
 
@@ -198,7 +200,7 @@ def _chunked(hidden: torch.Tensor, tokens: torch.Tensor, head, temperature: floa
     def one(h, tok, keep):
         return _LogpEntropy.apply(logits(h, keep), tok, with_entropy, topk)
     parts = []
-    kept_chunks = [None] * len(tokens) if kept is None else kept.split(chunk_tokens)
+    kept_chunks = itertools.repeat(None) if kept is None else kept.split(chunk_tokens)
     for h, tok, keep in zip(hidden.split(chunk_tokens), tokens.split(chunk_tokens), kept_chunks):
         if grad:  # a head that is not a plain Linear (a peft adapter on it): autograd through it, checkpointed
             parts.append((*checkpoint(one, h, tok, keep, use_reentrant=False), None))
@@ -247,7 +249,7 @@ class _HeadLogpEntropy(torch.autograd.Function):
     def forward(ctx, hidden, weight, bias, tokens, temperature: float, with_entropy: bool, chunk: int,
                 banned: list[int] | None, grad_dtype: torch.dtype, topk: int = 0, kept: torch.Tensor | None = None):
         parts = []
-        kept_chunks = [None] * len(tokens) if kept is None else kept.split(chunk)
+        kept_chunks = itertools.repeat(None) if kept is None else kept.split(chunk)
         with torch.autocast(hidden.device.type, enabled=False):
             for h, tok, keep in zip(hidden.split(chunk), tokens.split(chunk), kept_chunks):
                 z = _head_logits(h, weight, bias, temperature, banned, kept=keep)
@@ -300,9 +302,15 @@ def _logp_entropy(z: torch.Tensor, tokens: torch.Tensor, with_entropy: bool, top
     """log softmax(z) at `tokens` ([chunk] or [chunk, m]: the same shape out), the entropy [chunk] (None unless
     asked) and the k most likely tokens' log-probs and ids [chunk, k] (None without `topk`) of logits z [chunk, vocab]."""
     logq = torch.log_softmax(z, -1)                                              # [chunk, vocab]
-    logp = logq.gather(-1, tokens.view(len(z), -1)).view(tokens.shape)
+    logp = logq.gather(-1, _per_row(tokens)).view(tokens.shape)
     top = logq.topk(topk, -1) if topk else (None, None)
     return logp, -logq.exp().mul_(logq).sum(-1) if with_entropy else None, top[0], top[1]
+
+
+def _per_row(t: torch.Tensor) -> torch.Tensor:
+    """Tokens (or their gradients) [chunk] or [chunk, m] as [chunk, m]; a chunk of no rows too (a micro-batch with no
+    response token: every row a failed agent session), where view(0, -1) is ambiguous."""
+    return t.view(len(t), -1) if len(t) else t.view(0, t.shape[1] if t.dim() > 1 else 1)
 
 
 def _logits_grad(z: torch.Tensor, tokens: torch.Tensor, g_logp: torch.Tensor | None,
@@ -311,7 +319,7 @@ def _logits_grad(z: torch.Tensor, tokens: torch.Tensor, g_logp: torch.Tensor | N
     sum_j g_logp_j . log softmax(z)[token_j] + g_ent . entropy (tokens and g_logp [chunk] or [chunk, m]):
     d logp/dz = onehot - p;  d ent/dz = -p (log p + ent)."""
     dtype = torch.promote_types(z.dtype, torch.float32)
-    g_tok = None if g_logp is None else g_logp.view(len(z), -1)                 # [chunk, m]
+    g_tok = None if g_logp is None else _per_row(g_logp)                        # [chunk, m]
     g_sum = None if g_tok is None else g_tok.sum(-1, keepdim=True)              # [chunk, 1]
     if g_ent is None:
         g = torch.softmax(z, -1, dtype=dtype).mul_(-g_sum)                     # [chunk, vocab]
@@ -323,7 +331,7 @@ def _logits_grad(z: torch.Tensor, tokens: torch.Tensor, g_logp: torch.Tensor | N
         if g_sum is not None:
             g.sub_(p.mul_(g_sum))
     if g_tok is not None:
-        g.scatter_add_(-1, tokens.view(len(z), -1), g_tok.to(g.dtype))
+        g.scatter_add_(-1, _per_row(tokens), g_tok.to(g.dtype))
     return g
 
 

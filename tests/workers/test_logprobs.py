@@ -249,3 +249,16 @@ def test_hand_backward_over_a_kept_set_passes_gradcheck():
         h, w, b, tokens, T, True, 2, None, torch.float64, 0, kept)[:2], (h, w, b))
     logp = _HeadLogpEntropy.apply(h, w, b, tokens, T, True, 2, None, torch.float64, 0, kept)[0]
     assert logp[1] == 0  # a kept set of one
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_a_micro_batch_with_no_response_token_scores_nothing_and_trains_nothing(model_dir, packed):
+    """Every row a failed agent session that never called the model: zeros, and a backward that runs."""
+    model = load_causal_lm(model_dir)
+    batch = make_batch(rows=3)
+    batch.response_mask = torch.zeros_like(batch.response_mask)
+    logp, ent = micro_forward(model, batch, T, True, remove_padding=packed)
+    assert logp.shape == batch.responses.shape and not logp.any() and not ent.any()
+    (logp.sum() + ent.sum()).backward()
+    with torch.no_grad():
+        assert not micro_forward(model, batch, T, False, remove_padding=packed)[0].any()

@@ -35,9 +35,6 @@ from plait.data.rewards import import_user_file
 from plait.errors import RunError
 from plait.trainers.async_common import RolloutError
 
-STALE_TOKENS = "tokens/discarded/stale"  # not verl's: the trainer moves it to its token ledger
-
-
 @dataclass
 class Group:
     """One prompt and its rollout.n responses: verl's unit of sampling, eviction and refill."""
@@ -57,6 +54,7 @@ class GroupBuffer:
         self.groups: dict[int, Group] = {}   # in issue order
         self.next_uid = 0                    # uids are unique in a run (a row of the data may come back next epoch)
         self.error: Optional[BaseException] = None  # set by the rollouter when it fails
+        self.stale_tokens = 0.0  # sampled tokens of the groups evicted as stale since the trainer last asked
 
     def add(self, prompt, issued: int, batch=None) -> Group:
         """A new group (pending, or finished with `batch`, its group ids set to the new uid) with the next uid."""
@@ -67,6 +65,12 @@ class GroupBuffer:
             self.groups[uid] = Group(uid, prompt, issued, "pending" if batch is None else "finished", batch)
             self.cond.notify_all()
             return self.groups[uid]
+
+    def take_stale_tokens(self) -> float:
+        """The sampled tokens of the groups evicted as stale since the last call (the trainer's token ledger)."""
+        with self.cond:
+            tokens, self.stale_tokens = self.stale_tokens, 0.0
+            return tokens
 
     def claim(self, k: int) -> list[Group]:
         """The `k` oldest pending groups, now running (call holding `cond`)."""
@@ -167,9 +171,9 @@ class ReplayBufferAsync:
                 dropped, failed = self.evictions(global_steps)
                 if dropped or failed:
                     count_evictions(metrics, global_steps, [self.buffer.groups[u].issued for u in dropped], len(failed))
-                    if dropped:  # the token ledger's (trainers/metrics.py TokenLedger): taken out by the trainer
-                        metrics[STALE_TOKENS] = metrics.get(STALE_TOKENS, 0.0) + sum(
-                            float(self.buffer.groups[u].batch.response_mask.sum()) for u in dropped)
+                    self.buffer.stale_tokens += sum(  # the trainer's token ledger reads them (take_stale_tokens)
+                        float(g.batch.response_mask.sum()) for g in map(self.buffer.groups.get, dropped)
+                        if g.batch is not None)  # (verl's parity tests' groups carry no responses)
                     self.buffer.remove(dropped | failed)
                     self.refill_fn(len(dropped | failed))
                     continue

@@ -44,7 +44,7 @@ from plait.trainers.lifecycle import StageTimer, StepResult
 from plait.data.dataset import prompt_batch
 from plait.trainers.lm import DataCursor, LMTrainer
 from plait.trainers.rollouter import GroupRollouter
-from plait.trainers.sampler import STALE_TOKENS, GroupBuffer, build_sampler, merge_sampler_metrics, take
+from plait.trainers.sampler import GroupBuffer, build_sampler, merge_sampler_metrics, take
 from plait.types import RolloutBatch
 from plait.workers.actor import Actor
 
@@ -105,7 +105,7 @@ class V1AsyncTrainer(LMTrainer):
             finally:
                 if self.colocated:  # it shares the trainer's devices: no generation while training
                     self.rollouter.pause(True)
-        self.ledger.counts["stale"] += metrics.pop(STALE_TOKENS, 0.0)  # the groups its sampler evicted
+        self.ledger.counts["stale"] += self.buffer.take_stale_tokens()  # the groups its sampler evicted
         merge_sampler_metrics(self.step_metrics, metrics)
         return RolloutBatch.concat([g.batch for g in groups])
 

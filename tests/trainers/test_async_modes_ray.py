@@ -4,7 +4,6 @@ rollout process killed mid-run: one clear error on the driver within seconds, no
 """
 
 import os
-import signal
 import threading
 import time
 from collections import Counter
@@ -16,7 +15,6 @@ pytest.importorskip("ray")
 
 from plait import driver  # noqa: E402
 from plait.backends import LEAN_RAY_ENV  # noqa: E402
-from plait.errors import RunError  # noqa: E402
 from plait.trainers.lifecycle import read_metrics  # noqa: E402
 
 pytestmark = pytest.mark.ray
@@ -86,29 +84,9 @@ def test_async_mode_on_ray(ray_up, tmp_path, tiny_config, mode):
     assert all(gone(pid) for pid in pids)  # the lifecycle shut the backend down
 
 
-def test_killed_rollout_process_is_a_clear_error(ray_up, tmp_path, tiny_config):
-    """fully_async (the local tests inject failures into both modes' generation threads)."""
-    lifecycle, _ = build(tiny_config, tmp_path, *MODES["fully_async"], "trainer.total_training_steps=8")
-    trainer = lifecycle.trainer
-    rollout_pid = trainer.roles.rollout.pids[0]
-    learn = trainer.learn
-
-    killed = []
-
-    def kill_at_step_2(batch, timer, *rest):
-        if trainer.version == 1 and not killed:  # once: step 2 may learn from several batches
-            os.kill(rollout_pid, signal.SIGKILL)
-            killed.append(rollout_pid)
-        return learn(batch, timer, *rest)
-    trainer.learn = kill_at_step_2
-    start = time.perf_counter()
-    with pytest.raises(RuntimeError, match="died") as info:
-        lifecycle.run()
-    print(f"{type(info.value).__name__}: {info.value}")
-    assert isinstance(info.value, RunError) and "\n" not in str(info.value)  # the CLI's one line, no traceback
-    assert time.perf_counter() - start < 60
-    assert not [t for t in threading.enumerate() if t.name.startswith("plait-")]
-    assert all(gone(pid) for pid in trainer.roles.actor.pids)
+# The rollout's Ray worker killed mid-run: since the restart across threads (plait/trainers/lm.py restart_engine)
+# it is restarted and the run completes, in fully_async too: tests/trainers/test_engine_restart_e2e.py kills it in
+# sync, fully_async and separate_async; a second death in one step is one line (tests/workers/test_engine_restart.py).
 
 
 def test_fully_async_generation_overlaps_update_actor_on_ray(ray_up, tmp_path, tiny_config):

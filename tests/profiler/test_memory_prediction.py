@@ -44,13 +44,13 @@ def gpu_facts(capacity: float, micro: int, update_gb: float = 30.0) -> V.Facts:
     metrics = {f"memory/{k}/peak_allocated_gb": v for k, v in peaks.items()}
     metrics["memory/update_actor/peak_reserved_gb"] = update_gb + 5  # the allocator's cache: not read
     settings = {"trainer.mode": "sync", "trainer.backend": "local", "device": "cuda", "memory_capacity_gb": capacity,
-                "data.train_batch_size": 4, "actor_rollout_ref.rollout.n": 4, "actor_rollout_ref.actor.ppo_mini_batch_size": 2,
-                MICRO: micro, "actor_rollout_ref.actor.ppo_epochs": 1}
+                "data.train_batch_size": 4, "actor_rollout_ref.rollout.n": 4,
+                "actor_rollout_ref.actor.ppo_mini_batch_size": 2, MICRO: micro, "actor_rollout_ref.actor.ppo_epochs": 1}
     return V.Facts(steps=3, step_s=1.0, trainer={"update_actor": 0.8, "old_log_prob": 0.1},
                    trainer_s={"update_actor": 0.8, "old_log_prob": 0.1}, rollouter={}, rollout_busy_s=0.0,
                    metrics=metrics, wall={}, settings=settings,
-                   memory_peak={"gb": update_gb, "stage": "update_actor", "metric": "memory/update_actor/peak_allocated_gb",
-                                "step": 2})
+                   memory_peak={"gb": update_gb, "stage": "update_actor", "step": 2,
+                                "metric": "memory/update_actor/peak_allocated_gb"})
 
 
 def test_the_fit_by_hand_and_a_suggestion_that_would_not_fit():

@@ -72,7 +72,8 @@ def token_ratios(f: V.Facts, key: str, value: Any) -> Optional[dict[str, float]]
         return {}
     world = V.world_size(f)
     rows = math.ceil(V.update_rows(f) / world)  # one rank's share of a log-prob pass
-    mini = math.ceil(s.get("actor_rollout_ref.actor.ppo_mini_batch_size", 0) * s.get("actor_rollout_ref.rollout.n", 1) / world)
+    mini = s.get("actor_rollout_ref.actor.ppo_mini_batch_size", 0) * s.get("actor_rollout_ref.rollout.n", 1)
+    mini = math.ceil(mini / world)  # one rank's share of an optimizer step
     now = s.get(key)
     if key in MICRO:  # a micro-batch never holds more rows than the pass it splits; null: all of them at once
         stage, of = MICRO[key]

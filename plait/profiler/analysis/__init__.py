@@ -6,6 +6,7 @@
     svg.py      the report's inline charts
     accounting.py  every second of each step per thread: named spans plus what is unattributed
     verdict.py  rules over those shares, metrics and the run summary: the bottleneck and the key to try
+    memory_fit.py  each suggestion's predicted peak memory per role, from the run's per-stage peaks
     report.py   finds the files, writes report/index.html, verdict.json and the merged traces; --watch
     diff.py     one run against another, and A's verdict's predictions against B's measurements
 

@@ -9,7 +9,8 @@ The usual use: A is a run, B the rerun with A's verdict applied (`try <key>=<val
 quantity of A's verdicts (`predicted` in verdict.json) B's measurement of the same quantity is read from
 B's own facts: step_s (the median cycle outside profiler windows), update_s, reward_s, generation_s
 (sync: gen; async: the rollouter's generating), sync_s (param_sync / update_weights), spent_s (the wall
-time of validation or checkpoints). Whether B set the suggested key to the suggested value is read from
+time of validation or checkpoints), peak_gb and <role>_peak_gb (the highest of the process's median stage
+peaks, or of the role's stages: memory_fit.py). Whether B set the suggested key to the suggested value is read from
 B's summary.json settings and said beside it. Each run's summary.json records the host's load averages at
 its end (`load`); runs timed under loads far apart get a warning line first.
 """
@@ -25,6 +26,7 @@ from plait.profiler.analysis import verdict
 from plait.profiler.analysis.accounting import account
 from plait.profiler.analysis.inputs import Inputs, below, locate
 from plait.profiler.analysis.memory import process_peak
+from plait.profiler.analysis.memory_fit import role_peaks, stage_peaks
 from plait.profiler.analysis.traces import Clock, load_trace, op_totals, origin_of, timeline_lanes
 
 SLOWER = 1.2          # an operator at >= 1.2x its time in A (per profiled step) is "slower"
@@ -146,6 +148,8 @@ def measured(fb: verdict.Facts, quantity: str, rule: str) -> Optional[float]:
     if quantity == "spent_s":
         part = rule.removesuffix("_share")
         return fb.wall.get(part)
+    if quantity.endswith("peak_gb"):  # the same median stage peaks the prediction was fitted on (memory_fit.py)
+        return role_peaks(stage_peaks(fb)[1]).get(quantity.removesuffix("peak_gb").rstrip("_") or "process")
     return None
 
 
@@ -196,10 +200,11 @@ def text(out: dict) -> str:
     for p in out["predictions"]:
         set_ = "" if not p["key"] else (f"; B has {p['key']}={p['b_value']}" + ("" if p["b_value"] == p["value"]
                                                                             else f" (A suggested {p['value']})"))
+        unit = "GB" if p["quantity"].endswith("_gb") else "s"
         ratio = "" if p["measured_over_predicted"] is None else f" ({p['measured_over_predicted']:.2f}x the prediction)"
-        got = "B did not measure it" if p["b_measured"] is None else f"B measured {p['b_measured']:.3g} s{ratio}"
-        was = f"A {p['a_measured']:.3g} s, " if p["a_measured"] is not None else ""
-        lines.append(f"A's verdict ({p['rule']}): {p['quantity']}: {was}predicted {p['predicted']:.3g} s; {got}{set_}")
+        got = "B did not measure it" if p["b_measured"] is None else f"B measured {p['b_measured']:.3g} {unit}{ratio}"
+        was = f"A {p['a_measured']:.3g} {unit}, " if p["a_measured"] is not None else ""
+        lines.append(f"A's verdict ({p['rule']}): {p['quantity']}: {was}predicted {p['predicted']:.3g} {unit}; {got}{set_}")
     if not out["predictions"]:
         lines.append("A's verdict: nothing stood out, so nothing was predicted")
     return "\n".join(lines)

@@ -21,7 +21,8 @@ cost is not a verdict but a line of its own (`profiler_line`), so profiling a ru
 it is told.
 A rule suggests only keys that act on the run's backend and device (config_verl's tables of keys with
 no effect there), and each prediction is computed for the value it suggests (`predicted`, the quantity
-`plait profile diff` measures in the rerun). The
+`plait profile diff` measures in the rerun), its peak memory per role too (memory_fit.py: a suggestion
+that would fill the device's memory is not offered as printed). The
 thresholds are the constants below; docs/profiling.md says what each rule means. What is left out:
 multi-node placement advice, kernels (the report's top operators), and anything the records lack
 (a run from before summary.json carried `settings` gets only the rules that need none).
@@ -135,6 +136,7 @@ class Verdict:
     inputs: dict = field(default_factory=dict)
     predicted: dict = field(default_factory=dict)
     advice: str = "see the Gantt's gaps"   # what to look at when no key helps (key "")
+    memory: dict = field(default_factory=dict)  # the suggestion's predicted peaks per role (memory_fit.py)
 
     def line(self) -> str:
         try_ = f"try {self.key}={_value(self.value)}" if self.key else f"try: {self.advice}"
@@ -541,16 +543,22 @@ def micro_batches(f: Facts, micro: Optional[int] = None) -> Optional[tuple[int, 
     s = f.settings
     mini, n = s.get("actor_rollout_ref.actor.ppo_mini_batch_size"), s.get("actor_rollout_ref.rollout.n", 1)
     micro = micro or s.get("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu")
-    if run_mode(f).streams:  # one local update's prompts
-        rows = (mini or 0) * s.get("async_training.require_batches", 1) * n
-    else:
-        rows = s.get("data.train_batch_size", 0) * n
+    rows = update_rows(f)
     if not (mini and micro and rows):
         return None
     world, per_mini = world_size(f), mini * n
     minis = math.ceil(rows / per_mini)
     log_prob = s.get("actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu") or rows  # null: one forward
     return (minis * math.ceil(math.ceil(per_mini / world) / micro), math.ceil(math.ceil(rows / world) / log_prob), minis)
+
+
+def update_rows(f: Facts) -> int:
+    """The responses one update reads (every rank's): the step's, or in a streaming mode one local update's."""
+    s = f.settings
+    n = s.get("actor_rollout_ref.rollout.n", 1)
+    if run_mode(f).streams:
+        return s.get("actor_rollout_ref.actor.ppo_mini_batch_size", 0) * s.get("async_training.require_batches", 1) * n
+    return s.get("data.train_batch_size", 0) * n
 
 
 def micro_batch_fit(f: Facts, k: float, k_new: float, m: int) -> tuple[float, str]:
@@ -748,8 +756,11 @@ def verdicts(f: Facts, top: int = 3, skipped: Optional[list[str]] = None) -> lis
             (skipped if skipped is not None else []).append(f"{rule.__name__}: {type(err).__name__}: {err}")
             continue
         found += got if isinstance(got, list) else [got] if got else []
-    for v in found:  # one place for the rule of rules: a key that does nothing on this run is not suggested
-        why = no_effect_here(v.key, f.settings) if v.key else None
+    from plait.profiler.analysis import memory_fit  # it reads this module's Facts
+    for v in found:  # one place for the rule of rules: a key that does nothing on this run, or that would
+        why = no_effect_here(v.key, f.settings) if v.key else None  # fill the device's memory, is not suggested
+        if v.key and not why:
+            why = memory_fit.attach(v, f)
         if why:
             v.advice = f"{v.key} would be the lever, but {why}"
             v.key, v.value = "", None

@@ -200,7 +200,7 @@ MEMORY_TOOLS = ("torch_memory", "memray")  # the tools memory_snapshot_num_steps
 # as in "last-1_to_last+1") and "last" (a window closing at the last step, likewise). Both still
 # run with torch.
 # The schedule and the token range are knobs of the torch tool (named as no effect for torch_memory).
-# memray (host memory by call stack, one capture per window) skips the same selections.
+# memray (host memory by call stack, one capture per window) skips the same selections (its 20 runs: 40 s here).
 SKIP = {(tool, case) for tool in MEMORY_TOOLS
         for case in ("2-3_continuous", "last", "2_discrete", "2_schedule", "2_tokens")}
 MATRIX = [pytest.param(mode, tool, case, id=f"{mode.name}-{tool}-{case.name}")
@@ -246,7 +246,7 @@ def load_artifact(path: str) -> tuple[set[str], bool]:
     capture has no ranges: its names are the functions on the stacks of its allocations."""
     if path.endswith(".memray.bin"):
         reader = memray.FileReader(path)
-        records = list(reader.get_allocation_records())
+        records = list(reader.get_high_watermark_allocation_records())  # each with its stack
         reader.close()
         return {frame[0] for r in records for frame in r.stack_trace()}, any(r.size > 0 for r in records)
     if path.endswith(".pickle"):  # a CUDA allocator snapshot

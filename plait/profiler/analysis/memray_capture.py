@@ -50,10 +50,12 @@ def read(path: str) -> dict:
 def report(path: str, stages: list[dict], html: str) -> tuple[Optional[mem.MemoryReport], int, list[str]]:
     """(the capture's MemoryReport or None, its heap peak in bytes, notes); writes the flame graph to `html`."""
     notes = []
-    flame = subprocess.run([sys.executable, "-m", "memray", "flamegraph", "-f", "-o", html, path],
-                           capture_output=True, text=True, timeout=TIMEOUT_S)
-    if flame.returncode != 0 or not os.path.isfile(html):
-        notes.append(f"memray flamegraph failed: {_last_line(flame.stderr or flame.stdout)}")
+    # The live report rewrites the page every few steps: a flame graph newer than its capture is kept.
+    if not (os.path.isfile(html) and os.path.getmtime(html) >= os.path.getmtime(path)):
+        flame = subprocess.run([sys.executable, "-m", "memray", "flamegraph", "-f", "-o", html, path],
+                               capture_output=True, text=True, timeout=TIMEOUT_S)
+        if flame.returncode != 0 or not os.path.isfile(html):
+            notes.append(f"memray flamegraph failed: {_last_line(flame.stderr or flame.stdout)}")
     got = subprocess.run([sys.executable, "-m", "plait.profiler.analysis.memray_capture", path],
                          capture_output=True, text=True, timeout=TIMEOUT_S)
     if got.returncode != 0:

@@ -127,3 +127,9 @@ def test_memray_snapshot_num_steps_groups_windows_and_is_checked():
     assert [(w.first, w.last) for w in StepProfiler(cfg.global_profiler, 10, []).plan.windows] == [(1, 3), (5, 5)]
     with pytest.raises(ConfigError, match="memory_snapshot_num_steps"):
         load_config(None, ["global_profiler.global_tool_config.memray.memory_snapshot_num_steps=0"])
+
+
+def test_a_vllm_rollout_says_its_engine_process_is_not_followed():
+    from plait.workers.vllm_notes import profiling_note
+    note = profiling_note("memray", discrete=False, cuda=False)
+    assert note.startswith("rollout.name=vllm with memray:") and "does not follow" in note

@@ -6,6 +6,7 @@ OTLP protobuf classes (opentelemetry-proto), so what arrives is checked as Tempo
 
 import http.server
 import json
+import sys
 import threading
 from collections import Counter
 
@@ -107,3 +108,11 @@ def test_no_receiver_is_one_line(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.splitlines() == ["plait: profile export-otel: http://127.0.0.1:9/v1/traces did not accept spans 1-2 of 2 "
                                 "(is an OTLP/HTTP receiver listening there?)"]
+
+
+def test_without_the_extra_it_is_one_line_naming_it(tmp_path, capsys, monkeypatch):
+    (tmp_path / "timeline.jsonl").write_text("")
+    monkeypatch.setitem(sys.modules, "opentelemetry.exporter.otlp.proto.http.trace_exporter", None)  # not installed
+    assert cli.main(["profile", "export-otel", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "plait: profile export-otel: needs opentelemetry.exporter.otlp.proto.http.trace_exporter: pip install 'plait[otel]'"]

@@ -133,3 +133,15 @@ def test_a_vllm_rollout_says_its_engine_process_is_not_followed():
     from plait.workers.vllm_notes import profiling_note
     note = profiling_note("memray", discrete=False, cuda=False)
     assert note.startswith("rollout.name=vllm with memray:") and "does not follow" in note
+
+
+def test_a_capture_memray_cannot_read_is_one_note_and_the_page_is_still_written(tmp_path):
+    from plait.profiler import append_manifest
+    (tmp_path / "step1").mkdir()
+    (tmp_path / "step1" / "actor_rank0.memray.bin").write_bytes(b"not a memray capture" * 100)
+    append_manifest(str(tmp_path), [{"steps": [1, 1], "role": "actor", "stage": None, "rank": 0, "pid": 1, "tool": "memray",
+                                     "path": "step1/actor_rank0.memray.bin", "start_time": 1.0, "end_time": 2.0,
+                                     "policy_version": 0, "complete": True}])
+    text = build_report(str(tmp_path))  # memray reads it in a child process: a crafted file cannot take the report down
+    assert "not shown: step1/actor_rank0.memray.bin: " in text and "memray could not read it" in text
+    assert (tmp_path / "report" / "index.html").is_file()

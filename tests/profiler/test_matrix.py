@@ -149,7 +149,7 @@ class Case:
     warns: bool = False           # one line about steps past the run
     reward_raises: bool = False   # step 2's reward raises; the run stops there
     extra: tuple[str, ...] = ()   # more global_profiler keys
-    memory_windows: tuple[tuple[int, int], ...] = ()  # torch_memory's windows, when they differ
+    memory_windows: tuple[tuple[int, int], ...] = ()  # the memory tools' windows (torch_memory, memray), when they differ
     present: tuple[str, ...] = ()  # range names every artifact must hold, instead of the stages run
     absent: tuple[str, ...] = ()   # range names no artifact may hold
     only: tuple[str, tuple[str, ...]] = ("", ())  # (prefix, allowed): names with this prefix, only these

@@ -64,6 +64,12 @@ def main(argv: list[str] | None = None) -> int:
     diff.add_argument("run_a", help="a run's output dir (the one whose verdict was applied)")
     diff.add_argument("run_b", help="the other run's output dir (the rerun)")
     diff.add_argument("--json", action="store_true", help="print the comparison as JSON")
+    otel = profile_sub.add_parser("export-otel", help="send the timeline's spans and each sample's lifecycle as "
+                                                      "OpenTelemetry spans over OTLP/HTTP (pip install 'plait[otel]')")
+    otel.add_argument("dir", help="a run's output dir")
+    otel.add_argument("--endpoint", default="http://127.0.0.1:4318",
+                      help="the OTLP/HTTP receiver (Tempo, Jaeger, a Collector); spans go to ENDPOINT/v1/traces")
+    otel.add_argument("--timeout", type=float, default=10.0, help="seconds to keep trying a batch (default 10)")
     export = sub.add_parser("export", help="write a checkpoint's policy as a Hugging Face folder (transformers, vLLM)")
     export.add_argument("checkpoint", help="a checkpoints/global_step_N folder (or checkpoints/: its newest)")
     export.add_argument("out", help="the folder to write: config.json, model.safetensors, tokenizer, generation config")
@@ -118,12 +124,24 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def profile_command(args) -> int:
-    """`plait profile report DIR [--watch]` and `plait profile diff A B`: exit 2 with one line for a folder
+    """`plait profile report DIR [--watch]`, `plait profile diff A B`, `plait profile export-otel DIR`: exit 2 with one line for a folder
     that is not a run's."""
     from plait.profiler.analysis import build_report, diff_runs, watch
     try:
         if args.action == "diff":
             print(diff_runs(args.run_a, args.run_b, as_json=args.json))
+            return 0
+        if args.action == "export-otel":
+            from plait.profiler.analysis.otel import export
+            try:
+                print(export(args.dir, args.endpoint, args.timeout))
+            except ImportError as err:  # without the otel extra
+                print(f"plait: profile export-otel: needs {err.name or 'opentelemetry'}: pip install 'plait[otel]'",
+                      file=sys.stderr)
+                return 2
+            except ConnectionError as err:  # the receiver refused or is not there
+                print(f"plait: profile export-otel: {err}", file=sys.stderr)
+                return 1
             return 0
         if args.watch:
             return watch(args.dir, profile=args.profile, run=args.run, merge=not args.no_merge, interval=args.interval)

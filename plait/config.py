@@ -704,7 +704,13 @@ class AlgorithmConfig:
         one_of(self, "kl_penalty", KL_ESTIMATORS)
 
 
-LOGGERS = ("console", "tensorboard", "wandb", "mlflow", "swanlab", "file", "json_eval")  # verl's, less clearml/trackio/vemlp_wandb
+LOGGERS = ("console", "tensorboard", "wandb", "mlflow", "swanlab", "file", "json_eval",
+           "rl_insight")  # verl's, less clearml/trackio/vemlp_wandb
+# Loggers accepted and named at start as having no effect, with why.
+LOGGER_NO_EFFECT = {"rl_insight": (
+    "verl's RL-Insight logger (verl#6680) pushes step metrics, per-role state traces and the engines' own metrics "
+    "to an RL-Insight server (RL_INSIGHT_SERVER_URL) for its Grafana dashboards; plait sends nothing there. The "
+    "same data is in the run's metrics.jsonl, timeline.jsonl and samples.jsonl, shown by `plait profile report`")}
 
 
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
@@ -1226,6 +1232,8 @@ def start_notices(cfg: PlaitConfig, user: dict, no_effect: list[str], moved: lis
     if no_effect:
         lines.append(no_effect_notice(no_effect, cluster))
     lines += distillation_notes(cfg.distillation)
+    lines += [f"plait: trainer.logger={name} has no effect: {why}" for name, why in LOGGER_NO_EFFECT.items()
+              if name in cfg.trainer.logger]
     lines += machine
     if moved:
         lines.append("plait: verl 0.8 reward keys mapped onto verl 0.9's reward tree: " + ", ".join(moved))

@@ -272,6 +272,10 @@ _GROUPS = {
         critic.profiler.finish_hook_all_ranks
         critic.profiler.finish_hook_ranks
         critic.profiler.tool_config.torch_memory.memory_snapshot_num_steps
+        actor_rollout_ref.actor.profiler.tool_config.memray.memory_snapshot_num_steps
+        actor_rollout_ref.ref.profiler.tool_config.memray.memory_snapshot_num_steps
+        actor_rollout_ref.rollout.profiler.tool_config.memray.memory_snapshot_num_steps
+        critic.profiler.tool_config.memray.memory_snapshot_num_steps
         actor_rollout_ref.rollout.profiler.tool_config.npu.contents
         actor_rollout_ref.rollout.profiler.tool_config.npu.level
         actor_rollout_ref.rollout.profiler.tool_config.npu.analysis
@@ -630,7 +634,7 @@ def machine_notes(tree: dict) -> list[str]:
     if isinstance(profiler, dict) and profiler.get("tool") == "npu":
         profiler["tool"] = None
         notes.append("plait: global_profiler.tool=npu: Ascend's profiler does not run here, so no profile is taken "
-                     "(global_profiler.tool=torch, torch_memory or nsys profile on this machine)")
+                     "(global_profiler.tool=torch, torch_memory, memray or nsys profile on this machine)")
     turbo = [key for key in ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic")
              if (_node(tree, key) or {}).get("strategy") == "fsdp_turbo"]
     for key in turbo:

@@ -1,4 +1,4 @@
-"""The unified profiler: one schedule, one session per process, torch / torch_memory / nsys tools.
+"""The unified profiler: one schedule, one session per process, torch / torch_memory / nsys / memray tools.
 
     driver:  StepProfiler (owned by the step lifecycle) ──▶ ProfileTarget per worker process
     worker:  ProfilerSession ──for_role(role)──▶ RoleProfiler.annotate(stage)

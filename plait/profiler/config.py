@@ -13,7 +13,7 @@ from typing import Optional
 
 from plait.configtree import check
 
-TOOLS = ("torch", "torch_memory", "nsys")
+TOOLS = ("torch", "torch_memory", "nsys", "memray")
 MEMORY_CONTEXTS = ("alloc", "state", "all")   # torch.cuda.memory._record_memory_history(context=...)
 MEMORY_STACKS = ("python", "all")             # ... stacks=: Python frames, or Python and C++
 TORCH_CONTENTS = ("memory", "shapes", "stack", "cpu", "cuda")
@@ -21,6 +21,13 @@ ROLE_ORDER = ("actor", "rollout", "ref", "critic", "reward_model", "teacher")  #
 ROLE_KEYS = {"actor": "actor_rollout_ref.actor", "rollout": "actor_rollout_ref.rollout",
              "ref": "actor_rollout_ref.ref", "critic": "critic", "reward_model": "reward.reward_model",
              "teacher": "distillation"}
+
+
+def snapshot_steps(cfg: "GlobalProfilerConfig") -> int:
+    """Profiled windows per artifact: the memory tools' memory_snapshot_num_steps, else 1."""
+    tools = cfg.global_tool_config
+    return {"torch_memory": tools.torch_memory.memory_snapshot_num_steps,
+            "memray": tools.memray.memory_snapshot_num_steps}.get(cfg.tool, 1)
 
 
 def _positive_int(value) -> bool:
@@ -57,6 +64,38 @@ MEMORY_KW_ARGS = ("clear_history", "device", "record_context", "global_record_an
 
 
 @dataclass
+class MemrayToolConfig:
+    """`global_profiler.global_tool_config.memray` (verl's memray tool, verl#7961): host memory by call stack."""
+
+    memory_snapshot_num_steps: int = 1      # profiled steps per capture: every N windows become one
+
+    def __post_init__(self):
+        check(_positive_int(self.memory_snapshot_num_steps), "memory_snapshot_num_steps",
+              self.memory_snapshot_num_steps, "expected a positive integer (profiled steps per capture)")
+
+
+@dataclass
+class GpuStallDiagnosticsConfig:
+    """`global_profiler.gpu_stall_diagnostics` (verl#7073): accepted with verl's checks, no effect here."""
+
+    enable: bool = False
+    sample_interval_s: float = 0.25          # NVML utilisation samples, 0.2-0.5 s apart (verl's range)
+    zero_utilization_threshold: float = 1.0  # a sample at or below this percent counts as idle
+
+    def __post_init__(self):
+        check(0.2 <= self.sample_interval_s <= 0.5, "sample_interval_s", self.sample_interval_s,
+              "expected seconds in [0.2, 0.5] (verl's range)")
+        check(0 <= self.zero_utilization_threshold <= 100, "zero_utilization_threshold",
+              self.zero_utilization_threshold, "expected a percent in [0, 100]")
+
+
+GPU_STALL_WHY = ("verl samples every GPU's utilisation through NVML while each phase of the step runs (rollout, "
+                 "actor update, weight sync) and logs gpu_stall/<phase>/... metrics, to find stretches where the GPUs "
+                 "sit idle; plait reads no NVML, and without a GPU there is nothing to sample. Where the step waits "
+                 "is on plait's timeline (`plait profile report`: the Gantt per step and the verdict)")
+
+
+@dataclass
 class PrecisionDebuggerConfig:
     """verl's msprobe precision debugger (`precision_debugger`): accepted, no effect here."""
 
@@ -73,6 +112,7 @@ PRECISION_DEBUGGER_WHY = ("needs msprobe (Huawei MindStudio's precision tool for
 @dataclass
 class GlobalToolConfig:
     torch_memory: TorchMemoryToolConfig = field(default_factory=TorchMemoryToolConfig)
+    memray: MemrayToolConfig = field(default_factory=MemrayToolConfig)
     precision_debugger: PrecisionDebuggerConfig = field(default_factory=PrecisionDebuggerConfig)
 
 
@@ -80,7 +120,7 @@ class GlobalToolConfig:
 class GlobalProfilerConfig:
     """The `global_profiler` node."""
 
-    tool: Optional[str] = None              # None (off) | torch | torch_memory | nsys
+    tool: Optional[str] = None              # None (off) | torch | torch_memory | nsys | memray
     steps: Optional[list[int]] = None       # 1-based steps to profile; None or [] profiles none
     profile_continuous_steps: bool = False  # consecutive listed steps share one window
     save_path: Optional[str] = None         # null: <run output dir>/profile, so each run keeps its own
@@ -93,6 +133,7 @@ class GlobalProfilerConfig:
     # dirs) into it; plait writes every artifact under save_path by one naming function
     relocate_results: bool = False
     global_tool_config: GlobalToolConfig = field(default_factory=GlobalToolConfig)
+    gpu_stall_diagnostics: GpuStallDiagnosticsConfig = field(default_factory=GpuStallDiagnosticsConfig)
     # plait's own: rewrite <output dir>/report (page and verdict, no merged traces) every N steps while the
     # run trains, in a process of its own at low priority, and once more at the end; 0: off
     # (`plait profile report --watch DIR` does it from outside the run)
@@ -215,6 +256,8 @@ def no_effect_notes(cfg: GlobalProfilerConfig, roles: dict) -> list[str]:
     if cfg.relocate_results:
         notes.append("global_profiler.relocate_results has no effect: plait writes every artifact under save_path "
                      "itself (an nsys report goes where `nsys profile -o` says)")
+    if cfg.gpu_stall_diagnostics != GpuStallDiagnosticsConfig():
+        notes.append(f"global_profiler.gpu_stall_diagnostics has no effect: {GPU_STALL_WHY}")
     debuggers = {"global_profiler.global_tool_config": cfg.global_tool_config.precision_debugger,
                  **{f"{ROLE_KEYS.get(r, r)}.profiler.tool_config": rc.tool_config.precision_debugger
                     for r, rc in roles.items()}}

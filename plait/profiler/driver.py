@@ -22,7 +22,7 @@ import logging
 import time
 from typing import Optional, Protocol, Sequence
 
-from plait.profiler.config import GlobalProfilerConfig
+from plait.profiler.config import GlobalProfilerConfig, snapshot_steps
 from plait.profiler.hook import run_finish_hook
 from plait.profiler.naming import append_manifest
 from plait.profiler.schedule import Window, plan
@@ -38,8 +38,8 @@ class ProfileTarget(Protocol):
 class StepProfiler:
     def __init__(self, cfg: GlobalProfilerConfig, last_step: int, targets: Sequence[ProfileTarget]):
         self.cfg = cfg
-        per_window = cfg.global_tool_config.torch_memory.memory_snapshot_num_steps if cfg.tool == "torch_memory" else 1
-        self.plan = plan((cfg.steps or []) if cfg.tool else [], last_step, cfg.profile_continuous_steps, per_window)
+        self.plan = plan((cfg.steps or []) if cfg.tool else [], last_step, cfg.profile_continuous_steps,
+                         snapshot_steps(cfg))
         if self.plan.warning:
             log.warning("profiler: %s", self.plan.warning)
         self.targets = list(targets)

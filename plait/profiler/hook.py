@@ -4,7 +4,7 @@ The command string is passed to the shell exactly as configured; everything the 
 arrives in its environment (nothing from data or config is spliced into the string):
 
     PLAIT_PROFILE_SAVE_PATH   absolute save_path; manifest.jsonl there lists every artifact
-    PLAIT_PROFILE_TOOL        torch | torch_memory | nsys
+    PLAIT_PROFILE_TOOL        torch | torch_memory | nsys | memray
     PLAIT_PROFILE_RANK        0 (the hook runs in the driver, once, not per worker)
     PLAIT_PROFILE_ROLE        driver (roles and ranks of the artifacts are in the manifest)
 

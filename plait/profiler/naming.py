@@ -1,6 +1,6 @@
 """Where profiler artifacts go and how they are listed: one naming function, one manifest writer.
 
-    <save_path>/step<N>[-<M>]/<role>_rank<r>[_<stage>].<ext>
+    <save_path>/step<N>[-<M>]/<role>_rank<r>[_<stage>].<ext>   ext: pt.trace.json.gz, pickle, memray.bin
     <save_path>/oom/<role>_rank<r>_oom-<n>.{pickle,txt}   torch_memory: a CUDA OOM outside any window
     <save_path>/manifest.jsonl     one JSON line per artifact
     <run dir>/profile_location.json   where a run's artifacts went (save_path may be anywhere)
@@ -18,6 +18,7 @@ from typing import Optional, Sequence
 
 MANIFEST = "manifest.jsonl"
 LOCATION = "profile_location.json"
+MEMRAY_EXT = "memray.bin"  # a memray capture's extension: the tool writes it, the report finds it by it
 RECORD_KEYS = ("steps", "role", "stage", "rank", "pid", "tool", "path", "start_time", "end_time",
                "policy_version", "complete")
 

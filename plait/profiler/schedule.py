@@ -5,7 +5,7 @@
       not continuous:  windows (2, 2), (3, 3), (5, 5)   hook after step 5
       warning: "global_profiler.steps 12 is beyond the run's last step 10 and will not be profiled"
 
-torch_memory's `memory_snapshot_num_steps` N makes every N windows one (verl: one snapshot per N
+torch_memory's and memray's `memory_snapshot_num_steps` N makes every N windows one (verl: one snapshot per N
 profiled steps): steps [1, 3, 5], N=2 gives windows (1, 3) and (5, 5), recording step 2 as well, as
 verl's always-on history does.
 

@@ -129,7 +129,7 @@ def _refused(args: EngineArgs) -> Engine:
 def _vllm_notes(cfg) -> list[str]:
     """Profiling vLLM: what its engine-core process records (the CUDA question only asked when it matters)."""
     rollout, tool = cfg.actor_rollout_ref.rollout, cfg.global_profiler.tool
-    if not (rollout.profiler.enable and tool in ("torch", "torch_memory", "nsys")):
+    if not (rollout.profiler.enable and tool in ("torch", "torch_memory", "nsys", "memray")):
         return []
     import torch
 

@@ -23,6 +23,10 @@ def profiling_note(tool: str, discrete: bool, cuda: bool, tokens: tuple = (None,
         return ("rollout.name=vllm with nsys: the engine-core process marks each window with vLLM's CUDA profiler "
                 "range (launch plait under nsys with --capture-range=cudaProfilerApi); plait's NVTX stage ranges "
                 "are in the rollout worker's process only")
+    if tool == "memray":
+        return ("rollout.name=vllm with memray: the generation runs in vLLM's engine-core process, which memray does "
+                "not follow (one tracker per process, started in plait's); the rollout worker's capture holds that "
+                "process's allocations only, not the engine's weights, KV cache or activations")
     held = "its model ops" + (" and allocations" if tool == "torch_memory" else "")
     missing = []
     if discrete:

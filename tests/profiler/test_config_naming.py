@@ -242,3 +242,33 @@ def test_memory_snapshot_num_steps_groups_windows():
     assert plan([1, 3, 5], 10, False, per_window=2).windows == (Window(1, 3), Window(5, 5))
     assert plan([1, 2, 4, 5], 10, True, per_window=2).windows == (Window(1, 5),)
     assert plan([1, 3, 5], 10, False).windows == (Window(1, 1), Window(3, 3), Window(5, 5))
+
+
+def test_gpu_stall_diagnostics_is_accepted_and_named_once_as_having_no_effect(caplog):
+    from plait.config import load_config
+    from plait.driver import role_profilers
+    keys = ["global_profiler.gpu_stall_diagnostics.enable=true", "global_profiler.gpu_stall_diagnostics.sample_interval_s=0.5",
+            "global_profiler.gpu_stall_diagnostics.zero_utilization_threshold=2.0"]
+    cfg = load_config(None, keys)
+    assert (cfg.global_profiler.gpu_stall_diagnostics.enable, cfg.global_profiler.gpu_stall_diagnostics.sample_interval_s) == (True, 0.5)
+    with caplog.at_level("WARNING"):
+        validate_environment(cfg.global_profiler, role_profilers(cfg))
+    lines = [r.getMessage() for r in caplog.records if "gpu_stall_diagnostics" in r.getMessage()]
+    assert len(lines) == 1 and "has no effect" in lines[0] and "NVML" in lines[0] and "without a GPU" in lines[0]
+    caplog.clear()
+    with caplog.at_level("WARNING"):  # verl's defaults, as a copied verl YAML sets them: nothing to say
+        validate_environment(load_config(None, ["global_profiler.gpu_stall_diagnostics.enable=false"]).global_profiler, {})
+    assert "gpu_stall" not in caplog.text
+    with pytest.raises(ConfigError, match=r"sample_interval_s.*\[0.2, 0.5\]"):  # what verl refuses is refused
+        load_config(None, ["global_profiler.gpu_stall_diagnostics.sample_interval_s=1.0"])
+
+
+def test_the_rl_insight_logger_is_accepted_and_named_at_start(capsys):
+    from plait.config import load_config
+    cfg = load_config(None, ["trainer.logger=[console,rl_insight]"])
+    assert cfg.trainer.logger == ["console", "rl_insight"]
+    said = [line for line in capsys.readouterr().err.splitlines() if "rl_insight" in line]
+    assert len(said) == 1 and said[0].startswith("plait: trainer.logger=rl_insight has no effect: ")
+    assert "RL_INSIGHT_SERVER_URL" in said[0] and "metrics.jsonl" in said[0]
+    load_config(None, ["trainer.logger=[console]"])
+    assert "rl_insight" not in capsys.readouterr().err

@@ -2,13 +2,15 @@
 
     DIR (a run's output dir and/or a profiler save_path), read as untrusted data (inputs.py)
       timeline.jsonl  metrics.jsonl  samples.jsonl  summary.json     the run: spans, per-step metrics, samples
-      manifest.jsonl + step*/…                                       the profiler: torch traces, memory artifacts
+      manifest.jsonl + step*/…                                       the profiler: torch traces, memory artifacts,
+                                                                     memray captures
     ─▶ DIR/report/index.html            verdict · summary · ranks · Gantt per step · stages · samples · windows · memory
        DIR/report/verdict.json          the verdict with each rule's inputs and predicted bound (verdict.py)
        DIR/report/timeline.json.gz      every timeline span (driver, rollouter, every Ray rank) and the
                                         per-sample lanes, on one clock (Perfetto)
        DIR/report/step<N>[-<M>].trace.json.gz   per window: its torch traces from every rank and process,
                                         with the timeline spans of its steps (`--no-merge`: none written)
+       DIR/report/step<N>[-<M>]_<role>_rank<r>.memray.html   per memray capture: memray's flame graph
        and a short text summary, the verdict first (returned, printed by the CLI)
 
 Traces are streamed one at a time (traces.py): a window's merged trace is written as its traces are
@@ -28,11 +30,13 @@ from dataclasses import dataclass
 from typing import Optional
 
 from plait.profiler.analysis import memory as mem
+from plait.profiler.analysis import memray_capture
 from plait.profiler.analysis import alarms, svg, verdict
 from plait.profiler.analysis.accounting import StepTime, account
 from plait.profiler.analysis.inputs import Inputs, below, locate, number
 from plait.profiler.analysis.traces import (Clock, MergedTrace, load_trace, op_totals, origin_of, timeline_lanes,
                                             top_ops, top_ops_overall)
+from plait.profiler.naming import MEMRAY_EXT, sanitise
 from plait.safeload import load_pickle
 
 # The page's size is bounded whatever the timeline holds (a million spans, a thousand stage names): per step at
@@ -62,6 +66,7 @@ class Artifact:
     memory: Optional[mem.MemoryReport]
     merged: Optional[str]              # the window's merged trace, relative to report/
     notes: list
+    flame: Optional[str] = None        # a memray capture's flame graph, relative to report/
 
 
 def build_report(path: str, profile: Optional[str] = None, run: Optional[str] = None, merge: bool = True) -> str:
@@ -76,7 +81,7 @@ def build_report(path: str, profile: Optional[str] = None, run: Optional[str] = 
     steps = account(inp.spans)
     f = verdict.facts(steps, inp.metrics, inp.summary, inp.spans)
     judged = verdict.report(f, [a.as_dict() for a in alarms.alarms(inp.spans, inp.metrics + inp.nonfinite, f.settings)])
-    artifacts = read_artifacts(inp, clock, out_dir if merge else None)
+    artifacts = read_artifacts(inp, clock, out_dir, merge)
     if merge:
         merged = MergedTrace(os.path.join(out_dir, TIMELINE_TRACE), clock)
         merged.spans(inp.spans, _process_names(inp))
@@ -109,8 +114,8 @@ def _process_names(inp: Inputs) -> dict[int, str]:
     return names
 
 
-def read_artifacts(inp: Inputs, clock: Clock, out_dir: Optional[str]) -> list[Artifact]:
-    """Every manifest artifact, window by window; with `out_dir`, each window's traces merged into
+def read_artifacts(inp: Inputs, clock: Clock, out_dir: str, merge: bool) -> list[Artifact]:
+    """Every manifest artifact, window by window; with `merge`, each window's traces merged into
     report/step<N>[-<M>].trace.json.gz with the timeline spans of its steps."""
     windows: dict = defaultdict(list)
     for rec in inp.manifest:
@@ -121,12 +126,12 @@ def read_artifacts(inp: Inputs, clock: Clock, out_dir: Optional[str]) -> list[Ar
     for steps, records in windows.items():
         traced = [r for r in records if r["path"] and ".json" in r["path"]]
         merged = None
-        if out_dir is not None and steps is not None and traced:
+        if merge and steps is not None and traced:
             name = f"step{steps[0]}" + (f"-{steps[1]}" if steps[1] != steps[0] else "") + ".trace.json.gz"
             merged = MergedTrace(os.path.join(out_dir, name), clock)
             merged.spans([s for s in inp.spans if steps[0] <= s["step"] <= steps[1]], names)
         for rec in records:
-            got = _artifact(inp, rec, clock, lanes, merged)
+            got = _artifact(inp, rec, clock, lanes, merged, out_dir)
             if got is not None:
                 out.append(got)
         if merged is not None:
@@ -134,7 +139,8 @@ def read_artifacts(inp: Inputs, clock: Clock, out_dir: Optional[str]) -> list[Ar
     return out
 
 
-def _artifact(inp: Inputs, rec: dict, clock: Clock, lanes: dict, merged: Optional[MergedTrace]) -> Optional[Artifact]:
+def _artifact(inp: Inputs, rec: dict, clock: Clock, lanes: dict, merged: Optional[MergedTrace],
+              out_dir: str) -> Optional[Artifact]:
     """One artifact's tables (or a note saying why it is not shown)."""
     file = below(inp.profile_dir, rec["path"]) if rec["path"] else None
     if rec["path"] and file is None:
@@ -149,6 +155,8 @@ def _artifact(inp: Inputs, rec: dict, clock: Clock, lanes: dict, merged: Optiona
             snapshot = load_pickle(file)  # plain data only: a crafted folder runs nothing
             report = mem.cuda_snapshot(snapshot, _trainer_stages(stages + mem.snapshot_stages(snapshot)))
             return Artifact(rec, file, [], {}, report, None, [])
+        if file.endswith(MEMRAY_EXT):
+            return _memray_artifact(inp, rec, file, stages, out_dir)
         if ".json" not in file:
             return None
         trace = load_trace(file, rec, clock, merged)
@@ -159,6 +167,21 @@ def _artifact(inp: Inputs, rec: dict, clock: Clock, lanes: dict, merged: Optiona
     except Exception as err:  # noqa: BLE001 - one unreadable artifact must not hide the others
         inp.notes.append(f"{rec['path']}: could not be read ({type(err).__name__}: {str(err)[:200]})")
         return None
+
+
+def _memray_artifact(inp: Inputs, rec: dict, file: str, stages: list[dict], out_dir: str) -> Optional[Artifact]:
+    if not memray_capture.available():
+        inp.notes.append(f"{rec['path']}: a memray capture, and memray is not installed here (pip install "
+                         "'plait[memray]'): no flame graph or memory chart")
+        return None
+    flame = sanitise(rec["path"].removesuffix(".bin").replace("/", "_")) + ".html"
+    report, heap, notes = memray_capture.report(file, stages, os.path.join(out_dir, flame))
+    if report is None:
+        inp.notes.append(f"{rec['path']}: " + "; ".join(notes))
+        return None
+    notes.append(f"memray's own peak of the memory allocated in the window: {heap / 2**20:.2f} MiB")
+    return Artifact(rec, file, [], {}, report, None, notes,
+                    flame if os.path.isfile(os.path.join(out_dir, flame)) else None)
 
 
 def _trainer_stages(spans: list[dict]) -> list[dict]:
@@ -595,13 +618,16 @@ def _memory_section(inp: Inputs, artifacts: list[Artifact], out_dir: str) -> str
     out = ["<h2 id='memory'>5. Memory</h2>"]
     memories = [a for a in artifacts if a.memory is not None]
     if not memories:
-        return out[0] + "<p class='note'>No torch_memory artifacts (global_profiler.tool=torch_memory).</p>"
+        return out[0] + ("<p class='note'>No torch_memory or memray artifacts (global_profiler.tool=torch_memory or "
+                         "memray).</p>")
     for a in memories:
         rec, r = a.record, a.memory
         link = os.path.relpath(a.file, out_dir)
         out.append(f"<h3>{_esc(rec['path'])} · {_esc(rec['role'])} rank {rec['rank']} · {r.device}</h3>"
                    f"<p>window peak <b>{r.peak_bytes / 2**20:.2f} MiB</b> {_esc(_when(inp.spans, r.peak_time))}, "
-                   f"in stage <b>{_esc(r.peak_stage)}</b> · raw: <a href='{_esc(link)}'>{_esc(os.path.basename(a.file))}</a></p>")
+                   f"in stage <b>{_esc(r.peak_stage)}</b> · raw: <a href='{_esc(link)}'>{_esc(os.path.basename(a.file))}</a>"
+                   + (f" · flame graph (memray): <a href='{_esc(a.flame)}'>{_esc(a.flame)}</a>" if a.flame else "")
+                   + "".join(f" · {_esc(n)}" for n in a.notes) + "</p>")
         out.append(f"<p class='note'>{_esc(_what_it_counts(r.device))} {_esc(_process_peak(inp.metrics, rec))}</p>")
         out.append(svg.area(r.series, [(s["stage"], s["start"], s["end"]) for s in _trainer_stages(inp.spans)
                                        if s["stage"] != "step"]))
@@ -613,6 +639,9 @@ def _memory_section(inp: Inputs, artifacts: list[Artifact], out_dir: str) -> str
 
 
 def _what_it_counts(device: str) -> str:
+    if device == memray_capture.DEVICE:
+        return ("Counts the process's resident memory (RSS) as memray sampled it every 10 ms, everything live "
+                "included; the sites are the allocations live at memray's high-water mark of the window.")
     if device == "cpu":
         return ("Counts CPU tensor allocations made inside the window, from 0 at its start: memory live "
                 "before the window (weights, optimizer state) is not in it.")

@@ -15,6 +15,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+import sys
 from typing import Mapping, Optional
 
 # Not `import torch`: importing the submodule tools/torch.py rebinds `torch` in this namespace.
@@ -62,6 +63,11 @@ def check_environment(cfg: GlobalProfilerConfig, roles: Mapping[str, RoleProfile
               "use torch or torch_memory here")
         check(importlib.util.find_spec("nvtx") is not None, "global_profiler.tool", cfg.tool,
               "nsys needs the nvtx package for its stage ranges: pip install nvtx")
+    if cfg.tool == "memray":
+        check(sys.platform in ("linux", "darwin"), "global_profiler.tool", cfg.tool,
+              f"memray runs on Linux and macOS only, not {sys.platform}; use torch_memory here")
+        check(importlib.util.find_spec("memray") is not None, "global_profiler.tool", cfg.tool,
+              "memray needs the memray package: pip install 'plait[memray]'")
     if cfg.tool == "torch":
         for role, rc in roles.items():
             check(cuda or not rc.enable or "cuda" not in rc.tool_config.torch.contents,
@@ -106,5 +112,8 @@ def make_tool(cfg: GlobalProfilerConfig, roles: Mapping[str, RoleProfilerConfig]
     if cfg.tool == "torch_memory":
         from plait.profiler.tools.torch_memory import torch_memory_tool
         return torch_memory_tool(cfg.global_tool_config.torch_memory)
+    if cfg.tool == "memray":
+        from plait.profiler.tools.memray import MemrayTool
+        return MemrayTool()
     from plait.profiler.tools.nsys import NsysTool
     return NsysTool()

@@ -235,3 +235,38 @@ def test_a_judge_dead_twice_in_one_step_ends_the_run_in_one_line(tmp_path, judge
                                  "process died during Judge.up")
     records = read_metrics(str(tmp_path / "run" / "metrics.jsonl"))
     assert [r["step"] for r in records] == [1] and records[0]["reward/model_restarts"] == 0
+
+
+@pytest.mark.ray
+def test_a_classifier_reward_models_ray_worker_killed_is_restarted_too(tmp_path, capfd):
+    """The reward pool's other tenant, a classifier reward model: killed as step 2 learns, restarted once, the
+    scoring call re-issued, the run complete."""
+    pytest.importorskip("ray")
+    from transformers import Qwen2Config, Qwen2ForSequenceClassification
+    from plait import driver
+    from plait.backends import LEAN_RAY_ENV
+    from plait.config import load_config
+    from plait.models import build_char_tokenizer
+    os.environ.update(LEAN_RAY_ENV)
+    tokenizer = build_char_tokenizer()
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                         num_key_value_heads=1, intermediate_size=64, num_labels=1, pad_token_id=tokenizer.pad_token_id)
+    Qwen2ForSequenceClassification(config).save_pretrained(tmp_path / "rm")
+    tokenizer.save_pretrained(tmp_path / "rm")
+    cfg = load_config(None, [*TINY, *RAY, *STANDALONE, "trainer.logger=[]", f"reward.reward_model.model_path={tmp_path / 'rm'}",
+                             f"trainer.default_local_dir={tmp_path / 'run'}", "trainer.total_training_steps=3"])
+    lifecycle = driver.build(cfg, progress=False)
+    trainer, killed = lifecycle.trainer, []
+    reward_model, learn = trainer.roles.reward_model, trainer.learn
+
+    def learning(batch, timer, *rest):
+        if trainer.step == 2 and not killed:
+            killed.append(reward_model.pids[0])
+            os.kill(killed[-1], signal.SIGKILL)
+        return learn(batch, timer, *rest)
+    trainer.learn = learning
+    lifecycle.run()
+    assert killed and reward_model.pids[0] != killed[0]
+    records = read_metrics(str(tmp_path / "run" / "metrics.jsonl"))
+    assert [(r["step"], r["reward/model_restarts"]) for r in records] == [(1, 0), (2, 1), (3, 0)]
+    assert capfd.readouterr().err.count("plait: warning: the reward model died in step 2 (its Ray worker process died") == 1

@@ -179,16 +179,19 @@ def asking_config(tmp_path: Path, judge: str, *extra: str):
 
 
 @pytest.mark.ray
-def test_the_judges_ray_worker_killed_is_restarted_once_a_step_and_the_run_completes(tmp_path, judge_dir, capfd):
-    """The judge on a pool of its own (verl's standalone mode): its worker process is killed as step 2's reward
-    call begins (the reward function raises on the refused request) and again in step 3 (it scores 0 instead).
-    Each time the judge comes back on a new process and address, the reward call is re-issued there, and every
-    response of every step is judged; the restart is counted and said once a step."""
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_the_judges_ray_worker_killed_is_restarted_once_a_step_and_the_run_completes(tmp_path, judge_dir, capfd, replicas):
+    """The judge on a pool of its own (verl's standalone mode): its rank-0 worker process is killed as step 2's
+    reward call begins (the reward function raises on the refused request) and again in step 3 (it scores 0
+    instead). Each time the judge's pool comes back on new processes and addresses (two replicas: a new
+    torch.distributed world of their own), the reward call is re-issued there, and every response of every step
+    is judged; the restart is counted and said once a step."""
     pytest.importorskip("ray")
     from plait import driver
     from plait.backends import LEAN_RAY_ENV
     os.environ.update(LEAN_RAY_ENV)
-    lifecycle = driver.build(asking_config(tmp_path, judge_dir, *RAY, *STANDALONE), progress=False)
+    lifecycle = driver.build(asking_config(tmp_path, judge_dir, *RAY, *STANDALONE,
+                                           f"reward.reward_model.n_gpus_per_node={replicas}"), progress=False)
     trainer, killed, addresses = lifecycle.trainer, [], []
     judge, reward = trainer.roles.judge, trainer.reward_fn
 
@@ -202,7 +205,8 @@ def test_the_judges_ray_worker_killed_is_restarted_once_a_step_and_the_run_compl
     trainer.reward_fn = killing
     lifecycle.run()
     assert len(killed) == 2 and judge.pids[0] not in killed
-    assert trainer.routers not in addresses and addresses[0] != addresses[1]  # a new replica, a new port each time
+    assert len(trainer.routers) == replicas and not set(trainer.routers) & set(addresses[0] + addresses[1])
+    assert not set(addresses[0]) & set(addresses[1])  # new replicas, new ports, each time
     records = read_metrics(str(tmp_path / "run" / "metrics.jsonl"))
     assert [r["step"] for r in records] == [1, 2, 3]
     assert [r["reward/model_restarts"] for r in records] == [0, 1, 1]

@@ -17,12 +17,13 @@ class RunError(RuntimeError):
 class EngineDied(RunError):
     """The rollout engine's own process died or hung (vLLM's engine core; on Ray, the separated rollout's worker
     process): the trainer restarts it once per step with the current weights and re-issues the call
-    (LMTrainer.generate_call); where nothing catches it, one line."""
+    (LMTrainer.generate_call); likewise the reward model's or judge's worker process on the reward pool
+    (LMTrainer.score); where nothing catches it, one line."""
     recoverable = True
 
 
 class EngineFailed(RunError):
-    """The rollout engine died twice in one step (LMTrainer.generate_call restarts it once)."""
+    """The rollout engine, or the reward model or judge, died twice in one step (each is restarted once a step)."""
     recoverable = True
 
 

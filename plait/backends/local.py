@@ -26,10 +26,11 @@ class LocalWorkerGroup:
         """Split `batch` across the data-parallel workers; one result per rank, in rank order."""
         return [method(self.worker, batch, *args, **kwargs)]
 
-    def recover(self, method: Callable) -> None:
+    def recover(self, method: Callable | None = None) -> None:
         """`method` on the worker, to repair what failed in it (Rollout.restart_engine); in one process the
         worker itself is never gone."""
-        method(self.worker)
+        if method is not None:
+            method(self.worker)
 
     def pipe(self, get: Callable, dst: "LocalWorkerGroup", put: Callable, *args, **kwargs) -> None:
         """`put(dst's worker, get(this worker), *args)`: one process, nothing to move."""

@@ -27,7 +27,9 @@ sockets listen on 127.0.0.1 when the whole pool is on one node, else on the node
 A worker that dies or raises fails the whole group at once: the first error is raised on the
 driver as one `WorkerError`, open profiler windows on the surviving hosts are closed (their
 records handed to the driver's profiler), every host is killed (a surviving rank may be blocked
-in a collective) and a Ray instance plait started is shut down.
+in a collective) and a Ray instance plait started is shut down. Except on a pool that holds one role alone (the
+separated rollout's, the reward pool of a reward model or judge): its process's death is an EngineDied, which the
+trainer repairs with `RayWorkerGroup.recover` (fresh processes for the pool) and a re-issued call.
 
 Left out: data-parallel generation (one rollout engine, so a rollout pool spans one node), pools for
 the critic or ref apart from the actor's, and actor restarts.
@@ -62,6 +64,7 @@ from plait.workers.engine import ENGINES
 
 DATA_PARALLEL_ROLES = ("actor", "critic", "ref", "reward_model", "teacher")
 OWN_POOLS = {"reward_model": "reward", "teacher": "teacher"}  # roles that may have a pool of their own: its name
+DATA_PARALLEL_POOLS = ("train", "reward", "teacher")  # each its own torch.distributed world
 CHANNEL_DEATH_S = 60.0  # how long a weight sender may take to notice its receiver died (gloo sees the socket close)
 QUIET_TORCH_ENV = {"KINETO_LOG_LEVEL": "6", "TORCH_CPP_LOG_LEVEL": "ERROR"}
 LOOPBACK = "127.0.0.1"
@@ -437,12 +440,15 @@ class RayBackend:
                 raise
         self.pools.setdefault("rollout", self.pools["train"][:1])
         self.locations = dict(zip(self.hosts, self.gather([h.where.remote() for h in self.hosts], "worker process", "start")))
-        for name in ("train", "reward", "teacher"):  # each data-parallel pool is its own torch.distributed world
+        for name in DATA_PARALLEL_POOLS:  # each data-parallel pool is its own torch.distributed world
             if name in specs:
-                hosts = self.pools[name]
-                one_node = len({self.locations[h][0] for h in hosts}) == 1
-                [(host, port)] = self.gather([hosts[0].open_store.remote(one_node)], "worker process", "start")
-                self.gather([h.join_group.remote(host, port) for h in hosts], "worker process", "init_process_group")
+                self._join_group(self.pools[name])
+
+    def _join_group(self, hosts: list) -> None:
+        """`hosts` (a pool's, in rank order) into one torch.distributed world, met at rank 0's store."""
+        one_node = len({self.locations[h][0] for h in hosts}) == 1
+        [(host, port)] = self.gather([hosts[0].open_store.remote(one_node)], "worker process", "start")
+        self.gather([h.join_group.remote(host, port) for h in hosts], "worker process", "init_process_group")
 
     def _check_fits(self, specs: dict, cfg: PlaitConfig, gpu: bool) -> None:
         """Pools that together ask for more than the cluster has are a config error, named by the keys that
@@ -479,26 +485,31 @@ class RayBackend:
                                      roles_per_rank[rank])
 
     def respawn(self, group: "RayWorkerGroup") -> None:
-        """A fresh worker process for a role on a pool of its own (the separated rollout) whose process died,
-        in the same bundle, its role object built again from the same arguments; the weight channel reopens
-        at the next sync."""
+        """Fresh worker processes for a role on a pool of its own (the separated rollout, the reward model or judge
+        with reward.reward_model.enable_resource_pool) one of whose processes died: every rank's, in the same
+        bundles, joined into a new torch.distributed world where the pool is data-parallel, the role object built
+        again from the same arguments; the weight channel reopens at the next sync."""
         self.check_up()  # not after another call's failure shut the backend down: that failure is the error
         pool = pool_of(group.role, self.own_pools)
-        [old] = group.hosts
-        try:
-            ray.kill(old, no_restart=True)
-        except RayError:
-            pass
-        new = self._host(pool, 0)
-        self.hosts[self.hosts.index(old)] = new
-        self.pools[pool] = [new]
-        self.locations.pop(old, None)
-        self.locations[new] = self.gather([new.where.remote()], f"{group.role} worker", "respawn")[0]
-        if self.channel is not None and old in self.channel:
+        old = group.hosts
+        for host in old:
+            try:
+                ray.kill(host, no_restart=True)
+            except RayError:
+                pass
+        new = [self._host(pool, rank) for rank in range(len(old))]
+        self.hosts = [new[old.index(h)] if h in old else h for h in self.hosts]
+        self.pools[pool] = new
+        for host in old:
+            self.locations.pop(host, None)
+        self.locations.update(zip(new, self.gather([h.where.remote() for h in new], f"{group.role} worker", "respawn")))
+        if self.channel is not None and any(h in self.channel for h in old):
             self.channel = None
-        group.pids = self.gather([new.construct.remote(group.role, group.cls, group.payload)], f"{group.role} worker",
-                                 f"{group.cls.__name__}()")
-        group.hosts, group.gone = [new], False
+        if pool in DATA_PARALLEL_POOLS:
+            self._join_group(new)
+        group.pids = self.gather([h.construct.remote(group.role, group.cls, group.payload) for h in new],
+                                 f"{group.role} worker", f"{group.cls.__name__}()")
+        group.hosts, group.gone = new, False
 
     def _placement_message(self, name: str, size: int, bundle: dict) -> str:
         total, free = ray.cluster_resources(), ray.available_resources()
@@ -516,7 +527,8 @@ class RayBackend:
         payload = ray.put((args, kwargs))
         pids = self.gather([h.construct.remote(role, cls, payload) for h in hosts], f"{role} worker", f"{cls.__name__}()")
         print(f"plait: {self.placement_line(role, hosts)}", file=sys.stderr)
-        own_pool = pool_of(role, self.own_pools) == "rollout" and hosts[0] is not self.pools["train"][0]
+        # the separated rollout's pool, and the reward pool, hold this role alone: a death there is the role's only
+        own_pool = hosts[0] is not self.pools["train"][0] and pool_of(role, self.own_pools) in ("rollout", "reward")
         return RayWorkerGroup(self, role, hosts, pids, cls, payload, own_pool)
 
     def placement_line(self, role: str, hosts: list) -> str:
@@ -692,8 +704,9 @@ def pool_keys(pool: str, resource: str, cfg: PlaitConfig, gpu: bool) -> tuple[st
 
 class RayWorkerGroup:
     """One role's workers: `call` runs a method on every rank, `call_dp` gives each rank a shard. `cls` and
-    `payload` built the role objects; `own_pool`: the role has its pool to itself (the separated rollout),
-    so the death of its process (`gone`) is repaired by `recover` instead of stopping the run."""
+    `payload` built the role objects; `own_pool`: the role has its pool to itself (the separated rollout, the
+    reward model or judge on the reward pool), so the death of its process (`gone`) is repaired by `recover`
+    instead of stopping the run."""
 
     def __init__(self, backend: RayBackend, role: str, hosts: list, pids: list[int], cls: type = object,
                  payload: Any = None, own_pool: bool = False):
@@ -701,12 +714,12 @@ class RayWorkerGroup:
         self.cls, self.payload, self.own_pool, self.gone = cls, payload, own_pool, False
         self.world_size = len(hosts)
 
-    def recover(self, method: Callable) -> None:
-        """Repair the role after an EngineDied: a new worker process when its process died, else `method`
-        on the living workers (Rollout.restart_engine)."""
+    def recover(self, method: Optional[Callable] = None) -> None:
+        """Repair the role after an EngineDied: new worker processes when its process died, else `method`
+        on the living workers (Rollout.restart_engine; None: nothing to repair there)."""
         if self.gone:
             self.backend.respawn(self)
-        else:
+        elif method is not None:
             self.call(method)
 
     def call(self, method: Callable, *args, **kwargs) -> Any:

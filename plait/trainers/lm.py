@@ -137,6 +137,8 @@ class LMTrainer:
         # restart's weight push (from a generation thread) from reading the weights mid-update
         self.engine_restarts, self.restart_step, self.restarts_logged = 0, -1, 0
         self.restart_lock, self.actor_lock = threading.Lock(), threading.Lock()
+        # reward model / judge restarts (score): the run's count, the step of the last one, the count last logged
+        self.reward_restarts, self.reward_restart_step, self.reward_restarts_logged = 0, -1, 0
         self.step = 0
         self.ledger = TokenLedger()  # tokens/*: every sampled token once, trained or discarded by cause
         self.model_flops = None  # the policy's FLOPs per token (asked of the actor at start)
@@ -229,6 +231,9 @@ class LMTrainer:
         result.metrics["perf/samples_per_s"] = samples / (time.perf_counter() - start)
         restarts = self.engine_restarts  # since the last step's record: a generation thread's between steps too
         result.metrics["rollout/engine_restarts"], self.restarts_logged = restarts - self.restarts_logged, restarts
+        if self.roles.judge is not None or self.roles.reward_model is not None:
+            restarts = self.reward_restarts
+            result.metrics["reward/model_restarts"], self.reward_restarts_logged = restarts - self.reward_restarts_logged, restarts
         if self.cfg.data.filter_overlong_prompts:
             result.metrics["data/filtered_overlong_prompts"] = self.cursor.dataset.filtered
         return result
@@ -367,13 +372,48 @@ class LMTrainer:
         return self.tokenizer.batch_decode([row[m.bool()].tolist() for row, m in zip(ids, mask)], skip_special_tokens=True)
 
     def score(self, batch: RolloutBatch) -> Scores:
+        """The batch's scores. When the reward model's or the judge's worker died (EngineDied: a process of the
+        reward pool, on Ray), it is restarted and the call re-issued whole, once per step, as a rollout engine is;
+        a second death in that step is one line."""
+        while True:  # restart_reward_model raises at the second death in a step
+            try:
+                return self.score_once(batch)
+            except EngineDied as err:
+                self.restart_reward_model(err)
+
+    def score_once(self, batch: RolloutBatch) -> Scores:
         if self.roles.reward_model is not None:  # as in verl, a reward model's score replaces the rule reward
             return self.roles.reward_model.call(RewardModel.compute_rm_score, batch), {}
         texts = self.decode(batch.responses, batch.attended)  # tool / user turns included, as verl's reward managers see it
         lengths = batch.attended.sum(-1).long().tolist()
-        scores, extra = self.reward_fn(ScoreRequest(batch.data_sources, texts, batch.ground_truths, batch.extra_infos,
-                                                    lengths, self.routers))
+        failure = None
+        try:
+            scores, extra = self.reward_fn(ScoreRequest(batch.data_sources, texts, batch.ground_truths, batch.extra_infos,
+                                                        lengths, self.routers))
+        except Exception as err:  # noqa: BLE001 - raised below, unless the judge's death is the cause
+            failure = err
+        if self.roles.judge is not None:  # its death (EngineDied here), not what the reward function made of it
+            self.roles.judge.call(Judge.up)  # (an error, or a default score for a refused request), is the fault
+        if failure is not None:
+            raise failure
         return loop_scores(batch, scores), extra
+
+    def restart_reward_model(self, err: EngineDied) -> None:
+        """Fresh worker processes for the dead reward model or judge (its weights loaded again), once per step; a
+        judge's replicas answer at new addresses, which the re-issued reward call hands the reward function.
+        Called from the trainer's thread only (the reward stage, validation)."""
+        name, group = ("judge", self.roles.judge) if self.roles.judge is not None else ("reward model", self.roles.reward_model)
+        if self.reward_restart_step == self.step:
+            raise EngineFailed(f"the {name} failed again in step {self.step}, after a restart in the same step: "
+                               f"{first_line(err)}")
+        self.reward_restart_step = self.step
+        group.recover()
+        if self.roles.judge is not None:
+            self.routers = self.roles.judge.call(Judge.addresses)
+        self.reward_restarts += 1
+        where = f"; its replicas answer at {', '.join(self.routers)}" if self.roles.judge is not None else ""
+        print(f"plait: warning: the {name} died in step {self.step} ({first_line(err)}); restarted it{where}; the reward "
+              "call it died in is re-issued", file=sys.stderr)
 
     def judge_stage(self, since: float, timer: StageTimer) -> dict[str, float]:
         """The judge's engine rounds since `since` (perf_counter, taken in the reward stage; called before it

@@ -13,6 +13,8 @@ the same request to the same replica). Requests sample with the rollout block's 
 with `full_determinism` each is seeded (`seed` + replica rank, verl's per-request seed) and sampled alone, so
 the same request gets the same verdict whatever else is queued (plait's engines are not batch-invariant).
 `rounds(since)` gives every replica's engine rounds, for the judge's stage in the step (plait/trainers/lm.py).
+On the reward pool (Ray), a replica's process that dies is restarted with the whole pool, once per step, and the
+reward call re-issued with the new replicas' addresses (LMTrainer.score).
 
 Left out: putting the engine to sleep between steps (free_cache_engine), tensor parallelism within a replica,
 and replicas on nodes other than the driver's (the server listens on loopback, where the reward workers are).
@@ -49,6 +51,9 @@ class Judge:
     def addresses(self) -> list[str]:
         """Every replica's host:port, in rank order (each rank answers the same list)."""
         return _gathered(self.server.address)
+
+    def up(self) -> None:
+        """Nothing: that the call returns says the replica's process lives (on Ray a dead one's is an EngineDied)."""
 
     def rounds(self, since: float) -> list[EngineRound]:
         """Every replica's engine rounds that ended after `since` (wall clock)."""

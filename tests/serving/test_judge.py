@@ -7,6 +7,7 @@ does), with `plait train` in sync and fully_async on the local and the Ray backe
 import gzip
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -141,3 +142,135 @@ def test_a_vllm_judge_scores_through_reward_router_address(tmp_path, vllm_model_
     for r in [r for r in read_metrics(str(tmp_path / "run" / "metrics.jsonl")) if "timing_s/step" in r]:
         assert r["reward_extra/host_port/mean"] == 1.0 and r["reward_extra/verdict_decodes/mean"] == 1.0
         assert 4 < r["reward_extra/verdict_tokens/mean"] <= 5 and r["judge/requests"] == 32 and r["timing_s/judge"] > 0
+
+
+# A reward that asks the judge once per response; with a dead judge it raises ("raise" in the mode file) or, as a
+# forgiving function would, scores 0 ("default"): either way the judge's death is found and the judge restarted.
+ASKING_REWARD = r'''
+import json
+import urllib.request
+from pathlib import Path
+
+MODE = Path(__file__).with_name("mode")
+
+
+def compute_score(data_source, solution_str, ground_truth, extra_info, reward_router_address, reward_model_tokenizer):
+    ids = reward_model_tokenizer.encode("judge: " + solution_str)
+    request = urllib.request.Request(f"http://{reward_router_address}/generate", headers={"Content-Type": "application/json"},
+                                     data=json.dumps({"input_ids": ids, "sampling_params": {"max_new_tokens": 2}}).encode())
+    try:
+        with urllib.request.urlopen(request, timeout=120) as resp:
+            json.load(resp)
+    except OSError:
+        if MODE.read_text() == "raise":
+            raise
+        return {"score": 0.0, "answered": 0.0}
+    return {"score": float(solution_str.strip().startswith(str(ground_truth))), "answered": 1.0}
+'''
+
+
+def asking_config(tmp_path: Path, judge: str, *extra: str):
+    from plait.config import load_config
+    (tmp_path / "judge_reward.py").write_text(ASKING_REWARD)
+    (tmp_path / "mode").write_text("raise")
+    return load_config(None, [*TINY, "trainer.logger=[]", "reward.num_workers=1", f"reward.reward_model.model_path={judge}",
+                              f"reward.custom_reward_function.path={tmp_path / 'judge_reward.py'}",
+                              f"trainer.default_local_dir={tmp_path / 'run'}", "trainer.total_training_steps=3", *extra])
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_the_judges_ray_worker_killed_is_restarted_once_a_step_and_the_run_completes(tmp_path, judge_dir, capfd, replicas):
+    """The judge on a pool of its own (verl's standalone mode): its rank-0 worker process is killed as step 2's
+    reward call begins (the reward function raises on the refused request) and again in step 3 (it scores 0
+    instead). Each time the judge's pool comes back on new processes and addresses (two replicas: a new
+    torch.distributed world of their own), the reward call is re-issued there, and every response of every step
+    is judged; the restart is counted and said once a step."""
+    pytest.importorskip("ray")
+    from plait import driver
+    from plait.backends import LEAN_RAY_ENV
+    os.environ.update(LEAN_RAY_ENV)
+    lifecycle = driver.build(asking_config(tmp_path, judge_dir, *RAY, *STANDALONE,
+                                           f"reward.reward_model.n_gpus_per_node={replicas}"), progress=False)
+    trainer, killed, addresses = lifecycle.trainer, [], []
+    judge, reward = trainer.roles.judge, trainer.reward_fn
+
+    def killing(request):
+        if trainer.step in (2, 3) and len(killed) < trainer.step - 1:
+            (tmp_path / "mode").write_text("raise" if trainer.step == 2 else "default")
+            addresses.append(request.routers)
+            killed.append(judge.pids[0])
+            os.kill(killed[-1], signal.SIGKILL)
+        return reward(request)
+    trainer.reward_fn = killing
+    lifecycle.run()
+    assert len(killed) == 2 and judge.pids[0] not in killed
+    assert len(trainer.routers) == replicas and not set(trainer.routers) & set(addresses[0] + addresses[1])
+    assert not set(addresses[0]) & set(addresses[1])  # new replicas, new ports, each time
+    records = read_metrics(str(tmp_path / "run" / "metrics.jsonl"))
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert [r["reward/model_restarts"] for r in records] == [0, 1, 1]
+    assert all(r["reward_extra/answered/mean"] == 1.0 for r in records)  # the re-issued calls were judged
+    assert all(r["judge/requests"] == 16 for r in records)
+    err = capfd.readouterr().err
+    for step in (2, 3):
+        assert err.count(f"plait: warning: the judge died in step {step} (its Ray worker process died during ") == 1
+    assert "Traceback" not in err
+
+
+def test_a_judge_dead_twice_in_one_step_ends_the_run_in_one_line(tmp_path, judge_dir, monkeypatch):
+    """A second death in the step of a restart is the run's error (the restart once a step is for a process that
+    died, not one that cannot stay up), planted here on the local backend."""
+    from plait import driver
+    from plait.errors import EngineDied, EngineFailed
+    from plait.workers.judge import Judge
+    lifecycle = driver.build(asking_config(tmp_path, judge_dir, "reward.num_workers=0"), progress=False)
+    trainer, deaths = lifecycle.trainer, []
+
+    def up(judge):
+        if trainer.step == 2:
+            deaths.append(trainer.step)
+            raise EngineDied("its Ray worker process died during Judge.up")
+    monkeypatch.setattr(Judge, "up", up)
+    with pytest.raises(EngineFailed) as failed:
+        lifecycle.run()
+    assert deaths == [2, 2] and "\n" not in str(failed.value)
+    assert str(failed.value) == ("the judge failed again in step 2, after a restart in the same step: its Ray worker "
+                                 "process died during Judge.up")
+    records = read_metrics(str(tmp_path / "run" / "metrics.jsonl"))
+    assert [r["step"] for r in records] == [1] and records[0]["reward/model_restarts"] == 0
+
+
+@pytest.mark.ray
+def test_a_classifier_reward_models_ray_worker_killed_is_restarted_too(tmp_path, capfd):
+    """The reward pool's other tenant, a classifier reward model: killed as step 2 learns, restarted once, the
+    scoring call re-issued, the run complete."""
+    pytest.importorskip("ray")
+    from transformers import Qwen2Config, Qwen2ForSequenceClassification
+    from plait import driver
+    from plait.backends import LEAN_RAY_ENV
+    from plait.config import load_config
+    from plait.models import build_char_tokenizer
+    os.environ.update(LEAN_RAY_ENV)
+    tokenizer = build_char_tokenizer()
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                         num_key_value_heads=1, intermediate_size=64, num_labels=1, pad_token_id=tokenizer.pad_token_id)
+    Qwen2ForSequenceClassification(config).save_pretrained(tmp_path / "rm")
+    tokenizer.save_pretrained(tmp_path / "rm")
+    cfg = load_config(None, [*TINY, *RAY, *STANDALONE, "trainer.logger=[]", f"reward.reward_model.model_path={tmp_path / 'rm'}",
+                             f"trainer.default_local_dir={tmp_path / 'run'}", "trainer.total_training_steps=3"])
+    lifecycle = driver.build(cfg, progress=False)
+    trainer, killed = lifecycle.trainer, []
+    reward_model, learn = trainer.roles.reward_model, trainer.learn
+
+    def learning(batch, timer, *rest):
+        if trainer.step == 2 and not killed:
+            killed.append(reward_model.pids[0])
+            os.kill(killed[-1], signal.SIGKILL)
+        return learn(batch, timer, *rest)
+    trainer.learn = learning
+    lifecycle.run()
+    assert killed and reward_model.pids[0] != killed[0]
+    records = read_metrics(str(tmp_path / "run" / "metrics.jsonl"))
+    assert [(r["step"], r["reward/model_restarts"]) for r in records] == [(1, 0), (2, 1), (3, 0)]
+    assert capfd.readouterr().err.count("plait: warning: the reward model died in step 2 (its Ray worker process died") == 1

@@ -81,7 +81,8 @@ class ModelServer:
             if tinker_dir is not None:
                 from plait.serving.tinker import tinker_api
                 from plait.serving.tinker.routes import tinker_routes
-                self.tinker = tinker_api(path, name, tokenizer, self.rollout.eos_ids, tinker_dir, max_tokens)
+                self.tinker = tinker_api(path, name, tokenizer, self.rollout.eos_ids, tinker_dir, max_tokens, cfg,
+                                         profiler)
             self.server = Server(self.gateway, self.loop.loop, host, port,
                                  tinker_routes(self.tinker) if self.tinker is not None else None, limits)
         except BaseException:

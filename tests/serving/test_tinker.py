@@ -111,6 +111,37 @@ def test_sampled_logprobs_equal_compute_logprobs_and_the_trainers_forward(servic
     assert base_lp[1:] != pytest.approx(again[1:], abs=1e-4)  # the base model is not the adapter
 
 
+def test_samplers_draw_on_plaits_rollout_engine_and_keep_their_own_weights(served, service, tokenizer):
+    from plait.workers.rollout_engine import TransformersEngine
+    client = service.create_lora_training_client(base_model=NAME, rank=4, seed=11).result(timeout=60)
+    step(client, [sft_datum(tokenizer, "xyzxyz")])
+    first = client.save_weights_and_get_sampling_client().result(timeout=60)
+    step(client, [sft_datum(tokenizer, "xyzxyz")])
+    second = client.save_weights_and_get_sampling_client().result(timeout=60)
+    prompt = tokenizer.encode("xy")
+    # temperature and top-k change what is drawn, not the log-probs returned: the model's own (compute_logprobs')
+    params = types.SamplingParams(max_tokens=6, temperature=0.7, top_k=5, seed=3, stop=[])
+    drawn = first.sample(types.ModelInput.from_ints(prompt), 2, params).result(timeout=60)
+    assert isinstance(served.tinker.trainer.rollout.engine, TransformersEngine)  # the hf row of ENGINES
+    again = first.sample(types.ModelInput.from_ints(prompt), 2, params).result(timeout=60)
+    assert [(s.tokens, s.logprobs) for s in again.sequences] == [(s.tokens, s.logprobs) for s in drawn.sequences]  # seeded
+    for seq in drawn.sequences:
+        scored = first.compute_logprobs(types.ModelInput.from_ints(prompt + seq.tokens)).result(timeout=60)
+        assert torch.allclose(torch.tensor(scored[len(prompt):]), torch.tensor(seq.logprobs), atol=1e-3)
+    # the engine holds one sampler at a time: switching back and forth reloads each one's own weights
+    ids = types.ModelInput.from_ints(prompt + drawn.sequences[0].tokens)
+    a = first.compute_logprobs(ids).result(timeout=60)
+    b = second.compute_logprobs(ids).result(timeout=60)
+    assert b[1:] != pytest.approx(a[1:], abs=1e-5)
+    assert first.compute_logprobs(ids).result(timeout=60) == pytest.approx(a, abs=1e-6, nan_ok=True)
+    # a stop token ends a sample after it, with stop_reason "stop"
+    stop_at = drawn.sequences[0].tokens[1]
+    cut = first.sample(types.ModelInput.from_ints(prompt), 2, types.SamplingParams(
+        max_tokens=6, temperature=0.7, top_k=5, seed=3, stop=[stop_at])).result(timeout=60).sequences[0]
+    assert cut.tokens == drawn.sequences[0].tokens[:drawn.sequences[0].tokens.index(stop_at) + 1]
+    assert cut.stop_reason == "stop"
+
+
 CONFIGS = {"importance_sampling": None, "ppo": {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1},
            "cispo": {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1}, "dro": {"beta": 0.1}}
 

@@ -95,6 +95,7 @@ class TinkerApi:
     def close(self) -> None:
         self.jobs.put(None)
         self.worker.join(timeout=30)
+        self.trainer.close()
 
     def _work(self) -> None:
         while (job := self.jobs.get()) is not None:

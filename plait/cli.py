@@ -83,6 +83,8 @@ def main(argv: list[str] | None = None) -> int:
                                             "~/.cache/plait/tinker)")
     serve.add_argument("--no-tinker", action="store_true", help="serve without the Tinker API (no training)")
     serve.add_argument("--max-body-mb", type=float, default=8, help="the largest request body, in MiB (413 past it)")
+    serve.add_argument("--output-dir", help="where the server's timeline.jsonl goes, for `plait profile report DIR` "
+                                            "(default: the Tinker dir; none with --no-tinker)")
     args = parser.parse_args(argv)
     if args.command == "export":
         return export_command(args)
@@ -193,7 +195,8 @@ def serve_command(args) -> int:
     from plait.serving.serve import serve
     try:
         serve(args.model, args.host, args.port, args.engine, args.max_tokens, args.tool_format, name=args.name,
-              tinker_dir=None if args.no_tinker else args.tinker_dir or default_tinker_dir(), max_body_mb=args.max_body_mb)
+              tinker_dir=None if args.no_tinker else args.tinker_dir or default_tinker_dir(), max_body_mb=args.max_body_mb,
+              output_dir=args.output_dir)
     except (FileNotFoundError, ConfigError, OSError) as err:
         print(f"plait: serve: {err}", file=sys.stderr)
         return 2

@@ -6,6 +6,7 @@ naming the field while the server keeps serving. One server for the module."""
 
 import math
 import os
+import re
 import time
 import warnings
 
@@ -29,7 +30,8 @@ def served(tmp_path_factory):
     root = tmp_path_factory.mktemp("tinker")
     path = create_tiny_model(root / "model", size="xs", seed=3)
     profiler = ProfilerSession(GlobalProfilerConfig(), {"rollout": RoleProfilerConfig()}, rank=0).for_role("rollout")
-    server = ModelServer(path, RolloutConfig(name="hf"), profiler, name=NAME, max_tokens=16, tinker_dir=str(root / "ckpt"))
+    server = ModelServer(path, RolloutConfig(name="hf"), profiler, name=NAME, max_tokens=16, tinker_dir=str(root / "ckpt"),
+                         output_dir=str(root / "run"))
     with pytest.MonkeyPatch.context() as env:
         env.setenv("TINKER_TELEMETRY", "0")  # the SDK's telemetry posts would only add requests
         yield server
@@ -316,3 +318,40 @@ def test_plait_serve_speaks_tinker_under_the_name_it_is_given(served, tmp_path):
     finally:
         stop.set()
         thread.join(timeout=30)
+
+
+def test_a_sessions_requests_are_on_the_timeline_in_the_report_and_in_its_exported_trace(served, tokenizer):
+    import gzip
+    import json
+
+    import httpx
+
+    from plait.profiler.analysis.report import build_report
+    from plait.profiler.timeline import TIMELINE, read_timeline
+    service = tinker.ServiceClient(base_url=served.url, api_key="tml-trace")
+    client = service.create_lora_training_client(base_model=NAME, rank=2, seed=9).result(timeout=60)
+    step(client, [sft_datum(tokenizer, "traced")])
+    sampler = client.save_weights_and_get_sampling_client().result(timeout=60)
+    sampler.sample(types.ModelInput.from_ints(tokenizer.encode("tr")), 1, types.SamplingParams(max_tokens=4)).result(timeout=60)
+    session = client.model_id.split(":")[0]
+    spans = [s for s in read_timeline(TIMELINE.path) if str(s.get("session", "")).startswith(session + ":")]
+    stages = {s["stage"] for s in spans}
+    assert {"queue", "create", "forward_backward", "optim_step", "sampler_from_client", "sample"} <= stages, stages
+    assert {s["session"] for s in spans} == {client.model_id, sampler._sampling_session_id}
+    assert all(s["role"] == "tinker" and s["end"] >= s["start"] for s in spans)
+    # the SDK's export_session_trace: a URL that a plain GET (no API key) downloads, a Chrome trace of the session
+    url = tinker.RestClient(base_url=served.url, api_key="tml-trace").export_session_trace(session).result(timeout=60)
+    trace = json.loads(gzip.decompress(httpx.get(url).raise_for_status().content))
+    events = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
+    assert {e["name"] for e in events} == stages
+    lanes = {e["args"]["name"] for e in trace["traceEvents"] if e.get("name") == "thread_name"}
+    assert any(client.model_id in lane for lane in lanes), lanes
+    other = tinker.RestClient(base_url=served.url, api_key="tml-trace").export_session_trace("plait-none")
+    with pytest.raises(RuntimeError, match="no requests"):
+        other.result(timeout=30)
+    # `plait profile report` on the server's output folder shows the Tinker stages
+    text = build_report(os.path.dirname(TIMELINE.path))
+    page = open(os.path.join(os.path.dirname(TIMELINE.path), "report", "index.html")).read()
+    assert "Served requests" in page and client.model_id in page and "optim_step" in page
+    assert re.search(r"served requests \(\d+ clients\): .*forward_backward \d+ x", text), text
+    service.close("success").result(timeout=30)

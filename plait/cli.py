@@ -65,11 +65,14 @@ def main(argv: list[str] | None = None) -> int:
     diff.add_argument("run_b", help="the other run's output dir (the rerun)")
     diff.add_argument("--json", action="store_true", help="print the comparison as JSON")
     export = sub.add_parser("export", help="write a checkpoint's policy as a Hugging Face folder (transformers, vLLM)")
-    export.add_argument("checkpoint", help="a checkpoints/global_step_N folder (or checkpoints/: its newest)")
+    export.add_argument("checkpoint", help="a checkpoints/global_step_N folder (or checkpoints/: its newest), or a "
+                                           "Tinker checkpoint: tinker://RUN/weights/NAME (see --tinker-dir) or its folder")
     export.add_argument("out", help="the folder to write: config.json, model.safetensors, tokenizer, generation config")
     export.add_argument("--lora", choices=("merge", "adapter"), default="merge",
                         help="a LoRA checkpoint: merge the adapter into the base weights (default) or write the peft adapter")
     export.add_argument("--base", help="a LoRA checkpoint's base model folder, when it moved since training")
+    export.add_argument("--tinker-dir", help="where plait serve keeps tinker:// checkpoints (default $PLAIT_CACHE/tinker "
+                                             "or ~/.cache/plait/tinker)")
     serve = sub.add_parser("serve", help="serve a model or checkpoint over OpenAI's and Anthropic's APIs, and train "
                                          "LoRA adapters on it over the Tinker API (docs/tinker.md)")
     serve.add_argument("model", help="a checkpoint (checkpoints/global_step_N), a model folder or a built-in model name")
@@ -176,7 +179,8 @@ def export_command(args) -> int:
         print(f"plait: export: {args.out} exists and is not empty; give a new folder", file=sys.stderr)
         return 2
     try:
-        out = export_checkpoint(args.checkpoint, args.out, lora=args.lora, base=args.base)
+        out = export_checkpoint(args.checkpoint, args.out, lora=args.lora, base=args.base,
+                                tinker_dir=args.tinker_dir or default_tinker_dir())
     except ExportError as err:
         print(f"plait: export: {err}", file=sys.stderr)
         return 2

@@ -355,3 +355,35 @@ def test_a_sessions_requests_are_on_the_timeline_in_the_report_and_in_its_export
     assert "Served requests" in page and client.model_id in page and "optim_step" in page
     assert re.search(r"served requests \(\d+ clients\): .*forward_backward \d+ x", text), text
     service.close("success").result(timeout=30)
+
+
+def test_plait_export_writes_a_tinker_checkpoint_as_a_merged_model_and_as_the_adapter(served, service, tokenizer,
+                                                                                       tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from plait.cli import main
+    client = service.create_lora_training_client(base_model=NAME, rank=4, seed=12).result(timeout=60)  # head too
+    data = [sft_datum(tokenizer, "export me")]
+    for _ in range(2):
+        step(client, data)
+    path = client.save_state("exported").result(timeout=60).path
+    served_logprobs = torch.tensor(forward_logprobs(client, data)[0])
+    ids = [*data[0].model_input.to_ints(), data[0].loss_fn_inputs["target_tokens"].tolist()[-1]]
+
+    def logprobs(model) -> torch.Tensor:
+        with torch.no_grad():
+            logp = torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0, :-1], -1)
+        return logp.gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
+    root = served.tinker.trainer.root
+    assert main(["export", path, str(tmp_path / "merged"), "--tinker-dir", root]) == 0
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+    assert torch.allclose(logprobs(merged), served_logprobs, atol=1e-4)
+    assert os.path.isfile(tmp_path / "merged" / "tokenizer.json") or os.path.isfile(tmp_path / "merged" / "tokenizer_config.json")
+    # the checkpoint's folder itself, as the peft adapter over the served model
+    folder = served.tinker.trainer.folder(path)
+    assert main(["export", folder, str(tmp_path / "adapter"), "--lora", "adapter"]) == 0
+    adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(served.tinker.trainer.path), tmp_path / "adapter")
+    assert torch.allclose(logprobs(adapted), served_logprobs, atol=1e-4)
+    # a tinker:// path that is not there: one line naming it, exit 2
+    assert main(["export", f"tinker://{client.model_id}/weights/nope", str(tmp_path / "x"), "--tinker-dir", root]) == 2

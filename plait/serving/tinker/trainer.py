@@ -219,9 +219,8 @@ class TinkerTrainer:
     # -- checkpoints ----------------------------------------------------------------------------------------------
     def folder(self, tinker_path: str, field_name: str = "path") -> str:
         """ROOT/RUN/KIND/NAME for tinker://RUN/KIND/NAME (ApiError naming `field_name` when it is not one)."""
-        parts = tinker_path.removeprefix("tinker://").split("/")
-        if not tinker_path.startswith("tinker://") or len(parts) != 3 or parts[1] not in ("weights", "sampler_weights") \
-                or any(p in ("", ".", "..") for p in parts):
+        parts = checkpoint_parts(tinker_path)
+        if parts is None:
             raise ApiError(400, f"{field_name} {tinker_path!r} is not tinker://RUN/weights/NAME or "
                                 "tinker://RUN/sampler_weights/NAME", param=field_name)
         return os.path.join(self.root, *parts)
@@ -384,6 +383,15 @@ class TinkerTrainer:
             raise ApiError(400, f"the {rollout.engine_name} engine cannot score given tokens: sample at temperature 1 "
                                 "without top_k / top_p, and without prompt log-probs", param="sampling_params")
         return scored
+
+
+def checkpoint_parts(tinker_path: str) -> list[str] | None:
+    """[RUN, KIND, NAME] of tinker://RUN/KIND/NAME (KIND weights or sampler_weights); None: not such a path."""
+    parts = tinker_path.removeprefix("tinker://").split("/")
+    if not tinker_path.startswith("tinker://") or len(parts) != 3 or parts[1] not in ("weights", "sampler_weights") \
+            or any(p in ("", ".", "..") for p in parts):
+        return None
+    return parts
 
 
 @contextlib.contextmanager

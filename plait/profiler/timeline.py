@@ -93,12 +93,12 @@ class Timeline:
                                for role, stage, thread, tid, start, end, rank in spans)
 
     @contextlib.contextmanager
-    def span(self, role: str, stage: str, version: Optional[int] = None):
+    def span(self, role: str, stage: str, version: Optional[int] = None, session: Optional[str] = None):
         start = time.perf_counter()
         try:
             yield
         finally:
-            self.add(role, stage, start, time.perf_counter(), version)
+            self.add(role, stage, start, time.perf_counter(), version, session)
 
     def flush(self, step: int) -> None:
         with self._lock:

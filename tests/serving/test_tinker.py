@@ -336,7 +336,8 @@ def test_a_sessions_requests_are_on_the_timeline_in_the_report_and_in_its_export
     session = client.model_id.split(":")[0]
     spans = [s for s in read_timeline(TIMELINE.path) if str(s.get("session", "")).startswith(session + ":")]
     stages = {s["stage"] for s in spans}
-    assert {"queue", "create", "forward_backward", "optim_step", "sampler_from_client", "sample"} <= stages, stages
+    assert {"queue", "create", "forward_backward", "optim_step", "sampler_from_client", "sample", "load_weights"} <= stages, \
+        stages  # load_weights: the engine takes the new sampler's merged weights, inside its sample
     assert {s["session"] for s in spans} == {client.model_id, sampler._sampling_session_id}
     assert all(s["role"] == "tinker" and s["end"] >= s["start"] for s in spans)
     # the SDK's export_session_trace: a URL that a plain GET (no API key) downloads, a Chrome trace of the session

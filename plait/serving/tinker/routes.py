@@ -16,7 +16,8 @@ a lost answer finds its first future and is applied once.
 
 Every job is two spans on plait's timeline (profiler/timeline.py; written when the server has an output folder):
 `queue` (from its arrival to its start) and its own (`forward_backward`, `forward`, `optim_step`, `sample`,
-`save`, `load`, `create`, ...), role `tinker`, "session" the model or sampler id it is for (which begins with its
+`save`, `load`, `create`, ...; inside a sample, `load_weights` when the engine takes that sampler's weights), role
+`tinker`, "session" the model or sampler id it is for (which begins with its
 session's id); a record's step is the number of optimizer steps the server had taken. `export_session_trace`
 (GET sessions/{id}/trace_export) writes one session's spans as a Chrome trace (gzip JSON, which ui.perfetto.dev
 opens) with a lane per client, and answers a URL under an unguessable name that a plain GET downloads.

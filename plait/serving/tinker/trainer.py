@@ -314,9 +314,11 @@ class TinkerTrainer:
         self.samplers[sampler_id] = Sampler(adapter, path, lora)
 
     # -- the samplers' engine -----------------------------------------------------------------------------------
-    def engine(self, adapter: str | None):
-        """The samplers' Rollout worker holding the base model with `adapter` merged (None: the base model)."""
-        from plait.models import config_overlay, merged_state_dict
+    def engine(self, adapter: str | None, who: str | None = None):
+        """The samplers' Rollout worker holding the base model with `adapter` merged (None: the base model); a load
+        is a `load_weights` span on the timeline for `who` (the sampler asking)."""
+        from plait.models import config_overlay
+        from plait.profiler.timeline import TIMELINE
         from plait.workers.rollout import Rollout
         if self.rollout is None:
             path = self.path
@@ -325,18 +327,24 @@ class TinkerTrainer:
             with _quiet_load():  # its head is "missing" from the files: loaded from the trainer just below
                 self.rollout = Rollout(path, self.max_tokens, self.tokenizer, self.profiler, cfg=self.engine_cfg)
         if self.loaded != adapter:
-            peft = self.peft
-            if peft is None:
-                weights = {k: v.detach() for k, v in self.base().state_dict().items()}
-            elif adapter is None:
-                with peft.disable_adapter():
-                    weights = merged_state_dict(peft)
-            else:
-                peft.base_model.set_adapter(adapter)  # the one merged; a training request sets its own again
-                weights = merged_state_dict(peft)
-            self.rollout.load_weights(weights, self.rollout.version + 1)
-            self.loaded = adapter
+            with TIMELINE.span("tinker", "load_weights", session=who):
+                self._load(adapter)
         return self.rollout
+
+    def _load(self, adapter: str | None) -> None:
+        """The base model with `adapter` merged into the engine (as the actor syncs its rollout a LoRA policy)."""
+        from plait.models import merged_state_dict
+        peft = self.peft
+        if peft is None:
+            weights = {k: v.detach() for k, v in self.base().state_dict().items()}
+        elif adapter is None:
+            with peft.disable_adapter():
+                weights = merged_state_dict(peft)
+        else:
+            peft.base_model.set_adapter(adapter)  # the one merged; a training request sets its own again
+            weights = merged_state_dict(peft)
+        self.rollout.load_weights(weights, self.rollout.version + 1)
+        self.loaded = adapter
 
     def close(self) -> None:
         """Stop the samplers' engine (its own processes, if it has any)."""
@@ -347,7 +355,7 @@ class TinkerTrainer:
                with_prompt_logprobs: bool) -> bytes:
         """`num_samples` continuations of `prompt` from the engine, each token's log-prob under the model itself
         (temperature 1: what `compute_logprobs` and `forward` give for the same tokens)."""
-        rollout = self.engine(self.samplers[sampler_id].adapter)
+        rollout = self.engine(self.samplers[sampler_id].adapter, sampler_id)
         seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(4), "little")
         sampling = {"temperature": params.temperature, "top_p": params.top_p, "top_k": max(params.top_k, -1),
                     "do_sample": params.temperature > 0}

@@ -71,11 +71,14 @@ def main(argv: list[str] | None = None) -> int:
                       help="the OTLP/HTTP receiver (Tempo, Jaeger, a Collector); spans go to ENDPOINT/v1/traces")
     otel.add_argument("--timeout", type=float, default=10.0, help="seconds to keep trying a batch (default 10)")
     export = sub.add_parser("export", help="write a checkpoint's policy as a Hugging Face folder (transformers, vLLM)")
-    export.add_argument("checkpoint", help="a checkpoints/global_step_N folder (or checkpoints/: its newest)")
+    export.add_argument("checkpoint", help="a checkpoints/global_step_N folder (or checkpoints/: its newest), or a "
+                                           "Tinker checkpoint: tinker://RUN/weights/NAME (see --tinker-dir) or its folder")
     export.add_argument("out", help="the folder to write: config.json, model.safetensors, tokenizer, generation config")
     export.add_argument("--lora", choices=("merge", "adapter"), default="merge",
                         help="a LoRA checkpoint: merge the adapter into the base weights (default) or write the peft adapter")
     export.add_argument("--base", help="a LoRA checkpoint's base model folder, when it moved since training")
+    export.add_argument("--tinker-dir", help="where plait serve keeps tinker:// checkpoints (default $PLAIT_CACHE/tinker "
+                                             "or ~/.cache/plait/tinker)")
     serve = sub.add_parser("serve", help="serve a model or checkpoint over OpenAI's and Anthropic's APIs, and train "
                                          "LoRA adapters on it over the Tinker API (docs/tinker.md)")
     serve.add_argument("model", help="a checkpoint (checkpoints/global_step_N), a model folder or a built-in model name")
@@ -89,6 +92,8 @@ def main(argv: list[str] | None = None) -> int:
                                             "~/.cache/plait/tinker)")
     serve.add_argument("--no-tinker", action="store_true", help="serve without the Tinker API (no training)")
     serve.add_argument("--max-body-mb", type=float, default=8, help="the largest request body, in MiB (413 past it)")
+    serve.add_argument("--output-dir", help="where the server's timeline.jsonl goes, for `plait profile report DIR` "
+                                            "(default: the Tinker dir; none with --no-tinker)")
     args = parser.parse_args(argv)
     if args.command == "export":
         return export_command(args)
@@ -192,7 +197,8 @@ def export_command(args) -> int:
         print(f"plait: export: {args.out} exists and is not empty; give a new folder", file=sys.stderr)
         return 2
     try:
-        out = export_checkpoint(args.checkpoint, args.out, lora=args.lora, base=args.base)
+        out = export_checkpoint(args.checkpoint, args.out, lora=args.lora, base=args.base,
+                                tinker_dir=args.tinker_dir or default_tinker_dir())
     except ExportError as err:
         print(f"plait: export: {err}", file=sys.stderr)
         return 2
@@ -211,7 +217,8 @@ def serve_command(args) -> int:
     from plait.serving.serve import serve
     try:
         serve(args.model, args.host, args.port, args.engine, args.max_tokens, args.tool_format, name=args.name,
-              tinker_dir=None if args.no_tinker else args.tinker_dir or default_tinker_dir(), max_body_mb=args.max_body_mb)
+              tinker_dir=None if args.no_tinker else args.tinker_dir or default_tinker_dir(), max_body_mb=args.max_body_mb,
+              output_dir=args.output_dir)
     except (FileNotFoundError, ConfigError, OSError) as err:
         print(f"plait: serve: {err}", file=sys.stderr)
         return 2

@@ -10,6 +10,11 @@ whichever form the actor saved:
     actor/lora_adapter/   peft adapter over the base model      -> merged into the base, or kept as an
                                                                    adapter folder (lora="adapter")
 
+A Tinker checkpoint of `plait serve` (`tinker://RUN/weights/NAME` or `tinker://RUN/sampler_weights/NAME`, found
+under the Tinker dir, or its folder given as a path) exports the same two ways from its `adapter/` (the peft adapter
+over the served model, which its adapter_config names); its `state.pt` (the optimizer) is not read. A LoRA on an
+output head tied to the embeddings is merged into the head alone (the export unties them), as the adapter computes.
+
 Every file is read as data (plait/safeload.py): nothing in a checkpoint runs. The checkpoint's
 manifest is verified first, so a torn or edited save is refused in one line.
 Left out: the critic (a value model is not a policy to serve) and quantised or sharded outputs.
@@ -56,10 +61,12 @@ def actor_dir(checkpoint: str) -> str:
     return path
 
 
-def export_checkpoint(checkpoint: str, out: str, lora: str = "merge", base: str | None = None) -> str:
+def export_checkpoint(checkpoint: str, out: str, lora: str = "merge", base: str | None = None,
+                      tinker_dir: str | None = None) -> str:
     """Write the policy of `checkpoint` as a Hugging Face folder at `out`; returns `out`.
     `lora`: "merge" (base + adapter, one plain model) or "adapter" (the peft adapter folder);
-    `base`: the base model folder when the checkpoint's own record of it has moved.
+    `base`: the base model folder when the checkpoint's own record of it has moved; `tinker_dir`: where
+    `tinker://` checkpoints are (plait serve's --tinker-dir).
 
     Only a checkpoint whose manifest verifies is exported, and none that holds a symbolic link (its files
     are its own: nothing outside it is read into the export). The folder is written beside `out` under a
@@ -67,12 +74,18 @@ def export_checkpoint(checkpoint: str, out: str, lora: str = "merge", base: str 
     from plait.trainers.checkpoint import MANIFEST, verify_checkpoint
     if lora not in LORA_MODES:
         raise ExportError(f"--lora {lora}: choose one of {', '.join(LORA_MODES)}")
-    actor = actor_dir(checkpoint)
-    step_dir = os.path.dirname(actor)
-    if not os.path.isfile(os.path.join(step_dir, MANIFEST)):
-        raise ExportError(f"{step_dir}: no {MANIFEST}: its save did not finish (plait writes the manifest last); "
-                          "not exported")
-    problem = verify_checkpoint(step_dir) or linked_out(step_dir)
+    tinker = tinker_folder(checkpoint, tinker_dir)
+    if tinker is not None:
+        step_dir, problem = tinker, linked_out(tinker)
+        write = lambda folder: write_tinker_export(tinker, folder, lora, base)  # noqa: E731
+    else:
+        actor = actor_dir(checkpoint)
+        step_dir = os.path.dirname(actor)
+        if not os.path.isfile(os.path.join(step_dir, MANIFEST)):
+            raise ExportError(f"{step_dir}: no {MANIFEST}: its save did not finish (plait writes the manifest last); "
+                              "not exported")
+        problem = verify_checkpoint(step_dir) or linked_out(step_dir)
+        write = lambda folder: write_export(actor, folder, lora, base)  # noqa: E731
     if problem:
         raise ExportError(f"{step_dir}: {problem}; not exported")
     if os.path.lexists(out) and not (os.path.isdir(out) and not os.path.islink(out)):
@@ -84,7 +97,7 @@ def export_checkpoint(checkpoint: str, out: str, lora: str = "merge", base: str 
     except OSError as err:
         raise ExportError(f"{out}: cannot write there ({err.strerror}); nothing was written") from None
     try:
-        write_export(actor, tmp, lora, base)
+        write(tmp)
         os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp's folder is private; the export is an ordinary folder
         os.replace(tmp, out)  # `out`: absent, or an empty folder (the CLI refuses one that holds files)
     except BaseException as err:
@@ -115,6 +128,37 @@ def write_export(actor: str, out: str, lora: str = "merge", base: str | None = N
         model.save_pretrained(out)  # safetensors
     if os.path.abspath(hf) != os.path.abspath(out):
         copy_tokenizer_and_generation(hf, out)
+
+
+def tinker_folder(checkpoint: str, tinker_dir: str | None) -> str | None:
+    """The folder of a Tinker checkpoint: `tinker://RUN/KIND/NAME` under `tinker_dir`, or a folder holding
+    plait serve's state.pt and adapter/; None: not a Tinker checkpoint."""
+    from plait.serving.tinker.trainer import STATE_FILE, checkpoint_parts
+    if checkpoint.startswith("tinker://"):
+        parts = checkpoint_parts(checkpoint)
+        if parts is None:
+            raise ExportError(f"{checkpoint}: not tinker://RUN/weights/NAME or tinker://RUN/sampler_weights/NAME")
+        if tinker_dir is None:
+            raise ExportError(f"{checkpoint}: give --tinker-dir, the folder plait serve keeps tinker:// checkpoints in")
+        folder = os.path.join(tinker_dir, *parts)
+        if not os.path.isdir(os.path.join(folder, "adapter")):
+            raise ExportError(f"{checkpoint}: no such checkpoint under {tinker_dir} (--tinker-dir: where plait serve "
+                              "keeps them)")
+        return folder
+    found = os.path.isfile(os.path.join(checkpoint, STATE_FILE)) and os.path.isdir(os.path.join(checkpoint, "adapter"))
+    return checkpoint if found else None
+
+
+def write_tinker_export(folder: str, out: str, lora: str, base: str | None) -> None:
+    """A Tinker checkpoint's adapter merged into its base model, or as the peft adapter, with the base's tokenizer
+    and generation config."""
+    adapter = os.path.join(folder, "adapter")
+    check_adapter(adapter)
+    if lora == "adapter":
+        copy_adapter(adapter, out, base)
+    else:
+        merged_lora_model(adapter, base).save_pretrained(out)
+    copy_tokenizer_and_generation(adapter_base(adapter, base), out)
 
 
 def linked_out(folder: str) -> str | None:
@@ -203,10 +247,20 @@ def adapter_base(lora_dir: str, base: str | None) -> str:
 
 
 def merged_lora_model(lora_dir: str, base: str | None):
-    """Base + adapter merged into one plain model (peft's merge_and_unload)."""
+    """Base + adapter merged into one plain model (peft's merge_and_unload). An adapter on an output head tied to
+    the embeddings (a Tinker client's train_unembed) is merged into the head alone: the head is untied first."""
     from peft import PeftModel
     from plait.models import load_causal_lm
-    model = PeftModel.from_pretrained(load_causal_lm(adapter_base(lora_dir, base)), lora_dir)
+    model = load_causal_lm(adapter_base(lora_dir, base))
+    with open(os.path.join(lora_dir, "adapter_config.json")) as f:
+        targets = json.load(f).get("target_modules") or []
+    head = model.get_output_embeddings()
+    head_name = next((n for n, m in model.named_modules() if m is head), None)
+    if head is not None and head.weight is model.get_input_embeddings().weight and any(
+            t == head_name or head_name.endswith(f".{t}") or t == head_name.split(".")[-1] for t in targets):
+        head.weight = torch.nn.Parameter(head.weight.detach().clone())
+        model.config.tie_word_embeddings = False
+    model = PeftModel.from_pretrained(model, lora_dir)
     return model.merge_and_unload().eval()
 
 

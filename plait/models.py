@@ -398,7 +398,7 @@ def _merged(base: dict, top: dict) -> dict:
 
 def merged_state_dict(peft_model, whole: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """The base model's state dict with each adapter's delta added, under the base model's own
-    names: what a plain copy of the model (the rollout's) loads. The model itself is untouched
+    names: what a plain copy of the model (the rollout's) loads (adapters disabled: the base model's). The model itself is untouched
     (merging in place and back would round the base weights a little at every sync). `whole`: the
     base model's state gathered whole (FSDP2 shards it): the deltas are B @ A x scaling of its tensors."""
     from peft.tuners.lora import LoraLayer
@@ -407,7 +407,7 @@ def merged_state_dict(peft_model, whole: dict[str, torch.Tensor] | None = None) 
     state = {k.replace(".base_layer", ""): v for k, v in source.items() if "lora_" not in k}
     with torch.no_grad():
         for name, module in base.named_modules():
-            if isinstance(module, LoraLayer) and module.active_adapters:
+            if isinstance(module, LoraLayer) and module.active_adapters and not module.disable_adapters:
                 key, adapter = f"{name}.weight", module.active_adapters[0]
                 if whole is None:
                     delta = module.get_delta_weight(adapter)

@@ -6,7 +6,8 @@
                  TIMELINE.flush(step)                                 once per step: ONE file append
                  TIMELINE.close()                                     at run end (flushes what is left)
 
-One record per span: {"step", "role", "stage", "pid", "thread", "tid", "start", "end", "version"},
+One record per span: {"step", "role", "stage", "pid", "thread", "tid", "start", "end", "version"} (and
+"session" where the span belongs to a served client: a Tinker training client or sampler, plait/serving/tinker),
 start and end in wall-clock seconds (perf_counter anchored once to time.time(), so spans of one
 process never go backwards), `tid` the OS thread id (the one torch traces name their threads by).
 Worker processes of the Ray backend record their own stage spans (RANK_SPANS below, every step, not
@@ -70,8 +71,9 @@ class Timeline:
             self.path, self._spans, self.concurrent = path, [], False
             self._file = open(path, "a")
 
-    def add(self, role: str, stage: str, start: float, end: float, version: Optional[int]) -> None:
-        """A span from perf_counter start/end; dropped while no file is open."""
+    def add(self, role: str, stage: str, start: float, end: float, version: Optional[int],
+            session: Optional[str] = None) -> None:
+        """A span from perf_counter start/end; dropped while no file is open. `session`: the served client it is for."""
         if self.path is None:
             return
         thread = threading.current_thread()
@@ -79,7 +81,7 @@ class Timeline:
         if thread is not threading.main_thread():
             self.concurrent = True
         with self._lock:
-            self._spans.append((role, stage, name, start, end, version, None, threading.get_native_id(), None))
+            self._spans.append((role, stage, name, start, end, version, None, threading.get_native_id(), None, session))
 
     def add_remote(self, pid: int, spans: list[tuple]) -> None:
         """A worker process's spans (RankSpans.take: role, stage, thread, tid, start, end, rank; perf_counter
@@ -87,16 +89,16 @@ class Timeline:
         if self.path is None or not spans:
             return
         with self._lock:
-            self._spans.extend((role, stage, thread, start - WALL0, end - WALL0, None, pid, tid, rank)
+            self._spans.extend((role, stage, thread, start - WALL0, end - WALL0, None, pid, tid, rank, None)
                                for role, stage, thread, tid, start, end, rank in spans)
 
     @contextlib.contextmanager
-    def span(self, role: str, stage: str, version: Optional[int] = None):
+    def span(self, role: str, stage: str, version: Optional[int] = None, session: Optional[str] = None):
         start = time.perf_counter()
         try:
             yield
         finally:
-            self.add(role, stage, start, time.perf_counter(), version)
+            self.add(role, stage, start, time.perf_counter(), version, session)
 
     def flush(self, step: int) -> None:
         with self._lock:
@@ -106,8 +108,9 @@ class Timeline:
         me = os.getpid()
         lines = [f'{{"step": {step}, "pid": {pid or me}, "role": {_enc(role)}, "stage": {_enc(stage)}, '
                  f'"thread": {_enc(thread)}, "tid": {tid}, "start": {WALL0 + start:.6f}, "end": {WALL0 + end:.6f}, '
-                 f'"version": {_enc(version)}' + (f', "rank": {rank}}}' if rank is not None else "}")
-                 for role, stage, thread, start, end, version, pid, tid, rank in spans]  # json.dumps per record costs 10x
+                 f'"version": {_enc(version)}' + (f', "rank": {rank}' if rank is not None else "")
+                 + (f', "session": {json.dumps(session)}}}' if session is not None else "}")
+                 for role, stage, thread, start, end, version, pid, tid, rank, session in spans]  # json.dumps per record costs 10x
         self._file.write("\n".join(lines) + "\n")
         self._file.flush()
 
@@ -125,7 +128,7 @@ class Timeline:
         """rank_metrics of the workers' spans buffered now (this step's)."""
         with self._lock:
             spans = [(role, stage, rank, pid, tid, start, end)
-                     for role, stage, _, start, end, _, pid, tid, rank in self._spans if rank is not None]
+                     for role, stage, _, start, end, _, pid, tid, rank, _ in self._spans if rank is not None]
         return rank_metrics(rank_stages(spans))
 
     def close(self, step: int) -> None:

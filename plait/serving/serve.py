@@ -48,11 +48,13 @@ class ModelServer:
     def __init__(self, path: str, cfg, profiler, name: str, device: str = "cpu", dtype=None, host: str = "127.0.0.1",
                  port: int = 0, max_tokens: int = 1024, tool_format: str = "hermes", defaults: dict | None = None,
                  seed: int | None = None, context: int | None = None, max_num_seqs: int | None = None,
-                 window_s: float = WINDOW_S, stage: str = "serve", tinker_dir: str | None = None, limits=None):
+                 window_s: float = WINDOW_S, stage: str = "serve", tinker_dir: str | None = None, limits=None,
+                 output_dir: str | None = None):
         """`cfg`: the rollout node naming the engine and its settings; `profiler`: the role's handle (each round is
         its `stage`); `limits`: the server's (plait/serving/server.py's Limits); the rest: Gateway's (`max_tokens` the
         default budget, `context` prompt + answer). `tinker_dir`: serve the Tinker training API too
-        (plait/serving/tinker), its checkpoints in that folder."""
+        (plait/serving/tinker), its checkpoints in that folder. `output_dir`: the process's timeline goes to its
+        timeline.jsonl (the Tinker jobs' spans; `plait profile report output_dir` reads it) until close."""
         import torch
         from transformers import AutoConfig
 
@@ -77,11 +79,16 @@ class ModelServer:
         self.gateway = Gateway(tokenizer, model.model_type, tool_format, self.rollout.eos_ids, name, generate=self.queue.generate,
                                max_tokens=max_tokens, defaults=defaults, seed=seed, context=context)
         self.tinker = None
+        from plait.profiler.timeline import TIMELINE, TIMELINE_FILE
+        self.timeline = output_dir is not None and TIMELINE.path is None  # else the process's open one (a run's) keeps it
+        if self.timeline:
+            TIMELINE.open(os.path.join(output_dir, TIMELINE_FILE))
         try:
             if tinker_dir is not None:
                 from plait.serving.tinker import tinker_api
                 from plait.serving.tinker.routes import tinker_routes
-                self.tinker = tinker_api(path, name, tokenizer, self.rollout.eos_ids, tinker_dir, max_tokens)
+                self.tinker = tinker_api(path, name, tokenizer, self.rollout.eos_ids, tinker_dir, max_tokens, cfg,
+                                         profiler)
             self.server = Server(self.gateway, self.loop.loop, host, port,
                                  tinker_routes(self.tinker) if self.tinker is not None else None, limits)
         except BaseException:
@@ -89,6 +96,7 @@ class ModelServer:
                 self.tinker.close()
             self.loop.close()
             self.rollout.close()
+            self._close_timeline()
             raise
         self.engine = threading.Thread(target=self._run, name=f"plait-{stage}-engine", daemon=True)
         self.engine.start()
@@ -148,6 +156,13 @@ class ModelServer:
             self.tinker.close()
         self.loop.close()
         self.rollout.close()
+        self._close_timeline()
+
+    def _close_timeline(self) -> None:
+        if self.timeline:
+            from plait.profiler.timeline import TIMELINE
+            TIMELINE.close(self.tinker.steps if self.tinker is not None else 0)
+            self.timeline = False
 
 
 def _fail_future(future, err: Exception) -> None:
@@ -157,9 +172,10 @@ def _fail_future(future, err: Exception) -> None:
 
 def serve(model: str, host: str = "127.0.0.1", port: int = 8000, engine: str | None = None, max_tokens: int = 1024,
           tool_format: str = "hermes", ready=None, stop: threading.Event | None = None, name: str | None = None,
-          tinker_dir: str | None = None, max_body_mb: float = 8) -> None:
+          tinker_dir: str | None = None, max_body_mb: float = 8, output_dir: str | None = None) -> None:
     """Serve until Ctrl-C (or `stop` is set); `ready(url)` is called once the server listens. `tinker_dir`: the
-    Tinker API too (plait/serving/tinker), its checkpoints there; off, with a line saying so, without its packages."""
+    Tinker API too (plait/serving/tinker), its checkpoints there; off, with a line saying so, without its packages.
+    `output_dir`: where timeline.jsonl goes (default: `tinker_dir`; with neither, no timeline)."""
     import transformers
 
     from plait.config import RolloutConfig
@@ -185,12 +201,13 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8000, engine: str | N
             print(f"plait: serve: the Tinker API is off: it needs {' and '.join(missing)} "
                   "(pip install 'plait[tinker]')", file=sys.stderr)
             tinker_dir = None
+        output_dir = output_dir or tinker_dir
         server = ModelServer(path, RolloutConfig(name=engine), profiler, name, host=host, port=port,
                              max_tokens=max_tokens, tool_format=tool_format, tinker_dir=tinker_dir,
-                             limits=Limits(max_body_bytes=int(max_body_mb * (1 << 20))))
+                             limits=Limits(max_body_bytes=int(max_body_mb * (1 << 20))), output_dir=output_dir)
         tinker = f", Tinker at {server.url} as base_model {name!r} (checkpoints in {tinker_dir})" if tinker_dir else ""
         print(f"plait: serving {model} ({engine} engine) at {server.url}/v1 (OpenAI) and {server.url} (Anthropic)"
-              f"{tinker}; Ctrl-C stops", file=sys.stderr)
+              f"{tinker}; timeline in {output_dir or 'none (--output-dir)'}; Ctrl-C stops", file=sys.stderr)
         if ready is not None:
             ready(server.url)
         try:

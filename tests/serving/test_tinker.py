@@ -6,6 +6,7 @@ naming the field while the server keeps serving. One server for the module."""
 
 import math
 import os
+import re
 import time
 import warnings
 
@@ -29,7 +30,8 @@ def served(tmp_path_factory):
     root = tmp_path_factory.mktemp("tinker")
     path = create_tiny_model(root / "model", size="xs", seed=3)
     profiler = ProfilerSession(GlobalProfilerConfig(), {"rollout": RoleProfilerConfig()}, rank=0).for_role("rollout")
-    server = ModelServer(path, RolloutConfig(name="hf"), profiler, name=NAME, max_tokens=16, tinker_dir=str(root / "ckpt"))
+    server = ModelServer(path, RolloutConfig(name="hf"), profiler, name=NAME, max_tokens=16, tinker_dir=str(root / "ckpt"),
+                         output_dir=str(root / "run"))
     with pytest.MonkeyPatch.context() as env:
         env.setenv("TINKER_TELEMETRY", "0")  # the SDK's telemetry posts would only add requests
         yield server
@@ -109,6 +111,37 @@ def test_sampled_logprobs_equal_compute_logprobs_and_the_trainers_forward(servic
     base = service.create_sampling_client(base_model=NAME).result(timeout=60)
     base_lp = base.compute_logprobs(types.ModelInput.from_ints(prompt + result.sequences[0].tokens)).result(timeout=60)
     assert base_lp[1:] != pytest.approx(again[1:], abs=1e-4)  # the base model is not the adapter
+
+
+def test_samplers_draw_on_plaits_rollout_engine_and_keep_their_own_weights(served, service, tokenizer):
+    from plait.workers.rollout_engine import TransformersEngine
+    client = service.create_lora_training_client(base_model=NAME, rank=4, seed=11).result(timeout=60)
+    step(client, [sft_datum(tokenizer, "xyzxyz")])
+    first = client.save_weights_and_get_sampling_client().result(timeout=60)
+    step(client, [sft_datum(tokenizer, "xyzxyz")])
+    second = client.save_weights_and_get_sampling_client().result(timeout=60)
+    prompt = tokenizer.encode("xy")
+    # temperature and top-k change what is drawn, not the log-probs returned: the model's own (compute_logprobs')
+    params = types.SamplingParams(max_tokens=6, temperature=0.7, top_k=5, seed=3, stop=[])
+    drawn = first.sample(types.ModelInput.from_ints(prompt), 2, params).result(timeout=60)
+    assert isinstance(served.tinker.trainer.rollout.engine, TransformersEngine)  # the hf row of ENGINES
+    again = first.sample(types.ModelInput.from_ints(prompt), 2, params).result(timeout=60)
+    assert [(s.tokens, s.logprobs) for s in again.sequences] == [(s.tokens, s.logprobs) for s in drawn.sequences]  # seeded
+    for seq in drawn.sequences:
+        scored = first.compute_logprobs(types.ModelInput.from_ints(prompt + seq.tokens)).result(timeout=60)
+        assert torch.allclose(torch.tensor(scored[len(prompt):]), torch.tensor(seq.logprobs), atol=1e-3)
+    # the engine holds one sampler at a time: switching back and forth reloads each one's own weights
+    ids = types.ModelInput.from_ints(prompt + drawn.sequences[0].tokens)
+    a = first.compute_logprobs(ids).result(timeout=60)
+    b = second.compute_logprobs(ids).result(timeout=60)
+    assert b[1:] != pytest.approx(a[1:], abs=1e-5)
+    assert first.compute_logprobs(ids).result(timeout=60) == pytest.approx(a, abs=1e-6, nan_ok=True)
+    # a stop token ends a sample after it, with stop_reason "stop"
+    stop_at = drawn.sequences[0].tokens[1]
+    cut = first.sample(types.ModelInput.from_ints(prompt), 2, types.SamplingParams(
+        max_tokens=6, temperature=0.7, top_k=5, seed=3, stop=[stop_at])).result(timeout=60).sequences[0]
+    assert cut.tokens == drawn.sequences[0].tokens[:drawn.sequences[0].tokens.index(stop_at) + 1]
+    assert cut.stop_reason == "stop"
 
 
 CONFIGS = {"importance_sampling": None, "ppo": {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1},
@@ -285,3 +318,73 @@ def test_plait_serve_speaks_tinker_under_the_name_it_is_given(served, tmp_path):
     finally:
         stop.set()
         thread.join(timeout=30)
+
+
+def test_a_sessions_requests_are_on_the_timeline_in_the_report_and_in_its_exported_trace(served, tokenizer):
+    import gzip
+    import json
+
+    import httpx
+
+    from plait.profiler.analysis.report import build_report
+    from plait.profiler.timeline import TIMELINE, read_timeline
+    service = tinker.ServiceClient(base_url=served.url, api_key="tml-trace")
+    client = service.create_lora_training_client(base_model=NAME, rank=2, seed=9).result(timeout=60)
+    step(client, [sft_datum(tokenizer, "traced")])
+    sampler = client.save_weights_and_get_sampling_client().result(timeout=60)
+    sampler.sample(types.ModelInput.from_ints(tokenizer.encode("tr")), 1, types.SamplingParams(max_tokens=4)).result(timeout=60)
+    session = client.model_id.split(":")[0]
+    spans = [s for s in read_timeline(TIMELINE.path) if str(s.get("session", "")).startswith(session + ":")]
+    stages = {s["stage"] for s in spans}
+    assert {"queue", "create", "forward_backward", "optim_step", "sampler_from_client", "sample", "load_weights"} <= stages, \
+        stages  # load_weights: the engine takes the new sampler's merged weights, inside its sample
+    assert {s["session"] for s in spans} == {client.model_id, sampler._sampling_session_id}
+    assert all(s["role"] == "tinker" and s["end"] >= s["start"] for s in spans)
+    # the SDK's export_session_trace: a URL that a plain GET (no API key) downloads, a Chrome trace of the session
+    url = tinker.RestClient(base_url=served.url, api_key="tml-trace").export_session_trace(session).result(timeout=60)
+    trace = json.loads(gzip.decompress(httpx.get(url).raise_for_status().content))
+    events = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
+    assert {e["name"] for e in events} == stages
+    lanes = {e["args"]["name"] for e in trace["traceEvents"] if e.get("name") == "thread_name"}
+    assert any(client.model_id in lane for lane in lanes), lanes
+    other = tinker.RestClient(base_url=served.url, api_key="tml-trace").export_session_trace("plait-none")
+    with pytest.raises(RuntimeError, match="no requests"):
+        other.result(timeout=30)
+    # `plait profile report` on the server's output folder shows the Tinker stages
+    text = build_report(os.path.dirname(TIMELINE.path))
+    page = open(os.path.join(os.path.dirname(TIMELINE.path), "report", "index.html")).read()
+    assert "Served requests" in page and client.model_id in page and "optim_step" in page
+    assert re.search(r"served requests \(\d+ clients\): .*forward_backward \d+ x", text), text
+    service.close("success").result(timeout=30)
+
+
+def test_plait_export_writes_a_tinker_checkpoint_as_a_merged_model_and_as_the_adapter(served, service, tokenizer,
+                                                                                       tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from plait.cli import main
+    client = service.create_lora_training_client(base_model=NAME, rank=4, seed=12).result(timeout=60)  # head too
+    data = [sft_datum(tokenizer, "export me")]
+    for _ in range(2):
+        step(client, data)
+    path = client.save_state("exported").result(timeout=60).path
+    served_logprobs = torch.tensor(forward_logprobs(client, data)[0])
+    ids = [*data[0].model_input.to_ints(), data[0].loss_fn_inputs["target_tokens"].tolist()[-1]]
+
+    def logprobs(model) -> torch.Tensor:
+        with torch.no_grad():
+            logp = torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0, :-1], -1)
+        return logp.gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
+    root = served.tinker.trainer.root
+    assert main(["export", path, str(tmp_path / "merged"), "--tinker-dir", root]) == 0
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+    assert torch.allclose(logprobs(merged), served_logprobs, atol=1e-4)
+    assert os.path.isfile(tmp_path / "merged" / "tokenizer.json") or os.path.isfile(tmp_path / "merged" / "tokenizer_config.json")
+    # the checkpoint's folder itself, as the peft adapter over the served model
+    folder = served.tinker.trainer.folder(path)
+    assert main(["export", folder, str(tmp_path / "adapter"), "--lora", "adapter"]) == 0
+    adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(served.tinker.trainer.path), tmp_path / "adapter")
+    assert torch.allclose(logprobs(adapted), served_logprobs, atol=1e-4)
+    # a tinker:// path that is not there: one line naming it, exit 2
+    assert main(["export", f"tinker://{client.model_id}/weights/nope", str(tmp_path / "x"), "--tinker-dir", root]) == 2

@@ -209,13 +209,13 @@ def text(v) -> bool:
 
 
 def clean_span(r: dict) -> Optional[dict]:
-    """A timeline.jsonl record: {step, role, stage, pid, thread, start, end, version[, tid, rank]}."""
+    """A timeline.jsonl record: {step, role, stage, pid, thread, start, end, version[, tid, rank, session]}."""
     ok = (step_number(r.get("step")) and text(r.get("role")) and text(r.get("stage")) and integer(r.get("pid"))
           and text(r.get("thread")) and moment(r.get("start")) and moment(r.get("end")) and r["end"] >= r["start"]
           and (r.get("version") is None or integer(r["version"])) and all(
-              k not in r or integer(r[k]) for k in ("tid", "rank")))
+              k not in r or integer(r[k]) for k in ("tid", "rank")) and (r.get("session") is None or text(r["session"])))
     return {k: r.get(k) for k in ("step", "role", "stage", "pid", "thread", "start", "end", "version", "tid",
-                                  "rank")} if ok else None
+                                  "rank", "session")} if ok else None
 
 
 def clean_metrics(r: dict) -> Optional[dict]:

@@ -240,6 +240,13 @@ def summary(inp: Inputs, f: verdict.Facts, artifacts: list[Artifact], out_dir: s
         slow, ratio = _slowest(ranks)
         lines.append(f"  ranks in {name}: " + ", ".join(f"rank {r} {v['s']:.3g} s" for r, v in ranks.items())
                      + f"; slowest rank {slow} ({ratio:.2f}x the median's own work)")
+    served = served_requests(inp.spans)
+    if served:
+        totals: dict[str, list[float]] = defaultdict(list)
+        for (_, stage), t in served.items():
+            totals[stage] += t
+        lines.append(f"  served requests ({len({c for c, _ in served})} clients): " + ", ".join(
+            f"{stage} {len(t)} x {1000 * sum(t) / len(t):.1f} ms" for stage, t in sorted(totals.items())))
     where = inp.profile_dir or "no manifest.jsonl in " + ", ".join(inp.looked)
     traces = sum(1 for a in artifacts if ".json" in a.file)
     lines.append(f"  profiled artifacts: {len(inp.manifest)} ({traces} torch traces; {where})")
@@ -308,7 +315,7 @@ def _page(inp: Inputs, steps: list[StepTime], f: verdict.Facts, artifacts: list[
              f"<p class='note'>run: {_esc(inp.run_dir or '(none)')} · profiler save_path: "
              f"{_esc(inp.profile_dir or '(none)')} · {traces}</p>",
              _alarms_section(judged), _verdict_section(judged), _summary_box(inp, f, artifacts, judged), _ranks_section(f),
-             _gantt_section(inp, steps), _breakdown_section(inp), _samples_section(inp),
+             _gantt_section(inp, steps), _served_section(inp), _breakdown_section(inp), _samples_section(inp),
              _windows_section(artifacts, inp.profile_dir, out_dir), _memory_section(inp, artifacts, out_dir),
              _learning_section(inp)]
     if inp.notes:
@@ -410,6 +417,31 @@ def _ranks_section(f: verdict.Facts) -> str:
                           [[r, v["s"], v["wait_s"], work[r], work[r] / median if median else 1.0]
                            for r, v in ranks.items()]))
     return "".join(out)
+
+
+def served_requests(spans: list[dict]) -> dict[tuple[str, str], list[float]]:
+    """(client, stage) -> the seconds of each of its spans, for the spans of served clients (a Tinker server's
+    sessions: "session" is the training client or sampler, which begins with its session's id)."""
+    out: dict[tuple[str, str], list[float]] = defaultdict(list)
+    for s in spans:
+        if s.get("session") is not None:
+            out[(s["session"], s["stage"])].append(s["end"] - s["start"])
+    return out
+
+
+def _served_section(inp: Inputs) -> str:
+    """A server's clients (plait serve's Tinker sessions): per client and stage, its requests' count and times."""
+    served = served_requests(inp.spans)
+    if not served:
+        return ""
+    rows = [[client[:svg.MAX_TEXT], stage[:svg.MAX_TEXT], len(t), sum(t), 1000 * sum(t) / len(t), 1000 * max(t)]
+            for (client, stage), t in sorted(served.items())]
+    cut = len(rows) > MAX_BAR_STEPS
+    return ("<h2 id='served'>Served requests</h2><p class='note'>plait serve's Tinker clients (SESSION:train:N, "
+            "SESSION:...:sample:N): each job's wait in the queue and its own time; every span is in "
+            f"{TIMELINE_TRACE}.</p>" + _table(["client", "stage", "requests", "total s", "mean ms", "max ms"],
+                                              rows[:MAX_BAR_STEPS])
+            + (f"<p class='note'>{len(rows) - MAX_BAR_STEPS} more rows not shown.</p>" if cut else ""))
 
 
 def _gantt_section(inp: Inputs, steps: list[StepTime]) -> str:

@@ -1,7 +1,8 @@
 """A local Tinker: the Tinker training API (Thinking Machines' `tinker` SDK, 0.38) on `plait serve`'s server.
 
     routes.py   the /api/v1 endpoints, sessions, futures and the one worker thread that runs the jobs
-    trainer.py  the base model, a LoRA adapter per training client and per sampler, AdamW, tinker:// checkpoints
+    trainer.py  the base model, a LoRA adapter per training client and per sampler, AdamW, tinker:// checkpoints,
+                the samplers' rollout engine
     losses.py   the built-in losses as the SDK documents them (pure functions)
     wire.py     the SDK's protobuf bodies in and out
 
@@ -12,8 +13,10 @@ ones, in the same process. docs/tinker.md says what runs and what is refused.
 from __future__ import annotations
 
 
-def tinker_api(path: str, name: str, tokenizer, eos_ids: list[int], root: str, max_tokens: int):
-    """The Tinker endpoints over the model at `path` served as `name`; checkpoints under `root`."""
+def tinker_api(path: str, name: str, tokenizer, eos_ids: list[int], root: str, max_tokens: int, engine_cfg=None,
+               profiler=None):
+    """The Tinker endpoints over the model at `path` served as `name`; checkpoints under `root`; samplers on the
+    engine `engine_cfg` (a rollout node) names, recording into `profiler` (the rollout role's)."""
     from plait.serving.tinker.routes import TinkerApi
     from plait.serving.tinker.trainer import TinkerTrainer
-    return TinkerApi(TinkerTrainer(path, name, tokenizer, eos_ids, root), max_tokens)
+    return TinkerApi(TinkerTrainer(path, name, tokenizer, eos_ids, root, engine_cfg, profiler, max_tokens), max_tokens)

@@ -14,8 +14,16 @@ naming it. The server keeps serving after either.
 A future is named by what the SDK sent (its model or sampler and the request's seq_id), so a request retried after
 a lost answer finds its first future and is applied once.
 
-Left out: futures that survive a server restart (they live in memory), session traces (`export_session_trace`),
-server-side custom losses, the REST listing endpoints.
+Every job is two spans on plait's timeline (profiler/timeline.py; written when the server has an output folder):
+`queue` (from its arrival to its start) and its own (`forward_backward`, `forward`, `optim_step`, `sample`,
+`save`, `load`, `create`, ...; inside a sample, `load_weights` when the engine takes that sampler's weights), role
+`tinker`, "session" the model or sampler id it is for (which begins with its
+session's id); a record's step is the number of optimizer steps the server had taken. `export_session_trace`
+(GET sessions/{id}/trace_export) writes one session's spans as a Chrome trace (gzip JSON, which ui.perfetto.dev
+opens) with a lane per client, and answers a URL under an unguessable name that a plain GET downloads.
+
+Left out: futures that survive a server restart (they live in memory), server-side custom losses, the REST
+listing endpoints.
 """
 
 from __future__ import annotations
@@ -25,13 +33,16 @@ import collections
 import concurrent.futures
 import logging
 import queue
+import os
 import threading
+import time
 import uuid
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from plait.profiler.timeline import TIMELINE, read_timeline
 from plait.serving.protocol import ApiError
 from plait.serving.tinker.trainer import Lora, SampleParams, TinkerTrainer
 from plait.serving.tinker.wire import decode_forward_backward
@@ -89,23 +100,37 @@ class TinkerApi:
         self.sessions: set[str] = set()
         self.futures: collections.OrderedDict[str, concurrent.futures.Future] = collections.OrderedDict()
         self.jobs: queue.Queue = queue.Queue()
+        self.steps = 0  # optimizer steps taken on this server: the timeline's step
+        self.traces: dict[str, str] = {}  # a session trace's download name -> its file
         self.worker = threading.Thread(target=self._work, name="plait-tinker-trainer", daemon=True)
         self.worker.start()
 
     def close(self) -> None:
         self.jobs.put(None)
         self.worker.join(timeout=30)
+        self.trainer.close()
 
     def _work(self) -> None:
         while (job := self.jobs.get()) is not None:
-            future, fn, args = job
+            future, fn, args, who, queued = job
+            start = time.perf_counter()
+            result, failure = None, None
             try:
-                future.set_result(fn(*args))
+                result = fn(*args)
             except ApiError as err:
-                future.set_exception(err)
+                failure = err
             except Exception as err:  # noqa: BLE001 - a failed future, the server goes on
                 log.exception("plait tinker: %s failed", fn.__name__)
-                future.set_exception(err)
+                failure = err
+            stage = "forward" if fn.__name__ == "forward_backward" and args[0].forward_only else fn.__name__
+            self.steps += stage == "optim_step"
+            TIMELINE.add("tinker", "queue", queued, start, None, who)
+            TIMELINE.add("tinker", stage, start, time.perf_counter(), None, who)
+            TIMELINE.flush(self.steps)  # before the answer: whoever holds it finds the job on the timeline
+            if failure is None:
+                future.set_result(result)
+            else:
+                future.set_exception(failure)
 
     def submit(self, request_id: str, fn, *args, **extra) -> JSONResponse:
         """Queue `fn(*args)` as the future `request_id`, named by what the SDK sent (its model or sampler and seq_id):
@@ -116,13 +141,14 @@ class TinkerApi:
         self.futures[request_id] = future
         while len(self.futures) > KEPT_RESULTS:
             self.futures.popitem(last=False)
-        self.jobs.put((future, fn, args))
+        self.jobs.put((future, fn, args, request_id.rsplit(":", 1)[0], time.perf_counter()))
         return JSONResponse({"request_id": request_id, **extra})
 
-    async def run(self, fn, *args):
-        """A job run on the worker (in order with the futures) and awaited here: for the calls the SDK does not poll."""
+    async def run(self, who: str, fn, *args):
+        """A job for `who` run on the worker (in order with the futures) and awaited here: for the calls the SDK does
+        not poll."""
         future: concurrent.futures.Future = concurrent.futures.Future()
-        self.jobs.put((future, fn, args))
+        self.jobs.put((future, fn, args, who, time.perf_counter()))
         return await asyncio.wrap_future(future)
 
     # -- checks at the door ----------------------------------------------------------------------------------------
@@ -292,7 +318,7 @@ class TinkerApi:
         else:
             self.trainer.folder(req.model_path, "model_path")
         sampler_id = f"{req.session_id}:sample:{req.sampling_session_seq_id}"
-        await self.run(self.trainer.sampler_from_path, sampler_id, req.model_path)
+        await self.run(sampler_id, self.trainer.sampler_from_path, sampler_id, req.model_path)
         return JSONResponse({"type": "create_sampling_session", "sampling_session_id": sampler_id})
 
     @endpoint
@@ -370,6 +396,43 @@ class TinkerApi:
             return Response(result, media_type="application/x-protobuf")
         return JSONResponse(result)
 
+    # -- session traces --------------------------------------------------------------------------------------------
+    @endpoint
+    async def trace_export(self, request: Request) -> Response:
+        """The session's spans as a Chrome trace; its download URL (the SDK's export_session_trace polls this)."""
+        session = request.path_params["sid"]
+        try:
+            path = await asyncio.to_thread(self._write_trace, session)
+        except ValueError as err:
+            return JSONResponse({"status": "failed", "error": str(err)})
+        name = f"{uuid.uuid4().hex}.json.gz"
+        self.traces[name] = path
+        return JSONResponse({"status": "ready", "url": f"{str(request.base_url).rstrip('/')}/api/v1/traces/{name}"})
+
+    def _write_trace(self, session: str) -> str:
+        from plait.profiler.analysis.traces import Clock, MergedTrace, origin_of
+        timeline = TIMELINE.path
+        if timeline is None:
+            raise ValueError("this server keeps no timeline (plait serve --output-dir DIR keeps one)")
+        TIMELINE.flush(self.steps)
+        spans = [{**s, "thread": s["session"]} for s in read_timeline(timeline)
+                 if str(s.get("session", "")).startswith(f"{session}:")]  # a lane per client of the session
+        if not spans:
+            raise ValueError(f"session {session!r} has no requests on this server's timeline ({timeline})")
+        path = os.path.join(os.path.dirname(timeline), "traces", f"{session}.json.gz")
+        trace = MergedTrace(path, Clock(origin_of(spans, [])))
+        trace.spans(spans, {spans[0]["pid"]: f"plait serve: Tinker session {session}"})
+        trace.close()
+        return path
+
+    async def trace_file(self, request: Request) -> Response:
+        """A written session trace by its unguessable name: no API key (the SDK downloads it with a plain GET)."""
+        from starlette.responses import FileResponse
+        path = self.traces.get(request.path_params["name"])
+        if path is None:
+            return error(ApiError(404, "no such trace (export it again: GET sessions/{id}/trace_export)", param="path"))
+        return FileResponse(path, media_type="application/gzip", filename=os.path.basename(path))
+
     async def unserved(self, request: Request) -> Response:
         return error(ApiError(404, f"{request.method} {request.url.path} is not served by plait's local Tinker "
                                    "(docs/tinker.md lists what is)", param="path"))
@@ -383,7 +446,8 @@ def tinker_routes(api: TinkerApi) -> list[Route]:
             ("optim_step", api.optim_step), ("save_weights", api.save_weights), ("load_weights", api.load_weights),
             ("save_weights_for_sampler", api.save_for_sampler), ("create_sampling_session", api.create_sampling_session),
             ("asample", api.asample), ("retrieve_future", api.retrieve_future)]
-    get = [("get_server_capabilities", api.capabilities), ("healthz", api.healthz), ("samplers/{sid}", api.get_sampler)]
+    get = [("get_server_capabilities", api.capabilities), ("healthz", api.healthz), ("samplers/{sid}", api.get_sampler),
+           ("sessions/{sid}/trace_export", api.trace_export), ("traces/{name}", api.trace_file)]
     return ([Route(f"/api/v1/{path}", fn, methods=["POST"]) for path, fn in post]
             + [Route(f"/api/v1/{path}", fn, methods=["GET"]) for path, fn in get]
             + [Route("/api/v1/{rest:path}", api.unserved, methods=["GET", "POST", "PUT", "DELETE", "PATCH"])])

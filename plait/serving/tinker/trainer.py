@@ -4,20 +4,31 @@ sampler snapshot, each client's own AdamW, and `tinker://` checkpoints in a loca
 Clients never mix: each is an adapter of its own name in one PeftModel, made active for its requests only
 (peft runs only the active adapter, so no other adapter's weights take part or get gradients), with an
 optimizer over its own parameters. A sampler (`save_weights_and_get_sampling_client`) is a frozen copy of
-the client's adapter at that moment, so later training does not move what it samples; its sampled
-log-probs come from the same forward as `compute_logprobs` and `forward` (on-policy by construction).
+the client's adapter at that moment, so later training does not move what it samples.
+
+Samples are drawn by a plait rollout engine (a Rollout worker over the ENGINES row the server was started
+with: hf, or vLLM where installed), which holds one sampler's weights at a time: the base model with that
+sampler's adapter merged (models.merged_state_dict, as the actor hands its rollout), loaded with
+`load_weights` when a request comes for another sampler than the one it holds. The engine's model is the
+served folder with its output head untied from the embeddings (a LoRA on a tied head changes the head only,
+as peft does). A sample's log-probs are the model's own at temperature 1, what `compute_logprobs` and
+`forward` give for the same tokens (on-policy by construction): the engine's sampled log-probs where they are
+those (temperature 1 without top-k / top-p, or greedy), else the engine's scoring of the tokens
+(`probe_logprobs`), which also gives the prompt's.
 
 Every method here runs on the service's one worker thread (routes.py), so requests never race.
 `tinker://RUN/weights/NAME` (save_state: adapter + optimizer) and `tinker://RUN/sampler_weights/NAME`
 (adapter only) are the folders ROOT/RUN/weights/NAME and ROOT/RUN/sampler_weights/NAME: `state.pt` for this server,
 and `adapter/`, the adapter as peft saves one, for anything else that loads peft adapters.
 
-Left out: full fine-tuning (rank 0), sampling through plait's rollout engines (samples are drawn here, token
-by token with the KV cache), top-k and prompt-token alternatives, evicting old samplers (each is an adapter).
+Left out: full fine-tuning (rank 0), top-k and prompt-token alternatives, evicting old samplers (each is an
+adapter), stop tokens that let a sample run past EOS (the engine ends a sample at EOS; other stop tokens and
+strings cut it after).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import warnings
@@ -72,13 +83,20 @@ class SampleParams:
     stop_strings: list[str] = field(default_factory=list)
 
 
+UNLOADED = "(none)"  # what the engine holds before its first load (never a sampler's adapter name)
+
+
 class TinkerTrainer:
-    def __init__(self, path: str, name: str, tokenizer, eos_ids: list[int], root: str):
+    def __init__(self, path: str, name: str, tokenizer, eos_ids: list[int], root: str, engine_cfg=None, profiler=None,
+                 max_tokens: int = 1024):
+        """`engine_cfg`: the rollout node naming the samplers' engine (None: plait's own, hf); `profiler`: the
+        rollout role's handle the engine records into."""
         from transformers import AutoConfig
         self.path, self.name, self.tokenizer, self.eos_ids, self.root = path, name, tokenizer, eos_ids, root
+        self.engine_cfg, self.profiler, self.max_tokens = engine_cfg, profiler, max_tokens
         config = AutoConfig.from_pretrained(path, local_files_only=True)
         text = config.get_text_config()  # a VL model's language part (the config itself for a causal LM)
-        self.arch, self.vocab = config.model_type, text.vocab_size
+        self.arch, self.vocab, self.tied = config.model_type, text.vocab_size, config.tie_word_embeddings
         self.context = getattr(text, "max_position_embeddings", None)  # not every architecture names one
         self.model = None  # loaded by the first request that needs it (base())
         self.linears: dict[str, list[str]] = {"mlp": [], "attn": [], "unembed": []}
@@ -86,6 +104,8 @@ class TinkerTrainer:
         self.clients: dict[str, Client] = {}
         self.samplers: dict[str, Sampler] = {}
         self.adapters = 0
+        self.rollout = None  # the samplers' engine (a Rollout worker), built by the first sample
+        self.loaded: str | None = UNLOADED  # whose weights it holds: a sampler's adapter, None for the base model
 
     # -- adapters -------------------------------------------------------------------------------------------------
     def base(self):
@@ -128,7 +148,6 @@ class TinkerTrainer:
 
     def _net(self, adapter: str | None):
         """The model with `adapter` active (None: the base model, adapters off); a context manager."""
-        import contextlib
         if self.peft is None:
             return contextlib.nullcontext(self.base())
         if adapter is None:
@@ -200,9 +219,8 @@ class TinkerTrainer:
     # -- checkpoints ----------------------------------------------------------------------------------------------
     def folder(self, tinker_path: str, field_name: str = "path") -> str:
         """ROOT/RUN/KIND/NAME for tinker://RUN/KIND/NAME (ApiError naming `field_name` when it is not one)."""
-        parts = tinker_path.removeprefix("tinker://").split("/")
-        if not tinker_path.startswith("tinker://") or len(parts) != 3 or parts[1] not in ("weights", "sampler_weights") \
-                or any(p in ("", ".", "..") for p in parts):
+        parts = checkpoint_parts(tinker_path)
+        if parts is None:
             raise ApiError(400, f"{field_name} {tinker_path!r} is not tinker://RUN/weights/NAME or "
                                 "tinker://RUN/sampler_weights/NAME", param=field_name)
         return os.path.join(self.root, *parts)
@@ -295,52 +313,102 @@ class TinkerTrainer:
             p.requires_grad_(False)
         self.samplers[sampler_id] = Sampler(adapter, path, lora)
 
-    @torch.no_grad()
+    # -- the samplers' engine -----------------------------------------------------------------------------------
+    def engine(self, adapter: str | None, who: str | None = None):
+        """The samplers' Rollout worker holding the base model with `adapter` merged (None: the base model); a load
+        is a `load_weights` span on the timeline for `who` (the sampler asking)."""
+        from plait.models import config_overlay
+        from plait.profiler.timeline import TIMELINE
+        from plait.workers.rollout import Rollout
+        if self.rollout is None:
+            path = self.path
+            if self.tied:  # the head gets its own tensor: a LoRA on it must not move the embeddings
+                path = config_overlay(self.path, {"tie_word_embeddings": False}, os.path.join(self.root, ".engine-model"))
+            with _quiet_load():  # its head is "missing" from the files: loaded from the trainer just below
+                self.rollout = Rollout(path, self.max_tokens, self.tokenizer, self.profiler, cfg=self.engine_cfg)
+        if self.loaded != adapter:
+            with TIMELINE.span("tinker", "load_weights", session=who):
+                self._load(adapter)
+        return self.rollout
+
+    def _load(self, adapter: str | None) -> None:
+        """The base model with `adapter` merged into the engine (as the actor syncs its rollout a LoRA policy)."""
+        from plait.models import merged_state_dict
+        peft = self.peft
+        if peft is None:
+            weights = {k: v.detach() for k, v in self.base().state_dict().items()}
+        elif adapter is None:
+            with peft.disable_adapter():
+                weights = merged_state_dict(peft)
+        else:
+            peft.base_model.set_adapter(adapter)  # the one merged; a training request sets its own again
+            weights = merged_state_dict(peft)
+        self.rollout.load_weights(weights, self.rollout.version + 1)
+        self.loaded = adapter
+
+    def close(self) -> None:
+        """Stop the samplers' engine (its own processes, if it has any)."""
+        if self.rollout is not None:
+            self.rollout.close()
+
     def sample(self, sampler_id: str, prompt: list[int], num_samples: int, params: SampleParams,
                with_prompt_logprobs: bool) -> bytes:
-        """`num_samples` continuations of `prompt`, each token's log-prob under the model itself (temperature 1: what
-        `compute_logprobs` and `forward` give for the same tokens)."""
-        sampler = self.samplers[sampler_id]
-        generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
-        with self._net(sampler.adapter) as net:
-            ids = torch.tensor([prompt] * num_samples)  # [n, prompt]
-            out = net(input_ids=ids, use_cache=True)
-            prompt_logprobs = None
-            if with_prompt_logprobs:
-                prompt_logprobs = [math.nan] + token_logprobs(out.logits[:1, :-1], ids[:1, 1:])[0].tolist()
-            cache, logits = out.cache, out.logits[:, -1].float()  # [n, vocab]
-            tokens = [[] for _ in range(num_samples)]
-            logprobs = [[] for _ in range(num_samples)]
-            reasons = ["length"] * num_samples
-            for _ in range(params.max_tokens):
-                logp = torch.log_softmax(logits, dim=-1)  # [n, vocab]
-                picked = _pick(logits, params, generator)  # [n]
-                for i, token in enumerate(picked.tolist()):
-                    if reasons[i] == "stop":
-                        continue
-                    tokens[i].append(token)
-                    logprobs[i].append(logp[i, token].item())
-                    if token in params.stop_ids or (params.stop_strings and any(
-                            s in self.tokenizer.decode(tokens[i]) for s in params.stop_strings)):
-                        reasons[i] = "stop"
-                if all(r == "stop" or len(t) >= params.max_tokens for r, t in zip(reasons, tokens)):
-                    break
-                out = net(input_ids=picked[:, None], cache=cache, use_cache=True)
-                cache, logits = out.cache, out.logits[:, -1].float()
-        return encode_sample(list(zip(tokens, logprobs, reasons)), prompt_logprobs)
+        """`num_samples` continuations of `prompt` from the engine, each token's log-prob under the model itself
+        (temperature 1: what `compute_logprobs` and `forward` give for the same tokens)."""
+        rollout = self.engine(self.samplers[sampler_id].adapter, sampler_id)
+        seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(4), "little")
+        sampling = {"temperature": params.temperature, "top_p": params.top_p, "top_k": max(params.top_k, -1),
+                    "do_sample": params.temperature > 0}
+        gen = rollout._round(seed)([prompt] * num_samples, params.max_tokens, sampling)
+        own = params.temperature == 0 or (params.temperature == 1 and params.top_p == 1 and params.top_k <= 0)
+        out = []
+        for row in range(num_samples):
+            n = int(gen.response_mask[row].sum())
+            tokens, reason = self._stopped(gen.responses[row, :n].tolist(), params)
+            reason = "stop" if reason or gen.stop_reasons[row] == "eos" else "length"
+            logprobs = gen.logprobs[row, :len(tokens)].tolist() if own else \
+                self._score(rollout, prompt + tokens)[len(prompt) - 1:]
+            out.append((tokens, logprobs, reason))
+        prompt_logprobs = [math.nan] + self._score(rollout, prompt) if with_prompt_logprobs else None
+        return encode_sample(out, prompt_logprobs)
+
+    def _stopped(self, tokens: list[int], params: SampleParams) -> tuple[list[int], bool]:
+        """`tokens` up to and including the first stop token or the token that completes a stop string; whether
+        one was met."""
+        for i, token in enumerate(tokens):
+            if token in params.stop_ids or (params.stop_strings and any(
+                    s in self.tokenizer.decode(tokens[:i + 1]) for s in params.stop_strings)):
+                return tokens[:i + 1], True
+        return tokens, False
+
+    @staticmethod
+    def _score(rollout, ids: list[int]) -> list[float]:
+        """The log-prob of each token of `ids` after its prefix under the engine's weights (temperature 1)."""
+        if len(ids) < 2:
+            return []
+        scored = rollout.probe_logprobs(ids)
+        if scored is None:
+            raise ApiError(400, f"the {rollout.engine_name} engine cannot score given tokens: sample at temperature 1 "
+                                "without top_k / top_p, and without prompt log-probs", param="sampling_params")
+        return scored
 
 
-def _pick(logits: torch.Tensor, params: SampleParams, generator) -> torch.Tensor:
-    """The next token of each row [n] from logits [n, vocab]: greedy at temperature 0, else top-k / top-p sampling."""
-    if params.temperature == 0:
-        return logits.argmax(-1)
-    z = logits / params.temperature
-    if params.top_k > 0:
-        kth = z.topk(min(params.top_k, z.shape[-1]), dim=-1).values[:, -1:]
-        z = z.masked_fill(z < kth, -math.inf)
-    if params.top_p < 1:
-        sorted_z, order = z.sort(dim=-1, descending=True)
-        probs = torch.softmax(sorted_z, dim=-1)
-        drop = probs.cumsum(-1) - probs > params.top_p  # keep the smallest prefix reaching top_p
-        z = z.scatter(-1, order, sorted_z.masked_fill(drop, -math.inf))
-    return torch.multinomial(torch.softmax(z, dim=-1), 1, generator=generator).squeeze(-1)
+def checkpoint_parts(tinker_path: str) -> list[str] | None:
+    """[RUN, KIND, NAME] of tinker://RUN/KIND/NAME (KIND weights or sampler_weights); None: not such a path."""
+    parts = tinker_path.removeprefix("tinker://").split("/")
+    if not tinker_path.startswith("tinker://") or len(parts) != 3 or parts[1] not in ("weights", "sampler_weights") \
+            or any(p in ("", ".", "..") for p in parts):
+        return None
+    return parts
+
+
+@contextlib.contextmanager
+def _quiet_load():
+    """transformers' load report for a model whose untied head is not in its files (filled right after)."""
+    from transformers.utils import logging as hf_logging
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)

@@ -29,7 +29,12 @@ from __future__ import annotations
 import math
 from typing import Any, Optional
 
-from plait.profiler.analysis import verdict as V
+from plait.modes import MODES, SYNC, Mode
+
+# the run's facts (verdict.py's Facts: settings, metrics) and the sizes both modules read; verdict.py imports them
+PADDING = "global_seqlen/padding_ratio"
+MEMORY_FULL = 0.90     # a stage's peak >= 90 % of the device's memory
+TOKEN_END = "actor_rollout_ref.rollout.profiler.tool_config.torch.profile_token_end"
 
 ROLE_OF = {"gen": "rollout", "old_log_prob": "actor", "update_actor": "actor", "ref": "ref", "values": "critic",
            "update_critic": "critic"}  # the stages whose memory grows with the tokens of a micro-batch
@@ -41,10 +46,10 @@ MICRO = {  # key -> (the stage whose micro-batch it sizes, the rows one such pas
     "critic.ppo_micro_batch_size_per_gpu": ("update_critic", None),
 }
 BUDGET = "actor_rollout_ref.actor.ppo_max_token_len_per_gpu"
-UNCHANGED = ("trainer.test_freq", "trainer.save_freq", "global_profiler.steps", V.TOKEN_END, "reward.num_workers")
+UNCHANGED = ("trainer.test_freq", "trainer.save_freq", "global_profiler.steps", TOKEN_END, "reward.num_workers")
 
 
-def stage_peaks(f: V.Facts) -> tuple[str, dict[str, float]]:
+def stage_peaks(f) -> tuple[str, dict[str, float]]:
     """(counter, stage -> its peak in GB, median over the verdict's steps); `step` left out: it folds in the others."""
     found: dict[str, dict[str, float]] = {}
     for k, v in f.metrics.items():
@@ -64,14 +69,14 @@ def role_peaks(peaks: dict[str, float]) -> dict[str, float]:
     return out
 
 
-def token_ratios(f: V.Facts, key: str, value: Any) -> Optional[dict[str, float]]:
+def token_ratios(f, key: str, value: Any) -> Optional[dict[str, float]]:
     """stage -> tokens one of its micro-batches holds with `key=value` over today's; {} for a key that changes
     no stage's micro-batch; None for a key the model does not cover (modes, staleness, devices, engines)."""
     s, m = f.settings, f.metrics
     if key in UNCHANGED:
         return {}
-    world = V.world_size(f)
-    rows = math.ceil(V.update_rows(f) / world)  # one rank's share of a log-prob pass
+    world = world_size(f)
+    rows = math.ceil(update_rows(f) / world)  # one rank's share of a log-prob pass
     mini = s.get("actor_rollout_ref.actor.ppo_mini_batch_size", 0) * s.get("actor_rollout_ref.rollout.n", 1)
     mini = math.ceil(mini / world)  # one rank's share of an optimizer step
     now = s.get(key)
@@ -88,12 +93,12 @@ def token_ratios(f: V.Facts, key: str, value: Any) -> Optional[dict[str, float]]
         new = min(value, resp) if value < now else value  # a raised limit: taken as reached (the most it holds)
         return {stage: (prompt + new) / (prompt + resp) for stage in ROLE_OF}
     if key == "actor_rollout_ref.model.use_remove_padding" and value:
-        real = 1 - m.get(V.PADDING, 0.0)  # packed: the real tokens only
+        real = 1 - m.get(PADDING, 0.0)  # packed: the real tokens only
         return {stage: real for stage in ROLE_OF if stage != "gen"}
     return None
 
 
-def predict(f: V.Facts, key: str, value: Any) -> dict:
+def predict(f, key: str, value: Any) -> dict:
     """`key=value`'s predicted peaks: {"counter", "fixed_gb", "stages": {stage: {"now_gb", "tokens_ratio",
     "after_gb"}} for the stages it changes, "now" and "after": role -> GB ("process" included)}; {"why": ...}
     when nothing is predicted."""
@@ -113,7 +118,7 @@ def predict(f: V.Facts, key: str, value: Any) -> dict:
             "now": role_peaks(peaks), "after": role_peaks(after)}
 
 
-def attach(v: V.Verdict, f: V.Facts) -> Optional[str]:
+def attach(v, f) -> Optional[str]:
     """Puts the suggestion's predicted peaks on its verdict (`memory`; `predicted`: peak_gb for the process and
     <role>_peak_gb for each role it changes; the expected text) and returns why it is not offered as printed:
     it raises the process's peak to MEMORY_FULL of the device's memory (with the largest micro-batch that
@@ -125,13 +130,38 @@ def attach(v: V.Verdict, f: V.Facts) -> Optional[str]:
     roles = {ROLE_OF[st] for st in v.memory["stages"] if st in ROLE_OF}
     v.predicted.update({"peak_gb": after["process"], **{f"{r}_peak_gb": after[r] for r in sorted(roles)}})
     v.expected += f"; process peak memory about {after['process']:.3g} GB instead of {now['process']:.3g} GB"
-    if not cap or after["process"] <= now["process"] or after["process"] < V.MEMORY_FULL * cap:
+    if not cap or after["process"] <= now["process"] or after["process"] < MEMORY_FULL * cap:
         return None
     why = (f"its predicted process peak {after['process']:.3g} GB is {100 * after['process'] / cap:.0f} % of the "
-           f"device's {cap:.3g} GB (at or above {100 * V.MEMORY_FULL:.0f} %: out of memory likely)")
+           f"device's {cap:.3g} GB (at or above {100 * MEMORY_FULL:.0f} %: out of memory likely)")
     if v.key in MICRO and isinstance(v.value, int):
         fits = next((n for n in range(v.value - 1, (f.settings.get(v.key) or 0), -1)
-                     if predict(f, v.key, n)["after"]["process"] < V.MEMORY_FULL * cap), None)
+                     if predict(f, v.key, n)["after"]["process"] < MEMORY_FULL * cap), None)
         if fits:
             why += f"; {v.key}={fits} is predicted to stay under"
     return why
+
+
+def run_mode(f) -> Mode:
+    """The run's row of plait/modes.py; a mode this plait does not know (another version's profile) reads as a
+    mode with none of the facts the rules ask about."""
+    return MODES.get(f.settings.get("trainer.mode", SYNC), Mode(lm=False))
+
+
+def world_size(f) -> int:
+    """The actor's data-parallel ranks: Ray's trainer processes (CPU) or GPUs; one on the local backend."""
+    s = f.settings
+    if s.get("trainer.backend") != "ray":
+        return 1
+    if s.get("device") == "cpu":
+        return s.get("trainer.ray.num_cpu_workers", 1)
+    return s.get("trainer.nnodes", 1) * s.get("trainer.n_gpus_per_node", 1)
+
+
+def update_rows(f) -> int:
+    """The responses one update reads (every rank's): the step's, or in a streaming mode one local update's."""
+    s = f.settings
+    n = s.get("actor_rollout_ref.rollout.n", 1)
+    if run_mode(f).streams:
+        return s.get("actor_rollout_ref.actor.ppo_mini_batch_size", 0) * s.get("async_training.require_batches", 1) * n
+    return s.get("data.train_batch_size", 0) * n

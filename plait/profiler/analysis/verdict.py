@@ -35,8 +35,10 @@ import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Optional
 
-from plait.modes import MODES, ONE_STEP_OFF, SYNC, Mode
+from plait.modes import ONE_STEP_OFF, SYNC
 from plait.profiler.analysis.accounting import UNATTRIBUTED, StepTime, median_shares
+from plait.profiler.analysis.memory_fit import (MEMORY_FULL, PADDING, TOKEN_END, attach, run_mode, update_rows,
+                                                world_size)
 from plait.profiler.analysis.alarms import CAVEAT
 from plait.profiler.timeline import ROLLOUT_WORK, rank_stages
 
@@ -55,8 +57,6 @@ UPDATE_SHARE = 0.40    # update_actor >= 40 % of the step, with a cause below
 MICRO_BATCHES = 4      # >= 4 micro-batches per optimizer step: raise the micro-batch
 UPDATE_OVER_FORWARD = 3.0  # a forward + backward ~ 3 forwards over the same tokens (old_log_prob's)
 PADDING_SHARE = 0.30   # ... or >= 30 % of the batch's tokens are padding, unpacked
-PADDING = "global_seqlen/padding_ratio"
-MEMORY_FULL = 0.90     # a stage's peak >= 90 % of the device's memory
 OVERHEAD_SHARE = 0.25  # validation / checkpoints / profiler >= 25 % of the run's wall time ...
 OVERHEAD_TARGET = 0.10  # ... and the suggested frequency brings it to about 10 %
 HOLE_SHARE = 0.15      # unattributed >= 15 % of the step
@@ -265,12 +265,6 @@ def training_s(f: Facts) -> float:
     """The trainer's own work per step: every part but generation, waits, validation, checkpoints,
     the lifecycle's spans and the unattributed."""
     return sum(v for k, v in f.trainer_s.items() if k not in NOT_TRAINING)
-
-
-def run_mode(f: Facts) -> Mode:
-    """The run's row of plait/modes.py; a mode this plait does not know (another version's profile) reads as a
-    mode with none of the facts the rules ask about."""
-    return MODES.get(f.settings.get("trainer.mode", SYNC), Mode(lm=False))
 
 
 def responses_per_step(f: Facts) -> Optional[int]:
@@ -527,16 +521,6 @@ def update_cost(f: Facts) -> Optional[Verdict]:
                    {"update_s": bound, "step_s": f.step_s - update + bound})
 
 
-def world_size(f: Facts) -> int:
-    """The actor's data-parallel ranks: Ray's trainer processes (CPU) or GPUs; one on the local backend."""
-    s = f.settings
-    if s.get("trainer.backend") != "ray":
-        return 1
-    if s.get("device") == "cpu":
-        return s.get("trainer.ray.num_cpu_workers", 1)
-    return s.get("trainer.nnodes", 1) * s.get("trainer.n_gpus_per_node", 1)
-
-
 def micro_batches(f: Facts, micro: Optional[int] = None) -> Optional[tuple[int, int, int]]:
     """(update micro-batches per epoch with `micro` samples each (None: the run's), old_log_prob's forward
     micro-batches, mini-batches per epoch), on one rank; None when the settings lack them."""
@@ -550,15 +534,6 @@ def micro_batches(f: Facts, micro: Optional[int] = None) -> Optional[tuple[int, 
     minis = math.ceil(rows / per_mini)
     log_prob = s.get("actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu") or rows  # null: one forward
     return (minis * math.ceil(math.ceil(per_mini / world) / micro), math.ceil(math.ceil(rows / world) / log_prob), minis)
-
-
-def update_rows(f: Facts) -> int:
-    """The responses one update reads (every rank's): the step's, or in a streaming mode one local update's."""
-    s = f.settings
-    n = s.get("actor_rollout_ref.rollout.n", 1)
-    if run_mode(f).streams:
-        return s.get("actor_rollout_ref.actor.ppo_mini_batch_size", 0) * s.get("async_training.require_batches", 1) * n
-    return s.get("data.train_batch_size", 0) * n
 
 
 def micro_batch_fit(f: Facts, k: float, k_new: float, m: int) -> tuple[float, str]:
@@ -645,7 +620,6 @@ def overhead(f: Facts) -> list[Verdict]:
     return out
 
 
-TOKEN_END = "actor_rollout_ref.rollout.profiler.tool_config.torch.profile_token_end"
 TOKEN_END_SUGGESTED = 32  # decode steps per generate kept in the rollout's trace
 FREQ = {"validation": "trainer.test_freq", "checkpoints": "trainer.save_freq"}
 
@@ -756,11 +730,10 @@ def verdicts(f: Facts, top: int = 3, skipped: Optional[list[str]] = None) -> lis
             (skipped if skipped is not None else []).append(f"{rule.__name__}: {type(err).__name__}: {err}")
             continue
         found += got if isinstance(got, list) else [got] if got else []
-    from plait.profiler.analysis import memory_fit  # it reads this module's Facts
     for v in found:  # one place for the rule of rules: a key that does nothing on this run, or that would
         why = no_effect_here(v.key, f.settings) if v.key else None  # fill the device's memory, is not suggested
         if v.key and not why:
-            why = memory_fit.attach(v, f)
+            why = attach(v, f)
         if why:
             v.advice = f"{v.key} would be the lever, but {why}"
             v.key, v.value = "", None

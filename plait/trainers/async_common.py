@@ -34,6 +34,7 @@ class BusyClock:
     def __init__(self):
         self._lock = threading.Lock()
         self._spans: list[list] = []  # [start, end]; end None while busy
+        self.finished: float | None = None  # when the thread had nothing left to do (the run's last batch made)
 
     @contextlib.contextmanager
     def busy(self):
@@ -45,9 +46,16 @@ class BusyClock:
         finally:
             span[1] = time.perf_counter()
 
+    def finish(self) -> None:
+        """The thread has nothing left to do: from now on it is done, not idle (it waits on nobody)."""
+        with self._lock:
+            self.finished = time.perf_counter()
+
     def idle_ratio(self, start: float, end: float) -> float:
-        """Idle share of [start, end]; spans ending before `start` are dropped (windows move forward)."""
+        """Idle share of [start, end], time after `finish` left out of the idle; spans ending before `start`
+        are dropped (windows move forward)."""
         with self._lock:
             self._spans = [s for s in self._spans if s[1] is None or s[1] > start]
             busy = sum(max(0.0, min(end if e is None else e, end) - max(s, start)) for s, e in self._spans)
-        return max(0.0, 1.0 - busy / max(end - start, 1e-9))
+            live = min(end, self.finished) if self.finished is not None else end
+        return max(0.0, live - start - busy) / max(end - start, 1e-9)

@@ -123,3 +123,11 @@ def test_identical_fully_async_runs_get_the_same_first_verdict(tmp_path, tiny_co
     firsts = [first(planted(tmp_path / str(i), tiny_config, *FULLY_ASYNC)) for i in range(3)]
     assert {(v["rule"], v["key"], json.dumps(v["value"])) for v in firsts} == {
         ("async_both_idle", "async_training.staleness_threshold", "1")}
+
+
+def test_the_last_step_of_a_one_step_off_run_is_not_read_as_waiting(tmp_path, tiny_config):
+    """Its generation thread has made the run's last batch: it was done, not idle (it read 1.0 before)."""
+    planted(tmp_path, tiny_config, "trainer.mode=one_step_off", "trainer.placement=separated")
+    records = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    last = max((r for r in records if "rollouter/idle_ratio" in r), key=lambda r: r["step"])
+    assert last["step"] == 4 and last["rollouter/idle_ratio"] < 0.5

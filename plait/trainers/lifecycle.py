@@ -117,7 +117,8 @@ class Lifecycle:
         error: BaseException | None = None
         step = start = 0
         TIMELINE.open(os.path.join(self.cfg.output_dir, TIMELINE_FILE))
-        SAMPLES.open(os.path.join(self.cfg.output_dir, SAMPLES_FILE))  # per-sample spans (profiler/samples.py)
+        if self.profiler_cfg.samples:  # per-sample spans (profiler/samples.py); unopened, the log writes nothing
+            SAMPLES.open(os.path.join(self.cfg.output_dir, SAMPLES_FILE))
         try:
             with signals_as_interrupt(self.stop):
                 start = self._restart(last, profiler)

@@ -112,7 +112,7 @@ class Lifecycle:
     def run(self) -> dict[str, float]:
         """Train to the last step; returns the last step's metrics."""
         last = self.trainer.total_steps()
-        profiler = StepProfiler(self.profiler_cfg, last, self.trainer.profile_targets())
+        profiler = StepProfiler(self.profiler_cfg, last, self.trainer.profile_targets(), self.tracker.note)
         metrics: dict[str, float] = {}
         error: BaseException | None = None
         step = start = 0

@@ -123,7 +123,8 @@ def read_artifacts(inp: Inputs, clock: Clock, out_dir: Optional[str]) -> list[Ar
         merged = None
         if out_dir is not None and steps is not None and traced:
             name = f"step{steps[0]}" + (f"-{steps[1]}" if steps[1] != steps[0] else "") + ".trace.json.gz"
-            merged = MergedTrace(os.path.join(out_dir, name), clock)
+            ranks = {r["rank"] for r in traced}  # one rank's traces: HTA reads it from the file (distributedInfo)
+            merged = MergedTrace(os.path.join(out_dir, name), clock, next(iter(ranks)) if len(ranks) == 1 else None)
             merged.spans([s for s in inp.spans if steps[0] <= s["step"] <= steps[1]], names)
         for rec in records:
             got = _artifact(inp, rec, clock, lanes, merged)

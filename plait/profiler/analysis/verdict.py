@@ -830,10 +830,11 @@ def verdicts(f: Facts, top: int = 3, skipped: Optional[list[str]] = None) -> lis
         found += got if isinstance(got, list) else [got] if got else []
     for v in found:  # one place for the rule of rules: a key that does nothing on this run, or asks for more of
         # the machine than it has, is not suggested
-        why = (no_effect_here(v.key, f.settings) or cannot_carry(v.overrides(), f.settings)) if v.key else None
+        why = next(filter(None, (no_effect_here(k, f.settings) for k in v.overrides())), None) or \
+            (cannot_carry(v.overrides(), f.settings) if v.key else None)
         if why:
-            v.advice = f"{v.key} would be the lever, but {why}"
-            v.key, v.value = "", None
+            v.advice = f"{' '.join(v.overrides())} would be the lever, but {why}"
+            v.key, v.value, v.also = "", None, {}
     keep = [v for v in found if v.saving >= MIN_SAVING or v.rule == "memory_full"]
     keep.sort(key=lambda v: -v.saving)
     out, keys = [], set()

@@ -46,16 +46,16 @@ class BusyClock:
         finally:
             span[1] = time.perf_counter()
 
-    def finish(self) -> None:
-        """The thread has nothing left to do: from now on it is done, not idle (it waits on nobody)."""
+    def finish(self, at: float | None = None) -> None:
+        """The thread has had nothing left to do since `at` (perf_counter; None: now): done, not idle."""
         with self._lock:
-            self.finished = time.perf_counter()
+            self.finished = time.perf_counter() if at is None else at
 
     def idle_ratio(self, start: float, end: float) -> float:
-        """Idle share of [start, end], time after `finish` left out of the idle; spans ending before `start`
-        are dropped (windows move forward)."""
+        """Idle share of [start, end] up to `finish` (the time it still had work: after it, it is done, not
+        idle; a window wholly after it reads 0); spans ending before `start` are dropped (windows move forward)."""
         with self._lock:
             self._spans = [s for s in self._spans if s[1] is None or s[1] > start]
-            busy = sum(max(0.0, min(end if e is None else e, end) - max(s, start)) for s, e in self._spans)
             live = min(end, self.finished) if self.finished is not None else end
-        return max(0.0, live - start - busy) / max(end - start, 1e-9)
+            busy = sum(max(0.0, min(live if e is None else e, live) - max(s, start)) for s, e in self._spans)
+        return max(0.0, 1.0 - busy / (live - start)) if live > start else 0.0

@@ -69,8 +69,8 @@ class OneStepOffTrainer(LMTrainer):
         if step < self.total_steps():
             self.pending = self.pool.submit(self._generate_ahead, self.cursor.next(), self.sample_seed(step + 1),
                                             self.cursor.epoch, now())
-        else:  # the last batch is made: the generation thread is done, not waiting on the trainer
-            self.gen_clock.finish()
+        else:  # the last batch was made: the generation thread has been done since, not waiting on the trainer
+            self.gen_clock.finish(self.gen_free_since)
         return batch
 
     def _generate(self, prompts: PromptBatch, seed: int, epoch: int, submitted: float | None = None) -> RolloutBatch:

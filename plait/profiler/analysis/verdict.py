@@ -201,10 +201,25 @@ def facts(steps: list[StepTime], metrics: list[dict], summary: Optional[dict], s
         trainer_s=_median_seconds(kept, trainer_lane) if trainer_lane else {},
         rollouter=median_shares(kept, rollouter) if rollouter else {},
         rollout_busy_s=statistics.median(busy) if rollouter and busy else 0.0,
-        metrics={k: statistics.median(m[k] for m in metrics if isinstance(m.get(k), (int, float))) for k in numeric},
+        metrics={k: statistics.median(m[k] for m in _idle_steps(k, metrics, steps, summary) if isinstance(m.get(k), (int, float)))
+                 for k in numeric},
         wall=summary.get("wall_s") or {}, settings=summary.get("settings") or {},
         memory_peak=summary.get("memory_peak"), basis=basis, profiled=sorted(profiled),
         profiler=profiler_cost(steps, profiled, spans), ranks=rank_facts(spans, chosen))
+
+
+IDLE_KEYS = ("trainer/idle_ratio", "rollouter/idle_ratio")
+
+
+def _idle_steps(key: str, metrics: list[dict], steps: list[StepTime], summary: dict) -> list[dict]:
+    """The records an idle ratio's median reads: an overlapping mode's last step winds down (its rollouter has
+    made every batch and is done, the trainer trains the last), so it is not the run's steady state and is left
+    out while another step remains, as the first step's warm-up is."""
+    mode = MODES.get((summary.get("settings") or {}).get("trainer.mode", SYNC))
+    last = max((st.step for st in steps), default=None)
+    if key not in IDLE_KEYS or mode is None or not mode.idle_pair:
+        return metrics
+    return [m for m in metrics if m.get("step") != last] or metrics
 
 
 def profiled_steps(spans: list[dict]) -> set[int]:

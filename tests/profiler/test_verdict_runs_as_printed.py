@@ -3,7 +3,6 @@ log-prob micro-batch of one is named with its keys, a finished rollouter is not 
 runs get the same first verdict. Synthetic facts for the rules, short CPU runs of the tiny model for the rest."""
 
 import json
-import os
 import re
 import time
 

@@ -20,9 +20,10 @@ every test_freq / save_freq steps; the overhead rules read them from the wall ti
 cost is not a verdict but a line of its own (`profiler_line`), so profiling a run does not change what
 it is told.
 A rule suggests only keys that act on the run's backend and device (config_verl's tables of keys with
-no effect there), and each prediction is computed for the value it suggests (`predicted`, the quantity
-`plait profile diff` measures in the rerun). The
-thresholds are the constants below; docs/profiling.md says what each rule means. What is left out:
+no effect there) and that this machine's CPUs and GPUs can carry (`cannot_carry`), printed with every key
+the suggestion needs (`also`: one_step_off's placement) so the line runs as printed; each prediction
+is computed for the value it suggests (`predicted`, the quantity `plait profile diff` measures in the
+rerun). The thresholds are the constants below; docs/profiling.md says what each rule means. What is left out:
 multi-node placement advice, kernels (the report's top operators), and anything the records lack
 (a run from before summary.json carried `settings` gets only the rules that need none).
 """
@@ -323,12 +324,13 @@ def generation_bound(f: Facts) -> Optional[Verdict]:
     else:
         return None
     placement = MODES[ONE_STEP_OFF].placement  # the mode refuses the run's other placement: both keys, as printed
+    also = {"trainer.placement": placement} if placement and f.settings.get("trainer.placement") != placement else {}
     return Verdict(rule, where, share, _of_step(f), what, "trainer.mode", ONE_STEP_OFF,
                    f"step >= max(gen {gen:.3g} s, training {train:.3g} s): about {bound:.3g} s instead of {f.step_s:.3g} s; "
                    "samples one policy version behind", min(gen, train) / f.step_s,
                    [f"gen {gen:.3g} s of a {f.step_s:.3g} s step", f"training stages {train:.3g} s"],
                    {"gen_s": gen, "training_s": train, "step_s": f.step_s}, {"step_s": bound},
-                   also={"trainer.placement": placement} if placement and f.settings.get("trainer.placement") != placement else {})
+                   also=also)
 
 
 def async_idle(f: Facts) -> Optional[Verdict]:

@@ -58,6 +58,11 @@ def test_a_suggestion_this_machine_cannot_carry_is_not_made():
     assert (on_four.key, on_four.value) == ("trainer.ray.num_cpu_workers", 2)
     local = V.async_idle(facts({**BALANCED, "wait_rollout": 0.1}, {**CPU_RAY, "trainer.backend": "local"}, trainer_bound, busy=1.0))
     assert local.key == "" and "with 2 workers would, but it needs 3 CPUs and this machine has 2" in local.line()
+    gpus = {**CPU_RAY, "device": "cuda", "trainer.n_gpus_per_node": 1, "actor_rollout_ref.rollout.n_gpus_per_node": 1,
+            "gpus": 2}
+    assert V.cannot_carry({"trainer.n_gpus_per_node": 2}, gpus) == "it needs 3 GPUs and this machine has 2"
+    assert V.cannot_carry({"trainer.n_gpus_per_node": 2}, {**gpus, "trainer.placement": "colocated"}) is None
+    assert V.cannot_carry({"trainer.n_gpus_per_node": 2}, {**gpus, "trainer.nnodes": 2}) is None  # a cluster's count is not known
 
 
 def test_an_idle_ratio_near_its_threshold_names_no_side():

@@ -138,6 +138,9 @@ class GlobalProfilerConfig:
     # run trains, in a process of its own at low priority, and once more at the end; 0: off
     # (`plait profile report --watch DIR` does it from outside the run)
     report_freq: int = 0
+    # plait's own: write samples.jsonl (every sample's lifecycle, some 500 bytes per sample per step); false: not
+    # written (a long run's disk), and the report's per-sample section is then empty
+    samples: bool = True
 
     def __post_init__(self):
         check(self.tool != "precision_debugger", "tool", self.tool, PRECISION_DEBUGGER_WHY)
@@ -155,6 +158,7 @@ class GlobalProfilerConfig:
                   rank, "expected a rank >= 0")
         check(isinstance(self.report_freq, int) and not isinstance(self.report_freq, bool) and self.report_freq >= 0,
               "report_freq", self.report_freq, "expected an integer >= 0 (steps between live reports; 0: off)")
+        check(isinstance(self.samples, bool), "samples", self.samples, "expected true or false (write samples.jsonl)")
         check(self.finish_hook_cmd is None or (isinstance(self.finish_hook_cmd, str)
                                                and self.finish_hook_cmd.strip() != ""),
               "finish_hook_cmd", self.finish_hook_cmd, "expected null or a non-empty shell command")

@@ -6,6 +6,7 @@
     close(error)             ─▶ close an open window (complete=false), hook if due; idempotent
     note_start(first)        one warning line for listed steps a resumed run starts after
     busy_s                   seconds spent starting, stopping and writing (the run's summary)
+    note(line)               one console line as a window's traces are written (it can take many seconds)
 
 A target is one worker process (ProfileTarget): the local backend passes its ProfilerSession,
 Ray a proxy that forwards the two calls. The finish hook runs once, after the last window
@@ -19,8 +20,9 @@ wait there for a whole generate).
 from __future__ import annotations
 
 import logging
+import sys
 import time
-from typing import Optional, Protocol, Sequence
+from typing import Callable, Optional, Protocol, Sequence
 
 from plait.profiler.config import GlobalProfilerConfig, snapshot_steps
 from plait.profiler.hook import run_finish_hook
@@ -36,8 +38,10 @@ class ProfileTarget(Protocol):
 
 
 class StepProfiler:
-    def __init__(self, cfg: GlobalProfilerConfig, last_step: int, targets: Sequence[ProfileTarget]):
+    def __init__(self, cfg: GlobalProfilerConfig, last_step: int, targets: Sequence[ProfileTarget],
+                 note: Optional[Callable[[str], None]] = None):
         self.cfg = cfg
+        self.note = note or (lambda line: print(line, file=sys.stderr))
         self.plan = plan((cfg.steps or []) if cfg.tool else [], last_step, cfg.profile_continuous_steps,
                          snapshot_steps(cfg))
         if self.plan.warning:
@@ -88,6 +92,10 @@ class StepProfiler:
 
     def _stop(self, complete: bool) -> None:
         t0 = time.perf_counter()
+        if self.open is not None:  # writing the traces takes seconds to minutes: the console is not left silent
+            steps = f"step {self.open.first}" if self.open.first == self.open.last else \
+                f"steps {self.open.first}-{self.open.last}"
+            self.note(f"plait: profiler: writing the {self.cfg.tool} traces of {steps} to {self.cfg.save_path} ...")
         self.open = None
         records: list[dict] = []
         for target in self.targets:

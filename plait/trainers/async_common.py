@@ -34,6 +34,7 @@ class BusyClock:
     def __init__(self):
         self._lock = threading.Lock()
         self._spans: list[list] = []  # [start, end]; end None while busy
+        self.finished: float | None = None  # when the thread had nothing left to do (the run's last batch made)
 
     @contextlib.contextmanager
     def busy(self):
@@ -45,9 +46,16 @@ class BusyClock:
         finally:
             span[1] = time.perf_counter()
 
+    def finish(self, at: float | None = None) -> None:
+        """The thread has had nothing left to do since `at` (perf_counter; None: now): done, not idle."""
+        with self._lock:
+            self.finished = time.perf_counter() if at is None else at
+
     def idle_ratio(self, start: float, end: float) -> float:
-        """Idle share of [start, end]; spans ending before `start` are dropped (windows move forward)."""
+        """Idle share of [start, end] up to `finish` (the time it still had work: after it, it is done, not
+        idle; a window wholly after it reads 0); spans ending before `start` are dropped (windows move forward)."""
         with self._lock:
             self._spans = [s for s in self._spans if s[1] is None or s[1] > start]
-            busy = sum(max(0.0, min(end if e is None else e, end) - max(s, start)) for s, e in self._spans)
-        return max(0.0, 1.0 - busy / max(end - start, 1e-9))
+            live = min(end, self.finished) if self.finished is not None else end
+            busy = sum(max(0.0, min(live if e is None else e, live) - max(s, start)) for s, e in self._spans)
+        return max(0.0, 1.0 - busy / (live - start)) if live > start else 0.0

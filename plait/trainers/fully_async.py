@@ -145,6 +145,7 @@ class FullyAsyncTrainer(LMTrainer):
             with self.cond:
                 self.error = err
         finally:
+            self.gen_clock.finish()  # what follows is the run's end, not a wait on the trainer
             with self.cond:
                 self.finished = True
                 self.cond.notify_all()

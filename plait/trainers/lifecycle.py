@@ -112,12 +112,13 @@ class Lifecycle:
     def run(self) -> dict[str, float]:
         """Train to the last step; returns the last step's metrics."""
         last = self.trainer.total_steps()
-        profiler = StepProfiler(self.profiler_cfg, last, self.trainer.profile_targets())
+        profiler = StepProfiler(self.profiler_cfg, last, self.trainer.profile_targets(), self.tracker.note)
         metrics: dict[str, float] = {}
         error: BaseException | None = None
         step = start = 0
         TIMELINE.open(os.path.join(self.cfg.output_dir, TIMELINE_FILE))
-        SAMPLES.open(os.path.join(self.cfg.output_dir, SAMPLES_FILE))  # per-sample spans (profiler/samples.py)
+        if self.profiler_cfg.samples:  # per-sample spans (profiler/samples.py); unopened, the log writes nothing
+            SAMPLES.open(os.path.join(self.cfg.output_dir, SAMPLES_FILE))
         try:
             with signals_as_interrupt(self.stop):
                 start = self._restart(last, profiler)

@@ -69,6 +69,8 @@ class OneStepOffTrainer(LMTrainer):
         if step < self.total_steps():
             self.pending = self.pool.submit(self._generate_ahead, self.cursor.next(), self.sample_seed(step + 1),
                                             self.cursor.epoch, now())
+        else:  # the last batch was made: the generation thread has been done since, not waiting on the trainer
+            self.gen_clock.finish(self.gen_free_since)
         return batch
 
     def _generate(self, prompts: PromptBatch, seed: int, epoch: int, submitted: float | None = None) -> RolloutBatch:
@@ -86,8 +88,11 @@ class OneStepOffTrainer(LMTrainer):
 
     def _waited_for_trainer(self) -> None:
         """On the generation thread: its idle time since the last generate (or start) is a
-        `wait_trainer` span: nothing was submitted, the trainer was still learning."""
-        TIMELINE.add("rollout", "wait_trainer", self.gen_free_since, time.perf_counter(), self.version)
+        `wait_trainer` span: nothing was submitted, the trainer was still learning (until the run's last batch
+        was made: after that the thread is done, the timeline's `finished`)."""
+        end = self.gen_clock.finished or time.perf_counter()
+        if end > self.gen_free_since:
+            TIMELINE.add("rollout", "wait_trainer", self.gen_free_since, end, self.version)
 
     def after_update(self, step: int, timer: StageTimer) -> dict[str, float]:
         if self.pending is not None:

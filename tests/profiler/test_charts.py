@@ -101,3 +101,31 @@ def test_numbers_in_tables_are_for_people():
     from plait.profiler.analysis.report import _fmt
     assert [_fmt(v) for v in (9.64e-05, 0.0123, 1.23456, 12.345, 12345.6, 0.0, 7, float("inf"))] == \
         ["<0.001", "0.0123", "1.23", "12.3", "12,346", "0", "7", "-"]
+
+
+def _colliding() -> list[str]:
+    """Two names that are no plait stage and hash to the same colour (a chart then shifts one of them)."""
+    seen: dict[str, str] = {}
+    for i in range(1000):
+        name = f"tool_{i}"
+        if svg.colour(name) in seen:
+            return [seen[svg.colour(name)], name]
+        seen[svg.colour(name)] = name
+    raise AssertionError("no collision in 1000 names")
+
+
+def fills(drawing: str) -> dict[str, str]:
+    """name -> colour, from each bar's (or band's) tooltip and each legend entry's text."""
+    bars = dict((t.split(" ")[0], f) for f, t in re.findall(r'fill="(#[0-9a-f]+)"[^>]*><title>([^<]*)</title>', drawing))
+    keyed = dict((t, f) for f, t in re.findall(r'fill="(#[0-9a-f]+)"/><text [^>]*>([^<]*)</text>', drawing))
+    return {**{f"bar {k}": v for k, v in bars.items()}, **{f"key {k}": v for k, v in keyed.items()}}
+
+
+def test_the_gantt_and_memory_bars_are_the_colours_their_key_names():
+    a, b = _colliding()
+    spans = [("lane", a, 0.0, 0.4, f"{a} · step 1"), ("lane", b, 0.5, 0.9, f"{b} · step 1")]
+    fill = svg.colours([a, b])
+    got = {**fills(svg.gantt(["lane"], spans, 0.0, 1.0, fill)), **fills(svg.key([a, b], fill))}
+    assert got[f"bar {a}"] == got[f"key {a}"] and got[f"bar {b}"] == got[f"key {b}"] and got[f"key {a}"] != got[f"key {b}"]
+    memory = fills(svg.area([(0.0, 1), (1.0, 2**20)], [(a, 0.0, 0.4), (b, 0.5, 0.9)]))
+    assert memory[f"bar {a}"] == memory[f"key {a}"] and memory[f"bar {b}"] == memory[f"key {b}"]

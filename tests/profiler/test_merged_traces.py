@@ -132,3 +132,21 @@ def test_overlapping_timeline_spans_of_one_lane_get_lanes_of_their_own(tmp_path)
     merged.close()
     events = read_merged(str(tmp_path / "m.json.gz"))["traceEvents"]
     assert nesting_violations(events) == 0 and len({e["tid"] for e in events if e.get("ph") == "X"}) == 2
+
+
+def test_a_merged_trace_labels_each_process_with_its_roles_and_ranks_and_says_its_one_rank(tmp_path):
+    """HTA read every merged trace as rank 0 (no `distributedInfo`); a process running several roles (the
+    local backend's one process) was named after one of them. One rank's window: its rank in the header, and
+    every process labelled with each role and rank it ran."""
+    span = {"step": 1, "stage": "update_actor", "pid": 4242, "thread": "MainThread", "version": 0, "start": 1.0, "end": 2.0}
+    merged = MergedTrace(str(tmp_path / "m.json.gz"), Clock(1_790_000_000_000_000_000), rank=1)
+    merged.spans([{**span, "role": "trainer"}, {**span, "role": "actor", "rank": 1}], {4242: "actor rank 1"})
+    load_trace(FIXTURE, {"role": "actor", "rank": 1, "pid": 4242, "policy_version": 1, "steps": [1, 1]}, merged.clock, merged)
+    merged.close()
+    trace = read_merged(str(tmp_path / "m.json.gz"))
+    assert trace["distributedInfo"] == {"rank": 1}
+    labels = {e["pid"]: e["args"]["labels"] for e in trace["traceEvents"] if e.get("ph") == "M" and e["name"] == "process_labels"}
+    assert labels[4242] == "trainer, actor rank 1"
+    several = MergedTrace(str(tmp_path / "n.json.gz"), Clock(0))
+    several.close()
+    assert "distributedInfo" not in read_merged(str(tmp_path / "n.json.gz"))

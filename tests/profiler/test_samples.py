@@ -142,3 +142,14 @@ def test_a_run_without_samples_writes_no_file(tmp_path):
     log.flush(1)
     log.close(1)
     assert not (tmp_path / "samples.jsonl").exists()
+
+
+def test_samples_jsonl_has_an_off_switch(tmp_path, tiny_config):
+    """It grows by some 500 bytes per sample per step: `global_profiler.samples=false` writes none, and the
+    run and its summary are otherwise the same."""
+    from plait import driver
+    for name, extra in (("on", []), ("off", ["global_profiler.samples=false"])):
+        driver.build(tiny_config(tmp_path / name, "trainer.total_training_steps=2", "trainer.test_freq=-1", *extra),
+                     progress=False).run()
+    assert (tmp_path / "on" / "samples.jsonl").stat().st_size > 0
+    assert not (tmp_path / "off" / "samples.jsonl").exists() and (tmp_path / "off" / "summary.json").exists()

@@ -128,3 +128,11 @@ def test_hook_gets_no_config_spliced_into_its_command(tmp_path):
 def test_profiler_off_writes_nothing(tmp_path):
     save = run(tmp_path, [2, 3], continuous=True, tool=None)
     assert not save.exists()
+
+
+def test_a_window_says_one_line_while_its_traces_are_written(tmp_path, capsys):
+    """Writing a window's traces took 16.9 s on SmolLM2 with nothing on the console: one line each window."""
+    run(tmp_path, [2, 3, 5], continuous=True, hook=None)
+    lines = [line for line in capsys.readouterr().err.splitlines() if "writing the torch traces" in line]
+    assert lines == [f"plait: profiler: writing the torch traces of steps 2-3 to {tmp_path / 'profile'} ...",
+                     f"plait: profiler: writing the torch traces of step 5 to {tmp_path / 'profile'} ..."]

@@ -137,6 +137,8 @@ def measured(fb: verdict.Facts, quantity: str, rule: str) -> Optional[float]:
         return fb.step_s or None
     if quantity == "update_s":
         return t.get("update_actor")
+    if quantity == "log_prob_s":
+        return t.get("old_log_prob", 0.0) + t.get("ref", 0.0) or None
     if quantity == "reward_s":
         return t.get("reward")
     if quantity == "generation_s":

@@ -128,7 +128,8 @@ def read_artifacts(inp: Inputs, clock: Clock, out_dir: str, merge: bool) -> list
         merged = None
         if merge and steps is not None and traced:
             name = f"step{steps[0]}" + (f"-{steps[1]}" if steps[1] != steps[0] else "") + ".trace.json.gz"
-            merged = MergedTrace(os.path.join(out_dir, name), clock)
+            ranks = {r["rank"] for r in traced}  # one rank's traces: HTA reads it from the file (distributedInfo)
+            merged = MergedTrace(os.path.join(out_dir, name), clock, next(iter(ranks)) if len(ranks) == 1 else None)
             merged.spans([s for s in inp.spans if steps[0] <= s["step"] <= steps[1]], names)
         for rec in records:
             got = _artifact(inp, rec, clock, lanes, merged, out_dir)
@@ -465,6 +466,7 @@ def _gantt_section(inp: Inputs, steps: list[StepTime]) -> str:
             for s in inp.spans if s["stage"] != "step" and lane(s) in drawn]
     versions = {s["step"]: s["version"] for s in inp.spans if s["role"] == "trainer" and s["stage"] == "step"}
     busy: dict[str, float] = defaultdict(float)  # stage -> seconds drawn, for the key's order
+    fill = svg.colours(sorted({b[1] for b in bars}))  # one mapping for every step's chart and the key
     for st in shown:
         t0, t1 = st.start, st.start + st.wall
         inside = [b for b in bars if b[3] > t0 and b[2] < t1]
@@ -473,12 +475,12 @@ def _gantt_section(inp: Inputs, steps: list[StepTime]) -> str:
             busy[b[1]] += min(b[3], t1) - max(b[2], t0)
         policy = "" if versions.get(st.step) is None else f" · policy version {versions[st.step]}"
         out.append(f"<h3>step {st.step} · {st.wall:.3f} s{policy}</h3>")
-        out.append(svg.gantt(lanes, longest, t0, t1))
+        out.append(svg.gantt(lanes, longest, t0, t1, fill))
         if len(inside) > len(longest):
             out.append(f"<p class='note'>{len(longest):,} of {len(inside):,} spans drawn, the longest "
                        f"(the rest are in {TIMELINE_TRACE}).</p>")
     names = sorted(busy, key=lambda k: -busy[k])
-    out.append(svg.key(sorted(names[:MAX_KEY_NAMES])))
+    out.append(svg.key(sorted(names[:MAX_KEY_NAMES]), fill))
     if len(names) > MAX_KEY_NAMES:
         out.append(f"<p class='note'>the key names the {MAX_KEY_NAMES} stages with the most time drawn; "
                    f"{len(names) - MAX_KEY_NAMES} more: hover a bar for its name.</p>")

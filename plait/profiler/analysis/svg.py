@@ -15,6 +15,7 @@ from __future__ import annotations
 import html
 import math
 import zlib
+from typing import Optional
 
 PALETTE = ["#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f", "#edc948", "#b07aa1", "#ff9da7",
            "#9c755f", "#bab0ac", "#1f3b73", "#a0cbe8", "#ffbe7d", "#8cd17d", "#b6992d", "#499894",
@@ -78,8 +79,9 @@ def legend_height(names: list[str]) -> int:
     return (places[-1][1] + 1) * LEGEND_ROW if places else 0
 
 
-def legend(names: list[str], y: float) -> str:
-    out, fill = [], colours(names)
+def legend(names: list[str], y: float, fill: Optional[dict[str, str]] = None) -> str:
+    """`fill`: the colours of the chart the legend keys (its bars' own); None: colours(names)."""
+    out, fill = [], fill or colours(names)
     for name, (x, row) in zip(names, _legend_places(names)):
         top = y + row * LEGEND_ROW
         out.append(f'<rect x="{x:.0f}" y="{top:.0f}" width="10" height="10" fill="{fill[name]}"/>'
@@ -135,13 +137,17 @@ def x_axis(left: float, right: float, y: float, ticks: list[float], title: str, 
     return "".join(out)
 
 
-def key(names: list[str]) -> str:
-    """A legend on its own, on as many rows as it needs."""
-    return f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{legend_height(names) + 2}">{legend(names, 2)}</svg>'
+def key(names: list[str], fill: Optional[dict[str, str]] = None) -> str:
+    """A legend on its own, on as many rows as it needs, in the colours `fill` of the charts it keys."""
+    return (f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{legend_height(names) + 2}">'
+            f'{legend(names, 2, fill)}</svg>')
 
 
-def gantt(lanes: list[str], spans: list[tuple[str, str, float, float, str]], t0: float, t1: float) -> str:
-    """spans: (lane, stage, start, end, tooltip) in seconds; drawn from t0 to the round tick at or after t1."""
+def gantt(lanes: list[str], spans: list[tuple[str, str, float, float, str]], t0: float, t1: float,
+          fill: Optional[dict[str, str]] = None) -> str:
+    """spans: (lane, stage, start, end, tooltip) in seconds; drawn from t0 to the round tick at or after t1, each
+    stage in `fill`'s colour (the key's: several charts share one), else colours() of the stages drawn."""
+    fill = fill or colours(sorted({s[1] for s in spans}))
     left, row, width = 170, 22, W - 190
     ticks = nice_ticks(0.0, max(t1 - t0, 1e-9) if finite(t1 - t0) else 1.0)
     scale = width / ticks[-1]
@@ -158,7 +164,7 @@ def gantt(lanes: list[str], spans: list[tuple[str, str, float, float, str]], t0:
             continue
         y = 4 + index[lane] * row
         x, w = left + (s - t0) * scale, max((e - s) * scale, 0.5)
-        out.append(f'<rect x="{x:.1f}" y="{y}" width="{w:.1f}" height="{row - 4}" fill="{colour(stage)}">'
+        out.append(f'<rect x="{x:.1f}" y="{y}" width="{w:.1f}" height="{row - 4}" fill="{fill.get(stage) or colour(stage)}">'
                    f'<title>{_esc(tip)}</title></rect>')
         if w > 7 * len(stage):
             out.append(f'<text x="{x + 2:.1f}" y="{y + 13}" font-size="10" fill="#fff">{_esc(stage)}</text>')
@@ -238,20 +244,21 @@ def area(series: list[tuple[float, int]], bands: list[tuple[str, float, float]],
     sx = lambda t: left + (t - t0) / (t1 - t0) * (W - left - 20)  # noqa: E731
     sy = lambda b: base - b / top * plot_h  # noqa: E731
     names = sorted({b[0] for b in bands})
+    fill = colours(names)  # the bands' and the legend's: one mapping, so the key says what each band is
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{base + band_h + 46 + legend_height(names)}" '
            'class="memory">']
     for name, s, e in bands:
         s, e = max(s, t0), min(e, t1)
         if e > s:
             out.append(f'<rect x="{sx(s):.1f}" y="{top_y}" width="{max(sx(e) - sx(s), 0.5):.1f}" '
-                       f'height="{plot_h}" fill="{colour(name)}" opacity="0.18"><title>{_esc(name)}</title></rect>'
+                       f'height="{plot_h}" fill="{fill[name]}" opacity="0.18"><title>{_esc(name)}</title></rect>'
                        f'<rect x="{sx(s):.1f}" y="{base + 2}" width="{max(sx(e) - sx(s), 0.5):.1f}" '
-                       f'height="{band_h - 2}" fill="{colour(name)}"><title>{_esc(name)}</title></rect>')
+                       f'height="{band_h - 2}" fill="{fill[name]}"><title>{_esc(name)}</title></rect>')
     pts = " ".join(f"{sx(t):.1f},{sy(b):.1f}" for t, b in points)
     out.append(f'<polyline fill="none" stroke="#222" stroke-width="1.5" points="{pts}"/>')
     out.append(y_axis(left, base, top_y, y_ticks, "MiB"))
     out.append(x_axis(left, W - 20, base + band_h, x_ticks, "s from the window's first event"))
-    out.append(legend(names, base + band_h + 44))
+    out.append(legend(names, base + band_h + 44, fill))
     return "".join(out) + "</svg>"
 
 

@@ -7,7 +7,10 @@
     MergedTrace(path, clock)     ONE Chrome/Perfetto trace written as it goes: timeline spans (a thread
                                  per role, rank and thread; spans that overlap in one lane get lanes of
                                  their own) and every event of each torch trace added, processes named
-                                 "<role> rank <r>", flow ids renumbered per source, GPU rows a pid each
+                                 "<role> rank <r>" and labelled with every role and rank they ran
+                                 (process_labels), flow ids renumbered per source, GPU rows a pid each;
+                                 a file whose torch traces are all one rank's says it (`distributedInfo`,
+                                 which HTA reads a trace's rank from; several ranks in one file: none)
     load_trace(path, record, clock, merged)   one pass: events to the merged trace, and the ones the
                                  analysis reads kept (bounded: MAX_KEPT_EVENTS)
     op_totals(trace, lanes)      self time per operator per stage; GPU kernels charged to the operator
@@ -181,15 +184,18 @@ def origin_of(spans: list[dict], manifest: list[dict]) -> int:
 class MergedTrace:
     """One Chrome trace, written event by event (gzip); `close` adds the process and thread names."""
 
-    def __init__(self, path: str, clock: Clock):
+    def __init__(self, path: str, clock: Clock, rank: Optional[int] = None):
+        """`rank`: the one rank whose torch traces the file holds (HTA's `distributedInfo`); None: several, or none."""
         os.makedirs(os.path.dirname(path), exist_ok=True)
         self.clock, self.path = clock, path
         self.file = gzip.open(path, "wt", compresslevel=3, encoding="utf-8")
-        self.file.write(f'{{"displayTimeUnit": "ms", "otherData": {{"wall_clock_origin_ns": {clock.origin_ns}, '
+        info = "" if rank is None else f'"distributedInfo": {{"rank": {int(rank)}}}, '
+        self.file.write(f'{{"displayTimeUnit": "ms", {info}"otherData": {{"wall_clock_origin_ns": {clock.origin_ns}, '
                         f'"wall_clock_origin_us": {clock.origin_ns // 1000}, "source": "plait profile report", '
                         '"time": "integer microseconds from the origin"}, "traceEvents": [\n')
         self.first = True
         self.procs: dict = {}
+        self.labels: dict[int, list[str]] = defaultdict(list)  # pid -> every "<role> rank <r>" it ran
         self.threads: dict[tuple, str] = {}
         self.flows: dict[tuple, int] = {}
         self.pids: dict[tuple, int] = {}
@@ -222,6 +228,7 @@ class MergedTrace:
                 more = f" #{sub + 1}" if sub else ""
                 self.threads[(s["pid"], tids[key])] = f"{s['role']}{rank} stages ({s['thread']}){more}"
             self.procs.setdefault(s["pid"], role_of_pid.get(s["pid"], f"{s['role']} rank {s.get('rank') or 0}"))
+            self._label(s["pid"], s["role"] if s.get("rank") is None else f"{s['role']} rank {s['rank']}")
             self.write({"ph": "X", "cat": STAGE_CAT, "name": s["stage"], "pid": s["pid"], "tid": tids[key], "ts": ts,
                         "dur": end - ts, "args": {"step": s["step"], "role": s["role"], "policy_version": s["version"]}})
 
@@ -233,14 +240,21 @@ class MergedTrace:
             self.write({"ph": "X", "cat": SAMPLE_CAT, "name": span, "pid": SAMPLES_PID, "tid": lane, "ts": ts,
                         "dur": end - ts, "args": {"sample": sample, **args}})
 
+    def _label(self, pid: int, label: str) -> None:
+        if label not in self.labels[pid]:
+            self.labels[pid].append(label)
+
     def source(self, record: dict, host: int, name: str) -> "Source":
         self.sources += 1
         self.procs[host] = name
+        self._label(host, name)
         return Source(self, self.sources, host, name, record)
 
     def close(self) -> None:
         meta = [{"ph": "M", "name": "process_name", "pid": pid, "tid": 0, "args": {"name": name}}
                 for pid, name in self.procs.items()]
+        meta += [{"ph": "M", "name": "process_labels", "pid": pid, "tid": 0, "args": {"labels": ", ".join(labels)}}
+                 for pid, labels in self.labels.items()]
         meta += [{"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": name}}
                  for (pid, tid), name in self.threads.items()]
         for m in meta:

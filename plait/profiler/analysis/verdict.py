@@ -20,10 +20,11 @@ every test_freq / save_freq steps; the overhead rules read them from the wall ti
 cost is not a verdict but a line of its own (`profiler_line`), so profiling a run does not change what
 it is told.
 A rule suggests only keys that act on the run's backend and device (config_verl's tables of keys with
-no effect there), and each prediction is computed for the value it suggests (`predicted`, the quantity
-`plait profile diff` measures in the rerun), its peak memory per role too (memory_fit.py: a suggestion
-that would fill the device's memory is not offered as printed). The
-thresholds are the constants below; docs/profiling.md says what each rule means. What is left out:
+no effect there) and that this machine's CPUs and GPUs can carry (`cannot_carry`), printed with every key
+the suggestion needs (`also`: one_step_off's placement) so the line runs as printed; each prediction
+is computed for the value it suggests (`predicted`, the quantity `plait profile diff` measures in the
+rerun), its peak memory per role too (memory_fit.py: a suggestion that would fill the device's memory is not
+offered as printed). The thresholds are the constants below; docs/profiling.md says what each rule means. What is left out:
 multi-node placement advice, kernels (the report's top operators), and anything the records lack
 (a run from before summary.json carried `settings` gets only the rules that need none).
 """
@@ -35,7 +36,7 @@ import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Optional
 
-from plait.modes import ONE_STEP_OFF, SYNC
+from plait.modes import MODES, ONE_STEP_OFF, SYNC
 from plait.profiler.analysis.accounting import UNATTRIBUTED, StepTime, median_shares
 from plait.profiler.analysis.memory_fit import (MEMORY_FULL, PADDING, TOKEN_END, attach, run_mode, update_rows,
                                                 world_size)
@@ -47,6 +48,8 @@ GEN_SHARE = 0.40       # sync: generation >= 40 % of the step is generation-boun
 OVERLAP_SAVING = 0.30  # ... and a training-bound sync run whose overlap would hide >= 30 % is told so too
 IDLE_HIGH = 0.30       # async: a side that waits >= 30 % of the step is starved ...
 IDLE_LOW = 0.10        # ... and one that waits < 10 % is the bottleneck
+IDLE_MARGIN = 0.05     # ... each by this margin: a ratio within it of its threshold is too close to call (the
+#                        idle ratios of identical runs vary by about that much), so no side is named
 TAIL_RATIO = 3.0       # response length p99 / median >= 3: the tail holds generation
 TAIL_GEN_SHARE = 0.25  # ... when generation is >= 25 % of the step (sync) or the trainer waits on it
 REWARD_SHARE = 0.20    # reward >= 20 % of the step
@@ -57,6 +60,7 @@ UPDATE_SHARE = 0.40    # update_actor >= 40 % of the step, with a cause below
 MICRO_BATCHES = 4      # >= 4 micro-batches per optimizer step: raise the micro-batch
 UPDATE_OVER_FORWARD = 3.0  # a forward + backward ~ 3 forwards over the same tokens (old_log_prob's)
 PADDING_SHARE = 0.30   # ... or >= 30 % of the batch's tokens are padding, unpacked
+LOG_PROB_SHARE = 0.30  # old_log_prob + ref (forwards only) >= 30 % of the step, in >= MICRO_BATCHES forwards each
 OVERHEAD_SHARE = 0.25  # validation / checkpoints / profiler >= 25 % of the run's wall time ...
 OVERHEAD_TARGET = 0.10  # ... and the suggested frequency brings it to about 10 %
 HOLE_SHARE = 0.15      # unattributed >= 15 % of the step
@@ -80,7 +84,7 @@ SETTINGS = {
     "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu": "int?", "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu": "int?",
     "critic.ppo_micro_batch_size_per_gpu": "int?", "actor_rollout_ref.rollout.max_num_seqs": "int?",
     "reward.reward_model.rollout.response_length": "int?", "reward.reward_model.rollout.full_determinism": "bool",
-    "memory_capacity_gb": "num?", "device": "str?",
+    "trainer.ray.cpus_per_worker": "num", "memory_capacity_gb": "num?", "device": "str?", "cpus": "int?", "gpus": "int?",
 }
 
 
@@ -137,9 +141,15 @@ class Verdict:
     predicted: dict = field(default_factory=dict)
     advice: str = "see the Gantt's gaps"   # what to look at when no key helps (key "")
     memory: dict = field(default_factory=dict)  # the suggestion's predicted peaks per role (memory_fit.py)
+    also: dict = field(default_factory=dict)  # keys set with `key` (a mode's placement): the line prints them all
+
+    def overrides(self) -> dict:
+        """Every key the suggestion sets, as printed: `key` first."""
+        return {self.key: self.value, **self.also} if self.key else {}
 
     def line(self) -> str:
-        try_ = f"try {self.key}={_value(self.value)}" if self.key else f"try: {self.advice}"
+        try_ = ("try " + " ".join(f"{k}={_value(v)}" for k, v in self.overrides().items()) if self.key
+                else f"try: {self.advice}")
         return (f"{self.where} is {100 * self.share:.0f} % {self.basis}; driven by {self.driver}; {try_} "
                 f"(expected: {self.expected})")
 
@@ -194,10 +204,25 @@ def facts(steps: list[StepTime], metrics: list[dict], summary: Optional[dict], s
         trainer_s=_median_seconds(kept, trainer_lane) if trainer_lane else {},
         rollouter=median_shares(kept, rollouter) if rollouter else {},
         rollout_busy_s=statistics.median(busy) if rollouter and busy else 0.0,
-        metrics={k: statistics.median(m[k] for m in metrics if isinstance(m.get(k), (int, float))) for k in numeric},
+        metrics={k: statistics.median(m[k] for m in _idle_steps(k, metrics, steps, summary) if isinstance(m.get(k), (int, float)))
+                 for k in numeric},
         wall=summary.get("wall_s") or {}, settings=summary.get("settings") or {},
         memory_peak=summary.get("memory_peak"), basis=basis, profiled=sorted(profiled),
         profiler=profiler_cost(steps, profiled, spans), ranks=rank_facts(spans, chosen))
+
+
+IDLE_KEYS = ("trainer/idle_ratio", "rollouter/idle_ratio")
+
+
+def _idle_steps(key: str, metrics: list[dict], steps: list[StepTime], summary: dict) -> list[dict]:
+    """The records an idle ratio's median reads: an overlapping mode's last step winds down (its rollouter has
+    made every batch and is done, the trainer trains the last), so it is not the run's steady state and is left
+    out while another step remains, as the first step's warm-up is."""
+    mode = MODES.get((summary.get("settings") or {}).get("trainer.mode", SYNC))
+    last = max((st.step for st in steps), default=None)
+    if key not in IDLE_KEYS or mode is None or not mode.idle_pair:
+        return metrics
+    return [m for m in metrics if m.get("step") != last] or metrics
 
 
 def profiled_steps(spans: list[dict]) -> set[int]:
@@ -294,11 +319,14 @@ def generation_bound(f: Facts) -> Optional[Verdict]:
         what = f"reward to update_actor ({train:.3g} s) after a generation of {gen:.3g} s that could run beside it"
     else:
         return None
+    placement = MODES[ONE_STEP_OFF].placement  # the mode refuses the run's other placement: both keys, as printed
+    also = {"trainer.placement": placement} if placement and f.settings.get("trainer.placement") != placement else {}
     return Verdict(rule, where, share, _of_step(f), what, "trainer.mode", ONE_STEP_OFF,
                    f"step >= max(gen {gen:.3g} s, training {train:.3g} s): about {bound:.3g} s instead of {f.step_s:.3g} s; "
                    "samples one policy version behind", min(gen, train) / f.step_s,
                    [f"gen {gen:.3g} s of a {f.step_s:.3g} s step", f"training stages {train:.3g} s"],
-                   {"gen_s": gen, "training_s": train, "step_s": f.step_s}, {"step_s": bound})
+                   {"gen_s": gen, "training_s": train, "step_s": f.step_s}, {"step_s": bound},
+                   also=also)
 
 
 def async_idle(f: Facts) -> Optional[Verdict]:
@@ -324,14 +352,14 @@ def async_idle(f: Facts) -> Optional[Verdict]:
                        f"{f.step_s:.3g} s; samples up to "
                        f"{_count(max(1, math.ceil(value if key.endswith('threshold') else stale)), 'version')} behind",
                        1 - bound / f.step_s if f.step_s else 0.0, evidence, inputs, {"step_s": bound})
-    if t >= IDLE_HIGH and r < IDLE_LOW:
+    if t >= IDLE_HIGH + IDLE_MARGIN and r < IDLE_LOW - IDLE_MARGIN:
         bound = max(train, gen / 2)
         key, value, how = more_devices(f, "rollout")
         return Verdict("rollout_bound", "trainer waiting on the rollout (wait_rollout)", wait, _of_step(f),
                        f"generation ({gen:.3g} s per step) while the rollouter is never idle", key, value,
                        f"{how}: step about max(training, generation / 2) = {bound:.3g} s",
                        1 - bound / f.step_s if f.step_s else 0.0, evidence, inputs, {"step_s": bound})
-    if r >= IDLE_HIGH and t < IDLE_LOW:
+    if r >= IDLE_HIGH + IDLE_MARGIN and t < IDLE_LOW - IDLE_MARGIN:
         bound = max(train / 2, gen)
         waits = ", ".join(f"{k} {100 * v:.0f} %" for k, v in f.rollouter.items() if k.startswith("wait_"))
         key, value, how = more_devices(f, "trainer")
@@ -350,10 +378,13 @@ def more_devices(f: Facts, side: str) -> tuple[str, Any, str]:
     from plait.config_verl import CPU_RAY_NO_EFFECT, LOCAL_BACKEND_NO_EFFECT  # the tables of what acts where
     s = f.settings
     backend, device = s.get("trainer.backend"), s.get("device")
+    if backend == "local" and device is not None:
+        workers = {"trainer.backend": "ray", "trainer.ray.num_cpu_workers" if device == "cpu" else "trainer.n_gpus_per_node": 2}
+        why = cannot_carry(workers, s)
+        return "", None, "no key adds devices on the local backend (every role in this process); " + (
+            f"trainer.backend=ray with 2 workers would, but {why}" if why else "trainer.backend=ray with more workers would")
     if backend != "ray" or device is None:
-        return "", None, ("no key adds devices on the local backend (every role in this process); "
-                          "trainer.backend=ray with more workers would" if backend == "local" else
-                          "the records do not say the run's backend and device, so no device key is suggested")
+        return "", None, "the records do not say the run's backend and device, so no device key is suggested"
     if side == "rollout" and device != "cpu":
         from plait.workers.engine import ENGINES  # the engines' table says which key sets an engine's GPUs
         engine = s.get("actor_rollout_ref.rollout.name")
@@ -519,6 +550,72 @@ def update_cost(f: Facts) -> Optional[Verdict]:
                    f"update_actor about {bound:.3g} s instead of {update:.3g} s ({how})", (update - bound) / f.step_s,
                    evidence + [driver], {"update_s": update, "old_log_prob_s": olp, "ppo_epochs": epochs, "step_s": f.step_s},
                    {"update_s": bound, "step_s": f.step_s - update + bound})
+
+
+LOG_PROB_KEYS = {"old_log_prob": "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu",  # stage -> its
+                 "ref": "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu"}                # micro-batch key
+
+
+def log_prob_cost(f: Facts) -> Optional[Verdict]:
+    """old_log_prob + ref >= LOG_PROB_SHARE, each in >= MICRO_BATCHES forwards: larger log-prob micro-batches,
+    up to the update's own micro-batch (a forward holds less than the training pass that already fits) or
+    MICRO_BATCHES times the run's. A forward costs m·c + W (m micro-batches, c a micro-batch's fixed cost, W
+    the batch's token work): c and W come from two stages over the same tokens at different micro-batch counts
+    (old_log_prob and ref, else old_log_prob and update_actor as micro_batch_fit does); when neither pair
+    differs, every forward is taken as fixed cost (the most it can save)."""
+    s, rows = f.settings, rows_per_rank(f)
+    times = {st: f.trainer_s[st] for st in LOG_PROB_KEYS if f.trainer_s.get(st)}
+    share = sum(f.trainer.get(st, 0.0) for st in times)
+    room = _headroom(f)
+    if share < LOG_PROB_SHARE or not rows or not f.step_s or (room is not None and room < 0.5):
+        return None
+    micro = {st: min(s.get(LOG_PROB_KEYS[st]) or rows, rows) for st in times}
+    count = {st: math.ceil(rows / m) for st, m in micro.items()}
+    small = [st for st in times if count[st] >= MICRO_BATCHES]
+    if not small:
+        return None
+    train_micro = s.get("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu") or 1
+    new = {st: min(rows, max(train_micro, MICRO_BATCHES * micro[st])) if st in small else micro[st] for st in times}
+    c, w, how = _forward_fit(f, times, count)
+    after = {st: (math.ceil(rows / new[st]) * c + w) if c is not None else times[st] * math.ceil(rows / new[st]) / count[st]
+             for st in times}
+    before, bound = sum(times.values()), sum(after.values())
+    if before - bound < MIN_SAVING * f.step_s:
+        return None
+    first, *rest = sorted(small, key=lambda st: after[st] - times[st])  # the larger saving names the verdict
+    driver = "; ".join(f"{st}: {count[st]} forwards of {_count(micro[st], 'sample')} ({LOG_PROB_KEYS[st].split('.')[1]}"
+                       f".log_prob_micro_batch_size_per_gpu={s.get(LOG_PROB_KEYS[st])})" for st in small)
+    return Verdict("log_prob_cost", " + ".join(times), share, _of_step(f), driver, LOG_PROB_KEYS[first], new[first],
+                   f"{' + '.join(times)} about {bound:.3g} s instead of {before:.3g} s ({how}); step about "
+                   f"{f.step_s - before + bound:.3g} s", (before - bound) / f.step_s,
+                   [f"{st} {t:.3g} s of a {f.step_s:.3g} s step" for st, t in times.items()] + [driver],
+                   {"log_prob_s": before, "stages_s": times, "micro_batches": count, "rows_per_rank": rows, "step_s": f.step_s},
+                   {"log_prob_s": bound, "step_s": f.step_s - before + bound},
+                   also={LOG_PROB_KEYS[st]: new[st] for st in rest})
+
+
+def _forward_fit(f: Facts, times: dict[str, float], count: dict[str, int]) -> tuple[Optional[float], float, str]:
+    """(c, W, how) of a forward's m·c + W for log_prob_cost; c None when no two stages differ in m."""
+    pairs = [(times[st], count[st]) for st in times]
+    k = micro_batches(f)
+    if k and f.trainer_s.get("update_actor"):  # a training pass is UPDATE_OVER_FORWARD forwards
+        epochs = f.settings.get("actor_rollout_ref.actor.ppo_epochs", 1)
+        pairs.append((f.trainer_s["update_actor"] / (UPDATE_OVER_FORWARD * epochs), k[0]))
+    (t1, m1), pair = pairs[0], next(((t, m) for t, m in pairs[1:] if m != pairs[0][1]), None)
+    if pair is None:
+        return None, 0.0, "each forward taken as fixed cost: the most it can save"
+    t2, m2 = pair
+    c = max((t1 - t2) / (m1 - m2), 0.0)
+    w = max(t1 - m1 * c, 0.0)
+    return c, w, f"a forward's micro-batch costs {1000 * c:.3g} ms beside {w:.3g} s of token work, fitted from the stages"
+
+
+def rows_per_rank(f: Facts) -> int:
+    """The samples one rank's log-prob forwards read per step (micro_batches' rows over the ranks); 0 when unknown."""
+    s, n = f.settings, f.settings.get("actor_rollout_ref.rollout.n", 1)
+    rows = ((s.get("actor_rollout_ref.actor.ppo_mini_batch_size") or 0) * s.get("async_training.require_batches", 1) * n
+            if run_mode(f).streams else s.get("data.train_batch_size", 0) * n)
+    return math.ceil(rows / world_size(f))
 
 
 def micro_batches(f: Facts, micro: Optional[int] = None) -> Optional[tuple[int, int, int]]:
@@ -715,7 +812,7 @@ def unattributed(f: Facts) -> Optional[Verdict]:
 
 
 RULES: list[Callable[[Facts], Any]] = [generation_bound, async_idle, response_tail, reward_bound, judge_bound, weight_sync,
-                                       update_cost, straggler, memory_full, overhead, unattributed]
+                                       update_cost, log_prob_cost, straggler, memory_full, overhead, unattributed]
 
 
 def verdicts(f: Facts, top: int = 3, skipped: Optional[list[str]] = None) -> list[Verdict]:
@@ -730,13 +827,13 @@ def verdicts(f: Facts, top: int = 3, skipped: Optional[list[str]] = None) -> lis
             (skipped if skipped is not None else []).append(f"{rule.__name__}: {type(err).__name__}: {err}")
             continue
         found += got if isinstance(got, list) else [got] if got else []
-    for v in found:  # one place for the rule of rules: a key that does nothing on this run, or that would
-        why = no_effect_here(v.key, f.settings) if v.key else None  # fill the device's memory, is not suggested
-        if v.key and not why:
-            why = attach(v, f)
+    for v in found:  # one place for the rule of rules: a key that does nothing on this run, asks for more of the
+        # machine than it has, or would fill the device's memory, is not suggested
+        why = next(filter(None, (no_effect_here(k, f.settings) for k in v.overrides())), None) or \
+            (cannot_carry(v.overrides(), f.settings) if v.key else None) or (attach(v, f) if v.key else None)
         if why:
-            v.advice = f"{v.key} would be the lever, but {why}"
-            v.key, v.value = "", None
+            v.advice = f"{' '.join(v.overrides())} would be the lever, but {why}"
+            v.key, v.value, v.also = "", None, {}
     keep = [v for v in found if v.saving >= MIN_SAVING or v.rule == "memory_full"]
     keep.sort(key=lambda v: -v.saving)
     out, keys = [], set()
@@ -763,11 +860,39 @@ def no_effect_here(key: str, s: dict[str, Any]) -> Optional[str]:
     return None
 
 
+def devices_needed(s: dict[str, Any]) -> Optional[tuple[str, float]]:
+    """(resource, amount) the Ray backend asks of one machine for settings `s`: its trainer ranks' CPUs (or
+    GPUs) and a separated rollout's own (backends/ray.py's pools); None off Ray or when the device is unknown."""
+    if s.get("trainer.backend") != "ray" or s.get("device") not in ("cpu", "cuda"):
+        return None
+    cpus, slots = s.get("trainer.ray.cpus_per_worker", 1.0), s.get("actor_rollout_ref.rollout.n_gpus_per_node", 1)
+    rollout = slots if s.get("trainer.placement") == "separated" else 0
+    if s["device"] == "cpu":
+        return "CPUs", cpus * (s.get("trainer.ray.num_cpu_workers", 1) + rollout)
+    return "GPUs", s.get("trainer.nnodes", 1) * s.get("trainer.n_gpus_per_node", 1) + rollout
+
+
+def cannot_carry(overrides: dict[str, Any], s: dict[str, Any]) -> Optional[str]:
+    """Why this machine cannot run the run's settings with `overrides` applied (Ray would refuse them: more CPUs
+    or GPUs than the machine has, `cpus` and `gpus` in the settings); None when it can or the records do not say."""
+    need = devices_needed({**s, **overrides})
+    if need is None or s.get(need[0].lower()) is None or s.get("trainer.nnodes", 1) > 1:  # a cluster: not this machine
+        return None
+    resource, amount = need
+    have = s[resource.lower()]
+    return None if amount <= have else f"it needs {amount:g} {resource} and this machine has {have}"
+
+
 def settings_of(flat_config: dict[str, Any], memory_capacity_gb: Optional[float], device: Optional[str] = None) -> dict[str, Any]:
     """summary.json's `settings`: the SETTINGS keys of the run's flattened config, the device's memory and
-    kind ("cpu", "cuda": which keys act here)."""
+    kind ("cpu", "cuda": which keys act here), and the machine's CPUs (Ray's, when set) and GPUs (what it can carry)."""
+    import os
+    gpus = 0
+    if device == "cuda":
+        import torch
+        gpus = torch.cuda.device_count()
     return {**{k: flat_config[k] for k in SETTINGS if k in flat_config}, "memory_capacity_gb": memory_capacity_gb,
-            "device": device}
+            "device": device, "cpus": flat_config.get("trainer.ray.num_cpus") or os.cpu_count(), "gpus": gpus}
 
 
 def of_run(spans: list[dict], metrics: list[dict], summary: Optional[dict]) -> Facts:

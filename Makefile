@@ -5,9 +5,11 @@
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-# CPU machines take torch's CPU build from PyTorch's own index (PyPI's Linux torch is the CUDA build, GBs more);
-# with an NVIDIA driver, plain PyPI's CUDA build comes in with plait.
-TORCH_CPU := "torch==2.13.0" --index-url https://download.pytorch.org/whl/cpu
+# CPU machines take torch's CPU build from PyTorch's own index (PyPI's Linux torch is the CUDA build, GBs more),
+# alone (--no-deps: that index is asked for torch only), then its dependencies from PyPI; with an NVIDIA driver,
+# plain PyPI's CUDA build comes in with plait.
+TORCH := "torch==2.13.0"
+TORCH_INDEX := https://download.pytorch.org/whl/cpu
 
 .PHONY: demo test setup setup-dev
 demo: setup
@@ -22,7 +24,7 @@ setup-dev: $(VENV)/.installed-dev
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	@if command -v nvidia-smi >/dev/null 2>&1; then echo "NVIDIA driver found: torch comes from PyPI (CUDA build)"; \
-	else $(BIN)/pip install -q $(TORCH_CPU); fi
+	else $(BIN)/pip install -q --no-deps $(TORCH) --index-url $(TORCH_INDEX) && $(BIN)/pip install -q $(TORCH); fi
 
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q -e .

@@ -17,7 +17,7 @@ class RunError(RuntimeError):
 class EngineDied(RunError):
     """The rollout engine's own process died or hung (vLLM's engine core; on Ray, the separated rollout's worker
     process): the trainer restarts it once per step with the current weights and re-issues the call
-    (LMTrainer.generate_call); likewise the reward model's or judge's worker process on the reward pool
+    (trainers/rollout_client.py); likewise the reward model's or judge's worker process on the reward pool
     (LMTrainer.score); where nothing catches it, one line."""
     recoverable = True
 

@@ -590,7 +590,7 @@ class RayBackend:
     def gather(self, refs: list, who: str, what: str, group: Optional["RayWorkerGroup"] = None) -> list:
         """Results in rank order; the first failure (by time, not rank) fails the backend at once, except a
         rollout engine's death (EngineDied: its engine process, or the `group`'s own worker process when it
-        is the separated rollout's), which the trainer repairs (LMTrainer.generate_call)."""
+        is the separated rollout's), which the trainer repairs (trainers/rollout_client.py)."""
         rank_of = {ref: i for i, ref in enumerate(refs)}
         out: list = [None] * len(refs)
         pending = list(refs)

@@ -153,7 +153,7 @@ class FullyAsyncTrainer(LMTrainer):
     def _call(self, method, *args, epoch: int = 0) -> RolloutBatch:
         stage = "gen" if method is Rollout.generate else "resume"  # gen: the name its worker's range has
         with self.gen_clock.busy(), TIMELINE.span("rollout", stage, self.version):
-            return self.rollout_call(method, *args, epoch=epoch)
+            return self.client.produce(method, *args, epoch=epoch)
 
     # -- the trainer side -----------------------------------------------------------------------
 
@@ -180,9 +180,9 @@ class FullyAsyncTrainer(LMTrainer):
             with self.cond:
                 self.syncing = True
             if self.partial_rollout:
-                self.abort_generation()
+                self.client.abort()
             try:  # the check too while the rollouter waits: its probe never queues behind a generate
-                checked = self.push_weights(step)  # waits for a running generate
+                checked = self.client.push(step)  # waits for a running generate
             finally:
                 with self.cond:
                     self.syncing = False

@@ -48,6 +48,7 @@ from plait.data.rewards import ScoreRequest, Scores
 from plait.profiler.samples import SAMPLES, now, sample_ids
 from plait.profiler.timeline import TIMELINE, WALL0
 from plait.trainers.lifecycle import StageTimer, StepResult
+from plait.trainers.rollout_client import RolloutClient
 from plait.trainers.metrics import (agent_metrics, data_metrics, filter_values, groups_with_signal, last_token_scores,
                                     loop_scores, masked_mean, merge_results, off_policy_metrics, record_tool_spans,
                                     rollout_probs_diff, session_advantages, session_owners, sessions_of, union_of,
@@ -133,10 +134,8 @@ class LMTrainer:
         self.keeps_pi_old = False  # separate_async: pi_old is the step's synced weights (Actor.keep_pi_old), not the current
         self.version = 0
         self.sync_check = SyncCheck(roles.actor, roles.rollout, tokenizer) if cfg.trainer.check_weight_sync else None
-        # engine restarts (generate_call): the run's count, the step of the last one; the actor lock keeps a
-        # restart's weight push (from a generation thread) from reading the weights mid-update
-        self.engine_restarts, self.restart_step, self.restarts_logged = 0, -1, 0
-        self.restart_lock, self.actor_lock = threading.Lock(), threading.Lock()
+        self.actor_lock = threading.Lock()  # an update; a restart's weight push (a rollout thread's) waits for it
+        self.client = RolloutClient(roles, self.actor_lock, self.sync_check, lambda: self.step, lambda: self.version)
         # reward model / judge restarts (score): the run's count, the step of the last one, the count last logged
         self.reward_restarts, self.reward_restart_step, self.reward_restarts_logged = 0, -1, 0
         self.step = 0
@@ -160,54 +159,6 @@ class LMTrainer:
         if self.sync_check is not None:
             self.sync_check.start()
 
-    def push_weights(self, version: int, share: bool = False) -> dict[str, float]:
-        """The actor's weights to the rollout as policy `version`, then the weight-sync check; its metrics."""
-        while True:  # the engine may die during the sync too (restart_engine raises at the second death in a step)
-            seen = self.engine_restarts
-            try:
-                sync_weights(self.roles.actor, self.roles.rollout, version, share)
-                return {} if self.sync_check is None else self.sync_check.after_sync(version)
-            except EngineDied as err:
-                self.restart_engine(err, seen)
-
-    def generate_call(self, method, *args):
-        """A rollout call that generates (generate, resume). When its engine died (EngineDied: vLLM's engine
-        core, the rollout's Ray worker process), the engine is restarted with the current weights and the call
-        re-issued whole (same prompts, same seed), once per step; a second death in that step is one line."""
-        while True:  # restart_engine raises at the second death in a step
-            seen = self.engine_restarts
-            try:
-                return self.roles.rollout.call(method, *args)
-            except EngineDied as err:
-                self.restart_engine(err, seen)
-
-    def abort_generation(self) -> None:
-        """Cut the rollout's running generate short (a weight sync comes). A dead engine has nothing to cut: its death
-        is met, and the engine restarted, by the next call that needs it (generate_call, push_weights)."""
-        try:
-            self.roles.rollout.call(Rollout.abort)
-        except EngineDied:
-            pass
-
-    def restart_engine(self, err: EngineDied, seen: int) -> None:
-        """Restart the dead engine with the current weights, once per step. `seen`: the restarts counted when the
-        failed call began; one finished since (another thread's call met the same death: a rollouter's generate and
-        the trainer's sync) repaired it already, and the call is only re-issued. Counted once repaired, so that a call
-        that began while the repair ran counts as meeting the same death."""
-        with self.restart_lock:
-            if self.engine_restarts != seen:
-                return
-            if self.restart_step == self.step:
-                raise EngineFailed(f"the rollout engine failed again in step {self.step}, after a restart in the same "
-                                   f"step: {first_line(err)}")
-            self.restart_step = self.step
-            print(f"plait: warning: the rollout engine died in step {self.step} ({first_line(err)}); restarting it with "
-                  f"the current weights (policy version {self.version}); the call it died in is re-issued", file=sys.stderr)
-            self.roles.rollout.recover(Rollout.restart_engine)
-            with self.actor_lock:  # not mid-update: the weights of one version
-                sync_weights(self.roles.actor, self.roles.rollout, self.version)
-            self.engine_restarts += 1
-
     def train_step(self, step: int, timer: StageTimer) -> StepResult:
         start, results, samples, lengths = time.perf_counter(), [], 0, []
         self.step = step
@@ -229,8 +180,7 @@ class LMTrainer:
             result.metrics["perf/mfu/old_log_prob"] = self.model_flops.mfu(
                 self.model_flops.forward(lengths) / self.roles.actor.world_size, timer.times["old_log_prob"])
         result.metrics["perf/samples_per_s"] = samples / (time.perf_counter() - start)
-        restarts = self.engine_restarts  # since the last step's record: a generation thread's between steps too
-        result.metrics["rollout/engine_restarts"], self.restarts_logged = restarts - self.restarts_logged, restarts
+        result.metrics["rollout/engine_restarts"] = self.client.restarts_since_logged()  # a rollout thread's too
         if self.roles.judge is not None or self.roles.reward_model is not None:
             restarts = self.reward_restarts
             result.metrics["reward/model_restarts"], self.reward_restarts_logged = restarts - self.reward_restarts_logged, restarts
@@ -249,7 +199,7 @@ class LMTrainer:
         for start in range(0, total, size):
             self.live_validation(start, total, size, time.perf_counter() - started)
             prompts = prompt_batch([self.val_data[i] for i in range(start, min(start + size, total))])
-            batch = self.generate_call(Rollout.generate, prompts, val, self.cfg.trainer.seed)
+            batch = self.client.generate(Rollout.generate, prompts, val, self.cfg.trainer.seed)
             scored, extra = self.score(batch)
             for key, values in extra.items():
                 extras.setdefault(key, []).extend(values)
@@ -340,31 +290,6 @@ class LMTrainer:
     def sample_seed(self, step: int) -> int:
         return self.cfg.trainer.seed * 1_000_003 + step
 
-    def rollout_call(self, method, *args, epoch: int = 0, submitted: float | None = None,
-                     ids: list[str] | None = None) -> RolloutBatch:
-        """Rollout.generate (or resume) for training, with its samples' spans (profiler/samples.py): a
-        generated batch's rows get their ids (`ids`, else "<epoch>.<prompt>.<j>"), a `queue` span from
-        `submitted`, and a `gen` span of the call (agent loops: their own per-turn `gen` and `tool` spans); a
-        resume adds a `resume` span to the rows it finished."""
-        started = now()
-        batch = self.generate_call(method, *args)  # restarts a dead engine once per step
-        ended = now()
-        if method is Rollout.resume:
-            rows = [i for i, r in enumerate(args[0].stop_reasons) if r == "aborted"]
-            SAMPLES.add_many([batch.sample_ids[i] for i in rows] if batch.sample_ids else [], "resume", started, ended)
-            return batch
-        batch.sample_ids = ids if ids is not None else sample_ids(epoch, batch.group_ids.tolist())
-        versions = batch.versions.tolist()
-        if submitted is not None and started > submitted:
-            SAMPLES.add_many(batch.sample_ids, "queue", submitted, started, versions)
-        infos = batch.agent_infos or [None] * len(batch)
-        own = [i for i, info in enumerate(infos) if info and info.get("sample_spans")]  # a producer's own spans
-        SAMPLES.versions(batch.sample_ids, versions)
-        SAMPLES.from_infos([batch.sample_ids[i] for i in own], [infos[i] for i in own])
-        rest = [i for i, info in enumerate(infos) if not (info and info.get("sample_spans"))]
-        SAMPLES.add_many([batch.sample_ids[i] for i in rest], "gen", started, ended, [versions[i] for i in rest])
-        return batch
-
     # -- the shared language-model pipeline -----------------------------------------------------
 
     def decode(self, ids: torch.Tensor, mask: torch.Tensor) -> list[str]:
@@ -446,7 +371,7 @@ class LMTrainer:
                               extra_infos=[batch.extra_infos[i] for i in rows], indices=list(first),
                               multi_modal=[] if batch.multi_modal_inputs is None else
                               [batch.multi_modal_inputs[i] for i in rows])
-        greedy = self.generate_call(Rollout.generate, prompts, SamplingConfig(n=1, do_sample=False), self.cfg.trainer.seed)
+        greedy = self.client.generate(Rollout.generate, prompts, SamplingConfig(n=1, do_sample=False), self.cfg.trainer.seed)
         scores, _ = self.score(greedy)
         by_group = dict(zip(greedy.group_ids.tolist(), scores))
         return torch.tensor([by_group[g] for g in batch.group_ids.tolist()], dtype=torch.float32)

@@ -75,7 +75,7 @@ class OneStepOffTrainer(LMTrainer):
 
     def _generate(self, prompts: PromptBatch, seed: int, epoch: int, submitted: float | None = None) -> RolloutBatch:
         with self.gen_clock.busy():
-            return self.rollout_call(Rollout.generate, prompts, self.sampling, seed, epoch=epoch, submitted=submitted)
+            return self.client.produce(Rollout.generate, prompts, self.sampling, seed, epoch=epoch, submitted=submitted)
 
     def _generate_ahead(self, prompts: PromptBatch, seed: int, epoch: int, submitted: float) -> RolloutBatch:
         """On the generation thread: the next step's batch, a `gen` span on its own lane."""
@@ -104,7 +104,7 @@ class OneStepOffTrainer(LMTrainer):
                     raise rollout_error(f"one_step_off: generating the batch for step {step + 1} failed in the "
                                         "generation thread", err) from err
         with timer.stage("param_sync"):
-            checked = self.push_weights(step)
+            checked = self.client.push(step)
         self.version = step
         start, self.cycle_start = self.cycle_start, time.perf_counter()
         wall = self.cycle_start - start

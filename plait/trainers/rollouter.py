@@ -29,10 +29,10 @@ MAX_FAILED_CALLS = 3
 
 class GroupRollouter:
     def __init__(self, mode: str, buffer: GroupBuffer, abort, sampling, chunk: int, seed_of, version_of, rollout_call):
-        """`abort()`: cut the rollout's running generate short (LMTrainer.abort_generation); `seed_of(uid)`: a
-        sampling seed; `version_of()`: the trainer's policy version (for the timeline); `rollout_call(method, *args,
-        ids=...)`: a generating call on the rollout that records its samples' spans and restarts a dead engine
-        (LMTrainer.rollout_call)."""
+        """`abort()`: cut the rollout's running generate short (RolloutClient.abort); `seed_of(uid)`: a sampling seed;
+        `version_of()`: the trainer's policy version (for the timeline); `rollout_call(method, *args, ids=...)`: a
+        generating call on the rollout that records its samples' spans and restarts a dead engine
+        (RolloutClient.produce)."""
         self.mode, self.buffer, self.abort, self.sampling, self.chunk = mode, buffer, abort, sampling, chunk
         self.rollout_call = rollout_call
         self.seed_of, self.version_of = seed_of, version_of

@@ -25,13 +25,13 @@ class SyncTrainer(LMTrainer):
         """Sync: generate this step's batch now, with the current weights."""
         prompts = self.cursor.next()
         with timer.stage("gen"):
-            return self.rollout_call(Rollout.generate, prompts, self.sampling, self.sample_seed(step), epoch=self.cursor.epoch)
+            return self.client.produce(Rollout.generate, prompts, self.sampling, self.sample_seed(step), epoch=self.cursor.epoch)
 
     def after_update(self, step: int, timer: StageTimer) -> dict[str, float]:
         """Sync: push the new weights to the rollout; they are policy version `step`. Returns the mode's metrics."""
         with timer.stage("update_weights"):
             # Nothing generates until the next step's gen: the rollout may read the actor's own tensors.
-            checked = self.push_weights(step, share=True)
+            checked = self.client.push(step, share=True)
         self.version = step
         # One waits while the other works: the trainer while the rollout generates, the rollout through
         # every training stage; update_weights is work for both (the step's outer "step" is still open).

@@ -65,8 +65,8 @@ class V1AsyncTrainer(LMTrainer):
         self.buffer = GroupBuffer()
         self.sampler = build_sampler(cfg, self.mode, self.buffer, self.issue)
         self.global_steps = 1  # the tag of prompts issued now (verl's refill_fn takes only a count)
-        self.rollouter = GroupRollouter(self.mode, self.buffer, self.abort_generation, self.sampling, self.chunk,
-                                        self.sample_seed, lambda: self.version, self.rollout_call)
+        self.rollouter = GroupRollouter(self.mode, self.buffer, self.client.abort, self.sampling, self.chunk,
+                                        self.sample_seed, lambda: self.version, self.client.produce)
         self.cycle_start = 0.0
         self.step_metrics: dict[str, float] = {}  # the sampler's, summed over a step's local updates
 
@@ -111,7 +111,7 @@ class V1AsyncTrainer(LMTrainer):
 
     def after_update(self, step: int, timer: StageTimer) -> dict[str, float]:
         with timer.stage("update_weights"), self.rollouter.sync():
-            checked = self.push_weights(step)  # waits for the cut generate to return; the weight-sync check
+            checked = self.client.push(step)  # waits for the cut generate to return; the weight-sync check
         self.version = step
         start, self.cycle_start = self.cycle_start, time.perf_counter()
         metrics, self.step_metrics = self.step_metrics, {}

@@ -84,7 +84,7 @@ def test_async_mode_on_ray(ray_up, tmp_path, tiny_config, mode):
     assert all(gone(pid) for pid in pids)  # the lifecycle shut the backend down
 
 
-# The rollout's Ray worker killed mid-run: since the restart across threads (plait/trainers/lm.py restart_engine)
+# The rollout's Ray worker killed mid-run: since the restart across threads (plait/trainers/rollout_client.py)
 # it is restarted and the run completes, in fully_async too: tests/trainers/test_engine_restart_e2e.py kills it in
 # sync, fully_async and separate_async; a second death in one step is one line (tests/workers/test_engine_restart.py).
 

@@ -326,9 +326,11 @@ def run(cfg: PlaitConfig, progress: bool = True, checked: bool = False) -> dict[
     """Build and train; with trainer.max_restarts, a crash that is not the user's (RunError.recoverable: a
     worker process or the rollout engine that died) resumes from the newest checkpoint that verifies and
     loads, up to that many times, each restart one line (AReaL's recover.retries)."""
-    with output_dir_lock(cfg.output_dir):  # before build: it writes data and the demo model there
+    with output_dir_lock(cfg.output_dir) as lock:  # before build: it writes data and the demo model there
         print(f"plait: outputs in {cfg.output_dir}", file=sys.stderr)
         for restart in range(cfg.trainer.max_restarts + 1):
+            if restart:
+                os.utime(lock)  # newer than the failed attempt's summary.json: the run goes on (`profile report --watch`)
             try:
                 return build(cfg, progress=progress, checked=checked or restart > 0).run()
             except RunError as err:

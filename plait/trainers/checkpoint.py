@@ -316,7 +316,8 @@ def checkpoint_steps(ckpt_dir: str) -> list[int]:
 @contextlib.contextmanager
 def output_dir_lock(output_dir: str):
     """One run per output dir: an exclusive flock on <output_dir>/.plait.lock, which the OS
-    releases on any exit, kill -9 included. A second run is refused naming the holder's pid."""
+    releases on any exit, kill -9 included. A second run is refused naming the holder's pid. Yields the
+    lock's path; its mtime is the run's start (profiler/analysis/report.py's run_ended reads it)."""
     os.makedirs(output_dir, exist_ok=True)
     path = os.path.join(output_dir, ".plait.lock")
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -330,7 +331,7 @@ def output_dir_lock(output_dir: str):
                               "choose another directory") from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, str(os.getpid()).encode(), 0)
-        yield
+        yield path
     finally:
         os.close(fd)  # releases the lock
 

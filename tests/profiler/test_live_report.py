@@ -9,6 +9,7 @@ import sys
 import time
 
 from plait import cli, driver
+from plait.profiler.analysis import report
 from plait.configtree import ConfigError
 from tests.conftest import TINY
 
@@ -35,19 +36,44 @@ def test_report_freq_is_checked():
         load_config(None, [*TINY, "global_profiler.report_freq=-1"])
 
 
+# step 2's rewards wait for the watch's first report, so that the watch sees the run both training and ended
+GATED = '''
+import os, time
+calls = 0
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    global calls
+    calls += 1
+    if calls == 17:  # step 2's first of 4 x 4 responses
+        gate, deadline = os.environ["GATE"], time.time() + 240
+        while not os.path.exists(gate) and time.time() < deadline:
+            time.sleep(0.05)
+    return float(len(solution_str) % 2)
+'''
+
+
 def test_watch_follows_a_run_from_outside_until_it_ends(tmp_path, capsys):
+    reward, out = tmp_path / "gated.py", tmp_path / "run"
+    reward.write_text(GATED)
     run = subprocess.Popen([sys.executable, "-m", "plait.cli", "train", "--no-progress", *TINY, *QUIET,
-                            "trainer.total_training_steps=6", f"trainer.default_local_dir={tmp_path}"],
+                            "trainer.total_training_steps=6", f"trainer.default_local_dir={out}",
+                            f"custom_reward_function.path={reward}", "reward.num_workers=0"],
+                           env={**os.environ, "GATE": str(out / "report" / "index.html")},
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        deadline = time.time() + 300
-        while not (tmp_path / "metrics.jsonl").exists() and time.time() < deadline and run.poll() is None:
-            time.sleep(0.2)
-        assert cli.main(["profile", "report", str(tmp_path), "--watch", "--interval", "0.3"]) == 0
+        assert cli.main(["profile", "report", str(out), "--watch", "--interval", "0.3"]) == 0
     finally:
         run.wait(300)
     assert run.returncode == 0
     refreshes = [line for line in capsys.readouterr().err.splitlines() if line.startswith("plait: report refreshed")]
     assert len(refreshes) >= 2  # while it trained, and after it ended
-    assert json.load(open(tmp_path / "report" / "verdict.json"))["facts"]["steps"] == 5  # 2-6: 1 warms up
+    assert json.load(open(out / "report" / "verdict.json"))["facts"]["steps"] == 5  # 2-6: 1 warms up
+    assert "wall time</td>" in (out / "report" / "index.html").read_text()
+
+
+def test_watching_a_run_that_has_ended_refreshes_once_and_returns(tmp_path, tiny_config, capsys):
+    driver.run(tiny_config(tmp_path, *QUIET), progress=False)
+    assert cli.main(["profile", "report", str(tmp_path), "--watch", "--interval", "0.05"]) == 0
+    assert len([line for line in capsys.readouterr().err.splitlines() if "report refreshed" in line]) == 1
     assert "wall time</td>" in (tmp_path / "report" / "index.html").read_text()
+    os.utime(tmp_path / ".plait.lock")  # as a resumed run does: its old summary is no longer the end
+    assert not report.run_ended(str(tmp_path))

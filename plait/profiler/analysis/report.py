@@ -753,17 +753,17 @@ WATCHED = ("metrics.jsonl", "timeline.jsonl", "samples.jsonl", "summary.json", "
 def watch(path: str, profile: Optional[str] = None, run: Optional[str] = None, merge: bool = False,
           interval: float = 10.0, stop_after: Optional[int] = None) -> int:
     """`plait profile report --watch DIR`: rewrite the report whenever the run's files change (checked
-    every `interval` s), one line per refresh, until the run has ended (its summary.json is written
-    after the watch began, and the last refresh read it) or Ctrl-C; `stop_after` refreshes for tests."""
+    every `interval` s), one line per refresh, until the run has ended and the last refresh read its summary
+    (a run that ended before the watch began gets one refresh), or Ctrl-C; `stop_after` refreshes for tests."""
     import sys
     import time
-    begun, seen, done = time.time(), None, 0
-    ended = os.path.join(run or path, "summary.json")
+    folder, seen, done = run or path, None, 0
     while stop_after is None or done < stop_after:
         state = [(p, os.stat(p).st_mtime_ns, os.stat(p).st_size) for p in
-                 (os.path.join(run or path, name) for name in WATCHED) if os.path.isfile(p)]
+                 (os.path.join(folder, name) for name in WATCHED) if os.path.isfile(p)]
         if state and state != seen:
             seen = state
+            ended = run_ended(folder)  # asked before the refresh, so that the refresh reads the summary
             try:
                 text = build_report(path, profile=profile, run=run, merge=merge)
             except FileNotFoundError:
@@ -772,7 +772,18 @@ def watch(path: str, profile: Optional[str] = None, run: Optional[str] = None, m
                 done += 1
                 first = text.splitlines()[0]
                 print(f"plait: report refreshed {time.strftime('%H:%M:%S')}: {first}", file=sys.stderr, flush=True)
-            if os.path.isfile(ended) and os.stat(ended).st_mtime >= begun:
-                return 0
+                if ended:
+                    return 0
         time.sleep(interval)
     return 0
+
+
+def run_ended(folder: str) -> bool:
+    """The run writing `folder` has ended: its summary.json (written last) is newer than .plait.lock, which
+    every run and resume rewrites as it starts (trainers/checkpoint.py's output_dir_lock). A folder without
+    the lock (copied from elsewhere) has ended when it has a summary. Not from the clock: a run that ended
+    before the watch began has ended, and a resumed run's old summary is older than its lock."""
+    summary, lock = os.path.join(folder, "summary.json"), os.path.join(folder, ".plait.lock")
+    if not os.path.isfile(summary):
+        return False
+    return not os.path.isfile(lock) or os.stat(summary).st_mtime_ns >= os.stat(lock).st_mtime_ns

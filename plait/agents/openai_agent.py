@@ -167,9 +167,14 @@ def _plain(value):
 def session_output(session, outcome: Outcome, ct, messages: list[dict], prompt_length: int, response_length: int,
                    who: str) -> AgentLoopOutput:
     """The session's final chain as the row's output, its earlier chains in extra_fields["chains"]. A failed
-    session's tokens are masked out of the loss (an empty response when it sampled none)."""
+    session's tokens are masked out of the loss (an empty response when it sampled none). An agent that fails
+    after the chain's response budget (data.max_response_length) cut an answer has not failed its sample: the
+    budget ended the episode (openai-agents raises on the cut Response), so the sample is trained as truncated,
+    scored by the session's posted reward or the reward function, and counted (agent/failed_after_cut)."""
     chains = session.trajectories()
     failure = outcome.failure or (None if chains else "never called the model")
+    after_cut = failure if failure is not None and chains and session.cut else None
+    failure = None if after_cut else failure
     if failure is not None:
         for t in chains:
             t.mask = [0] * len(t.mask)
@@ -183,7 +188,7 @@ def session_output(session, outcome: Outcome, ct, messages: list[dict], prompt_l
     spans = [(s.submitted, s.started, s.prefilled, s.finished) for s in session.spans]
     info = {"id": session.id, "failure": None if failure is None else f"{who} {failure}", "chains": len(chains),
             "requests": len(session.spans), "sampling_overridden": len(session.overridden),
-            "unparsed_tool_calls": session.unparsed,
+            "unparsed_tool_calls": session.unparsed, "failed_after_cut": after_cut,
             "agent_s": max(0.0, time.time() - session.opened - generating), "spans": spans}
     outs = []
     for i, t in enumerate(chains):

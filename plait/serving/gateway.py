@@ -120,6 +120,7 @@ class Gateway:
             self._keep_rollout_sampling(session, req)
             budget = min(req.max_tokens or room, room)
             if budget <= 0:  # the chain's response budget is used up: answered as cut, nothing sampled
+                session.cut = True
                 return [_Empty() for _ in range(n)]
         spans = []
 
@@ -133,6 +134,7 @@ class Gateway:
         outs = await asyncio.gather(*(one(k) for k in range(n)))
         if session is not None:
             session.spans += spans
+            session.cut |= budget == room and any(o.stop_reason == "length" for o in outs)
         return outs
 
     def plain_sampling(self, req: ChatRequest, prompt_tokens: int) -> dict:

@@ -95,6 +95,7 @@ class Session:
     call_blocks: int = 0             # tool-call blocks the answers wrote, parsed or not
     unparsed: int = 0                # answers with a call block the parser could not read (returned as text)
     responses: dict = field(default_factory=dict)  # Responses API: response id -> its conversation (previous_response_id)
+    cut: bool = False                # an answer was cut by the chain's response budget: the episode is over
 
     # -- a call's context ------------------------------------------------------------------------
 

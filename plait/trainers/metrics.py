@@ -176,7 +176,8 @@ def sessions_of(infos: list[dict] | None) -> list[dict]:
 
 def session_metrics(infos: list[dict]) -> dict[str, float]:
     """plait's agent/*: sessions, failed_sessions, chains and requests per session, the sessions whose agent
-    asked for other sampling settings, the answers whose tool call could not be parsed (returned as text), and the
+    asked for other sampling settings, the answers whose tool call could not be parsed (returned as text), the
+    sessions whose agent failed after the response budget cut an answer (trained as truncated), and the
     agent's own seconds (its run less its calls' time)."""
     sessions = sessions_of(infos)
     if not sessions:
@@ -187,6 +188,7 @@ def session_metrics(infos: list[dict]) -> dict[str, float]:
             "agent/requests_per_session": sum(s["requests"] for s in sessions) / n,
             "agent/sampling_overridden": sum(s["sampling_overridden"] > 0 for s in sessions),
             "agent/unparsed_tool_calls": sum(s["unparsed_tool_calls"] for s in sessions),
+            "agent/failed_after_cut": sum(s["failed_after_cut"] is not None for s in sessions),
             "agent/agent_s/mean": sum(s["agent_s"] for s in sessions) / n}
 
 

@@ -325,3 +325,27 @@ def test_chains_share_their_sessions_score_and_advantage():
     batch = type("B", (), {"token_rewards": rewards, "response_mask": mask, "group_ids": torch.zeros(4, dtype=torch.long)})
     adv = session_advantages("grpo", batch, owner, norm_by_std=False)
     assert torch.equal(adv, torch.tensor([[.5, .5, 0], [.5, .5, .5], [0, 0, 0], [-.5, 0, 0]]))
+
+
+RAISES_ON_A_CUT = '''
+async def run(row, base_url, api_key):
+    import openai
+    client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key)
+    r = await client.chat.completions.create(model="m", messages=row["messages"], max_tokens=row["index"] * 50 or None)
+    if r.choices[0].finish_reason == "length":
+        raise RuntimeError("the answer was cut")  # as openai-agents does on an incomplete Response
+    return 1.0
+'''
+
+
+def test_an_agent_that_fails_on_a_cut_by_the_response_budget_is_a_truncated_sample(tokenizer, tmp_path):
+    """Row 0's answer is cut by the chain's response budget (the episode is over: trained as truncated, scored by
+    the reward function); row 1 asked for 50 tokens itself and failed on that cut: its failure is its own."""
+    (tmp_path / "agent.py").write_text(RAISES_ON_A_CUT)
+    batch = generate(tokenizer, cfg_for(path=str(tmp_path / "agent.py")), n_rows=2, n=1, script=lambda text: "x" * 300)
+    first, second = (i["session"] for i in batch.agent_infos)
+    assert first["failure"] is None and "raised RuntimeError: the answer was cut" in first["failed_after_cut"]
+    assert batch.response_mask[0].sum() == 200 and batch.agent_infos[0]["reward_score"] is None  # the reward function's
+    assert "raised RuntimeError: the answer was cut" in second["failure"] and second["failed_after_cut"] is None
+    assert batch.response_mask[1].sum() == 0
+    assert session_metrics(batch.agent_infos)["agent/failed_after_cut"] == 1

@@ -223,9 +223,14 @@ class TinkerApi:
         self.base(req.base_model)
         if req.session_id not in self.sessions:
             raise ApiError(404, f"session_id {req.session_id!r} is not a session of this server", param="session_id")
-        if req.lora_config is None or req.lora_config.rank <= 0:
-            raise ApiError(400, "lora_config.rank must be a positive integer: plait's local Tinker trains LoRA "
-                                "adapters only (no full fine-tuning)", param="lora_config.rank")
+        if req.lora_config is None or req.lora_config.rank < 0:
+            raise ApiError(400, "lora_config.rank must be a positive integer (a LoRA adapter) or 0 (full fine-tuning)",
+                           param="lora_config.rank")
+        if req.lora_config.rank == 0:
+            skipped = [k for k in ("train_mlp", "train_attn", "train_unembed") if not getattr(req.lora_config, k)]
+            if skipped:
+                raise ApiError(400, f"lora_config.{skipped[0]} is False with rank 0: full fine-tuning trains every "
+                                    "weight", param=f"lora_config.{skipped[0]}")
         if req.optimizer_config.type != "adamw":
             raise ApiError(400, f"optimizer_config.type {req.optimizer_config.type!r} is not served; adamw only",
                            param="optimizer_config.type")

@@ -437,3 +437,8 @@ def test_rank_0_fine_tunes_every_weight_of_its_own_copy_and_saves_loads_samples_
     logp = logp.gather(-1, torch.tensor(ids.to_ints()[1:])[:, None])[:, 0]
     assert torch.allclose(logp, torch.tensor(trained), atol=1e-4)
     assert main(["export", path, str(tmp_path / "adapter"), "--tinker-dir", root, "--lora", "adapter"]) == 2
+    # each full sampler is a model copy: a client keeps its newest two; an older one says its weights were dropped
+    newest = [client.save_weights_and_get_sampling_client().result(timeout=60) for _ in range(2)]
+    assert newest[0].compute_logprobs(ids).result(timeout=60)[1:] == pytest.approx(trained, abs=1e-3)
+    with pytest.raises(tinker.RequestFailedError, match="weights were dropped"):
+        sampler.compute_logprobs(ids).result(timeout=60)

@@ -12,7 +12,8 @@ whichever form the actor saved:
 
 A Tinker checkpoint of `plait serve` (`tinker://RUN/weights/NAME` or `tinker://RUN/sampler_weights/NAME`, found
 under the Tinker dir, or its folder given as a path) exports the same two ways from its `adapter/` (the peft adapter
-over the served model, which its adapter_config names); its `state.pt` (the optimizer) is not read. A LoRA on an
+over the served model, which its adapter_config names), or, for a full fine-tuning client's (LoRA rank 0), from its
+`model/` Hugging Face folder; its `state.pt` (the optimizer) is not read. A LoRA on an
 output head tied to the embeddings is merged into the head alone (the export unties them), as the adapter computes.
 
 Every file is read as data (plait/safeload.py): nothing in a checkpoint runs. The checkpoint's
@@ -133,7 +134,7 @@ def write_export(actor: str, out: str, lora: str = "merge", base: str | None = N
 def tinker_folder(checkpoint: str, tinker_dir: str | None) -> str | None:
     """The folder of a Tinker checkpoint: `tinker://RUN/KIND/NAME` under `tinker_dir`, or a folder holding
     plait serve's state.pt and adapter/; None: not a Tinker checkpoint."""
-    from plait.serving.tinker.trainer import STATE_FILE, checkpoint_parts
+    from plait.serving.tinker.trainer import FULL_DIR, STATE_FILE, checkpoint_parts
     if checkpoint.startswith("tinker://"):
         parts = checkpoint_parts(checkpoint)
         if parts is None:
@@ -141,17 +142,28 @@ def tinker_folder(checkpoint: str, tinker_dir: str | None) -> str | None:
         if tinker_dir is None:
             raise ExportError(f"{checkpoint}: give --tinker-dir, the folder plait serve keeps tinker:// checkpoints in")
         folder = os.path.join(tinker_dir, *parts)
-        if not os.path.isdir(os.path.join(folder, "adapter")):
+        if not any(os.path.isdir(os.path.join(folder, d)) for d in ("adapter", FULL_DIR)):
             raise ExportError(f"{checkpoint}: no such checkpoint under {tinker_dir} (--tinker-dir: where plait serve "
                               "keeps them)")
         return folder
-    found = os.path.isfile(os.path.join(checkpoint, STATE_FILE)) and os.path.isdir(os.path.join(checkpoint, "adapter"))
+    found = os.path.isfile(os.path.join(checkpoint, STATE_FILE)) and \
+        any(os.path.isdir(os.path.join(checkpoint, d)) for d in ("adapter", FULL_DIR))
     return checkpoint if found else None
 
 
 def write_tinker_export(folder: str, out: str, lora: str, base: str | None) -> None:
     """A Tinker checkpoint's adapter merged into its base model, or as the peft adapter, with the base's tokenizer
-    and generation config."""
+    and generation config; a full fine-tuning one's model/ folder (loaded, so a broken one is refused)."""
+    from plait.models import load_causal_lm
+    from plait.serving.tinker.trainer import FULL_DIR
+    full = os.path.join(folder, FULL_DIR)
+    if os.path.isdir(full):
+        if lora == "adapter":
+            raise ExportError(f"{folder}: a full fine-tuning checkpoint (LoRA rank 0) holds no adapter; export it "
+                              "without --lora adapter")
+        load_causal_lm(full).save_pretrained(out)
+        copy_tokenizer_and_generation(full, out)
+        return
     adapter = os.path.join(folder, "adapter")
     check_adapter(adapter)
     if lora == "adapter":

@@ -270,7 +270,9 @@ def test_malformed_requests_fail_fast_naming_the_field_and_the_server_keeps_serv
     with pytest.raises(tinker.BadRequestError, match="base_model 'no-such-model' is not served"):
         service.create_lora_training_client(base_model="no-such-model", rank=2).result(timeout=30)
     with pytest.raises(tinker.BadRequestError, match="lora_config.rank"):
-        service.create_lora_training_client(base_model=NAME, rank=0).result(timeout=30)
+        service.create_lora_training_client(base_model=NAME, rank=-1).result(timeout=30)
+    with pytest.raises(tinker.BadRequestError, match="lora_config.train_attn is False with rank 0"):
+        service.create_lora_training_client(base_model=NAME, rank=0, train_attn=False).result(timeout=30)
     sampler = client.save_weights_and_get_sampling_client().result(timeout=60)
     with pytest.raises(tinker.BadRequestError, match="over the model's context"):
         sampler.sample(types.ModelInput.from_ints(ids), 1, types.SamplingParams(max_tokens=100_000)).result(timeout=30)
@@ -388,3 +390,55 @@ def test_plait_export_writes_a_tinker_checkpoint_as_a_merged_model_and_as_the_ad
     assert torch.allclose(logprobs(adapted), served_logprobs, atol=1e-4)
     # a tinker:// path that is not there: one line naming it, exit 2
     assert main(["export", f"tinker://{client.model_id}/weights/nope", str(tmp_path / "x"), "--tinker-dir", root]) == 2
+
+
+def test_rank_0_fine_tunes_every_weight_of_its_own_copy_and_saves_loads_samples_and_exports(served, service, tokenizer,
+                                                                                             tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from plait.cli import main
+    data = [sft_datum(tokenizer, "every weight learns this")]
+    ids = types.ModelInput.from_ints([*data[0].model_input.to_ints(), data[0].loss_fn_inputs["target_tokens"].tolist()[-1]])
+    base = service.create_sampling_client(base_model=NAME).result(timeout=60)
+    base_before = base.compute_logprobs(ids).result(timeout=60)
+    client = service.create_lora_training_client(base_model=NAME, rank=0).result(timeout=60)
+    assert client.get_info().is_lora is False
+    own = served.tinker.trainer.clients[client.model_id].model
+    before = {n: p.detach().clone() for n, p in own.named_parameters()}
+    losses = [step(client, data, lr=1e-3).metrics["loss:sum"] for _ in range(3)]
+    assert losses[0] > losses[1] > losses[2], losses
+    changed = {n for n, p in own.named_parameters() if not torch.equal(p, before[n])}
+    assert "model.embed_tokens.weight" in changed and not any("lora" in n for n in before)  # base weights, no adapter
+    assert any(".mlp." in n for n in changed) and any(".self_attn." in n for n in changed)
+    assert base.compute_logprobs(ids).result(timeout=60) == base_before  # the shared base model did not move
+    # its sampler is a frozen copy of all its weights: on-policy with the trainer's forward
+    sampler = client.save_weights_and_get_sampling_client().result(timeout=60)
+    trained = forward_logprobs(client, data)[0]
+    assert torch.allclose(torch.tensor(sampler.compute_logprobs(ids).result(timeout=60)[1:]), torch.tensor(trained),
+                          atol=1e-3)
+    # save_state / load_state with the optimizer round-trips the loss exactly
+    path = client.save_state("full").result(timeout=60).path
+    at_save = client.forward(data, "cross_entropy").result(timeout=60).metrics["loss:sum"]
+    step(client, data, lr=1e-3)
+    assert client.forward(data, "cross_entropy").result(timeout=60).metrics["loss:sum"] != at_save
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        client.load_state_with_optimizer(path).result(timeout=60)
+    assert client.forward(data, "cross_entropy").result(timeout=60).metrics["loss:sum"] == at_save
+    from_path = service.create_sampling_client(model_path=path).result(timeout=60)
+    assert torch.allclose(torch.tensor(from_path.compute_logprobs(ids).result(timeout=60)[1:]), torch.tensor(trained),
+                          atol=1e-3)
+    # plait export: a Hugging Face folder with those weights; no adapter to export
+    root = served.tinker.trainer.root
+    assert main(["export", path, str(tmp_path / "full"), "--tinker-dir", root]) == 0
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "full")
+    with torch.no_grad():
+        logp = torch.log_softmax(exported(input_ids=torch.tensor([ids.to_ints()])).logits[0, :-1], -1)
+    logp = logp.gather(-1, torch.tensor(ids.to_ints()[1:])[:, None])[:, 0]
+    assert torch.allclose(logp, torch.tensor(trained), atol=1e-4)
+    assert main(["export", path, str(tmp_path / "adapter"), "--tinker-dir", root, "--lora", "adapter"]) == 2
+    # each full sampler is a model copy: a client keeps its newest two; an older one says its weights were dropped
+    newest = [client.save_weights_and_get_sampling_client().result(timeout=60) for _ in range(2)]
+    assert newest[0].compute_logprobs(ids).result(timeout=60)[1:] == pytest.approx(trained, abs=1e-3)
+    with pytest.raises(tinker.RequestFailedError, match="weights were dropped"):
+        sampler.compute_logprobs(ids).result(timeout=60)

@@ -84,3 +84,12 @@ def test_a_malformed_body_is_refused_naming_the_field():
         decode_forward_backward(sdk_body(), "br")
     with pytest.raises(ApiError, match="not a ForwardBackwardRequest"):
         decode_forward_backward(b"\xff\xff\xff", None)
+
+
+def test_stable_reinforce_is_named_by_the_sdk_but_not_defined_so_it_is_refused_saying_so():
+    import typing
+    tinker = pytest.importorskip("tinker")
+    assert "stable_reinforce" in typing.get_args(tinker.types.LossFnType)  # if a later SDK defines it, serve it
+    with pytest.raises(ApiError, match="names it but does not define it"):
+        decode_forward_backward(sdk_body("stable_reinforce", target_tokens=[6, 7, 8], logprobs=[0.0] * 3,
+                                         advantages=[1.0] * 3), None)

@@ -1,6 +1,7 @@
 """A local Tinker: the Tinker training API (Thinking Machines' `tinker` SDK, 0.38) on `plait serve`'s server.
 
-    routes.py   the /api/v1 endpoints, sessions, futures and the one worker thread that runs the jobs
+    routes.py   the /api/v1 endpoints, sessions, futures, the one worker thread that runs the jobs, and the journal
+                a restart reads back (server.jsonl in the Tinker dir)
     trainer.py  the base model, a LoRA adapter per training client and per sampler, AdamW, tinker:// checkpoints,
                 the samplers' rollout engine
     losses.py   the built-in losses as the SDK documents them (pure functions)

@@ -10,7 +10,8 @@ its sum (Tinker sums over tokens and data; it never averages, so weights or adva
     cispo                -sg(clip(r, low, high)) * logp * A                      (sg: no gradient through it)
     dro                  -(logp * A - beta / 2 * (logp - logprobs)^2)
 
-Left out: gspo and stable_reinforce (sequence-level ratios and the sampler's stability records), `custom`
+Left out: gspo (sequence-level ratios); stable_reinforce, which SDK 0.38 names (LossFnType, a `kl_coeff` config, a
+sampler's `record_stability_info` read back by `sequence_id`) but does not define: no formula to be equal to; `custom`
 (the SDK runs its custom losses client-side through cross_entropy's weights, which needs nothing here).
 """
 
@@ -59,3 +60,7 @@ LOSSES = {
     "dro": (dro, RL_INPUTS, {"beta": None}),
 }
 OPTIONAL_INPUTS = {"weights"}  # cross_entropy's, ones when absent
+# losses the SDK names that are not served, and why (the refusal says it)
+UNSERVED = {"stable_reinforce": "the tinker SDK (0.38) names it but does not define it (its kl_coeff and the "
+                                "sampler's stability records have no published formula), so there is nothing to be "
+                                "equal to"}

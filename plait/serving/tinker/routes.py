@@ -14,6 +14,16 @@ naming it. The server keeps serving after either.
 A future is named by what the SDK sent (its model or sampler and the request's seq_id), so a request retried after
 a lost answer finds its first future and is applied once.
 
+A restart (kill -9 included) keeps what the journal (ROOT/server.jsonl, a line per event, flushed before the
+answer it records goes out) holds: the sessions, every finished future's answer (a retried request still gets it,
+and is not run again), the training clients (each as of its last save_state or load_state, or as created when it
+never had one) and the samplers made from a path or the base model. A client that had trained since that point
+comes back "stale": its training requests are refused, naming the checkpoint, until a load_state; its unsaved
+steps and gradients are gone. Lost: futures not finished at the kill (retrieving one answers 410, "send it
+again"), samplers made from a client's weights in memory (save_weights_and_get_sampling_client), the timeline's
+step count. The journal survives a killed process (it is in the OS's hands once flushed), not a crashed machine
+(no fsync).
+
 Every job is two spans on plait's timeline (profiler/timeline.py; written when the server has an output folder):
 `queue` (from its arrival to its start) and its own (`forward_backward`, `forward`, `optim_step`, `sample`,
 `save`, `load`, `create`, ...; inside a sample, `load_weights` when the engine takes that sampler's weights), role
@@ -22,15 +32,17 @@ session's id); a record's step is the number of optimizer steps the server had t
 (GET sessions/{id}/trace_export) writes one session's spans as a Chrome trace (gzip JSON, which ui.perfetto.dev
 opens) with a lane per client, and answers a URL under an unguessable name that a plain GET downloads.
 
-Left out: futures that survive a server restart (they live in memory), server-side custom losses, the REST
-listing endpoints.
+Left out: server-side custom losses, the REST listing endpoints, compacting the journal (it grows with every
+request; sessions that `close` are not restored).
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import collections
 import concurrent.futures
+import json
 import logging
 import queue
 import os
@@ -50,6 +62,7 @@ from plait.serving.tinker.wire import decode_forward_backward
 log = logging.getLogger("plait.serving.tinker")
 POLL_S = 10.0        # how long a retrieve_future waits for its job before answering try_again
 KEPT_RESULTS = 4096  # finished futures kept for a repeated retrieve
+JOURNAL = "server.jsonl"  # in the Tinker dir: what a restart restores
 
 
 def error(err: ApiError) -> JSONResponse:
@@ -87,6 +100,45 @@ async def parse(request: Request, model):
         raise ApiError(400, f"{where}: {first['msg']}", param=where) from None
 
 
+def answer(result, failure: BaseException | None):
+    """A job's outcome as retrieve_future answers it: its result (JSON-able or protobuf bytes), or the API's failure."""
+    if failure is None:
+        return result
+    if isinstance(failure, ApiError):
+        return {"error": failure.message, "category": "user"}
+    return {"error": f"{type(failure).__name__}: {failure}", "category": "server"}
+
+
+class Journal:
+    """Append-only JSON lines, flushed per record (a killed process loses none); a torn last line is skipped."""
+
+    def __init__(self, path: str):
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        self.path, self.lock = path, threading.Lock()
+        self.file = open(path, "a", encoding="utf-8")
+
+    def records(self) -> list[dict]:
+        with open(self.path, encoding="utf-8") as f:
+            lines = f.read().split("\n")
+        out = []
+        for line in lines:
+            try:
+                out.append(json.loads(line))
+            except ValueError:  # the line a kill cut short (or an empty one)
+                continue
+        return out
+
+    def add(self, record: dict) -> None:
+        if isinstance(record.get("answer"), bytes):
+            record = {**record, "answer": {"b64": base64.b64encode(record["answer"]).decode()}}
+        with self.lock:
+            self.file.write(json.dumps(record) + "\n")
+            self.file.flush()
+
+    def close(self) -> None:
+        self.file.close()
+
+
 def seq(owner: str, seq_id: int | None) -> str:
     """A request's future id: its model or sampler and its seq_id (a fresh id when it sent none)."""
     return f"{owner}:{seq_id}" if seq_id is not None else f"{owner}:{uuid.uuid4().hex}"
@@ -102,6 +154,9 @@ class TinkerApi:
         self.jobs: queue.Queue = queue.Queue()
         self.steps = 0  # optimizer steps taken on this server: the timeline's step
         self.traces: dict[str, str] = {}  # a session trace's download name -> its file
+        self.stale: dict[str, str] = {}  # a client restored behind its last answers -> why it is refused
+        self.journal = Journal(os.path.join(trainer.root, JOURNAL))
+        self.restored = self._restore()  # the sessions from before a restart
         self.worker = threading.Thread(target=self._work, name="plait-tinker-trainer", daemon=True)
         self.worker.start()
 
@@ -109,10 +164,83 @@ class TinkerApi:
         self.jobs.put(None)
         self.worker.join(timeout=30)
         self.trainer.close()
+        self.journal.close()
+
+    def _restore(self) -> set[str]:
+        """Sessions, finished futures, clients and path samplers from the journal (module docstring); the sessions."""
+        clients: dict[str, dict] = {}
+        samplers: dict[str, str | None] = {}
+        for rec in self.journal.records():
+            who = rec.get("who")
+            if "session" in rec:
+                self.sessions.add(rec["session"])
+            if "end" in rec:
+                self.sessions.discard(rec["end"])
+            if "client" in rec and rec.get("base") == self.trainer.name:
+                clients[who] = {"lora": rec["client"], "state": None, "optimizer": False, "moved": False}
+            if who in clients and "state" in rec:
+                clients[who].update(state=rec["state"], optimizer=rec["optimizer"], moved=False)
+            if who in clients and rec.get("moved"):
+                clients[who]["moved"] = True
+            if "sampler" in rec:
+                samplers[rec["sampler"]] = rec["path"]
+            if rec.get("future"):
+                future: concurrent.futures.Future = concurrent.futures.Future()
+                done = rec["answer"]
+                future.set_result(base64.b64decode(done["b64"]) if isinstance(done, dict) and "b64" in done else done)
+                self.futures[rec["future"]] = future
+        while len(self.futures) > KEPT_RESULTS:
+            self.futures.popitem(last=False)
+        live = lambda who: who.split(":")[0] in self.sessions  # noqa: E731 - a closed session's clients stay gone
+        for model_id, c in clients.items():
+            if not live(model_id):
+                continue
+            try:
+                if c["state"] is None:
+                    self.trainer.create(model_id, Lora(**c["lora"]))
+                else:
+                    self.trainer.create_from(model_id, c["state"], c["optimizer"])
+            except Exception as err:  # noqa: BLE001 - a checkpoint deleted since: that client is not restored
+                log.warning("plait tinker: client %s not restored: %s", model_id, err)
+                continue
+            if c["moved"]:
+                self.stale[model_id] = (
+                    f"model_id {model_id!r}: the server restarted after it trained past its last checkpoint; it is "
+                    + (f"{c['state']} again: load_state({c['state']!r}) to go on from there" if c["state"] else
+                       "as created (it never saved): create a new training client") + " (unsaved steps are lost)")
+        for sampler_id, path in samplers.items():
+            if live(sampler_id):
+                try:
+                    self.trainer.sampler_from_path(sampler_id, path)
+                except Exception as err:  # noqa: BLE001 - as above
+                    log.warning("plait tinker: sampler %s not restored: %s", sampler_id, err)
+        return set(self.sessions)
+
+    def _record(self, request_id: str | None, who: str, fn, args, result, failure) -> None:
+        """The job's journal line, if it has an answer to keep or changes what a restart restores."""
+        rec: dict = {"who": who}
+        if request_id is not None:
+            rec.update(future=request_id, answer=answer(result, failure))
+        name = fn.__name__
+        if failure is None:
+            if name in ("create", "create_from"):
+                rec.update(client=vars(self.trainer.clients[args[0]].lora), base=self.trainer.name)
+            if name in ("create_from", "load"):
+                rec.update(state=args[1], optimizer=args[2])
+            if name == "save" and args[2] == "weights":
+                rec.update(state=result["path"], optimizer=True)
+            if name == "optim_step" or (name == "forward_backward" and not args[0].forward_only):
+                rec["moved"] = True
+            if name == "sampler_from_path":
+                rec.update(sampler=args[0], path=args[1])
+            if "state" in rec:
+                self.stale.pop(who, None)
+        if len(rec) > 1:
+            self.journal.add(rec)
 
     def _work(self) -> None:
         while (job := self.jobs.get()) is not None:
-            future, fn, args, who, queued = job
+            future, fn, args, who, queued, request_id = job
             start = time.perf_counter()
             result, failure = None, None
             try:
@@ -127,6 +255,7 @@ class TinkerApi:
             TIMELINE.add("tinker", "queue", queued, start, None, who)
             TIMELINE.add("tinker", stage, start, time.perf_counter(), None, who)
             TIMELINE.flush(self.steps)  # before the answer: whoever holds it finds the job on the timeline
+            self._record(request_id, who, fn, args, result, failure)  # before the answer: a restart keeps it
             if failure is None:
                 future.set_result(result)
             else:
@@ -137,18 +266,21 @@ class TinkerApi:
         a retried request finds its first future and is applied once."""
         if request_id in self.futures:
             return JSONResponse({"request_id": request_id, **extra})
+        who = request_id.rsplit(":", 1)[0]
+        if who in self.stale and fn != self.trainer.load:
+            raise ApiError(400, self.stale[who], param="model_id")
         future: concurrent.futures.Future = concurrent.futures.Future()
         self.futures[request_id] = future
         while len(self.futures) > KEPT_RESULTS:
             self.futures.popitem(last=False)
-        self.jobs.put((future, fn, args, request_id.rsplit(":", 1)[0], time.perf_counter()))
+        self.jobs.put((future, fn, args, who, time.perf_counter(), request_id))
         return JSONResponse({"request_id": request_id, **extra})
 
     async def run(self, who: str, fn, *args):
         """A job for `who` run on the worker (in order with the futures) and awaited here: for the calls the SDK does
         not poll."""
         future: concurrent.futures.Future = concurrent.futures.Future()
-        self.jobs.put((future, fn, args, who, time.perf_counter()))
+        self.jobs.put((future, fn, args, who, time.perf_counter(), None))
         return await asyncio.wrap_future(future)
 
     # -- checks at the door ----------------------------------------------------------------------------------------
@@ -187,6 +319,7 @@ class TinkerApi:
     async def create_session(self, request: Request) -> Response:
         session_id = f"plait-{uuid.uuid4().hex[:12]}"
         self.sessions.add(session_id)
+        self.journal.add({"session": session_id})
         return JSONResponse({"type": "create_session", "session_id": session_id})
 
     @endpoint
@@ -196,6 +329,7 @@ class TinkerApi:
     @endpoint
     async def finish(self, request: Request) -> Response:
         self.sessions.discard(request.path_params["sid"])
+        self.journal.add({"end": request.path_params["sid"]})
         return JSONResponse({})
 
     @endpoint
@@ -223,9 +357,14 @@ class TinkerApi:
         self.base(req.base_model)
         if req.session_id not in self.sessions:
             raise ApiError(404, f"session_id {req.session_id!r} is not a session of this server", param="session_id")
-        if req.lora_config is None or req.lora_config.rank <= 0:
-            raise ApiError(400, "lora_config.rank must be a positive integer: plait's local Tinker trains LoRA "
-                                "adapters only (no full fine-tuning)", param="lora_config.rank")
+        if req.lora_config is None or req.lora_config.rank < 0:
+            raise ApiError(400, "lora_config.rank must be a positive integer (a LoRA adapter) or 0 (full fine-tuning)",
+                           param="lora_config.rank")
+        if req.lora_config.rank == 0:
+            skipped = [k for k in ("train_mlp", "train_attn", "train_unembed") if not getattr(req.lora_config, k)]
+            if skipped:
+                raise ApiError(400, f"lora_config.{skipped[0]} is False with rank 0: full fine-tuning trains every "
+                                    "weight", param=f"lora_config.{skipped[0]}")
         if req.optimizer_config.type != "adamw":
             raise ApiError(400, f"optimizer_config.type {req.optimizer_config.type!r} is not served; adamw only",
                            param="optimizer_config.type")
@@ -377,6 +516,9 @@ class TinkerApi:
         from tinker import types
         request_id = (await parse(request, types.FutureRetrieveRequest)).request_id
         future = self.futures.get(request_id)
+        if future is None and request_id.split(":")[0] in self.restored:
+            raise ApiError(410, f"request_id {request_id!r} had not finished when the server restarted: send the "
+                                "request again", param="request_id")
         if future is None:
             raise ApiError(404, f"request_id {request_id!r} is not a future of this server", param="request_id")
         if not future.done():
@@ -386,12 +528,7 @@ class TinkerApi:
                 return JSONResponse({"type": "try_again", "request_id": request_id, "queue_state": "active"})
             except Exception:  # noqa: BLE001 - the job's failure, read from the future below
                 pass
-        try:
-            result = future.result()
-        except ApiError as err:
-            return JSONResponse({"error": err.message, "category": "user"})
-        except Exception as err:  # noqa: BLE001 - the job's failure, as the API's failed future
-            return JSONResponse({"error": f"{type(err).__name__}: {err}", "category": "server"})
+        result = answer(None, future.exception()) if future.exception() is not None else future.result()
         if isinstance(result, bytes):
             return Response(result, media_type="application/x-protobuf")
         return JSONResponse(result)

@@ -6,6 +6,12 @@ Clients never mix: each is an adapter of its own name in one PeftModel, made act
 optimizer over its own parameters. A sampler (`save_weights_and_get_sampling_client`) is a frozen copy of
 the client's adapter at that moment, so later training does not move what it samples.
 
+A client created with LoRA rank 0 (as SkyRL reads it: full fine-tuning) trains every weight of its own copy of the
+served model (one more model in memory, and AdamW's two moments of it); the shared base stays as it is for the
+LoRA clients. Its samplers are frozen copies of its whole state dict, the last KEPT_FULL_SNAPSHOTS per client
+(older ones are dropped: a model copy each). Its checkpoints hold `model/`, a Hugging Face folder (weights,
+config, tokenizer), in place of `adapter/`.
+
 Samples are drawn by a plait rollout engine (a Rollout worker over the ENGINES row the server was started
 with: hf, or vLLM where installed), which holds one sampler's weights at a time: the base model with that
 sampler's adapter merged (models.merged_state_dict, as the actor hands its rollout), loaded with
@@ -21,7 +27,7 @@ Every method here runs on the service's one worker thread (routes.py), so reques
 (adapter only) are the folders ROOT/RUN/weights/NAME and ROOT/RUN/sampler_weights/NAME: `state.pt` for this server,
 and `adapter/`, the adapter as peft saves one, for anything else that loads peft adapters.
 
-Left out: full fine-tuning (rank 0), top-k and prompt-token alternatives, evicting old samplers (each is an
+Left out: top-k and prompt-token alternatives, evicting old samplers (each is an
 adapter), stop tokens that let a sample run past EOS (the engine ends a sample at EOS; other stop tokens and
 strings cut it after).
 """
@@ -43,6 +49,8 @@ from plait.serving.tinker.wire import FwdBwd, encode_forward_backward, encode_sa
 
 LORA_ALPHA = 32  # Tinker's LoRA scale is alpha / rank with alpha 32
 STATE_FILE = "state.pt"
+FULL_DIR = "model"  # a full fine-tuning checkpoint's weights, as a Hugging Face folder
+KEPT_FULL_SNAPSHOTS = 2  # a full fine-tuning client's newest samplers kept (each a copy of the model)
 
 
 @dataclass
@@ -56,18 +64,21 @@ class Lora:
 
 @dataclass
 class Client:
-    """A training client: its adapter's name, its parameters (by name with the adapter named `{}`), its optimizer."""
+    """A training client: its adapter's name, its parameters (by name with the adapter named `{}`), its optimizer;
+    for full fine-tuning (rank 0) its own model, every parameter of which it trains, and no adapter."""
     model_id: str
-    adapter: str
+    adapter: str | None
     lora: Lora
     params: dict[str, torch.nn.Parameter]
     optimizer: torch.optim.Optimizer
     steps: int = 0
+    model: torch.nn.Module | None = None
+    snapshots: list[str] = field(default_factory=list)  # its full samplers' keys, oldest first
 
 
 @dataclass
 class Sampler:
-    adapter: str | None           # None: the base model
+    adapter: str | None           # its peft adapter, or its key in TinkerTrainer.snapshots (full); None: the base model
     model_path: str | None = None
     lora: Lora | None = None
 
@@ -103,6 +114,7 @@ class TinkerTrainer:
         self.peft = None
         self.clients: dict[str, Client] = {}
         self.samplers: dict[str, Sampler] = {}
+        self.snapshots: dict[str, dict[str, torch.Tensor] | None] = {}  # full samplers' state dicts (None: dropped)
         self.adapters = 0
         self.rollout = None  # the samplers' engine (a Rollout worker), built by the first sample
         self.loaded: str | None = UNLOADED  # whose weights it holds: a sampler's adapter, None for the base model
@@ -163,14 +175,25 @@ class TinkerTrainer:
 
     # -- training clients -----------------------------------------------------------------------------------------
     def create(self, model_id: str, lora: Lora) -> dict:
-        adapter = self._add_adapter(lora)
-        params = self._params(adapter)
-        self.clients[model_id] = Client(model_id, adapter, lora, params, torch.optim.AdamW(params.values(), weight_decay=0.0))
+        model, adapter = None, None
+        if lora.rank == 0:  # full fine-tuning: its own copy of the served model, every parameter trained
+            from plait.models import load_causal_lm
+            model = load_causal_lm(self.path).eval()  # eval: no dropout
+            params = dict(model.named_parameters())
+        else:
+            adapter = self._add_adapter(lora)
+            params = self._params(adapter)
+        self.clients[model_id] = Client(model_id, adapter, lora, params, torch.optim.AdamW(params.values(), weight_decay=0.0),
+                                        model=model)
         return {"model_id": model_id, "type": "create_model"}
+
+    def _client_net(self, client: Client):
+        return contextlib.nullcontext(client.model) if client.model is not None else self._net(client.adapter)
 
     def info(self, model_id: str) -> dict:
         client = self.clients[model_id]
-        return {"type": "get_info", "model_id": model_id, "is_lora": True, "lora_rank": client.lora.rank,
+        full = client.model is not None
+        return {"type": "get_info", "model_id": model_id, "is_lora": not full, "lora_rank": None if full else client.lora.rank,
                 "model_name": self.name, "model_data": {"arch": self.arch, "model_name": self.name,
                                                         "tokenizer_id": self.path}}
 
@@ -191,7 +214,7 @@ class TinkerTrainer:
     def forward_backward(self, req: FwdBwd) -> bytes:
         client = self.clients[req.model_id]
         loss_fn = LOSSES[req.loss_fn][0]
-        with self._net(client.adapter) as net, torch.set_grad_enabled(not req.forward_only):
+        with self._client_net(client) as net, torch.set_grad_enabled(not req.forward_only):
             logps = self.logprobs(net, [(d.tokens, d.inputs["target_tokens"]) for d in req.data])
             losses = [loss_fn(logp, d.inputs, req.config) for logp, d in zip(logps, req.data)]
             total = torch.stack([loss.sum() for loss in losses]).sum()
@@ -230,14 +253,20 @@ class TinkerTrainer:
         client = self.clients[model_id]
         path = f"tinker://{model_id}/{kind}/{name}"
         folder = self.folder(path)
-        if os.path.exists(os.path.join(folder, STATE_FILE)) and not overwrite:
-            raise ApiError(409, f"{path} exists (save with overwrite=True to replace it)", param="path")
-        state = {"base_model": self.name, "lora": vars(client.lora),
-                 "adapter": {n: p.detach().clone() for n, p in client.params.items()}}
+        if os.path.exists(os.path.join(folder, STATE_FILE)):
+            if not overwrite:
+                raise ApiError(409, f"{path} exists (save with overwrite=True to replace it)", param="path")
+            os.remove(os.path.join(folder, STATE_FILE))  # until the new one is whole, the folder is no checkpoint
+        state = {"base_model": self.name, "lora": vars(client.lora), "steps": client.steps}
         if kind == "weights":
             state["optimizer"] = client.optimizer.state_dict()
         os.makedirs(folder, exist_ok=True)
-        self._save_peft(client.adapter, os.path.join(folder, "adapter"))
+        if client.model is not None:  # full: the weights as a Hugging Face folder, which is also what export reads
+            client.model.save_pretrained(os.path.join(folder, FULL_DIR))
+            self.tokenizer.save_pretrained(os.path.join(folder, FULL_DIR))
+        else:
+            state["adapter"] = {n: p.detach().clone() for n, p in client.params.items()}
+            self._save_peft(client.adapter, os.path.join(folder, "adapter"))
         torch.save(state, os.path.join(folder, STATE_FILE) + ".tmp")  # last: a state.pt is a complete checkpoint
         os.replace(os.path.join(folder, STATE_FILE) + ".tmp", os.path.join(folder, STATE_FILE))
         return {"path": path, "type": "save_weights" if kind == "weights" else "save_weights_for_sampler"}
@@ -262,6 +291,11 @@ class TinkerTrainer:
                            param=field_name)
         return torch.load(file, weights_only=True)
 
+    def full_weights(self, path: str, field_name: str = "path") -> dict[str, torch.Tensor]:
+        """The state dict of a full fine-tuning checkpoint's model/ folder (its head too where it is tied)."""
+        from plait.models import load_causal_lm
+        return load_causal_lm(os.path.join(self.folder(path, field_name), FULL_DIR)).state_dict()
+
     def load(self, model_id: str, path: str, optimizer: bool) -> dict:
         state = self.read(path)
         client = self.clients[model_id]
@@ -270,11 +304,12 @@ class TinkerTrainer:
                 (client.lora.rank, client.lora.train_mlp, client.lora.train_attn, client.lora.train_unembed):
             raise ApiError(400, f"{path} was saved with LoRA {state['lora']}, this client has {vars(client.lora)}",
                            param="path")
-        self._copy_into(client.params, state["adapter"])
+        self._copy_into(client.params, self.full_weights(path) if client.model is not None else state["adapter"])
         if optimizer:
             if "optimizer" not in state:
                 raise ApiError(400, f"{path} holds no optimizer state (a sampler checkpoint)", param="optimizer")
             client.optimizer.load_state_dict(state["optimizer"])
+            client.steps = state.get("steps", client.steps)
         client.optimizer.zero_grad(set_to_none=True)
         return {"path": path, "model_id": model_id, "type": "load_weights"}
 
@@ -292,6 +327,9 @@ class TinkerTrainer:
     # -- samplers -------------------------------------------------------------------------------------------------
     def sampler_from_client(self, sampler_id: str, model_id: str) -> dict:
         client = self.clients[model_id]
+        if client.model is not None:
+            self.samplers[sampler_id] = Sampler(self._snapshot(client.model.state_dict(), client), None, client.lora)
+            return {"sampling_session_id": sampler_id, "type": "save_weights_for_sampler"}
         adapter = self._add_adapter(client.lora)
         params = self._params(adapter)
         self._copy_into(params, {n: p for n, p in client.params.items()})
@@ -306,12 +344,27 @@ class TinkerTrainer:
             return
         state = self.read(path, "model_path")
         lora = Lora(**state["lora"])
+        if lora.rank == 0:
+            self.samplers[sampler_id] = Sampler(self._snapshot(self.full_weights(path, "model_path")), path, lora)
+            return
         adapter = self._add_adapter(lora)
         params = self._params(adapter)
         self._copy_into(params, state["adapter"])
         for p in params.values():
             p.requires_grad_(False)
         self.samplers[sampler_id] = Sampler(adapter, path, lora)
+
+    def _snapshot(self, weights: dict[str, torch.Tensor], client: Client | None = None) -> str:
+        """A frozen copy of full weights for a sampler; its key. A client keeps its newest KEPT_FULL_SNAPSHOTS."""
+        key = f"full{self.adapters}"
+        self.adapters += 1
+        self.snapshots[key] = {k: v.detach().clone() for k, v in weights.items()}
+        if client is not None:
+            client.snapshots.append(key)
+            for old in client.snapshots[:-KEPT_FULL_SNAPSHOTS]:
+                self.snapshots[old] = None
+            del client.snapshots[:-KEPT_FULL_SNAPSHOTS]
+        return key
 
     # -- the samplers' engine -----------------------------------------------------------------------------------
     def engine(self, adapter: str | None, who: str | None = None):
@@ -335,7 +388,13 @@ class TinkerTrainer:
         """The base model with `adapter` merged into the engine (as the actor syncs its rollout a LoRA policy)."""
         from plait.models import merged_state_dict
         peft = self.peft
-        if peft is None:
+        if adapter in self.snapshots:
+            weights = self.snapshots[adapter]
+            if weights is None:
+                raise ApiError(400, f"this sampler's weights were dropped: a full fine-tuning client keeps its newest "
+                                    f"{KEPT_FULL_SNAPSHOTS} samplers (save_weights_for_sampler(name) keeps one on disk)",
+                               param="sampling_session_id")
+        elif peft is None:
             weights = {k: v.detach() for k, v in self.base().state_dict().items()}
         elif adapter is None:
             with peft.disable_adapter():

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from plait.serving.protocol import ApiError
-from plait.serving.tinker.losses import LOSSES, OPTIONAL_INPUTS
+from plait.serving.tinker.losses import LOSSES, OPTIONAL_INPUTS, UNSERVED
 
 
 @dataclass
@@ -52,6 +52,8 @@ def decode_forward_backward(body: bytes, encoding: str | None) -> FwdBwd:
         msg.ParseFromString(body)
     except Exception as err:  # noqa: BLE001 - protobuf's DecodeError, whatever its module
         raise bad(f"the body is not a ForwardBackwardRequest protobuf: {err}", "body") from None
+    if msg.loss_fn in UNSERVED:
+        raise bad(f"loss_fn {msg.loss_fn!r} is not served: {UNSERVED[msg.loss_fn]}", "loss_fn")
     if msg.loss_fn not in LOSSES:
         raise bad(f"loss_fn {msg.loss_fn!r} is not served here; one of {', '.join(LOSSES)}", "loss_fn")
     _, required, known = LOSSES[msg.loss_fn]

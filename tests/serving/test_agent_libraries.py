@@ -1,5 +1,6 @@
 """The agent libraries people write with, each in its own default idiom (tests/fixtures/agents/libraries.py):
-LangGraph's ReAct agent on langchain-openai, pydantic-ai and OpenAI's Agents SDK on the Responses API, litellm.
+LangGraph's ReAct agent on langchain-openai and on langchain-anthropic, pydantic-ai and OpenAI's Agents SDK on the
+Responses API, litellm, the anthropic SDK.
 Against a scripted model each makes its tool call and reads the answer; on the tiny model each trains through the
 gateway, sync and fully_async, its trained tokens the sampled ones and its sessions never mixed."""
 
@@ -15,7 +16,8 @@ from gateway_helpers import served
 from test_train_gateway import FULLY_ASYNC, train
 
 LIBRARIES_FILE = Path(__file__).resolve().parents[1] / "fixtures" / "agents" / "libraries.py"
-NEEDS = {"langgraph": "langgraph", "pydantic_ai": "pydantic_ai", "litellm_loop": "litellm", "openai_agents": "agents"}
+NEEDS = {"langgraph": "langgraph", "pydantic_ai": "pydantic_ai", "litellm_loop": "litellm", "openai_agents": "agents",
+         "anthropic_sdk": "anthropic", "langchain_anthropic": "langchain_anthropic"}
 
 
 def libraries():
@@ -45,7 +47,7 @@ def test_the_libraries_train_through_the_gateway(tmp_path, mode):
     os.environ["LIBRARIES_LOG"] = str(log)  # the training subprocess inherits it
     try:
         _, steps = train(tmp_path, [f"actor_rollout_ref.rollout.agent.openai_agent.path={LIBRARIES_FILE}"],
-                         "trainer.total_training_steps=2", "data.train_batch_size=8",
+                         "trainer.total_training_steps=2", "data.train_batch_size=12",
                          *({"sync": [], "fully_async": FULLY_ASYNC}[mode]))
     finally:
         del os.environ["LIBRARIES_LOG"]
@@ -54,4 +56,5 @@ def test_the_libraries_train_through_the_gateway(tmp_path, mode):
         assert r["agent/failed_sessions"] == 0 and r["agent/chains_per_session"] == 1.0
         assert r["training/rollout_probs_diff_max"] <= 1e-5
         assert r["tokens/generated"] == r["tokens/trained"] + r["tokens/discarded"] and r["tokens/trained"] > 0
-    assert sum(r["agent/failed_after_cut"] for r in steps) > 0
+    if mode == "sync":  # every row's sessions trained: openai-agents' among them
+        assert sum(r["agent/failed_after_cut"] for r in steps) > 0

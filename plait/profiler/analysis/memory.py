@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import bisect
 from collections import defaultdict
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 FREES = ("free_requested",)  # free_completed follows it for the same block: counted once
@@ -174,11 +175,26 @@ def growth_per_stage(series: list[tuple[float, int]], stages: list[dict]) -> dic
     return dict(out)
 
 
-def process_peak(records: list[dict]) -> dict | None:
+def process_peak(records: list[dict], profiled: Collection[int] = ()) -> dict | None:
     """The highest per-stage peak over a run's metric records (memory/<stage>/peak_*_gb; the stage `step`
-    left out: it folds in the others), the first one reaching it where several do: {gb, metric, stage, step,
-    tied}. `tied` names the other stages at the same value (a resident size that holds once freed memory is
-    kept makes stages tie): the one named is then only the first, and the console and page say so."""
+    left out: it folds in the others): {gb, metric, stage, step, tied}. The tie rule: the earliest step
+    reaching it, and in that step the stage that closed first (the record's order); `tied` names the other
+    stages at the same value (a resident size that holds once freed memory is kept makes stages tie), and
+    the console and page say the one named is only the first.
+    Steps inside profiler windows (`profiled`) are left out while another step has a peak: a window's own
+    recording (torch_memory's allocation records, a trace's events) holds memory the run without it never
+    would. A window peak above the run's is kept beside it as `window` ({gb, stage, step}); a run profiled on
+    every step gets its windows' peak, marked `profiled`."""
+    best = _highest([r for r in records if r.get("step") not in profiled])
+    inside = _highest([r for r in records if r.get("step") in profiled])
+    if best is None:
+        return None if inside is None else {**inside, "profiled": True}
+    if inside is not None and inside["gb"] > best["gb"] + TIE_GB:
+        best["window"] = {k: inside[k] for k in ("gb", "stage", "step")}
+    return best
+
+
+def _highest(records: list[dict]) -> dict | None:
     best, seen = None, []
     for r in records:
         for k, v in r.items():
@@ -196,10 +212,16 @@ TIE_GB = 2**-20  # 1 KiB, the resolution of ru_maxrss: peaks this close are the 
 
 
 def peak_text(peak: dict) -> str:
-    """The run's process peak in words, the tie said where there is one."""
+    """The run's process peak in words, the tie and a profiler window's own peak said where there is one."""
     text = f"{peak['gb']:.3g} GB in stage {peak['stage']} at step {peak['step']} ({peak['metric']})"
+    if peak.get("profiled"):
+        text += " inside a profiler window (every step was profiled: its recording's memory is in it)"
     tied = peak.get("tied") or []
-    if not tied:
-        return text
-    names = ", ".join(tied[:5]) + (f" and {len(tied) - 5} more" if len(tied) > 5 else "")
-    return f"{text}; {names} reached the same peak (the first is named: a held resident size, not one stage's)"
+    if tied:
+        names = ", ".join(tied[:5]) + (f" and {len(tied) - 5} more" if len(tied) > 5 else "")
+        text += f"; {names} reached the same peak (the first is named: a held resident size, not one stage's)"
+    w = peak.get("window")
+    if w:
+        text += (f"; a profiler window reached {w['gb']:.3g} GB in stage {w['stage']} at step {w['step']}, "
+                 "its own recording's memory included (left out of the run's peak)")
+    return text

@@ -303,19 +303,24 @@ def test_a_peak_that_creeps_by_pages_names_the_same_stage_in_identical_runs():
 
 def test_a_profiler_windows_own_memory_is_not_the_runs_peak():
     """issue 52: a torch_memory window's own recording became the run's peak. Its steps are left out while
-    another step has a peak, and its higher peak is named as the window's; a run profiled on every step says so."""
-    records = [{"step": 1, "memory/update_actor/peak_rss_gb": 1.0}, {"step": 2, "memory/update_actor/peak_rss_gb": 3.0},
+    another step has a peak, and its higher peak is named as the window's; a run profiled on every step says so;
+    a peak after a window above the one before it names that one too (what a window frees can stay resident)."""
+    records = [{"step": 1, "memory/update_actor/peak_rss_gb": 1.5}, {"step": 2, "memory/update_actor/peak_rss_gb": 3.0},
                {"step": 3, "memory/gen/peak_rss_gb": 1.5, "memory/update_actor/peak_rss_gb": 1.2}]
     peak = mem.process_peak(records, {2})
-    assert (peak["gb"], peak["stage"], peak["step"]) == (1.5, "gen", 3)
-    assert peak["window"] == {"gb": 3.0, "stage": "update_actor", "step": 2}
-    assert mem.peak_text(peak) == ("1.5 GB in stage gen at step 3 (memory/gen/peak_rss_gb); a profiler window reached "
-                                   "3 GB in stage update_actor at step 2, its own recording's memory included "
-                                   "(left out of the run's peak)")
+    assert (peak["gb"], peak["stage"], peak["step"]) == (1.5, "update_actor", 1) and peak["tied"] == ["gen"]
+    assert peak["window"] == {"gb": 3.0, "stage": "update_actor", "step": 2} and "before_windows" not in peak
+    assert mem.peak_text(peak).endswith("; a profiler window reached 3 GB in stage update_actor at step 2, its own "
+                                        "recording's memory included (left out of the run's peak)")
     assert "window" not in mem.process_peak(records, {1})  # a window below the run's peak is not news
     every = mem.process_peak(records[:2], {1, 2})
     assert every["step"] == 2 and mem.peak_text(every).endswith("inside a profiler window (every step was "
                                                                 "profiled: its recording's memory is in it)")
+    kept = mem.process_peak([{"step": 1, "memory/gen/peak_rss_gb": 0.51}, {"step": 2, "memory/gen/peak_rss_gb": 0.9},
+                             {"step": 3, "memory/gen/peak_rss_gb": 0.64}], {2})
+    assert (kept["gb"], kept["step"], kept["before_windows"]) == (0.64, 3, {"gb": 0.51, "stage": "gen", "step": 1})
+    assert "; before the first profiler window it was 0.51 GB (stage gen at step 1): memory a window frees can " \
+           "stay resident after it" in mem.peak_text(kept)
 
 
 def test_the_run_summary_leaves_a_windows_steps_out_of_its_memory_peak(tmp_path):

@@ -185,13 +185,19 @@ def process_peak(records: list[dict], profiled: Collection[int] = ()) -> dict | 
     Steps inside profiler windows (`profiled`) are left out while another step has a peak: a window's own
     recording (torch_memory's allocation records, a trace's events) holds memory the run without it never
     would. A window peak above the run's is kept beside it as `window` ({gb, stage, step}); a run profiled on
-    every step gets its windows' peak, marked `profiled`."""
+    every step gets its windows' peak, marked `profiled`. What a window frees can stay resident after it (the
+    heap keeps freed memory: workers/allocator.py gives it back as the window closes, not all of it), so a
+    peak after the first window above the one before it keeps that one beside it as `before_windows`."""
     best = _highest([r for r in records if r.get("step") not in profiled])
     inside = _highest([r for r in records if r.get("step") in profiled])
     if best is None:
         return None if inside is None else {**inside, "profiled": True}
     if inside is not None and inside["gb"] > best["gb"] + tie(best["gb"]):
         best["window"] = {k: inside[k] for k in ("gb", "stage", "step")}
+    first = min(profiled, default=None)
+    before = _highest([r for r in records if first is not None and r.get("step", first) < first])
+    if before is not None and best["step"] > first and best["gb"] > before["gb"] + tie(before["gb"]):
+        best["before_windows"] = {k: before[k] for k in ("gb", "stage", "step")}
     return best
 
 
@@ -229,6 +235,10 @@ def peak_text(peak: dict) -> str:
         names = ", ".join(tied[:5]) + (f" and {len(tied) - 5} more" if len(tied) > 5 else "")
         text += (f"; {names} reached the same peak, within {100 * TIE_SHARE:.0f} % (the first is named: a held "
                  "resident size, not one stage's)")
+    b = peak.get("before_windows")
+    if b:
+        text += (f"; before the first profiler window it was {b['gb']:.3g} GB (stage {b['stage']} at step "
+                 f"{b['step']}): memory a window frees can stay resident after it")
     w = peak.get("window")
     if w:
         text += (f"; a profiler window reached {w['gb']:.3g} GB in stage {w['stage']} at step {w['step']}, "

@@ -94,6 +94,9 @@ class Host:
         from plait.profiler.timeline import RANK_SPANS
         RANK_SPANS.enable(rank)
         self.session = ProfilerSession(profiler_cfg, roles_cfg, rank=rank, world_size=world_size)
+        from plait.profiler.tools.torch import TorchTool, init_kineto
+        if isinstance(self.session.tool, TorchTool):  # this is the thread that loaded torch: see init_kineto
+            init_kineto()
         self.workers: dict[str, Any] = {}
         self.store = None
         self.channel = self.channel_store = None  # the weight channel (join_channel)

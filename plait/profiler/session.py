@@ -33,6 +33,7 @@ from plait.profiler.config import (ROLE_KEYS, ROLE_ORDER, SCHEDULED_ROLES, TOKEN
                                    RoleProfilerConfig)
 from plait.profiler.naming import artifact_path, oom_path, temp_name
 from plait.profiler.timeline import NULL_SPAN, RANK_SPANS
+from plait.workers.allocator import give_back_freed_memory
 from plait.profiler.tools import make_tool
 
 log = logging.getLogger("plait.profiler")
@@ -187,6 +188,7 @@ class ProfilerSession:
             except Exception as err:
                 self._fail("stopping", err)
                 window.add(self.name, complete=False)
+            give_back_freed_memory()  # the window's own memory is not the run's from here on
         return [{"steps": [window.first, window.last], "role": a.role, "stage": a.stage,
                  "rank": self.rank, "pid": os.getpid(), "tool": self.cfg.tool, "path": a.path,
                  "start_time": a.start_time, "end_time": a.end_time,

@@ -23,11 +23,12 @@ import statistics
 import sys
 import time
 from collections import defaultdict
+from collections.abc import Collection
 from typing import Optional
 
 from plait.profiler.analysis.alarms import CAVEAT, alarms, console_lines
 from plait.profiler.analysis.memory import peak_text, process_peak
-from plait.profiler.analysis.verdict import MIN_SAVING, of_run, profiler_line, settings_of, verdicts
+from plait.profiler.analysis.verdict import MIN_SAVING, of_run, profiled_steps, profiler_line, settings_of, verdicts
 from plait.profiler.naming import MANIFEST as PROFILE_MANIFEST
 from plait.profiler.timeline import TIMELINE_FILE, read_timeline
 from plait.trainers.checkpoint import flatten
@@ -65,10 +66,11 @@ def summarise_run(output_dir: str, metrics_path: str, checkpoint: Optional[str],
              "profile": profile_path if profiled else None}
     try:
         records = read_records(metrics_path) if os.path.exists(metrics_path) else []
-        summary = summarise(records, first, last, clock, profiler_s, paths, status)
+        spans = run_spans(output_dir, first)
+        summary = summarise(records, first, last, clock, profiler_s, paths, status, profiled_steps(spans))
         summary["settings"] = settings_of(flatten(run_config or {}), memory_capacity_gb(), device_kind())
         summary["load"] = machine_load()
-        summary["alarms"], summary["verdict"], summary["profiler"], cycle = run_verdict(output_dir, records, first, summary)
+        summary["alarms"], summary["verdict"], summary["profiler"], cycle = run_verdict(spans, records, first, summary)
         if cycle is not None:  # one step time everywhere: the report's and the verdict's cycle
             summary["step_s"] = cycle
         write_summary(output_dir, summary, console=status != "failed")
@@ -76,15 +78,23 @@ def summarise_run(output_dir: str, metrics_path: str, checkpoint: Optional[str],
         print(f"plait: warning: no run summary written: {type(err).__name__}: {err}", file=sys.stderr)
 
 
-def run_verdict(output_dir: str, records: list[dict], first: int,
+def run_spans(output_dir: str, first: int) -> list[dict]:
+    """This run's timeline spans (steps >= first); none where the timeline is missing or unreadable (said)."""
+    path = os.path.join(output_dir, TIMELINE_FILE)
+    try:
+        return [s for s in read_timeline(path) if s["step"] >= first] if os.path.exists(path) else []
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        print(f"plait: warning: {path} not read: {type(err).__name__}: {err}", file=sys.stderr)
+        return []
+
+
+def run_verdict(spans: list[dict], records: list[dict], first: int,
                 summary: dict) -> tuple[list[dict], list[dict], Optional[dict], Optional[dict]]:
     """The profile report's health alarms (profiler/analysis/alarms.py) and verdict (verdict.py, marked with
     the caveat while an alarm holds) on this run's steps, its profiler line, and the step time it measured
     ({median, p90, basis}: the trainer's cycle, outside profiler windows); a rule that fails says so in one
     line and leaves the summary whole."""
-    path = os.path.join(output_dir, TIMELINE_FILE)
     try:
-        spans = [s for s in read_timeline(path) if s["step"] >= first] if os.path.exists(path) else []
         ran = [r for r in records if r.get("step", 0) >= first]
         found = [a.as_dict() for a in alarms(spans, ran, summary.get("settings"))]
         f = of_run(spans, ran, summary)
@@ -100,8 +110,9 @@ NESTED = {"judge": "reward"}  # a stage timed inside another (the judge's rounds
 
 
 def summarise(records: list[dict], first_step: int, last_step: int, clock: RunClock, profiler_s: float,
-              paths: dict[str, Optional[str]], status: str) -> dict:
-    """The summary of one run (one process) from its metrics.jsonl records."""
+              paths: dict[str, Optional[str]], status: str, profiled: Collection[int] = ()) -> dict:
+    """The summary of one run (one process) from its metrics.jsonl records; `profiled`: the steps inside
+    profiler windows (the memory peak leaves them out: memory.process_peak)."""
     ran = [r for r in records if first_step <= r.get("step", 0)]
     step_s = [_num(r, "timing_s/step") for r in ran]
     testing = sum(_num(r, "timing_s/testing") for r in ran)
@@ -129,7 +140,7 @@ def summarise(records: list[dict], first_step: int, last_step: int, clock: RunCl
         "top_stages": [{"stage": k, "total_s": v, "share": v / whole}
                        for k, v in sorted(stages.items(), key=lambda kv: -kv[1])[:4]],
         "validation": _validation(records),
-        "memory_peak": process_peak(ran),
+        "memory_peak": process_peak(ran, profiled),
         "paths": paths,
         "next": f"plait profile report {paths['output_dir']}",
     }

@@ -34,6 +34,7 @@ from plait.configtree import ConfigError
 from plait.export import HF_DIR
 from plait.models import add_lora, enable_activation_checkpointing, load_causal_lm, merged_state_dict
 from plait.models_vl import is_vl, sequence_logprobs
+from plait.profiler.timeline import RANK_SPANS
 from plait.safeload import load_tensors
 from plait.types import RolloutBatch
 from plait.workers.flops import ModelFlops
@@ -422,11 +423,14 @@ class Actor:
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The policy's weights under the plain model's names (LoRA: merged), for the rollout (sharded: a
-        collective, every rank calls it)."""
-        if not self.lora:
-            return full_state_dict(self.model)
-        base = self.model.get_base_model()
-        return merged_state_dict(self.model, full_state_dict(base) if is_sharded(self.model) else None)
+        collective, every rank calls it): the actor's part of update_weights, a span of each rank's lane on Ray.
+        Only the span, not a profiler range: a window's artifacts (one per stage, discrete) stay the stages
+        the profiler's contract names."""
+        with RANK_SPANS.stage("actor", "update_weights"):
+            if not self.lora:
+                return full_state_dict(self.model)
+            base = self.model.get_base_model()
+            return merged_state_dict(self.model, full_state_dict(base) if is_sharded(self.model) else None)
 
     def save_checkpoint(self, path: str) -> None:
         """FSDP2: every rank writes its shards (`sharded/`); else rank 0 writes model.pt. optim.pt holds

@@ -29,6 +29,7 @@ M_MMAP_MAX = -4
 TRIM_THRESHOLD = 2 ** 31 - 1  # mallopt takes an int: trim the heap only when over 2 GiB of its top is free
 
 _done: bool | None = None
+_libc = None
 
 
 def keep_freed_memory() -> bool:
@@ -37,6 +38,15 @@ def keep_freed_memory() -> bool:
     if _done is None:
         _done = _tune()
     return _done
+
+
+def give_back_freed_memory() -> None:
+    """The heap's free memory back to the kernel (malloc_trim), where keep_freed_memory keeps it: called as a
+    profiler window closes, whose recording and trace export freed far more than a step uses; kept, it stayed
+    resident and became every later stage's peak (0.51 -> 0.64 GB on the tiny model). The next step then
+    faults its own working set back in, as the first steps do."""
+    if _done and _libc is not None:
+        _libc.malloc_trim(0)
 
 
 def malloc_setting(name: str) -> bool:
@@ -51,8 +61,9 @@ def user_tuned() -> bool:
 def _tune() -> bool:
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc" or user_tuned():
         return False
+    global _libc
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc = _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
     except OSError:
         return False
     # mallopt returns 1 on success; the mmap limit first: a heap that may not trim but still mmaps gains nothing

@@ -321,3 +321,31 @@ def test_the_step_time_leaves_out_the_warm_up_and_reads_steps_without_validation
     assert f.basis == "median over the steps, after the first (warm-up)"
     only = V.facts(steps[:1], [], {})  # one step: it is all there is
     assert (only.steps, only.step_s) == (1, 5.0)
+
+
+def _cycle(step: int, wall: float, **extra: float) -> StepTime:
+    return StepTime(step, float(step), wall + sum(extra.values()),
+                    {"trainer (MainThread)": {"update_actor": wall, **extra}})
+
+
+def test_a_profiled_steps_ratio_reads_steady_steps_and_is_unsaid_over_noise():
+    """issue 52: "a profiled step's own time was Rx" read 0.18x-1.18x on identical runs: the unprofiled side held the
+    warm-up (and validation / checkpoint cycles), and one step or noisy steps were compared as if steady."""
+    spans = [{"role": "trainer", "stage": "profiler_start", "start": 0.0, "end": 0.1}]
+    # warm-up 10 s, step 2 profiled (2.2 s), steps 3-5 about 2 s, step 4 with a 6 s validation
+    steps = [_cycle(1, 10.0), _cycle(2, 2.2, profiler_stop=5.0), _cycle(3, 2.0), _cycle(4, 2.0, testing=6.0),
+             _cycle(5, 2.1)]
+    p = V.profiler_cost(steps, {2}, spans)
+    assert p["slowdown"] == pytest.approx(2.2 / 2.0) and p["unsaid"] is None and p["steps"] == 1
+    # the same run with the steady steps' times spread 50 %: nothing said, and why
+    noisy = V.profiler_cost(steps[:2] + [_cycle(3, 1.5), _cycle(4, 2.0), _cycle(5, 2.5)], {2}, spans)
+    assert noisy["slowdown"] is None and noisy["unsaid"] == "the unprofiled steps' own times spread 50 % (over 20 %)"
+    # profiling steps 2-3 of 3: only the warm-up is unprofiled (it read 0.18x)
+    few = V.profiler_cost(steps[:3], {2, 3}, spans)
+    assert few["slowdown"] is None and few["unsaid"].startswith("fewer than two unprofiled steps")
+    first = V.profiler_cost(steps, {1}, spans)
+    assert first["slowdown"] is None and first["unsaid"] == "the only profiled step was the run's first (its warm-up)"
+    f = facts(BALANCED, wall={"total": 30.0, "startup": 2.0})
+    f.profiler = noisy
+    assert "how much slower a profiled step ran is not said: the unprofiled steps' own times spread 50 %" in \
+        V.profiler_line(f)["line"]

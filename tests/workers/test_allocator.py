@@ -58,3 +58,25 @@ def test_freed_memory_is_reused_without_page_faults():
 def test_a_users_malloc_tuning_is_left_alone():
     tuned, _ = run("keep", MALLOC_ARENA_MAX="2")
     assert not tuned
+
+
+GIVE_BACK = """
+import sys, torch
+from plait.workers.allocator import give_back_freed_memory, keep_freed_memory
+def rss_mib():
+    return int(open("/proc/self/statm").read().split()[1]) * 4096 // 2 ** 20
+assert keep_freed_memory()
+x = torch.ones(2 ** 26)  # 256 MiB, every page written, then freed: kept in the heap
+del x
+kept = rss_mib()
+give_back_freed_memory()
+print(kept - rss_mib())
+"""
+
+
+def test_a_closed_windows_freed_memory_goes_back_to_the_kernel():
+    """issue 52: a profiler window's own memory, freed as it closes, stayed resident (the heap keeps freed memory)
+    and became every later stage's peak; the session gives it back as the window closes."""
+    clean = {k: v for k, v in os.environ.items() if not malloc_setting(k)}
+    out = subprocess.run([sys.executable, "-c", GIVE_BACK], env=clean, capture_output=True, text=True, check=True)
+    assert int(out.stdout) >= 200, out.stdout  # MiB back of the 256 freed

@@ -41,7 +41,8 @@ def diff_runs(a: str, b: str, as_json: bool = False) -> str:
     out = {"a": a, "b": b, "steps": {"a": _steps(ra["facts"]), "b": _steps(rb["facts"])},
            "stages": stages(ra["facts"], rb["facts"]), "operators": operators(ra["ops"], rb["ops"]),
            "operators_not_compared": not_compared(ra["ops"], rb["ops"]),
-           "memory": {"a": process_peak(ra["inputs"].metrics), "b": process_peak(rb["inputs"].metrics)},
+           "memory": {"a": process_peak(ra["inputs"].metrics, ra["facts"].profiled),
+                      "b": process_peak(rb["inputs"].metrics, rb["facts"].profiled)},
            "predictions": predictions(ra["facts"], rb["facts"]),
            "load": {"a": ra["inputs"].summary.get("load"), "b": rb["inputs"].summary.get("load")}}
     out["load"]["warning"] = load_warning(out["load"]["a"], out["load"]["b"])

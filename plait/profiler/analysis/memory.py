@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import bisect
 from collections import defaultdict
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 FREES = ("free_requested",)  # free_completed follows it for the same block: counted once
@@ -174,32 +175,72 @@ def growth_per_stage(series: list[tuple[float, int]], stages: list[dict]) -> dic
     return dict(out)
 
 
-def process_peak(records: list[dict]) -> dict | None:
+def process_peak(records: list[dict], profiled: Collection[int] = ()) -> dict | None:
     """The highest per-stage peak over a run's metric records (memory/<stage>/peak_*_gb; the stage `step`
-    left out: it folds in the others), the first one reaching it where several do: {gb, metric, stage, step,
-    tied}. `tied` names the other stages at the same value (a resident size that holds once freed memory is
-    kept makes stages tie): the one named is then only the first, and the console and page say so."""
-    best, seen = None, []
-    for r in records:
-        for k, v in r.items():
-            if (k.startswith("memory/") and not k.startswith("memory/step/") and "reserved" not in k
-                    and isinstance(v, (int, float)) and not isinstance(v, bool)):
-                seen.append((v, k.split("/")[1]))
-                if best is None or v > best["gb"]:
-                    best = {"gb": v, "metric": k, "stage": k.split("/")[1], "step": r["step"]}
-    if best is not None:
-        best["tied"] = sorted({stage for v, stage in seen if abs(v - best["gb"]) <= TIE_GB} - {best["stage"]})
+    left out: it folds in the others): {gb, metric, stage, step, tied}. The tie rule: peaks within TIE_SHARE
+    (1 %, at least ru_maxrss's 1 KiB) of the highest tie (a resident size that holds once freed memory is
+    kept makes stages tie, creeping by pages); the one named is the earliest step's, in it the stage that
+    closed first (the record's order), `gb` the highest value; `tied` names the other stages, and the
+    console and page say the one named is only the first.
+    Steps inside profiler windows (`profiled`) are left out while another step has a peak: a window's own
+    recording (torch_memory's allocation records, a trace's events) holds memory the run without it never
+    would. A window peak above the run's is kept beside it as `window` ({gb, stage, step}); a run profiled on
+    every step gets its windows' peak, marked `profiled`. What a window frees can stay resident after it (the
+    heap keeps freed memory: workers/allocator.py gives it back as the window closes, not all of it), so a
+    peak after the first window above the one before it keeps that one beside it as `before_windows`."""
+    best = _highest([r for r in records if r.get("step") not in profiled])
+    inside = _highest([r for r in records if r.get("step") in profiled])
+    if best is None:
+        return None if inside is None else {**inside, "profiled": True}
+    if inside is not None and inside["gb"] > best["gb"] + tie(best["gb"]):
+        best["window"] = {k: inside[k] for k in ("gb", "stage", "step")}
+    first = min(profiled, default=None)
+    before = _highest([r for r in records if first is not None and r.get("step", first) < first])
+    if before is not None and best["step"] > first and best["gb"] > before["gb"] + tie(before["gb"]):
+        best["before_windows"] = {k: before[k] for k in ("gb", "stage", "step")}
     return best
 
 
-TIE_GB = 2**-20  # 1 KiB, the resolution of ru_maxrss: peaks this close are the same counter value
+def _highest(records: list[dict]) -> dict | None:
+    """The peak over `records`: its value, named by the first stage to come within tie() of it (process_peak)."""
+    seen = [(v, k, r["step"]) for r in records for k, v in r.items()
+            if k.startswith("memory/") and not k.startswith("memory/step/") and "reserved" not in k
+            and isinstance(v, (int, float)) and not isinstance(v, bool)]
+    if not seen:
+        return None
+    top = max(v for v, _, _ in seen)
+    near = [(k, step) for v, k, step in seen if top - v <= tie(top)]
+    metric, step = near[0]
+    stage = metric.split("/")[1]
+    return {"gb": top, "metric": metric, "stage": stage, "step": step,
+            "tied": sorted({k.split("/")[1] for k, _ in near} - {stage})}
+
+
+TIE_GB = 2**-20     # 1 KiB, the resolution of ru_maxrss: peaks this close are the same counter value ...
+TIE_SHARE = 0.01    # ... and so are peaks within 1 %: a resident size held once freed memory is kept creeps by
+#                     pages from stage to stage, and which stage crept last is chance (identical runs named others)
+
+
+def tie(peak: float) -> float:
+    return max(TIE_GB, TIE_SHARE * peak)
 
 
 def peak_text(peak: dict) -> str:
-    """The run's process peak in words, the tie said where there is one."""
+    """The run's process peak in words, the tie and a profiler window's own peak said where there is one."""
     text = f"{peak['gb']:.3g} GB in stage {peak['stage']} at step {peak['step']} ({peak['metric']})"
+    if peak.get("profiled"):
+        text += " inside a profiler window (every step was profiled: its recording's memory is in it)"
     tied = peak.get("tied") or []
-    if not tied:
-        return text
-    names = ", ".join(tied[:5]) + (f" and {len(tied) - 5} more" if len(tied) > 5 else "")
-    return f"{text}; {names} reached the same peak (the first is named: a held resident size, not one stage's)"
+    if tied:
+        names = ", ".join(tied[:5]) + (f" and {len(tied) - 5} more" if len(tied) > 5 else "")
+        text += (f"; {names} reached the same peak, within {100 * TIE_SHARE:.0f} % (the first is named: a held "
+                 "resident size, not one stage's)")
+    b = peak.get("before_windows")
+    if b:
+        text += (f"; before the first profiler window it was {b['gb']:.3g} GB (stage {b['stage']} at step "
+                 f"{b['step']}): memory a window frees can stay resident after it")
+    w = peak.get("window")
+    if w:
+        text += (f"; a profiler window reached {w['gb']:.3g} GB in stage {w['stage']} at step {w['step']}, "
+                 "its own recording's memory included (left out of the run's peak)")
+    return text

@@ -377,7 +377,7 @@ def _summary_box(inp: Inputs, f: verdict.Facts, artifacts: list[Artifact], judge
         rows.append(["MFU (median)", ", ".join(f"{k.removeprefix('perf/mfu/')} {_pct_fine(v)}"
                                                for k, v in sorted(mfu.items())[:MAX_STAGES])
                      + " of this device's measured matmul peak at the model's dtype (workers/flops.py)"])
-    peak = mem.process_peak(inp.metrics)  # the run summary's memory_peak
+    peak = mem.process_peak(inp.metrics, f.profiled)  # the run summary's memory_peak
     if peak:
         rows.append(["process memory peak", mem.peak_text(peak)])
     for a in artifacts:

@@ -101,6 +101,7 @@ def fits(value, kind: str) -> bool:
 PROFILER_SPANS = ("profiler_start", "profiler_stop", "finish_hook")  # the profiler's own time between steps
 OCCASIONAL = ("testing", "save_checkpoint")  # every test_freq / save_freq steps: not the step's own time
 BETWEEN = ("log", *PROFILER_SPANS)  # the lifecycle's own spans
+SLOWDOWN_SPREAD = 0.20  # a profiled step's ratio to unprofiled ones is said only when theirs spread <= 20 %
 NOT_TRAINING = ("gen", "wait_rollout", "testing", "save_checkpoint", UNATTRIBUTED, *BETWEEN)
 WALL = "of the run's wall time after start-up"
 
@@ -252,15 +253,38 @@ def without(st: StepTime, stages: tuple[str, ...]) -> StepTime:
 
 def profiler_cost(steps: list[StepTime], profiled: set[int], spans: list[dict]) -> dict:
     """The profiler's own cost: windows, seconds starting / stopping and writing / in the finish hook,
-    and how much longer a profiled step's stages ran than an unprofiled one's (medians)."""
+    and how much longer a profiled step's stages ran than an unprofiled one's (`slowdown`, medians). The
+    steps compared are read as the verdict's are: without the run's first (its warm-up), each cycle without
+    validation and checkpoints. The ratio is said only against at least two unprofiled steps whose own times
+    spread (max − min over median, `spread`) by at most SLOWDOWN_SPREAD: against one step, the warm-up or
+    steps that noisy it read anything from 0.18x to 1.18x on identical runs. Otherwise `slowdown` is None
+    and `unsaid` says why."""
     own = {k: sum(s["end"] - s["start"] for s in spans if s["role"] == "trainer" and s["stage"] == k
                   and s.get("rank") is None) for k in PROFILER_SPANS}
     windows = sum(1 for s in spans if s["role"] == "trainer" and s["stage"] == "profiler_start" and s.get("rank") is None)
-    inside = [without(st, PROFILER_SPANS).wall for st in steps if st.step in profiled]
-    outside = [st.wall for st in steps if st.step not in profiled]
-    slowdown = statistics.median(inside) / statistics.median(outside) if inside and outside and statistics.median(outside) else None
+    warm = min((st.step for st in steps), default=None)
+    steady = [without(st, PROFILER_SPANS + OCCASIONAL) for st in steps if st.step != warm]
+    inside = [st.wall for st in steady if st.step in profiled]
+    outside = [st.wall for st in steady if st.step not in profiled]
+    usual = statistics.median(outside) if outside else 0.0
+    spread = (max(outside) - min(outside)) / usual if len(outside) > 1 and usual > 0 else None
+    unsaid = _slowdown_unsaid(inside, spread) if profiled else None
+    slowdown = statistics.median(inside) / usual if profiled and unsaid is None else None
     return {"windows": windows, "start_s": own["profiler_start"], "stop_s": own["profiler_stop"],
-            "hook_s": own["finish_hook"], "total_s": sum(own.values()), "steps": len(inside), "slowdown": slowdown}
+            "hook_s": own["finish_hook"], "total_s": sum(own.values()),
+            "steps": sum(1 for st in steps if st.step in profiled), "slowdown": slowdown, "spread": spread,
+            "unsaid": unsaid}
+
+
+def _slowdown_unsaid(inside: list[float], spread: Optional[float]) -> Optional[str]:
+    """Why a profiled step's ratio to unprofiled ones would mean nothing; None when it can be said."""
+    if not inside:
+        return "the only profiled step was the run's first (its warm-up)"
+    if spread is None:
+        return "fewer than two unprofiled steps after the first (the warm-up) to compare with"
+    if spread > SLOWDOWN_SPREAD:
+        return f"the unprofiled steps' own times spread {_pct(spread)} (over {100 * SLOWDOWN_SPREAD:.0f} %)"
+    return None
 
 
 def rank_facts(spans: list[dict], steps: set[int]) -> dict[str, dict[int, dict[str, float]]]:
@@ -757,6 +781,8 @@ def profiler_line(f: Facts) -> Optional[dict]:
         line += f", {_pct(min(spent / total, 1.0))} of the run's wall time after start-up"
     if p["slowdown"]:
         line += f"; a profiled step's own time was {p['slowdown']:.2f}x an unprofiled one's"
+    elif p.get("unsaid"):
+        line += f"; how much slower a profiled step ran is not said: {p['unsaid']}"
     line += f"; the verdict reads the {f.basis}"
     out = {**p, "spent_s": spent, "key": "", "value": None, "predicted": {}}
     if total > 0 and spent / total >= OVERHEAD_SHARE:

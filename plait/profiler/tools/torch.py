@@ -52,6 +52,17 @@ os.environ.setdefault("KINETO_LOG_LEVEL", "6")
 warnings.filterwarnings("ignore", message="Warning: Profiler clears events at the end of each cycle")
 
 
+def init_kineto() -> None:
+    """Kineto's one-time start-up, here, on this thread. It must run on the thread that loaded torch (whose
+    load registered torch's Kineto client), else Kineto prints "ERROR: External init callback must run in
+    same thread as registerClient" to stderr, which no log level silences. A Ray worker loads torch on its
+    main thread and runs its calls, a window's start among them, on others; its Host calls this in
+    __init__ (the main thread). An empty CPU collection: the start-up's seconds move from the first window
+    to the worker's start."""
+    with torch.profiler.profile(activities=[ProfilerActivity.CPU]):
+        pass
+
+
 class TorchTool:
     def __init__(self, contents: set[str], discrete: bool, cuda: bool, schedule: Optional[dict] = None):
         """`schedule`: torch.profiler.schedule keywords (TorchScheduleConfig.torch_kwargs), or None."""

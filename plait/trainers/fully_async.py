@@ -89,8 +89,9 @@ class ChunkQueue:
         self.next = self.end = 0  # the chunks it issues: next, up to end (the run's last)
         self.done, self.error = False, None  # the rollouter's thread ended; what it failed with
 
-    def ready(self) -> bool:
-        return self.next >= self.end or self.counted + self.chunk <= self.max_samples
+    def ready(self, may_generate: bool) -> bool:
+        """Claim now: every chunk was issued (the thread ends, done, even while a sync runs), or one fits the bound."""
+        return self.next >= self.end or may_generate and self.counted + self.chunk <= self.max_samples
 
     def claim(self) -> Work | None:
         """The next chunk's prompts (None: every chunk the run trains on was issued)."""

@@ -93,8 +93,8 @@ class Work:
 class Producer:
     def __init__(self, name: str, source, client, sampling, version_of, max_failed_calls: int = 1):
         """`source`: cond, wait_span (the timeline's name for the wait for work, or None) and, called holding cond,
-        ready(), claim() -> Work | None (None: no more), finish(work, batch, partial), failed(work, err), synced(),
-        ended(error | None); `client`: the RolloutClient; `version_of()`: the trainer's policy version."""
+        ready(may_generate), claim() -> Work | None (None: no more), finish(work, batch, partial), failed(work, err),
+        synced(), ended(error | None); `client`: the RolloutClient; `version_of()`: the trainer's policy version."""
         self.source, self.cond, self.client, self.sampling, self.version_of = source, source.cond, client, sampling, version_of
         self.max_failed_calls = max_failed_calls
         self.paused = self.syncing = self.stop = self.generating = False  # guarded by cond
@@ -171,7 +171,7 @@ class Producer:
         """The source's next work once it has some and generation may run; None when stopped or it has no more."""
         waiting = self.source.wait_span and TIMELINE.span("rollout", self.source.wait_span, self.version_of())
         with self.cond, waiting or contextlib.nullcontext():
-            self.cond.wait_for(lambda: self.stop or not (self.paused or self.syncing) and self.source.ready())
+            self.cond.wait_for(lambda: self.stop or self.source.ready(not (self.paused or self.syncing)))
             work = None if self.stop else self.source.claim()
             self.generating = work is not None
             return work

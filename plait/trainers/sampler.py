@@ -82,8 +82,8 @@ class GroupBuffer:
 
     # -- the producer's source (the methods are called holding `cond`) ---------------------------------
 
-    def ready(self) -> bool:
-        return bool(self.with_status("pending"))
+    def ready(self, may_generate: bool) -> bool:
+        return may_generate and bool(self.with_status("pending"))
 
     def claim(self) -> Work:
         """The `chunk` oldest pending groups, now running."""

@@ -46,7 +46,7 @@ from plait.safeload import first_line
 from plait.export import HF_DIR, write_export
 from plait.data.dataset import PromptDataset, iterate_batches, prompt_batch
 from plait.data.rewards import ScoreRequest, Scores
-from plait.profiler.samples import SAMPLES, now, sample_ids
+from plait.profiler.samples import SAMPLES, now
 from plait.profiler.timeline import TIMELINE, WALL0
 from plait.trainers.lifecycle import StageTimer, StepResult
 from plait.trainers.rollout_client import RolloutClient

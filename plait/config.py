@@ -352,14 +352,13 @@ class MultiTurnConfig:
     tool_num_workers: int = 2                 # plait's own: tool worker processes (calls in flight at once)
 
     def __post_init__(self):
-        from plait.agents.tool_parser import SUPPORTED_FORMATS
         self.tool_config_path = shipped_tool_config(self.tool_config_path)
         check(self.tool_timeout is None or self.tool_timeout > 0, "tool_timeout", self.tool_timeout, "> 0 seconds or null")
         positive(self, "tool_num_workers")
         # verl reads `format` only where a row runs tool_agent (an unknown name stops its loop there): plait
-        # checks it at start against the rows' loops (plait/agents/worker.py check_agent_names)
+        # checks the name at start against the rows' loops and its parsers (plait/agents/worker.py check_agent_names)
         check(isinstance(self.format, str) and bool(self.format), "format", self.format,
-              f"a tool-call format name; plait parses {', '.join(SUPPORTED_FORMATS)}")
+              "a tool-call format name (the parsers of plait/agents/tool_parser.py)")
         one_of(self, "tool_response_truncate_side", TRUNCATE_SIDES)
         for key in ("max_assistant_turns", "max_user_turns"):
             check(getattr(self, key) is None or getattr(self, key) >= 1, key, getattr(self, key), "an integer >= 1 or null")

@@ -176,3 +176,27 @@ def test_mode_names_are_literals_only_in_the_table_of_modes():
     found = {m: mode_literals(p) for m, p in module_files().items() if m not in allowed}
     found = {m: lines for m, lines in found.items() if lines}
     assert set(found) <= {"plait.config", "plait.config_verl"}, found
+
+
+# The floors of docs/architecture.md, top down (cli → driver → trainers → workers/backends → algorithms/types,
+# with the packages between placed where their importers put them): an import from a lower floor to a higher
+# one runs back up. config may import the torch-free tables it checks names against (architecture.md names them).
+FLOORS = {"cli": 9, "driver": 8, "build": 8, "builtin_models": 8, "vl_demo": 8, "serving": 7, "trainers": 7,
+          "workers": 6, "backends": 6, "export": 5, "agents": 4, "data": 3, "profiler": 3, "models": 2, "models_vl": 2,
+          **dict.fromkeys(("algorithms", "types", "config", "config_verl", "configtree", "modes", "errors", "safeload",
+                           "checks", "reaper"), 1)}
+CONFIG_TABLES = {"plait.modes", "plait.workers.engine", "plait.workers.diffusion_config", "plait.trainers.v1_config"}
+IMPORTS_UP = 12  # issue 53: 13 before; it may fall, not grow
+
+
+def imports_up(graph: dict[str, set[str]]) -> list[str]:
+    floor = lambda m: FLOORS.get(m.split(".")[1]) if "." in m else None  # noqa: E731
+    return sorted(f"{m} -> {d}" for m, deps in graph.items() for d in deps
+                  if floor(m) and floor(d) and floor(d) > floor(m) and not (m == "plait.config" and d in CONFIG_TABLES))
+
+
+def test_imports_running_back_up_the_floors_do_not_grow():
+    found = imports_up(import_graph())
+    assert len(found) <= IMPORTS_UP, f"{len(found)} imports run back up the floors (at most {IMPORTS_UP}):\n" + "\n".join(found)
+    assert imports_up({"plait.data.x": {"plait.trainers.y", "plait.types"}, "plait.config": {"plait.modes"}}) == [
+        "plait.data.x -> plait.trainers.y"]

@@ -21,6 +21,7 @@ from uuid import uuid4
 
 from plait.agents.tools import BaseTool, OpenAIFunctionToolSchema, ToolResponse
 from plait.data.math_rewards import geo3k_score, gsm8k_score
+from plait.data.word_problems import CALCULATOR_SYSTEM
 
 
 class Gsm8kTool(BaseTool):
@@ -146,9 +147,6 @@ def format_number(value: float) -> str:
 
 
 # -- calculator transcripts for a supervised warm start ------------------------------------------
-
-CALCULATOR_SYSTEM = ('You can use a calculator. To call it, write <tool_call>{"name": "calculator", "arguments": '
-                     '{"expression": "<arithmetic>"}}</tool_call> and wait for its answer.')
 
 # The arithmetic of each of word_problems._story's six templates, most specific first: the numbers
 # in the order the story states them, and how they combine.

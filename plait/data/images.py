@@ -27,8 +27,6 @@ from typing import Callable, Literal
 import torch
 from torch import Tensor, nn
 
-from plait.workers import diffusion_config
-
 # Each glyph is a predicate on pixel-centre coordinates u (column), v (row) in [-1, 1].
 _GLYPHS = [
     lambda u, v: v.abs() < 0.25,  # horizontal bar
@@ -42,8 +40,7 @@ _GLYPHS = [
     lambda u, v: u**2 + v**2 < 0.5,  # disk
     lambda u, v: (u.abs() > 0.5) & (v.abs() > 0.5),  # corner blocks
 ]
-NUM_GLYPHS = len(_GLYPHS)
-assert NUM_GLYPHS == diffusion_config.NUM_GLYPHS, "plait/workers/diffusion_config.py gives the glyph count to config"
+NUM_GLYPHS = len(_GLYPHS)  # torch-free, for config: workers/diffusion_config.py (tests/diffusion/test_images.py: equal)
 _SPLIT_SEEDS = {"train": 0, "val": 1}
 
 
@@ -133,8 +130,7 @@ IMAGE_REWARDS = {
     "glyph_template": glyph_template,
     "brightness": brightness,
     "contrast": contrast,
-}
-assert tuple(IMAGE_REWARDS) == diffusion_config.IMAGE_REWARD_NAMES, "diffusion_config.py lists what config accepts"
+}  # diffusion_config.py lists the names config accepts
 
 
 # --- rewards over prompted images (text-to-image pipelines) ------------------------------------
@@ -192,6 +188,5 @@ def clip_score(model_path: str) -> Callable[[Tensor, list[str], list[dict]], Ten
 PROMPT_IMAGE_REWARDS = {
     "jpeg_compressibility": jpeg_compressibility,
     "jpeg_incompressibility": jpeg_incompressibility,
-}
-assert tuple(PROMPT_IMAGE_REWARDS) == diffusion_config.PROMPT_IMAGE_REWARD_NAMES, "diffusion_config.py lists them too"
+}  # diffusion_config.py lists these too
 """Prompt-image rewards that need no model; `clip_score` is built from diffusion.reward_model_path."""

@@ -25,9 +25,8 @@ from typing import Callable, NamedTuple, Optional
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from plait.agents.builtin_tools import CALCULATOR_SYSTEM
 from plait.data.vision_tasks import GEO3K_SOURCE, Drawn, count_dots, geometry_problem, identity, larger_shape
-from plait.data.word_problems import word_problem
+from plait.data.word_problems import CALCULATOR_SYSTEM, word_problem
 
 SPLITS = ("train", "test")  # verl's names; the test file is what `data.val_files` points to
 TEST_SHARE = 8  # one question in TEST_SHARE belongs to the test split

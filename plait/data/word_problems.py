@@ -28,6 +28,10 @@ import random
 # GRPO turned that into "#### 42" for every problem within 5 steps (reward hacking): no example here.
 INSTRUCTION = ('Let\'s think step by step and output the final answer after "####". '
                'Write the final line as #### followed by the number only.')
+# The system prompt of the tasks that solve these with the calculator tool (tasks.py; agents/builtin_tools.py
+# writes the warm start's transcripts with it).
+CALCULATOR_SYSTEM = ('You can use a calculator. To call it, write <tool_call>{"name": "calculator", "arguments": '
+                     '{"expression": "<arithmetic>"}}</tool_call> and wait for its answer.')
 
 NAMES = ("Anna", "Ben", "Carla", "David", "Emma", "Farid", "Grace", "Hugo", "Ines", "Jack", "Kira",
          "Liam", "Maya", "Noah", "Olga", "Pedro", "Rosa", "Sam", "Tara", "Victor")

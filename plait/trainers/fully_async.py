@@ -35,7 +35,8 @@ in-flight chunks are discarded on purpose (a checkpoint holds only what the trai
 resume generates them again). A rollouter exception is raised on the driver as a RolloutError at
 the trainer's next take or sync, chained to its cause.
 
-Locks: one Condition guards the queue and the counts; the Rollout worker's own lock keeps a
+The rollouter is the producer thread (producer.py) over this mode's source, the ChunkQueue. Locks: the
+queue's Condition guards the queue and the counts; the Rollout worker's own lock keeps a
 weight load from racing a generate. The rollouter never holds the Condition while generating,
 and the trainer never holds it while learning or syncing, so neither can deadlock the other.
 On the local backend the rollouter thread runs the decode itself; on Ray it waits on the
@@ -57,12 +58,10 @@ from dataclasses import dataclass
 
 import torch
 
-from plait.profiler.timeline import TIMELINE
-from plait.trainers.async_common import BusyClock, RolloutError, rollout_error
 from plait.trainers.lifecycle import StageTimer
-from plait.trainers.lm import DataCursor, LMTrainer, call_quietly
+from plait.trainers.lm import DataCursor, LMTrainer
+from plait.trainers.producer import Producer, RolloutError, Work, rollout_error
 from plait.types import RolloutBatch
-from plait.workers.rollout import Rollout
 
 log = logging.getLogger("plait.trainers")
 
@@ -70,10 +69,63 @@ log = logging.getLogger("plait.trainers")
 @dataclass
 class Chunk:
     """One rollouter generate call's output, as it crosses to the trainer."""
-    batch: RolloutBatch       # prompts x rollout.n responses
-    prompts: int
+    batch: RolloutBatch       # gen_batch_size prompts x rollout.n responses
     partial: torch.Tensor     # [batch] bool; finished after a weight sync interrupted it
     cursor_state: dict        # the data cursor just past these prompts (what a checkpoint records)
+
+
+class ChunkQueue:
+    """The producer's source in this mode: chunks of prompts from the data, issued while the staleness count
+    has room, and the queue of generated chunks the trainer takes from."""
+    wait_span = "wait_capacity"  # the rollouter's wait on the queue bound (or a sync)
+
+    def __init__(self, chunk: int, max_samples: int, seed_of):
+        self.chunk, self.max_samples, self.seed_of = chunk, max_samples, seed_of
+        self.cond = threading.Condition()
+        self.queue: deque[Chunk] = deque()
+        self.queued = self.in_flight = self.counted = 0  # prompts; counted: issued since the last sync (+ backlog)
+        self.backlog = 0  # queued at the last sync (rollouter/queue_depth)
+        self.feed: DataCursor | None = None  # the rollouter's copy of the data cursor (set at start)
+        self.next = self.end = 0  # the chunks it issues: next, up to end (the run's last)
+        self.done, self.error = False, None  # the rollouter's thread ended; what it failed with
+
+    def ready(self, may_generate: bool) -> bool:
+        """Claim now: every chunk was issued (the thread ends, done, even while a sync runs), or one fits the bound."""
+        return self.next >= self.end or may_generate and self.counted + self.chunk <= self.max_samples
+
+    def claim(self) -> Work | None:
+        """The next chunk's prompts (None: every chunk the run trains on was issued)."""
+        if self.next >= self.end:
+            return None
+        work = Work(self.feed.next(), self.seed_of(self.next) * 64, self.feed.state(), epoch=self.feed.epoch)
+        self.next, self.counted, self.in_flight = self.next + 1, self.counted + self.chunk, self.in_flight + self.chunk
+        return work
+
+    def finish(self, work: Work, batch: RolloutBatch, partial: torch.Tensor) -> None:
+        self.in_flight, self.queued = self.in_flight - self.chunk, self.queued + self.chunk
+        self.queue.append(Chunk(batch, partial, work.tag))
+
+    def synced(self) -> None:
+        self.backlog, self.counted = self.queued, self.queued + self.in_flight
+
+    def ended(self, error: BaseException | None) -> None:
+        self.done, self.error = True, error
+
+    def take(self, step: int) -> Chunk:
+        """The oldest chunk; waits (trainer idle) while the queue is empty."""
+        with self.cond:
+            self.cond.wait_for(lambda: self.queue or self.done)
+            self.raise_if_failed()
+            if not self.queue:
+                raise RolloutError(f"fully_async: the rollouter stopped before producing the samples step {step} needs")
+            chunk = self.queue.popleft()
+            self.queued -= self.chunk
+            return chunk
+
+    def raise_if_failed(self) -> None:
+        """Call holding cond."""
+        if self.error is not None:
+            raise rollout_error("fully_async: the rollouter thread failed", self.error) from self.error
 
 
 class FullyAsyncTrainer(LMTrainer):
@@ -83,18 +135,13 @@ class FullyAsyncTrainer(LMTrainer):
         self.chunk = a.gen_batch_size
         self.per_update = mini * a.require_batches                   # verl's required_samples
         self.updates_per_step = a.trigger_parameter_sync_step
-        self.max_samples = int(self.per_update * (a.staleness_threshold + 1) * a.trigger_parameter_sync_step)
         self.partial_rollout = a.partial_rollout
         # The trainer's cursor moves as chunks are consumed, so checkpoints hold only consumed
         # prompts; the rollouter draws from its own copy (`feed`).
         self.cursor = DataCursor(train_data, self.chunk, cfg.data.shuffle, cfg.data.seed)
-        self.cond = threading.Condition()
-        self.queue: deque[Chunk] = deque()
-        self.queued = self.in_flight = self.counted = 0  # prompts; counted: issued since the last sync (+ backlog)
-        self.syncing = self.stop = self.finished = False
-        self.error: BaseException | None = None
-        self.thread: threading.Thread | None = None
-        self.gen_clock = BusyClock()
+        self.chunks = ChunkQueue(self.chunk, int(self.per_update * (a.staleness_threshold + 1) * a.trigger_parameter_sync_step),
+                                 self.sample_seed)
+        self.rollouter = Producer("plait-rollouter", self.chunks, self.client, self.sampling, lambda: self.version)
         self.cycle_start = 0.0
         self.consumed_partial: list[torch.Tensor] = []  # this sync cycle's partial flags
 
@@ -102,121 +149,42 @@ class FullyAsyncTrainer(LMTrainer):
         t, per_step = self.cfg.trainer, self.per_update * self.updates_per_step
         return t.total_training_steps or t.total_epochs * self.cursor.batches_per_epoch * self.chunk // per_step
 
-    # -- the rollouter thread -------------------------------------------------------------------
-
     def start(self) -> None:
         super().start()
         feed = DataCursor(self.cursor.dataset, self.chunk, self.cursor.shuffle, self.cursor.seed)
         feed.load_state(self.cursor.state())  # after a resume: the first prompt not yet trained on
         per_step = self.per_update * self.updates_per_step // self.chunk  # chunks
-        first, last = self.version * per_step, self.total_steps() * per_step
-        self.thread = threading.Thread(target=self._rollouter, args=(feed, range(first, last)),
-                                       name="plait-rollouter", daemon=True)
+        self.chunks.feed, self.chunks.next, self.chunks.end = feed, self.version * per_step, self.total_steps() * per_step
         self.cycle_start = time.perf_counter()
-        self.thread.start()
-
-    def _rollouter(self, feed: DataCursor, chunks: range) -> None:
-        try:
-            for i in chunks:
-                with self.cond, TIMELINE.span("rollout", "wait_capacity", self.version):
-                    self.cond.wait_for(lambda: self.stop or (not self.syncing and self.counted + self.chunk <= self.max_samples))
-                    if self.stop:
-                        return
-                    prompts, state = feed.next(), feed.state()
-                    self.counted += self.chunk
-                    self.in_flight += self.chunk
-                seed = self.sample_seed(i) * 64  # +1 per resume: distinct from every other chunk's seeds
-                batch = self._call(Rollout.generate, prompts, self.sampling, seed, epoch=feed.epoch)
-                partial = torch.zeros(len(batch), dtype=torch.bool)
-                while "aborted" in batch.stop_reasons:  # a sync cut it short: finish with the new weights
-                    with self.cond, TIMELINE.span("rollout", "wait_sync", self.version):
-                        self.cond.wait_for(lambda: self.stop or not self.syncing)
-                        if self.stop:
-                            return
-                    partial |= torch.tensor([r == "aborted" for r in batch.stop_reasons])
-                    seed += 1
-                    batch = self._call(Rollout.resume, batch, self.sampling, seed)
-                with self.cond:
-                    self.in_flight -= self.chunk
-                    self.queued += self.chunk
-                    self.queue.append(Chunk(batch, self.chunk, partial, state))
-                    self.cond.notify_all()
-        except BaseException as err:
-            with self.cond:
-                self.error = err
-        finally:
-            self.gen_clock.finish()  # what follows is the run's end, not a wait on the trainer
-            with self.cond:
-                self.finished = True
-                self.cond.notify_all()
-
-    def _call(self, method, *args, epoch: int = 0) -> RolloutBatch:
-        stage = "gen" if method is Rollout.generate else "resume"  # gen: the name its worker's range has
-        with self.gen_clock.busy(), TIMELINE.span("rollout", stage, self.version):
-            return self.client.produce(method, *args, epoch=epoch)
-
-    # -- the trainer side -----------------------------------------------------------------------
+        self.rollouter.thread.start()
 
     def next_batch(self, step: int, timer: StageTimer) -> RolloutBatch:
         """One local update's prompts, oldest first; waits (trainer idle) while the queue is short."""
-        chunks = []
         with timer.stage("wait_rollout"):
-            for _ in range(self.per_update // self.chunk):
-                with self.cond:
-                    self.cond.wait_for(lambda: self.queue or self.finished)
-                    self._raise_if_failed()
-                    if not self.queue:
-                        raise RolloutError("fully_async: the rollouter stopped before producing the samples "
-                                           f"step {step} needs")
-                    chunk = self.queue.popleft()
-                    self.queued -= chunk.prompts
-                chunks.append(chunk)
+            chunks = [self.chunks.take(step) for _ in range(self.per_update // self.chunk)]
         self.cursor.load_state(chunks[-1].cursor_state)
         self.consumed_partial += [c.partial for c in chunks]
         return RolloutBatch.concat([c.batch for c in chunks])
 
     def after_update(self, step: int, timer: StageTimer) -> dict[str, float]:
-        with timer.stage("param_sync"):
-            with self.cond:
-                self.syncing = True
-            if self.partial_rollout:
-                self.client.abort()
-            try:  # the check too while the rollouter waits: its probe never queues behind a generate
-                checked = self.client.push(step)  # waits for a running generate
-            finally:
-                with self.cond:
-                    self.syncing = False
-                    backlog = self.queued
-                    self.counted = self.queued + self.in_flight
-                    self.cond.notify_all()
+        # the check too while the rollouter waits: its probe never queues behind a generate
+        with timer.stage("param_sync"), self.rollouter.sync(cut=self.partial_rollout):
+            checked = self.client.push(step)  # waits for a running generate
         self.version = step
-        with self.cond:
-            self._raise_if_failed()
+        with self.chunks.cond:
+            self.chunks.raise_if_failed()
         start, self.cycle_start = self.cycle_start, time.perf_counter()
         partial = torch.cat(self.consumed_partial).float()
         self.consumed_partial = []
         return {"trainer/idle_ratio": timer.times.get("wait_rollout", 0.0) / (self.cycle_start - start),
-                "rollouter/idle_ratio": self.gen_clock.idle_ratio(start, self.cycle_start),
-                "rollouter/queue_depth": backlog, "fully_async/partial/partial_ratio": partial.mean().item(), **checked}
-
-    def _raise_if_failed(self) -> None:
-        """Call holding self.cond."""
-        if self.error is not None:
-            err = self.error
-            raise rollout_error("fully_async: the rollouter thread failed", err) from err
+                "rollouter/idle_ratio": self.rollouter.clock.idle_ratio(start, self.cycle_start),
+                "rollouter/queue_depth": self.chunks.backlog, "fully_async/partial/partial_ratio": partial.mean().item(),
+                **checked}
 
     def close(self) -> None:
         """Stop the rollouter; whatever is queued or in flight now is discarded (see the module docstring)."""
-        if self.thread is None:
-            return
-        with self.cond:
-            self.stop = True
-            discarded = self.queued + self.in_flight
-            self.cond.notify_all()
-        if self.thread.is_alive():
-            call_quietly(self.roles.rollout, Rollout.abort)
-        self.thread.join()
-        self.thread = None
+        self.rollouter.close()
+        discarded = self.chunks.queued + self.chunks.in_flight
         if discarded:
             log.info("fully_async: discarded %d prompts queued or in flight at stop", discarded)
         super().close()

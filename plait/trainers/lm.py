@@ -20,6 +20,7 @@ and logging are not here: they are the lifecycle's.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -45,7 +46,7 @@ from plait.safeload import first_line
 from plait.export import HF_DIR, write_export
 from plait.data.dataset import PromptDataset, iterate_batches, prompt_batch
 from plait.data.rewards import ScoreRequest, Scores
-from plait.profiler.samples import SAMPLES, now, sample_ids
+from plait.profiler.samples import SAMPLES, now
 from plait.profiler.timeline import TIMELINE, WALL0
 from plait.trainers.lifecycle import StageTimer, StepResult
 from plait.trainers.rollout_client import RolloutClient
@@ -77,15 +78,6 @@ class Roles:
     reward_model: object | None = None
     judge: object | None = None
     teacher: object | None = None  # on-policy distillation's teachers (plait/workers/teacher.py)
-
-
-def call_quietly(role, method) -> None:
-    """A clean-up call on a role while stopping: the backend may already be down after the failure that
-    brought us here, and that failure, not this one, is the one to report."""
-    try:
-        role.call(method)
-    except Exception:
-        pass
 
 
 class DataCursor:
@@ -274,10 +266,12 @@ class LMTrainer:
         return self.targets
 
     def close(self) -> None:
-        """Stop the rollout engine's own processes (vLLM's engine core), and the judge's server."""
-        call_quietly(self.roles.rollout, Rollout.close)
-        if self.roles.judge is not None:
-            call_quietly(self.roles.judge, Judge.close)
+        """Stop the rollout engine's own processes (vLLM's engine core), and the judge's server. Quietly: the backend
+        may be down after the failure that brought us here, and that failure, not this one, is the one to report."""
+        for role, method in ((self.roles.rollout, Rollout.close), (self.roles.judge, Judge.close)):
+            if role is not None:
+                with contextlib.suppress(Exception):
+                    role.call(method)
 
     # -- what the modes change -----------------------------------------------------------------
 

@@ -27,6 +27,7 @@ which is n-1 for step n, the version the rollout generates with during step n.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -36,9 +37,9 @@ import torch
 from plait.profiler.samples import now
 from plait.profiler.timeline import TIMELINE
 from plait.safeload import load_tensors
-from plait.trainers.async_common import BusyClock, rollout_error
+from plait.trainers.producer import BusyClock, rollout_error
 from plait.trainers.lifecycle import StageTimer
-from plait.trainers.lm import LMTrainer, call_quietly
+from plait.trainers.lm import LMTrainer
 from plait.types import PromptBatch, RolloutBatch
 from plait.workers.rollout import Rollout
 
@@ -127,7 +128,8 @@ class OneStepOffTrainer(LMTrainer):
         if self.pool is None:
             return
         if self.pending is not None and not self.pending.done():
-            call_quietly(self.roles.rollout, Rollout.abort)
+            with contextlib.suppress(Exception):  # the backend may be down after the failure that stops us
+                self.client.abort()
         self.pool.submit(self._waited_for_trainer)  # its idle tail, on its own thread's lane
         self.pool.shutdown(wait=True, cancel_futures=True)
         self.pool, self.pending = None, None

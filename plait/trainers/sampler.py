@@ -25,6 +25,7 @@ lm.next_filtered_batch).
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from dataclasses import dataclass
@@ -33,7 +34,11 @@ from typing import Any, Callable, Optional
 from plait.configtree import ConfigError
 from plait.data.rewards import import_user_file
 from plait.errors import RunError
-from plait.trainers.async_common import RolloutError
+from plait.trainers.producer import RolloutError, Work
+from plait.types import PromptBatch
+
+log = logging.getLogger("plait.trainers")
+
 
 @dataclass
 class Group:
@@ -47,9 +52,12 @@ class Group:
 
 class GroupBuffer:
     """The prompt groups issued and not yet trained on, under one Condition (reentrant: a sampler may
-    refill while holding it). The trainer's sampler waits on it; the rollouter thread fills it."""
+    refill while holding it). The trainer's sampler waits on it; the rollouter fills it: the buffer is the
+    producer's source (producer.py), each call its `chunk` oldest pending groups, `n` responses each."""
+    wait_span = None  # (the rollouter's waits for pending groups are no span of their own)
 
-    def __init__(self):
+    def __init__(self, mode: str = "", chunk: int = 1, n: int = 1, seed_of: Optional[Callable[[int], int]] = None):
+        self.mode, self.chunk, self.n, self.seed_of = mode, chunk, n, seed_of  # seed_of(uid): a call's sampling seed
         self.cond = threading.Condition()
         self.groups: dict[int, Group] = {}   # in issue order
         self.next_uid = 0                    # uids are unique in a run (a row of the data may come back next epoch)
@@ -72,21 +80,38 @@ class GroupBuffer:
             tokens, self.stale_tokens = self.stale_tokens, 0.0
             return tokens
 
-    def claim(self, k: int) -> list[Group]:
-        """The `k` oldest pending groups, now running (call holding `cond`)."""
-        groups = [self.groups[u] for u in self.with_status("pending")[:k]]
+    # -- the producer's source (the methods are called holding `cond`) ---------------------------------
+
+    def ready(self, may_generate: bool) -> bool:
+        return may_generate and bool(self.with_status("pending"))
+
+    def claim(self) -> Work:
+        """The `chunk` oldest pending groups, now running."""
+        groups = [self.groups[u] for u in self.with_status("pending")[:self.chunk]]
         for g in groups:
             g.status = "running"
-        return groups
+        ids = [f"g{g.uid}.{j}" for g in groups for j in range(self.n)]  # samples.jsonl: uids are unique in a run
+        return Work(PromptBatch.concat([g.prompt for g in groups]), self.seed_of(groups[0].uid) * 64, groups, ids=ids)
 
-    def finish(self, groups: list[Group], batch, n: int) -> None:
+    def finish(self, work: Work, batch, partial=None) -> None:
         """`batch` (None: the call failed) holds the groups' rows, n each, in order; each group's rows get its uid
-        as group id (a data row may come back in a later epoch). Call holding `cond`."""
-        for i, g in enumerate(groups):
+        as group id (a data row may come back in a later epoch)."""
+        n = self.n
+        for i, g in enumerate(work.tag):
             rows = None if batch is None else batch.select(slice(i * n, i * n + n))
             g.status, g.batch = ("failure", None) if rows is None else (
                 "finished", rows.replace(group_ids=rows.group_ids.new_full(rows.group_ids.shape, g.uid)))
-        self.cond.notify_all()
+
+    def failed(self, work: Work, err: Exception) -> None:
+        log.warning("plait: %s: generating %d prompt groups failed (%s: %s); the sampler replaces them",
+                    self.mode, len(work.tag), type(err).__name__, err)
+        self.finish(work, None)
+
+    def synced(self) -> None:
+        pass
+
+    def ended(self, error: BaseException | None) -> None:
+        self.error = error
 
     def snapshot(self) -> list[dict]:
         """What a checkpoint keeps: each group's dataset row, issue step and, finished, its responses (verl keeps

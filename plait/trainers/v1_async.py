@@ -25,9 +25,10 @@ holds it while generating; the Rollout worker's lock keeps a weight load from ra
 
 Checkpoints hold the finished groups whole and the pending / running ones as their prompts: a resumed run
 puts the finished back (with their issue steps), issues the others again tagged with its first step
-(verl#7037), then tops the warmup up. close() aborts the running generate and joins the thread. A generate
-call that fails marks its groups failed (the sampler replaces them) and says so in one line; after
-rollouter.MAX_FAILED_CALLS in a row the rollouter stops and the trainer's wait raises a RolloutError.
+(verl#7037), then tops the warmup up. close() aborts the running generate and joins the thread. The
+rollouter is the producer thread (producer.py) over this mode's source, the GroupBuffer. A generate call that
+fails marks its groups failed (the sampler replaces them) and says so in one line; after MAX_FAILED_CALLS
+in a row the rollouter stops and the trainer's wait raises a RolloutError.
 """
 
 from __future__ import annotations
@@ -43,10 +44,12 @@ from plait.safeload import load_tensors
 from plait.trainers.lifecycle import StageTimer, StepResult
 from plait.data.dataset import prompt_batch
 from plait.trainers.lm import DataCursor, LMTrainer
-from plait.trainers.rollouter import GroupRollouter
+from plait.trainers.producer import Producer
 from plait.trainers.sampler import GroupBuffer, build_sampler, merge_sampler_metrics, take
 from plait.types import RolloutBatch
 from plait.workers.actor import Actor
+
+MAX_FAILED_CALLS = 3
 
 
 class V1AsyncTrainer(LMTrainer):
@@ -62,11 +65,11 @@ class V1AsyncTrainer(LMTrainer):
         self.warmup = math.floor(node.num_warmup_batches * batch / self.chunk) * self.chunk
         self.batches_per_epoch = self.cursor.batches_per_epoch
         self.cursor = DataCursor(train_data, 1, cfg.data.shuffle, cfg.data.seed)  # issues one prompt group at a time
-        self.buffer = GroupBuffer()
+        self.buffer = GroupBuffer(self.mode, self.chunk, self.sampling.n, self.sample_seed)
         self.sampler = build_sampler(cfg, self.mode, self.buffer, self.issue)
         self.global_steps = 1  # the tag of prompts issued now (verl's refill_fn takes only a count)
-        self.rollouter = GroupRollouter(self.mode, self.buffer, self.client.abort, self.sampling, self.chunk,
-                                        self.sample_seed, lambda: self.version, self.client.produce)
+        self.rollouter = Producer("plait-v1-rollouter", self.buffer, self.client, self.sampling, lambda: self.version,
+                                  MAX_FAILED_CALLS)
         self.cycle_start = 0.0
         self.step_metrics: dict[str, float] = {}  # the sampler's, summed over a step's local updates
 
@@ -133,8 +136,7 @@ class V1AsyncTrainer(LMTrainer):
 
     def close(self) -> None:
         """Stop the rollouter; what the buffer holds now is dropped (the last checkpoint has its own copy)."""
-        if self.rollouter.thread.is_alive():
-            self.rollouter.close()
+        self.rollouter.close()
         super().close()
 
 

@@ -2,7 +2,15 @@
 
 import torch
 
-from plait.data.images import IMAGE_REWARDS, NUM_GLYPHS, condition_split, render_glyphs
+from plait.data.images import IMAGE_REWARDS, NUM_GLYPHS, PROMPT_IMAGE_REWARDS, condition_split, render_glyphs
+from plait.workers import diffusion_config
+
+
+def test_the_torch_free_lists_config_checks_against_are_this_modules():
+    """config accepts the names and glyph count workers/diffusion_config.py lists (torch-free); they are these."""
+    assert diffusion_config.NUM_GLYPHS == NUM_GLYPHS
+    assert diffusion_config.IMAGE_REWARD_NAMES == tuple(IMAGE_REWARDS)
+    assert diffusion_config.PROMPT_IMAGE_REWARD_NAMES == tuple(PROMPT_IMAGE_REWARDS)
 
 
 def test_glyphs_are_distinct_and_jittered():

@@ -11,7 +11,7 @@ import pytest
 from plait import cli
 from plait.config import load_config
 from plait.profiler.analysis import verdict as V
-from plait.trainers.async_common import BusyClock
+from plait.trainers.producer import BusyClock
 from tests.profiler.test_verdict import BALANCED, facts
 from tests.profiler.test_verdict_planted import LONG, ONE_UPDATE, first, planted
 

@@ -24,7 +24,7 @@ from plait.config import SamplingConfig
 from plait.errors import RunError
 from plait.profiler import GlobalProfilerConfig, ProfilerSession, RoleProfilerConfig
 from plait.trainers.lifecycle import read_metrics
-from plait.trainers.async_common import RolloutError
+from plait.trainers.producer import RolloutError
 from plait.types import PromptBatch
 from plait.workers.actor import Actor
 from plait.workers.rollout import Rollout
@@ -145,13 +145,13 @@ def test_staleness_zero_is_on_policy_and_the_pause_rule_holds(tmp_path, tiny_con
     take = trainer.next_batch
 
     def watched(step, timer):
-        with trainer.cond:
-            depths.append(trainer.queued + trainer.in_flight)
+        with trainer.chunks.cond:
+            depths.append(trainer.chunks.queued + trainer.chunks.in_flight)
         return take(step, timer)
     trainer.next_batch = watched
     lifecycle.run()
     assert all(v == c.trainer_version for c in seen for v in c.versions)
-    assert trainer.max_samples == 4 and max(depths) <= 4
+    assert trainer.chunks.max_samples == 4 and max(depths) <= 4
 
 
 def test_resume_continues_exactly(tmp_path, tiny_config):

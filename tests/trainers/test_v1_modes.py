@@ -14,7 +14,7 @@ import torch
 
 from plait import driver
 from plait.cli import main
-from plait.trainers.async_common import RolloutError
+from plait.trainers.producer import RolloutError
 from plait.trainers.lifecycle import read_metrics
 from plait.workers.actor import Actor
 

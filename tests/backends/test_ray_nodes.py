@@ -3,6 +3,7 @@ the head, 127.0.0.2 the second node), each with its own custom resource; `plait 
 the pools (train, the rollout's own, the reward model's own) land where `trainer.ray.pool_resources`
 says, each role saying where in one line."""
 
+import json
 import os
 import re
 import signal
@@ -88,3 +89,65 @@ def test_roles_land_on_the_nodes_the_config_names(two_nodes, tmp_path):
     assert what["rollout"] == "rank 0, 1 CPU process(es), 1 CPUs"  # 2 slots of cpus_per_worker=0.5
     assert what["reward_model"] == "ranks 0,1, 2 CPU process(es), 1 CPUs"
     assert os.path.isfile(tmp_path / "run" / "metrics.jsonl")
+
+
+@pytest.fixture
+def three_nodes():
+    """A head for the train pool and two nodes that can each hold the rollout: (address, {ip: `ray start` process})."""
+    port, temp = free_port(), tempfile.mkdtemp(prefix="plait-3n-")
+    common = ["--block", "--num-cpus=2", "--disable-usage-stats", "--object-store-memory=200000000"]
+    nodes = [("127.0.0.3", ["--head", f"--port={port}", "--include-dashboard=false", '--resources={"train_node": 4}']),
+             ("127.0.0.2", [f"--address=127.0.0.3:{port}", '--resources={"gen_node": 4}']),
+             ("127.0.0.4", [f"--address=127.0.0.3:{port}", '--resources={"gen_node": 4}'])]
+    procs = {}
+    try:
+        for ip, args in nodes:
+            with open(os.path.join(temp, f"{ip}.log"), "w") as log:
+                procs[ip] = subprocess.Popen([os.path.join(os.path.dirname(sys.executable), "ray"), "start", *args,
+                                              f"--node-ip-address={ip}", *common, f"--temp-dir={temp}/{ip}"],
+                                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=CLUSTER_ENV)
+        yield f"127.0.0.3:{port}", procs
+    finally:
+        for p in reversed(list(procs.values())):
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in procs.values():
+            try:
+                p.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+
+
+def test_a_node_lost_mid_run_is_one_line_and_the_run_goes_on_on_the_nodes_left(three_nodes, tmp_path):
+    """The node holding the rollout is killed whole (its raylet and workers, as a machine that goes away) after
+    step 1: the run says so in one line naming the rollout, and finishes every step with the rollout on the other node."""
+    address, procs = three_nodes
+    cmd = [sys.executable, "-m", "plait.cli", "train", "--no-progress", *TINY, f"trainer.default_local_dir={tmp_path / 'run'}",
+           "trainer.total_training_steps=4", "trainer.save_freq=1", "trainer.max_restarts=1",
+           "trainer.placement=separated", f"trainer.ray.address={address}", "trainer.ray.placement_timeout_s=120",
+           "trainer.ray.pool_resources={train: {train_node: 1}, rollout: {gen_node: 1}}", "trainer.logger=[console,file]"]
+    run = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                           env={**CLUSTER_ENV, "OMP_NUM_THREADS": "1"})
+    lines, lost = [], None
+    try:
+        for line in run.stdout:
+            lines.append(line)
+            found = re.match(r"plait: rollout runs on (127\.0\.0\.\d)", line)
+            if found and lost is None:
+                lost = found.group(1)
+            if line.startswith("step 1 ") and lost in procs:
+                os.killpg(procs[lost].pid, signal.SIGKILL)  # the node goes away: raylet, object store, workers
+        run.wait(600)
+    finally:
+        if run.poll() is None:
+            run.kill()
+    out = "".join(lines)
+    assert run.returncode == 0, out[-4000:]
+    assert lost in ("127.0.0.2", "127.0.0.4")
+    placed = re.findall(r"plait: rollout runs on (127\.0\.0\.\d)", out)
+    assert placed[0] == lost and placed[-1] != lost, out[-4000:]
+    steps = [json.loads(line)["step"] for line in open(tmp_path / "run" / "metrics.jsonl")]
+    assert sorted(set(steps)) == [1, 2, 3, 4], out[-4000:]
+    assert "Traceback" not in out and "plait: warning: the rollout engine died in step 2" in out
+    assert "plait: restart 1 of 1 (trainer.max_restarts) after: rollout worker rank 0 died" in out  # its node is gone

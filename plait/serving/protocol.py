@@ -194,7 +194,9 @@ def _call_schema(tools: Optional[list[dict]], name: Optional[str], field: str) -
     calls = [{"type": "object", "properties": {"name": {"const": f["name"]}, "arguments": f.get("parameters") or {
         "type": "object", "properties": {}, "additionalProperties": False}},
         "required": ["name", "arguments"], "additionalProperties": False} for f in fns]
-    return calls[0] if len(calls) == 1 else {"anyOf": calls}
+    # pydantic's nested models: "#/$defs/..." points from the root, which is now the call object
+    defs = {k: v for f in fns for k, v in ((f.get("parameters") or {}).get("$defs") or {}).items()}
+    return {**(calls[0] if len(calls) == 1 else {"anyOf": calls}), **({"$defs": defs} if defs else {})}
 
 
 def _text(content: Any, where: str) -> str:

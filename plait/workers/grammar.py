@@ -67,7 +67,8 @@ class Grammars:
         from llguidance import LLMatcher
         rules = [f"start: {' | '.join(f'a{i}' for i in range(len(answers)))}"]
         for i, (head, schema, tail) in enumerate(answers):
-            body = json.dumps({**schema, "x-guidance": {**JSON_STYLE, **schema.get("x-guidance", {})}})
+            own = schema.get("x-guidance")
+            body = json.dumps({**schema, "x-guidance": {**JSON_STYLE, **(own if isinstance(own, dict) else {})}})
             rules += [f"a{i}: " + " ".join([json.dumps(head)] * bool(head) + [f"j{i}"] + [json.dumps(tail)] * bool(tail)),
                       f"j{i}: %json {body}"]
         text = LLMatcher.grammar_from_lark("\n".join(rules))

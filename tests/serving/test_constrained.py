@@ -24,7 +24,12 @@ TOOLS = [{"type": "function", "function": {"name": "add", "description": "Add tw
              "type": "object", "properties": {"a": SMALL, "b": SMALL}, "required": ["a", "b"], "additionalProperties": False}}},
          {"type": "function", "function": {"name": "greet", "parameters": {
              "type": "object", "properties": {"word": {"enum": ["hi", "yo"]}, "loud": {"type": "boolean"}},
-             "required": ["word", "loud"], "additionalProperties": False}}}]
+             "required": ["word", "loud"], "additionalProperties": False}}},
+         {"type": "function", "function": {"name": "move", "parameters": {  # pydantic's shape: a nested model in $defs
+             "$defs": {"Point": {"type": "object", "properties": {"x": SMALL, "y": SMALL}, "required": ["x", "y"],
+                                 "additionalProperties": False}},
+             "type": "object", "properties": {"to": {"$ref": "#/$defs/Point"}}, "required": ["to"],
+             "additionalProperties": False}}}]
 PARAMS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 ANSWER = {"type": "object", "properties": {"answer": SMALL, "ok": {"type": "boolean"}, "unit": {"enum": ["m", "s"]}},
           "required": ["answer", "ok", "unit"], "additionalProperties": False}
@@ -51,11 +56,12 @@ def test_openai_forced_calls_and_json_answers(server):
     for c in r.choices:
         assert c.finish_reason == "tool_calls" and len(c.message.tool_calls) == 1, c
         check_call(c.message.tool_calls[0].function.name, c.message.tool_calls[0].function.arguments)
-    r = client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, n=3,
-                                       tool_choice={"type": "function", "function": {"name": "greet"}})
-    assert [c.message.tool_calls[0].function.name for c in r.choices] == ["greet"] * 3
-    for c in r.choices:
-        check_call("greet", c.message.tool_calls[0].function.arguments)
+    for name in ("greet", "move"):
+        r = client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, n=3,
+                                           tool_choice={"type": "function", "function": {"name": name}})
+        assert [c.message.tool_calls[0].function.name for c in r.choices] == [name] * 3
+        for c in r.choices:
+            check_call(name, c.message.tool_calls[0].function.arguments)
     # json_schema with tools offered (auto): the answer is the JSON or a call, never free text
     for tools in ({}, {"tools": TOOLS}):
         r = client.chat.completions.create(model="tiny", messages=ASK, n=4, **tools, response_format={
@@ -101,7 +107,7 @@ def test_responses_api_and_anthropic_forced_calls_and_json(server):
 def test_what_cannot_be_forced_is_a_400_naming_the_field(server):
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
     lookbehind = {"type": "object", "properties": {"a": {"type": "string", "pattern": "(?<=x)y"}}}
-    cases = [(dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}}), "tool_choice", "add, greet"),
+    cases = [(dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}}), "tool_choice", "add, greet, move"),
              (dict(tool_choice="required"), "tool_choice", "offered are: none"),
              (dict(response_format={"type": "json_schema", "json_schema": {"name": "x"}}), "response_format", "schema"),
              (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": lookbehind}}),

@@ -27,18 +27,19 @@ INSTALL = "llguidance is not installed: pip install 'plait[constrained]'"
 @dataclass(frozen=True)
 class Grammar:
     """One compiled constraint; equal grammars share an engine batch (sampling settings group requests)."""
-    text: str                                   # llguidance's grammar
-    tokenizer: Any = field(compare=False)       # its LLTokenizer
+    text: str                            # llguidance's grammar
+    vocab: int                           # its tokenizer's size
+    start: Any = field(compare=False)    # an LLMatcher at the grammar's start, never advanced: rows take copies
 
     def matcher(self):
-        from llguidance import LLMatcher
-        return LLMatcher(self.tokenizer, self.text, log_level=0)
+        """A fresh matcher for one row (a copy: compiling the grammar again would cost more)."""
+        return self.start.deep_copy()
 
     def allowed(self, matchers: list, width: int) -> torch.Tensor:
         """[rows, width] bool: the tokens each row's matcher allows next (a None row: all of them); ids past the
         tokenizer's (a model's padded vocabulary) never."""
         import torch  # (not llguidance.torch: importing it compiles a kernel plait does not use)
-        vocab = self.tokenizer.vocab_size
+        vocab = self.vocab
         words = torch.full((len(matchers), (vocab + 31) // 32), -1, dtype=torch.int32)  # [rows, words] 32 ids each
         for i, m in enumerate(matchers):
             if m is not None:
@@ -72,10 +73,10 @@ class Grammars:
             rules += [f"a{i}: " + " ".join([json.dumps(head)] * bool(head) + [f"j{i}"] + [json.dumps(tail)] * bool(tail)),
                       f"j{i}: %json {body}"]
         text = LLMatcher.grammar_from_lark("\n".join(rules))
-        error = LLMatcher.validate_grammar(text, self.tokenizer)
-        if error:
-            raise ValueError(error.splitlines()[0][:300])
-        return Grammar(text, self.tokenizer)
+        start = LLMatcher(self.tokenizer, text, log_level=0)
+        if start.is_error():
+            raise ValueError(start.get_error().splitlines()[0][:300])
+        return Grammar(text, self.tokenizer.vocab_size, start)
 
 
 def unavailable() -> Optional[str]:

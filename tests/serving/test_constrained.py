@@ -3,7 +3,9 @@ tool_choice "required" / a named function and response_format json_object / json
 Anthropic's forms, by grammar-constrained decoding (plait/workers/grammar.py), asked through the real SDKs; the
 engine's log-probs are under the grammar's allowed set; training sessions refuse the fields in one line."""
 
+import asyncio
 import json
+from typing import Literal
 
 import anthropic
 import jsonschema
@@ -11,6 +13,7 @@ import openai
 import pytest
 import torch
 from gateway_helpers import served
+from pydantic import BaseModel
 
 from plait.config import RolloutConfig
 from plait.profiler.config import GlobalProfilerConfig, RoleProfilerConfig
@@ -160,3 +163,31 @@ def test_the_engine_samples_and_scores_over_the_allowed_set(server):
         logp = logits.masked_fill(~torch.stack(masks), float("-inf")).log_softmax(-1)
         expected = logp.gather(-1, torch.tensor(ids)[:, None])[:, 0]
         assert torch.allclose(gen.logprobs[row, :n], expected, atol=1e-5), (gen.logprobs[row, :n] - expected).abs().max()
+
+
+class Verdict(BaseModel):  # an agent's structured output: bounded fields, so a random model's answer ends
+    ok: bool
+    unit: Literal["m", "s"]
+
+
+def test_openai_agents_output_type_on_plait_serve(server):
+    """openai-agents' default model on the Responses API: output_type sends text.format json_schema."""
+    from agents import Agent, OpenAIResponsesModel, Runner, set_tracing_disabled
+    set_tracing_disabled(True)
+    client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+    agent = Agent(name="judge", instructions="Answer.", model=OpenAIResponsesModel("tiny", client), output_type=Verdict)
+
+    async def twice():  # one loop: the client's connections belong to it
+        return [(await Runner.run(agent, "2+3?")).final_output for _ in range(2)]
+    assert all(isinstance(out, Verdict) for out in asyncio.run(twice()))
+
+
+def test_pydantic_ai_output_type_on_plait_serve(server):
+    """pydantic-ai's output_type (a forced call of its output tool) on chat completions and the Responses API."""
+    pydantic_ai = pytest.importorskip("pydantic_ai")
+    from pydantic_ai.models.openai import OpenAIChatModel, OpenAIResponsesModel
+    from pydantic_ai.providers.openai import OpenAIProvider
+    for model in (OpenAIChatModel, OpenAIResponsesModel):
+        provider = OpenAIProvider(base_url=server.url + "/v1", api_key="none")
+        agent = pydantic_ai.Agent(model("tiny", provider=provider), output_type=Verdict)
+        assert isinstance(agent.run_sync("2+3?").output, Verdict)

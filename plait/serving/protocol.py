@@ -157,7 +157,8 @@ def chat_request(body: Any) -> ChatRequest:
     req.messages = [_openai_message(m, i) for i, m in enumerate(messages)]
     req.tools = _openai_tools(body.get("tools"))
     choice = body.get("tool_choice", "auto")
-    name = choice.get("function", {}).get("name") if isinstance(choice, dict) and choice.get("type") == "function" else None
+    fn = choice.get("function") if isinstance(choice, dict) and choice.get("type") == "function" else None
+    name = fn.get("name") if isinstance(fn, dict) else None
     if choice not in ("auto", "none", "required", None) and not isinstance(name, str):
         raise ApiError(400, f"tool_choice {str(choice)[:80]!r} is not supported: use 'auto', 'none', 'required' or "
                             "{'type': 'function', 'function': {'name': ...}}", "tool_choice")
@@ -191,11 +192,13 @@ def _call_schema(tools: Optional[list[dict]], name: Optional[str], field: str) -
     if not fns:
         offered = ", ".join(t["function"]["name"] for t in tools or []) or "none"
         raise ApiError(400, f"{field} forces a call to {name or 'a tool'}, and the tools offered are: {offered}", field)
-    calls = [{"type": "object", "properties": {"name": {"const": f["name"]}, "arguments": f.get("parameters") or {
-        "type": "object", "properties": {}, "additionalProperties": False}},
-        "required": ["name", "arguments"], "additionalProperties": False} for f in fns]
+    params = [f.get("parameters") or {"type": "object", "properties": {}, "additionalProperties": False} for f in fns]
+    if not all(isinstance(p, dict) for p in params):
+        raise ApiError(400, f"{field} forces a call, and a forced tool's 'parameters' must be a JSON schema object", "tools")
+    calls = [{"type": "object", "properties": {"name": {"const": f["name"]}, "arguments": p},
+              "required": ["name", "arguments"], "additionalProperties": False} for f, p in zip(fns, params)]
     # pydantic's nested models: "#/$defs/..." points from the root, which is now the call object
-    defs = {k: v for f in fns for k, v in ((f.get("parameters") or {}).get("$defs") or {}).items()}
+    defs = {k: v for p in params for k, v in (p.get("$defs") or {}).items()}
     return {**(calls[0] if len(calls) == 1 else {"anyOf": calls}), **({"$defs": defs} if defs else {})}
 
 

@@ -12,8 +12,8 @@ function) and `text.format` (text, json_object, json_schema: grammar-constrained
 `previous_response_id`: each response's conversation is remembered (with its session, or by the server outside
 sessions, the last REMEMBERED of them) so that the next call continues it. Out: `message` and `function_call`
 items (with `call_id`), `usage`, and status `incomplete` (reason `max_output_tokens`) where the budget cut the
-answer. Refused with a 400 naming the field, because plait cannot honour them: built-in tools, `reasoning`, `conversation`, stored `prompt`s, `background`,
-`truncation: auto`, `top_logprobs` > 0, images and files.
+answer. Refused with a 400 naming the field, because plait cannot honour them: built-in tools, `reasoning`,
+`conversation`, stored `prompt`s, `background`, `truncation: auto`, `top_logprobs` > 0, images and files.
 
 Left out: GET / DELETE `/v1/responses/{id}` and its input items, and token-by-token streaming (a stream carries the
 whole answer in one delta, as for chat completions: the engine answers a request when it finishes).
@@ -173,7 +173,8 @@ def response(body: dict, req: ChatRequest, c: Choice, prompt_tokens: int) -> dic
             "instructions": body.get("instructions"), "max_output_tokens": req.max_tokens, "model": req.model,
             "output": items, "parallel_tool_calls": body.get("parallel_tool_calls", True) is not False,
             "previous_response_id": body.get("previous_response_id"), "store": body.get("store", True) is not False,
-            "temperature": req.temperature, "top_p": req.top_p, "text": {"format": (body.get("text") or {}).get("format") or {"type": "text"}},
+            "temperature": req.temperature, "top_p": req.top_p,
+            "text": {"format": (body.get("text") or {}).get("format") or {"type": "text"}},
             "tool_choice": body.get("tool_choice") or "auto", "tools": body.get("tools") or [], "truncation": "disabled",
             "metadata": body.get("metadata") or {},
             "usage": {"input_tokens": prompt_tokens, "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},

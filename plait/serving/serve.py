@@ -81,7 +81,8 @@ class ModelServer:
         no_grammar = ENGINES[self.rollout.engine_name].grammar or unavailable()
         self.gateway = Gateway(tokenizer, model.model_type, tool_format, self.rollout.eos_ids, name, generate=self.queue.generate,
                                max_tokens=max_tokens, defaults=defaults, seed=seed, context=context,
-                               grammars=None if no_grammar else Grammars(tokenizer), no_grammar=no_grammar or "")
+                               grammars=None if no_grammar else Grammars(tokenizer, self.rollout.eos_ids),
+                               no_grammar=no_grammar or "")
         self.tinker = None
         from plait.profiler.timeline import TIMELINE, TIMELINE_FILE
         self.timeline = output_dir is not None and TIMELINE.path is None  # else the process's open one (a run's) keeps it

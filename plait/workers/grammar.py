@@ -52,15 +52,16 @@ class Grammar:
 
 
 class Grammars:
-    """Grammars over one tokenizer, which llguidance reads at the first (about a second for a large vocabulary)."""
+    """Grammars over one tokenizer, which llguidance reads at the first (about a second for a large vocabulary).
+    `eos_ids`: the engine's stop tokens, what a complete grammar allows (empty: the tokenizer's EOS)."""
 
-    def __init__(self, tokenizer):
-        self.hf_tokenizer = tokenizer
+    def __init__(self, tokenizer, eos_ids: list[int]):
+        self.hf_tokenizer, self.eos_ids = tokenizer, list(eos_ids)
 
     @functools.cached_property
     def tokenizer(self):
         import llguidance.hf
-        return llguidance.hf.from_tokenizer(self.hf_tokenizer)
+        return llguidance.hf.from_tokenizer(self.hf_tokenizer, eos_token=self.eos_ids or None)
 
     def json(self, answers: list[tuple[str, dict, str]]) -> Grammar:
         """Any one of `answers` (head, schema, tail): the text `head`, JSON valid under `schema`, then `tail`.

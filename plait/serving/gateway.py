@@ -12,7 +12,9 @@ run; their budget is the chain's response budget. Calls outside a session (`plai
 sample as the request asks, with the server's defaults where it asks nothing (a judge's: its rollout block,
 as verl's reward server's override_generation_config); a call with a `seed` (or every call, where the server
 has one: a judge with full_determinism) is sampled alone with its own generator. Every sampled token is kept
-with its log-prob and policy version.
+with its log-prob and policy version. A forced tool call or a JSON answer (protocol.Constraint) is sampled under
+its grammar (plait/workers/grammar.py) outside sessions; sessions refuse it, since the trainer's log-probs do not
+take the grammar's mask (docs/agents.md "Forced tool calls and structured output").
 """
 
 from __future__ import annotations
@@ -27,6 +29,9 @@ from plait.agents.tokens import ContinuousTokens, PrefixUnstable
 from plait.agents.tool_parser import count_call_blocks, parse_tool_calls
 from plait.serving.protocol import ApiError, ChatRequest, Choice
 from plait.serving.sessions import Session, Span, closing_ids, message_key
+from plait.workers.grammar import Grammars
+
+CALL_TAGS = {"hermes": ("<tool_call>\n", "\n</tool_call>")}  # a forced call as plait's tool parsers read it
 
 Generate = Callable[..., Awaitable[Any]]  # the engine queue's generate(request_id=, prompt_ids=, sampling_params=)
 
@@ -34,11 +39,13 @@ Generate = Callable[..., Awaitable[Any]]  # the engine queue's generate(request_
 class Gateway:
     def __init__(self, tokenizer, model_type: Optional[str], tool_format: str, eos_ids: list[int], model_name: str,
                  generate: Optional[Generate] = None, max_tokens: int = 1024, defaults: Optional[dict] = None,
-                 seed: Optional[int] = None, context: Optional[int] = None):
+                 seed: Optional[int] = None, context: Optional[int] = None, grammars: Optional[Grammars] = None,
+                 no_grammar: str = "this server was started without grammars"):
         """`generate`: the engine queue for calls outside sessions (None: every call must name a session);
         `max_tokens`: their default budget; `defaults`: their temperature, top_p and top_k where a call names
         none; `seed`: a call's seed where it names none (None: unseeded); `context`: prompt + answer tokens a
-        call may hold (None: no bound), its budget clamped to what is left."""
+        call may hold (None: no bound), its budget clamped to what is left. `grammars`: the served tokenizer's,
+        where the engine honours a decoding grammar (forced tool calls, JSON answers); else `no_grammar` says why not."""
         self.tokenizer, self.format, self.eos, self.model_name = tokenizer, tool_format, set(eos_ids), model_name
         self.ct = ContinuousTokens(tokenizer, model_type)
         self.closing = closing_ids(self.ct)
@@ -47,6 +54,7 @@ class Gateway:
         self.defaults = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, **(defaults or {})}
         self.said: set[str] = set()
         self.specials = [s for s in tokenizer.all_special_tokens if s]
+        self.grammars, self.no_grammar = grammars, no_grammar
 
     # -- sessions --------------------------------------------------------------------------------
 
@@ -113,10 +121,15 @@ class Gateway:
     async def _sample(self, session: Optional[Session], ids: list[int], req: ChatRequest, n: int, room: int = 0) -> list:
         if session is None:
             sampling, budget, generate = self.plain_sampling(req, len(ids)), req.max_tokens or self.max_tokens, self.plain
+            sampling.update(self.grammar(req))
             if self.context is not None:
                 budget = min(budget, self.context - len(ids))
         else:
             sampling, generate = session.sampling, session.generate
+            if req.constraint is not None:
+                raise ApiError(400, f"'{req.constraint.field}' (a forced tool call or a JSON answer) is refused while plait "
+                                    "trains: its constrained decoding would sample from a distribution the trainer's "
+                                    "log-probs do not take (plait serve honours it; docs/agents.md)", req.constraint.field)
             self._keep_rollout_sampling(session, req)
             budget = min(req.max_tokens or room, room)
             if budget <= 0:  # the chain's response budget is used up: answered as cut, nothing sampled
@@ -148,6 +161,25 @@ class Gateway:
         sampling.update(temperature=1.0 if greedy else sampling["temperature"], do_sample=not greedy)
         seed = self.seed if req.seed is None else req.seed
         return sampling if seed is None else {**sampling, "seed": seed}
+
+    def grammar(self, req: ChatRequest) -> dict:
+        """The sampling key of a call's constraint ({} where it has none): its grammar, in the tool format's tags for
+        a call; a 400 naming the field where this server cannot honour it or the schema does not compile."""
+        c = req.constraint
+        if c is None:
+            return {}
+        if self.grammars is None:
+            raise ApiError(400, f"'{c.field}' needs grammar-constrained decoding, and {self.no_grammar}", c.field)
+        if c.call is not None and self.format not in CALL_TAGS:
+            raise ApiError(400, f"'{c.field}' forces a tool call, which plait writes in the hermes format only "
+                                f"(this server's tool format: {self.format})", c.field)
+        answers = ([("", c.json, "")] if c.json is not None else []) + (
+            [(CALL_TAGS[self.format][0], c.call, CALL_TAGS[self.format][1])] if c.call is not None else [])
+        try:
+            return {"grammar": self.grammars.json(answers)}
+        except ValueError as err:
+            raise ApiError(400, f"'{c.field}': the JSON schema cannot be compiled for constrained decoding: {err}",
+                           c.field) from None
 
     def _keep_rollout_sampling(self, session: Session, req: ChatRequest) -> None:
         asked = {"temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k}

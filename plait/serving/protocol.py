@@ -8,8 +8,10 @@ Messages (`system`, text / tool_use / tool_result blocks, `tools`, `tool_choice`
 `stream`) and SGLang's token-level `/generate` (`input_ids` or `text`, `sampling_params`: what verl's
 reward router answers a GenRM reward function's `generate` with). Both chats become chat-template messages (role, content as text, `tool_calls` with their
 arguments as objects, `tool_call_id`): what `apply_chat_template` and plait's Continuous-Token builder
-read. A field that would change what is sampled and that plait cannot honour (`presence_penalty`,
-`logit_bias`, a forced tool choice, a JSON schema, images, `top_logprobs` > 0) is refused with the
+read. A forced tool choice (OpenAI's "required" or a named function, Anthropic's any or a named tool) and OpenAI's
+`response_format` json_object / json_schema become a `Constraint` (JSON schemas) that the gateway samples under
+(grammar-constrained decoding, plait/workers/grammar.py). A field that would change what is sampled and that plait
+cannot honour (`presence_penalty`, `logit_bias`, images, `top_logprobs` > 0) is refused with the
 API's own error shape and status (400), naming the field; fields that change nothing sampled
 (`user`, `metadata`, `store`, ...) are accepted. A `seed` samples the request alone with its own
 generator (outside sessions), so the same request with the same seed gets the same answer. Out: the APIs' bodies, with tool calls read
@@ -67,6 +69,15 @@ class ChatRequest:
     stream: bool = False
     include_usage: bool = False
     model: str = ""
+    constraint: Optional[Constraint] = None  # what the answer must be (a forced call, JSON): grammar-constrained
+
+
+@dataclass
+class Constraint:
+    """A forced tool call or a JSON answer, as JSON schemas; the gateway compiles it (plait/workers/grammar.py)."""
+    field: str                   # the request field that asks it (named where it is refused)
+    json: Optional[dict] = None  # the answer is JSON valid under this schema ...
+    call: Optional[dict] = None  # ... or one tool call whose {"name", "arguments"} is valid under this one
 
 
 @dataclass
@@ -138,10 +149,6 @@ def chat_request(body: Any) -> ChatRequest:
                        "top_logprobs")
     options = _typed(body, "stream_options", dict) or {}
     req.include_usage = bool(options.get("include_usage"))
-    fmt = (_typed(body, "response_format", dict) or {}).get("type", "text")
-    if fmt != "text":
-        raise ApiError(400, f"response_format type {fmt!r} is not supported (no constrained decoding); use 'text'",
-                       "response_format")
     if req.stream and req.n > 1:
         raise ApiError(400, "'n' > 1 with 'stream' is not supported", "n")
     messages = body.get("messages")
@@ -150,11 +157,49 @@ def chat_request(body: Any) -> ChatRequest:
     req.messages = [_openai_message(m, i) for i, m in enumerate(messages)]
     req.tools = _openai_tools(body.get("tools"))
     choice = body.get("tool_choice", "auto")
-    if choice not in ("auto", "none", None):
-        raise ApiError(400, f"tool_choice {str(choice)[:80]!r} is not supported: plait cannot force a call; "
-                            "use 'auto' or 'none'", "tool_choice")
+    fn = choice.get("function") if isinstance(choice, dict) and choice.get("type") == "function" else None
+    name = fn.get("name") if isinstance(fn, dict) else None
+    if choice not in ("auto", "none", "required", None) and not isinstance(name, str):
+        raise ApiError(400, f"tool_choice {str(choice)[:80]!r} is not supported: use 'auto', 'none', 'required' or "
+                            "{'type': 'function', 'function': {'name': ...}}", "tool_choice")
     req.parse_tools = choice != "none" and req.tools is not None
+    req.constraint = constrain(req, choice == "required" or name is not None, name,
+                               _typed(body, "response_format", dict), "response_format")
     return req
+
+
+def constrain(req: ChatRequest, forced: bool, name: Optional[str], fmt: Optional[dict], fmt_field: str,
+              tool_field: str = "tool_choice") -> Optional[Constraint]:
+    """A request's constraint: a forced call (to `name`, or to any tool), else a JSON `fmt` (OpenAI's response_format
+    or the Responses API's text.format: json_object, or json_schema with its schema) with any offered tool call
+    allowed beside it; None where the answer is free."""
+    if forced:
+        return Constraint(tool_field, call=_call_schema(req.tools, name, tool_field))
+    kind = (fmt or {}).get("type", "text")
+    if kind == "text":
+        return None
+    holder = fmt.get("json_schema") if fmt_field == "response_format" else fmt  # the Responses API: flat
+    schema = {"type": "object"} if kind == "json_object" else holder.get("schema") if isinstance(holder, dict) else None
+    if kind not in ("json_object", "json_schema") or not isinstance(schema, dict):
+        raise ApiError(400, f"{fmt_field} {str(fmt)[:80]} is not supported: use type 'text', 'json_object' or "
+                            "'json_schema' with a 'schema' object", fmt_field)
+    return Constraint(fmt_field, json=schema, call=_call_schema(req.tools, None, tool_field) if req.parse_tools else None)
+
+
+def _call_schema(tools: Optional[list[dict]], name: Optional[str], field: str) -> dict:
+    """The JSON schema of one call to `name` (None: to any of `tools`) as the tool parsers read it."""
+    fns = [t["function"] for t in tools or [] if name is None or t["function"]["name"] == name]
+    if not fns:
+        offered = ", ".join(t["function"]["name"] for t in tools or []) or "none"
+        raise ApiError(400, f"{field} forces a call to {name or 'a tool'}, and the tools offered are: {offered}", field)
+    params = [f.get("parameters") or {"type": "object", "properties": {}, "additionalProperties": False} for f in fns]
+    if not all(isinstance(p, dict) for p in params):
+        raise ApiError(400, f"{field} forces a call, and a forced tool's 'parameters' must be a JSON schema object", "tools")
+    calls = [{"type": "object", "properties": {"name": {"const": f["name"]}, "arguments": p},
+              "required": ["name", "arguments"], "additionalProperties": False} for f, p in zip(fns, params)]
+    # pydantic's nested models: "#/$defs/..." points from the root, which is now the call object
+    defs = {k: v for p in params for k, v in (p.get("$defs") or {}).items()}
+    return {**(calls[0] if len(calls) == 1 else {"anyOf": calls}), **({"$defs": defs} if defs else {})}
 
 
 def _text(content: Any, where: str) -> str:
@@ -329,10 +374,12 @@ def anthropic_request(body: Any) -> ChatRequest:
                                                         "parameters": t["input_schema"]}} for t in tools] or None
     choice = (body.get("tool_choice") or {"type": "auto"})
     kind = choice.get("type") if isinstance(choice, dict) else None
-    if kind not in ("auto", "none"):
-        raise ApiError(400, f"tool_choice {str(choice)[:80]} is not supported: plait cannot force a tool call; use "
-                            "{'type': 'auto'} or {'type': 'none'}", "tool_choice")
-    req.parse_tools = kind == "auto" and req.tools is not None
+    name = choice.get("name") if kind == "tool" else None
+    if kind not in ("auto", "none", "any") and not isinstance(name, str):
+        raise ApiError(400, f"tool_choice {str(choice)[:80]} is not supported: use {{'type': 'auto'}}, {{'type': 'none'}}, "
+                            "{'type': 'any'} or {'type': 'tool', 'name': ...}", "tool_choice")
+    req.parse_tools = kind != "none" and req.tools is not None
+    req.constraint = constrain(req, kind in ("any", "tool"), name, None, "")
     return req
 
 

@@ -6,14 +6,14 @@ are the sampled ones.
 
 In: `input` (a string, or items: messages with input_text / output_text parts, `function_call` and
 `function_call_output`; another model's `reasoning` items are skipped), `instructions` (a system message, not
-carried to the next response, as OpenAI does), function `tools`, `tool_choice` auto or none, `max_output_tokens`,
+carried to the next response, as OpenAI does), function `tools`, `tool_choice` (auto, none, required or a named
+function) and `text.format` (text, json_object, json_schema: grammar-constrained, as for chat), `max_output_tokens`,
 `temperature`, `top_p`, `stream`, `include` (`message.output_text.logprobs` adds each token's log-prob) and
 `previous_response_id`: each response's conversation is remembered (with its session, or by the server outside
 sessions, the last REMEMBERED of them) so that the next call continues it. Out: `message` and `function_call`
 items (with `call_id`), `usage`, and status `incomplete` (reason `max_output_tokens`) where the budget cut the
-answer. Refused with a 400 naming the field, because plait cannot honour them: built-in tools, a forced tool
-choice, `text.format` other than text, `reasoning`, `conversation`, stored `prompt`s, `background`,
-`truncation: auto`, `top_logprobs` > 0, images and files.
+answer. Refused with a 400 naming the field, because plait cannot honour them: built-in tools, `reasoning`,
+`conversation`, stored `prompt`s, `background`, `truncation: auto`, `top_logprobs` > 0, images and files.
 
 Left out: GET / DELETE `/v1/responses/{id}` and its input items, and token-by-token streaming (a stream carries the
 whole answer in one delta, as for chat completions: the engine answers a request when it finishes).
@@ -24,7 +24,8 @@ from __future__ import annotations
 import time
 from typing import Any, Optional
 
-from plait.serving.protocol import ApiError, ChatRequest, Choice, _arguments, _logprob_items, _sampling, _text, new_id
+from plait.serving.protocol import (ApiError, ChatRequest, Choice, _arguments, _logprob_items, _sampling, _text, constrain,
+                                    new_id)
 
 REMEMBERED = 4096  # conversations kept for previous_response_id per store (a session's, or the server's outside them)
 SAMPLING = ("model", "temperature", "top_p", "top_k", "seed", "max_output_tokens", "stream")
@@ -75,15 +76,16 @@ def request(body: Any, remembered: dict) -> tuple[ChatRequest, list[dict]]:
     req.logprobs = LOGPROBS in include
     text = body.get("text") or {}
     fmt = (text.get("format") or {}) if isinstance(text, dict) else None
-    if not isinstance(fmt, dict) or fmt.get("type", "text") != "text":
-        raise ApiError(400, f"text.format {str(text)[:80]} is not supported (no constrained decoding); use "
-                            "{'format': {'type': 'text'}}", "text.format")
+    if not isinstance(fmt, dict):
+        raise ApiError(400, f"text.format {str(text)[:80]} must be an object", "text.format")
     req.tools = _tools(body.get("tools"))
     choice = body.get("tool_choice", "auto")
-    if choice not in ("auto", "none", None):
-        raise ApiError(400, f"tool_choice {str(choice)[:80]!r} is not supported: plait cannot force a call; use 'auto' "
-                            "or 'none'", "tool_choice")
+    name = choice.get("name") if isinstance(choice, dict) and choice.get("type") == "function" else None
+    if choice not in ("auto", "none", "required", None) and not isinstance(name, str):
+        raise ApiError(400, f"tool_choice {str(choice)[:80]!r} is not supported: use 'auto', 'none', 'required' or "
+                            "{'type': 'function', 'name': ...}", "tool_choice")
     req.parse_tools = choice != "none" and req.tools is not None
+    req.constraint = constrain(req, choice == "required" or name is not None, name, fmt, "text.format")
     previous = body.get("previous_response_id")
     if previous is not None and (not isinstance(previous, str) or previous not in remembered):
         raise ApiError(404, f"previous response {str(previous)[:60]!r} not found: responses are remembered within their "
@@ -171,7 +173,8 @@ def response(body: dict, req: ChatRequest, c: Choice, prompt_tokens: int) -> dic
             "instructions": body.get("instructions"), "max_output_tokens": req.max_tokens, "model": req.model,
             "output": items, "parallel_tool_calls": body.get("parallel_tool_calls", True) is not False,
             "previous_response_id": body.get("previous_response_id"), "store": body.get("store", True) is not False,
-            "temperature": req.temperature, "top_p": req.top_p, "text": {"format": {"type": "text"}},
+            "temperature": req.temperature, "top_p": req.top_p,
+            "text": {"format": (body.get("text") or {}).get("format") or {"type": "text"}},
             "tool_choice": body.get("tool_choice") or "auto", "tools": body.get("tools") or [], "truncation": "disabled",
             "metadata": body.get("metadata") or {},
             "usage": {"input_tokens": prompt_tokens, "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},

@@ -80,6 +80,8 @@ class EngineSpec:
     # None: generate returns the set top-k / top-p kept at each token (Generation.kept), which the trainer's
     # log-probs are taken over; else why not (config refuses rollout.top_p < 1 / top_k > 0 with this engine)
     kept_set: Optional[str] = "returns no kept set with its tokens"
+    # None: generate honours SamplingParams.grammar (plait serve's forced tool calls and JSON answers); else why not
+    grammar: Optional[str] = "the rollout engine takes no decoding grammar"
 
 
 PLAIT_ENGINE = "hf"  # plait's own engine (workers/rollout_engine.py): the rollout's when no node names one
@@ -169,11 +171,12 @@ SGLANG_WHY = ("sglang does not run here: its PyPI release (0.5.23) is a CUDA bui
 
 ENGINES: dict[str, EngineSpec] = {
     "hf": EngineSpec(build=_build_hf, unavailable=lambda: None, no_effect=VLLM_ONLY_KEYS, images=lambda: None,
-                     kept_set=None),
+                     kept_set=None, grammar=None),
     "vllm": EngineSpec(build=_build_vllm, unavailable=_vllm_unavailable,
                        devices=lambda rollout: rollout.tensor_model_parallel_size,
                        devices_rule="rollout.tensor_model_parallel_size", notes=_vllm_notes, images=_vllm_images,
                        kept_set="vLLM 0.32 returns no kept set with its tokens (its processed log-probs are renormalised "
-                                "over one the trainer cannot see)"),
+                                "over one the trainer cannot see)",
+                       grammar="plait does not hand vLLM's structured outputs a grammar yet: serve with --engine hf"),
     "sglang": EngineSpec(build=_refused, unavailable=lambda: SGLANG_WHY),
 }

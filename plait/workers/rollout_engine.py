@@ -5,7 +5,9 @@ token per step for all rows until every row has hit an EOS id or `max_new_tokens
 `abort()` is called from another thread. Each sampled token comes with its log-prob under the
 distribution it was drawn from: softmax(logits / temperature), renormalised over the tokens top-k /
 top-p kept, and with that kept set (`Generation.kept`), so the trainer takes its log-probs over the
-same set (plait/workers/logprobs.py only_kept) and the ratio compares the policy that sampled.
+same set (plait/workers/logprobs.py only_kept) and the ratio compares the policy that sampled. A
+`SamplingParams.grammar` (plait serve's forced tool calls and JSON output, workers/grammar.py) masks, per row,
+the tokens its grammar does not allow before each draw.
 
 Where the time goes: with the small models plait trains on CPU, a decode step costs more in
 per-op Python and dispatch than in arithmetic, and HF's forward adds mask building, rotary
@@ -36,6 +38,7 @@ from transformers import DynamicCache, PreTrainedModel
 from plait.configtree import check
 from plait.models import load_causal_lm
 from plait.models_vl import is_vl, mask_logits, never_sampled, sequence_logprobs, vl_inputs
+from plait.workers.grammar import Grammar
 
 
 @dataclass
@@ -45,6 +48,7 @@ class SamplingParams:
     top_p: float = 1.0        # nucleus: keep the fewest tokens whose probability reaches top_p
     top_k: int = -1           # -1 or 0: off
     do_sample: bool = True    # False: greedy (argmax of the logits)
+    grammar: Grammar | None = None  # a decoding constraint (workers/grammar.py): every row writes what it allows
 
     def __post_init__(self):
         check(self.max_new_tokens >= 1, "max_new_tokens", self.max_new_tokens, "an integer >= 1")
@@ -109,8 +113,19 @@ class TransformersEngine:
                 on_forward(0)
             logits = stepper.prefill(ids, (real.cumsum(-1) - 1).clamp(min=0))  # [active, vocab]
             banned = never_sampled(self.model.config)                          # a VL model's image / video pads
+            grammar = params.grammar
+            matchers = None if grammar is None else [grammar.matcher() for _ in prompts]  # per output row
             for step in range(n):
-                tok, logp, kept = sample_tokens(mask_logits(logits.float(), banned), params, generator)  # [active] x2
+                scores = mask_logits(logits.float(), banned)                    # [active, vocab]
+                if matchers is not None:  # the draw and its log-prob are both over what the grammar allows
+                    live = [None if d else matchers[r] for r, d in zip(rows.tolist(), done.tolist())]
+                    ok = grammar.allowed(live, scores.shape[-1]).to(scores.device)
+                    scores = scores.masked_fill(~ok, float("-inf"))
+                tok, logp, kept = sample_tokens(scores, params, generator)  # [active] x2
+                if matchers is not None:
+                    for m, t in zip(live, tok.tolist()):
+                        if m is not None:
+                            m.consume_token(t)
                 tokens[rows, step] = tok.masked_fill(done, pad)
                 logprobs[rows, step] = logp.masked_fill(done, 0.0)
                 if kept is not None:

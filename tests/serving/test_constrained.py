@@ -1,0 +1,193 @@
+"""Forced tool calls and JSON answers (issue 55): `plait serve` (ModelServer over a random tiny model) honours OpenAI's
+tool_choice "required" / a named function and response_format json_object / json_schema, the Responses API's and
+Anthropic's forms, by grammar-constrained decoding (plait/workers/grammar.py), asked through the real SDKs; the
+engine's log-probs are under the grammar's allowed set; training sessions refuse the fields in one line."""
+
+import asyncio
+import json
+from typing import Literal
+
+import anthropic
+import jsonschema
+import openai
+import pytest
+import torch
+from gateway_helpers import served
+from pydantic import BaseModel
+
+from plait.config import RolloutConfig
+from plait.profiler.config import GlobalProfilerConfig, RoleProfilerConfig
+from plait.profiler.session import ProfilerSession
+from plait.serving.serve import ModelServer
+
+pytest.importorskip("llguidance")
+
+SMALL = {"type": "integer", "minimum": 0, "maximum": 99}  # bounded: a random model's numbers end
+TOOLS = [{"type": "function", "function": {"name": "add", "description": "Add two numbers.", "parameters": {
+             "type": "object", "properties": {"a": SMALL, "b": SMALL}, "required": ["a", "b"], "additionalProperties": False}}},
+         {"type": "function", "function": {"name": "greet", "parameters": {
+             "type": "object", "properties": {"word": {"enum": ["hi", "yo"]}, "loud": {"type": "boolean"}},
+             "required": ["word", "loud"], "additionalProperties": False}}},
+         {"type": "function", "function": {"name": "move", "parameters": {  # pydantic's shape: a nested model in $defs
+             "$defs": {"Point": {"type": "object", "properties": {"x": SMALL, "y": SMALL}, "required": ["x", "y"],
+                                 "additionalProperties": False}},
+             "type": "object", "properties": {"to": {"$ref": "#/$defs/Point"}}, "required": ["to"],
+             "additionalProperties": False}}}]
+PARAMS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+ANSWER = {"type": "object", "properties": {"answer": SMALL, "ok": {"type": "boolean"}, "unit": {"enum": ["m", "s"]}},
+          "required": ["answer", "ok", "unit"], "additionalProperties": False}
+ASK = [{"role": "user", "content": "2+3?"}]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    from plait.models import create_tiny_model
+    path = create_tiny_model(tmp_path_factory.mktemp("constrained") / "m", size="xs", seed=5)
+    profiler = ProfilerSession(GlobalProfilerConfig(), {"rollout": RoleProfilerConfig()}, rank=0).for_role("rollout")
+    s = ModelServer(path, RolloutConfig(name="hf"), profiler, name="tiny", max_tokens=200)
+    yield s
+    s.close()
+
+
+def check_call(name: str, arguments: str) -> None:
+    jsonschema.validate(json.loads(arguments), PARAMS[name])
+
+
+def test_openai_forced_calls_and_json_answers(server):
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+    r = client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, tool_choice="required", n=4)
+    for c in r.choices:
+        assert c.finish_reason == "tool_calls" and len(c.message.tool_calls) == 1, c
+        check_call(c.message.tool_calls[0].function.name, c.message.tool_calls[0].function.arguments)
+    for name in ("greet", "move"):
+        r = client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, n=3,
+                                           tool_choice={"type": "function", "function": {"name": name}})
+        assert [c.message.tool_calls[0].function.name for c in r.choices] == [name] * 3
+        for c in r.choices:
+            check_call(name, c.message.tool_calls[0].function.arguments)
+    # json_schema with tools offered (auto): the answer is the JSON or a call, never free text
+    for tools in ({}, {"tools": TOOLS}):
+        r = client.chat.completions.create(model="tiny", messages=ASK, n=4, **tools, response_format={
+            "type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER, "strict": True}})
+        for c in r.choices:
+            if c.message.tool_calls:
+                check_call(c.message.tool_calls[0].function.name, c.message.tool_calls[0].function.arguments)
+            else:
+                assert c.finish_reason == "stop", c
+                jsonschema.validate(json.loads(c.message.content), ANSWER)
+    r = client.chat.completions.create(model="tiny", messages=ASK, n=4, seed=3, response_format={"type": "json_object"})
+    finished = [c for c in r.choices if c.finish_reason == "stop"]
+    assert finished and all(isinstance(json.loads(c.message.content), dict) for c in finished)
+    stream = client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, tool_choice="required", stream=True)
+    calls = [d.function for chunk in stream for d in chunk.choices[0].delta.tool_calls or [] if chunk.choices]
+    assert len(calls) == 1
+    check_call(calls[0].name, calls[0].arguments)
+
+
+def test_responses_api_and_anthropic_forced_calls_and_json(server):
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+    tools = [{"type": "function", "name": t["function"]["name"], "parameters": t["function"]["parameters"]} for t in TOOLS]
+    r = client.responses.create(model="tiny", input="2+3?", tools=tools, tool_choice={"type": "function", "name": "add"})
+    [call] = r.output
+    assert call.type == "function_call" and call.name == "add"
+    check_call("add", call.arguments)
+    r = client.responses.create(model="tiny", input="2+3?", tools=tools, tool_choice="required")
+    assert [o.type for o in r.output] == ["function_call"]
+    r = client.responses.create(model="tiny", input="2+3?", text={"format": {"type": "json_schema", "name": "answer",
+                                                                             "schema": ANSWER, "strict": True}})
+    jsonschema.validate(json.loads(r.output_text), ANSWER)
+    assert r.text.format.type == "json_schema"
+    claude = anthropic.Anthropic(base_url=server.url, api_key="x", max_retries=0)
+    atools = [{"name": n, "input_schema": p} for n, p in PARAMS.items()]
+    for choice, names in (({"type": "any"}, set(PARAMS)), ({"type": "tool", "name": "greet"}, {"greet"})):
+        for _ in range(2):
+            m = claude.messages.create(model="tiny", max_tokens=200, messages=ASK, tools=atools, tool_choice=choice)
+            [use] = m.content
+            assert m.stop_reason == "tool_use" and use.type == "tool_use" and use.name in names, m
+            jsonschema.validate(use.input, PARAMS[use.name])
+
+
+def test_what_cannot_be_forced_is_a_400_naming_the_field(server):
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+    lookbehind = {"type": "object", "properties": {"a": {"type": "string", "pattern": "(?<=x)y"}}}
+    cases = [(dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}}), "tool_choice", "add, greet, move"),
+             (dict(tool_choice="required"), "tool_choice", "offered are: none"),
+             (dict(response_format={"type": "json_schema", "json_schema": {"name": "x"}}), "response_format", "schema"),
+             (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": lookbehind}}),
+              "response_format", "cannot be compiled")]
+    for kwargs, param, said in cases:
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(model="tiny", messages=ASK, **kwargs)
+        assert err.value.body["param"] == param and said in err.value.body["message"], (kwargs, err.value.body)
+    with pytest.raises(anthropic.BadRequestError) as err:
+        anthropic.Anthropic(base_url=server.url, api_key="x", max_retries=0).messages.create(
+            model="tiny", max_tokens=10, messages=ASK, tool_choice={"type": "tool"},
+            tools=[{"name": "add", "input_schema": PARAMS["add"]}])
+    assert "tool_choice" in err.value.message
+
+
+def test_training_sessions_refuse_constraints_in_one_line(tokenizer):
+    """Through the gateway the trainer's log-probs do not take the grammar's mask: a constrained turn would train
+    another distribution than the one sampled, so sessions refuse (docs/agents.md)."""
+    with served(tokenizer, plain=False) as (gateway, url, _e, queue):
+        session = gateway.open("row 0", queue.generate, {"temperature": 1.0}, 256, 200)
+        client = openai.OpenAI(base_url=url + "/v1", api_key=session.id, max_retries=0)
+        for kwargs, param in ((dict(tools=TOOLS, tool_choice="required"), "tool_choice"),
+                              (dict(response_format={"type": "json_object"}), "response_format")):
+            with pytest.raises(openai.BadRequestError) as err:
+                client.chat.completions.create(model="tiny", messages=ASK, **kwargs)
+            assert err.value.body["param"] == param and "while plait trains" in err.value.body["message"]
+        assert not session.trajectories()
+
+
+def test_the_engine_samples_and_scores_over_the_allowed_set(server):
+    """Each token is one the grammar allows, and its log-prob is log_softmax over the allowed set, recomputed here by
+    replaying the grammar over the sampled tokens and one forward pass (what a trainer would have to do)."""
+    from plait.serving.protocol import ChatRequest, Constraint
+    from plait.workers.rollout_engine import SamplingParams
+    gateway, engine = server.gateway, server.rollout.engine
+    grammar = gateway.grammar(ChatRequest(messages=[], constraint=Constraint("response_format", json=ANSWER)))["grammar"]
+    prompt = gateway.tokenizer.encode("2+3?")
+    gen = engine.generate([prompt] * 3, SamplingParams(max_new_tokens=60, grammar=grammar),
+                          generator=torch.Generator().manual_seed(0))
+    for row in range(3):
+        n = int(gen.response_mask[row].sum())
+        ids = gen.responses[row, :n].tolist()
+        matcher, masks = grammar.matcher(), []
+        for t in ids:
+            masks.append(grammar.allowed([matcher], engine.model.config.vocab_size)[0])
+            assert matcher.consume_token(t), (row, ids)
+        assert ids[-1] in server.rollout.eos_ids and matcher.is_stopped()
+        with torch.no_grad():
+            logits = engine.model(torch.tensor([prompt + ids])).logits[0, len(prompt) - 1:-1].float()  # [n, vocab]
+        logp = logits.masked_fill(~torch.stack(masks), float("-inf")).log_softmax(-1)
+        expected = logp.gather(-1, torch.tensor(ids)[:, None])[:, 0]
+        assert torch.allclose(gen.logprobs[row, :n], expected, atol=1e-5), (gen.logprobs[row, :n] - expected).abs().max()
+
+
+class Verdict(BaseModel):  # an agent's structured output: bounded fields, so a random model's answer ends
+    ok: bool
+    unit: Literal["m", "s"]
+
+
+def test_openai_agents_output_type_on_plait_serve(server):
+    """openai-agents' default model on the Responses API: output_type sends text.format json_schema."""
+    from agents import Agent, OpenAIResponsesModel, Runner, set_tracing_disabled
+    set_tracing_disabled(True)
+    client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+    agent = Agent(name="judge", instructions="Answer.", model=OpenAIResponsesModel("tiny", client), output_type=Verdict)
+
+    async def twice():  # one loop: the client's connections belong to it
+        return [(await Runner.run(agent, "2+3?")).final_output for _ in range(2)]
+    assert all(isinstance(out, Verdict) for out in asyncio.run(twice()))
+
+
+def test_pydantic_ai_output_type_on_plait_serve(server):
+    """pydantic-ai's output_type (a forced call of its output tool) on chat completions and the Responses API."""
+    pydantic_ai = pytest.importorskip("pydantic_ai")
+    from pydantic_ai.models.openai import OpenAIChatModel, OpenAIResponsesModel
+    from pydantic_ai.providers.openai import OpenAIProvider
+    for model in (OpenAIChatModel, OpenAIResponsesModel):
+        provider = OpenAIProvider(base_url=server.url + "/v1", api_key="none")
+        agent = pydantic_ai.Agent(model("tiny", provider=provider), output_type=Verdict)
+        assert isinstance(agent.run_sync("2+3?").output, Verdict)

@@ -1,4 +1,4 @@
-"""glibc's malloc as it comes vs plait's tuning (plait/workers/allocator.py: freed memory kept), on
+"""glibc's malloc as it comes vs plait's tuning (plait/allocator.py: freed memory kept), on
 the SmolLM2 GSM8K preset's first steps.
 
 Each pair runs `plait train --config smollm2_gsm8k` for --steps steps (no validation) twice, the
@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from machine import capability, measured, verdict, wait_quiet
-from plait.workers.allocator import malloc_setting
+from plait.allocator import malloc_setting
 
 ROOT = Path(__file__).resolve().parent.parent
 PRESET_THREADS = 2  # the smollm2_gsm8k preset's trainer.num_threads

@@ -35,7 +35,7 @@ from plait.config import ActorConfig, OptimConfig
 from plait.profiler import GlobalProfilerConfig, ProfilerSession, RoleProfilerConfig
 from plait.types import RolloutBatch
 from plait.workers.actor import Actor
-from plait.workers.allocator import keep_freed_memory
+from plait.allocator import keep_freed_memory
 from plait.workers.packing import seqlen_metrics
 
 

@@ -4,7 +4,7 @@ One plait.workers.actor.Actor.update (forward, backward, AdamW step) on 16 rows 
 GSM8K preset's (prompts 8-120 tokens, log-normal responses around 90 of at most 128 tokens; the
 token budget puts them in one micro-batch), after two warm-up updates (the optimizer's state and
 the heap reach their size; freed memory is kept, as `plait train` does on CPU:
-plait/workers/allocator.py). The profiler's self CPU time per op is summed into: matmuls
+plait/allocator.py). The profiler's self CPU time per op is summed into: matmuls
 (aten::mm/addmm/bmm, split into the LM head's and the body's by the vocabulary in their shapes),
 attention (the SDPA kernels), the casts (aten::copy_/_to_copy), the optimizer (AdamW, the gradient
 norm) and everything else (norms, activations, rotary, the log-softmax's passes, Python between
@@ -31,7 +31,7 @@ from plait.config import ActorConfig, OptimConfig
 from plait.models import smollm2_dir
 from plait.profiler import GlobalProfilerConfig, ProfilerSession, RoleProfilerConfig
 from plait.workers.actor import Actor
-from plait.workers.allocator import keep_freed_memory
+from plait.allocator import keep_freed_memory
 
 
 def category(name: str, shapes: list, vocab: int) -> str:

@@ -34,7 +34,7 @@ from plait.trainers.checkpoint import checkpoint_callback_class, checkpoint_step
 from plait.trainers.lifecycle import Lifecycle, LifecycleConfig
 from plait.trainers.sampler import sampler_class
 from plait.trainers.tracking import Tracker
-from plait.workers.allocator import keep_freed_memory
+from plait.allocator import keep_freed_memory
 
 log = logging.getLogger("plait")
 

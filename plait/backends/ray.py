@@ -59,7 +59,7 @@ from plait.configtree import ConfigError
 from plait.errors import EngineDied, RunError
 from plait.profiler.config import ROLE_KEYS
 from plait.profiler.timeline import TIMELINE
-from plait.workers.allocator import keep_freed_memory
+from plait.allocator import keep_freed_memory
 from plait.workers.engine import ENGINES
 
 DATA_PARALLEL_ROLES = ("actor", "critic", "ref", "reward_model", "teacher")

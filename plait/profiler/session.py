@@ -33,7 +33,7 @@ from plait.profiler.config import (ROLE_KEYS, ROLE_ORDER, SCHEDULED_ROLES, TOKEN
                                    RoleProfilerConfig)
 from plait.profiler.naming import artifact_path, oom_path, temp_name
 from plait.profiler.timeline import NULL_SPAN, RANK_SPANS
-from plait.workers.allocator import give_back_freed_memory
+from plait.allocator import give_back_freed_memory
 from plait.profiler.tools import make_tool
 
 log = logging.getLogger("plait.profiler")

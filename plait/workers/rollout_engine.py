@@ -94,14 +94,8 @@ class TransformersEngine:
         self._abort.clear()  # an abort() while idle must not cut the next call short
         device, n, pad = self.model.device, params.max_new_tokens, self.pad_token_id
         with torch.inference_mode():
-            width = max(len(p) for p in prompts)
-            ids = torch.tensor([[pad] * (width - len(p)) + list(p) for p in prompts], device=device)  # [batch, width]
-            real = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
-            if is_vl(self.model.config):
-                stepper = _VLStepper(self.model, real, width + n, multi_modal or [{}] * len(prompts))
-            else:
-                stepper = (_LlamaStepper if _is_llama_layout(self.model.config) else _HFStepper)(
-                    self.model, real, width + n)
+            ids, real = left_padded(prompts, pad, device)                    # [batch, width] x2
+            stepper = self._stepper(real, ids.shape[1] + n, multi_modal)
             eos = torch.tensor(self.eos_token_ids, dtype=torch.long, device=device)
             prompt_len = real.sum(-1)                                        # [active]
             tokens = torch.full((len(prompts), n), pad, device=device)       # [batch, n]
@@ -113,19 +107,14 @@ class TransformersEngine:
                 on_forward(0)
             logits = stepper.prefill(ids, (real.cumsum(-1) - 1).clamp(min=0))  # [active, vocab]
             banned = never_sampled(self.model.config)                          # a VL model's image / video pads
-            grammar = params.grammar
-            matchers = None if grammar is None else [grammar.matcher() for _ in prompts]  # per output row
+            constrained = None if params.grammar is None else _Constrained(params.grammar, len(prompts))
             for step in range(n):
                 scores = mask_logits(logits.float(), banned)                    # [active, vocab]
-                if matchers is not None:  # the draw and its log-prob are both over what the grammar allows
-                    live = [None if d else matchers[r] for r, d in zip(rows.tolist(), done.tolist())]
-                    ok = grammar.allowed(live, scores.shape[-1]).to(scores.device)
-                    scores = scores.masked_fill(~ok, float("-inf"))
+                if constrained is not None:  # the draw and its log-prob are both over what the grammar allows
+                    scores = constrained.mask(scores, rows, done)
                 tok, logp, kept = sample_tokens(scores, params, generator)  # [active] x2
-                if matchers is not None:
-                    for m, t in zip(live, tok.tolist()):
-                        if m is not None:
-                            m.consume_token(t)
+                if constrained is not None:
+                    constrained.consume(tok)
                 tokens[rows, step] = tok.masked_fill(done, pad)
                 logprobs[rows, step] = logp.masked_fill(done, 0.0)
                 if kept is not None:
@@ -152,6 +141,12 @@ class TransformersEngine:
         # the trainer feeds these responses to forwards that need grad.
         return Generation(responses=tokens.clone(), response_mask=mask.float(), logprobs=logprobs.clone(),
                           stop_reasons=stop_reasons, kept=None if kept is None else kept.clone())
+
+    def _stepper(self, real: torch.Tensor, length: int, multi_modal: list[dict] | None):
+        """The decoder of one generate: plait's own for Llama-layout models, the VL model's, else transformers'."""
+        if is_vl(self.model.config):
+            return _VLStepper(self.model, real, length, multi_modal or [{}] * len(real))
+        return (_LlamaStepper if _is_llama_layout(self.model.config) else _HFStepper)(self.model, real, length)
 
     def load_weights(self, state_dict: dict[str, torch.Tensor], share: bool = False) -> None:
         """Copy tensors into the model in place; names as in model.state_dict(). Tied weights share
@@ -224,6 +219,32 @@ def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tenso
     u = 1 - torch.rand(len(cdf), 1, generator=generator,
                        device=generator.device if generator is not None else cdf.device)
     return torch.searchsorted(cdf, u.to(cdf.device) * cdf[:, -1:])           # [batch, 1]
+
+
+def left_padded(prompts: list[list[int]], pad: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, real) [batch, width]: the prompts left-padded to the longest, and 1 where a token is the prompt's."""
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad] * (width - len(p)) + list(p) for p in prompts], device=device)
+    real = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+    return ids, real
+
+
+class _Constrained:
+    """A grammar's matchers over one generate, one per output row: the allowed tokens before each draw (rows
+    already done draw freely: their tokens are padding), then the drawn tokens consumed."""
+
+    def __init__(self, grammar, rows: int):
+        self.grammar, self.matchers, self.live = grammar, [grammar.matcher() for _ in range(rows)], []
+
+    def mask(self, scores: torch.Tensor, rows: torch.Tensor, done: torch.Tensor) -> torch.Tensor:
+        self.live = [None if d else self.matchers[r] for r, d in zip(rows.tolist(), done.tolist())]
+        allowed = self.grammar.allowed(self.live, scores.shape[-1]).to(scores.device)
+        return scores.masked_fill(~allowed, float("-inf"))
+
+    def consume(self, tokens: torch.Tensor) -> None:
+        for matcher, token in zip(self.live, tokens.tolist()):
+            if matcher is not None:
+                matcher.consume_token(token)
 
 
 def _stack_kept(steps: list, shape: torch.Size) -> torch.Tensor:

@@ -42,7 +42,7 @@ def test_stage_peaks_nest_and_see_a_planted_allocation():
     if peaks.cuda:
         planted = torch.ones(size // 4, device=device)
         del planted
-    else:  # fresh pages from the kernel: malloc keeps freed memory (plait/workers/allocator.py) and may reuse it unseen
+    else:  # fresh pages from the kernel: malloc keeps freed memory (plait/allocator.py) and may reuse it unseen
         with mmap.mmap(-1, size) as planted:
             for page in range(0, size, mmap.PAGESIZE):
                 planted[page] = 1

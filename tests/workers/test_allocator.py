@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from plait.workers.allocator import malloc_setting
+from plait.allocator import malloc_setting
 
 pytestmark = pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc",
                                 reason="glibc's malloc only")
@@ -17,7 +17,7 @@ PAGES = (2 ** 27 + 2 ** 25) // 4096  # a step's 128 + 32 MiB of tensors, in 4 Ki
 
 SCRIPT = """
 import resource, sys, torch
-from plait.workers.allocator import keep_freed_memory
+from plait.allocator import keep_freed_memory
 tuned = keep_freed_memory() if sys.argv[1] == "keep" else False
 def step():  # a step's large temporaries: allocated, every page written, freed
     x, y = torch.ones(2 ** 25), torch.ones(2 ** 23)
@@ -62,7 +62,7 @@ def test_a_users_malloc_tuning_is_left_alone():
 
 GIVE_BACK = """
 import sys, torch
-from plait.workers.allocator import give_back_freed_memory, keep_freed_memory
+from plait.allocator import give_back_freed_memory, keep_freed_memory
 def rss_mib():
     return int(open("/proc/self/statm").read().split()[1]) * 4096 // 2 ** 20
 assert keep_freed_memory()

@@ -186,7 +186,7 @@ def process_peak(records: list[dict], profiled: Collection[int] = ()) -> dict | 
     recording (torch_memory's allocation records, a trace's events) holds memory the run without it never
     would. A window peak above the run's is kept beside it as `window` ({gb, stage, step}); a run profiled on
     every step gets its windows' peak, marked `profiled`. What a window frees can stay resident after it (the
-    heap keeps freed memory: workers/allocator.py gives it back as the window closes, not all of it), so a
+    heap keeps freed memory: plait/allocator.py gives it back as the window closes, not all of it), so a
     peak after the first window above the one before it keeps that one beside it as `before_windows`."""
     best = _highest([r for r in records if r.get("step") not in profiled])
     inside = _highest([r for r in records if r.get("step") in profiled])

@@ -3,6 +3,7 @@ the head, 127.0.0.2 the second node), each with its own custom resource; `plait 
 the pools (train, the rollout's own, the reward model's own) land where `trainer.ray.pool_resources`
 says, each role saying where in one line."""
 
+import contextlib
 import json
 import os
 import re
@@ -32,34 +33,41 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture
-def two_nodes():
-    """Both `ray start --block` processes stop their own Ray processes on SIGTERM (never `ray stop`,
+@contextlib.contextmanager
+def ray_nodes(resources: dict[str, str]):
+    """A `ray start --block` process per node, the first the head, each on its loopback address with its custom
+    resources: (the head's address, {ip: process}). Each stops its own Ray processes on SIGTERM (never `ray stop`,
     which would stop every Ray on the machine)."""
-    port, temp = free_port(), tempfile.mkdtemp(prefix="plait-2n-")  # short: Ray's socket paths are limited
+    port, temp = free_port(), tempfile.mkdtemp(prefix="plait-nodes-")  # short: Ray's socket paths are limited
+    head = next(iter(resources))
     common = ["--block", "--num-cpus=2", "--disable-usage-stats", "--object-store-memory=200000000"]
-    nodes = [("head", ["--head", "--node-ip-address=127.0.0.3", f"--port={port}", "--include-dashboard=false",
-                       '--resources={"train_node": 4}']),
-             ("second", [f"--address=127.0.0.3:{port}", "--node-ip-address=127.0.0.2", '--resources={"gen_node": 4}'])]
-    procs = []
+    procs = {}
     try:
-        for name, args in nodes:
-            with open(os.path.join(temp, f"{name}.log"), "w") as log:
+        for ip, resource in resources.items():
+            role = ["--head", f"--port={port}", "--include-dashboard=false"] if ip == head else [f"--address={head}:{port}"]
+            with open(os.path.join(temp, f"{ip}.log"), "w") as log:
                 # A temp dir per node: two raylets of one machine must not share socket paths.
-                procs.append(subprocess.Popen([os.path.join(os.path.dirname(sys.executable), "ray"), "start", *args,
-                                               *common, f"--temp-dir={temp}/{name}"],
-                                              stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                              env=CLUSTER_ENV))
-        yield f"127.0.0.3:{port}"
+                procs[ip] = subprocess.Popen([os.path.join(os.path.dirname(sys.executable), "ray"), "start", *role,
+                                              f"--node-ip-address={ip}", f'--resources={{"{resource}": 4}}', *common,
+                                              f"--temp-dir={temp}/{ip}"],
+                                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=CLUSTER_ENV)
+        yield f"{head}:{port}", procs
     finally:
-        for p in reversed(procs):
-            p.send_signal(signal.SIGTERM)
-        for p in procs:
+        for p in reversed(list(procs.values())):
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in procs.values():
             try:
                 p.wait(60)
             except subprocess.TimeoutExpired:
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
+
+
+@pytest.fixture
+def two_nodes():
+    with ray_nodes({"127.0.0.3": "train_node", "127.0.0.2": "gen_node"}) as (address, _):
+        yield address
 
 
 def test_roles_land_on_the_nodes_the_config_names(two_nodes, tmp_path):
@@ -93,30 +101,9 @@ def test_roles_land_on_the_nodes_the_config_names(two_nodes, tmp_path):
 
 @pytest.fixture
 def three_nodes():
-    """A head for the train pool and two nodes that can each hold the rollout: (address, {ip: `ray start` process})."""
-    port, temp = free_port(), tempfile.mkdtemp(prefix="plait-3n-")
-    common = ["--block", "--num-cpus=2", "--disable-usage-stats", "--object-store-memory=200000000"]
-    nodes = [("127.0.0.3", ["--head", f"--port={port}", "--include-dashboard=false", '--resources={"train_node": 4}']),
-             ("127.0.0.2", [f"--address=127.0.0.3:{port}", '--resources={"gen_node": 4}']),
-             ("127.0.0.4", [f"--address=127.0.0.3:{port}", '--resources={"gen_node": 4}'])]
-    procs = {}
-    try:
-        for ip, args in nodes:
-            with open(os.path.join(temp, f"{ip}.log"), "w") as log:
-                procs[ip] = subprocess.Popen([os.path.join(os.path.dirname(sys.executable), "ray"), "start", *args,
-                                              f"--node-ip-address={ip}", *common, f"--temp-dir={temp}/{ip}"],
-                                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=CLUSTER_ENV)
-        yield f"127.0.0.3:{port}", procs
-    finally:
-        for p in reversed(list(procs.values())):
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in procs.values():
-            try:
-                p.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
+    """A head for the train pool and two nodes that can each hold the rollout."""
+    with ray_nodes({"127.0.0.3": "train_node", "127.0.0.2": "gen_node", "127.0.0.4": "gen_node"}) as nodes:
+        yield nodes
 
 
 def test_a_node_lost_mid_run_is_one_line_and_the_run_goes_on_on_the_nodes_left(three_nodes, tmp_path):

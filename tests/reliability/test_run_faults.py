@@ -61,17 +61,23 @@ def _hold(out, ready_w):
 
 @pytest.mark.parametrize("sigs, code", [((signal.SIGTERM, signal.SIGTERM), 143), ((signal.SIGINT,), 130),
                                          ((signal.SIGTERM, signal.SIGINT), 130)])
-def test_a_signal_mid_run_exits_128_plus_signum_and_leaves_nothing_partial(tmp_path, tiny_config, sigs, code):
-    """SIGINT, or a second SIGTERM while the first waits for the step to end: at once, nothing partial."""
+def test_a_signal_mid_run_exits_128_plus_signum_and_leaves_nothing_partial(tmp_path, tiny_config, capfd, sigs, code):
+    """SIGINT, or a second SIGTERM while the first waits for the step to end: at once, nothing partial. The second
+    is sent once the first was handled (two SIGTERMs before the main thread runs Python are one to its handler),
+    and the rewards take 0.3 s a step, so that it comes while the step is under way."""
+    reward = tmp_path / "slow.py"
+    reward.write_text("import time\ndef compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                      "    time.sleep(0.02)\n    return 0.0\n")
     config = config_file(tmp_path, tiny_config, "trainer.total_training_steps=200", "trainer.save_freq=1",
-                         "trainer.test_freq=-1")
+                         "trainer.test_freq=-1", f"custom_reward_function.path={reward}", "reward.num_workers=0")
     pid = fork(lambda: cli.main(["train", "--no-progress", "--config", config]))
     metrics = tmp_path / "out" / "metrics.jsonl"
     while not (metrics.exists() and len(read_metrics(metrics)) >= 2):
         time.sleep(0.05)
-    for sig in sigs:
+    for k, sig in enumerate(sigs):
         os.kill(pid, sig)
-        time.sleep(0.01)
+        while k < len(sigs) - 1 and "plait: SIGTERM: finishing this step" not in capfd.readouterr().err:
+            time.sleep(0.005)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == code
     ckpts = os.listdir(tmp_path / "out" / "checkpoints")

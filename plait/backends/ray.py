@@ -28,8 +28,9 @@ A worker that dies or raises fails the whole group at once: the first error is r
 driver as one `WorkerError`, open profiler windows on the surviving hosts are closed (their
 records handed to the driver's profiler), every host is killed (a surviving rank may be blocked
 in a collective) and a Ray instance plait started is shut down. Except on a pool that holds one role alone (the
-separated rollout's, the reward pool of a reward model or judge): its process's death is an EngineDied, which the
-trainer repairs with `RayWorkerGroup.recover` (fresh processes for the pool) and a re-issued call.
+separated rollout's, the reward pool of a reward model or judge, the teachers' pool): its process's death is an
+EngineDied, which the trainer repairs with `RayWorkerGroup.recover` (fresh processes for the pool) and a
+re-issued call.
 
 Left out: data-parallel generation (one rollout engine, so a rollout pool spans one node), pools for
 the critic or ref apart from the actor's, and actor restarts.
@@ -486,9 +487,10 @@ class RayBackend:
 
     def respawn(self, group: "RayWorkerGroup") -> None:
         """Fresh worker processes for a role on a pool of its own (the separated rollout, the reward model or judge
-        with reward.reward_model.enable_resource_pool) one of whose processes died: every rank's, in the same
-        bundles, joined into a new torch.distributed world where the pool is data-parallel, the role object built
-        again from the same arguments; the weight channel reopens at the next sync."""
+        with reward.reward_model.enable_resource_pool, the teachers with distillation.nnodes > 0) one of whose
+        processes died: every rank's, in the same bundles, joined into a new torch.distributed world where the
+        pool is data-parallel, the role object built again from the same arguments; the weight channel reopens at
+        the next sync."""
         self.check_up()  # not after another call's failure shut the backend down: that failure is the error
         pool = pool_of(group.role, self.own_pools)
         old = group.hosts
@@ -527,8 +529,9 @@ class RayBackend:
         payload = ray.put((args, kwargs))
         pids = self.gather([h.construct.remote(role, cls, payload) for h in hosts], f"{role} worker", f"{cls.__name__}()")
         print(f"plait: {self.placement_line(role, hosts)}", file=sys.stderr)
-        # the separated rollout's pool, and the reward pool, hold this role alone: a death there is the role's only
-        own_pool = hosts[0] is not self.pools["train"][0] and pool_of(role, self.own_pools) in ("rollout", "reward")
+        # the separated rollout's pool, the reward pool and the teacher pool hold this role alone: a death there is
+        # the role's only (the rest of the run is whole)
+        own_pool = hosts[0] is not self.pools["train"][0] and pool_of(role, self.own_pools) in ("rollout", "reward", "teacher")
         return RayWorkerGroup(self, role, hosts, pids, cls, payload, own_pool)
 
     def placement_line(self, role: str, hosts: list) -> str:

@@ -604,15 +604,16 @@ class RayBackend:
             except RayTaskError as err:
                 if isinstance(err.cause, EngineDied):
                     raise EngineDied(str(err.cause)) from None
-                rank, err = self._dead_peer(pending, rank_of) or (rank_of[ready], err)
+                dead = self._dead_peer(pending, rank_of)
+                if dead is not None and group is not None and group.own_pool:  # a peer's death failed its collective
+                    raise self._gone(group, who, *dead, what) from None
+                rank, err = dead or (rank_of[ready], err)
                 raise self._fail(who, rank, what, err) from None
             except RayActorError as err:
                 if self.failed is not None:  # killed by the shutdown after another call's failure: that one
                     raise self.failed from None
                 if group is not None and group.own_pool:  # its process alone: the rest of the run is whole
-                    group.gone = True
-                    self._log(who, rank_of[ready], what, err)
-                    raise EngineDied(f"its Ray worker process died during {what}; details in {self.error_log}") from None
+                    raise self._gone(group, who, rank_of[ready], err, what) from None
                 raise self._fail(who, rank_of[ready], what, err) from None
             except RayError as err:
                 raise self._fail(who, rank_of[ready], what, err) from None
@@ -621,6 +622,12 @@ class RayBackend:
                 value = value.out
             out[rank_of[ready]] = value
         return out
+
+    def _gone(self, group: "RayWorkerGroup", who: str, rank: int, err: RayActorError, what: str) -> EngineDied:
+        """A process died on a pool that holds `group`'s role alone: the role is repaired (`recover`), the run goes on."""
+        group.gone = True
+        self._log(who, rank, what, err)
+        return EngineDied(f"its Ray worker process died during {what}; details in {self.error_log}")
 
     def _dead_peer(self, pending: list, rank_of: dict) -> Optional[tuple[int, RayActorError]]:
         """A rank that died, among the calls still pending, within a short grace. When one rank is killed

@@ -188,11 +188,12 @@ def test_a_truncated_teacher_is_one_line_naming_its_key(tmp_path, tiny_config, c
 
 
 @pytest.mark.ray
+@pytest.mark.parametrize("workers", [1, 2])
 def test_the_teachers_ray_worker_killed_is_restarted_once_a_step_and_the_run_completes(tmp_path, tiny_config, teacher,
-                                                                                      capfd):
-    """The teacher on a pool of its own (distillation.nnodes=1): its worker process killed as steps 2 and 3 learn
-    comes back on a new process, the teacher log-prob call is re-issued there, and the run completes; each restart
-    is counted and said once."""
+                                                                                      capfd, workers):
+    """The teacher on a pool of its own (distillation.nnodes=1): its rank-0 worker process killed as steps 2 and 3
+    learn comes back on a new process (two workers: both, in a new torch.distributed world of their own), the teacher
+    log-prob call is re-issued there, and the run completes; each restart is counted and said once."""
     import os
     import signal
 
@@ -200,7 +201,7 @@ def test_the_teachers_ray_worker_killed_is_restarted_once_a_step_and_the_run_com
     os.environ.update(LEAN_RAY_ENV)
     cfg = tiny_config(tmp_path / "run", *on(teacher, "trainer.backend=ray", "trainer.ray.num_cpu_workers=1",
                                             "trainer.ray.cpus_per_worker=0.5", "distillation.nnodes=1",
-                                            "distillation.n_gpus_per_node=1", "trainer.total_training_steps=3",
+                                            f"distillation.n_gpus_per_node={workers}", "trainer.total_training_steps=3",
                                             "distillation.teacher_models.teacher_model.inference.tensor_model_parallel_size=1"))
     lifecycle = driver.build(cfg, progress=False)
     trainer, killed = lifecycle.trainer, []

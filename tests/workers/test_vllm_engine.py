@@ -80,10 +80,13 @@ def test_top_k_top_p_return_the_kept_set_their_log_probs_are_over(engine, model_
     for top_k, top_p in ((3, 1.0), (6, 0.5)):
         out = engine.generate(PROMPTS, SamplingParams(max_new_tokens=8, temperature=0.7, top_k=top_k, top_p=top_p),
                               torch.Generator().manual_seed(0))
+        sizes = (out.kept >= 0).sum(-1)[out.response_mask.bool()]                  # [tokens]
+        if top_p == 1:
+            assert (sizes == top_k).all()                                          # top-k alone keeps k ids
+        else:
+            assert (sizes >= 1).all() and (sizes <= top_k).all() and (sizes < top_k).any()  # top-p cuts inside top-k
         for row, (prompt, (tokens, logp)) in enumerate(zip(PROMPTS, rows(out))):
             kept = out.kept[row, :len(tokens)]                                     # [len, k]
-            sizes = (kept >= 0).sum(-1)
-            assert (sizes == top_k).all() if top_p == 1 else ((sizes >= 1) & (sizes <= top_k)).all() and (sizes < top_k).any()
             assert (kept == torch.tensor(tokens)[:, None]).any(-1).all()           # the sampled token is in its set
             with torch.no_grad():
                 logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1].float() / 0.7

@@ -505,8 +505,8 @@ class RolloutConfig:
 def check_kept_set(r: RolloutConfig, mode: str, agent_loops: bool) -> None:
     """Top-k / top-p sample from a kept set, and the trainer must take its log-probs over that same set, or it
     trains another distribution than the one sampled (the ratio's mean would be the kept mass). Where the set
-    cannot reach the trainer the key is refused: plait's engine returns it on its generate path; vLLM's and the
-    agent loops' (multi-turn, the gateway, rows naming a loop) do not carry it yet. `agent_loops`: the run's
+    cannot reach the trainer the key is refused: both engines return it on their generate path; the agent loops
+    (multi-turn, the gateway, rows naming a loop) do not carry it yet. `agent_loops`: the run's
     rows run agent loops (the config's keys, or build's look at the data)."""
     if not MODES[mode].lm or not r.do_sample or r.temperature == 0 or (r.top_p == 1 and r.top_k <= 0):
         return
@@ -515,8 +515,8 @@ def check_kept_set(r: RolloutConfig, mode: str, agent_loops: bool) -> None:
                                        "the kept set to the trainer yet" if agent_loops else None)
     check(why is None, f"actor_rollout_ref.rollout.{key}", value,
           f"{'1' if key == 'top_p' else '-1'} with rollout.name={r.name}{' and agent loops' if agent_loops else ''}: "
-          f"the trainer takes its log-probs over the set top-k / top-p kept, and {why} (rollout.name=hf on plain "
-          "generation carries it; val_kwargs may filter freely)")
+          f"the trainer takes its log-probs over the set top-k / top-p kept, and {why} (plain generation carries it; "
+          "val_kwargs may filter freely)")
 
 
 def torch_cuda_count() -> int:

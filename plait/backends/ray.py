@@ -28,8 +28,9 @@ A worker that dies or raises fails the whole group at once: the first error is r
 driver as one `WorkerError`, open profiler windows on the surviving hosts are closed (their
 records handed to the driver's profiler), every host is killed (a surviving rank may be blocked
 in a collective) and a Ray instance plait started is shut down. Except on a pool that holds one role alone (the
-separated rollout's, the reward pool of a reward model or judge): its process's death is an EngineDied, which the
-trainer repairs with `RayWorkerGroup.recover` (fresh processes for the pool) and a re-issued call.
+separated rollout's, the reward pool of a reward model or judge, the teachers' pool): its process's death is an
+EngineDied, which the trainer repairs with `RayWorkerGroup.recover` (fresh processes for the pool) and a
+re-issued call.
 
 Left out: data-parallel generation (one rollout engine, so a rollout pool spans one node), pools for
 the critic or ref apart from the actor's, and actor restarts.
@@ -489,9 +490,10 @@ class RayBackend:
 
     def respawn(self, group: "RayWorkerGroup") -> None:
         """Fresh worker processes for a role on a pool of its own (the separated rollout, the reward model or judge
-        with reward.reward_model.enable_resource_pool) one of whose processes died: every rank's, in the same
-        bundles, joined into a new torch.distributed world where the pool is data-parallel, the role object built
-        again from the same arguments; the weight channel reopens at the next sync."""
+        with reward.reward_model.enable_resource_pool, the teachers with distillation.nnodes > 0) one of whose
+        processes died: every rank's, in the same bundles, joined into a new torch.distributed world where the
+        pool is data-parallel, the role object built again from the same arguments; the weight channel reopens at
+        the next sync."""
         self.check_up()  # not after another call's failure shut the backend down: that failure is the error
         pool = pool_of(group.role, self.own_pools)
         old = group.hosts
@@ -530,8 +532,9 @@ class RayBackend:
         payload = ray.put((args, kwargs))
         pids = self.gather([h.construct.remote(role, cls, payload) for h in hosts], f"{role} worker", f"{cls.__name__}()")
         print(f"plait: {self.placement_line(role, hosts)}", file=sys.stderr)
-        # the separated rollout's pool, and the reward pool, hold this role alone: a death there is the role's only
-        own_pool = hosts[0] is not self.pools["train"][0] and pool_of(role, self.own_pools) in ("rollout", "reward")
+        # the separated rollout's pool, the reward pool and the teacher pool hold this role alone: a death there is
+        # the role's only (the rest of the run is whole)
+        own_pool = hosts[0] is not self.pools["train"][0] and pool_of(role, self.own_pools) in ("rollout", "reward", "teacher")
         return RayWorkerGroup(self, role, hosts, pids, cls, payload, own_pool)
 
     def placement_line(self, role: str, hosts: list) -> str:
@@ -604,15 +607,16 @@ class RayBackend:
             except RayTaskError as err:
                 if isinstance(err.cause, EngineDied):
                     raise EngineDied(str(err.cause)) from None
-                rank, err = self._dead_peer(pending, rank_of) or (rank_of[ready], err)
+                dead = self._dead_peer(pending, rank_of)
+                if dead is not None and group is not None and group.own_pool:  # a peer's death failed its collective
+                    raise self._gone(group, who, *dead, what) from None
+                rank, err = dead or (rank_of[ready], err)
                 raise self._fail(who, rank, what, err) from None
             except RayActorError as err:
                 if self.failed is not None:  # killed by the shutdown after another call's failure: that one
                     raise self.failed from None
                 if group is not None and group.own_pool:  # its process alone: the rest of the run is whole
-                    group.gone = True
-                    self._log(who, rank_of[ready], what, err)
-                    raise EngineDied(f"its Ray worker process died during {what}; details in {self.error_log}") from None
+                    raise self._gone(group, who, rank_of[ready], err, what) from None
                 raise self._fail(who, rank_of[ready], what, err) from None
             except RayError as err:
                 raise self._fail(who, rank_of[ready], what, err) from None
@@ -621,6 +625,12 @@ class RayBackend:
                 value = value.out
             out[rank_of[ready]] = value
         return out
+
+    def _gone(self, group: "RayWorkerGroup", who: str, rank: int, err: RayActorError, what: str) -> EngineDied:
+        """A process died on a pool that holds `group`'s role alone: the role is repaired (`recover`), the run goes on."""
+        group.gone = True
+        self._log(who, rank, what, err)
+        return EngineDied(f"its Ray worker process died during {what}; details in {self.error_log}")
 
     def _dead_peer(self, pending: list, rank_of: dict) -> Optional[tuple[int, RayActorError]]:
         """A rank that died, among the calls still pending, within a short grace. When one rank is killed

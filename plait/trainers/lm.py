@@ -67,6 +67,19 @@ from plait.workers.weight_sync import SyncCheck, sync_weights
 
 
 @dataclass
+class Restarts:
+    """A second model's restarts (the reward model or judge, the teachers): the run's count, the step of the last
+    one (restarted once a step), the count last logged."""
+    count: int = 0
+    step: int = -1
+    logged: int = 0
+
+    def since_logged(self) -> int:
+        new, self.logged = self.count - self.logged, self.count
+        return new
+
+
+@dataclass
 class Roles:
     """The worker groups a language-model trainer drives; ref, critic, reward_model (a classifier), judge (a
     causal LM the reward function asks) and teacher are None when unused (ref also with LoRA: the actor computes
@@ -128,8 +141,8 @@ class LMTrainer:
         self.sync_check = SyncCheck(roles.actor, roles.rollout, tokenizer) if cfg.trainer.check_weight_sync else None
         self.actor_lock = threading.Lock()  # an update; a restart's weight push (a rollout thread's) waits for it
         self.client = RolloutClient(roles, self.actor_lock, self.sync_check, lambda: self.step, lambda: self.version)
-        # reward model / judge restarts (score): the run's count, the step of the last one, the count last logged
-        self.reward_restarts, self.reward_restart_step, self.reward_restarts_logged = 0, -1, 0
+        # restarts of the second models whose worker died: the reward model or judge (score), the teachers
+        self.restarts = {"reward": Restarts(), "teacher": Restarts()}
         self.step = 0
         self.ledger = TokenLedger()  # tokens/*: every sampled token once, trained or discarded by cause
         self.model_flops = None  # the policy's FLOPs per token (asked of the actor at start)
@@ -174,8 +187,9 @@ class LMTrainer:
         result.metrics["perf/samples_per_s"] = samples / (time.perf_counter() - start)
         result.metrics["rollout/engine_restarts"] = self.client.restarts_since_logged()  # a rollout thread's too
         if self.roles.judge is not None or self.roles.reward_model is not None:
-            restarts = self.reward_restarts
-            result.metrics["reward/model_restarts"], self.reward_restarts_logged = restarts - self.reward_restarts_logged, restarts
+            result.metrics["reward/model_restarts"] = self.restarts["reward"].since_logged()
+        if self.roles.teacher is not None:
+            result.metrics["distillation/teacher_restarts"] = self.restarts["teacher"].since_logged()
         if self.cfg.data.filter_overlong_prompts:
             result.metrics["data/filtered_overlong_prompts"] = self.cursor.dataset.filtered
         return result
@@ -322,17 +336,34 @@ class LMTrainer:
         judge's replicas answer at new addresses, which the re-issued reward call hands the reward function.
         Called from the trainer's thread only (the reward stage, validation)."""
         name, group = ("judge", self.roles.judge) if self.roles.judge is not None else ("reward model", self.roles.reward_model)
-        if self.reward_restart_step == self.step:
-            raise EngineFailed(f"the {name} failed again in step {self.step}, after a restart in the same step: "
-                               f"{first_line(err)}")
-        self.reward_restart_step = self.step
-        group.recover()
+        self.restart_model("reward", name, group, err)
         if self.roles.judge is not None:
             self.routers = self.roles.judge.call(Judge.addresses)
-        self.reward_restarts += 1
         where = f"; its replicas answer at {', '.join(self.routers)}" if self.roles.judge is not None else ""
         print(f"plait: warning: the {name} died in step {self.step} ({first_line(err)}); restarted it{where}; the reward "
               "call it died in is re-issued", file=sys.stderr)
+
+    def teacher_log_probs(self, batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The teachers' log-probs of the batch's tokens. When a teacher's worker died (EngineDied: a process of
+        the teacher pool, on Ray), the pool is restarted (the teachers loaded again) and the call re-issued whole,
+        once per step, as a judge is; a second death in that step is one line."""
+        while True:
+            try:
+                return self.roles.teacher.call(Teacher.compute_teacher_log_prob, batch)
+            except EngineDied as err:
+                self.restart_model("teacher", "teacher", self.roles.teacher, err)
+                print(f"plait: warning: the teacher died in step {self.step} ({first_line(err)}); restarted it; its "
+                      "log-prob call is re-issued", file=sys.stderr)
+
+    def restart_model(self, part: str, name: str, group, err: EngineDied) -> None:
+        """Fresh worker processes for `group` (a second model, `name` in the error), once per step of `part`."""
+        restarts = self.restarts[part]
+        if restarts.step == self.step:
+            raise EngineFailed(f"the {name} failed again in step {self.step}, after a restart in the same step: "
+                               f"{first_line(err)}")
+        restarts.step = self.step
+        group.recover()
+        restarts.count += 1
 
     def judge_stage(self, since: float, timer: StageTimer) -> dict[str, float]:
         """The judge's engine rounds since `since` (perf_counter, taken in the reward stage; called before it
@@ -438,7 +469,7 @@ class LMTrainer:
                 batch.ref_logprobs = self.compute_ref_log_prob(batch)
         if roles.teacher is not None:
             with timer.stage("teacher"):
-                batch.teacher_logprobs, batch.teacher_ids = roles.teacher.call(Teacher.compute_teacher_log_prob, batch)
+                batch.teacher_logprobs, batch.teacher_ids = self.teacher_log_probs(batch)
         if roles.critic is not None:
             with timer.stage("values"):
                 batch.values = roles.critic.call(Critic.compute_values, batch)

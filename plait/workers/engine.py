@@ -175,8 +175,7 @@ ENGINES: dict[str, EngineSpec] = {
     "vllm": EngineSpec(build=_build_vllm, unavailable=_vllm_unavailable,
                        devices=lambda rollout: rollout.tensor_model_parallel_size,
                        devices_rule="rollout.tensor_model_parallel_size", notes=_vllm_notes, images=_vllm_images,
-                       kept_set="vLLM 0.32 returns no kept set with its tokens (its processed log-probs are renormalised "
-                                "over one the trainer cannot see)",
+                       kept_set=None,
                        grammar="plait does not hand vLLM's structured outputs a grammar yet: serve with --engine hf"),
     "sglang": EngineSpec(build=_refused, unavailable=lambda: SGLANG_WHY),
 }

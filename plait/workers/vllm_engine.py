@@ -13,11 +13,16 @@ backend the caller is the rollout's Ray actor, so the engine core is a child of 
 and their log-probs), so `abort()` from another thread ends the call at the next step with the
 tokens so far, as plait's own engine does; `Rollout.resume` then continues from them. Log-probs are
 vLLM's processed ones (after temperature, and renormalised over the kept tokens when top-k/top-p
-are on, as in verl). Weights: a versioned load writes the state dict to a safetensors file and has
-the engine core reload it in place (vLLM-CPU repacks linear weights for oneDNN, so the
-per-parameter `model.load_weights` path fails there), then resets the prefix cache and the encoder
-cache: cached prompt KV and image embeddings computed with the old weights would otherwise be
-reused silently (an off-policy bug).
+are on, as in verl). The kept set itself (`Generation.kept`, which the trainer's log-probs are taken
+over) is read from the same processed log-probs: a request asks for the top N of them, where the
+tokens top-k / top-p dropped are -inf, so the finite ones are the set while it has fewer than N
+members (N = top_k + KEPT_TIES; at top_p alone N = max_logprobs, KEPT_TOP_P unless engine_kwargs.vllm sets
+it). A set that fills all N may be cut: the call fails in one line rather than train on a cut set.
+Weights: a versioned load writes the state dict to a safetensors file and has the engine core
+reload it in place (vLLM-CPU repacks linear weights for oneDNN, so the per-parameter
+`model.load_weights` path fails there), then resets the prefix cache and the encoder cache: cached
+prompt KV and image embeddings computed with the old weights would otherwise be reused silently
+(an off-policy bug).
 
 Device-specific parts are the two small functions at the bottom: `cpu_settings` (KV-cache size
 and OpenMP binding env vars, eager mode) and `gpu_settings` (memory fraction, sleep mode).
@@ -47,7 +52,7 @@ import time
 import torch
 from transformers import AutoConfig
 
-from plait.errors import EngineDied
+from plait.errors import EngineDied, RunError
 from plait.models_vl import never_sampled
 from plait.workers.vllm_notes import iteration_bounds
 from plait.workers.rollout_engine import Generation, SamplingParams
@@ -58,6 +63,8 @@ log = logging.getLogger("plait.rollout")
 STOP_REASONS = {"stop": "eos", "length": "length", "abort": "aborted"}  # vLLM's finish_reason -> plait's
 WATCH_S = 1.0           # how often the health watch looks at a call in flight (it sees a death at once)
 STEP_TIMEOUT_S = 600.0  # a call into the engine core that runs longer is a hung core (a weight reload included)
+KEPT_TOP_P = 1024       # log-probs per token at top_p alone (vLLM's max_logprobs): bounds the kept set it can return
+KEPT_TIES = 16          # log-probs past top_k's: vLLM keeps every id tied with the k-th logit (bfloat16 logits tie)
 
 
 def build(args) -> VLLMEngine:
@@ -106,11 +113,13 @@ class VLLMEngine:
                     max_num_batched_tokens=cfg.max_num_batched_tokens,
                     enable_chunked_prefill=cfg.enable_chunked_prefill, enable_prefix_caching=cfg.enable_prefix_caching,
                     tensor_parallel_size=cfg.tensor_model_parallel_size, enforce_eager=cfg.enforce_eager,
-                    load_format="auto" if cfg.load_format.startswith("dummy") else cfg.load_format)
+                    load_format="auto" if cfg.load_format.startswith("dummy") else cfg.load_format,
+                    max_logprobs=kept_logprobs(cfg))
         args.update(cpu_settings(cfg) if device == "cpu" else gpu_settings(cfg))
         if profile_tool is not None or trace_dir is not None:  # the engine core's own profiler, per window
             args["profiler_config"] = engine_profiler(profile_tool or "torch", trace_dir)
         args.update(cfg.engine_kwargs.vllm)  # the user's last word, as in verl
+        self.max_logprobs = args["max_logprobs"]
         os.environ["PLAIT_VLLM"] = "1"  # plait's vLLM plugin acts in this engine's processes (workers/vllm_plugin.py)
         start = time.perf_counter()
         self.llm = LLM(**args)
@@ -144,10 +153,12 @@ class VLLMEngine:
         ids = [f"{self._calls}-{i}" for i in range(len(prompts))]
         tokens: dict[str, list[int]] = {i: [] for i in ids}
         logprobs: dict[str, list[float]] = {i: [] for i in ids}
+        kept: dict[str, list[list[int]]] = {i: [] for i in ids}
         reasons: dict[str, str] = {}
+        kept_n = self._kept_n(params)  # log-probs asked per token for the kept set; 0: no filter
         with self._call():
             for rid, prompt, seed in zip(ids, inputs, seeds):
-                self._engine.add_request(rid, prompt, self._params(params, seed))
+                self._engine.add_request(rid, prompt, self._params(params, seed, kept_n))
         while len(reasons) < len(ids):
             if self._abort.is_set():
                 with self._call():
@@ -160,6 +171,9 @@ class VLLMEngine:
                 c = out.outputs[0]
                 tokens[out.request_id] += c.token_ids
                 logprobs[out.request_id] += [step[tok].logprob for step, tok in zip(c.logprobs, c.token_ids)]
+                if kept_n:
+                    kept[out.request_id] += [[t for t, lp in step.items() if lp.logprob > float("-inf")]
+                                             for step in c.logprobs]
                 if c.finish_reason is not None:
                     reasons[out.request_id] = STOP_REASONS.get(c.finish_reason, "length")
         if self.sleep_between_calls:
@@ -172,14 +186,30 @@ class VLLMEngine:
             n = len(tokens[rid])
             responses[row, :n], mask[row, :n] = torch.tensor(tokens[rid], dtype=torch.long), 1.0
             lp[row, :n] = torch.tensor(logprobs[rid])
-        return Generation(responses=responses, response_mask=mask, logprobs=lp, stop_reasons=[reasons[i] for i in ids])
+        sets = stack_kept([kept[i] for i in ids], width) if kept_n else None  # [batch, width, k]
+        if sets is not None and sets.shape[-1] >= kept_n:  # a set filled every log-prob asked for: it may be cut
+            key, value = ("top_p", params.top_p) if params.top_k <= 0 else ("top_k", params.top_k)
+            raise RunError(f"actor_rollout_ref.rollout.{key}={value}: a token's kept set filled the {kept_n} log-probs "
+                           f"asked of vLLM (rollout.engine_kwargs.vllm.max_logprobs={self.max_logprobs}), so it may be "
+                           "cut and the trainer would score another distribution; raise max_logprobs, or bound the set "
+                           "with rollout.top_k")
+        return Generation(responses=responses, response_mask=mask, logprobs=lp, stop_reasons=[reasons[i] for i in ids],
+                          kept=sets)
 
-    def _params(self, params: SamplingParams, seed: int):
+    def _kept_n(self, params: SamplingParams) -> int:
+        """The processed log-probs to ask per token so that the finite ones are the whole kept set: more than
+        top_k keeps (ties at the k-th logit), else max_logprobs; 0: the sampler filters nothing."""
+        if not params.do_sample or (params.top_p >= 1 and params.top_k <= 0):
+            return 0
+        return min(params.top_k + KEPT_TIES, self.max_logprobs) if params.top_k > 0 else self.max_logprobs
+
+    def _params(self, params: SamplingParams, seed: int, kept_n: int = 0):
+        """`kept_n`: the processed log-probs to return per token beside the sampled one's (see `_kept_n`)."""
         from vllm import SamplingParams as VLLMParams
         from vllm.sampling_params import RequestOutputKind
         return VLLMParams(max_tokens=params.max_new_tokens, temperature=params.temperature if params.do_sample else 0.0,
                           top_p=params.top_p, top_k=params.top_k if params.top_k > 0 else -1, seed=seed,
-                          logprobs=0, stop_token_ids=self.eos_token_ids, ignore_eos=self.ignore_eos,
+                          logprobs=kept_n, stop_token_ids=self.eos_token_ids, ignore_eos=self.ignore_eos,
                           logit_bias=self.banned or None, detokenize=False, output_kind=RequestOutputKind.DELTA)
 
     def serve(self, admit, deliver, stop, generator: torch.Generator | None = None) -> bool:
@@ -340,6 +370,25 @@ class VLLMEngine:
         self._closing = True
         self.llm.llm_engine.engine_core.shutdown()
         shutil.rmtree(self._weights_dir, ignore_errors=True)
+
+
+def kept_logprobs(cfg) -> int:
+    """vLLM's max_logprobs for the rollout node `cfg`: room for the kept sets its top_k / top_p (training's or
+    validation's) can keep (`VLLMEngine._kept_n`); vLLM's default 20 where nothing filters."""
+    need = [20]
+    for s in (cfg, cfg.val_kwargs):
+        need.append(s.top_k + KEPT_TIES if s.top_k > 0 else KEPT_TOP_P if s.top_p < 1 else 0)
+    return max(need)
+
+
+def stack_kept(rows: list[list[list[int]]], width: int) -> torch.Tensor:
+    """Per row, per token, its kept ids -> [batch, width, k] long, -1 padded (Generation.kept)."""
+    k = max((len(ids) for row in rows for ids in row), default=1)
+    out = torch.full((len(rows), width, k), -1, dtype=torch.long)
+    for r, row in enumerate(rows):
+        for t, ids in enumerate(row):
+            out[r, t, :len(ids)] = torch.tensor(ids, dtype=torch.long)
+    return out
 
 
 def media_tokens(config) -> frozenset[int]:

@@ -4,6 +4,7 @@ role of its own (a stage in the timeline, its own profiler artifact, a lane in t
 refusals of a teacher whose vocabulary is not the student's or of rows no teacher is routed to."""
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -184,3 +185,62 @@ def test_a_truncated_teacher_is_one_line_naming_its_key(tmp_path, tiny_config, c
     err = capsys.readouterr().err
     assert code == 2 and "Traceback" not in err
     assert "distillation.teacher_models.teacher_model.model_path=" in err and "truncated or corrupt" in err
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize("workers", [1, 2])
+def test_the_teachers_ray_worker_killed_is_restarted_once_a_step_and_the_run_completes(tmp_path, tiny_config, teacher,
+                                                                                      capfd, workers):
+    """The teacher on a pool of its own (distillation.nnodes=1): its rank-0 worker process killed as steps 2 and 3
+    learn comes back on a new process (two workers: both, in a new torch.distributed world of their own), the teacher
+    log-prob call is re-issued there, and the run completes; each restart is counted and said once."""
+    import os
+    import signal
+
+    from plait.backends import LEAN_RAY_ENV
+    os.environ.update(LEAN_RAY_ENV)
+    cfg = tiny_config(tmp_path / "run", *on(teacher, "trainer.backend=ray", "trainer.ray.num_cpu_workers=1",
+                                            "trainer.ray.cpus_per_worker=0.5", "distillation.nnodes=1",
+                                            f"distillation.n_gpus_per_node={workers}", "trainer.total_training_steps=3",
+                                            "distillation.teacher_models.teacher_model.inference.tensor_model_parallel_size=1"))
+    lifecycle = driver.build(cfg, progress=False)
+    trainer, killed = lifecycle.trainer, []
+    group, learn = trainer.roles.teacher, trainer.learn
+
+    def learning(batch, timer, *rest):
+        if trainer.step in (2, 3):
+            killed.append(group.pids[0])
+            os.kill(killed[-1], signal.SIGKILL)
+        return learn(batch, timer, *rest)
+    trainer.learn = learning
+    lifecycle.run()
+    assert len(killed) == 2 and group.pids[0] not in killed
+    records = [r for r in read_metrics(str(tmp_path / "run" / "metrics.jsonl")) if "timing_s/step" in r]
+    assert [(r["step"], r["distillation/teacher_restarts"]) for r in records] == [(1, 0), (2, 1), (3, 1)]
+    assert all(math.isfinite(r["actor/distillation/loss"]) for r in records)
+    err = capfd.readouterr().err
+    for step in (2, 3):
+        assert err.count(f"plait: warning: the teacher died in step {step} (its Ray worker process died during ") == 1
+    assert "Traceback" not in err
+
+
+def test_a_teacher_dead_twice_in_one_step_ends_the_run_in_one_line(tmp_path, tiny_config, teacher, monkeypatch):
+    """A second death in the step of a restart is the run's error, planted here on the local backend."""
+    from plait.errors import EngineDied, EngineFailed
+    from plait.workers.teacher import Teacher
+    lifecycle = driver.build(tiny_config(tmp_path / "run", *on(teacher, "trainer.total_training_steps=3")), progress=False)
+    trainer, deaths, score = lifecycle.trainer, [], Teacher.compute_teacher_log_prob
+
+    def dying(worker, batch):
+        if trainer.step == 2:
+            deaths.append(trainer.step)
+            raise EngineDied("its Ray worker process died during Teacher.compute_teacher_log_prob")
+        return score(worker, batch)
+    monkeypatch.setattr(Teacher, "compute_teacher_log_prob", dying)
+    with pytest.raises(EngineFailed) as failed:
+        lifecycle.run()
+    assert deaths == [2, 2] and str(failed.value) == (
+        "the teacher failed again in step 2, after a restart in the same step: its Ray worker process died during "
+        "Teacher.compute_teacher_log_prob")
+    records = [r for r in read_metrics(str(tmp_path / "run" / "metrics.jsonl")) if "timing_s/step" in r]
+    assert [(r["step"], r["distillation/teacher_restarts"]) for r in records] == [(1, 0)]

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from plait import driver
-from plait.config import ActorConfig, SamplingConfig, load_config
+from plait.config import ActorConfig, RolloutConfig, SamplingConfig, check_kept_set, load_config
+from plait.modes import SYNC
 from plait.configtree import ConfigError
 from plait.models import create_tiny_model, load_tokenizer
 from plait.profiler import GlobalProfilerConfig, ProfilerSession, RoleProfilerConfig
@@ -111,6 +112,12 @@ def test_keys_that_the_kept_set_cannot_follow_are_refused():
     for fine in (["actor_rollout_ref.rollout.top_p=0.7"], ["actor_rollout_ref.rollout.val_kwargs.top_p=0.7",
                                                           "actor_rollout_ref.rollout.multi_turn.enable=true"]):
         load_config(None, ["demo.model_size=xs", *fine])
+    for filters in ({"top_k": 20}, {"top_p": 0.7}):  # vLLM returns the set as well (tests/workers/test_vllm_engine.py)
+        rollout = RolloutConfig(**filters)
+        rollout.name = "vllm"  # set after: the node itself refuses vllm where it is not installed
+        check_kept_set(rollout, SYNC, agent_loops=False)
+        with pytest.raises(ConfigError, match=r"rollout\.top_[pk]=.*rollout\.name=vllm and agent loops"):
+            check_kept_set(rollout, SYNC, agent_loops=True)
 
 
 def test_rows_that_name_an_agent_loop_refuse_top_p_before_any_model(tmp_path, tiny_config):

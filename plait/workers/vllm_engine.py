@@ -186,15 +186,20 @@ class VLLMEngine:
             n = len(tokens[rid])
             responses[row, :n], mask[row, :n] = torch.tensor(tokens[rid], dtype=torch.long), 1.0
             lp[row, :n] = torch.tensor(logprobs[rid])
-        sets = stack_kept([kept[i] for i in ids], width) if kept_n else None  # [batch, width, k]
-        if sets is not None and sets.shape[-1] >= kept_n:  # a set filled every log-prob asked for: it may be cut
+        sets = self._whole_sets([kept[i] for i in ids], width, kept_n, params) if kept_n else None  # [batch, width, k]
+        return Generation(responses=responses, response_mask=mask, logprobs=lp, stop_reasons=[reasons[i] for i in ids],
+                          kept=sets)
+
+    def _whole_sets(self, kept: list[list[list[int]]], width: int, kept_n: int, params: SamplingParams) -> torch.Tensor:
+        """The rows' kept sets [batch, width, k]; a set that filled every log-prob asked for may be cut: one line."""
+        sets = stack_kept(kept, width)
+        if sets.shape[-1] >= kept_n:
             key, value = ("top_p", params.top_p) if params.top_k <= 0 else ("top_k", params.top_k)
             raise RunError(f"actor_rollout_ref.rollout.{key}={value}: a token's kept set filled the {kept_n} log-probs "
                            f"asked of vLLM (rollout.engine_kwargs.vllm.max_logprobs={self.max_logprobs}), so it may be "
                            "cut and the trainer would score another distribution; raise max_logprobs, or bound the set "
                            "with rollout.top_k")
-        return Generation(responses=responses, response_mask=mask, logprobs=lp, stop_reasons=[reasons[i] for i in ids],
-                          kept=sets)
+        return sets
 
     def _kept_n(self, params: SamplingParams) -> int:
         """The processed log-probs to ask per token so that the finite ones are the whole kept set: more than

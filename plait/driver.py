@@ -8,6 +8,7 @@ diffusion included) with the tracker it logs to, and hands it to the lifecycle.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import os
@@ -322,11 +323,32 @@ def make_backend(cfg: PlaitConfig):
     return backend_for(cfg, role_profilers(cfg), resolve_device(cfg))
 
 
+@contextlib.contextmanager
+def crash_log(output_dir: str):
+    """A run that dies on a fatal signal (SIGSEGV, an abort in malloc) runs no `finally`, so it writes no summary:
+    faulthandler writes every thread's Python stack to <output_dir>/crash.log instead (`plait profile report`
+    names it). Removed when the run ends in Python, as nearly every run does."""
+    import faulthandler
+    path = os.path.join(output_dir, "crash.log")
+    was = faulthandler.is_enabled()
+    f = open(path, "w")
+    faulthandler.enable(file=f, all_threads=True)
+    try:
+        yield
+    finally:
+        faulthandler.disable()
+        if was:  # as python -X faulthandler (or pytest) had it
+            with contextlib.suppress(Exception):
+                faulthandler.enable(file=sys.__stderr__, all_threads=True)
+        f.close()
+        os.remove(path)
+
+
 def run(cfg: PlaitConfig, progress: bool = True, checked: bool = False) -> dict[str, float]:
     """Build and train; with trainer.max_restarts, a crash that is not the user's (RunError.recoverable: a
     worker process or the rollout engine that died) resumes from the newest checkpoint that verifies and
     loads, up to that many times, each restart one line (AReaL's recover.retries)."""
-    with output_dir_lock(cfg.output_dir) as lock:  # before build: it writes data and the demo model there
+    with output_dir_lock(cfg.output_dir) as lock, crash_log(cfg.output_dir):  # before build: it writes data there
         print(f"plait: outputs in {cfg.output_dir}", file=sys.stderr)
         for restart in range(cfg.trainer.max_restarts + 1):
             if restart:

@@ -19,10 +19,11 @@ wait there for a whole generate).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 import time
-from typing import Callable, Optional, Protocol, Sequence
+from typing import Callable, ContextManager, Optional, Protocol, Sequence
 
 from plait.profiler.config import GlobalProfilerConfig, snapshot_steps
 from plait.profiler.hook import run_finish_hook
@@ -39,8 +40,11 @@ class ProfileTarget(Protocol):
 
 class StepProfiler:
     def __init__(self, cfg: GlobalProfilerConfig, last_step: int, targets: Sequence[ProfileTarget],
-                 note: Optional[Callable[[str], None]] = None):
-        self.cfg = cfg
+                 note: Optional[Callable[[str], None]] = None, held: Callable[[], ContextManager] = contextlib.nullcontext):
+        """`held()`: inside it no other thread of this process generates. torch's profiler corrupted the heap when
+        it stopped while the rollout thread ran ops (fully_async on the local backend: 1 in 16 profiled runs aborted
+        in malloc), so windows open and close inside it."""
+        self.cfg, self.held = cfg, held
         self.note = note or (lambda line: print(line, file=sys.stderr))
         self.plan = plan((cfg.steps or []) if cfg.tool else [], last_step, cfg.profile_continuous_steps,
                          snapshot_steps(cfg))
@@ -67,12 +71,13 @@ class StepProfiler:
         # A run resumed inside a planned window opens it at the resume step.
         self.open = Window(step, w.last)
         self.opened_any = True
-        for target in self.targets:
-            try:
-                target.start_profile(self.open.first, self.open.last, version)
-            except Exception as err:
-                log.warning("profiler: start_profile failed on %r: %s: %s", target, type(err).__name__, err)
-        self._spent("profiler_start", t0)
+        with self._held(t0) as t0:
+            for target in self.targets:
+                try:
+                    target.start_profile(self.open.first, self.open.last, version)
+                except Exception as err:
+                    log.warning("profiler: start_profile failed on %r: %s: %s", target, type(err).__name__, err)
+            self._spent("profiler_start", t0)
 
     def end_step(self, step: int) -> None:
         if self.open is not None and step >= self.open.last:
@@ -98,16 +103,17 @@ class StepProfiler:
             self.note(f"plait: profiler: writing the {self.cfg.tool} traces of {steps} to {self.cfg.save_path} ...")
         self.open = None
         records: list[dict] = []
-        for target in self.targets:
+        with self._held(t0) as t0:
+            for target in self.targets:
+                try:
+                    records.extend(target.stop_profile(complete))
+                except Exception as err:
+                    log.warning("profiler: stop_profile failed on %r: %s: %s", target, type(err).__name__, err)
             try:
-                records.extend(target.stop_profile(complete))
+                append_manifest(self.cfg.save_path, records)
             except Exception as err:
-                log.warning("profiler: stop_profile failed on %r: %s: %s", target, type(err).__name__, err)
-        try:
-            append_manifest(self.cfg.save_path, records)
-        except Exception as err:
-            log.warning("profiler: could not write the manifest: %s: %s", type(err).__name__, err)
-        self._spent("profiler_stop", t0)
+                log.warning("profiler: could not write the manifest: %s: %s", type(err).__name__, err)
+            self._spent("profiler_stop", t0)
 
     def _finish(self) -> None:
         if not self.opened_any or self.hook_ran:
@@ -117,6 +123,15 @@ class StepProfiler:
             t0 = time.perf_counter()
             run_finish_hook(self.cfg.finish_hook_cmd, self.cfg.save_path, self.cfg.tool)
             self._spent("finish_hook", t0)
+
+    @contextlib.contextmanager
+    def _held(self, t0: float):
+        """`held()`, its wait for the rollout thread's call a span of its own (the profiler's cost too); yields
+        when the profiler's own work starts."""
+        with self.held():
+            if time.perf_counter() - t0 > 1e-3:
+                self._spent("wait_rollout", t0)
+            yield time.perf_counter()
 
     def _spent(self, what: str, t0: float) -> None:
         """The profiler's own time since t0: into busy_s (the run summary) and a timeline span."""

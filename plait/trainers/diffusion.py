@@ -29,6 +29,7 @@ the lifecycle's, not here; nor are the model, conditions and reward resolved for
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from typing import Callable
@@ -159,6 +160,9 @@ class DiffusionTrainer:
 
     def profile_targets(self):
         return self.targets
+
+    def held(self):
+        return contextlib.nullcontext()  # one thread
 
     def close(self) -> None:
         if self.writer is not None:

@@ -181,6 +181,9 @@ class FullyAsyncTrainer(LMTrainer):
                 "rollouter/queue_depth": self.chunks.backlog, "fully_async/partial/partial_ratio": partial.mean().item(),
                 **checked}
 
+    def held(self):
+        return self.rollouter.held()
+
     def close(self) -> None:
         """Stop the rollouter; whatever is queued or in flight now is discarded (see the module docstring)."""
         self.rollouter.close()

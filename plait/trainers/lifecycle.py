@@ -27,7 +27,7 @@ import signal
 import sys
 import time
 from dataclasses import dataclass
-from typing import Callable, Optional, Protocol, Sequence
+from typing import Callable, ContextManager, Optional, Protocol, Sequence
 
 from plait.errors import Interrupted, RunError
 from plait.profiler import StepProfiler
@@ -79,6 +79,7 @@ class Trainer(Protocol):
     def save_checkpoint(self, path: str, step: int) -> None: ...
     def load_checkpoint(self, path: str, step: int) -> None: ...
     def profile_targets(self) -> Sequence: ...
+    def held(self) -> ContextManager: ...             # no generation on another thread inside (a window's start, stop)
     def close(self) -> None: ...
 
 
@@ -112,7 +113,8 @@ class Lifecycle:
     def run(self) -> dict[str, float]:
         """Train to the last step; returns the last step's metrics."""
         last = self.trainer.total_steps()
-        profiler = StepProfiler(self.profiler_cfg, last, self.trainer.profile_targets(), self.tracker.note)
+        profiler = StepProfiler(self.profiler_cfg, last, self.trainer.profile_targets(), self.tracker.note,
+                                self.trainer.held)
         metrics: dict[str, float] = {}
         error: BaseException | None = None
         step = start = 0

@@ -279,6 +279,10 @@ class LMTrainer:
     def profile_targets(self):
         return self.targets
 
+    def held(self):
+        """Inside, no generation runs on another thread of this process (the modes with a rollout thread say how)."""
+        return contextlib.nullcontext()
+
     def close(self) -> None:
         """Stop the rollout engine's own processes (vLLM's engine core), and the judge's server. Quietly: the backend
         may be down after the failure that brought us here, and that failure, not this one, is the one to report."""

@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -94,6 +95,13 @@ class OneStepOffTrainer(LMTrainer):
         end = self.gen_clock.finished or time.perf_counter()
         if end > self.gen_free_since:
             TIMELINE.add("rollout", "wait_trainer", self.gen_free_since, end, self.version)
+
+    @contextlib.contextmanager
+    def held(self):
+        """The batch in flight made first (generation starts only from this, the main, thread)."""
+        if self.pending is not None:
+            futures.wait([self.pending])
+        yield
 
     def after_update(self, step: int, timer: StageTimer) -> dict[str, float]:
         if self.pending is not None:

@@ -97,7 +97,7 @@ class Producer:
         synced(), ended(error | None); `client`: the RolloutClient; `version_of()`: the trainer's policy version."""
         self.source, self.cond, self.client, self.sampling, self.version_of = source, source.cond, client, sampling, version_of
         self.max_failed_calls = max_failed_calls
-        self.paused = self.syncing = self.stop = self.generating = False  # guarded by cond
+        self.paused = self.syncing = self.stop = self.generating = self.holding = False  # guarded by cond
         self.clock = BusyClock()
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
 
@@ -112,6 +112,20 @@ class Producer:
             with self.cond:
                 if self.cond.wait_for(lambda: not self.generating, timeout=0.05):
                     return
+
+    @contextlib.contextmanager
+    def held(self):
+        """Inside, no generate runs: the running one is waited for (not cut), none starts. Around a profiler
+        window's start and stop (lifecycle's Trainer.held)."""
+        with self.cond:
+            self.holding = True
+            self.cond.wait_for(lambda: self.stop or not self.generating)
+        try:
+            yield
+        finally:
+            with self.cond:
+                self.holding = False
+                self.cond.notify_all()
 
     @contextlib.contextmanager
     def sync(self, cut: bool = True):
@@ -171,7 +185,7 @@ class Producer:
         """The source's next work once it has some and generation may run; None when stopped or it has no more."""
         waiting = self.source.wait_span and TIMELINE.span("rollout", self.source.wait_span, self.version_of())
         with self.cond, waiting or contextlib.nullcontext():
-            self.cond.wait_for(lambda: self.stop or self.source.ready(not (self.paused or self.syncing)))
+            self.cond.wait_for(lambda: self.stop or self.source.ready(not (self.paused or self.syncing or self.holding)))
             work = None if self.stop else self.source.claim()
             self.generating = work is not None
             return work
@@ -186,7 +200,7 @@ class Producer:
             with self.cond, TIMELINE.span("rollout", "wait_sync", self.version_of()):
                 self.generating = False
                 self.cond.notify_all()
-                self.cond.wait_for(lambda: self.stop or not (self.paused or self.syncing))
+                self.cond.wait_for(lambda: self.stop or not (self.paused or self.syncing or self.holding))
                 if self.stop:
                     return None, None
                 self.generating = True

@@ -134,6 +134,9 @@ class V1AsyncTrainer(LMTrainer):
             prompt, batch = prompt_batch([self.cursor.dataset[g["index"]]]), g["batch"] and RolloutBatch(**g["batch"])
             self.buffer.add(prompt, step + 1 if batch is None else g["issued"], batch)
 
+    def held(self):
+        return self.rollouter.held()
+
     def close(self) -> None:
         """Stop the rollouter; what the buffer holds now is dropped (the last checkpoint has its own copy)."""
         self.rollouter.close()

@@ -106,3 +106,26 @@ def test_one_sigterm_finishes_the_step_saves_and_verifies_it_and_exits_0(tmp_pat
     assert f"plait: stopped on SIGTERM after step {last}: {step} written and verified; the same command resumes " \
            f"from step {last + 1}" in err and "Traceback" not in err
     assert json.loads((tmp_path / "out" / "summary.json").read_text())["status"] == "preempted"
+
+
+def test_a_run_that_dies_on_a_fatal_signal_leaves_its_stacks_and_the_report_names_them(tmp_path, tiny_config, capsys):
+    """No `finally` runs after SIGSEGV or an abort in malloc, so no summary.json: crash.log holds every thread's
+    Python stack, and the report says so. A run that ends in Python leaves no crash.log."""
+    reward = tmp_path / "dies.py"
+    reward.write_text("import os\ncalls = 0\ndef compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                      "    global calls\n    calls += 1\n    if calls > 20:\n        os.abort()\n    return 0.0\n")
+    config = config_file(tmp_path, tiny_config, "trainer.total_training_steps=3", f"custom_reward_function.path={reward}",
+                         "reward.num_workers=0")
+    pid = fork(lambda: cli.main(["train", "--no-progress", "--config", config]))
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGABRT
+    out = tmp_path / "out"
+    stacks = (out / "crash.log").read_text()
+    assert "Fatal Python error: Aborted" in stacks and 'dies.py", line 7 in compute_score' in stacks
+    assert not (out / "summary.json").exists()
+    assert cli.main(["profile", "report", str(out)]) == 0
+    assert "crash.log holds its threads' Python stacks" in capsys.readouterr().out
+    clean = tmp_path / "clean"
+    clean.mkdir()
+    assert cli.main(["train", "--no-progress", "--config", config_file(clean, tiny_config)]) == 0
+    assert (clean / "out" / "summary.json").exists() and not (clean / "out" / "crash.log").exists()

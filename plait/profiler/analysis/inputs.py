@@ -36,6 +36,7 @@ MAX_STEP = 10**9              # a step number past it is not one a run reached
 MAX_VALUE = 1e15              # a metric past it is not a measurement (sums of a few 1e308 overflow the charts)
 METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"
+CRASH_FILE = "crash.log"       # the stacks of a run that died on a fatal signal (driver.py's crash_log)
 SAMPLES_FILE = "samples.jsonl"
 
 
@@ -79,6 +80,9 @@ def locate(path: str, profile: Optional[str] = None, run: Optional[str] = None) 
     nonfinite = [m for m in map(clean_nonfinite, read_jsonl(os.path.join(run, METRICS_FILE), [])) if m is not None] \
         if has(run, METRICS_FILE) else []
     summary = read_json(os.path.join(run, SUMMARY_FILE), notes) if has(run, SUMMARY_FILE) else None
+    if summary is None and has(run, CRASH_FILE) and os.path.getsize(os.path.join(run, CRASH_FILE)):
+        notes.append(f"the run died on a fatal signal (it wrote no {SUMMARY_FILE}): {CRASH_FILE} holds its threads' "
+                     "Python stacks at that moment")
     return Inputs(run, profile, read(run, TIMELINE_FILE, clean_span), [m for m in metrics if m["step"] >= 1],
                   read(profile, MANIFEST, clean_record), looked, clean_summary(summary, notes), metrics,
                   read(run, SAMPLES_FILE, clean_sample), nonfinite, notes)

@@ -16,7 +16,8 @@ Per-request overhead: REPEATS forward_backward calls on a 2-token datum through 
 the same jobs' `forward_backward` spans on the server's timeline (its own work, queue excluded): the difference of
 the medians is what a request costs beyond its work (HTTP, serialisation, polling the future). An empty-ish round
 trip (get_server_capabilities through the SDK's RestClient) is timed too.
-Results: bench/results/tinker_grpo.json, with the load average around each run (bench/machine.py).
+The server's own seconds per job kind (its timeline: queue, sample, load_weights, forward_backward, optim_step, save)
+over the measured steps are kept with each round. Results: bench/results/tinker_grpo.json, with the load average around each run (bench/machine.py).
 
     PYTHONPATH=$PWD python bench/bench_tinker_grpo.py [--rounds 3] [--steps 6] [--prompts 8] [--n 8]
                                                       [--max-tokens 32] [--repeats 30]
@@ -111,7 +112,12 @@ def tinker_side(args, root: str) -> dict:
         ids = tok.encode("hello tinker, hello plait")[:3]
         datum = types.Datum(model_input=types.ModelInput.from_ints(ids[:-1]), loss_fn_inputs={"target_tokens": ids[1:]})
         TIMELINE.flush(0)
-        before = len(read_timeline(TIMELINE.path))
+        before = read_timeline(TIMELINE.path)
+        stages = {}  # the server's own time per job kind over steps 2..STEPS (where the step's wall clock went)
+        for s in before:
+            if s["role"] == "tinker" and 1 <= s["step"] < args.steps:
+                stages[s["stage"]] = stages.get(s["stage"], 0.0) + s["end"] - s["start"]
+        before = len(before)
         sdk, empty, rest = [], [], tinker.RestClient(base_url=server.url, api_key="tml-bench")
         for _ in range(args.repeats):
             t = time.perf_counter()
@@ -127,7 +133,7 @@ def tinker_side(args, root: str) -> dict:
     finally:
         server.close()
     sdk_ms, server_ms = statistics.median(sdk) * 1e3, statistics.median(spans) * 1e3
-    return {"tokens": tokens[1:], "step_s": step_s[1:],
+    return {"tokens": tokens[1:], "step_s": step_s[1:], "server_s": {k: round(v, 3) for k, v in sorted(stages.items())},
             "overhead": {"sdk_forward_backward_ms": round(sdk_ms, 2), "server_forward_backward_ms": round(server_ms, 2),
                          "per_request_overhead_ms": round(sdk_ms - server_ms, 2), "spans_found": len(spans),
                          "empty_round_trip_ms": round(statistics.median(empty) * 1e3, 2)}}

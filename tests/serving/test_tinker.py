@@ -4,6 +4,7 @@ equal compute_logprobs and the trainer's forward, an RL loop with importance_sam
 save_state/load_state round-trips the loss exactly, two LoRA clients do not mix, and malformed requests fail fast
 naming the field while the server keeps serving. One server for the module."""
 
+import concurrent.futures
 import math
 import os
 import re
@@ -442,3 +443,30 @@ def test_rank_0_fine_tunes_every_weight_of_its_own_copy_and_saves_loads_samples_
     assert newest[0].compute_logprobs(ids).result(timeout=60)[1:] == pytest.approx(trained, abs=1e-3)
     with pytest.raises(tinker.RequestFailedError, match="weights were dropped"):
         sampler.compute_logprobs(ids).result(timeout=60)
+
+
+def test_concurrent_samples_of_one_sampler_are_one_engine_call_each_with_its_own_answer(served, service, tokenizer):
+    """The SDK sends a batch's prompts as concurrent requests: those queued together (same sampler, same unseeded
+    params) are one engine call, each answered with its own prompt's samples and their log-probs."""
+    import threading
+    from plait.profiler.timeline import TIMELINE, read_timeline
+    client = service.create_lora_training_client(base_model=NAME, rank=4, seed=5).result(timeout=60)
+    sampler = client.save_weights_and_get_sampling_client().result(timeout=60)
+    release, blocked = threading.Event(), concurrent.futures.Future()
+    served.tinker.jobs.put((blocked, lambda: release.wait(60), (), "blocker", time.perf_counter(), None))
+    prompts = [tokenizer.encode(text) for text in ("ab", "cde", "fghi")]
+    futures = [sampler.sample(types.ModelInput.from_ints(p), 2, types.SamplingParams(max_tokens=6)) for p in prompts]
+    deadline = time.time() + 30
+    while served.tinker.jobs.qsize() < len(prompts) and time.time() < deadline:
+        time.sleep(0.01)
+    release.set()
+    results = [future.result(timeout=60) for future in futures]
+    TIMELINE.flush(0)
+    calls = {(s["start"], s["end"]) for s in read_timeline(TIMELINE.path)
+             if s["stage"] == "sample" and str(s.get("session")) == sampler._sampling_session_id}  # noqa: SLF001
+    assert len(calls) == 1  # three requests, one engine call
+    for prompt, result in zip(prompts, results):
+        assert len(result.sequences) == 2
+        for seq in result.sequences:
+            scored = sampler.compute_logprobs(types.ModelInput.from_ints(prompt + seq.tokens)).result(timeout=60)
+            assert torch.allclose(torch.tensor(scored[len(prompt):]), torch.tensor(seq.logprobs), atol=1e-3)

@@ -239,27 +239,51 @@ class TinkerApi:
             self.journal.add(rec)
 
     def _work(self) -> None:
-        while (job := self.jobs.get()) is not None:
-            future, fn, args, who, queued, request_id = job
+        ahead = None  # a job taken while gathering samples, run next
+        while (job := ahead or self.jobs.get()) is not None:
+            batch, ahead = self._samples_with(job)
             start = time.perf_counter()
-            result, failure = None, None
+            results, failure = [None] * len(batch), None
             try:
-                result = fn(*args)
+                if len(batch) > 1:
+                    sampler, _, _, params, _ = job[2]
+                    results = self.trainer.sample_many(sampler, params, [(a[1], a[2], a[4]) for _, _, a, *_ in batch])
+                else:
+                    results = [job[1](*job[2])]
             except ApiError as err:
                 failure = err
             except Exception as err:  # noqa: BLE001 - a failed future, the server goes on
-                log.exception("plait tinker: %s failed", fn.__name__)
+                log.exception("plait tinker: %s failed", job[1].__name__)
                 failure = err
-            stage = "forward" if fn.__name__ == "forward_backward" and args[0].forward_only else fn.__name__
-            self.steps += stage == "optim_step"
-            TIMELINE.add("tinker", "queue", queued, start, None, who)
-            TIMELINE.add("tinker", stage, start, time.perf_counter(), None, who)
-            TIMELINE.flush(self.steps)  # before the answer: whoever holds it finds the job on the timeline
-            self._record(request_id, who, fn, args, result, failure)  # before the answer: a restart keeps it
-            if failure is None:
-                future.set_result(result)
-            else:
-                future.set_exception(failure)
+            end = time.perf_counter()
+            for (future, fn, args, who, queued, request_id), result in zip(batch, results):
+                stage = "forward" if fn.__name__ == "forward_backward" and args[0].forward_only else fn.__name__
+                self.steps += stage == "optim_step"
+                TIMELINE.add("tinker", "queue", queued, start, None, who)
+                TIMELINE.add("tinker", stage, start, end, None, who)
+                TIMELINE.flush(self.steps)  # before the answer: whoever holds it finds the job on the timeline
+                self._record(request_id, who, fn, args, result, failure)  # before the answer: a restart keeps it
+                if failure is None:
+                    future.set_result(result)
+                else:
+                    future.set_exception(failure)
+
+    def _samples_with(self, job) -> tuple[list, object]:
+        """`job`, and when it samples, the sample jobs queued right behind it for the same sampler with the same
+        unseeded params (one engine call: trainer.sample_many); the first other job taken is returned to run next."""
+        batch = [job]
+        if job[1] != self.trainer.sample or job[2][3].seed is not None:
+            return batch, None
+        while True:
+            try:
+                more = self.jobs.get_nowait()
+            except queue.Empty:
+                return batch, None
+            if more is None or more[1] != self.trainer.sample or more[2][0] != job[2][0] or more[2][3] != job[2][3]:
+                if more is None:
+                    self.jobs.put(None)  # the end: after what is taken
+                return batch, more
+            batch.append(more)
 
     def submit(self, request_id: str, fn, *args, **extra) -> JSONResponse:
         """Queue `fn(*args)` as the future `request_id`, named by what the SDK sent (its model or sampler and seq_id):

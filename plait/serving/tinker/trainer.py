@@ -414,22 +414,32 @@ class TinkerTrainer:
                with_prompt_logprobs: bool) -> bytes:
         """`num_samples` continuations of `prompt` from the engine, each token's log-prob under the model itself
         (temperature 1: what `compute_logprobs` and `forward` give for the same tokens)."""
+        return self.sample_many(sampler_id, params, [(prompt, num_samples, with_prompt_logprobs)])[0]
+
+    def sample_many(self, sampler_id: str, params: SampleParams, asks: list[tuple[list[int], int, bool]]) -> list[bytes]:
+        """Several sample requests of one sampler with the same params as one engine call (the SDK sends a batch's
+        prompts as concurrent requests; one at a time they cost the engine's batching); each (prompt, num_samples,
+        with_prompt_logprobs) gets its own answer. A seeded request is sampled alone (routes.py)."""
         rollout = self.engine(self.samplers[sampler_id].adapter, sampler_id)
         seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(4), "little")
         sampling = {"temperature": params.temperature, "top_p": params.top_p, "top_k": max(params.top_k, -1),
                     "do_sample": params.temperature > 0}
-        gen = rollout._round(seed)([prompt] * num_samples, params.max_tokens, sampling)
+        gen = rollout._round(seed)([p for p, n, _ in asks for _ in range(n)], params.max_tokens, sampling)
         own = params.temperature == 0 or (params.temperature == 1 and params.top_p == 1 and params.top_k <= 0)
-        out = []
-        for row in range(num_samples):
-            n = int(gen.response_mask[row].sum())
-            tokens, reason = self._stopped(gen.responses[row, :n].tolist(), params)
-            reason = "stop" if reason or gen.stop_reasons[row] == "eos" else "length"
-            logprobs = gen.logprobs[row, :len(tokens)].tolist() if own else \
-                self._score(rollout, prompt + tokens)[len(prompt) - 1:]
-            out.append((tokens, logprobs, reason))
-        prompt_logprobs = [math.nan] + self._score(rollout, prompt) if with_prompt_logprobs else None
-        return encode_sample(out, prompt_logprobs)
+        answers, first = [], 0
+        for prompt, num_samples, with_prompt_logprobs in asks:
+            out = []
+            for row in range(first, first + num_samples):
+                n = int(gen.response_mask[row].sum())
+                tokens, reason = self._stopped(gen.responses[row, :n].tolist(), params)
+                reason = "stop" if reason or gen.stop_reasons[row] == "eos" else "length"
+                logprobs = gen.logprobs[row, :len(tokens)].tolist() if own else \
+                    self._score(rollout, prompt + tokens)[len(prompt) - 1:]
+                out.append((tokens, logprobs, reason))
+            first += num_samples
+            prompt_logprobs = [math.nan] + self._score(rollout, prompt) if with_prompt_logprobs else None
+            answers.append(encode_sample(out, prompt_logprobs))
+        return answers
 
     def _stopped(self, tokens: list[int], params: SampleParams) -> tuple[list[int], bool]:
         """`tokens` up to and including the first stop token or the token that completes a stop string; whether

@@ -48,12 +48,15 @@ def test_the_libraries_train_through_the_gateway(tmp_path, mode):
     try:
         _, steps = train(tmp_path, [f"actor_rollout_ref.rollout.agent.openai_agent.path={LIBRARIES_FILE}"],
                          "trainer.total_training_steps=2", "data.train_batch_size=12",
+                         "data.max_prompt_length=256",  # a conversation a library re-sends otherwise is a new chain: room
                          *({"sync": [], "fully_async": FULLY_ASYNC}[mode]))
     finally:
         del os.environ["LIBRARIES_LOG"]
     assert len(steps) == 2 and set(log.read_text().split()) == set(NEEDS)
     for r in steps:
-        assert r["agent/failed_sessions"] == 0 and r["agent/chains_per_session"] == 1.0
+        # pydantic-ai now and then re-sends the tiny model's garbled answer so that it no longer extends its chain
+        # (a second chain of the session, trained as its own sample; seen 1 in 48 sessions)
+        assert r["agent/failed_sessions"] == 0 and r["agent/chains_per_session"] <= 1.1
         assert r["training/rollout_probs_diff_max"] <= 1e-5
         assert r["tokens/generated"] == r["tokens/trained"] + r["tokens/discarded"] and r["tokens/trained"] > 0
     if mode == "sync":  # every row's sessions trained: openai-agents' among them

@@ -49,7 +49,7 @@ from plait.data.rewards import ScoreRequest, Scores
 from plait.profiler.samples import SAMPLES, now
 from plait.profiler.timeline import TIMELINE, WALL0
 from plait.trainers.lifecycle import StageTimer, StepResult
-from plait.trainers.rollout_client import RolloutClient
+from plait.trainers.rollout_client import Restarts, RolloutClient
 from plait.trainers.metrics import (agent_metrics, data_metrics, filter_values, groups_with_signal, last_token_scores,
                                     loop_scores, masked_mean, merge_results, off_policy_metrics, record_tool_spans,
                                     rollout_probs_diff, session_advantages, session_owners, sessions_of, union_of,
@@ -64,19 +64,6 @@ from plait.workers.reward_model import RewardModel
 from plait.workers.rollout import Rollout
 from plait.workers.teacher import Teacher
 from plait.workers.weight_sync import SyncCheck, sync_weights
-
-
-@dataclass
-class Restarts:
-    """A second model's restarts (the reward model or judge, the teachers): the run's count, the step of the last
-    one (restarted once a step), the count last logged."""
-    count: int = 0
-    step: int = -1
-    logged: int = 0
-
-    def since_logged(self) -> int:
-        new, self.logged = self.count - self.logged, self.count
-        return new
 
 
 @dataclass

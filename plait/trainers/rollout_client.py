@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import sys
 import threading
+from dataclasses import dataclass
 from typing import Callable
 
 from plait.errors import EngineDied, EngineFailed
@@ -115,3 +116,16 @@ class RolloutClient:
         restarts = self.restarts
         since, self.logged = restarts - self.logged, restarts
         return since
+
+
+@dataclass
+class Restarts:
+    """A second model's restarts (the reward model or judge, the teachers): the run's count, the step of the last
+    one (restarted once a step), the count last logged."""
+    count: int = 0
+    step: int = -1
+    logged: int = 0
+
+    def since_logged(self) -> int:
+        new, self.logged = self.count - self.logged, self.count
+        return new

@@ -1,6 +1,7 @@
 """A small real Trainer for lifecycle tests: a tensor random walk whose state (tensor and RNG) is
 checkpointed with torch.save, so a resume that loses or repeats a step changes every later value."""
 
+import contextlib
 import json
 import os
 import time
@@ -51,6 +52,9 @@ class WalkTrainer:
 
     def profile_targets(self):
         return []
+
+    def held(self):
+        return contextlib.nullcontext()
 
     def close(self):
         pass

@@ -13,8 +13,9 @@ sample as the request asks, with the server's defaults where it asks nothing (a 
 as verl's reward server's override_generation_config); a call with a `seed` (or every call, where the server
 has one: a judge with full_determinism) is sampled alone with its own generator. Every sampled token is kept
 with its log-prob and policy version. A forced tool call or a JSON answer (protocol.Constraint) is sampled under
-its grammar (plait/workers/grammar.py) outside sessions; sessions refuse it, since the trainer's log-probs do not
-take the grammar's mask (docs/agents.md "Forced tool calls and structured output").
+its grammar (plait/workers/grammar.py), in sessions too: the session records which reply tokens were sampled under
+which grammar, and the trainer takes their log-probs over the grammar's allowed set (docs/agents.md "Forced tool
+calls and structured output"). An engine that takes no grammar (vLLM) answers such a call with a 400.
 """
 
 from __future__ import annotations
@@ -94,12 +95,13 @@ class Gateway:
             outs = await self._sample(None, ids, req, req.n)
             return [self.read_answer(o, req) for o in outs], len(ids)
         ctx = session.context(req.messages, req.tools)
-        choices = []
-        for out in await self._sample(session, ctx.traj.ids, req, req.n, room=session.room(ctx)):
+        choices, grammar = [], self.grammar(req).get("grammar")
+        for out in await self._sample(session, ctx.traj.ids, req, req.n, room=session.room(ctx), grammar=grammar):
             choice = self.read_answer(out, req)
             reply = {"role": "assistant", "content": choice.content,
                      "tool_calls": [{"function": {"name": n, "arguments": a}} for n, a in choice.calls]}
-            session.add_reply(ctx, message_key(reply), choice.token_ids, choice.logprobs, out.versions[:len(choice.token_ids)])
+            session.add_reply(ctx, message_key(reply), choice.token_ids, choice.logprobs, out.versions[:len(choice.token_ids)],
+                              grammar)
             session.call_blocks += choice.call_blocks
             session.unparsed += choice.call_blocks > len(choice.calls)
             session.calls += len(choice.calls)
@@ -111,14 +113,16 @@ class Gateway:
             outs = await self._sample(None, prompt_ids, req, req.n)
             return [self.read_answer(o, req) for o in outs], len(prompt_ids)
         ctx = session.context_ids(prompt_ids)
-        choices = []
-        for out in await self._sample(session, ctx.traj.ids, req, req.n, room=session.room(ctx)):
+        choices, grammar = [], self.grammar(req).get("grammar")
+        for out in await self._sample(session, ctx.traj.ids, req, req.n, room=session.room(ctx), grammar=grammar):
             choice = self.read_answer(out, req)
-            session.add_reply(ctx, (), choice.token_ids, choice.logprobs, out.versions[:len(choice.token_ids)])
+            session.add_reply(ctx, (), choice.token_ids, choice.logprobs, out.versions[:len(choice.token_ids)], grammar)
             choices.append(choice)
         return choices, len(ctx.traj.ids)
 
-    async def _sample(self, session: Optional[Session], ids: list[int], req: ChatRequest, n: int, room: int = 0) -> list:
+    async def _sample(self, session: Optional[Session], ids: list[int], req: ChatRequest, n: int, room: int = 0,
+                      grammar=None) -> list:
+        """A session's call samples with the rollout's settings (and `grammar`, its constraint's, where it has one)."""
         if session is None:
             sampling, budget, generate = self.plain_sampling(req, len(ids)), req.max_tokens or self.max_tokens, self.plain
             sampling.update(self.grammar(req))
@@ -126,10 +130,8 @@ class Gateway:
                 budget = min(budget, self.context - len(ids))
         else:
             sampling, generate = session.sampling, session.generate
-            if req.constraint is not None:
-                raise ApiError(400, f"'{req.constraint.field}' (a forced tool call or a JSON answer) is refused while plait "
-                                    "trains: its constrained decoding would sample from a distribution the trainer's "
-                                    "log-probs do not take (plait serve honours it; docs/agents.md)", req.constraint.field)
+            if grammar is not None:
+                sampling = {**sampling, "grammar": grammar}
             self._keep_rollout_sampling(session, req)
             budget = min(req.max_tokens or room, room)
             if budget <= 0:  # the chain's response budget is used up: answered as cut, nothing sampled

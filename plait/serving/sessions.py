@@ -169,11 +169,14 @@ class Session:
         return self.response_limit - len(ctx.traj.mask)
 
     def add_reply(self, ctx: State, keys: tuple, token_ids: list[int], logprobs: list[float],
-                  versions: list[int]) -> State:
-        """The sampled answer appended to `ctx` as it came (mask 1); `keys`: the reply's canonical message."""
+                  versions: list[int], grammar=None) -> State:
+        """The sampled answer appended to `ctx` as it came (mask 1); `keys`: the reply's canonical message;
+        `grammar`: the decoding grammar it was sampled under (None: none), replayed when it becomes a batch row."""
         t = _copy(ctx.traj)
         start = len(t.mask)
         self.ct.add_assistant(t, token_ids, logprobs, versions)
+        if grammar is not None and token_ids:
+            t.grammars.append((start, len(t.mask), grammar))
         state = State(len(self.states), ctx.keys + (keys,), ctx.tools, t, reply=True,
                       turns=ctx.turns + ((len(self.states), start, len(t.mask)),),
                       closed=bool(token_ids) and token_ids[-1] in self.eos)
@@ -206,7 +209,8 @@ def _tools_key(tools: Optional[list[dict]]) -> str:
 
 
 def _copy(t: Trajectory) -> Trajectory:
-    return Trajectory(ids=list(t.ids), mask=list(t.mask), logprobs=list(t.logprobs), versions=list(t.versions))
+    return Trajectory(ids=list(t.ids), mask=list(t.mask), logprobs=list(t.logprobs), versions=list(t.versions),
+                      grammars=list(t.grammars))
 
 
 def _append_context(t: Trajectory, ids: list[int]) -> None:

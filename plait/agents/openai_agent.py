@@ -41,9 +41,8 @@ from plait.agents.tokens import Trajectory
 from plait.profiler.samples import add_span, now
 from plait.reaper import reaped_argv
 from plait.safeload import first_line
-from plait.serving.gateway import Gateway
+from plait.serving.gateway import Gateway, grammars_for
 from plait.serving.server import Server
-from plait.workers.grammar import masks, serving
 
 GRACE_S = 30.0  # past an agent's own timeout, how long its worker process may take to say so before it is killed
 SHOWN_PER_SESSION, SHOWN_PER_STEP, LOGGED_PER_SESSION, LINE_CHARS = 20, 200, 2000, 1000
@@ -62,7 +61,7 @@ class ExternalAgents:
         self.cfg = cfg.actor_rollout_ref.rollout.agent.openai_agent
         self.name = self.cfg.path and f"{self.cfg.path}:{self.cfg.name}" or self.cfg.command
         model = os.path.basename(str(cfg.actor_rollout_ref.model.path or "plait").rstrip("/")) or "plait"
-        grammars, no_grammar = serving(cfg.actor_rollout_ref.rollout.name, tokenizer, eos_ids)
+        grammars, no_grammar = grammars_for(cfg.actor_rollout_ref.rollout.name, tokenizer, eos_ids)
         self.gateway = Gateway(tokenizer, model_type, cfg.actor_rollout_ref.rollout.multi_turn.format, eos_ids, model,
                                grammars=grammars, no_grammar=no_grammar)
         self.output = AgentOutput(os.path.join(cfg.output_dir, "agents.log"))
@@ -152,8 +151,7 @@ class OpenAIAgentLoop(AgentLoopBase):
         finally:
             gateway.close(session.id)
         try:  # off the gateway's event loop: a few microseconds a constrained token (docs/agents.md)
-            grammar = await asyncio.to_thread(lambda: [masks(t.ids[t.prompt_len:], t.grammars, self.response_length)
-                                                       for t in session.trajectories()])
+            grammar = await asyncio.to_thread(session.grammar_masks, self.response_length)
         except ValueError as err:  # the engine sampled a token its grammar does not allow: never trained
             grammar = err
         return session_output(session, outcome, self.ct, kwargs["raw_prompt"], self.prompt_length, self.response_length,

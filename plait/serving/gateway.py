@@ -30,7 +30,8 @@ from plait.agents.tokens import ContinuousTokens, PrefixUnstable
 from plait.agents.tool_parser import count_call_blocks, parse_tool_calls
 from plait.serving.protocol import ApiError, ChatRequest, Choice
 from plait.serving.sessions import Session, Span, closing_ids, message_key
-from plait.workers.grammar import Grammars
+from plait.workers.engine import ENGINES
+from plait.workers.grammar import Grammars, unavailable
 
 CALL_TAGS = {"hermes": ("<tool_call>\n", "\n</tool_call>")}  # a forced call as plait's tool parsers read it
 
@@ -221,6 +222,13 @@ class Gateway:
 
     def count_tokens(self, req: ChatRequest) -> int:
         return len(self.ct.render(req.messages, True, req.tools))
+
+
+def grammars_for(engine: str, tokenizer, eos_ids: list[int]) -> tuple[Optional[Grammars], str]:
+    """A gateway's `grammars` over `tokenizer` where rollout engine `engine` takes a grammar and llguidance is
+    installed, with ""; else None and why not (the engine table's `grammar` entry, or the install hint)."""
+    why = ENGINES[engine].grammar or unavailable()
+    return (None, why) if why else (Grammars(tokenizer, eos_ids), "")
 
 
 def cut_at_stop(tokenizer, ids: list[int], stops: list[str]) -> tuple[int, Optional[str], Optional[str]]:

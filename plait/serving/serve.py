@@ -60,7 +60,7 @@ class ModelServer:
 
         from plait.agents.runner import EventLoopThread, Scheduler
         from plait.models import load_tokenizer
-        from plait.serving.gateway import Gateway
+        from plait.serving.gateway import Gateway, grammars_for
         from plait.serving.server import Server
         from plait.workers.rollout import Rollout
         tokenizer = load_tokenizer(path)
@@ -76,8 +76,7 @@ class ModelServer:
         bounds = [c for c in (context, getattr(model.get_text_config(), "max_position_embeddings", None)) if c]
         context = min(bounds) if bounds else None
         self.failed: set[str] = set()  # the kinds of engine error said (once each: a dead engine fails every round)
-        from plait.workers.grammar import serving
-        grammars, no_grammar = serving(self.rollout.engine_name, tokenizer, self.rollout.eos_ids)
+        grammars, no_grammar = grammars_for(self.rollout.engine_name, tokenizer, self.rollout.eos_ids)
         self.gateway = Gateway(tokenizer, model.model_type, tool_format, self.rollout.eos_ids, name, generate=self.queue.generate,
                                max_tokens=max_tokens, defaults=defaults, seed=seed, context=context,
                                grammars=grammars, no_grammar=no_grammar)

@@ -31,6 +31,7 @@ from typing import Any, Optional
 
 from plait.agents.tokens import ContinuousTokens, PrefixUnstable, Trajectory
 from plait.serving.protocol import ApiError
+from plait.workers.grammar import masks
 
 Key = tuple  # a message's canonical form
 
@@ -199,6 +200,12 @@ class Session:
                 claimed.add(turn)
             out.append(t)
         return out
+
+    def grammar_masks(self, limit: int) -> list[dict]:
+        """Per trajectory (as `trajectories` orders them), its spans sampled under a grammar replayed over the
+        sampled tokens (plait/workers/grammar.py masks), cut at `limit` response tokens. ValueError: a token its
+        grammar does not allow."""
+        return [masks(t.ids[t.prompt_len:], t.grammars, limit) for t in self.trajectories()]
 
     def replies(self) -> int:
         return sum(s.reply for s in self.states)

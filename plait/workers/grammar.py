@@ -125,14 +125,6 @@ def masks(response_ids: list[int], segments: list, limit: int) -> dict:
     return {"cols": cols[keep], "bits": bits[keep]} if keep.any() else {}
 
 
-def serving(engine: str, tokenizer, eos_ids: list[int]) -> tuple[Optional[Grammars], str]:
-    """A gateway's grammars over `tokenizer` where rollout engine `engine` takes a grammar and llguidance is
-    installed, with ""; else None and why not (the engine table's `grammar` entry, or the install hint)."""
-    from plait.workers.engine import ENGINES
-    why = ENGINES[engine].grammar or unavailable()
-    return (None, why) if why else (Grammars(tokenizer, eos_ids), "")
-
-
 def unavailable() -> Optional[str]:
     """None where llguidance imports; else the one-line install hint."""
     try:

@@ -134,10 +134,7 @@ def train_rows(server, session, prompt: str):
     from plait.agents.worker import to_batch
     from plait.types import PromptBatch
     from plait.workers.actor import micro_forward
-    from plait.workers.grammar import masks
-    chains = session.trajectories()
-    grammar = [masks(t.ids[t.prompt_len:], t.grammars, 200) for t in chains]
-    out = session_output(session, Outcome(score=1.0), server.gateway.ct, ASK, 256, 200, "test", grammar)
+    out = session_output(session, Outcome(score=1.0), server.gateway.ct, ASK, 256, 200, "test", session.grammar_masks(200))
     prompts = PromptBatch(prompt_ids=[server.gateway.tokenizer.encode(prompt)], data_sources=["t"], ground_truths=["5"],
                           extra_infos=[{}], indices=[0])
     batch = to_batch([out], prompts, 1, server.gateway.tokenizer.pad_token_id, 0, 200)
@@ -185,14 +182,15 @@ def test_a_sampled_token_its_grammar_does_not_allow_fails_the_session(server):
     bad = server.gateway.tokenizer.encode("x{}", add_special_tokens=False)  # no JSON object starts with x
     session.add_reply(ctx, (), bad, [-1.0] * len(bad), [0] * len(bad), grammar)
     with pytest.raises(ValueError, match=r"sampled token 0 of 3 \(id \d+\) is not one its decoding grammar allows"):
-        grammar.replay(bad)
+        session.grammar_masks(200)
     try:
-        grammar.replay(bad)
+        session.grammar_masks(200)
     except ValueError as err:
         out = session_output(session, Outcome(score=1.0), server.gateway.ct, ASK, 256, 200, "agent x (row 0)", err)
     info = out.extra_fields["session"]
     assert "sampled off its decoding grammar" in info["failure"] and sum(out.response_mask) == 0
     assert info["failed_after_cut"] is None and info["constrained_tokens"] == 0
+    server.gateway.close(session.id)
 
 
 def test_a_constrained_request_cut_by_an_abort_goes_on_in_its_grammar(server):

@@ -6,6 +6,7 @@ grammar replayed over the sampled tokens), a resumed request going on in its gra
 
 import asyncio
 import json
+import pickle
 from typing import Literal
 
 import anthropic
@@ -171,6 +172,33 @@ def test_a_training_session_samples_under_the_grammar_and_trains_its_distributio
     assert constrained == sum(end - start for t in chains for start, end, _ in t.grammars) > 20
     assert (trained - batch.rollout_logprobs)[mask].abs().max() <= 1e-5
     assert (unmasked - batch.rollout_logprobs)[mask].abs().max() > 1e-2  # the test can fail: the mask matters
+    # the masks travel as a batch does: pickled (Ray), joined with unconstrained rows, split and selected
+    from plait.types import RolloutBatch
+    from plait.workers.actor import micro_forward
+    joined = RolloutBatch.concat([batch.replace(grammar_masks=None), pickle.loads(pickle.dumps(batch))])
+    assert joined.grammar_masks[:len(batch)] == [{}] * len(batch)
+    rows = joined.split(2)[1].select(list(range(len(batch))))
+    with torch.no_grad():
+        assert torch.equal(micro_forward(server.rollout.engine.model, rows, 1.0, False)[0][mask], trained[mask])
+
+
+def test_an_engine_without_grammars_refuses_a_sessions_constraint_in_one_line(tokenizer):
+    """vLLM takes no grammar from plait: a training session's forced call or JSON answer is a 400 naming the field."""
+    from gateway_helpers import served
+    from plait.serving.gateway import grammars_for
+    grammars, why = grammars_for("vllm", tokenizer, [tokenizer.eos_token_id])
+    assert grammars is None and "actor_rollout_ref.rollout.name=hf" in why
+    with served(tokenizer, plain=False) as (gateway, url, _e, queue):
+        gateway.no_grammar = why
+        session = gateway.open("row 0", queue.generate, {"temperature": 1.0}, 256, 200)
+        client = openai.OpenAI(base_url=url + "/v1", api_key=session.id, max_retries=0)
+        for kwargs, param in ((dict(tools=TOOLS, tool_choice="required"), "tool_choice"),
+                              (dict(response_format={"type": "json_object"}), "response_format")):
+            with pytest.raises(openai.BadRequestError) as err:
+                client.chat.completions.create(model="tiny", messages=ASK, **kwargs)
+            message = err.value.body["message"]
+            assert err.value.body["param"] == param and "needs grammar-constrained decoding" in message and why in message
+        assert not session.trajectories()
 
 
 def test_a_sampled_token_its_grammar_does_not_allow_fails_the_session(server):

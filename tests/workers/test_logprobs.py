@@ -165,6 +165,10 @@ def _fsdp2_rank(rank: int, model_dir: str, rdzv: str) -> None:
     model = load_causal_lm(model_dir)
     batches = [(make_batch(rows=4, seed=s), packed) for s, packed in enumerate([False, True, False])]
     want = [logp_ent_grads(model, b, lambda m, b: full_vocab_forward(m, b, T, packed)) for b, packed in batches]
+    constrained = make_batch(rows=4, seed=3)  # a decoding grammar's allowed sets (the head's logits at once here)
+    constrained.grammar_masks = random_grammar(constrained, model.config.vocab_size)
+    batches.append((constrained, True))
+    want.append(logp_ent_grads(model, constrained, lambda m, b: masked_full_vocab_forward(m, b, T)))
     for block in [m for m in model.modules() if type(m).__name__ in model._no_split_modules]:
         fully_shard(block, reshard_after_forward=True)
     fully_shard(model, reshard_after_forward=True)
@@ -178,7 +182,8 @@ def _fsdp2_rank(rank: int, model_dir: str, rdzv: str) -> None:
 
 def test_fsdp2_sharded_model_gives_the_same_logprobs_and_gradients(model_dir, tmp_path):
     """Blocks and root sharded over 2 gloo ranks (reshard after forward, verl's default), each with the
-    same rows: log-probs and the averaged gradients equal the unsharded model's, padded and packed.
+    same rows: log-probs and the averaged gradients equal the unsharded model's, padded and packed, and over a
+    decoding grammar's allowed sets.
     (With the root not resharding, FSDP2 in torch 2.13 gets the root's gradients wrong after a no-grad
     forward on the old path too.)"""
     import torch.multiprocessing as mp

@@ -280,7 +280,7 @@ def only_supported(z: torch.Tensor, support: Support | None) -> torch.Tensor:
         allowed = allowed[:, :-1] | (kept < 0).all(-1, keepdim=True)                  # [N, vocab]
     if support.at is not None and len(support.at):
         allowed[support.at] &= unpack(support.bits, support.bits.shape[1] * 32, z.shape[-1])  # [m, vocab]
-    return z.masked_fill(~allowed, -1e30)
+    return torch.where(allowed, z, -1e30)
 
 
 class _HeadLogpEntropy(torch.autograd.Function):

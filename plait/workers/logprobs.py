@@ -249,12 +249,14 @@ class Support:
             raise ValueError("a grammar-constrained position is not a response token of its row")
         return Support(kept, at, bits)
 
-    def __getitem__(self, rows: slice) -> Support:
-        """Positions [rows.start, rows.stop) (a chunk)."""
+    def __getitem__(self, rows: slice) -> Support | None:
+        """Positions [rows.start, rows.stop) (a chunk); None where nothing there was filtered (no mask to build)."""
         kept = None if self.kept is None else self.kept[rows]
         if self.at is None:
             return Support(kept)
         lo, hi = torch.searchsorted(self.at, torch.tensor([rows.start, rows.stop], device=self.at.device)).tolist()
+        if lo == hi:
+            return None if kept is None else Support(kept)
         return Support(kept, self.at[lo:hi] - rows.start, self.bits[lo:hi])
 
 
@@ -278,7 +280,7 @@ def only_supported(z: torch.Tensor, support: Support | None) -> torch.Tensor:
         allowed = torch.zeros(len(z), z.shape[-1] + 1, dtype=torch.bool, device=z.device)  # [N, vocab + 1]
         allowed.scatter_(1, kept.masked_fill(kept < 0, z.shape[-1]), True)           # padding lands in the spare column
         allowed = allowed[:, :-1] | (kept < 0).all(-1, keepdim=True)                  # [N, vocab]
-    if support.at is not None and len(support.at):
+    if support.at is not None:
         allowed[support.at] &= unpack(support.bits, support.bits.shape[1] * 32, z.shape[-1])  # [m, vocab]
     return torch.where(allowed, z, -1e30)
 

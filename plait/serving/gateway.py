@@ -85,6 +85,7 @@ class Gateway:
 
     async def chat(self, req: ChatRequest, session: Optional[Session]) -> tuple[list[Choice], int]:
         """The request's choices and its prompt's token count."""
+        grammar = self.grammar(req).get("grammar")
         if session is None:
             try:
                 ids = self.ct.render(req.messages, True, req.tools)
@@ -93,10 +94,10 @@ class Gateway:
             except Exception as err:  # noqa: BLE001 - jinja's own errors (a template that raises on a role order)
                 raise ApiError(400, f"the chat template cannot render these messages: {type(err).__name__}: {err}",
                                "messages") from None
-            outs = await self._sample(None, ids, req, req.n)
+            outs = await self._sample(None, ids, req, req.n, grammar=grammar)
             return [self.read_answer(o, req) for o in outs], len(ids)
         ctx = session.context(req.messages, req.tools)
-        choices, grammar = [], self.grammar(req).get("grammar")
+        choices = []
         for out in await self._sample(session, ctx.traj.ids, req, req.n, room=session.room(ctx), grammar=grammar):
             choice = self.read_answer(out, req)
             reply = {"role": "assistant", "content": choice.content,
@@ -110,11 +111,12 @@ class Gateway:
         return choices, len(ctx.traj.ids)
 
     async def complete(self, prompt_ids: list[int], req: ChatRequest, session: Optional[Session]) -> tuple[list[Choice], int]:
+        grammar = self.grammar(req).get("grammar")
         if session is None:
-            outs = await self._sample(None, prompt_ids, req, req.n)
+            outs = await self._sample(None, prompt_ids, req, req.n, grammar=grammar)
             return [self.read_answer(o, req) for o in outs], len(prompt_ids)
         ctx = session.context_ids(prompt_ids)
-        choices, grammar = [], self.grammar(req).get("grammar")
+        choices = []
         for out in await self._sample(session, ctx.traj.ids, req, req.n, room=session.room(ctx), grammar=grammar):
             choice = self.read_answer(out, req)
             session.add_reply(ctx, (), choice.token_ids, choice.logprobs, out.versions[:len(choice.token_ids)], grammar)
@@ -123,21 +125,20 @@ class Gateway:
 
     async def _sample(self, session: Optional[Session], ids: list[int], req: ChatRequest, n: int, room: int = 0,
                       grammar=None) -> list:
-        """A session's call samples with the rollout's settings (and `grammar`, its constraint's, where it has one)."""
+        """`n` samples of `ids`, with a session's sampling or the call's, under `grammar` (None: unconstrained)."""
         if session is None:
             sampling, budget, generate = self.plain_sampling(req, len(ids)), req.max_tokens or self.max_tokens, self.plain
-            sampling.update(self.grammar(req))
             if self.context is not None:
                 budget = min(budget, self.context - len(ids))
         else:
             sampling, generate = session.sampling, session.generate
-            if grammar is not None:
-                sampling = {**sampling, "grammar": grammar}
             self._keep_rollout_sampling(session, req)
             budget = min(req.max_tokens or room, room)
             if budget <= 0:  # the chain's response budget is used up: answered as cut, nothing sampled
                 session.cut = True
                 return [_Empty() for _ in range(n)]
+        if grammar is not None:
+            sampling = {**sampling, "grammar": grammar}
         spans = []
 
         async def one(k: int):

@@ -10,6 +10,8 @@ on, in the backward too: `_HeadLogpEntropy` recomputes each chunk there and writ
 log-softmax, entropy and the head out (a few passes over the logits instead of autograd's many; the
 head's weight gradient summed in place), in the autocast dtype under mixed precision. An FSDP2-sharded
 model computes the head inside its own forward at the same positions, unchunked (`_sharded_logprobs`).
+Where the sampler drew from less than the vocabulary (top-k / top-p's kept ids, a decoding grammar's allowed
+set: `Support`), every pass takes the softmax over that set, a chunk's mask built only while it is worked on.
 
 Left out: chunking over the vocabulary. The chunk's token count shrinks as the vocabulary grows
 (`LOGITS_BUDGET`), so its logits keep the same size for any vocabulary.

@@ -80,6 +80,10 @@ class RolloutBatch:
     sampled_from: Optional[torch.Tensor] = None   # [batch, resp_len, k] long: the ids the sampler's top-k / top-p kept
     #   at each sampled token, -1 padded (a position of all -1: the whole vocabulary). Old, new and reference log-probs
     #   are taken over this set, the distribution the token was drawn from; None: the whole vocabulary everywhere
+    grammar_masks: Optional[list[dict]] = None  # per row, the response tokens sampled under a decoding grammar (a forced
+    #   tool call, a JSON answer through the gateway): {"cols": [m] long, "bits": [m, ceil(vocab / 32)] int32, bit i of
+    #   word w set where id 32w + i was allowed}, {} for a row without; None: no row. Log-probs there are taken over
+    #   the allowed ids (plait/workers/grammar.py, logprobs.py Support)
     multi_modal_inputs: Optional[list[dict]] = None  # per row, a VL model's processor outputs: {"pixel_values":
     #   [patches, 3 * temporal_patch * patch^2], "image_grid_thw": [images, 3]}, {} for a text row; None: no media.
     #   Every forward over the row (old log-prob, ref, update) gives them to the model (plait/models_vl.vl_inputs)

@@ -69,6 +69,8 @@ class AgentLoopOutput:
     multi_modal_data: Optional[dict[str, Any]] = None
     routed_experts: Optional[Any] = None
     response_versions: Optional[list[int]] = None  # plait: policy version per response token (-1: not sampled)
+    response_grammar: Optional[dict] = None  # plait: its tokens sampled under a decoding grammar, as a batch row
+    #   carries them (RolloutBatch.grammar_masks); None: none
 
 
 @dataclass

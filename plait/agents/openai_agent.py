@@ -41,7 +41,7 @@ from plait.agents.tokens import Trajectory
 from plait.profiler.samples import add_span, now
 from plait.reaper import reaped_argv
 from plait.safeload import first_line
-from plait.serving.gateway import Gateway
+from plait.serving.gateway import Gateway, grammars_for
 from plait.serving.server import Server
 
 GRACE_S = 30.0  # past an agent's own timeout, how long its worker process may take to say so before it is killed
@@ -61,7 +61,9 @@ class ExternalAgents:
         self.cfg = cfg.actor_rollout_ref.rollout.agent.openai_agent
         self.name = self.cfg.path and f"{self.cfg.path}:{self.cfg.name}" or self.cfg.command
         model = os.path.basename(str(cfg.actor_rollout_ref.model.path or "plait").rstrip("/")) or "plait"
-        self.gateway = Gateway(tokenizer, model_type, cfg.actor_rollout_ref.rollout.multi_turn.format, eos_ids, model)
+        grammars, no_grammar = grammars_for(cfg.actor_rollout_ref.rollout.name, tokenizer, eos_ids)
+        self.gateway = Gateway(tokenizer, model_type, cfg.actor_rollout_ref.rollout.multi_turn.format, eos_ids, model,
+                               grammars=grammars, no_grammar=no_grammar)
         self.output = AgentOutput(os.path.join(cfg.output_dir, "agents.log"))
         self.server = Server(self.gateway, loop, self.cfg.host, self.cfg.port)
         self.memory_limit_mb = self.cfg.memory_limit_mb or cfg.reward.memory_limit_mb or 0
@@ -148,8 +150,12 @@ class OpenAIAgentLoop(AgentLoopBase):
             outcome = Outcome(failure=f"could not be started: {type(err).__name__}: {first_line(err)}")
         finally:
             gateway.close(session.id)
+        try:  # off the gateway's event loop: a few microseconds a constrained token (docs/agents.md)
+            grammar = await asyncio.to_thread(session.grammar_masks, self.response_length)
+        except ValueError as err:  # the engine sampled a token its grammar does not allow: never trained
+            grammar = err
         return session_output(session, outcome, self.ct, kwargs["raw_prompt"], self.prompt_length, self.response_length,
-                              f"agent {self.external.name} ({label})")
+                              f"agent {self.external.name} ({label})", grammar)
 
 
 def agent_row(kwargs: dict) -> dict:
@@ -165,16 +171,20 @@ def _plain(value):
 
 
 def session_output(session, outcome: Outcome, ct, messages: list[dict], prompt_length: int, response_length: int,
-                   who: str) -> AgentLoopOutput:
+                   who: str, grammar: list[dict] | ValueError = ()) -> AgentLoopOutput:
     """The session's final chain as the row's output, its earlier chains in extra_fields["chains"]. A failed
     session's tokens are masked out of the loss (an empty response when it sampled none). An agent that fails
     after the chain's response budget (data.max_response_length) cut an answer has not failed its sample: the
     budget ended the episode (openai-agents raises on the cut Response), so the sample is trained as truncated,
-    scored by the session's posted reward or the reward function, and counted (agent/failed_after_cut)."""
+    scored by the session's posted reward or the reward function, and counted (agent/failed_after_cut).
+    `grammar`: per chain, its replayed grammar masks (plait/workers/grammar.py masks), or the replay's error: a
+    token sampled off its grammar fails the session."""
     chains = session.trajectories()
     failure = outcome.failure or (None if chains else "never called the model")
     after_cut = failure if failure is not None and chains and session.cut else None
     failure = None if after_cut else failure
+    if isinstance(grammar, ValueError):
+        failure, after_cut, grammar = f"was sampled off its decoding grammar: {grammar}", None, ()
     if failure is not None:
         for t in chains:
             t.mask = [0] * len(t.mask)
@@ -189,6 +199,7 @@ def session_output(session, outcome: Outcome, ct, messages: list[dict], prompt_l
     info = {"id": session.id, "failure": None if failure is None else f"{who} {failure}", "chains": len(chains),
             "requests": len(session.spans), "sampling_overridden": len(session.overridden),
             "unparsed_tool_calls": session.unparsed, "failed_after_cut": after_cut,
+            "constrained_tokens": sum(t.mask[c] for t, g in zip(chains, grammar) if g for c in g["cols"].tolist()),
             "agent_s": max(0.0, time.time() - session.opened - generating), "spans": spans}
     outs = []
     for i, t in enumerate(chains):
@@ -198,7 +209,7 @@ def session_output(session, outcome: Outcome, ct, messages: list[dict], prompt_l
         calls = {"tool_call_attempts": session.call_blocks, "tool_calls_made": session.calls} if final else {}
         out = output_of(t, response_length, session.replies() + 1, metrics,
                         {"turn_scores": [], "tool_rewards": [], **calls, "session": {**info, "final": final}})
-        out.reward_score = reward
+        out.reward_score, out.response_grammar = reward, grammar[i] if grammar else None
         outs.append(out)
     outs[-1].extra_fields["chains"] = outs[:-1]
     return outs[-1]

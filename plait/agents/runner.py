@@ -13,7 +13,8 @@ its batch at the start).
 Partial rollout (fully_async): `abort()` cuts the running round short; the cut requests keep the
 tokens they got (with their log-probs and policy versions) and the call returns, marking
 unfinished trajectories "aborted"; their coroutines stay suspended. `resume()` (after new weights
-loaded) re-queues the cut requests, which continue from their tokens so far, with the new weights.
+loaded) re-queues the cut requests, which continue from their tokens so far, with the new weights
+(and a decoding grammar from its state after those tokens).
 
 With vLLM (`drive_stream`) there are no rounds: vLLM's engine batches continuously, so a request
 joins the running batch at the next engine step and is answered the step it finishes.
@@ -107,14 +108,19 @@ def run_round(requests: list[Request], engine_round: Round, version: int) -> lis
     an abort cut short (they keep their tokens so far)."""
     cut = []
     groups: dict[tuple, list[Request]] = {}
-    for i, r in enumerate(requests):  # a seeded request alone: its answer must not depend on its batch-mates
-        groups.setdefault(r.key() + ((i,) if "seed" in r.sampling else ()), []).append(r)
+    for i, r in enumerate(requests):  # a seeded request alone: its answer must not depend on its batch-mates; a
+        # constrained one that an abort cut, too: its grammar goes on from its own tokens so far
+        alone = "seed" in r.sampling or (r.tokens and "grammar" in r.sampling)
+        groups.setdefault(r.key() + ((i,) if alone else ()), []).append(r)
     now = time.time()
     for r in requests:
         r.started = r.started or now
     for reqs in groups.values():
         budget = [r.max_tokens - len(r.tokens) for r in reqs]
-        gen = engine_round([r.prompt_ids + r.tokens for r in reqs], max(budget), reqs[0].sampling)
+        sampling = reqs[0].sampling
+        if reqs[0].tokens and "grammar" in sampling:
+            sampling = {**sampling, "grammar": sampling["grammar"].after(reqs[0].tokens)}
+        gen = engine_round([r.prompt_ids + r.tokens for r in reqs], max(budget), sampling)
         lengths = gen.response_mask.sum(-1).long().tolist()
         for r in reqs:
             r.prefilled = r.prefilled or gen.prefilled

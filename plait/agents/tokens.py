@@ -39,6 +39,8 @@ class Trajectory:
     mask: list[int] = field(default_factory=list)         # [response] 1 sampled, 0 added by the loop
     logprobs: list[float] = field(default_factory=list)   # [response] 0.0 where mask is 0
     versions: list[int] = field(default_factory=list)     # [response] policy version, -1 where mask is 0
+    grammars: list = field(default_factory=list)          # [(start, end, Grammar)]: response spans sampled under a
+    #   decoding grammar (the gateway's forced calls and JSON answers; plait/workers/grammar.py masks)
 
     @property
     def prompt_len(self) -> int:

@@ -254,12 +254,14 @@ def to_batch(outs: list[AgentLoopOutput | None], prompts: PromptBatch, n: int, p
     extra = [dict(e or {}) for e in of(prompts.extra_infos)]
     infos = [row_info(o, e) for o, e in zip(rows, extra)]
     reasons = ["aborted" if o is None else "length" if len(o.response_ids) >= response_length else "eos" for o in rows]
+    grammar = [o.response_grammar or {} if o is not None else {} for o in rows]
     return RolloutBatch(prompts=prompts_t, prompt_mask=prompt_mask, responses=responses, response_mask=mask,
                         response_attention=attn, rollout_logprobs=logp, token_versions=token_versions,
                         group_ids=torch.tensor(of(prompts.indices), dtype=torch.long),
                         versions=torch.full((len(rows),), version, dtype=torch.long),
                         data_sources=of(prompts.data_sources), ground_truths=of(prompts.ground_truths),
-                        extra_infos=extra, stop_reasons=reasons, agent_infos=infos)
+                        extra_infos=extra, stop_reasons=reasons, agent_infos=infos,
+                        grammar_masks=grammar if any(grammar) else None)
 
 
 def row_info(o: AgentLoopOutput | None, extra: dict) -> dict:

@@ -13,8 +13,9 @@ sample as the request asks, with the server's defaults where it asks nothing (a 
 as verl's reward server's override_generation_config); a call with a `seed` (or every call, where the server
 has one: a judge with full_determinism) is sampled alone with its own generator. Every sampled token is kept
 with its log-prob and policy version. A forced tool call or a JSON answer (protocol.Constraint) is sampled under
-its grammar (plait/workers/grammar.py) outside sessions; sessions refuse it, since the trainer's log-probs do not
-take the grammar's mask (docs/agents.md "Forced tool calls and structured output").
+its grammar (plait/workers/grammar.py), in sessions too: the session records which reply tokens were sampled under
+which grammar, and the trainer takes their log-probs over the grammar's allowed set (docs/agents.md "Forced tool
+calls and structured output"). An engine that takes no grammar (vLLM) answers such a call with a 400.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ from plait.agents.tokens import ContinuousTokens, PrefixUnstable
 from plait.agents.tool_parser import count_call_blocks, parse_tool_calls
 from plait.serving.protocol import ApiError, ChatRequest, Choice
 from plait.serving.sessions import Session, Span, closing_ids, message_key
-from plait.workers.grammar import Grammars
+from plait.workers.engine import ENGINES
+from plait.workers.grammar import Grammars, unavailable
 
 CALL_TAGS = {"hermes": ("<tool_call>\n", "\n</tool_call>")}  # a forced call as plait's tool parsers read it
 
@@ -83,6 +85,7 @@ class Gateway:
 
     async def chat(self, req: ChatRequest, session: Optional[Session]) -> tuple[list[Choice], int]:
         """The request's choices and its prompt's token count."""
+        grammar = self.grammar(req).get("grammar")
         if session is None:
             try:
                 ids = self.ct.render(req.messages, True, req.tools)
@@ -91,15 +94,16 @@ class Gateway:
             except Exception as err:  # noqa: BLE001 - jinja's own errors (a template that raises on a role order)
                 raise ApiError(400, f"the chat template cannot render these messages: {type(err).__name__}: {err}",
                                "messages") from None
-            outs = await self._sample(None, ids, req, req.n)
+            outs = await self._sample(None, ids, req, req.n, grammar=grammar)
             return [self.read_answer(o, req) for o in outs], len(ids)
         ctx = session.context(req.messages, req.tools)
         choices = []
-        for out in await self._sample(session, ctx.traj.ids, req, req.n, room=session.room(ctx)):
+        for out in await self._sample(session, ctx.traj.ids, req, req.n, room=session.room(ctx), grammar=grammar):
             choice = self.read_answer(out, req)
             reply = {"role": "assistant", "content": choice.content,
                      "tool_calls": [{"function": {"name": n, "arguments": a}} for n, a in choice.calls]}
-            session.add_reply(ctx, message_key(reply), choice.token_ids, choice.logprobs, out.versions[:len(choice.token_ids)])
+            session.add_reply(ctx, message_key(reply), choice.token_ids, choice.logprobs, out.versions[:len(choice.token_ids)],
+                              grammar)
             session.call_blocks += choice.call_blocks
             session.unparsed += choice.call_blocks > len(choice.calls)
             session.calls += len(choice.calls)
@@ -107,34 +111,34 @@ class Gateway:
         return choices, len(ctx.traj.ids)
 
     async def complete(self, prompt_ids: list[int], req: ChatRequest, session: Optional[Session]) -> tuple[list[Choice], int]:
+        grammar = self.grammar(req).get("grammar")
         if session is None:
-            outs = await self._sample(None, prompt_ids, req, req.n)
+            outs = await self._sample(None, prompt_ids, req, req.n, grammar=grammar)
             return [self.read_answer(o, req) for o in outs], len(prompt_ids)
         ctx = session.context_ids(prompt_ids)
         choices = []
-        for out in await self._sample(session, ctx.traj.ids, req, req.n, room=session.room(ctx)):
+        for out in await self._sample(session, ctx.traj.ids, req, req.n, room=session.room(ctx), grammar=grammar):
             choice = self.read_answer(out, req)
-            session.add_reply(ctx, (), choice.token_ids, choice.logprobs, out.versions[:len(choice.token_ids)])
+            session.add_reply(ctx, (), choice.token_ids, choice.logprobs, out.versions[:len(choice.token_ids)], grammar)
             choices.append(choice)
         return choices, len(ctx.traj.ids)
 
-    async def _sample(self, session: Optional[Session], ids: list[int], req: ChatRequest, n: int, room: int = 0) -> list:
+    async def _sample(self, session: Optional[Session], ids: list[int], req: ChatRequest, n: int, room: int = 0,
+                      grammar=None) -> list:
+        """`n` samples of `ids`, with a session's sampling or the call's, under `grammar` (None: unconstrained)."""
         if session is None:
             sampling, budget, generate = self.plain_sampling(req, len(ids)), req.max_tokens or self.max_tokens, self.plain
-            sampling.update(self.grammar(req))
             if self.context is not None:
                 budget = min(budget, self.context - len(ids))
         else:
             sampling, generate = session.sampling, session.generate
-            if req.constraint is not None:
-                raise ApiError(400, f"'{req.constraint.field}' (a forced tool call or a JSON answer) is refused while plait "
-                                    "trains: its constrained decoding would sample from a distribution the trainer's "
-                                    "log-probs do not take (plait serve honours it; docs/agents.md)", req.constraint.field)
             self._keep_rollout_sampling(session, req)
             budget = min(req.max_tokens or room, room)
             if budget <= 0:  # the chain's response budget is used up: answered as cut, nothing sampled
                 session.cut = True
                 return [_Empty() for _ in range(n)]
+        if grammar is not None:
+            sampling = {**sampling, "grammar": grammar}
         spans = []
 
         async def one(k: int):
@@ -219,6 +223,13 @@ class Gateway:
 
     def count_tokens(self, req: ChatRequest) -> int:
         return len(self.ct.render(req.messages, True, req.tools))
+
+
+def grammars_for(engine: str, tokenizer, eos_ids: list[int]) -> tuple[Optional[Grammars], str]:
+    """A gateway's `grammars` over `tokenizer` where rollout engine `engine` takes a grammar and llguidance is
+    installed, with ""; else None and why not (the engine table's `grammar` entry, or the install hint)."""
+    why = ENGINES[engine].grammar or unavailable()
+    return (None, why) if why else (Grammars(tokenizer, eos_ids), "")
 
 
 def cut_at_stop(tokenizer, ids: list[int], stops: list[str]) -> tuple[int, Optional[str], Optional[str]]:

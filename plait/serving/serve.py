@@ -60,7 +60,7 @@ class ModelServer:
 
         from plait.agents.runner import EventLoopThread, Scheduler
         from plait.models import load_tokenizer
-        from plait.serving.gateway import Gateway
+        from plait.serving.gateway import Gateway, grammars_for
         from plait.serving.server import Server
         from plait.workers.rollout import Rollout
         tokenizer = load_tokenizer(path)
@@ -76,13 +76,10 @@ class ModelServer:
         bounds = [c for c in (context, getattr(model.get_text_config(), "max_position_embeddings", None)) if c]
         context = min(bounds) if bounds else None
         self.failed: set[str] = set()  # the kinds of engine error said (once each: a dead engine fails every round)
-        from plait.workers.engine import ENGINES
-        from plait.workers.grammar import Grammars, unavailable
-        no_grammar = ENGINES[self.rollout.engine_name].grammar or unavailable()
+        grammars, no_grammar = grammars_for(self.rollout.engine_name, tokenizer, self.rollout.eos_ids)
         self.gateway = Gateway(tokenizer, model.model_type, tool_format, self.rollout.eos_ids, name, generate=self.queue.generate,
                                max_tokens=max_tokens, defaults=defaults, seed=seed, context=context,
-                               grammars=None if no_grammar else Grammars(tokenizer, self.rollout.eos_ids),
-                               no_grammar=no_grammar or "")
+                               grammars=grammars, no_grammar=no_grammar)
         self.tinker = None
         from plait.profiler.timeline import TIMELINE, TIMELINE_FILE
         self.timeline = output_dir is not None and TIMELINE.path is None  # else the process's open one (a run's) keeps it

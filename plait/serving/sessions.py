@@ -31,6 +31,7 @@ from typing import Any, Optional
 
 from plait.agents.tokens import ContinuousTokens, PrefixUnstable, Trajectory
 from plait.serving.protocol import ApiError
+from plait.workers.grammar import masks
 
 Key = tuple  # a message's canonical form
 
@@ -169,11 +170,14 @@ class Session:
         return self.response_limit - len(ctx.traj.mask)
 
     def add_reply(self, ctx: State, keys: tuple, token_ids: list[int], logprobs: list[float],
-                  versions: list[int]) -> State:
-        """The sampled answer appended to `ctx` as it came (mask 1); `keys`: the reply's canonical message."""
+                  versions: list[int], grammar=None) -> State:
+        """The sampled answer appended to `ctx` as it came (mask 1); `keys`: the reply's canonical message;
+        `grammar`: the decoding grammar it was sampled under (None: none), replayed when it becomes a batch row."""
         t = _copy(ctx.traj)
         start = len(t.mask)
         self.ct.add_assistant(t, token_ids, logprobs, versions)
+        if grammar is not None and token_ids:
+            t.grammars.append((start, len(t.mask), grammar))
         state = State(len(self.states), ctx.keys + (keys,), ctx.tools, t, reply=True,
                       turns=ctx.turns + ((len(self.states), start, len(t.mask)),),
                       closed=bool(token_ids) and token_ids[-1] in self.eos)
@@ -197,6 +201,12 @@ class Session:
             out.append(t)
         return out
 
+    def grammar_masks(self, limit: int) -> list[dict]:
+        """Per trajectory (as `trajectories` orders them), its spans sampled under a grammar replayed over the
+        sampled tokens (plait/workers/grammar.py masks), cut at `limit` response tokens. ValueError: a token its
+        grammar does not allow."""
+        return [masks(t.ids[t.prompt_len:], t.grammars, limit) for t in self.trajectories()]
+
     def replies(self) -> int:
         return sum(s.reply for s in self.states)
 
@@ -206,7 +216,8 @@ def _tools_key(tools: Optional[list[dict]]) -> str:
 
 
 def _copy(t: Trajectory) -> Trajectory:
-    return Trajectory(ids=list(t.ids), mask=list(t.mask), logprobs=list(t.logprobs), versions=list(t.versions))
+    return Trajectory(ids=list(t.ids), mask=list(t.mask), logprobs=list(t.logprobs), versions=list(t.versions),
+                      grammars=list(t.grammars))
 
 
 def _append_context(t: Trajectory, ids: list[int]) -> None:

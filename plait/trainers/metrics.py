@@ -177,8 +177,9 @@ def sessions_of(infos: list[dict] | None) -> list[dict]:
 def session_metrics(infos: list[dict]) -> dict[str, float]:
     """plait's agent/*: sessions, failed_sessions, chains and requests per session, the sessions whose agent
     asked for other sampling settings, the answers whose tool call could not be parsed (returned as text), the
-    sessions whose agent failed after the response budget cut an answer (trained as truncated), and the
-    agent's own seconds (its run less its calls' time)."""
+    sessions whose agent failed after the response budget cut an answer (trained as truncated), the trained tokens
+    sampled under a decoding grammar (forced tool calls, JSON answers), and the agent's own seconds (its run less its
+    calls' time)."""
     sessions = sessions_of(infos)
     if not sessions:
         return {}
@@ -189,6 +190,7 @@ def session_metrics(infos: list[dict]) -> dict[str, float]:
             "agent/sampling_overridden": sum(s["sampling_overridden"] > 0 for s in sessions),
             "agent/unparsed_tool_calls": sum(s["unparsed_tool_calls"] for s in sessions),
             "agent/failed_after_cut": sum(s["failed_after_cut"] is not None for s in sessions),
+            "agent/constrained_tokens": sum(s["constrained_tokens"] for s in sessions),
             "agent/agent_s/mean": sum(s["agent_s"] for s in sessions) / n}
 
 

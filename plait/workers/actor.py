@@ -63,7 +63,7 @@ def response_forward(model, batch: RolloutBatch, temperature: float, layout: Mic
             logp[rows], micro_ent, micro_sq = response_stats(
                 model, micro.input_ids.to(device), micro.attention_mask.to(device), micro.responses.shape[1],
                 temperature, with_entropy, with_sum_pi_squared, layout.remove_padding, micro.multi_modal_inputs,
-                micro.sampled_from)
+                micro.sampled_from, micro.grammar_masks)
         if with_entropy:
             ent[rows] = micro_ent
         if with_sum_pi_squared:
@@ -76,7 +76,7 @@ def micro_forward(model, micro: RolloutBatch, temperature: float, with_entropy: 
     device = next(model.parameters()).device
     return response_logprobs(model, micro.input_ids.to(device), micro.attention_mask.to(device),
                              micro.responses.shape[1], temperature, with_entropy, remove_padding, micro.multi_modal_inputs,
-                             micro.sampled_from)
+                             micro.sampled_from, micro.grammar_masks)
 
 
 def micro_topk_forward(model, micro: RolloutBatch, temperature: float, remove_padding: bool = False):
@@ -85,7 +85,7 @@ def micro_topk_forward(model, micro: RolloutBatch, temperature: float, remove_pa
     device = next(model.parameters()).device
     return response_topk_stats(model, micro.input_ids.to(device), micro.attention_mask.to(device),
                                micro.responses.shape[1], temperature, True, micro.teacher_ids, remove_padding,
-                               micro.multi_modal_inputs, micro.sampled_from)
+                               micro.multi_modal_inputs, micro.sampled_from, micro.grammar_masks)
 
 
 def freeze_vision_tower(model) -> None:

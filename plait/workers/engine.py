@@ -80,7 +80,7 @@ class EngineSpec:
     # None: generate returns the set top-k / top-p kept at each token (Generation.kept), which the trainer's
     # log-probs are taken over; else why not (config refuses rollout.top_p < 1 / top_k > 0 with this engine)
     kept_set: Optional[str] = "returns no kept set with its tokens"
-    # None: generate honours SamplingParams.grammar (plait serve's forced tool calls and JSON answers); else why not
+    # None: generate honours SamplingParams.grammar (the gateway's forced tool calls and JSON answers); else why not
     grammar: Optional[str] = "the rollout engine takes no decoding grammar"
 
 
@@ -176,6 +176,7 @@ ENGINES: dict[str, EngineSpec] = {
                        devices=lambda rollout: rollout.tensor_model_parallel_size,
                        devices_rule="rollout.tensor_model_parallel_size", notes=_vllm_notes, images=_vllm_images,
                        kept_set=None,
-                       grammar="plait does not hand vLLM's structured outputs a grammar yet: serve with --engine hf"),
+                       grammar="plait does not hand vLLM's structured outputs a grammar yet: use the hf engine "
+                               "(plait serve --engine hf; training: actor_rollout_ref.rollout.name=hf)"),
     "sglang": EngineSpec(build=_refused, unavailable=lambda: SGLANG_WHY),
 }

@@ -10,6 +10,8 @@ on, in the backward too: `_HeadLogpEntropy` recomputes each chunk there and writ
 log-softmax, entropy and the head out (a few passes over the logits instead of autograd's many; the
 head's weight gradient summed in place), in the autocast dtype under mixed precision. An FSDP2-sharded
 model computes the head inside its own forward at the same positions, unchunked (`_sharded_logprobs`).
+Where the sampler drew from less than the vocabulary (top-k / top-p's kept ids, a decoding grammar's allowed
+set: `Support`), every pass takes the softmax over that set, a chunk's mask built only while it is worked on.
 
 Left out: chunking over the vocabulary. The chunk's token count shrinks as the vocabulary grows
 (`LOGITS_BUDGET`), so its logits keep the same size for any vocabulary.
@@ -18,12 +20,14 @@ Left out: chunking over the vocabulary. The chunk's token count shrinks as the v
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
 
 import torch
 from torch.utils.checkpoint import checkpoint
 
 from plait.configtree import ConfigError
 from plait.models_vl import is_vl, mask_logits, never_sampled, vl_inputs
+from plait.workers.grammar import unpack
 from plait.workers.packing import pack
 from plait.workers.parallel import is_sharded
 
@@ -33,39 +37,42 @@ GRAD_BUDGET = 2 ** 26    # bytes of logits' gradients per matmul with the head's
 
 def response_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, resp_len: int,
                       temperature: float, with_entropy: bool, remove_padding: bool = False,
-                      multi_modal: list[dict] | None = None,
-                      kept: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                      multi_modal: list[dict] | None = None, kept: torch.Tensor | None = None,
+                      grammar: list[dict] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs and entropy [batch, resp_len] of the last `resp_len` tokens of each row (rows are
     [left-padded prompt | right-padded response]), of softmax(logits / temperature); 0 at padding.
 
     `remove_padding`: the rows' real tokens go through the model packed (plait/workers/packing.py).
     `multi_modal`: a VL model's per-row processor outputs (RolloutBatch.multi_modal_inputs; None: text rows).
     `kept`: the sampler's top-k / top-p set at each response token [batch, resp_len, k] (RolloutBatch.sampled_from):
-    the softmax is taken over it alone, the distribution the token was drawn from; None: the whole vocabulary."""
+    the softmax is taken over it alone, the distribution the token was drawn from; None: the whole vocabulary.
+    `grammar`: per row, the allowed sets of the tokens sampled under a decoding grammar (RolloutBatch.grammar_masks):
+    there the softmax is taken over the ids the grammar allowed as well."""
     return response_stats(model, input_ids, attention_mask, resp_len, temperature, with_entropy, False,
-                          remove_padding, multi_modal, kept)[:2]
+                          remove_padding, multi_modal, kept, grammar)[:2]
 
 
 def response_stats(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, resp_len: int,
                    temperature: float, with_entropy: bool, with_sum_pi_squared: bool, remove_padding: bool = False,
-                   multi_modal: list[dict] | None = None,
-                   kept: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+                   multi_modal: list[dict] | None = None, kept: torch.Tensor | None = None,
+                   grammar: list[dict] | None = None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """`response_logprobs`, plus with `with_sum_pi_squared` the sum over the vocabulary of the squared
     probabilities [batch, resp_len] at each response token (verl's sum_pi_squared: optimal-token-baseline
     estimators), from the same chunked LM head; no gradient flows through it."""
     return _stats(model, input_ids, attention_mask, resp_len, temperature, with_entropy, with_sum_pi_squared,
-                  remove_padding, multi_modal, kept=kept)[:3]
+                  remove_padding, multi_modal, kept=kept, grammar=grammar)[:3]
 
 
 def response_topk_stats(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, resp_len: int,
                         temperature: float, with_entropy: bool, ids: torch.Tensor, remove_padding: bool = False,
-                        multi_modal: list[dict] | None = None, kept: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+                        multi_modal: list[dict] | None = None, kept: torch.Tensor | None = None,
+                        grammar: list[dict] | None = None) -> tuple[torch.Tensor, ...]:
     """`response_logprobs` (log-probs and entropy [batch, resp_len]) and, from the same LM head pass, the
     log-probs at `ids` [batch, resp_len, k] (a teacher's top-k tokens; gradients flow as through the sampled
     token's) and this model's own top-k ids there [batch, resp_len, k] (no gradient): the student's side of
     a top-k distillation loss."""
     logp, ent, _, at_ids, top = _stats(model, input_ids, attention_mask, resp_len, temperature, with_entropy, False,
-                                       remove_padding, multi_modal, ids=ids, kept=kept)
+                                       remove_padding, multi_modal, ids=ids, kept=kept, grammar=grammar)
     return logp, ent, at_ids, top[1]
 
 
@@ -79,7 +86,7 @@ def response_topk(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, 
 def _stats(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, resp_len: int, temperature: float,
            with_entropy: bool, with_sum_pi_squared: bool, remove_padding: bool = False,
            multi_modal: list[dict] | None = None, ids: torch.Tensor | None = None, topk: int = 0,
-           kept: torch.Tensor | None = None) -> tuple:
+           kept: torch.Tensor | None = None, grammar: list[dict] | None = None) -> tuple:
     """(logp, entropy, sum_pi_squared, log-probs at `ids`, (top-k log-probs, top-k ids)) of the response tokens,
     each padded to [batch, resp_len(, k)] (None where not asked); `ids` asks the top-k ids too (its k)."""
     resp_mask = attention_mask[:, -resp_len:]                                 # [batch, resp_len]
@@ -99,18 +106,17 @@ def _stats(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, resp_le
         media = multi_modal if multi_modal is not None else [{}] * input_ids.shape[0]
         inputs.update(vl_inputs(model.config, media, input_ids, attention_mask, packed))
     tokens = input_ids[:, -resp_len:][rows, cols]                             # [N]
-    if kept is not None:
-        kept = kept.to(tokens.device)[rows, cols]                             # [N, k]
+    support = Support.at_tokens(rows, cols, resp_mask.shape, kept, grammar)
     if ids is not None:  # the sampled token first, then the k asked for: one gather, one gradient
         tokens, topk = torch.cat([tokens[:, None], ids.to(tokens.device)[rows, cols]], 1), ids.shape[-1]  # [N, 1 + k]
     if is_sharded(model):
         logp, ent, spsq, top_logp, top_ids = _sharded_logprobs(model, inputs, before, tokens, temperature, with_entropy,
-                                                               with_sum_pi_squared, never_sampled(model.config), topk, kept)
+                                                               with_sum_pi_squared, never_sampled(model.config), topk, support)
     else:
         hidden = last_hidden(model, **inputs).flatten(0, 1)[before]          # [N, hidden]
         logp, ent, spsq, top_logp, top_ids = _chunked(hidden, tokens, model.get_output_embeddings(), temperature,
                                                       with_entropy, with_sum_pi_squared, banned=never_sampled(model.config),
-                                                      topk=topk, kept=kept)
+                                                      topk=topk, support=support)
 
     def padded(values):  # [N, ...] -> [batch, resp_len, ...], 0 at padding
         if values is None:
@@ -126,7 +132,7 @@ def _stats(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, resp_le
 def _sharded_logprobs(model, inputs: dict, before: torch.Tensor, tokens: torch.Tensor, temperature: float,
                       with_entropy: bool, with_sum_pi_squared: bool = False,
                       banned: list[int] | None = None, topk: int = 0,
-                      kept: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+                      support: Support | None = None) -> tuple[torch.Tensor, ...]:
     """FSDP2: the LM head runs inside the root's forward, at the response positions only
     (`logits_to_keep` as a mask), so [N, vocab] logits exist at once. A head called per chunk after
     the root's forward (its own fully_shard group) gave wrong gradients of the head's group after a
@@ -136,7 +142,7 @@ def _sharded_logprobs(model, inputs: dict, before: torch.Tensor, tokens: torch.T
     logits = model(**inputs, use_cache=False, logits_to_keep=keep.view_as(inputs["input_ids"])).logits
     order = torch.empty_like(before)
     order[before.argsort()] = torch.arange(len(before), device=before.device)  # mask order -> ours
-    z = only_kept(mask_logits(logits[order].float() / temperature, banned), kept)  # [N, vocab]
+    z = only_supported(mask_logits(logits[order].float() / temperature, banned), support)  # [N, vocab]
     logp, ent, top_logp, top_ids = _LogpEntropy.apply(z, tokens, with_entropy, topk)
     return logp, ent, _sum_squared_probs(z) if with_sum_pi_squared else None, top_logp, top_ids
 
@@ -177,11 +183,11 @@ def chunked_logprobs(hidden: torch.Tensor, tokens: torch.Tensor, head, temperatu
 
 def _chunked(hidden: torch.Tensor, tokens: torch.Tensor, head, temperature: float, with_entropy: bool,
              with_sum_pi_squared: bool, chunk_tokens: int | None = None,
-             banned: list[int] | None = None, topk: int = 0, kept: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+             banned: list[int] | None = None, topk: int = 0, support: Support | None = None) -> tuple[torch.Tensor, ...]:
     """`chunked_logprobs`, plus the sum of squared probabilities [N] (None unless asked; never under grad)
     and, with `topk`, the k most likely tokens' log-probs and ids [N, k] (no gradient); tokens `banned`
     (models_vl.never_sampled) get no probability. `tokens` [N] or [N, m] (several per position: log-probs
-    [N, m] out); `kept` [N, k]: each position's softmax over these ids alone (`only_kept`)."""
+    [N, m] out); `support`: each position's softmax over the ids the sampler drew from (`only_supported`)."""
     chunk_tokens = chunk_tokens or max(1, LOGITS_BUDGET // head.out_features)
     grad = torch.is_grad_enabled()
     if grad and with_sum_pi_squared:
@@ -190,18 +196,17 @@ def _chunked(hidden: torch.Tensor, tokens: torch.Tensor, head, temperature: floa
         device = hidden.device.type  # mixed precision: the head's gradient is computed in the autocast dtype
         grad_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else head.weight.dtype
         logp, ent, top_logp, top_ids = _HeadLogpEntropy.apply(hidden, head.weight, head.bias, tokens, temperature,
-                                                              with_entropy, chunk_tokens, banned, grad_dtype, topk, kept)
+                                                              with_entropy, chunk_tokens, banned, grad_dtype, topk, support)
         return logp, ent, None, top_logp, top_ids
 
     def logits(h, keep):
         with torch.autocast(h.device.type, enabled=False):
-            return only_kept(mask_logits(head(h.to(head.weight.dtype)).float() / temperature, banned), keep)  # [chunk, vocab]
+            return only_supported(mask_logits(head(h.to(head.weight.dtype)).float() / temperature, banned), keep)  # [chunk, vocab]
 
     def one(h, tok, keep):
         return _LogpEntropy.apply(logits(h, keep), tok, with_entropy, topk)
     parts = []
-    kept_chunks = itertools.repeat(None) if kept is None else kept.split(chunk_tokens)
-    for h, tok, keep in zip(hidden.split(chunk_tokens), tokens.split(chunk_tokens), kept_chunks):
+    for h, tok, keep in zip(hidden.split(chunk_tokens), tokens.split(chunk_tokens), _chunks(support, chunk_tokens)):
         if grad:  # a head that is not a plain Linear (a peft adapter on it): autograd through it, checkpointed
             parts.append((*checkpoint(one, h, tok, keep, use_reentrant=False), None))
         else:
@@ -213,25 +218,73 @@ def _chunked(hidden: torch.Tensor, tokens: torch.Tensor, head, temperature: floa
 
 def _head_logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, temperature: float,
                  banned: list[int] | None, dtype: torch.dtype | None = None,
-                 kept: torch.Tensor | None = None) -> torch.Tensor:
+                 support: Support | None = None) -> torch.Tensor:
     """Logits / T [chunk, vocab] of hidden states [chunk, hidden], the matmul in `weight`'s dtype, in `dtype`
     (None: float32, or float64 for a float64 weight)."""
     z = torch.nn.functional.linear(h.to(weight.dtype), weight, None if bias is None else bias.to(weight.dtype))
     z = z.to(dtype or torch.promote_types(weight.dtype, torch.float32))
-    return only_kept(mask_logits(z if temperature == 1.0 else z.div_(temperature), banned), kept)
+    return only_supported(mask_logits(z if temperature == 1.0 else z.div_(temperature), banned), support)
 
 
-def only_kept(z: torch.Tensor, kept: torch.Tensor | None) -> torch.Tensor:
-    """Logits z [N, vocab] with every id outside its row's kept set (kept [N, k], -1 padded) set to -1e30, as
-    mask_logits bans a token: the softmax is then the sampler's top-k / top-p distribution, renormalised over
-    the set, and the entropy and gradients stay finite. A row of all -1 keeps the whole vocabulary (the tokens an
-    agent loop inserted, and every token of a run that samples from the whole vocabulary)."""
-    if kept is None:
+@dataclass
+class Support:
+    """The ids each of N positions was sampled from, where not the whole vocabulary: the sampler's top-k / top-p
+    kept set and, at the positions sampled under a decoding grammar, the ids it allowed (both where both)."""
+    kept: torch.Tensor | None = None   # [N, k] ids, -1 padded; a row of all -1: every id
+    at: torch.Tensor | None = None     # [m] long, ascending: the positions sampled under a grammar
+    bits: torch.Tensor | None = None   # [m, words] int32: their allowed ids, bit i of word w is id 32w + i
+
+    @staticmethod
+    def at_tokens(rows: torch.Tensor, cols: torch.Tensor, shape, kept: torch.Tensor | None,
+                  grammar: list[dict] | None) -> Support | None:
+        """The support of the response tokens (rows, cols) [N] of a [batch, resp_len] response (`shape`), from the
+        batch's kept sets [batch, resp_len, k] and per-row grammar masks (RolloutBatch.grammar_masks); None: none."""
+        kept = None if kept is None else kept.to(rows.device)[rows, cols]  # [N, k]
+        spans = [(r, g) for r, g in enumerate(grammar or []) if g]
+        if not spans:
+            return None if kept is None else Support(kept)
+        index = torch.full(shape, -1, dtype=torch.long, device=rows.device)
+        index[rows, cols] = torch.arange(len(rows), device=rows.device)   # [batch, resp_len]: position of each token
+        at = torch.cat([index[r, g["cols"].to(rows.device)] for r, g in spans])  # [m], ascending (row-major)
+        bits = torch.cat([g["bits"] for _, g in spans]).to(rows.device)          # [m, words]
+        if (at < 0).any():
+            raise ValueError("a grammar-constrained position is not a response token of its row")
+        return Support(kept, at, bits)
+
+    def __getitem__(self, rows: slice) -> Support | None:
+        """Positions [rows.start, rows.stop) (a chunk); None where nothing there was filtered (no mask to build)."""
+        kept = None if self.kept is None else self.kept[rows]
+        if self.at is None:
+            return Support(kept)
+        lo, hi = torch.searchsorted(self.at, torch.tensor([rows.start, rows.stop], device=self.at.device)).tolist()
+        if lo == hi:
+            return None if kept is None else Support(kept)
+        return Support(kept, self.at[lo:hi] - rows.start, self.bits[lo:hi])
+
+
+def _chunks(support: Support | None, chunk: int):
+    """`support` a chunk of positions at a time (None forever where there is none)."""
+    return itertools.repeat(None) if support is None else (support[i:i + chunk] for i in itertools.count(0, chunk))
+
+
+def only_supported(z: torch.Tensor, support: Support | None) -> torch.Tensor:
+    """Logits z [N, vocab] with every id outside its position's support set to -1e30, as mask_logits bans a token:
+    the softmax is then the sampler's distribution (top-k / top-p, a grammar's allowed set), renormalised over the
+    set, and the entropy and gradients stay finite. Where nothing filtered, the whole vocabulary (the tokens an agent
+    loop inserted, and every token of a run that samples from the whole vocabulary). One chunk's [N, vocab] mask at
+    most: the grammar's bits are unpacked here, for these positions only."""
+    if support is None:
         return z
-    allowed = torch.zeros(len(z), z.shape[-1] + 1, dtype=torch.bool, device=z.device)  # [N, vocab + 1]
-    allowed.scatter_(1, kept.masked_fill(kept < 0, z.shape[-1]), True)               # padding lands in the spare column
-    allowed = allowed[:, :-1] | (kept < 0).all(-1, keepdim=True)                      # [N, vocab]
-    return z.masked_fill(~allowed, -1e30)
+    kept = support.kept
+    if kept is None:
+        allowed = torch.ones(z.shape, dtype=torch.bool, device=z.device)              # [N, vocab]
+    else:
+        allowed = torch.zeros(len(z), z.shape[-1] + 1, dtype=torch.bool, device=z.device)  # [N, vocab + 1]
+        allowed.scatter_(1, kept.masked_fill(kept < 0, z.shape[-1]), True)           # padding lands in the spare column
+        allowed = allowed[:, :-1] | (kept < 0).all(-1, keepdim=True)                  # [N, vocab]
+    if support.at is not None:
+        allowed[support.at] &= unpack(support.bits, support.bits.shape[1] * 32, z.shape[-1])  # [m, vocab]
+    return torch.where(allowed, z, -1e30)
 
 
 class _HeadLogpEntropy(torch.autograd.Function):
@@ -247,15 +300,14 @@ class _HeadLogpEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, tokens, temperature: float, with_entropy: bool, chunk: int,
-                banned: list[int] | None, grad_dtype: torch.dtype, topk: int = 0, kept: torch.Tensor | None = None):
+                banned: list[int] | None, grad_dtype: torch.dtype, topk: int = 0, support: Support | None = None):
         parts = []
-        kept_chunks = itertools.repeat(None) if kept is None else kept.split(chunk)
         with torch.autocast(hidden.device.type, enabled=False):
-            for h, tok, keep in zip(hidden.split(chunk), tokens.split(chunk), kept_chunks):
-                z = _head_logits(h, weight, bias, temperature, banned, kept=keep)
+            for h, tok, keep in zip(hidden.split(chunk), tokens.split(chunk), _chunks(support, chunk)):
+                z = _head_logits(h, weight, bias, temperature, banned, support=keep)
                 parts.append(_logp_entropy(z, tok, with_entropy, topk))
-        ctx.save_for_backward(hidden, weight, bias, tokens, kept)
-        ctx.args = temperature, chunk, banned, grad_dtype
+        ctx.save_for_backward(hidden, weight, bias, tokens)
+        ctx.args = temperature, chunk, banned, grad_dtype, support  # the support takes no gradient
         ctx.set_materialize_grads(False)
         logp, ent, top_logp, top_ids = (None if p[0] is None else torch.cat(p) for p in zip(*parts))
         ctx.mark_non_differentiable(*(t for t in (top_logp, top_ids) if t is not None))
@@ -263,8 +315,8 @@ class _HeadLogpEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_logp, g_ent, *_top):
-        hidden, weight, bias, tokens, kept = ctx.saved_tensors
-        temperature, chunk, banned, dtype = ctx.args
+        hidden, weight, bias, tokens = ctx.saved_tensors
+        temperature, chunk, banned, dtype, support = ctx.args
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         if g_logp is None and g_ent is None:
             return (None,) * 11
@@ -282,7 +334,7 @@ class _HeadLogpEntropy(torch.autograd.Function):
                 for c in range(0, len(h), chunk):
                     rows = slice(start + c, start + c + chunk)
                     z = _head_logits(h[c:c + chunk], w, b, temperature, banned, logits_dtype,
-                                     None if kept is None else kept[rows])  # [chunk, vocab]
+                                     None if support is None else support[rows])  # [chunk, vocab]
                     g[c:c + chunk] = _logits_grad(z, tokens[rows], None if g_logp is None else g_logp[rows],
                                                   None if g_ent is None else g_ent[rows])
                 if need_h:

@@ -61,7 +61,7 @@ class Rollout:
         def params(sampling: dict, max_new_tokens: int) -> SamplingParams:
             keys = ("temperature", "top_p", "top_k", "do_sample")  # verl's other keys (logprobs, ...): always on / n.a.
             out = self._params(SamplingConfig(n=1, **{k: sampling[k] for k in keys if k in sampling}), max_new_tokens)
-            out.grammar = sampling.get("grammar")  # the gateway's, outside training sessions (workers/grammar.py)
+            out.grammar = sampling.get("grammar")  # the gateway's: a forced call, a JSON answer (workers/grammar.py)
             return out
 
         def engine_round(ids: list[list[int]], max_new_tokens: int, sampling: dict):

@@ -5,8 +5,8 @@ token per step for all rows until every row has hit an EOS id or `max_new_tokens
 `abort()` is called from another thread. Each sampled token comes with its log-prob under the
 distribution it was drawn from: softmax(logits / temperature), renormalised over the tokens top-k /
 top-p kept, and with that kept set (`Generation.kept`), so the trainer takes its log-probs over the
-same set (plait/workers/logprobs.py only_kept) and the ratio compares the policy that sampled. A
-`SamplingParams.grammar` (plait serve's forced tool calls and JSON output, workers/grammar.py) masks, per row,
+same set (plait/workers/logprobs.py only_supported) and the ratio compares the policy that sampled. A
+`SamplingParams.grammar` (the gateway's forced tool calls and JSON output, workers/grammar.py) masks, per row,
 the tokens its grammar does not allow before each draw.
 
 Where the time goes: with the small models plait trains on CPU, a decode step costs more in

@@ -1,8 +1,10 @@
 """The agent libraries people write with, each in its own default idiom (tests/fixtures/agents/libraries.py):
 LangGraph's ReAct agent on langchain-openai and on langchain-anthropic, pydantic-ai and OpenAI's Agents SDK on the
-Responses API, litellm, the anthropic SDK.
+Responses API, litellm, the anthropic SDK, smolagents' ToolCallingAgent (forced calls) and LangChain's structured
+output (a JSON answer).
 Against a scripted model each makes its tool call and reads the answer; on the tiny model each trains through the
-gateway, sync and fully_async, its trained tokens the sampled ones and its sessions never mixed."""
+gateway, sync and fully_async, its trained tokens the sampled ones (constrained ones over their grammar's allowed
+set) and its sessions never mixed."""
 
 import asyncio
 import importlib.util
@@ -18,6 +20,8 @@ from test_train_gateway import FULLY_ASYNC, train
 LIBRARIES_FILE = Path(__file__).resolve().parents[1] / "fixtures" / "agents" / "libraries.py"
 NEEDS = {"langgraph": "langgraph", "pydantic_ai": "pydantic_ai", "litellm_loop": "litellm", "openai_agents": "agents",
          "anthropic_sdk": "anthropic", "langchain_anthropic": "langchain_anthropic"}
+CONSTRAINED = {"smolagents_tools": "smolagents", "langchain_structured": "langchain_openai"}  # trained only: the
+#   scripted model below does not decode under a grammar (tests/serving/test_constrained.py has the real one)
 
 
 def libraries():
@@ -41,7 +45,7 @@ def test_a_library_calls_its_tool_and_reads_the_answer(tokenizer, name):
 def test_the_libraries_train_through_the_gateway(tmp_path, mode):
     """One library a row, 2 steps. The tiny model's answers are cut at 6 tokens: openai-agents raises on the cut
     Response, a sample trained as truncated all the same (agent/failed_after_cut), never a failed session."""
-    for module in NEEDS.values():
+    for module in (NEEDS | CONSTRAINED).values():
         pytest.importorskip(module)
     log = tmp_path / "libraries.log"
     os.environ["LIBRARIES_LOG"] = str(log)  # the training subprocess inherits it
@@ -52,7 +56,8 @@ def test_the_libraries_train_through_the_gateway(tmp_path, mode):
                          *({"sync": [], "fully_async": FULLY_ASYNC}[mode]))
     finally:
         del os.environ["LIBRARIES_LOG"]
-    assert len(steps) == 2 and set(log.read_text().split()) == set(NEEDS)
+    assert len(steps) == 2 and set(log.read_text().split()) == set(NEEDS) | set(CONSTRAINED)
+    assert sum(r["agent/constrained_tokens"] for r in steps) > 0  # trained tokens sampled under a grammar
     for r in steps:
         # pydantic-ai now and then re-sends the tiny model's garbled answer so that it no longer extends its chain
         # (a second chain of the session, trained as its own sample; seen 1 in 48 sessions)

@@ -1,10 +1,12 @@
 """Forced tool calls and JSON answers (issue 55): `plait serve` (ModelServer over a random tiny model) honours OpenAI's
 tool_choice "required" / a named function and response_format json_object / json_schema, the Responses API's and
 Anthropic's forms, by grammar-constrained decoding (plait/workers/grammar.py), asked through the real SDKs; the
-engine's log-probs are under the grammar's allowed set; training sessions refuse the fields in one line."""
+engine's log-probs are under the grammar's allowed set, and in a training session the trainer's are too (the
+grammar replayed over the sampled tokens), a resumed request going on in its grammar."""
 
 import asyncio
 import json
+import pickle
 from typing import Literal
 
 import anthropic
@@ -12,12 +14,12 @@ import jsonschema
 import openai
 import pytest
 import torch
-from gateway_helpers import served
 from pydantic import BaseModel
 
 from plait.config import RolloutConfig
 from plait.profiler.config import GlobalProfilerConfig, RoleProfilerConfig
 from plait.profiler.session import ProfilerSession
+from plait.serving.protocol import ChatRequest, Constraint
 from plait.serving.serve import ModelServer
 
 pytest.importorskip("llguidance")
@@ -126,24 +128,121 @@ def test_what_cannot_be_forced_is_a_400_naming_the_field(server):
     assert "tool_choice" in err.value.message
 
 
-def test_training_sessions_refuse_constraints_in_one_line(tokenizer):
-    """Through the gateway the trainer's log-probs do not take the grammar's mask: a constrained turn would train
-    another distribution than the one sampled, so sessions refuse (docs/agents.md)."""
+def train_rows(server, session, prompt: str):
+    """The session's chains as the batch rows plait trains on (their grammar masks replayed), and their rollout
+    log-probs against the trainer's, with and without the masks: (rows, mask, trainer's, unmasked trainer's)."""
+    from plait.agents.openai_agent import Outcome, session_output
+    from plait.agents.worker import to_batch
+    from plait.types import PromptBatch
+    from plait.workers.actor import micro_forward
+    out = session_output(session, Outcome(score=1.0), server.gateway.ct, ASK, 256, 200, "test", session.grammar_masks(200))
+    prompts = PromptBatch(prompt_ids=[server.gateway.tokenizer.encode(prompt)], data_sources=["t"], ground_truths=["5"],
+                          extra_infos=[{}], indices=[0])
+    batch = to_batch([out], prompts, 1, server.gateway.tokenizer.pad_token_id, 0, 200)
+    model = server.rollout.engine.model
+    with torch.no_grad():
+        trained = micro_forward(model, batch, 1.0, False)[0]
+        unmasked = micro_forward(model, batch.replace(grammar_masks=None), 1.0, False)[0]
+    return batch, batch.response_mask.bool(), trained, unmasked
+
+
+def test_a_training_session_samples_under_the_grammar_and_trains_its_distribution(server):
+    """In a training session a forced call and a JSON answer are sampled under their grammar; the session records
+    which reply tokens were, the batch rows carry the replayed allowed sets, and the trainer's log-probs over them are
+    the engine's (float32); over the whole vocabulary they are not."""
+    gateway = server.gateway
+    session = gateway.open("row 0", server.queue.generate, {"temperature": 1.0, "top_p": 1.0, "top_k": -1}, 256, 200)
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key=session.id, max_retries=0)
+    try:
+        r = client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, tool_choice="required", n=2)
+        for c in r.choices:
+            assert c.finish_reason == "tool_calls", c
+            check_call(c.message.tool_calls[0].function.name, c.message.tool_calls[0].function.arguments)
+        r = client.chat.completions.create(model="tiny", messages=ASK + [{"role": "assistant", "content": "hm"},
+                                                                        {"role": "user", "content": "as JSON"}],
+                                           response_format={"type": "json_schema", "json_schema": {
+                                               "name": "answer", "schema": ANSWER, "strict": True}})
+        jsonschema.validate(json.loads(r.choices[0].message.content), ANSWER)
+    finally:
+        gateway.close(session.id)
+    chains = session.trajectories()
+    assert len(chains) == 3 and all(len(t.grammars) == 1 for t in chains)
+    batch, mask, trained, unmasked = train_rows(server, session, "2+3?")
+    constrained = sum(len(g["cols"]) for g in batch.grammar_masks)
+    assert constrained == sum(end - start for t in chains for start, end, _ in t.grammars) > 20
+    assert (trained - batch.rollout_logprobs)[mask].abs().max() <= 1e-5
+    assert (unmasked - batch.rollout_logprobs)[mask].abs().max() > 1e-2  # the test can fail: the mask matters
+    # the masks travel as a batch does: pickled (Ray), joined with unconstrained rows, split and selected
+    from plait.types import RolloutBatch
+    from plait.workers.actor import micro_forward
+    joined = RolloutBatch.concat([batch.replace(grammar_masks=None), pickle.loads(pickle.dumps(batch))])
+    assert joined.grammar_masks[:len(batch)] == [{}] * len(batch)
+    rows = joined.split(2)[1].select(list(range(len(batch))))
+    with torch.no_grad():
+        assert torch.equal(micro_forward(server.rollout.engine.model, rows, 1.0, False)[0][mask], trained[mask])
+
+
+def test_an_engine_without_grammars_refuses_a_sessions_constraint_in_one_line(tokenizer):
+    """vLLM takes no grammar from plait: a training session's forced call or JSON answer is a 400 naming the field."""
+    from gateway_helpers import served
+    from plait.serving.gateway import grammars_for
+    grammars, why = grammars_for("vllm", tokenizer, [tokenizer.eos_token_id])
+    assert grammars is None and "actor_rollout_ref.rollout.name=hf" in why
     with served(tokenizer, plain=False) as (gateway, url, _e, queue):
+        gateway.no_grammar = why
         session = gateway.open("row 0", queue.generate, {"temperature": 1.0}, 256, 200)
         client = openai.OpenAI(base_url=url + "/v1", api_key=session.id, max_retries=0)
         for kwargs, param in ((dict(tools=TOOLS, tool_choice="required"), "tool_choice"),
                               (dict(response_format={"type": "json_object"}), "response_format")):
             with pytest.raises(openai.BadRequestError) as err:
                 client.chat.completions.create(model="tiny", messages=ASK, **kwargs)
-            assert err.value.body["param"] == param and "while plait trains" in err.value.body["message"]
+            message = err.value.body["message"]
+            assert err.value.body["param"] == param and "needs grammar-constrained decoding" in message and why in message
         assert not session.trajectories()
+
+
+def test_a_sampled_token_its_grammar_does_not_allow_fails_the_session(server):
+    """A replayed matcher that rejects a sampled token fails the session loudly (never trained silently)."""
+    from plait.agents.openai_agent import Outcome, session_output
+    grammar = server.gateway.grammar(ChatRequest(messages=[], constraint=Constraint("response_format", json=ANSWER)))["grammar"]
+    session = server.gateway.open("row 0", server.queue.generate, {"temperature": 1.0}, 256, 200)
+    ctx = session.context(ASK, None)
+    bad = server.gateway.tokenizer.encode("x{}", add_special_tokens=False)  # no JSON object starts with x
+    session.add_reply(ctx, (), bad, [-1.0] * len(bad), [0] * len(bad), grammar)
+    with pytest.raises(ValueError, match=r"sampled token 0 of 3 \(id \d+\) is not one its decoding grammar allows"):
+        session.grammar_masks(200)
+    try:
+        session.grammar_masks(200)
+    except ValueError as err:
+        out = session_output(session, Outcome(score=1.0), server.gateway.ct, ASK, 256, 200, "agent x (row 0)", err)
+    info = out.extra_fields["session"]
+    assert "sampled off its decoding grammar" in info["failure"] and sum(out.response_mask) == 0
+    assert info["failed_after_cut"] is None and info["constrained_tokens"] == 0
+    server.gateway.close(session.id)
+
+
+def test_a_constrained_request_cut_by_an_abort_goes_on_in_its_grammar(server):
+    """Partial rollout: a request an abort cut resumes from the matcher after its tokens so far (a fresh matcher
+    there would write a second JSON object inside the first)."""
+    from plait.agents.runner import Request, run_round
+    grammar = server.gateway.grammar(ChatRequest(messages=[], constraint=Constraint("response_format", json=ANSWER)))["grammar"]
+    prompt = server.gateway.tokenizer.encode("2+3?")
+    head = server.gateway.tokenizer.encode('{"answer": 4', add_special_tokens=False)
+    loop = asyncio.new_event_loop()
+    requests = [Request(list(prompt), 60, {"temperature": 1.0, "grammar": grammar}, loop.create_future(), loop,
+                        tokens=list(head), logprobs=[-1.0] * len(head), versions=[0] * len(head)) for _ in range(3)]
+    with server.rollout._lock:  # (the server's own rounds wait: it has no requests of its own now)
+        assert not run_round(requests, server.rollout._round(seed=7), 1)
+    for r in requests:
+        assert r.tokens[:len(head)] == head and r.tokens[-1] in server.rollout.eos_ids
+        grammar.replay(r.tokens)  # every token, the resumed ones too, is one the grammar allows
+        jsonschema.validate(json.loads(server.gateway.tokenizer.decode(r.tokens[:-1])), ANSWER)
+    loop.close()
 
 
 def test_the_engine_samples_and_scores_over_the_allowed_set(server):
     """Each token is one the grammar allows, and its log-prob is log_softmax over the allowed set, recomputed here by
     replaying the grammar over the sampled tokens and one forward pass (what a trainer would have to do)."""
-    from plait.serving.protocol import ChatRequest, Constraint
     from plait.workers.rollout_engine import SamplingParams
     gateway, engine = server.gateway, server.rollout.engine
     grammar = gateway.grammar(ChatRequest(messages=[], constraint=Constraint("response_format", json=ANSWER)))["grammar"]

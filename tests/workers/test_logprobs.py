@@ -10,7 +10,7 @@ from plait.configtree import ConfigError
 from plait.models import add_lora, create_tiny_model, load_causal_lm
 from plait.workers.actor import micro_forward
 import plait.workers.logprobs as logprobs
-from plait.workers.logprobs import _HeadLogpEntropy, _LogpEntropy, check_lm_head, chunked_logprobs
+from plait.workers.logprobs import Support, _HeadLogpEntropy, _LogpEntropy, check_lm_head, chunked_logprobs
 from plait.workers.packing import pack, unpack
 
 from tests.workers.test_packing import make_batch
@@ -165,6 +165,10 @@ def _fsdp2_rank(rank: int, model_dir: str, rdzv: str) -> None:
     model = load_causal_lm(model_dir)
     batches = [(make_batch(rows=4, seed=s), packed) for s, packed in enumerate([False, True, False])]
     want = [logp_ent_grads(model, b, lambda m, b: full_vocab_forward(m, b, T, packed)) for b, packed in batches]
+    constrained = make_batch(rows=4, seed=3)  # a decoding grammar's allowed sets (the head's logits at once here)
+    constrained.grammar_masks = random_grammar(constrained, model.config.vocab_size)
+    batches.append((constrained, True))
+    want.append(logp_ent_grads(model, constrained, lambda m, b: masked_full_vocab_forward(m, b, T)))
     for block in [m for m in model.modules() if type(m).__name__ in model._no_split_modules]:
         fully_shard(block, reshard_after_forward=True)
     fully_shard(model, reshard_after_forward=True)
@@ -178,7 +182,8 @@ def _fsdp2_rank(rank: int, model_dir: str, rdzv: str) -> None:
 
 def test_fsdp2_sharded_model_gives_the_same_logprobs_and_gradients(model_dir, tmp_path):
     """Blocks and root sharded over 2 gloo ranks (reshard after forward, verl's default), each with the
-    same rows: log-probs and the averaged gradients equal the unsharded model's, padded and packed.
+    same rows: log-probs and the averaged gradients equal the unsharded model's, padded and packed, and over a
+    decoding grammar's allowed sets.
     (With the root not resharding, FSDP2 in torch 2.13 gets the root's gradients wrong after a no-grad
     forward on the old path too.)"""
     import torch.multiprocessing as mp
@@ -209,14 +214,21 @@ def random_kept(batch, vocab: int, k: int, seed: int = 0) -> torch.Tensor:
 
 
 def masked_full_vocab_forward(model, micro, temperature):
-    """The reference: full-vocabulary logits with every id outside the position's kept set at -inf."""
+    """The reference: full-vocabulary logits with every id outside the position's kept set (and, where a grammar
+    constrained it, outside the grammar's allowed ids) at -inf."""
     input_ids, mask, resp_len = micro.input_ids, micro.attention_mask, micro.responses.shape[1]
     logits = model(input_ids=input_ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
                    use_cache=False).logits[:, -resp_len - 1:-1].float() / temperature
+    outside = torch.zeros(logits.shape, dtype=torch.bool)
     kept = micro.sampled_from
-    outside = torch.ones(*logits.shape[:2], logits.shape[-1] + 1, dtype=torch.bool)
-    outside.scatter_(-1, kept.masked_fill(kept < 0, logits.shape[-1]), False)
-    outside = outside[..., :-1] & ~(kept < 0).all(-1, keepdim=True)
+    if kept is not None:
+        outside = torch.ones(*logits.shape[:2], logits.shape[-1] + 1, dtype=torch.bool)
+        outside.scatter_(-1, kept.masked_fill(kept < 0, logits.shape[-1]), False)
+        outside = outside[..., :-1] & ~(kept < 0).all(-1, keepdim=True)
+    for row, g in enumerate(micro.grammar_masks or []):
+        for col, words in zip(g["cols"].tolist(), g["bits"]) if g else ():
+            for token in range(logits.shape[-1]):  # bit by bit, as the words say it
+                outside[row, col, token] |= not (token < 32 * len(words) and int(words[token // 32]) >> (token % 32) & 1)
     z = logits.masked_fill(outside, float("-inf"))
     logq = z.log_softmax(-1)
     ent = -(logq.exp() * logq.masked_fill(outside, 0)).sum(-1)
@@ -245,10 +257,52 @@ def test_hand_backward_over_a_kept_set_passes_gradcheck():
     h, w, b = (torch.randn(*shape, dtype=torch.float64, requires_grad=True) for shape in ((7, 4), (5, 4), (5,)))
     tokens = torch.tensor([0, 4, 2, 1, 1, 0, 4])
     kept = torch.tensor([[0, 1, -1], [4, -1, -1], [2, 0, 4], [-1, -1, -1], [1, 2, 3], [0, 4, -1], [4, 0, 1]])
-    assert torch.autograd.gradcheck(lambda h, w, b: _HeadLogpEntropy.apply(
-        h, w, b, tokens, T, True, 2, None, torch.float64, 0, kept)[:2], (h, w, b))
-    logp = _HeadLogpEntropy.apply(h, w, b, tokens, T, True, 2, None, torch.float64, 0, kept)[0]
+    bits = torch.tensor([[0b00101], [0b10110], [0b11111]], dtype=torch.int32)  # ids {0, 2}, {1, 2, 4}, all 5
+    for support in (Support(kept), Support(None, torch.tensor([0, 3, 4]), bits), Support(kept, torch.tensor([2, 4, 6]), bits)):
+        assert torch.autograd.gradcheck(lambda h, w, b: _HeadLogpEntropy.apply(
+            h, w, b, tokens, T, True, 2, None, torch.float64, 0, support)[:2], (h, w, b))
+    logp = _HeadLogpEntropy.apply(h, w, b, tokens, T, True, 2, None, torch.float64, 0, Support(kept))[0]
     assert logp[1] == 0  # a kept set of one
+    logp = _HeadLogpEntropy.apply(h, w, b, tokens, T, True, 2, None, torch.float64, 0,
+                                  Support(kept, torch.tensor([2]), torch.tensor([[0b100]], dtype=torch.int32)))[0]
+    assert logp[2] == 0  # kept {2, 0, 4} and a grammar allowing {2}: one token
+
+
+def random_grammar(batch, vocab: int, seed: int = 0) -> list[dict]:
+    """Per row, grammar masks at every other response column: random allowed sets holding the sampled token; {} for
+    the last row (unconstrained)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for row in range(len(batch) - 1):
+        cols = torch.arange(row % 2, int(batch.attended[row].sum()), 2)
+        allowed = torch.rand(len(cols), vocab, generator=g) < 0.3
+        allowed[torch.arange(len(cols)), batch.responses[row, cols]] = True
+        words = torch.zeros(len(cols), (vocab + 31) // 32, dtype=torch.int64)
+        for i in range(vocab):
+            words[:, i // 32] |= allowed[:, i].long() << (i % 32)
+        out.append({"cols": cols, "bits": words.to(torch.int32)})  # (wraps to int32's sign bit, as llguidance writes)
+    return out + [{}]
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+@pytest.mark.parametrize("with_kept", [False, True], ids=["grammar", "grammar+kept"])
+def test_logprobs_over_a_grammars_allowed_set(model_dir, monkeypatch, packed, with_kept):
+    """A decoding grammar: at the positions it constrained, log-probs, entropy and gradients are the softmax over the
+    ids it allowed (and the kept set's, where both), chunk by chunk (3 tokens a chunk here)."""
+    model = load_causal_lm(model_dir)
+    monkeypatch.setattr(logprobs, "LOGITS_BUDGET", 3 * model.config.vocab_size)
+    batch = make_batch(rows=6, prompt_len=7, resp_len=9)
+    batch.grammar_masks = random_grammar(batch, model.config.vocab_size)
+    if with_kept:
+        batch.sampled_from = random_kept(batch, model.config.vocab_size, k=40)
+    want = logp_ent_grads(model, batch, lambda m, b: masked_full_vocab_forward(m, b, T))
+    got = logp_ent_grads(model, batch, lambda m, b: micro_forward(m, b, T, True, remove_padding=packed))
+    assert_same(got, want)
+    whole = logp_ent_grads(model, batch.replace(grammar_masks=None), lambda m, b: micro_forward(m, b, T, True))
+    assert (whole[0] < got[0] - 1e-3).any()  # without the grammar the sampled tokens are less likely
+    with torch.no_grad():
+        assert torch.equal(micro_forward(model, batch.select([5, 0]), T, False)[0][1],
+                           micro_forward(model, batch, T, False)[0][0])  # rows selected carry their masks
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])

@@ -73,9 +73,9 @@ def test_log_probs_match_a_float32_forward_at_temperature(engine, model_path):
 
 def test_top_k_top_p_return_the_kept_set_their_log_probs_are_over(engine, model_path):
     """vLLM's processed log-prob of each sampled token is log-softmax(logits / T) over the kept set it returns
-    (what the trainer takes, only_kept); a set that may be cut (top_p alone, wider than max_logprobs) fails."""
+    (what the trainer takes, only_supported); a set that may be cut (top_p alone, wider than max_logprobs) fails."""
     from plait.errors import RunError
-    from plait.workers.logprobs import only_kept
+    from plait.workers.logprobs import Support, only_supported
     model = Qwen2ForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     for top_k, top_p in ((3, 1.0), (6, 0.5)):
         out = engine.generate(PROMPTS, SamplingParams(max_new_tokens=8, temperature=0.7, top_k=top_k, top_p=top_p),
@@ -90,7 +90,7 @@ def test_top_k_top_p_return_the_kept_set_their_log_probs_are_over(engine, model_
             assert (kept == torch.tensor(tokens)[:, None]).any(-1).all()           # the sampled token is in its set
             with torch.no_grad():
                 logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1].float() / 0.7
-            ref = only_kept(logits, kept).log_softmax(-1).gather(-1, torch.tensor(tokens)[:, None])[:, 0]
+            ref = only_supported(logits, Support(kept)).log_softmax(-1).gather(-1, torch.tensor(tokens)[:, None])[:, 0]
             assert (ref - logp).abs().max() < 1e-4
     assert engine.generate(PROMPTS, SamplingParams(max_new_tokens=4), torch.Generator().manual_seed(0)).kept is None
     with pytest.raises(RunError, match=r"rollout\.top_p=0\.95: a token's kept set filled the 20 log-probs.*max_logprobs=20"):

@@ -15,12 +15,18 @@ config, tokenizer), in place of `adapter/`.
 Samples are drawn by a plait rollout engine (a Rollout worker over the ENGINES row the server was started
 with: hf, or vLLM where installed), which holds one sampler's weights at a time: the base model with that
 sampler's adapter merged (models.merged_state_dict, as the actor hands its rollout), loaded with
-`load_weights` when a request comes for another sampler than the one it holds. The engine's model is the
+`load_weights` when a request comes for another sampler than the one it holds (sharing the tensors, no copy: none
+of them is ever written again). The engine's model is the
 served folder with its output head untied from the embeddings (a LoRA on a tied head changes the head only,
 as peft does). A sample's log-probs are the model's own at temperature 1, what `compute_logprobs` and
 `forward` give for the same tokens (on-policy by construction): the engine's sampled log-probs where they are
 those (temperature 1 without top-k / top-p, or greedy), else the engine's scoring of the tokens
 (`probe_logprobs`), which also gives the prompt's.
+
+A `forward` / `forward_backward` runs its data in pieces of at most `batch_tokens` padded tokens (rows x the
+longest; `plait serve --tinker-batch-tokens`, default BATCH_TOKENS), the gradients adding up over the pieces: the
+outputs and gradients of one pass over the whole request, within float rounding, in the memory of one piece. A
+non-finite loss in any piece refuses the whole request with the gradients as they were before it.
 
 Every method here runs on the service's one worker thread (routes.py), so requests never race.
 `tinker://RUN/weights/NAME` (save_state: adapter + optimizer) and `tinker://RUN/sampler_weights/NAME`
@@ -51,6 +57,7 @@ LORA_ALPHA = 32  # Tinker's LoRA scale is alpha / rank with alpha 32
 STATE_FILE = "state.pt"
 FULL_DIR = "model"  # a full fine-tuning checkpoint's weights, as a Hugging Face folder
 KEPT_FULL_SNAPSHOTS = 2  # a full fine-tuning client's newest samplers kept (each a copy of the model)
+BATCH_TOKENS = 8192  # padded tokens in one forward / backward pass (`plait serve --tinker-batch-tokens`)
 
 
 @dataclass
@@ -99,12 +106,13 @@ UNLOADED = "(none)"  # what the engine holds before its first load (never a samp
 
 class TinkerTrainer:
     def __init__(self, path: str, name: str, tokenizer, eos_ids: list[int], root: str, engine_cfg=None, profiler=None,
-                 max_tokens: int = 1024):
+                 max_tokens: int = 1024, batch_tokens: int = BATCH_TOKENS):
         """`engine_cfg`: the rollout node naming the samplers' engine (None: plait's own, hf); `profiler`: the
-        rollout role's handle the engine records into."""
+        rollout role's handle the engine records into; `batch_tokens`: the most padded tokens (rows x the longest) a
+        forward / forward_backward runs at once."""
         from transformers import AutoConfig
         self.path, self.name, self.tokenizer, self.eos_ids, self.root = path, name, tokenizer, eos_ids, root
-        self.engine_cfg, self.profiler, self.max_tokens = engine_cfg, profiler, max_tokens
+        self.engine_cfg, self.profiler, self.max_tokens, self.batch_tokens = engine_cfg, profiler, max_tokens, batch_tokens
         config = AutoConfig.from_pretrained(path, local_files_only=True)
         text = config.get_text_config()  # a VL model's language part (the config itself for a causal LM)
         self.arch, self.vocab, self.tied = config.model_type, text.vocab_size, config.tie_word_embeddings
@@ -197,10 +205,12 @@ class TinkerTrainer:
                 "model_name": self.name, "model_data": {"arch": self.arch, "model_name": self.name,
                                                         "tokenizer_id": self.path}}
 
-    def logprobs(self, net, rows: list[tuple[list[int], list[int] | torch.Tensor]]) -> list[torch.Tensor]:
-        """Log-prob of each row's target at each of its positions ([len(row)] each), rows right-padded into one batch."""
-        n = max(len(tokens) for tokens, _ in rows)
-        ids = torch.zeros(len(rows), n, dtype=torch.long)
+    @staticmethod
+    def logprobs(net, rows: list[tuple[list[int], list[int] | torch.Tensor]]) -> tuple[torch.Tensor, list[int]]:
+        """Log-probs [rows, longest] of the rows right-padded into one batch (pad positions: the pad token's), and
+        each row's length."""
+        lengths = [len(tokens) for tokens, _ in rows]
+        ids = torch.zeros(len(rows), max(lengths), dtype=torch.long)
         targets = torch.zeros_like(ids)
         mask = torch.zeros_like(ids)
         for i, (tokens, target) in enumerate(rows):
@@ -208,23 +218,62 @@ class TinkerTrainer:
             targets[i, :len(tokens)] = torch.as_tensor(target)
             mask[i, :len(tokens)] = 1
         logits = net(input_ids=ids, attention_mask=mask).logits  # [batch, n, vocab]
-        logp = token_logprobs(logits, targets)  # [batch, n]
-        return [logp[i, :len(tokens)] for i, (tokens, _) in enumerate(rows)]
+        return token_logprobs(logits, targets), lengths  # [batch, n]
 
     def forward_backward(self, req: FwdBwd) -> bytes:
+        """The request's loss and, unless forward-only, its gradients added to the client's. Its data run in pieces of
+        at most `batch_tokens` padded tokens (micro_batches), the gradients adding up over them: the same sums as one
+        pass over the whole request. A non-finite loss in any piece refuses the request and leaves the gradients as
+        they were before it."""
         client = self.clients[req.model_id]
-        loss_fn = LOSSES[req.loss_fn][0]
-        with self._client_net(client) as net, torch.set_grad_enabled(not req.forward_only):
-            logps = self.logprobs(net, [(d.tokens, d.inputs["target_tokens"]) for d in req.data])
-            losses = [loss_fn(logp, d.inputs, req.config) for logp, d in zip(logps, req.data)]
-            total = torch.stack([loss.sum() for loss in losses]).sum()
-            if not torch.isfinite(total):  # refused before its backward: it would poison the gradients kept so far
-                raise ApiError(400, f"{req.loss_fn} gave a non-finite loss (check the inputs' logprobs and "
-                                    "advantages)", param="loss_fn_inputs")
-            if not req.forward_only and total.requires_grad:
-                total.backward()  # gradients add up over calls until optim_step
-        outputs = [{"logprobs": logp.detach(), "elementwise_loss": loss.detach()} for logp, loss in zip(logps, losses)]
-        return encode_forward_backward(outputs, {"loss:sum": total.item()})
+        pieces = micro_batches([len(d.tokens) for d in req.data], self.batch_tokens)
+        # more than one piece: the gradients so far are set aside, so a later piece's non-finite loss can undo the
+        # earlier pieces' backward (one piece is checked before its backward, as a whole request)
+        kept = {p: p.grad for p in client.params.values()} if len(pieces) > 1 and not req.forward_only else None
+        if kept is not None:
+            for p in kept:
+                p.grad = None
+        outputs, totals = [], []
+        try:
+            with self._client_net(client) as net, torch.set_grad_enabled(not req.forward_only):
+                for piece in pieces:
+                    data = [req.data[i] for i in piece]
+                    logp, loss, lengths = self._piece_loss(net, req, data)
+                    total = loss.sum()
+                    if not torch.isfinite(total):  # refused before its backward: it would poison the gradients kept
+                        raise ApiError(400, f"{req.loss_fn} gave a non-finite loss (check the inputs' logprobs and "
+                                            "advantages)", param="loss_fn_inputs")
+                    if not req.forward_only and total.requires_grad:
+                        total.backward()  # gradients add up over pieces and calls until optim_step
+                    totals.append(total.detach())
+                    outputs += [{"logprobs": logp[i, :n].detach(), "elementwise_loss": loss[i, :n].detach()}
+                                for i, n in enumerate(lengths)]
+        except BaseException:
+            if kept is not None:
+                for p, grad in kept.items():
+                    p.grad = grad
+            raise
+        if kept is not None:
+            for p, grad in kept.items():
+                if grad is not None:
+                    p.grad = grad if p.grad is None else grad.add_(p.grad)
+        return encode_forward_backward(outputs, {"loss:sum": torch.stack(totals).sum().item()})
+
+    def _piece_loss(self, net, req: FwdBwd, data: list) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        """Log-probs and element-wise losses [rows, longest] of some of a request's data, right-padded (0 past each
+        datum's end), and each datum's length. The losses are element-wise, so one call over the padded batch gives
+        each datum's own values."""
+        logp, lengths = self.logprobs(net, [(d.tokens, d.inputs["target_tokens"]) for d in data])
+        inputs = {}
+        for name in {k for d in data for k in d.inputs} - {"target_tokens"}:
+            value = torch.ones(logp.shape) if name == "weights" else torch.zeros(logp.shape)  # weights: ones if absent
+            for i, d in enumerate(data):
+                if name in d.inputs:
+                    value[i, :lengths[i]] = d.inputs[name]
+            inputs[name] = value
+        real = torch.arange(logp.shape[1]) < torch.tensor(lengths)[:, None]  # [rows, longest]
+        loss = torch.where(real, LOSSES[req.loss_fn][0](logp, inputs, req.config), 0.0)
+        return logp, loss, lengths
 
     def optim_step(self, model_id: str, adam) -> dict:
         client = self.clients[model_id]
@@ -402,7 +451,10 @@ class TinkerTrainer:
         else:
             peft.base_model.set_adapter(adapter)  # the one merged; a training request sets its own again
             weights = merged_state_dict(peft)
-        self.rollout.load_weights(weights, self.rollout.version + 1)
+        # share: the engine takes these tensors as its own (no copy). None of them is written again: a snapshot is
+        # frozen, a merged weight is new, the rest are the frozen base's. Every load shares, so the engine never
+        # copies into a tensor it took from an earlier one.
+        self.rollout.load_weights(weights, self.rollout.version + 1, share=True)
         self.loaded = adapter
 
     def close(self) -> None:
@@ -460,6 +512,19 @@ class TinkerTrainer:
             raise ApiError(400, f"the {rollout.engine_name} engine cannot score given tokens: sample at temperature 1 "
                                 "without top_k / top_p, and without prompt log-probs", param="sampling_params")
         return scored
+
+
+def micro_batches(lengths: list[int], budget: int) -> list[list[int]]:
+    """Consecutive runs of data whose padded size (rows x the longest) stays within `budget` tokens; a datum longer
+    than the budget is a run of its own."""
+    pieces, longest = [[]], 0
+    for i, n in enumerate(lengths):
+        if pieces[-1] and (len(pieces[-1]) + 1) * max(longest, n) > budget:
+            pieces.append([])
+            longest = 0
+        pieces[-1].append(i)
+        longest = max(longest, n)
+    return pieces
 
 
 def checkpoint_parts(tinker_path: str) -> list[str] | None:

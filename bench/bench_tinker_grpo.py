@@ -17,7 +17,8 @@ the same jobs' `forward_backward` spans on the server's timeline (its own work, 
 the medians is what a request costs beyond its work (HTTP, serialisation, polling the future). An empty-ish round
 trip (get_server_capabilities through the SDK's RestClient) is timed too.
 The server's own seconds per job kind (its timeline: queue, sample, load_weights, forward_backward, optim_step, save)
-over the measured steps are kept with each round. Results: bench/results/tinker_grpo.json, with the load average around each run (bench/machine.py).
+over the measured steps are kept with each round; the sample requests answered by one engine call share its span,
+which counts once (`sample_requests` and `sample_engine_calls` say how many of each). Results: bench/results/tinker_grpo.json, with the load average around each run (bench/machine.py).
 
     PYTHONPATH=$PWD python bench/bench_tinker_grpo.py [--rounds 3] [--steps 6] [--prompts 8] [--n 8]
                                                       [--max-tokens 32] [--repeats 30]
@@ -113,9 +114,12 @@ def tinker_side(args, root: str) -> dict:
         datum = types.Datum(model_input=types.ModelInput.from_ints(ids[:-1]), loss_fn_inputs={"target_tokens": ids[1:]})
         TIMELINE.flush(0)
         before = read_timeline(TIMELINE.path)
-        stages = {}  # the server's own time per job kind over steps 2..STEPS (where the step's wall clock went)
-        for s in before:
-            if s["role"] == "tinker" and 1 <= s["step"] < args.steps:
+        stepped = [s for s in before if s["role"] == "tinker" and 1 <= s["step"] < args.steps]
+        samples = [s for s in stepped if s["stage"] == "sample"]
+        calls = {(s["start"], s["end"]) for s in samples}  # requests sampled in one engine call share its span
+        stages = {"sample": sum(end - start for start, end in calls)}  # the server's own time per job kind
+        for s in stepped:
+            if s["stage"] != "sample":
                 stages[s["stage"]] = stages.get(s["stage"], 0.0) + s["end"] - s["start"]
         before = len(before)
         sdk, empty, rest = [], [], tinker.RestClient(base_url=server.url, api_key="tml-bench")
@@ -134,6 +138,7 @@ def tinker_side(args, root: str) -> dict:
         server.close()
     sdk_ms, server_ms = statistics.median(sdk) * 1e3, statistics.median(spans) * 1e3
     return {"tokens": tokens[1:], "step_s": step_s[1:], "server_s": {k: round(v, 3) for k, v in sorted(stages.items())},
+            "sample_requests": len(samples), "sample_engine_calls": len(calls),
             "overhead": {"sdk_forward_backward_ms": round(sdk_ms, 2), "server_forward_backward_ms": round(server_ms, 2),
                          "per_request_overhead_ms": round(sdk_ms - server_ms, 2), "spans_found": len(spans),
                          "empty_round_trip_ms": round(statistics.median(empty) * 1e3, 2)}}

@@ -583,3 +583,25 @@ def test_a_full_fine_tuning_sampler_keeps_its_weights_while_its_client_trains_an
     second = client.save_weights_and_get_sampling_client().result(timeout=60)
     assert second.compute_logprobs(ids).result(timeout=60)[1:] != pytest.approx(held[1:], abs=1e-5)
     assert first.compute_logprobs(ids).result(timeout=60) == held  # loaded again after `second`
+
+
+def test_lora_samplers_are_frozen_tensors_not_adapters_so_the_model_does_not_grow_with_every_step(served, service,
+                                                                                                   tokenizer):
+    """An RL loop makes a sampler every step: each is a frozen copy of its client's adapter tensors, merged into the
+    engine through one adapter per LoRA shape, so the served model keeps one adapter per client (every adapter in
+    it was on every request's path: a loop slowed down with each step). Samplers of two shapes stay on-policy."""
+    trainer = served.tinker.trainer
+    clients = [service.create_lora_training_client(base_model=NAME, rank=rank, seed=25).result(timeout=60)
+               for rank in (4, 2)]
+    data = [sft_datum(tokenizer, "samplers of two shapes")]
+    ids = types.ModelInput.from_ints(tokenizer.encode("samplers of two shapes"))
+    before = None
+    for _ in range(3):
+        for client in clients:
+            step(client, data, lr=1e-2)
+            sampler = client.save_weights_and_get_sampling_client().result(timeout=60)
+            scored = sampler.compute_logprobs(ids).result(timeout=60)[1:]
+            assert torch.allclose(torch.tensor(scored), torch.tensor(forward_logprobs(client, data)[0]), atol=1e-3)
+        adapters = len(trainer.peft.peft_config)
+        assert before is None or adapters == before  # no adapter per sampler
+        before = adapters

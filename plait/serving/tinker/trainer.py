@@ -1,10 +1,12 @@
-"""The training side of the local Tinker: one base model, a LoRA adapter (peft) per training client and per
-sampler snapshot, each client's own AdamW, and `tinker://` checkpoints in a local folder.
+"""The training side of the local Tinker: one base model, a LoRA adapter (peft) per training client, a frozen copy
+of its weights per sampler, each client's own AdamW, and `tinker://` checkpoints in a local folder.
 
 Clients never mix: each is an adapter of its own name in one PeftModel, made active for its requests only
 (peft runs only the active adapter, so no other adapter's weights take part or get gradients), with an
 optimizer over its own parameters. A sampler (`save_weights_and_get_sampling_client`) is a frozen copy of
-the client's adapter at that moment, so later training does not move what it samples.
+the client's adapter tensors at that moment (`snapshots`), so later training does not move what it samples. It is
+no adapter of the model: an RL loop makes one every step, and every adapter in the model is on every request's path
+(peft's set_adapter, the adapter's parameter lookup), so a step would cost more with each step before it.
 
 A client created with LoRA rank 0 (as SkyRL reads it: full fine-tuning) trains every weight of its own copy of the
 served model (one more model in memory, and AdamW's two moments of it); the shared base stays as it is for the
@@ -14,10 +16,10 @@ config, tokenizer), in place of `adapter/`.
 
 Samples are drawn by a plait rollout engine (a Rollout worker over the ENGINES row the server was started
 with: hf, or vLLM where installed), which holds one sampler's weights at a time: the base model with that
-sampler's adapter merged (models.merged_state_dict, as the actor hands its rollout), loaded with
-`load_weights` when a request comes for another sampler than the one it holds (sharing the tensors, no copy: none
-of them is ever written again). The engine's model is the
-served folder with its output head untied from the embeddings (a LoRA on a tied head changes the head only,
+sampler's adapter merged (models.merged_state_dict, as the actor hands its rollout; the snapshot is copied into
+one adapter per LoRA shape, `slots`, to be merged), loaded with `load_weights` when a request comes for another
+sampler than the one it holds (sharing the tensors, no copy: none of them is ever written again). The engine's
+model is the served folder with its output head untied from the embeddings (a LoRA on a tied head changes the head only,
 as peft does). A sample's log-probs are the model's own at temperature 1, what `compute_logprobs` and
 `forward` give for the same tokens (on-policy by construction): the engine's sampled log-probs where they are
 those (temperature 1 without top-k / top-p, or greedy), else the engine's scoring of the tokens
@@ -33,8 +35,8 @@ Every method here runs on the service's one worker thread (routes.py), so reques
 (adapter only) are the folders ROOT/RUN/weights/NAME and ROOT/RUN/sampler_weights/NAME: `state.pt` for this server,
 and `adapter/`, the adapter as peft saves one, for anything else that loads peft adapters.
 
-Left out: top-k and prompt-token alternatives, evicting old samplers (each is an
-adapter), stop tokens that let a sample run past EOS (the engine ends a sample at EOS; other stop tokens and
+Left out: top-k and prompt-token alternatives, evicting a LoRA client's old samplers (each holds a copy of its
+adapter's tensors), stop tokens that let a sample run past EOS (the engine ends a sample at EOS; other stop tokens and
 strings cut it after).
 """
 
@@ -85,7 +87,7 @@ class Client:
 
 @dataclass
 class Sampler:
-    adapter: str | None           # its peft adapter, or its key in TinkerTrainer.snapshots (full); None: the base model
+    weights: str | None           # its key in TinkerTrainer.snapshots; None: the base model
     model_path: str | None = None
     lora: Lora | None = None
 
@@ -122,7 +124,9 @@ class TinkerTrainer:
         self.peft = None
         self.clients: dict[str, Client] = {}
         self.samplers: dict[str, Sampler] = {}
-        self.snapshots: dict[str, dict[str, torch.Tensor] | None] = {}  # full samplers' state dicts (None: dropped)
+        # samplers' frozen weights: a LoRA's adapter tensors (by name with the adapter named `{}`) or a full state dict
+        self.snapshots: dict[str, dict[str, torch.Tensor] | None] = {}  # (None: dropped)
+        self.slots: dict[tuple, tuple[str, dict]] = {}  # per LoRA shape: the adapter (name, params) snapshots merge through
         self.adapters = 0
         self.rollout = None  # the samplers' engine (a Rollout worker), built by the first sample
         self.loaded: str | None = UNLOADED  # whose weights it holds: a sampler's adapter, None for the base model
@@ -166,21 +170,6 @@ class TinkerTrainer:
         tag = f".{adapter}."
         return {n.replace(tag, ".{}."): p for n, p in sorted(self.peft.named_parameters()) if tag in n}
 
-    def _net(self, adapter: str | None):
-        """The model with `adapter` active (None: the base model, adapters off); a context manager."""
-        if self.peft is None:
-            return contextlib.nullcontext(self.base())
-        if adapter is None:
-            @contextlib.contextmanager
-            def base():
-                with self.peft.disable_adapter():
-                    yield self.peft
-            return base()
-        self.peft.base_model.set_adapter(adapter)
-        for p in self._params(adapter).values():  # set_adapter freezes the others; its own must train
-            p.requires_grad_(True)
-        return contextlib.nullcontext(self.peft)
-
     # -- training clients -----------------------------------------------------------------------------------------
     def create(self, model_id: str, lora: Lora) -> dict:
         model, adapter = None, None
@@ -196,7 +185,13 @@ class TinkerTrainer:
         return {"model_id": model_id, "type": "create_model"}
 
     def _client_net(self, client: Client):
-        return contextlib.nullcontext(client.model) if client.model is not None else self._net(client.adapter)
+        """The model the client trains: its own (full), or the shared one with its adapter active; a context manager."""
+        if client.model is not None:
+            return contextlib.nullcontext(client.model)
+        self.peft.base_model.set_adapter(client.adapter)
+        for p in client.params.values():  # set_adapter freezes the others; its own must train
+            p.requires_grad_(True)
+        return contextlib.nullcontext(self.peft)
 
     def info(self, model_id: str) -> dict:
         client = self.clients[model_id]
@@ -376,15 +371,9 @@ class TinkerTrainer:
     # -- samplers -------------------------------------------------------------------------------------------------
     def sampler_from_client(self, sampler_id: str, model_id: str) -> dict:
         client = self.clients[model_id]
-        if client.model is not None:
-            self.samplers[sampler_id] = Sampler(self._snapshot(client.model.state_dict(), client), None, client.lora)
-            return {"sampling_session_id": sampler_id, "type": "save_weights_for_sampler"}
-        adapter = self._add_adapter(client.lora)
-        params = self._params(adapter)
-        self._copy_into(params, {n: p for n, p in client.params.items()})
-        for p in params.values():
-            p.requires_grad_(False)
-        self.samplers[sampler_id] = Sampler(adapter, None, client.lora)
+        full = client.model is not None
+        weights = self._snapshot(client.model.state_dict(), client) if full else self._snapshot(client.params)
+        self.samplers[sampler_id] = Sampler(weights, None, client.lora)
         return {"sampling_session_id": sampler_id, "type": "save_weights_for_sampler"}
 
     def sampler_from_path(self, sampler_id: str, path: str | None) -> None:
@@ -393,19 +382,13 @@ class TinkerTrainer:
             return
         state = self.read(path, "model_path")
         lora = Lora(**state["lora"])
-        if lora.rank == 0:
-            self.samplers[sampler_id] = Sampler(self._snapshot(self.full_weights(path, "model_path")), path, lora)
-            return
-        adapter = self._add_adapter(lora)
-        params = self._params(adapter)
-        self._copy_into(params, state["adapter"])
-        for p in params.values():
-            p.requires_grad_(False)
-        self.samplers[sampler_id] = Sampler(adapter, path, lora)
+        weights = self.full_weights(path, "model_path") if lora.rank == 0 else state["adapter"]
+        self.samplers[sampler_id] = Sampler(self._snapshot(weights), path, lora)
 
     def _snapshot(self, weights: dict[str, torch.Tensor], client: Client | None = None) -> str:
-        """A frozen copy of full weights for a sampler; its key. A client keeps its newest KEPT_FULL_SNAPSHOTS."""
-        key = f"full{self.adapters}"
+        """A frozen copy of a sampler's weights (a LoRA's adapter tensors or full weights); its key. `client`: a full
+        fine-tuning client, which keeps its newest KEPT_FULL_SNAPSHOTS."""
+        key = f"snapshot{self.adapters}"
         self.adapters += 1
         self.snapshots[key] = {k: v.detach().clone() for k, v in weights.items()}
         if client is not None:
@@ -416,9 +399,9 @@ class TinkerTrainer:
         return key
 
     # -- the samplers' engine -----------------------------------------------------------------------------------
-    def engine(self, adapter: str | None, who: str | None = None):
-        """The samplers' Rollout worker holding the base model with `adapter` merged (None: the base model); a load
-        is a `load_weights` span on the timeline for `who` (the sampler asking)."""
+    def engine(self, sampler: Sampler, who: str | None = None):
+        """The samplers' Rollout worker holding `sampler`'s weights; a load is a `load_weights` span on the timeline
+        for `who` (the sampler's id)."""
         from plait.models import config_overlay
         from plait.profiler.timeline import TIMELINE
         from plait.workers.rollout import Rollout
@@ -428,34 +411,44 @@ class TinkerTrainer:
                 path = config_overlay(self.path, {"tie_word_embeddings": False}, os.path.join(self.root, ".engine-model"))
             with _quiet_load():  # its head is "missing" from the files: loaded from the trainer just below
                 self.rollout = Rollout(path, self.max_tokens, self.tokenizer, self.profiler, cfg=self.engine_cfg)
-        if self.loaded != adapter:
+        if self.loaded != sampler.weights:
             with TIMELINE.span("tinker", "load_weights", session=who):
-                self._load(adapter)
+                self._load(sampler)
         return self.rollout
 
-    def _load(self, adapter: str | None) -> None:
-        """The base model with `adapter` merged into the engine (as the actor syncs its rollout a LoRA policy)."""
+    def _load(self, sampler: Sampler) -> None:
+        """The sampler's weights into the engine; a LoRA's merged into the base model (as the actor syncs its rollout
+        a LoRA policy) through the slot adapter of its shape, which its tensors are copied into."""
         from plait.models import merged_state_dict
-        peft = self.peft
-        if adapter in self.snapshots:
-            weights = self.snapshots[adapter]
+        if sampler.weights is None:
+            if self.peft is None:
+                weights = {k: v.detach() for k, v in self.base().state_dict().items()}
+            else:
+                with self.peft.disable_adapter():
+                    weights = merged_state_dict(self.peft)
+        else:
+            weights = self.snapshots[sampler.weights]
             if weights is None:
                 raise ApiError(400, f"this sampler's weights were dropped: a full fine-tuning client keeps its newest "
                                     f"{KEPT_FULL_SNAPSHOTS} samplers (save_weights_for_sampler(name) keeps one on disk)",
                                param="sampling_session_id")
-        elif peft is None:
-            weights = {k: v.detach() for k, v in self.base().state_dict().items()}
-        elif adapter is None:
-            with peft.disable_adapter():
-                weights = merged_state_dict(peft)
-        else:
-            peft.base_model.set_adapter(adapter)  # the one merged; a training request sets its own again
-            weights = merged_state_dict(peft)
+            if sampler.lora.rank > 0:
+                lora = sampler.lora
+                shape = (lora.rank, lora.train_mlp, lora.train_attn, lora.train_unembed)
+                if shape not in self.slots:
+                    slot = self._add_adapter(lora)
+                    self.slots[shape] = slot, self._params(slot)
+                    for p in self.slots[shape][1].values():
+                        p.requires_grad_(False)
+                slot, params = self.slots[shape]
+                self._copy_into(params, weights)
+                self.peft.base_model.set_adapter(slot)  # the one merged; a training request sets its own again
+                weights = merged_state_dict(self.peft)
         # share: the engine takes these tensors as its own (no copy). None of them is written again: a snapshot is
         # frozen, a merged weight is new, the rest are the frozen base's. Every load shares, so the engine never
         # copies into a tensor it took from an earlier one.
         self.rollout.load_weights(weights, self.rollout.version + 1, share=True)
-        self.loaded = adapter
+        self.loaded = sampler.weights
 
     def close(self) -> None:
         """Stop the samplers' engine (its own processes, if it has any)."""
@@ -472,7 +465,7 @@ class TinkerTrainer:
         """Several sample requests of one sampler with the same params as one engine call (the SDK sends a batch's
         prompts as concurrent requests; one at a time they cost the engine's batching); each (prompt, num_samples,
         with_prompt_logprobs) gets its own answer. A seeded request is sampled alone (routes.py)."""
-        rollout = self.engine(self.samplers[sampler_id].adapter, sampler_id)
+        rollout = self.engine(self.samplers[sampler_id], sampler_id)
         seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(4), "little")
         sampling = {"temperature": params.temperature, "top_p": params.top_p, "top_k": max(params.top_k, -1),
                     "do_sample": params.temperature > 0}

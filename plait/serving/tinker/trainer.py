@@ -59,7 +59,7 @@ LORA_ALPHA = 32  # Tinker's LoRA scale is alpha / rank with alpha 32
 STATE_FILE = "state.pt"
 FULL_DIR = "model"  # a full fine-tuning checkpoint's weights, as a Hugging Face folder
 KEPT_FULL_SNAPSHOTS = 2  # a full fine-tuning client's newest samplers kept (each a copy of the model)
-BATCH_TOKENS = 8192  # padded tokens in one forward / backward pass (`plait serve --tinker-batch-tokens`)
+BATCH_TOKENS = 2048  # padded tokens in one forward / backward pass (`plait serve --tinker-batch-tokens`; docs/tinker.md)
 
 
 @dataclass

@@ -6,7 +6,9 @@ response tokens (EOS stops on both), full fine-tuning (Tinker `rank=0`; plait's 
 optimizer step per step, the `hf` engine, torch on one thread.
 - Side `plait`: `plait train` in-process (driver.build(cfg).run()) for STEPS steps; its tokens/generated and
   timing_s/step per step (the token ledger: every sampled response token).
-- Side `tinker`: a GRPO loop written only against the SDK, against a ModelServer on 127.0.0.1: each step
+- Side `tinker`: a GRPO loop written only against the SDK, against a ModelServer on 127.0.0.1 (in its process; with
+  `--server process`, `plait serve` in a process of its own, as a user runs it: the SDK's and the server's Python
+  then no longer share one GIL, and the two processes can use both cores where their work overlaps): each step
   save_weights_and_get_sampling_client, one `sample` per prompt (all submitted, then awaited), the reward, group-
   normalised advantages ((r - mean) / (std + 1e-6), as plait's GRPO), forward_backward("importance_sampling")
   with the sampled log-probs, optim_step; tokens/s = sampled tokens / the step's wall clock.
@@ -17,10 +19,11 @@ the same jobs' `forward_backward` spans on the server's timeline (its own work, 
 the medians is what a request costs beyond its work (HTTP, serialisation, polling the future). An empty-ish round
 trip (get_server_capabilities through the SDK's RestClient) is timed too.
 The server's own seconds per job kind (its timeline: queue, sample, load_weights, forward_backward, optim_step, save)
-over the measured steps are kept with each round. Results: bench/results/tinker_grpo.json, with the load average around each run (bench/machine.py).
+over the measured steps are kept with each round; the sample requests answered by one engine call share its span,
+which counts once (`sample_requests` and `sample_engine_calls` say how many of each). Results: bench/results/tinker_grpo.json, with the load average around each run (bench/machine.py).
 
     PYTHONPATH=$PWD python bench/bench_tinker_grpo.py [--rounds 3] [--steps 6] [--prompts 8] [--n 8]
-                                                      [--max-tokens 32] [--repeats 30]
+                                                      [--max-tokens 32] [--repeats 30] [--server thread|process]
 """
 
 from __future__ import annotations
@@ -71,12 +74,19 @@ def tinker_side(args, root: str) -> dict:
     from plait.profiler.session import ProfilerSession
     from plait.profiler.timeline import TIMELINE, read_timeline
     from plait.serving.serve import ModelServer
+    from plait.models import load_tokenizer
     path = create_tiny_model(os.path.join(root, "model"), size="s", seed=0)
-    profiler = ProfilerSession(GlobalProfilerConfig(), {"rollout": RoleProfilerConfig()}, rank=0).for_role("rollout")
-    server = ModelServer(path, RolloutConfig(name="hf"), profiler, name="bench", max_tokens=args.max_tokens,
-                         tinker_dir=os.path.join(root, "ckpt"), output_dir=os.path.join(root, "serve"))
+    timeline = os.path.join(root, "serve", "timeline.jsonl")
+    if args.server == "process":  # `plait serve` in its own process, as a user runs it
+        server = ServeProcess(path, args.max_tokens, os.path.join(root, "ckpt"), os.path.join(root, "serve"))
+        flush = server.flush
+    else:
+        profiler = ProfilerSession(GlobalProfilerConfig(), {"rollout": RoleProfilerConfig()}, rank=0).for_role("rollout")
+        server = ModelServer(path, RolloutConfig(name="hf"), profiler, name="bench", max_tokens=args.max_tokens,
+                             tinker_dir=os.path.join(root, "ckpt"), output_dir=os.path.join(root, "serve"))
+        flush = lambda: TIMELINE.flush(0)  # noqa: E731 - this process's timeline, written on flush
     try:
-        tok = server.gateway.tokenizer
+        tok = load_tokenizer(path)
         service = tinker.ServiceClient(base_url=server.url, api_key="tml-bench")
         client = service.create_lora_training_client(base_model="bench", rank=0, seed=0).result()
         rows = make_task_rows("arithmetic", "train", args.prompts * args.steps, seed=0)
@@ -111,11 +121,14 @@ def tinker_side(args, root: str) -> dict:
         # per-request overhead: SDK round trip vs the server's own span for the same job
         ids = tok.encode("hello tinker, hello plait")[:3]
         datum = types.Datum(model_input=types.ModelInput.from_ints(ids[:-1]), loss_fn_inputs={"target_tokens": ids[1:]})
-        TIMELINE.flush(0)
-        before = read_timeline(TIMELINE.path)
-        stages = {}  # the server's own time per job kind over steps 2..STEPS (where the step's wall clock went)
-        for s in before:
-            if s["role"] == "tinker" and 1 <= s["step"] < args.steps:
+        flush()
+        before = read_timeline(timeline)
+        stepped = [s for s in before if s["role"] == "tinker" and 1 <= s["step"] < args.steps]
+        samples = [s for s in stepped if s["stage"] == "sample"]
+        calls = {(s["start"], s["end"]) for s in samples}  # requests sampled in one engine call share its span
+        stages = {"sample": sum(end - start for start, end in calls)}  # the server's own time per job kind
+        for s in stepped:
+            if s["stage"] != "sample":
                 stages[s["stage"]] = stages.get(s["stage"], 0.0) + s["end"] - s["start"]
         before = len(before)
         sdk, empty, rest = [], [], tinker.RestClient(base_url=server.url, api_key="tml-bench")
@@ -126,17 +139,43 @@ def tinker_side(args, root: str) -> dict:
             t = time.perf_counter()
             rest.get_server_capabilities().result()
             empty.append(time.perf_counter() - t)
-        TIMELINE.flush(0)
-        spans = [s["end"] - s["start"] for s in read_timeline(TIMELINE.path)[before:]
+        flush()
+        spans = [s["end"] - s["start"] for s in read_timeline(timeline)[before:]
                  if s["role"] == "tinker" and s["stage"] == "forward_backward"]
         service.close("success").result()
     finally:
         server.close()
     sdk_ms, server_ms = statistics.median(sdk) * 1e3, statistics.median(spans) * 1e3
     return {"tokens": tokens[1:], "step_s": step_s[1:], "server_s": {k: round(v, 3) for k, v in sorted(stages.items())},
+            "sample_requests": len(samples), "sample_engine_calls": len(calls),
             "overhead": {"sdk_forward_backward_ms": round(sdk_ms, 2), "server_forward_backward_ms": round(server_ms, 2),
                          "per_request_overhead_ms": round(sdk_ms - server_ms, 2), "spans_found": len(spans),
                          "empty_round_trip_ms": round(statistics.median(empty) * 1e3, 2)}}
+
+
+class ServeProcess:
+    """`plait serve` in a subprocess (torch on one thread); its URL from the line it prints once it listens."""
+
+    def __init__(self, path: str, max_tokens: int, tinker_dir: str, output_dir: str):
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "TINKER_TELEMETRY": "0"}
+        log = os.path.join(os.path.dirname(tinker_dir), "serve.log")
+        with open(log, "w") as err:  # a file, not a pipe: nobody has to keep reading it
+            self.proc = subprocess.Popen([sys.executable, "-m", "plait.cli", "serve", path, "--name", "bench", "--port",
+                                          "0", "--engine", "hf", "--max-tokens", str(max_tokens), "--tinker-dir",
+                                          tinker_dir, "--output-dir", output_dir], env=env, stderr=err)
+        while "Tinker at " not in (text := open(log).read()):
+            if self.proc.poll() is not None:
+                raise SystemExit(f"plait serve did not start:\n{text[-3000:]}")
+            time.sleep(0.1)
+        self.url = text.split("Tinker at ")[1].split()[0]
+
+    @staticmethod
+    def flush() -> None:
+        """Nothing: the server flushes its timeline before each answer, so every job answered is in the file."""
+
+    def close(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(30)
 
 
 def run_side(side: str, args) -> dict:
@@ -160,6 +199,8 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--server", choices=["thread", "process"], default="thread",
+                        help="the Tinker server in the SDK loop's process (thread) or as `plait serve` (process)")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "tinker_grpo.json"))
     args = parser.parse_args()
     if args.side:

@@ -91,6 +91,9 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--tinker-dir", help="where tinker:// checkpoints are kept (default $PLAIT_CACHE/tinker or "
                                             "~/.cache/plait/tinker)")
     serve.add_argument("--no-tinker", action="store_true", help="serve without the Tinker API (no training)")
+    serve.add_argument("--tinker-batch-tokens", type=int, help="the most tokens (rows x the longest, padded) in one "
+                                                               "Tinker forward / backward pass; a larger request runs "
+                                                               "in pieces, gradients added up (default 2048)")
     serve.add_argument("--max-body-mb", type=float, default=8, help="the largest request body, in MiB (413 past it)")
     serve.add_argument("--output-dir", help="where the server's timeline.jsonl goes, for `plait profile report DIR` "
                                             "(default: the Tinker dir; none with --no-tinker)")
@@ -218,7 +221,7 @@ def serve_command(args) -> int:
     try:
         serve(args.model, args.host, args.port, args.engine, args.max_tokens, args.tool_format, name=args.name,
               tinker_dir=None if args.no_tinker else args.tinker_dir or default_tinker_dir(), max_body_mb=args.max_body_mb,
-              output_dir=args.output_dir)
+              output_dir=args.output_dir, tinker_batch_tokens=args.tinker_batch_tokens)
     except (FileNotFoundError, ConfigError, OSError) as err:
         print(f"plait: serve: {err}", file=sys.stderr)
         return 2

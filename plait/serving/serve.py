@@ -49,11 +49,12 @@ class ModelServer:
                  port: int = 0, max_tokens: int = 1024, tool_format: str = "hermes", defaults: dict | None = None,
                  seed: int | None = None, context: int | None = None, max_num_seqs: int | None = None,
                  window_s: float = WINDOW_S, stage: str = "serve", tinker_dir: str | None = None, limits=None,
-                 output_dir: str | None = None):
+                 output_dir: str | None = None, tinker_batch_tokens: int | None = None):
         """`cfg`: the rollout node naming the engine and its settings; `profiler`: the role's handle (each round is
         its `stage`); `limits`: the server's (plait/serving/server.py's Limits); the rest: Gateway's (`max_tokens` the
         default budget, `context` prompt + answer). `tinker_dir`: serve the Tinker training API too
-        (plait/serving/tinker), its checkpoints in that folder. `output_dir`: the process's timeline goes to its
+        (plait/serving/tinker), its checkpoints in that folder; `tinker_batch_tokens` the most padded tokens of one of
+        its forward / backward passes (None: its default). `output_dir`: the process's timeline goes to its
         timeline.jsonl (the Tinker jobs' spans; `plait profile report output_dir` reads it) until close."""
         import torch
         from transformers import AutoConfig
@@ -90,7 +91,7 @@ class ModelServer:
                 from plait.serving.tinker import tinker_api
                 from plait.serving.tinker.routes import tinker_routes
                 self.tinker = tinker_api(path, name, tokenizer, self.rollout.eos_ids, tinker_dir, max_tokens, cfg,
-                                         profiler)
+                                         profiler, tinker_batch_tokens)
             self.server = Server(self.gateway, self.loop.loop, host, port,
                                  tinker_routes(self.tinker) if self.tinker is not None else None, limits)
         except BaseException:
@@ -174,10 +175,12 @@ def _fail_future(future, err: Exception) -> None:
 
 def serve(model: str, host: str = "127.0.0.1", port: int = 8000, engine: str | None = None, max_tokens: int = 1024,
           tool_format: str = "hermes", ready=None, stop: threading.Event | None = None, name: str | None = None,
-          tinker_dir: str | None = None, max_body_mb: float = 8, output_dir: str | None = None) -> None:
+          tinker_dir: str | None = None, max_body_mb: float = 8, output_dir: str | None = None,
+          tinker_batch_tokens: int | None = None) -> None:
     """Serve until Ctrl-C (or `stop` is set); `ready(url)` is called once the server listens. `tinker_dir`: the
     Tinker API too (plait/serving/tinker), its checkpoints there; off, with a line saying so, without its packages.
-    `output_dir`: where timeline.jsonl goes (default: `tinker_dir`; with neither, no timeline)."""
+    `output_dir`: where timeline.jsonl goes (default: `tinker_dir`; with neither, no timeline). `tinker_batch_tokens`:
+    the most padded tokens in one Tinker forward / backward pass (a larger request runs in pieces)."""
     import transformers
 
     from plait.config import RolloutConfig
@@ -189,6 +192,8 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8000, engine: str | N
     stop = stop or threading.Event()
     if not max_body_mb > 0:
         raise ConfigError("--max-body-mb", max_body_mb, "a size in MiB > 0")
+    if tinker_batch_tokens is not None and tinker_batch_tokens < 1:
+        raise ConfigError("--tinker-batch-tokens", tinker_batch_tokens, "a number of tokens >= 1")
     engine = engine or PLAIT_ENGINE
     if engine not in ENGINES or ENGINES[engine].unavailable():
         why = ENGINES[engine].unavailable() if engine in ENGINES else f"one of {', '.join(ENGINES)}"
@@ -206,7 +211,8 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8000, engine: str | N
         output_dir = output_dir or tinker_dir
         server = ModelServer(path, RolloutConfig(name=engine), profiler, name, host=host, port=port,
                              max_tokens=max_tokens, tool_format=tool_format, tinker_dir=tinker_dir,
-                             limits=Limits(max_body_bytes=int(max_body_mb * (1 << 20))), output_dir=output_dir)
+                             limits=Limits(max_body_bytes=int(max_body_mb * (1 << 20))), output_dir=output_dir,
+                             tinker_batch_tokens=tinker_batch_tokens)
         tinker = f", Tinker at {server.url} as base_model {name!r} (checkpoints in {tinker_dir})" if tinker_dir else ""
         print(f"plait: serving {model} ({engine} engine) at {server.url}/v1 (OpenAI) and {server.url} (Anthropic)"
               f"{tinker}; timeline in {output_dir or 'none (--output-dir)'}; Ctrl-C stops", file=sys.stderr)

@@ -301,10 +301,14 @@ def test_malformed_requests_fail_fast_naming_the_field_and_the_server_keeps_serv
     assert [m.model_name for m in models] == [NAME]
 
 
-def test_plait_serve_speaks_tinker_under_the_name_it_is_given(served, tmp_path):
+def test_plait_serve_speaks_tinker_under_the_name_it_is_given(served, tmp_path, capsys):
     import threading
 
+    from plait.cli import main
     from plait.serving.serve import serve
+    assert main(["serve", served.gateway.tokenizer.name_or_path, "--tinker-batch-tokens", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "--tinker-batch-tokens" in err and "a number of tokens >= 1" in err and "Traceback" not in err, err
     urls, stop = [], threading.Event()
     thread = threading.Thread(target=serve, args=(served.gateway.tokenizer.name_or_path,), daemon=True,
                               kwargs=dict(port=0, name="my-model", tinker_dir=str(tmp_path), ready=urls.append, stop=stop))
@@ -470,3 +474,134 @@ def test_concurrent_samples_of_one_sampler_are_one_engine_call_each_with_its_own
         for seq in result.sequences:
             scored = sampler.compute_logprobs(types.ModelInput.from_ints(prompt + seq.tokens)).result(timeout=60)
             assert torch.allclose(torch.tensor(scored[len(prompt):]), torch.tensor(seq.logprobs), atol=1e-3)
+
+
+def rl_datum(tokenizer, text: str, advantage: float) -> types.Datum:
+    ids = tokenizer.encode(text)
+    n = len(ids) - 1
+    return types.Datum(model_input=types.ModelInput.from_ints(ids[:-1]), loss_fn_inputs={
+        "target_tokens": ids[1:], "logprobs": [-1.0] * n, "advantages": [advantage] * n})
+
+
+def grads(served, client) -> dict[str, torch.Tensor | None]:
+    params = served.tinker.trainer.clients[client.model_id].params
+    return {n: None if p.grad is None else p.grad.clone() for n, p in params.items()}
+
+
+@pytest.mark.parametrize("rank", [4, 0])
+def test_a_request_past_the_token_budget_runs_in_pieces_with_the_same_outputs_and_gradients(served, service, tokenizer,
+                                                                                           monkeypatch, rank):
+    """`--tinker-batch-tokens`: a forward_backward larger than the budget runs in pieces whose gradients add up to
+    the whole request's (and the per-datum outputs and loss sum are the whole pass's)."""
+    from plait.serving.tinker.trainer import micro_batches
+    trainer = served.tinker.trainer
+    data = [rl_datum(tokenizer, text, adv) for text, adv in
+            [("one short", 1.0), ("a somewhat longer datum here", -0.5), ("mid size one", 2.0), ("xyz", 0.3),
+             ("the longest datum of this request by far", -1.0)]]
+    lengths = [len(d.model_input.to_ints()) for d in data]
+    budget = 2 * max(lengths)
+    assert len(micro_batches(lengths, budget)) >= 3  # the split really happens
+    outs = {}
+    for name, tokens in (("whole", 10 ** 6), ("split", budget)):
+        client = service.create_lora_training_client(base_model=NAME, rank=rank, seed=21).result(timeout=60)
+        monkeypatch.setattr(trainer, "batch_tokens", tokens)
+        out = client.forward_backward(data, "importance_sampling").result(timeout=60)
+        fwd = client.forward(data, "importance_sampling").result(timeout=60)
+        outs[name] = (out, fwd, grads(served, client))
+    (whole, whole_fwd, whole_grads), (split, split_fwd, split_grads) = outs["whole"], outs["split"]
+    assert split.metrics["loss:sum"] == pytest.approx(whole.metrics["loss:sum"], abs=1e-6)
+    for a, b in [*zip(whole.loss_fn_outputs, split.loss_fn_outputs), *zip(whole_fwd.loss_fn_outputs, split_fwd.loss_fn_outputs)]:
+        for key in ("logprobs", "elementwise_loss"):
+            assert torch.allclose(a[key].to_torch(), b[key].to_torch(), atol=1e-6, rtol=0)
+    assert whole_grads.keys() == split_grads.keys() and all(g is not None for g in whole_grads.values())
+    for name, g in whole_grads.items():
+        assert torch.allclose(g, split_grads[name], atol=1e-6, rtol=0), name
+
+
+def test_a_non_finite_loss_in_a_later_piece_leaves_the_gradients_as_before_the_request(served, service, tokenizer,
+                                                                                       monkeypatch):
+    """The non-finite-loss guard over pieces: the good piece's backward has run when the bad one is found; the
+    request fails naming the loss, the gradients are those from before it, and the client trains on."""
+    from plait.serving.tinker.trainer import micro_batches
+    client = service.create_lora_training_client(base_model=NAME, rank=4, seed=22).result(timeout=60)
+    good = rl_datum(tokenizer, "a good datum", 1.0)
+    client.forward_backward([good], "importance_sampling").result(timeout=60)
+    before = grads(served, client)
+    bad = rl_datum(tokenizer, "a bad datum!", math.nan)
+    n = len(good.model_input.to_ints())
+    monkeypatch.setattr(served.tinker.trainer, "batch_tokens", n)
+    assert micro_batches([n, len(bad.model_input.to_ints())], n) == [[0], [1]]  # good first, then bad
+    with pytest.raises(tinker.RequestFailedError, match="importance_sampling gave a non-finite loss"):
+        client.forward_backward([good, bad], "importance_sampling").result(timeout=60)
+    after = grads(served, client)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    # the same client trains on: its gradients are the first request's plus this one's
+    out = step(client, [good], loss_fn="importance_sampling")
+    assert math.isfinite(out.metrics["loss:sum"])
+
+
+def test_samples_that_arrive_while_the_first_waits_for_more_are_one_engine_call(served, service, tokenizer, monkeypatch):
+    """The SDK's concurrent sample requests reach the server some ms apart: a sample waits GATHER_S after the last
+    one of its kind for more (here long, so the test waits on the queue, never on the clock), then all are one
+    engine call."""
+    from plait.profiler.timeline import TIMELINE, read_timeline
+    from plait.serving.tinker import routes
+    monkeypatch.setattr(routes, "GATHER_S", 60.0)
+    monkeypatch.setattr(routes, "GATHER_MAX_S", 120.0)
+    client = service.create_lora_training_client(base_model=NAME, rank=4, seed=23).result(timeout=60)
+    sampler = client.save_weights_and_get_sampling_client().result(timeout=60)
+    jobs = served.tinker.jobs
+    futures, put = [], jobs.unfinished_tasks  # every job put counts (nothing calls task_done)
+    for text in ("ab", "cde"):
+        futures.append(sampler.sample(types.ModelInput.from_ints(tokenizer.encode(text)), 2, types.SamplingParams(max_tokens=4)))
+        put += 1
+        deadline = time.time() + 30
+        while not (jobs.unfinished_tasks == put and jobs.qsize() == 0) and time.time() < deadline:
+            time.sleep(0.01)  # until the worker has taken it: the first is waiting for more when the second comes
+    done = concurrent.futures.Future()
+    jobs.put((done, lambda: None, (), "another job", time.perf_counter(), None))  # ends the wait
+    results = [future.result(timeout=60) for future in futures]
+    assert [len(r.sequences) for r in results] == [2, 2]
+    TIMELINE.flush(0)
+    calls = {(s["start"], s["end"]) for s in read_timeline(TIMELINE.path)
+             if s["stage"] == "sample" and str(s.get("session")) == sampler._sampling_session_id}  # noqa: SLF001
+    assert len(calls) == 1
+
+
+def test_a_full_fine_tuning_sampler_keeps_its_weights_while_its_client_trains_and_other_samplers_load(served, service,
+                                                                                                     tokenizer):
+    """The engine takes a sampler's weights without copying them (share): what it holds must be the sampler's own
+    frozen copy, never the client's live weights, so training on does not move a sampler the engine holds."""
+    client = service.create_lora_training_client(base_model=NAME, rank=0, seed=24).result(timeout=60)
+    data = [sft_datum(tokenizer, "frozen samplers")]
+    step(client, data, lr=1e-3)
+    first = client.save_weights_and_get_sampling_client().result(timeout=60)
+    ids = types.ModelInput.from_ints(tokenizer.encode("frozen samplers"))
+    held = first.compute_logprobs(ids).result(timeout=60)  # the engine holds `first` now
+    step(client, data, lr=1e-2)
+    assert first.compute_logprobs(ids).result(timeout=60) == held  # still held, not reloaded, not moved
+    second = client.save_weights_and_get_sampling_client().result(timeout=60)
+    assert second.compute_logprobs(ids).result(timeout=60)[1:] != pytest.approx(held[1:], abs=1e-5)
+    assert first.compute_logprobs(ids).result(timeout=60) == held  # loaded again after `second`
+
+
+def test_lora_samplers_are_frozen_tensors_not_adapters_so_the_model_does_not_grow_with_every_step(served, service,
+                                                                                                   tokenizer):
+    """An RL loop makes a sampler every step: each is a frozen copy of its client's adapter tensors, merged into the
+    engine through one adapter per LoRA shape, so the served model keeps one adapter per client (every adapter in
+    it was on every request's path: a loop slowed down with each step). Samplers of two shapes stay on-policy."""
+    trainer = served.tinker.trainer
+    clients = [service.create_lora_training_client(base_model=NAME, rank=rank, seed=25).result(timeout=60)
+               for rank in (4, 2)]
+    data = [sft_datum(tokenizer, "samplers of two shapes")]
+    ids = types.ModelInput.from_ints(tokenizer.encode("samplers of two shapes"))
+    before = None
+    for _ in range(3):
+        for client in clients:
+            step(client, data, lr=1e-2)
+            sampler = client.save_weights_and_get_sampling_client().result(timeout=60)
+            scored = sampler.compute_logprobs(ids).result(timeout=60)[1:]
+            assert torch.allclose(torch.tensor(scored), torch.tensor(forward_logprobs(client, data)[0]), atol=1e-3)
+        adapters = len(trainer.peft.peft_config)
+        assert before is None or adapters == before  # no adapter per sampler
+        before = adapters

@@ -15,9 +15,11 @@ from __future__ import annotations
 
 
 def tinker_api(path: str, name: str, tokenizer, eos_ids: list[int], root: str, max_tokens: int, engine_cfg=None,
-               profiler=None):
+               profiler=None, batch_tokens: int | None = None):
     """The Tinker endpoints over the model at `path` served as `name`; checkpoints under `root`; samplers on the
-    engine `engine_cfg` (a rollout node) names, recording into `profiler` (the rollout role's)."""
+    engine `engine_cfg` (a rollout node) names, recording into `profiler` (the rollout role's); `batch_tokens`: the
+    most padded tokens a forward / backward pass runs at once (None: trainer.BATCH_TOKENS)."""
     from plait.serving.tinker.routes import TinkerApi
-    from plait.serving.tinker.trainer import TinkerTrainer
-    return TinkerApi(TinkerTrainer(path, name, tokenizer, eos_ids, root, engine_cfg, profiler, max_tokens), max_tokens)
+    from plait.serving.tinker.trainer import BATCH_TOKENS, TinkerTrainer
+    trainer = TinkerTrainer(path, name, tokenizer, eos_ids, root, engine_cfg, profiler, max_tokens, batch_tokens or BATCH_TOKENS)
+    return TinkerApi(trainer, max_tokens)

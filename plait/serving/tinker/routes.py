@@ -5,9 +5,11 @@
         ──POST /api/v1/retrieve_future ──▶ waits up to POLL_S for the job ──▶ its result, its error, or try_again
 
 Training, saving, loading and sampling are futures run one at a time, in arrival order, on the worker thread
-(the SDK sends a client's requests in its own order, so a client's steps apply in order); sessions, config
-and capabilities answer at once. Any `tml-` API key is accepted (the SDK requires the prefix; this server is
-local). A job's failure comes back as the API's failed future (`{"error", "category"}`); a request refused at
+(the SDK sends a client's requests in its own order, so a client's steps apply in order). Sample requests for one
+sampler with the same unseeded params are one engine call: the SDK sends a batch's prompts as concurrent requests
+that arrive some ms apart, so a sample waits up to GATHER_S after the last of them for more (GATHER_MAX_S in all)
+before it starts. Sessions, config and capabilities answer at once. Any `tml-` API key is accepted (the SDK
+requires the prefix; this server is local). A job's failure comes back as the API's failed future (`{"error", "category"}`); a request refused at
 once as HTTP 400/404/409 with `{"error", "category": "user", "field"}`; an endpoint plait does not serve as 404
 naming it. The server keeps serving after either.
 
@@ -63,6 +65,8 @@ log = logging.getLogger("plait.serving.tinker")
 POLL_S = 10.0        # how long a retrieve_future waits for its job before answering try_again
 KEPT_RESULTS = 4096  # finished futures kept for a repeated retrieve
 JOURNAL = "server.jsonl"  # in the Tinker dir: what a restart restores
+GATHER_S = 0.006     # a sample waits this long for the next of its kind (the SDK sends a batch's prompts as
+GATHER_MAX_S = 0.03  # concurrent requests, a few ms apart), at most this long in all: one engine call for them
 
 
 def error(err: ApiError) -> JSONResponse:
@@ -274,9 +278,10 @@ class TinkerApi:
         batch = [job]
         if job[1] != self.trainer.sample or job[2][3].seed is not None:
             return batch, None
+        until = time.perf_counter() + GATHER_MAX_S
         while True:
             try:
-                more = self.jobs.get_nowait()
+                more = self.jobs.get(timeout=max(0.0, min(GATHER_S, until - time.perf_counter())))
             except queue.Empty:
                 return batch, None
             if more is None or more[1] != self.trainer.sample or more[2][0] != job[2][0] or more[2][3] != job[2][3]:

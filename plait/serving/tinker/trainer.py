@@ -1,10 +1,12 @@
-"""The training side of the local Tinker: one base model, a LoRA adapter (peft) per training client and per
-sampler snapshot, each client's own AdamW, and `tinker://` checkpoints in a local folder.
+"""The training side of the local Tinker: one base model, a LoRA adapter (peft) per training client, a frozen copy
+of its weights per sampler, each client's own AdamW, and `tinker://` checkpoints in a local folder.
 
 Clients never mix: each is an adapter of its own name in one PeftModel, made active for its requests only
 (peft runs only the active adapter, so no other adapter's weights take part or get gradients), with an
 optimizer over its own parameters. A sampler (`save_weights_and_get_sampling_client`) is a frozen copy of
-the client's adapter at that moment, so later training does not move what it samples.
+the client's adapter tensors at that moment (`snapshots`), so later training does not move what it samples. It is
+no adapter of the model: an RL loop makes one every step, and every adapter in the model is on every request's path
+(peft's set_adapter, the adapter's parameter lookup), so a step would cost more with each step before it.
 
 A client created with LoRA rank 0 (as SkyRL reads it: full fine-tuning) trains every weight of its own copy of the
 served model (one more model in memory, and AdamW's two moments of it); the shared base stays as it is for the
@@ -14,21 +16,27 @@ config, tokenizer), in place of `adapter/`.
 
 Samples are drawn by a plait rollout engine (a Rollout worker over the ENGINES row the server was started
 with: hf, or vLLM where installed), which holds one sampler's weights at a time: the base model with that
-sampler's adapter merged (models.merged_state_dict, as the actor hands its rollout), loaded with
-`load_weights` when a request comes for another sampler than the one it holds. The engine's model is the
-served folder with its output head untied from the embeddings (a LoRA on a tied head changes the head only,
+sampler's adapter merged (models.merged_state_dict, as the actor hands its rollout; the snapshot is copied into
+one adapter per LoRA shape, `slots`, to be merged), loaded with `load_weights` when a request comes for another
+sampler than the one it holds (sharing the tensors, no copy: none of them is ever written again). The engine's
+model is the served folder with its output head untied from the embeddings (a LoRA on a tied head changes the head only,
 as peft does). A sample's log-probs are the model's own at temperature 1, what `compute_logprobs` and
 `forward` give for the same tokens (on-policy by construction): the engine's sampled log-probs where they are
 those (temperature 1 without top-k / top-p, or greedy), else the engine's scoring of the tokens
 (`probe_logprobs`), which also gives the prompt's.
+
+A `forward` / `forward_backward` runs its data in pieces of at most `batch_tokens` padded tokens (rows x the
+longest; `plait serve --tinker-batch-tokens`, default BATCH_TOKENS), the gradients adding up over the pieces: the
+outputs and gradients of one pass over the whole request, within float rounding, in the memory of one piece. A
+non-finite loss in any piece refuses the whole request with the gradients as they were before it.
 
 Every method here runs on the service's one worker thread (routes.py), so requests never race.
 `tinker://RUN/weights/NAME` (save_state: adapter + optimizer) and `tinker://RUN/sampler_weights/NAME`
 (adapter only) are the folders ROOT/RUN/weights/NAME and ROOT/RUN/sampler_weights/NAME: `state.pt` for this server,
 and `adapter/`, the adapter as peft saves one, for anything else that loads peft adapters.
 
-Left out: top-k and prompt-token alternatives, evicting old samplers (each is an
-adapter), stop tokens that let a sample run past EOS (the engine ends a sample at EOS; other stop tokens and
+Left out: top-k and prompt-token alternatives, evicting a LoRA client's old samplers (each holds a copy of its
+adapter's tensors), stop tokens that let a sample run past EOS (the engine ends a sample at EOS; other stop tokens and
 strings cut it after).
 """
 
@@ -51,6 +59,7 @@ LORA_ALPHA = 32  # Tinker's LoRA scale is alpha / rank with alpha 32
 STATE_FILE = "state.pt"
 FULL_DIR = "model"  # a full fine-tuning checkpoint's weights, as a Hugging Face folder
 KEPT_FULL_SNAPSHOTS = 2  # a full fine-tuning client's newest samplers kept (each a copy of the model)
+BATCH_TOKENS = 2048  # padded tokens in one forward / backward pass (`plait serve --tinker-batch-tokens`; docs/tinker.md)
 
 
 @dataclass
@@ -78,7 +87,7 @@ class Client:
 
 @dataclass
 class Sampler:
-    adapter: str | None           # its peft adapter, or its key in TinkerTrainer.snapshots (full); None: the base model
+    weights: str | None           # its key in TinkerTrainer.snapshots; None: the base model
     model_path: str | None = None
     lora: Lora | None = None
 
@@ -99,12 +108,13 @@ UNLOADED = "(none)"  # what the engine holds before its first load (never a samp
 
 class TinkerTrainer:
     def __init__(self, path: str, name: str, tokenizer, eos_ids: list[int], root: str, engine_cfg=None, profiler=None,
-                 max_tokens: int = 1024):
+                 max_tokens: int = 1024, batch_tokens: int = BATCH_TOKENS):
         """`engine_cfg`: the rollout node naming the samplers' engine (None: plait's own, hf); `profiler`: the
-        rollout role's handle the engine records into."""
+        rollout role's handle the engine records into; `batch_tokens`: the most padded tokens (rows x the longest) a
+        forward / forward_backward runs at once."""
         from transformers import AutoConfig
         self.path, self.name, self.tokenizer, self.eos_ids, self.root = path, name, tokenizer, eos_ids, root
-        self.engine_cfg, self.profiler, self.max_tokens = engine_cfg, profiler, max_tokens
+        self.engine_cfg, self.profiler, self.max_tokens, self.batch_tokens = engine_cfg, profiler, max_tokens, batch_tokens
         config = AutoConfig.from_pretrained(path, local_files_only=True)
         text = config.get_text_config()  # a VL model's language part (the config itself for a causal LM)
         self.arch, self.vocab, self.tied = config.model_type, text.vocab_size, config.tie_word_embeddings
@@ -114,7 +124,9 @@ class TinkerTrainer:
         self.peft = None
         self.clients: dict[str, Client] = {}
         self.samplers: dict[str, Sampler] = {}
-        self.snapshots: dict[str, dict[str, torch.Tensor] | None] = {}  # full samplers' state dicts (None: dropped)
+        # samplers' frozen weights: a LoRA's adapter tensors (by name with the adapter named `{}`) or a full state dict
+        self.snapshots: dict[str, dict[str, torch.Tensor] | None] = {}  # (None: dropped)
+        self.slots: dict[tuple, tuple[str, dict]] = {}  # per LoRA shape: the adapter (name, params) snapshots merge through
         self.adapters = 0
         self.rollout = None  # the samplers' engine (a Rollout worker), built by the first sample
         self.loaded: str | None = UNLOADED  # whose weights it holds: a sampler's adapter, None for the base model
@@ -158,21 +170,6 @@ class TinkerTrainer:
         tag = f".{adapter}."
         return {n.replace(tag, ".{}."): p for n, p in sorted(self.peft.named_parameters()) if tag in n}
 
-    def _net(self, adapter: str | None):
-        """The model with `adapter` active (None: the base model, adapters off); a context manager."""
-        if self.peft is None:
-            return contextlib.nullcontext(self.base())
-        if adapter is None:
-            @contextlib.contextmanager
-            def base():
-                with self.peft.disable_adapter():
-                    yield self.peft
-            return base()
-        self.peft.base_model.set_adapter(adapter)
-        for p in self._params(adapter).values():  # set_adapter freezes the others; its own must train
-            p.requires_grad_(True)
-        return contextlib.nullcontext(self.peft)
-
     # -- training clients -----------------------------------------------------------------------------------------
     def create(self, model_id: str, lora: Lora) -> dict:
         model, adapter = None, None
@@ -188,7 +185,13 @@ class TinkerTrainer:
         return {"model_id": model_id, "type": "create_model"}
 
     def _client_net(self, client: Client):
-        return contextlib.nullcontext(client.model) if client.model is not None else self._net(client.adapter)
+        """The model the client trains: its own (full), or the shared one with its adapter active; a context manager."""
+        if client.model is not None:
+            return contextlib.nullcontext(client.model)
+        self.peft.base_model.set_adapter(client.adapter)
+        for p in client.params.values():  # set_adapter freezes the others; its own must train
+            p.requires_grad_(True)
+        return contextlib.nullcontext(self.peft)
 
     def info(self, model_id: str) -> dict:
         client = self.clients[model_id]
@@ -197,10 +200,12 @@ class TinkerTrainer:
                 "model_name": self.name, "model_data": {"arch": self.arch, "model_name": self.name,
                                                         "tokenizer_id": self.path}}
 
-    def logprobs(self, net, rows: list[tuple[list[int], list[int] | torch.Tensor]]) -> list[torch.Tensor]:
-        """Log-prob of each row's target at each of its positions ([len(row)] each), rows right-padded into one batch."""
-        n = max(len(tokens) for tokens, _ in rows)
-        ids = torch.zeros(len(rows), n, dtype=torch.long)
+    @staticmethod
+    def logprobs(net, rows: list[tuple[list[int], list[int] | torch.Tensor]]) -> tuple[torch.Tensor, list[int]]:
+        """Log-probs [rows, longest] of the rows right-padded into one batch (pad positions: the pad token's), and
+        each row's length."""
+        lengths = [len(tokens) for tokens, _ in rows]
+        ids = torch.zeros(len(rows), max(lengths), dtype=torch.long)
         targets = torch.zeros_like(ids)
         mask = torch.zeros_like(ids)
         for i, (tokens, target) in enumerate(rows):
@@ -208,23 +213,62 @@ class TinkerTrainer:
             targets[i, :len(tokens)] = torch.as_tensor(target)
             mask[i, :len(tokens)] = 1
         logits = net(input_ids=ids, attention_mask=mask).logits  # [batch, n, vocab]
-        logp = token_logprobs(logits, targets)  # [batch, n]
-        return [logp[i, :len(tokens)] for i, (tokens, _) in enumerate(rows)]
+        return token_logprobs(logits, targets), lengths  # [batch, n]
 
     def forward_backward(self, req: FwdBwd) -> bytes:
+        """The request's loss and, unless forward-only, its gradients added to the client's. Its data run in pieces of
+        at most `batch_tokens` padded tokens (micro_batches), the gradients adding up over them: the same sums as one
+        pass over the whole request. A non-finite loss in any piece refuses the request and leaves the gradients as
+        they were before it."""
         client = self.clients[req.model_id]
-        loss_fn = LOSSES[req.loss_fn][0]
-        with self._client_net(client) as net, torch.set_grad_enabled(not req.forward_only):
-            logps = self.logprobs(net, [(d.tokens, d.inputs["target_tokens"]) for d in req.data])
-            losses = [loss_fn(logp, d.inputs, req.config) for logp, d in zip(logps, req.data)]
-            total = torch.stack([loss.sum() for loss in losses]).sum()
-            if not torch.isfinite(total):  # refused before its backward: it would poison the gradients kept so far
-                raise ApiError(400, f"{req.loss_fn} gave a non-finite loss (check the inputs' logprobs and "
-                                    "advantages)", param="loss_fn_inputs")
-            if not req.forward_only and total.requires_grad:
-                total.backward()  # gradients add up over calls until optim_step
-        outputs = [{"logprobs": logp.detach(), "elementwise_loss": loss.detach()} for logp, loss in zip(logps, losses)]
-        return encode_forward_backward(outputs, {"loss:sum": total.item()})
+        pieces = micro_batches([len(d.tokens) for d in req.data], self.batch_tokens)
+        # more than one piece: the gradients so far are set aside, so a later piece's non-finite loss can undo the
+        # earlier pieces' backward (one piece is checked before its backward, as a whole request)
+        kept = {p: p.grad for p in client.params.values()} if len(pieces) > 1 and not req.forward_only else None
+        if kept is not None:
+            for p in kept:
+                p.grad = None
+        outputs, totals = [], []
+        try:
+            with self._client_net(client) as net, torch.set_grad_enabled(not req.forward_only):
+                for piece in pieces:
+                    data = [req.data[i] for i in piece]
+                    logp, loss, lengths = self._piece_loss(net, req, data)
+                    total = loss.sum()
+                    if not torch.isfinite(total):  # refused before its backward: it would poison the gradients kept
+                        raise ApiError(400, f"{req.loss_fn} gave a non-finite loss (check the inputs' logprobs and "
+                                            "advantages)", param="loss_fn_inputs")
+                    if not req.forward_only and total.requires_grad:
+                        total.backward()  # gradients add up over pieces and calls until optim_step
+                    totals.append(total.detach())
+                    outputs += [{"logprobs": logp[i, :n].detach(), "elementwise_loss": loss[i, :n].detach()}
+                                for i, n in enumerate(lengths)]
+        except BaseException:
+            if kept is not None:
+                for p, grad in kept.items():
+                    p.grad = grad
+            raise
+        if kept is not None:
+            for p, grad in kept.items():
+                if grad is not None:
+                    p.grad = grad if p.grad is None else grad.add_(p.grad)
+        return encode_forward_backward(outputs, {"loss:sum": torch.stack(totals).sum().item()})
+
+    def _piece_loss(self, net, req: FwdBwd, data: list) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        """Log-probs and element-wise losses [rows, longest] of some of a request's data, right-padded (0 past each
+        datum's end), and each datum's length. The losses are element-wise, so one call over the padded batch gives
+        each datum's own values."""
+        logp, lengths = self.logprobs(net, [(d.tokens, d.inputs["target_tokens"]) for d in data])
+        inputs = {}
+        for name in {k for d in data for k in d.inputs} - {"target_tokens"}:
+            value = torch.ones(logp.shape) if name == "weights" else torch.zeros(logp.shape)  # weights: ones if absent
+            for i, d in enumerate(data):
+                if name in d.inputs:
+                    value[i, :lengths[i]] = d.inputs[name]
+            inputs[name] = value
+        real = torch.arange(logp.shape[1]) < torch.tensor(lengths)[:, None]  # [rows, longest]
+        loss = torch.where(real, LOSSES[req.loss_fn][0](logp, inputs, req.config), 0.0)
+        return logp, loss, lengths
 
     def optim_step(self, model_id: str, adam) -> dict:
         client = self.clients[model_id]
@@ -327,15 +371,9 @@ class TinkerTrainer:
     # -- samplers -------------------------------------------------------------------------------------------------
     def sampler_from_client(self, sampler_id: str, model_id: str) -> dict:
         client = self.clients[model_id]
-        if client.model is not None:
-            self.samplers[sampler_id] = Sampler(self._snapshot(client.model.state_dict(), client), None, client.lora)
-            return {"sampling_session_id": sampler_id, "type": "save_weights_for_sampler"}
-        adapter = self._add_adapter(client.lora)
-        params = self._params(adapter)
-        self._copy_into(params, {n: p for n, p in client.params.items()})
-        for p in params.values():
-            p.requires_grad_(False)
-        self.samplers[sampler_id] = Sampler(adapter, None, client.lora)
+        full = client.model is not None
+        weights = self._snapshot(client.model.state_dict(), client) if full else self._snapshot(client.params)
+        self.samplers[sampler_id] = Sampler(weights, None, client.lora)
         return {"sampling_session_id": sampler_id, "type": "save_weights_for_sampler"}
 
     def sampler_from_path(self, sampler_id: str, path: str | None) -> None:
@@ -344,19 +382,13 @@ class TinkerTrainer:
             return
         state = self.read(path, "model_path")
         lora = Lora(**state["lora"])
-        if lora.rank == 0:
-            self.samplers[sampler_id] = Sampler(self._snapshot(self.full_weights(path, "model_path")), path, lora)
-            return
-        adapter = self._add_adapter(lora)
-        params = self._params(adapter)
-        self._copy_into(params, state["adapter"])
-        for p in params.values():
-            p.requires_grad_(False)
-        self.samplers[sampler_id] = Sampler(adapter, path, lora)
+        weights = self.full_weights(path, "model_path") if lora.rank == 0 else state["adapter"]
+        self.samplers[sampler_id] = Sampler(self._snapshot(weights), path, lora)
 
     def _snapshot(self, weights: dict[str, torch.Tensor], client: Client | None = None) -> str:
-        """A frozen copy of full weights for a sampler; its key. A client keeps its newest KEPT_FULL_SNAPSHOTS."""
-        key = f"full{self.adapters}"
+        """A frozen copy of a sampler's weights (a LoRA's adapter tensors or full weights); its key. `client`: a full
+        fine-tuning client, which keeps its newest KEPT_FULL_SNAPSHOTS."""
+        key = f"snapshot{self.adapters}"
         self.adapters += 1
         self.snapshots[key] = {k: v.detach().clone() for k, v in weights.items()}
         if client is not None:
@@ -367,9 +399,9 @@ class TinkerTrainer:
         return key
 
     # -- the samplers' engine -----------------------------------------------------------------------------------
-    def engine(self, adapter: str | None, who: str | None = None):
-        """The samplers' Rollout worker holding the base model with `adapter` merged (None: the base model); a load
-        is a `load_weights` span on the timeline for `who` (the sampler asking)."""
+    def engine(self, sampler: Sampler, who: str | None = None):
+        """The samplers' Rollout worker holding `sampler`'s weights; a load is a `load_weights` span on the timeline
+        for `who` (the sampler's id)."""
         from plait.models import config_overlay
         from plait.profiler.timeline import TIMELINE
         from plait.workers.rollout import Rollout
@@ -379,31 +411,44 @@ class TinkerTrainer:
                 path = config_overlay(self.path, {"tie_word_embeddings": False}, os.path.join(self.root, ".engine-model"))
             with _quiet_load():  # its head is "missing" from the files: loaded from the trainer just below
                 self.rollout = Rollout(path, self.max_tokens, self.tokenizer, self.profiler, cfg=self.engine_cfg)
-        if self.loaded != adapter:
+        if self.loaded != sampler.weights:
             with TIMELINE.span("tinker", "load_weights", session=who):
-                self._load(adapter)
+                self._load(sampler)
         return self.rollout
 
-    def _load(self, adapter: str | None) -> None:
-        """The base model with `adapter` merged into the engine (as the actor syncs its rollout a LoRA policy)."""
+    def _load(self, sampler: Sampler) -> None:
+        """The sampler's weights into the engine; a LoRA's merged into the base model (as the actor syncs its rollout
+        a LoRA policy) through the slot adapter of its shape, which its tensors are copied into."""
         from plait.models import merged_state_dict
-        peft = self.peft
-        if adapter in self.snapshots:
-            weights = self.snapshots[adapter]
+        if sampler.weights is None:
+            if self.peft is None:
+                weights = {k: v.detach() for k, v in self.base().state_dict().items()}
+            else:
+                with self.peft.disable_adapter():
+                    weights = merged_state_dict(self.peft)
+        else:
+            weights = self.snapshots[sampler.weights]
             if weights is None:
                 raise ApiError(400, f"this sampler's weights were dropped: a full fine-tuning client keeps its newest "
                                     f"{KEPT_FULL_SNAPSHOTS} samplers (save_weights_for_sampler(name) keeps one on disk)",
                                param="sampling_session_id")
-        elif peft is None:
-            weights = {k: v.detach() for k, v in self.base().state_dict().items()}
-        elif adapter is None:
-            with peft.disable_adapter():
-                weights = merged_state_dict(peft)
-        else:
-            peft.base_model.set_adapter(adapter)  # the one merged; a training request sets its own again
-            weights = merged_state_dict(peft)
-        self.rollout.load_weights(weights, self.rollout.version + 1)
-        self.loaded = adapter
+            if sampler.lora.rank > 0:
+                lora = sampler.lora
+                shape = (lora.rank, lora.train_mlp, lora.train_attn, lora.train_unembed)
+                if shape not in self.slots:
+                    slot = self._add_adapter(lora)
+                    self.slots[shape] = slot, self._params(slot)
+                    for p in self.slots[shape][1].values():
+                        p.requires_grad_(False)
+                slot, params = self.slots[shape]
+                self._copy_into(params, weights)
+                self.peft.base_model.set_adapter(slot)  # the one merged; a training request sets its own again
+                weights = merged_state_dict(self.peft)
+        # share: the engine takes these tensors as its own (no copy). None of them is written again: a snapshot is
+        # frozen, a merged weight is new, the rest are the frozen base's. Every load shares, so the engine never
+        # copies into a tensor it took from an earlier one.
+        self.rollout.load_weights(weights, self.rollout.version + 1, share=True)
+        self.loaded = sampler.weights
 
     def close(self) -> None:
         """Stop the samplers' engine (its own processes, if it has any)."""
@@ -420,7 +465,7 @@ class TinkerTrainer:
         """Several sample requests of one sampler with the same params as one engine call (the SDK sends a batch's
         prompts as concurrent requests; one at a time they cost the engine's batching); each (prompt, num_samples,
         with_prompt_logprobs) gets its own answer. A seeded request is sampled alone (routes.py)."""
-        rollout = self.engine(self.samplers[sampler_id].adapter, sampler_id)
+        rollout = self.engine(self.samplers[sampler_id], sampler_id)
         seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(4), "little")
         sampling = {"temperature": params.temperature, "top_p": params.top_p, "top_k": max(params.top_k, -1),
                     "do_sample": params.temperature > 0}
@@ -460,6 +505,19 @@ class TinkerTrainer:
             raise ApiError(400, f"the {rollout.engine_name} engine cannot score given tokens: sample at temperature 1 "
                                 "without top_k / top_p, and without prompt log-probs", param="sampling_params")
         return scored
+
+
+def micro_batches(lengths: list[int], budget: int) -> list[list[int]]:
+    """Consecutive runs of data whose padded size (rows x the longest) stays within `budget` tokens; a datum longer
+    than the budget is a run of its own."""
+    pieces, longest = [[]], 0
+    for i, n in enumerate(lengths):
+        if pieces[-1] and (len(pieces[-1]) + 1) * max(longest, n) > budget:
+            pieces.append([])
+            longest = 0
+        pieces[-1].append(i)
+        longest = max(longest, n)
+    return pieces
 
 
 def checkpoint_parts(tinker_path: str) -> list[str] | None:

@@ -605,3 +605,21 @@ def test_lora_samplers_are_frozen_tensors_not_adapters_so_the_model_does_not_gro
         adapters = len(trainer.peft.peft_config)
         assert before is None or adapters == before  # no adapter per sampler
         before = adapters
+
+
+def test_a_lora_client_keeps_its_newest_samplers_and_an_older_one_says_its_weights_were_dropped(served, service,
+                                                                                                 tokenizer, monkeypatch):
+    """A sampler a step holds a copy of its client's adapter: a LoRA client keeps its newest KEPT_LORA_SNAPSHOTS, so a
+    long RL loop's memory stays bounded; an older sampler answers a 400 saying so, and the newest still samples."""
+    from plait.serving.tinker import trainer as module
+    monkeypatch.setattr(module, "KEPT_LORA_SNAPSHOTS", 3)
+    trainer = served.tinker.trainer
+    client = service.create_lora_training_client(base_model=NAME, rank=2, seed=31).result(timeout=60)
+    ids = types.ModelInput.from_ints(tokenizer.encode("bounded samplers"))
+    samplers = [client.save_weights_and_get_sampling_client().result(timeout=60) for _ in range(5)]
+    live = [k for k, v in trainer.snapshots.items() if v is not None]
+    mine = trainer.clients[next(m for m, c in trainer.clients.items() if c.lora.seed == 31)].snapshots
+    assert len(mine) == 3 and set(mine) <= set(live)
+    assert len(samplers[-1].compute_logprobs(ids).result(timeout=60)) == len(ids.to_ints())
+    with pytest.raises(tinker.RequestFailedError, match="weights were dropped: a LoRA client keeps its newest 3"):
+        samplers[0].compute_logprobs(ids).result(timeout=60)

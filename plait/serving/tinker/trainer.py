@@ -11,7 +11,9 @@ no adapter of the model: an RL loop makes one every step, and every adapter in t
 A client created with LoRA rank 0 (as SkyRL reads it: full fine-tuning) trains every weight of its own copy of the
 served model (one more model in memory, and AdamW's two moments of it); the shared base stays as it is for the
 LoRA clients. Its samplers are frozen copies of its whole state dict, the last KEPT_FULL_SNAPSHOTS per client
-(older ones are dropped: a model copy each). Its checkpoints hold `model/`, a Hugging Face folder (weights,
+(older ones are dropped: a model copy each); a LoRA client keeps its last KEPT_LORA_SNAPSHOTS (an adapter copy each:
+an RL loop makes one a step, so memory would otherwise grow with every step). A dropped sampler's request is a 400
+saying so; `save_weights_for_sampler(name)` keeps one on disk. Its checkpoints hold `model/`, a Hugging Face folder (weights,
 config, tokenizer), in place of `adapter/`.
 
 Samples are drawn by a plait rollout engine (a Rollout worker over the ENGINES row the server was started
@@ -35,8 +37,7 @@ Every method here runs on the service's one worker thread (routes.py), so reques
 (adapter only) are the folders ROOT/RUN/weights/NAME and ROOT/RUN/sampler_weights/NAME: `state.pt` for this server,
 and `adapter/`, the adapter as peft saves one, for anything else that loads peft adapters.
 
-Left out: top-k and prompt-token alternatives, evicting a LoRA client's old samplers (each holds a copy of its
-adapter's tensors), stop tokens that let a sample run past EOS (the engine ends a sample at EOS; other stop tokens and
+Left out: top-k and prompt-token alternatives, stop tokens that let a sample run past EOS (the engine ends a sample at EOS; other stop tokens and
 strings cut it after).
 """
 
@@ -59,6 +60,7 @@ LORA_ALPHA = 32  # Tinker's LoRA scale is alpha / rank with alpha 32
 STATE_FILE = "state.pt"
 FULL_DIR = "model"  # a full fine-tuning checkpoint's weights, as a Hugging Face folder
 KEPT_FULL_SNAPSHOTS = 2  # a full fine-tuning client's newest samplers kept (each a copy of the model)
+KEPT_LORA_SNAPSHOTS = 32  # a LoRA client's (each a copy of its adapter): more than an off-policy loop looks back
 BATCH_TOKENS = 2048  # padded tokens in one forward / backward pass (`plait serve --tinker-batch-tokens`; docs/tinker.md)
 
 
@@ -82,7 +84,7 @@ class Client:
     optimizer: torch.optim.Optimizer
     steps: int = 0
     model: torch.nn.Module | None = None
-    snapshots: list[str] = field(default_factory=list)  # its full samplers' keys, oldest first
+    snapshots: list[str] = field(default_factory=list)  # its samplers' keys, oldest first
 
 
 @dataclass
@@ -372,7 +374,7 @@ class TinkerTrainer:
     def sampler_from_client(self, sampler_id: str, model_id: str) -> dict:
         client = self.clients[model_id]
         full = client.model is not None
-        weights = self._snapshot(client.model.state_dict(), client) if full else self._snapshot(client.params)
+        weights = self._snapshot(client.model.state_dict() if full else client.params, client)
         self.samplers[sampler_id] = Sampler(weights, None, client.lora)
         return {"sampling_session_id": sampler_id, "type": "save_weights_for_sampler"}
 
@@ -386,16 +388,16 @@ class TinkerTrainer:
         self.samplers[sampler_id] = Sampler(self._snapshot(weights), path, lora)
 
     def _snapshot(self, weights: dict[str, torch.Tensor], client: Client | None = None) -> str:
-        """A frozen copy of a sampler's weights (a LoRA's adapter tensors or full weights); its key. `client`: a full
-        fine-tuning client, which keeps its newest KEPT_FULL_SNAPSHOTS."""
+        """A frozen copy of a sampler's weights (a LoRA's adapter tensors or full weights); its key. `client`: the
+        training client it is made from, which keeps its newest `samplers_kept(client)` (older ones are dropped)."""
         key = f"snapshot{self.adapters}"
         self.adapters += 1
         self.snapshots[key] = {k: v.detach().clone() for k, v in weights.items()}
         if client is not None:
             client.snapshots.append(key)
-            for old in client.snapshots[:-KEPT_FULL_SNAPSHOTS]:
+            for old in client.snapshots[:-samplers_kept(client)]:
                 self.snapshots[old] = None
-            del client.snapshots[:-KEPT_FULL_SNAPSHOTS]
+            del client.snapshots[:-samplers_kept(client)]
         return key
 
     # -- the samplers' engine -----------------------------------------------------------------------------------
@@ -429,8 +431,10 @@ class TinkerTrainer:
         else:
             weights = self.snapshots[sampler.weights]
             if weights is None:
-                raise ApiError(400, f"this sampler's weights were dropped: a full fine-tuning client keeps its newest "
-                                    f"{KEPT_FULL_SNAPSHOTS} samplers (save_weights_for_sampler(name) keeps one on disk)",
+                full = sampler.lora is not None and sampler.lora.rank == 0
+                raise ApiError(400, f"this sampler's weights were dropped: a {'full fine-tuning' if full else 'LoRA'} "
+                                    f"client keeps its newest {KEPT_FULL_SNAPSHOTS if full else KEPT_LORA_SNAPSHOTS} "
+                                    "samplers (save_weights_for_sampler(name) keeps one on disk)",
                                param="sampling_session_id")
             if sampler.lora.rank > 0:
                 lora = sampler.lora
@@ -505,6 +509,11 @@ class TinkerTrainer:
             raise ApiError(400, f"the {rollout.engine_name} engine cannot score given tokens: sample at temperature 1 "
                                 "without top_k / top_p, and without prompt log-probs", param="sampling_params")
         return scored
+
+
+def samplers_kept(client: Client) -> int:
+    """How many of its newest samplers a training client keeps: each is a copy of its model, or of its adapter."""
+    return KEPT_FULL_SNAPSHOTS if client.model is not None else KEPT_LORA_SNAPSHOTS
 
 
 def micro_batches(lengths: list[int], budget: int) -> list[list[int]]:

@@ -38,6 +38,12 @@ def one_run(checkout: str, extra: list[str], out: str) -> dict:
         return json.load(f)
 
 
+def commit(checkout: str) -> str:
+    """The checkout's commit (its path is this machine's own, not recorded)."""
+    done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=checkout, capture_output=True, text=True)
+    return done.stdout.strip() or "unknown"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--before", required=True, help="the checkout before the change (git worktree add --detach DIR REV)")
@@ -65,7 +71,7 @@ def main() -> None:
         loads = [max(r[m]["load_before"], r[m]["load_after"]) for rounds in by_side.values() for r in rounds for m in modes]
         out[setting] = {"rounds": args.rounds, "args": extra, "samples_per_s_vs_sync": median, "per_round": ratios,
                         "load_max": max(loads), "load_median": statistics.median(loads), "capability": capability(),
-                        "checkouts": sides}
+                        "commits": {side: commit(path) for side, path in sides.items()}}
         for m in modes[1:]:
             b, a = median["before"][m], median["after"][m]
             print(f"{setting}: {m:15s} before x{b:.2f} after x{a:.2f} (after - before {a - b:+.2f}); per round: before "

@@ -15,7 +15,8 @@ has one: a judge with full_determinism) is sampled alone with its own generator.
 with its log-prob and policy version. A forced tool call or a JSON answer (protocol.Constraint) is sampled under
 its grammar (plait/workers/grammar.py), in sessions too: the session records which reply tokens were sampled under
 which grammar, and the trainer takes their log-probs over the grammar's allowed set (docs/agents.md "Forced tool
-calls and structured output"). An engine that takes no grammar (vLLM) answers such a call with a 400.
+calls and structured output"). An engine that takes no grammar answers such a call with a 400 (its row's
+`grammar` entry in the engine table).
 """
 
 from __future__ import annotations
@@ -227,9 +228,11 @@ class Gateway:
 
 def grammars_for(engine: str, tokenizer, eos_ids: list[int]) -> tuple[Optional[Grammars], str]:
     """A gateway's `grammars` over `tokenizer` where rollout engine `engine` takes a grammar and llguidance is
-    installed, with ""; else None and why not (the engine table's `grammar` entry, or the install hint)."""
-    why = ENGINES[engine].grammar or unavailable()
-    return (None, why) if why else (Grammars(tokenizer, eos_ids), "")
+    installed, with ""; else None and why not (the engine table's `grammar` entry, or the install hint). Where the
+    engine's complete grammar allows the tokenizer's EOS alone (vLLM's), the replayed grammar does too."""
+    row = ENGINES[engine]
+    why = row.grammar or unavailable()
+    return (None, why) if why else (Grammars(tokenizer, [] if row.grammar_tokenizer_eos else eos_ids), "")
 
 
 def cut_at_stop(tokenizer, ids: list[int], stops: list[str]) -> tuple[int, Optional[str], Optional[str]]:

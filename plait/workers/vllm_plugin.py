@@ -7,6 +7,12 @@ such a kernel (a small model, whose matmuls oneDNN keeps off AMX) dies in its wo
 (exit code -4). Permissions do not survive exec, and vLLM spawns its engine and workers, so the
 request must run inside each of them: this plugin does that, in engines plait starts only
 (VLLMEngine sets PLAIT_VLLM=1; other vLLM users of the environment are left alone).
+
+`resume_grammars`: a constrained request an abort cut goes on in its grammar (workers/grammar.py `Grammar.after`).
+vLLM's structured outputs start every request's matcher at the grammar's start; plait hands vLLM a resumed
+request's grammar with a first lark comment line `AFTER` + the token ids sampled so far, and this plugin has vLLM's
+guidance backend (llguidance) feed its fresh matcher those tokens. A comment, so vLLM's own validation of the
+grammar reads it as the lark it is.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import platform
 SYS_ARCH_PRCTL = 158          # x86-64 syscall number
 ARCH_REQ_XCOMP_PERM = 0x1023
 XFEATURE_XTILEDATA = 18
+AFTER = "// plait: after "    # a grammar's first line: the tokens its matcher takes before the request's own
 
 
 def cpu_has_amx() -> bool:
@@ -34,3 +41,25 @@ def allow_amx() -> None:
         return
     if cpu_has_amx():
         ctypes.CDLL(None, use_errno=True).syscall(SYS_ARCH_PRCTL, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)
+
+
+def resume_grammars() -> None:
+    """vLLM's guidance backend compiles a grammar whose first line is AFTER + token ids with its matcher past them."""
+    if os.environ.get("PLAIT_VLLM") != "1":
+        return
+    from vllm.v1.structured_output.backend_guidance import GuidanceBackend
+    compile_grammar = GuidanceBackend.compile_grammar
+    if getattr(compile_grammar, "plait", False):
+        return
+
+    def compile_after(self, request_type, grammar_spec, *args, **kwargs):
+        grammar = compile_grammar(self, request_type, grammar_spec, *args, **kwargs)
+        if isinstance(grammar_spec, str) and grammar_spec.startswith(AFTER):
+            tokens = [int(t) for t in grammar_spec[len(AFTER):grammar_spec.index("\n")].split()]
+            if not grammar.ll_matcher.consume_tokens(tokens):
+                raise ValueError(f"the decoding grammar does not take the tokens sampled so far: "
+                                 f"{grammar.ll_matcher.get_error()}")
+        return grammar
+
+    compile_after.plait = True
+    GuidanceBackend.compile_grammar = compile_after

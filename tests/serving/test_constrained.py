@@ -183,11 +183,14 @@ def test_a_training_session_samples_under_the_grammar_and_trains_its_distributio
 
 
 def test_an_engine_without_grammars_refuses_a_sessions_constraint_in_one_line(tokenizer):
-    """vLLM takes no grammar from plait: a training session's forced call or JSON answer is a 400 naming the field."""
+    """An engine whose table row takes no grammar (sglang's): a training session's forced call or JSON answer is a
+    400 naming the field and why."""
     from gateway_helpers import served
     from plait.serving.gateway import grammars_for
-    grammars, why = grammars_for("vllm", tokenizer, [tokenizer.eos_token_id])
-    assert grammars is None and "actor_rollout_ref.rollout.name=hf" in why
+    from plait.workers.engine import ENGINES
+    grammars, why = grammars_for("sglang", tokenizer, [tokenizer.eos_token_id])
+    assert grammars is None and why == ENGINES["sglang"].grammar == "the rollout engine takes no decoding grammar"
+    assert grammars_for("vllm", tokenizer, [tokenizer.eos_token_id])[0] is not None  # vLLM's structured outputs
     with served(tokenizer, plain=False) as (gateway, url, _e, queue):
         gateway.no_grammar = why
         session = gateway.open("row 0", queue.generate, {"temperature": 1.0}, 256, 200)

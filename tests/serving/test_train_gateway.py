@@ -158,6 +158,34 @@ def test_an_openai_sdk_agent_trains_through_the_gateway_on_vllm(tmp_path, mode, 
     assert len(steps) == 3 and all(r["agent/chains_per_session"] == 2.0 for r in steps)
 
 
+CONSTRAINED_AGENT = '''
+import openai
+
+ADD = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["a"]}
+
+
+async def run(row, base_url, api_key):
+    client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key)
+    await client.chat.completions.create(model="m", messages=row["messages"], tool_choice="required",
+                                         tools=[{"type": "function", "function": {"name": "add", "parameters": ADD}}])
+    await client.chat.completions.create(model="m", messages=row["messages"], response_format={"type": "json_object"})
+'''
+
+
+@pytest.mark.vllm
+def test_a_constrained_agent_trains_through_the_gateway_on_vllm(tmp_path, vllm_model_path):
+    """Forced calls and JSON answers on vLLM in training: the trainer's log-probs over the replayed grammar's allowed
+    set are the engine's (rollout_probs_diff_max at float32 noise) and the constrained tokens are counted."""
+    pytest.importorskip("vllm")
+    pytest.importorskip("llguidance")
+    (tmp_path / "agent.py").write_text(CONSTRAINED_AGENT)
+    _, steps = train(tmp_path, [f"actor_rollout_ref.rollout.agent.openai_agent.path={tmp_path / 'agent.py'}"], *VLLM,
+                     f"actor_rollout_ref.model.path={vllm_model_path}", "trainer.total_training_steps=2",
+                     "data.max_response_length=40")
+    assert len(steps) == 2 and all(r["agent/constrained_tokens"] > 0 for r in steps)
+    assert max(r["training/rollout_probs_diff_max"] for r in steps) < 1e-3
+
+
 DEFAULT_CLIENT_AGENT = '''
 import asyncio
 import random

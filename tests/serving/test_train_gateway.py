@@ -173,16 +173,18 @@ async def run(row, base_url, api_key):
 
 
 @pytest.mark.vllm
-def test_a_constrained_agent_trains_through_the_gateway_on_vllm(tmp_path, vllm_model_path):
+@pytest.mark.parametrize("mode", ["sync", "fully_async"])
+def test_a_constrained_agent_trains_through_the_gateway_on_vllm(tmp_path, mode, vllm_model_path):
     """Forced calls and JSON answers on vLLM in training: the trainer's log-probs over the replayed grammar's allowed
-    set are the engine's (rollout_probs_diff_max at float32 noise) and the constrained tokens are counted."""
+    set are the engine's (rollout_probs_diff_max at float32 noise) and the constrained tokens are counted; with
+    partial rollout a cut constrained request resumes in its grammar (else its replay fails the session)."""
     pytest.importorskip("vllm")
     pytest.importorskip("llguidance")
     (tmp_path / "agent.py").write_text(CONSTRAINED_AGENT)
     _, steps = train(tmp_path, [f"actor_rollout_ref.rollout.agent.openai_agent.path={tmp_path / 'agent.py'}"], *VLLM,
                      f"actor_rollout_ref.model.path={vllm_model_path}", "trainer.total_training_steps=2",
-                     "data.max_response_length=40")
-    assert len(steps) == 2 and all(r["agent/constrained_tokens"] > 0 for r in steps)
+                     "data.max_response_length=40", *({"sync": [], "fully_async": FULLY_ASYNC}[mode]))
+    assert len(steps) == 2 and all(r["agent/constrained_tokens"] > 0 and r["agent/failed_sessions"] == 0 for r in steps)
     assert max(r["training/rollout_probs_diff_max"] for r in steps) < 1e-3
 
 

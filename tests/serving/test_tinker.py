@@ -568,6 +568,36 @@ def test_samples_that_arrive_while_the_first_waits_for_more_are_one_engine_call(
     assert len(calls) == 1
 
 
+def test_a_new_samplers_burst_as_large_as_the_clients_first_burst_starts_without_waiting_for_more(served, service,
+                                                                                                  tokenizer, monkeypatch):
+    """An RL loop sends each step's sampler the same number of prompts: once a sampler of the client had a burst of
+    two, a later sampler's two requests are one engine call that starts when the second arrives, not GATHER_S after
+    (here 60 s, so the old wait would outlast the result's timeout)."""
+    from plait.profiler.timeline import TIMELINE, read_timeline
+    from plait.serving.tinker import routes
+    monkeypatch.setattr(routes, "GATHER_S", 60.0)
+    monkeypatch.setattr(routes, "GATHER_MAX_S", 120.0)
+    client = service.create_lora_training_client(base_model=NAME, rank=4, seed=26).result(timeout=60)
+    params = types.SamplingParams(max_tokens=4)
+    prompts = [types.ModelInput.from_ints(tokenizer.encode(text)) for text in ("ab", "cde")]
+    first = client.save_weights_and_get_sampling_client().result(timeout=60)
+    futures = [first.sample(p, 2, params) for p in prompts]
+    jobs = served.tinker.jobs
+    deadline = time.time() + 30
+    while getattr(served.tinker.bursts.get(client.model_id), "asked", 0) < 2 and time.time() < deadline:
+        time.sleep(0.01)  # both submitted: the worker holds them, waiting for more
+    jobs.put((concurrent.futures.Future(), lambda: None, (), "another job", time.perf_counter(), None))  # ends that wait
+    assert [len(f.result(timeout=60).sequences) for f in futures] == [2, 2]
+    assert served.tinker.bursts[client.model_id].most == 2
+    second = client.save_weights_and_get_sampling_client().result(timeout=60)
+    results = [f.result(timeout=30) for f in [second.sample(p, 2, params) for p in prompts]]  # no other job comes
+    assert [len(r.sequences) for r in results] == [2, 2]
+    TIMELINE.flush(0)
+    calls = {(s["start"], s["end"]) for s in read_timeline(TIMELINE.path)
+             if s["stage"] == "sample" and str(s.get("session")) == second._sampling_session_id}  # noqa: SLF001
+    assert len(calls) == 1
+
+
 def test_a_full_fine_tuning_sampler_keeps_its_weights_while_its_client_trains_and_other_samplers_load(served, service,
                                                                                                      tokenizer):
     """The engine takes a sampler's weights without copying them (share): what it holds must be the sampler's own

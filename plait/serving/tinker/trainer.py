@@ -62,7 +62,7 @@ STATE_FILE = "state.pt"
 FULL_DIR = "model"  # a full fine-tuning checkpoint's weights, as a Hugging Face folder
 KEPT_FULL_SNAPSHOTS = 2  # a full fine-tuning client's newest samplers kept (each a copy of the model)
 KEPT_LORA_SNAPSHOTS = 32  # a LoRA client's (each a copy of its adapter): more than an off-policy loop looks back
-BATCH_TOKENS = 2048  # padded tokens in one forward / backward pass (`plait serve --tinker-batch-tokens`; docs/tinker.md)
+BATCH_TOKENS = 1024  # padded tokens in one forward / backward pass (`plait serve --tinker-batch-tokens`; docs/tinker.md)
 
 
 @dataclass

@@ -148,12 +148,9 @@ class Journal:
 
 @dataclass
 class Burst:
-    """A training client's (or sampling session's) sample requests: how many its newest sampler has had, and the most
-    any of its samplers had had when its first engine call ended (its first burst, late arrivals included)."""
-    sampler: str = ""
+    """A sampler's sample requests so far, and whether its first engine call has ended."""
     asked: int = 0
     first_done: bool = False
-    most: int = 0
 
 
 def owner(sampler_id: str) -> str:
@@ -177,7 +174,8 @@ class TinkerApi:
         self.steps = 0  # optimizer steps taken on this server: the timeline's step
         self.traces: dict[str, str] = {}  # a session trace's download name -> its file
         self.stale: dict[str, str] = {}  # a client restored behind its last answers -> why it is refused
-        self.bursts: dict[str, Burst] = {}  # per owner(sampler): when a sample's gather may end early (_samples_with)
+        self.bursts: dict[str, Burst] = {}  # per sampler; with `expected`, when a sample's gather ends (_samples_with)
+        self.expected: dict[str, int] = {}  # per owner(sampler): the largest first burst of its samplers so far
         self.journal = Journal(os.path.join(trainer.root, JOURNAL))
         self.restored = self._restore()  # the sessions from before a restart
         self.worker = threading.Thread(target=self._work, name="plait-tinker-trainer", daemon=True)
@@ -300,10 +298,10 @@ class TinkerApi:
         if job[1] != self.trainer.sample or job[2][3].seed is not None:
             return batch, None
         until = time.perf_counter() + GATHER_MAX_S
-        burst = self.bursts.get(owner(job[2][0]))
+        burst, expected = self.bursts.get(job[2][0], Burst()), self.expected.get(owner(job[2][0]), 0)
         while True:
-            if burst is not None and burst.sampler == job[2][0] and burst.asked == len(batch) >= burst.most > 0:
-                return batch, None  # the burst is whole: waiting GATHER_S would only delay it
+            if burst.asked == len(batch) >= expected > 0:  # the sampler's first burst is whole: no more will come
+                return batch, None
             try:
                 more = self.jobs.get(timeout=max(0.0, min(GATHER_S, until - time.perf_counter())))
             except queue.Empty:
@@ -316,16 +314,14 @@ class TinkerApi:
 
     def _asked(self, sampler_id: str) -> None:
         """One more sample request for `sampler_id` (on the event loop, before it is queued)."""
-        burst = self.bursts.setdefault(owner(sampler_id), Burst())
-        if burst.sampler != sampler_id:
-            burst.sampler, burst.asked, burst.first_done = sampler_id, 0, False
-        burst.asked += 1
+        self.bursts.setdefault(sampler_id, Burst()).asked += 1
 
     def _burst_ended(self, sampler_id: str) -> None:
-        """A sample engine call of `sampler_id` ended: the first one's requests so far are its first burst."""
-        burst = self.bursts.get(owner(sampler_id))
-        if burst is not None and burst.sampler == sampler_id and not burst.first_done:
-            burst.most, burst.first_done = max(burst.most, burst.asked), True
+        """A sample engine call of `sampler_id` ended: at the first, its requests so far are its first burst."""
+        burst = self.bursts.get(sampler_id)
+        if burst is not None and not burst.first_done:
+            burst.first_done = True
+            self.expected[owner(sampler_id)] = max(self.expected.get(owner(sampler_id), 0), burst.asked)
 
     def submit(self, request_id: str, fn, *args, **extra) -> JSONResponse:
         """Queue `fn(*args)` as the future `request_id`, named by what the SDK sent (its model or sampler and seq_id):

@@ -10,8 +10,9 @@ sampler with the same unseeded params are one engine call: the SDK sends a batch
 that arrive some ms apart, so a sample waits up to GATHER_S after the last of them for more (GATHER_MAX_S in all)
 before it starts, unless the burst is already whole: every request its sampler has had is gathered and they are as
 many as the largest first burst of the same client's (or session's) earlier samplers (an RL loop makes a sampler a
-step and sends it the same number of prompts; a burst larger than that is two engine calls once, then expected). Sessions, config and capabilities answer at once. Any `tml-` API key is accepted (the SDK
-requires the prefix; this server is local). A job's failure comes back as the API's failed future (`{"error", "category"}`); a request refused at
+step and sends it the same number of prompts; a burst larger than that is two engine calls once, then expected).
+Sessions, config and capabilities answer at once. Any `tml-` API key is accepted (the SDK requires the prefix; this
+server is local). A job's failure comes back as the API's failed future (`{"error", "category"}`); a request refused at
 once as HTTP 400/404/409 with `{"error", "category": "user", "field"}`; an endpoint plait does not serve as 404
 naming it. The server keeps serving after either.
 

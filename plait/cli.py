@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--no-tinker", action="store_true", help="serve without the Tinker API (no training)")
     serve.add_argument("--tinker-batch-tokens", type=int, help="the most tokens (rows x the longest, padded) in one "
                                                                "Tinker forward / backward pass; a larger request runs "
-                                                               "in pieces, gradients added up (default 2048)")
+                                                               "in pieces, gradients added up (default 1024)")
     serve.add_argument("--max-body-mb", type=float, default=8, help="the largest request body, in MiB (413 past it)")
     serve.add_argument("--output-dir", help="where the server's timeline.jsonl goes, for `plait profile report DIR` "
                                             "(default: the Tinker dir; none with --no-tinker)")

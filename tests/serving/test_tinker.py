@@ -70,6 +70,14 @@ def forward_logprobs(client, data) -> list[list[float]]:
     return [o["logprobs"].tolist() for o in out.loss_fn_outputs]
 
 
+def test_the_sdk_talks_to_the_server_over_its_own_fast_transport(service):
+    """client/config tells the SDK to use pyqwest (its reqwest-based transport, a dependency of the SDK) as against
+    Tinker itself: about 7-10 ms less SDK time a GRPO step than httpx's (bench/bench_tinker_grpo.py); every test in
+    this file runs over it."""
+    assert service.holder.get_client_config().use_pyqwest_transport is True
+    assert service.get_server_capabilities().supported_models  # a round trip over it
+
+
 def test_sft_with_cross_entropy_lowers_the_loss_and_reports_per_token_outputs(service, tokenizer):
     client = service.create_lora_training_client(base_model=NAME, rank=4, seed=0).result(timeout=60)
     data = [sft_datum(tokenizer, "hello world, hello plait"), sft_datum(tokenizer, "tinker on a laptop")]
@@ -499,7 +507,7 @@ def test_a_request_past_the_token_budget_runs_in_pieces_with_the_same_outputs_an
             [("one short", 1.0), ("a somewhat longer datum here", -0.5), ("mid size one", 2.0), ("xyz", 0.3),
              ("the longest datum of this request by far", -1.0)]]
     lengths = [len(d.model_input.to_ints()) for d in data]
-    budget = 2 * max(lengths)
+    budget = max(lengths)
     assert len(micro_batches(lengths, budget)) >= 3  # the split really happens
     outs = {}
     for name, tokens in (("whole", 10 ** 6), ("split", budget)):
@@ -516,6 +524,11 @@ def test_a_request_past_the_token_budget_runs_in_pieces_with_the_same_outputs_an
     assert whole_grads.keys() == split_grads.keys() and all(g is not None for g in whole_grads.values())
     for name, g in whole_grads.items():
         assert torch.allclose(g, split_grads[name], atol=1e-6, rtol=0), name
+    # the pieces take the data shortest first; each datum's outputs are still its own, in the request's order
+    assert micro_batches([5, 3, 9, 3], 12) == [[1, 3], [0], [2]]
+    alone = [client.forward([d], "importance_sampling").result(timeout=60).loss_fn_outputs[0] for d in data]
+    for a, b in zip(alone, whole_fwd.loss_fn_outputs):
+        assert torch.allclose(a["logprobs"].to_torch(), b["logprobs"].to_torch(), atol=1e-5, rtol=0)
 
 
 def test_a_non_finite_loss_in_a_later_piece_leaves_the_gradients_as_before_the_request(served, service, tokenizer,
@@ -565,6 +578,36 @@ def test_samples_that_arrive_while_the_first_waits_for_more_are_one_engine_call(
     TIMELINE.flush(0)
     calls = {(s["start"], s["end"]) for s in read_timeline(TIMELINE.path)
              if s["stage"] == "sample" and str(s.get("session")) == sampler._sampling_session_id}  # noqa: SLF001
+    assert len(calls) == 1
+
+
+def test_a_new_samplers_burst_as_large_as_the_clients_first_burst_starts_without_waiting_for_more(served, service,
+                                                                                                  tokenizer, monkeypatch):
+    """An RL loop sends each step's sampler the same number of prompts: once a sampler of the client had a burst of
+    two, a later sampler's two requests are one engine call that starts when the second arrives, not GATHER_S after
+    (here 60 s, so the old wait would outlast the result's timeout)."""
+    from plait.profiler.timeline import TIMELINE, read_timeline
+    from plait.serving.tinker import routes
+    monkeypatch.setattr(routes, "GATHER_S", 60.0)
+    monkeypatch.setattr(routes, "GATHER_MAX_S", 120.0)
+    client = service.create_lora_training_client(base_model=NAME, rank=4, seed=26).result(timeout=60)
+    params = types.SamplingParams(max_tokens=4)
+    prompts = [types.ModelInput.from_ints(tokenizer.encode(text)) for text in ("ab", "cde")]
+    first = client.save_weights_and_get_sampling_client().result(timeout=60)
+    futures = [first.sample(p, 2, params) for p in prompts]
+    jobs = served.tinker.jobs
+    deadline = time.time() + 30
+    while getattr(served.tinker.bursts.get(first._sampling_session_id), "asked", 0) < 2 and time.time() < deadline:  # noqa: SLF001
+        time.sleep(0.01)  # both submitted: the worker holds them, waiting for more
+    jobs.put((concurrent.futures.Future(), lambda: None, (), "another job", time.perf_counter(), None))  # ends that wait
+    assert [len(f.result(timeout=60).sequences) for f in futures] == [2, 2]
+    assert served.tinker.expected[client.model_id] == 2
+    second = client.save_weights_and_get_sampling_client().result(timeout=60)
+    results = [f.result(timeout=30) for f in [second.sample(p, 2, params) for p in prompts]]  # no other job comes
+    assert [len(r.sequences) for r in results] == [2, 2]
+    TIMELINE.flush(0)
+    calls = {(s["start"], s["end"]) for s in read_timeline(TIMELINE.path)
+             if s["stage"] == "sample" and str(s.get("session")) == second._sampling_session_id}  # noqa: SLF001
     assert len(calls) == 1
 
 

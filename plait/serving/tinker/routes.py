@@ -8,8 +8,11 @@ Training, saving, loading and sampling are futures run one at a time, in arrival
 (the SDK sends a client's requests in its own order, so a client's steps apply in order). Sample requests for one
 sampler with the same unseeded params are one engine call: the SDK sends a batch's prompts as concurrent requests
 that arrive some ms apart, so a sample waits up to GATHER_S after the last of them for more (GATHER_MAX_S in all)
-before it starts. Sessions, config and capabilities answer at once. Any `tml-` API key is accepted (the SDK
-requires the prefix; this server is local). A job's failure comes back as the API's failed future (`{"error", "category"}`); a request refused at
+before it starts, unless the burst is already whole: every request its sampler has had is gathered and they are as
+many as the largest first burst of the same client's (or session's) earlier samplers (an RL loop makes a sampler a
+step and sends it the same number of prompts; a burst larger than that is two engine calls once, then expected).
+Sessions, config and capabilities answer at once. Any `tml-` API key is accepted (the SDK requires the prefix; this
+server is local). A job's failure comes back as the API's failed future (`{"error", "category"}`); a request refused at
 once as HTTP 400/404/409 with `{"error", "category": "user", "field"}`; an endpoint plait does not serve as 404
 naming it. The server keeps serving after either.
 
@@ -51,6 +54,7 @@ import os
 import threading
 import time
 import uuid
+from dataclasses import dataclass
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -143,6 +147,18 @@ class Journal:
         self.file.close()
 
 
+@dataclass
+class Burst:
+    """A sampler's sample requests so far, and whether its first engine call has ended."""
+    asked: int = 0
+    first_done: bool = False
+
+
+def owner(sampler_id: str) -> str:
+    """The training client or session a sampler is of (its id is OWNER:sample:N)."""
+    return sampler_id.rsplit(":sample:", 1)[0]
+
+
 def seq(owner: str, seq_id: int | None) -> str:
     """A request's future id: its model or sampler and its seq_id (a fresh id when it sent none)."""
     return f"{owner}:{seq_id}" if seq_id is not None else f"{owner}:{uuid.uuid4().hex}"
@@ -159,6 +175,8 @@ class TinkerApi:
         self.steps = 0  # optimizer steps taken on this server: the timeline's step
         self.traces: dict[str, str] = {}  # a session trace's download name -> its file
         self.stale: dict[str, str] = {}  # a client restored behind its last answers -> why it is refused
+        self.bursts: dict[str, Burst] = {}  # per sampler; with `expected`, when a sample's gather ends (_samples_with)
+        self.expected: dict[str, int] = {}  # per owner(sampler): the largest first burst of its samplers so far
         self.journal = Journal(os.path.join(trainer.root, JOURNAL))
         self.restored = self._restore()  # the sessions from before a restart
         self.worker = threading.Thread(target=self._work, name="plait-tinker-trainer", daemon=True)
@@ -260,6 +278,8 @@ class TinkerApi:
                 log.exception("plait tinker: %s failed", job[1].__name__)
                 failure = err
             end = time.perf_counter()
+            if job[1] == self.trainer.sample:
+                self._burst_ended(job[2][0])
             for (future, fn, args, who, queued, request_id), result in zip(batch, results):
                 stage = "forward" if fn.__name__ == "forward_backward" and args[0].forward_only else fn.__name__
                 self.steps += stage == "optim_step"
@@ -279,7 +299,10 @@ class TinkerApi:
         if job[1] != self.trainer.sample or job[2][3].seed is not None:
             return batch, None
         until = time.perf_counter() + GATHER_MAX_S
+        burst, expected = self.bursts.get(job[2][0], Burst()), self.expected.get(owner(job[2][0]), 0)
         while True:
+            if burst.asked == len(batch) >= expected > 0:  # the sampler's first burst is whole: no more will come
+                return batch, None
             try:
                 more = self.jobs.get(timeout=max(0.0, min(GATHER_S, until - time.perf_counter())))
             except queue.Empty:
@@ -289,6 +312,17 @@ class TinkerApi:
                     self.jobs.put(None)  # the end: after what is taken
                 return batch, more
             batch.append(more)
+
+    def _asked(self, sampler_id: str) -> None:
+        """One more sample request for `sampler_id` (on the event loop, before it is queued)."""
+        self.bursts.setdefault(sampler_id, Burst()).asked += 1
+
+    def _burst_ended(self, sampler_id: str) -> None:
+        """A sample engine call of `sampler_id` ended: at the first, its requests so far are its first burst."""
+        burst = self.bursts.get(sampler_id)
+        if burst is not None and not burst.first_done:
+            burst.first_done = True
+            self.expected[owner(sampler_id)] = max(self.expected.get(owner(sampler_id), 0), burst.asked)
 
     def submit(self, request_id: str, fn, *args, **extra) -> JSONResponse:
         """Queue `fn(*args)` as the future `request_id`, named by what the SDK sent (its model or sampler and seq_id):
@@ -337,8 +371,9 @@ class TinkerApi:
     # -- sessions, config ------------------------------------------------------------------------------------------
     @endpoint
     async def client_config(self, request: Request) -> Response:
-        # API keys only (no JWT exchange), plain httpx, one forward_backward chunk at a time in order
-        return JSONResponse({"pjwt_auth_enabled": False, "use_pyqwest_transport": False, "parallel_fwdbwd_chunks": False})
+        # API keys only (no JWT exchange); the SDK's pyqwest transport (as Tinker's default: 7-10 ms less SDK time a GRPO
+        # step than plain httpx, bench/bench_tinker_grpo.py); one forward_backward chunk at a time, in order
+        return JSONResponse({"pjwt_auth_enabled": False, "use_pyqwest_transport": True, "parallel_fwdbwd_chunks": False})
 
     @endpoint
     async def dynamic_config(self, request: Request) -> Response:
@@ -523,6 +558,8 @@ class TinkerApi:
         params = self._sample_params(req.sampling_params)
         self.tokens(prompt, "prompt", then=params.max_tokens)
         sequence_ids = [f"{req.sampling_session_id}:{req.seq_id}:{i}" for i in range(req.num_samples)]
+        if seq(req.sampling_session_id, req.seq_id) not in self.futures:  # not a retry
+            self._asked(req.sampling_session_id)
         return self.submit(seq(req.sampling_session_id, req.seq_id), self.trainer.sample, req.sampling_session_id, prompt,
                            req.num_samples, params, bool(req.prompt_logprobs), sample_sequence_ids=sequence_ids)
 

@@ -28,7 +28,8 @@ those (temperature 1 without top-k / top-p, or greedy), else the engine's scorin
 (`probe_logprobs`), which also gives the prompt's.
 
 A `forward` / `forward_backward` runs its data in pieces of at most `batch_tokens` padded tokens (rows x the
-longest; `plait serve --tinker-batch-tokens`, default BATCH_TOKENS), the gradients adding up over the pieces: the
+longest; `plait serve --tinker-batch-tokens`, default BATCH_TOKENS; data of about one length together), the
+gradients adding up over the pieces: the
 outputs and gradients of one pass over the whole request, within float rounding, in the memory of one piece. A
 non-finite loss in any piece refuses the whole request with the gradients as they were before it.
 
@@ -61,7 +62,7 @@ STATE_FILE = "state.pt"
 FULL_DIR = "model"  # a full fine-tuning checkpoint's weights, as a Hugging Face folder
 KEPT_FULL_SNAPSHOTS = 2  # a full fine-tuning client's newest samplers kept (each a copy of the model)
 KEPT_LORA_SNAPSHOTS = 32  # a LoRA client's (each a copy of its adapter): more than an off-policy loop looks back
-BATCH_TOKENS = 2048  # padded tokens in one forward / backward pass (`plait serve --tinker-batch-tokens`; docs/tinker.md)
+BATCH_TOKENS = 1024  # padded tokens in one forward / backward pass (`plait serve --tinker-batch-tokens`; docs/tinker.md)
 
 
 @dataclass
@@ -230,7 +231,7 @@ class TinkerTrainer:
         if kept is not None:
             for p in kept:
                 p.grad = None
-        outputs, totals = [], []
+        outputs, totals = [None] * len(req.data), []
         try:
             with self._client_net(client) as net, torch.set_grad_enabled(not req.forward_only):
                 for piece in pieces:
@@ -243,8 +244,8 @@ class TinkerTrainer:
                     if not req.forward_only and total.requires_grad:
                         total.backward()  # gradients add up over pieces and calls until optim_step
                     totals.append(total.detach())
-                    outputs += [{"logprobs": logp[i, :n].detach(), "elementwise_loss": loss[i, :n].detach()}
-                                for i, n in enumerate(lengths)]
+                    for i, (at, n) in enumerate(zip(piece, lengths)):  # each datum's outputs in its place
+                        outputs[at] = {"logprobs": logp[i, :n].detach(), "elementwise_loss": loss[i, :n].detach()}
         except BaseException:
             if kept is not None:
                 for p, grad in kept.items():
@@ -517,10 +518,11 @@ def samplers_kept(client: Client) -> int:
 
 
 def micro_batches(lengths: list[int], budget: int) -> list[list[int]]:
-    """Consecutive runs of data whose padded size (rows x the longest) stays within `budget` tokens; a datum longer
-    than the budget is a run of its own."""
+    """Runs of the data taken shortest first (in their order where equally long) whose padded size (rows x the
+    longest) stays within `budget` tokens; a datum longer than the budget is a run of its own. Shortest first: a
+    piece's rows are about equally long, so little of it is padding (an RL batch's responses vary in length)."""
     pieces, longest = [[]], 0
-    for i, n in enumerate(lengths):
+    for i, n in sorted(enumerate(lengths), key=lambda item: item[1]):
         if pieces[-1] and (len(pieces[-1]) + 1) * max(longest, n) > budget:
             pieces.append([])
             longest = 0

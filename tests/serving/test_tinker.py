@@ -461,7 +461,6 @@ def test_concurrent_samples_of_one_sampler_are_one_engine_call_each_with_its_own
     """The SDK sends a batch's prompts as concurrent requests: those queued together (same sampler, same unseeded
     params) are one engine call, each answered with its own prompt's samples and their log-probs."""
     import threading
-    from plait.profiler.timeline import TIMELINE, read_timeline
     client = service.create_lora_training_client(base_model=NAME, rank=4, seed=5).result(timeout=60)
     sampler = client.save_weights_and_get_sampling_client().result(timeout=60)
     release, blocked = threading.Event(), concurrent.futures.Future()
@@ -473,10 +472,7 @@ def test_concurrent_samples_of_one_sampler_are_one_engine_call_each_with_its_own
         time.sleep(0.01)
     release.set()
     results = [future.result(timeout=60) for future in futures]
-    TIMELINE.flush(0)
-    calls = {(s["start"], s["end"]) for s in read_timeline(TIMELINE.path)
-             if s["stage"] == "sample" and str(s.get("session")) == sampler._sampling_session_id}  # noqa: SLF001
-    assert len(calls) == 1  # three requests, one engine call
+    assert engine_calls(sampler) == 1  # three requests, one engine call
     for prompt, result in zip(prompts, results):
         assert len(result.sequences) == 2
         for seq in result.sequences:
@@ -557,7 +553,6 @@ def test_samples_that_arrive_while_the_first_waits_for_more_are_one_engine_call(
     """The SDK's concurrent sample requests reach the server some ms apart: a sample waits GATHER_S after the last
     one of its kind for more (here long, so the test waits on the queue, never on the clock), then all are one
     engine call."""
-    from plait.profiler.timeline import TIMELINE, read_timeline
     from plait.serving.tinker import routes
     monkeypatch.setattr(routes, "GATHER_S", 60.0)
     monkeypatch.setattr(routes, "GATHER_MAX_S", 120.0)
@@ -575,10 +570,15 @@ def test_samples_that_arrive_while_the_first_waits_for_more_are_one_engine_call(
     jobs.put((done, lambda: None, (), "another job", time.perf_counter(), None))  # ends the wait
     results = [future.result(timeout=60) for future in futures]
     assert [len(r.sequences) for r in results] == [2, 2]
+    assert engine_calls(sampler) == 1
+
+
+def engine_calls(sampler) -> int:
+    """The engine calls a sampler's sample requests went through (requests sampled together share one span)."""
+    from plait.profiler.timeline import TIMELINE, read_timeline
     TIMELINE.flush(0)
-    calls = {(s["start"], s["end"]) for s in read_timeline(TIMELINE.path)
-             if s["stage"] == "sample" and str(s.get("session")) == sampler._sampling_session_id}  # noqa: SLF001
-    assert len(calls) == 1
+    return len({(s["start"], s["end"]) for s in read_timeline(TIMELINE.path)
+                if s["stage"] == "sample" and str(s.get("session")) == sampler._sampling_session_id})  # noqa: SLF001
 
 
 def test_a_new_samplers_burst_as_large_as_the_clients_first_burst_starts_without_waiting_for_more(served, service,
@@ -586,7 +586,6 @@ def test_a_new_samplers_burst_as_large_as_the_clients_first_burst_starts_without
     """An RL loop sends each step's sampler the same number of prompts: once a sampler of the client had a burst of
     two, a later sampler's two requests are one engine call that starts when the second arrives, not GATHER_S after
     (here 60 s, so the old wait would outlast the result's timeout)."""
-    from plait.profiler.timeline import TIMELINE, read_timeline
     from plait.serving.tinker import routes
     monkeypatch.setattr(routes, "GATHER_S", 60.0)
     monkeypatch.setattr(routes, "GATHER_MAX_S", 120.0)
@@ -605,10 +604,7 @@ def test_a_new_samplers_burst_as_large_as_the_clients_first_burst_starts_without
     second = client.save_weights_and_get_sampling_client().result(timeout=60)
     results = [f.result(timeout=30) for f in [second.sample(p, 2, params) for p in prompts]]  # no other job comes
     assert [len(r.sequences) for r in results] == [2, 2]
-    TIMELINE.flush(0)
-    calls = {(s["start"], s["end"]) for s in read_timeline(TIMELINE.path)
-             if s["stage"] == "sample" and str(s.get("session")) == second._sampling_session_id}  # noqa: SLF001
-    assert len(calls) == 1
+    assert engine_calls(second) == 1
 
 
 def test_a_full_fine_tuning_sampler_keeps_its_weights_while_its_client_trains_and_other_samplers_load(served, service,

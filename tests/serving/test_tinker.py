@@ -70,14 +70,6 @@ def forward_logprobs(client, data) -> list[list[float]]:
     return [o["logprobs"].tolist() for o in out.loss_fn_outputs]
 
 
-def test_the_sdk_talks_to_the_server_over_its_own_fast_transport(service):
-    """client/config tells the SDK to use pyqwest (its reqwest-based transport, a dependency of the SDK) as against
-    Tinker itself: about 7-10 ms less SDK time a GRPO step than httpx's (bench/bench_tinker_grpo.py); every test in
-    this file runs over it."""
-    assert service.holder.get_client_config().use_pyqwest_transport is True
-    assert service.get_server_capabilities().supported_models  # a round trip over it
-
-
 def test_sft_with_cross_entropy_lowers_the_loss_and_reports_per_token_outputs(service, tokenizer):
     client = service.create_lora_training_client(base_model=NAME, rank=4, seed=0).result(timeout=60)
     data = [sft_datum(tokenizer, "hello world, hello plait"), sft_datum(tokenizer, "tinker on a laptop")]

@@ -41,7 +41,19 @@ def start(model: str, root: str, port: int) -> subprocess.Popen:
     while not serving.wait(0.2):
         if ended.is_set():
             raise AssertionError(f"plait serve did not start: {''.join(seen)}")
+    proc.seen = seen
     return proc
+
+
+def stop(proc: subprocess.Popen, sig: int) -> None:
+    """Signal `plait serve` and wait for it to exit; if it outlives the signal by a minute, fail with what it said."""
+    proc.send_signal(sig)
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise AssertionError(f"plait serve did not exit within 60 s of signal {sig}; its stderr:\n"
+                             + "".join(proc.seen[-40:])) from None
 
 
 def free_port() -> int:
@@ -99,8 +111,7 @@ def test_sessions_futures_and_clients_survive_a_kill_and_retries_are_applied_onc
         other = service.create_lora_training_client(base_model=NAME, rank=4, seed=1).result(timeout=60)
         other.forward_backward(data, "cross_entropy").result(timeout=60)  # trained, never saved
     finally:
-        server.send_signal(signal.SIGKILL)
-        server.wait(timeout=60)
+        stop(server, signal.SIGKILL)
 
     server = start(model, root, port)
     try:
@@ -127,8 +138,7 @@ def test_sessions_futures_and_clients_survive_a_kill_and_retries_are_applied_onc
         fresh.close("success").result(timeout=30)
         service.close("success").result(timeout=30)
     finally:
-        server.send_signal(signal.SIGINT)
-        server.wait(timeout=60)
+        stop(server, signal.SIGINT)
     with open(os.path.join(root, "server.jsonl")) as f:  # each retried request ran once: one line for its answer
         futures = [line for line in f if f'"{client.model_id}:10000"' in line]
     assert len(futures) == 1

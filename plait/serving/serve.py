@@ -224,7 +224,23 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8000, engine: str | N
         except KeyboardInterrupt:
             pass
         finally:
+            watchdog = threading.Timer(SHUTDOWN_S, stuck_shutdown)  # Ctrl-C stops, whatever a thread waits on
+            watchdog.daemon = True
+            watchdog.start()
             server.close()
+
+
+SHUTDOWN_S = 20.0  # `plait serve` exits this long after a stop at the latest
+
+
+def stuck_shutdown() -> None:
+    """The server's shutdown (or the interpreter's after it) outlived SHUTDOWN_S: say so with every thread's stack,
+    then exit 130 (a `plait serve` in CI once did not exit within 60 s of its SIGINT, its cause not yet found)."""
+    import faulthandler
+    print(f"plait: serve: still shutting down after {SHUTDOWN_S:.0f} s; exiting now. Its threads:", file=sys.stderr)
+    faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+    sys.stderr.flush()
+    os._exit(130)
 
 
 def model_folder(model: str, scratch: str) -> str:

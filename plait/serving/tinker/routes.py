@@ -371,9 +371,8 @@ class TinkerApi:
     # -- sessions, config ------------------------------------------------------------------------------------------
     @endpoint
     async def client_config(self, request: Request) -> Response:
-        # API keys only (no JWT exchange); plain httpx: the SDK's pyqwest transport (Tinker's default) took 7-10 ms less
-        # of a GRPO step, but a `plait serve` did not exit within 60 s of its SIGINT in the CI run right after it was on
-        # (docs/tinker.md); one forward_backward chunk at a time, in order
+        # API keys only (no JWT exchange); plain httpx (the SDK's pyqwest transport, Tinker's default, took 7-10 ms less
+        # of a GRPO step: off until it has a CI run of its own, docs/tinker.md); one forward_backward chunk at a time
         return JSONResponse({"pjwt_auth_enabled": False, "use_pyqwest_transport": False, "parallel_fwdbwd_chunks": False})
 
     @endpoint

@@ -189,6 +189,7 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8000, engine: str | N
     from plait.configtree import ConfigError
     from plait.serving.server import Limits
     from plait.workers.engine import ENGINES, PLAIT_ENGINE
+    own_process = stop is None  # the CLI's `plait serve`, stopped by a signal: its exit is bounded (SHUTDOWN_S)
     stop = stop or threading.Event()
     if not max_body_mb > 0:
         raise ConfigError("--max-body-mb", max_body_mb, "a size in MiB > 0")
@@ -224,9 +225,10 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8000, engine: str | N
         except KeyboardInterrupt:
             pass
         finally:
-            watchdog = threading.Timer(SHUTDOWN_S, stuck_shutdown)  # Ctrl-C stops, whatever a thread waits on
-            watchdog.daemon = True
-            watchdog.start()
+            if own_process:  # Ctrl-C stops, whatever a thread waits on (never armed in a caller's process)
+                watchdog = threading.Timer(SHUTDOWN_S, stuck_shutdown)
+                watchdog.daemon = True
+                watchdog.start()
             server.close()
 
 

@@ -365,6 +365,50 @@ def test_a_sessions_requests_are_on_the_timeline_in_the_report_and_in_its_export
     service.close("success").result(timeout=30)
 
 
+def test_the_verdict_for_a_session_names_samples_awaited_one_by_one_and_a_loop_that_leaves_the_server_idle(served,
+                                                                                                       tokenizer):
+    """The served-session verdict (profiler/analysis/served.py) on loops written with the real SDK: four samples each
+    awaited before the next is sent are `samples_one_by_one`, the same four submitted together are not; a loop that
+    spends its time between requests (here asleep) is `loop_between_requests`, and `plait profile report` prints it."""
+    from plait.profiler.analysis import served as served_verdict
+    from plait.profiler.analysis.report import build_report
+    from plait.profiler.timeline import TIMELINE, read_timeline
+    prompts = [types.ModelInput.from_ints(tokenizer.encode(text)) for text in ("ab", "cde", "fg", "hij")]
+    params = types.SamplingParams(max_tokens=8)
+
+    def session_of(loop) -> served_verdict.Session:
+        service = tinker.ServiceClient(base_url=served.url, api_key="tml-verdict")
+        client = service.create_lora_training_client(base_model=NAME, rank=2, seed=41).result(timeout=60)
+        loop(client)
+        service.close("success").result(timeout=30)
+        TIMELINE.flush(0)
+        sid = client.model_id.split(":")[0]
+        return next(s for s in served_verdict.sessions(read_timeline(TIMELINE.path)) if s.id == sid)
+
+    def one_by_one(client):
+        sampler = client.save_weights_and_get_sampling_client().result(timeout=60)
+        for p in prompts:
+            sampler.sample(p, 2, params).result(timeout=60)
+
+    def together(client):
+        sampler = client.save_weights_and_get_sampling_client().result(timeout=60)
+        for future in [sampler.sample(p, 2, params) for p in prompts]:
+            future.result(timeout=60)
+
+    def asleep(client):
+        for _ in range(3):
+            step(client, [sft_datum(tokenizer, "idle server")])
+            time.sleep(0.3)  # the loop's own work between steps
+
+    serial = served_verdict.samples_one_by_one(session_of(one_by_one))
+    assert serial is not None and len(serial.inputs["calls_s"]) == 4 and 0 < serial.saving < serial.share
+    assert served_verdict.samples_one_by_one(session_of(together)) is None
+    idle = served_verdict.loop_between_requests(session_of(asleep))
+    assert idle is not None and idle.share > 0.5 and "optim_step" in idle.driver
+    text = build_report(os.path.dirname(TIMELINE.path))
+    assert "verdict: the client loop between requests is" in text or "verdict: sample calls awaited one by one" in text
+
+
 def test_plait_export_writes_a_tinker_checkpoint_as_a_merged_model_and_as_the_adapter(served, service, tokenizer,
                                                                                        tmp_path):
     from peft import PeftModel

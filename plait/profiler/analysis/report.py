@@ -31,7 +31,7 @@ from typing import Optional
 
 from plait.profiler.analysis import memory as mem
 from plait.profiler.analysis import memray_capture
-from plait.profiler.analysis import alarms, svg, verdict
+from plait.profiler.analysis import alarms, served, svg, verdict
 from plait.profiler.analysis.accounting import StepTime, account
 from plait.profiler.analysis.inputs import Inputs, below, locate, number
 from plait.profiler.analysis.traces import (Clock, MergedTrace, load_trace, op_totals, origin_of, timeline_lanes,
@@ -81,6 +81,7 @@ def build_report(path: str, profile: Optional[str] = None, run: Optional[str] = 
     steps = account(inp.spans)
     f = verdict.facts(steps, inp.metrics, inp.summary, inp.spans)
     judged = verdict.report(f, [a.as_dict() for a in alarms.alarms(inp.spans, inp.metrics + inp.nonfinite, f.settings)])
+    judged["verdicts"] += [v.as_dict() for v in served.verdicts(inp.spans)]  # plait serve's Tinker sessions
     artifacts = read_artifacts(inp, clock, out_dir, merge)
     if merge:
         merged = MergedTrace(os.path.join(out_dir, TIMELINE_TRACE), clock)
@@ -447,8 +448,12 @@ def _served_section(inp: Inputs) -> str:
 
 def _gantt_section(inp: Inputs, steps: list[StepTime]) -> str:
     out = ["<h2 id='gantt'>1. Stages per step</h2>"]
-    if not inp.spans or not steps:
+    if not inp.spans:
         return out[0] + "<p class='note'>No timeline.jsonl: give the run's output dir.</p>"
+    if not steps:
+        return out[0] + ("<p class='note'>No trainer steps on this timeline" + (" (a server's: see Served requests)"
+                                                                              if served_requests(inp.spans) else "")
+                         + ".</p>")
     lane = lambda s: f"{s['role']}{'' if s.get('rank') is None else ' rank ' + str(s['rank'])} ({s['thread']})"  # noqa: E731
     lanes = sorted({lane(s) for s in inp.spans}, key=lambda n: (not n.startswith("trainer"), n))
     shown = steps if len(steps) <= MAX_GANTT_STEPS else [steps[round(i * (len(steps) - 1) / (MAX_GANTT_STEPS - 1))]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import logging
 import os
 import sys
@@ -225,7 +226,10 @@ def build(cfg: PlaitConfig, progress: bool = True, checked: bool = False) -> Lif
     def shutdown():
         backend.shutdown()
         close_reward_workers()
-    return Lifecycle(lc, trainer, cfg.global_profiler, tracker, shutdown=shutdown, started=started)
+    profiling = cfg.global_profiler
+    if profiling.tool and not any(rc.enable for rc in role_profilers(cfg).values()):
+        profiling = dataclasses.replace(profiling, steps=None)  # preflight said nothing is profiled: no windows either
+    return Lifecycle(lc, trainer, profiling, tracker, shutdown=shutdown, started=started)
 
 
 def omega_tree(cfg: PlaitConfig):

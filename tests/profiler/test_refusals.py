@@ -65,3 +65,15 @@ def test_a_discrete_mismatch_names_both_roles(tmp_path):
         make_tool(cfg, {"actor": node(True), "rollout": node(False)})
     assert "actor_rollout_ref.actor.profiler.tool_config.torch.discrete" in str(err.value)
     assert "actor_rollout_ref.rollout.profiler.tool_config.torch.discrete" in str(err.value)
+
+
+def test_a_tool_with_no_role_enabled_opens_no_window_and_says_nothing_of_one(tmp_path, tiny_config, capsys):
+    """Preflight says nothing will be profiled; the run then opens no window: no "writing the traces" line, no
+    profiler spans, no profile folder (it had said it was writing step 2's traces and counted a window)."""
+    from plait.profiler.timeline import read_timeline
+    cfg = tiny_config(tmp_path / "out", "global_profiler.tool=torch", "global_profiler.steps=[2]",
+                      f"global_profiler.save_path={tmp_path}/profile", "trainer.total_training_steps=3")
+    driver.build(cfg, progress=False).run()
+    assert "writing the torch traces" not in capsys.readouterr().err
+    assert not {"profiler_start", "profiler_stop"} & {s["stage"] for s in read_timeline(str(tmp_path / "out" / "timeline.jsonl"))}
+    assert not (tmp_path / "profile").exists()

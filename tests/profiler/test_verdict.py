@@ -46,7 +46,7 @@ def test_generation_bound_sync_run_is_told_to_overlap_with_the_bound():
     assert V.verdicts(f)[0].rule == "generation_bound"
     assert V.generation_bound(facts({**BALANCED, "gen": 2.0})) is None  # 2.0 / 6.7: below GEN_SHARE, overlap hides 30 %-
     training = V.generation_bound(facts({**BALANCED, "gen": 3.0}))    # 3.0 / 7.7 < GEN_SHARE, but overlap hides 39 %
-    assert (training.rule, training.where, training.key) == ("training_bound", "the training stages", "trainer.mode")
+    assert (training.rule, training.where, training.key) == ("training_bound", "training (reward to update_actor)", "trainer.mode")
     assert V.generation_bound(facts({**BALANCED, "gen": 5.0}, {"trainer.mode": "one_step_off"})) is None
 
 

@@ -339,8 +339,8 @@ def generation_bound(f: Facts) -> Optional[Verdict]:
         what = (f"{n} responses per step (data.train_batch_size x rollout.n)" if n else "the responses per step") + (
             f" of {length:.0f} tokens on average" if length else "")
     elif min(gen, train) / f.step_s >= OVERLAP_SAVING:
-        rule, where, share = "training_bound", "the training stages", train / f.step_s
-        what = f"reward to update_actor ({train:.3g} s) after a generation of {gen:.3g} s that could run beside it"
+        rule, where, share = "training_bound", "training (reward to update_actor)", train / f.step_s
+        what = f"{train:.3g} s of it after a generation of {gen:.3g} s that could run beside it"
     else:
         return None
     placement = MODES[ONE_STEP_OFF].placement  # the mode refuses the run's other placement: both keys, as printed

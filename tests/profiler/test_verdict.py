@@ -50,6 +50,30 @@ def test_generation_bound_sync_run_is_told_to_overlap_with_the_bound():
     assert V.generation_bound(facts({**BALANCED, "gen": 5.0}, {"trainer.mode": "one_step_off"})) is None
 
 
+def test_the_overlap_prediction_adds_the_old_log_prob_pass_and_counts_the_cpus_both_sides_need():
+    """Measured on SmolLM2 (2 CPUs, 2 torch threads): a sync run without an old_log_prob pass (one on-policy update),
+    gen 5.5 s and training 11.5 s of a 17 s step, was told one_step_off would take about 11.5 s; it took 19.7 s: the
+    mode ran an old_log_prob forward (6.8 s) and both sides shared the 2 cores. The prediction now counts both."""
+    fused = {"gen": 5.5, "reward": 0.1, "update_actor": 11.3, "update_weights": 0.1}
+    added = 11.3 / V.UPDATE_OVER_FORWARD  # the forward one_step_off needs for pi_old
+    # even with CPUs to spare, 11.5 + 3.8 s of training against 17 s saves 10 %, under OVERLAP_SAVING: nothing said
+    assert V.generation_bound(facts(fused, {"device": "cpu", "cpus": 16, "trainer.num_threads": 2})) is None
+    v = V.generation_bound(facts({**fused, "gen": 12.0}, {"device": "cpu", "cpus": 16, "trainer.num_threads": 2}))
+    assert v.inputs["old_log_prob_added_s"] == pytest.approx(added)
+    assert v.predicted["step_s"] == pytest.approx(11.5 + added)  # the training side, now the longer
+    assert any("old_log_prob pass one_step_off needs" in e for e in v.evidence)
+    assert V.generation_bound(facts({**fused, "gen": 12.0, "old_log_prob": 3.0})).inputs["old_log_prob_added_s"] == 0
+    # the same run on 2 CPUs at 2 threads a side: (gen + training) x 2 / 2, no faster than serial: nothing said
+    assert V.generation_bound(facts(fused, {"device": "cpu", "cpus": 2, "trainer.num_threads": 2})) is None
+    # at 1 thread a side the 2 CPUs hold both: the longer side bounds the step
+    one = V.generation_bound(facts({**BALANCED, "gen": 5.0}, {"device": "cpu", "cpus": 2, "trainer.num_threads": 1}))
+    assert one.predicted["step_s"] == pytest.approx(5.0 + 0.1)  # gen, and the lifecycle's parts
+    # between: 4 CPUs at 3 threads a side, (5 + 4.6) x 3 / 4 = 7.2 s bounds it, said in the evidence
+    three = V.generation_bound(facts({**BALANCED, "gen": 5.0}, {"device": "cpu", "cpus": 4, "trainer.num_threads": 3}))
+    assert three.predicted["step_s"] == pytest.approx((5.0 + 4.6) * 3 / 4 + 0.1)
+    assert "both sides share the cores" in three.evidence[-1]
+
+
 ASYNC = {"trainer.mode": "fully_async", "async_training.staleness_threshold": 0,
          "async_training.trigger_parameter_sync_step": 1, "actor_rollout_ref.rollout.n_gpus_per_node": 2,
          "trainer.n_gpus_per_node": 4}

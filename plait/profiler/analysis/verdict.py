@@ -84,7 +84,8 @@ SETTINGS = {
     "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu": "int?", "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu": "int?",
     "critic.ppo_micro_batch_size_per_gpu": "int?", "actor_rollout_ref.rollout.max_num_seqs": "int?",
     "reward.reward_model.rollout.response_length": "int?", "reward.reward_model.rollout.full_determinism": "bool",
-    "trainer.ray.cpus_per_worker": "num", "memory_capacity_gb": "num?", "device": "str?", "cpus": "int?", "gpus": "int?",
+    "trainer.ray.cpus_per_worker": "num", "trainer.num_threads": "int", "algorithm.rollout_correction.bypass_mode": "bool",
+    "memory_capacity_gb": "num?", "device": "str?", "cpus": "int?", "gpus": "int?",
 }
 
 
@@ -328,29 +329,53 @@ def responses_per_step(f: Facts) -> Optional[int]:
 
 def generation_bound(f: Facts) -> Optional[Verdict]:
     """Sync, generation >= GEN_SHARE (or training-bound with an overlap saving >= OVERLAP_SAVING):
-    overlap generation with training (one_step_off); the step is then bounded by the longer side."""
+    overlap generation with training (one_step_off); the step is then bounded by the longer side (overlapped)."""
     gen, train = f.trainer_s.get("gen", 0.0), training_s(f)
     if f.settings.get("trainer.mode", SYNC) != SYNC or not f.step_s:
         return None
-    bound = f.step_s - min(gen, train)
+    # a sync run with one on-policy update takes pi_old from the update's own forward; one_step_off's samples are a
+    # version behind, so it runs the old_log_prob forward the run skipped (about a third of a forward + backward)
+    added = 0.0 if "old_log_prob" in f.trainer_s or f.settings.get("algorithm.rollout_correction.bypass_mode") else \
+        f.trainer_s.get("update_actor", 0.0) / UPDATE_OVER_FORWARD
+    side, cores = overlapped(f, gen, train + added)
+    bound = f.step_s - gen - train + side  # the step's other parts (the lifecycle's, unattributed) stay
+    saving = (f.step_s - bound) / f.step_s
     n, length = responses_per_step(f), f.metrics.get("response_length/mean")
-    if f.trainer.get("gen", 0.0) >= GEN_SHARE:
+    if f.trainer.get("gen", 0.0) >= GEN_SHARE and saving > 0:
         rule, where, share = "generation_bound", "gen (rollout)", f.trainer["gen"]
         what = (f"{n} responses per step (data.train_batch_size x rollout.n)" if n else "the responses per step") + (
             f" of {length:.0f} tokens on average" if length else "")
-    elif min(gen, train) / f.step_s >= OVERLAP_SAVING:
+    elif saving >= OVERLAP_SAVING:
         rule, where, share = "training_bound", "training (reward to update_actor)", train / f.step_s
         what = f"{train:.3g} s of it after a generation of {gen:.3g} s that could run beside it"
     else:
         return None
     placement = MODES[ONE_STEP_OFF].placement  # the mode refuses the run's other placement: both keys, as printed
     also = {"trainer.placement": placement} if placement and f.settings.get("trainer.placement") != placement else {}
+    evidence = [f"gen {gen:.3g} s of a {f.step_s:.3g} s step", f"training stages {train:.3g} s"] + (
+        [f"plus the old_log_prob pass one_step_off needs (update_actor / {UPDATE_OVER_FORWARD:g}: {added:.3g} s)"]
+        if added else []) + ([cores] if cores else [])
     return Verdict(rule, where, share, _of_step(f), what, "trainer.mode", ONE_STEP_OFF,
-                   f"step >= max(gen {gen:.3g} s, training {train:.3g} s): about {bound:.3g} s instead of {f.step_s:.3g} s; "
-                   "samples one policy version behind", min(gen, train) / f.step_s,
-                   [f"gen {gen:.3g} s of a {f.step_s:.3g} s step", f"training stages {train:.3g} s"],
-                   {"gen_s": gen, "training_s": train, "step_s": f.step_s}, {"step_s": bound},
-                   also=also)
+                   f"step >= max(gen {gen:.3g} s, training {train + added:.3g} s){' and the cores both need' if cores else ''}"
+                   f": about {bound:.3g} s instead of {f.step_s:.3g} s; samples one policy version behind", saving,
+                   evidence, {"gen_s": gen, "training_s": train, "old_log_prob_added_s": added, "step_s": f.step_s},
+                   {"step_s": bound}, also=also)
+
+
+def overlapped(f: Facts, gen: float, train: float) -> tuple[float, str]:
+    """The step when generation runs beside training: the longer side; on a CPU also the core-seconds both sides
+    need (each side's torch threads, at most the machine's CPUs, for its own time) over the CPUs: a side that
+    takes every core leaves the other none to overlap on. The second value says so when it bounds the step."""
+    bound, cpus = max(gen, train), f.settings.get("cpus")
+    if f.settings.get("device") != "cpu" or not cpus:
+        return bound, ""
+    local = f.settings.get("trainer.backend", "local") == "local"
+    threads = (f.settings.get("trainer.num_threads") if local else f.settings.get("trainer.ray.cpus_per_worker")) or cpus
+    shared = (gen + train) * min(threads, cpus) / cpus
+    if shared <= bound:
+        return bound, ""
+    return shared, (f"on {cpus} CPUs at {min(threads, cpus):g} torch threads a side, both sides share the cores: "
+                    f"(gen + training) x {min(threads, cpus):g} / {cpus} = {shared:.3g} s")
 
 
 def async_idle(f: Facts) -> Optional[Verdict]:

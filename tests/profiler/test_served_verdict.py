@@ -56,6 +56,14 @@ def test_requests_sent_together_are_not_awaited_one_by_one_and_samplers_in_turn_
     assert v.share == pytest.approx(0.4 / 0.9) and v.saving == pytest.approx(0.2 / 0.9)  # two loads too many
 
 
+def test_a_request_queued_behind_another_sessions_job_is_not_the_loops_time():
+    """Waiting in the server's queue is time at the server: only the time none of a session's requests was there
+    (queued or running) is the loop's."""
+    spans = [*job(TRAIN, "create", 0.0, 0.0, 0.1), *job(TRAIN, "forward_backward", 0.1, 0.9, 1.0)]  # queued 0.8 s
+    s, = served.sessions(spans)
+    assert s.busy_s == pytest.approx(0.2) and s.idle_gaps == [] and served.loop_between_requests(s) is None
+
+
 def test_a_session_without_a_job_is_not_read():
     """A timeline cut before any job ran (or crafted): its queue spans alone are no session."""
     assert served.sessions(job(TRAIN, "create", 0.0, 0.0, 0.1)[:1]) == [] and served.verdicts([]) == []

@@ -7,8 +7,9 @@ client's loop between them, and which loop pattern costs it.
 A Tinker loop is the user's code: there are no config keys to suggest, so each verdict says what to change in
 the loop (`advice`) and the most it can save, as a share of the session's wall time (its first request's
 arrival to its last job's end). The rules:
-- `loop_between_requests`: the server sat idle (no job running) >= IDLE_SHARE of the session: the time went to
-  the client (its own code between requests: rewards, building data) and the SDK's round trips.
+- `loop_between_requests`: none of the session's requests was at the server (queued or running) for >= IDLE_SHARE
+  of its time: the time went to the client (its own code between requests: rewards, building data) and the SDK's
+  round trips.
 - `samples_one_by_one`: a sampler's sample requests ran as separate engine calls, each sent only after the one
   before had ended (the loop awaited each result before sending the next): submitted together they share one
   engine batch. The saving is the calls' time beyond the longest one (the bound one batch approaches).
@@ -40,7 +41,8 @@ class Session:
     busy_s: float                     # time with one of its jobs running (overlaps counted once)
     requests: int
     optim_steps: int
-    idle_gaps: list[tuple[float, str]] = field(default_factory=list)  # the server idle: (seconds, the job before)
+    idle_gaps: list[tuple[float, str]] = field(default_factory=list)  # none of its requests at the server (queued
+    #                                                                   or running): (seconds, the job before)
     serial: dict[str, list[float]] = field(default_factory=dict)  # sampler -> its engine calls awaited one by one
     loads: int = 0                    # load_weights spans (the engine taking a sampler's weights)
     load_s: float = 0.0
@@ -64,7 +66,8 @@ def sessions(spans: list[dict]) -> list[Session]:
 def _session(sid: str, spans: list[dict]) -> Session:
     queued = {(s["session"], s["end"]): s["start"] for s in spans if s["stage"] == "queue"}  # a job's arrival
     jobs = [s for s in spans if s["stage"] not in ("queue", "load_weights")]  # a load runs inside its sample
-    busy, idle = _union(jobs)
+    busy, _ = _union(jobs)
+    _, idle = _union(spans)  # waiting in the queue (behind another session's job) is time at the server too
     start = min([*queued.values(), *(s["start"] for s in jobs)])
     units: dict[tuple, _Unit] = {}  # the session's jobs in start order; requests sampled in one engine call: one
     for s in sorted(jobs, key=lambda s: s["start"]):
@@ -111,7 +114,7 @@ def _union(spans: list[dict]) -> tuple[float, list[tuple[float, str]]]:
 
 
 def loop_between_requests(s: Session) -> Verdict | None:
-    idle = max(s.wall_s - s.busy_s, 0.0)
+    idle = sum(gap for gap, _ in s.idle_gaps)
     share = idle / s.wall_s
     if share < IDLE_SHARE or not s.idle_gaps:
         return None

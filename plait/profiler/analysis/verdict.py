@@ -64,6 +64,9 @@ LOG_PROB_SHARE = 0.30  # old_log_prob + ref (forwards only) >= 30 % of the step,
 OVERHEAD_SHARE = 0.25  # validation / checkpoints / profiler >= 25 % of the run's wall time ...
 OVERHEAD_TARGET = 0.10  # ... and the suggested frequency brings it to about 10 %
 HOLE_SHARE = 0.15      # unattributed >= 15 % of the step
+BYPASS_SHARE = 0.15    # sync: old_log_prob >= 15 % of the step ...
+BYPASS_DIFF = 1e-5     # ... while the rollout's token probabilities are within this of the actor's (median over the
+#                        steps of training/rollout_probs_diff_max): its log-probs are the actor's, and pi_old may be them
 
 # The config keys the rules read, stored in summary.json as `settings`, each with the kind of value it
 # holds (one place for the list: a summary.json setting of another kind is not read, inputs.clean_summary).
@@ -85,6 +88,7 @@ SETTINGS = {
     "critic.ppo_micro_batch_size_per_gpu": "int?", "actor_rollout_ref.rollout.max_num_seqs": "int?",
     "reward.reward_model.rollout.response_length": "int?", "reward.reward_model.rollout.full_determinism": "bool",
     "trainer.ray.cpus_per_worker": "num", "trainer.num_threads": "int", "algorithm.rollout_correction.bypass_mode": "bool",
+    "algorithm.adv_estimator": "str",
     "memory_capacity_gb": "num?", "device": "str?", "cpus": "int?", "gpus": "int?",
 }
 
@@ -643,6 +647,26 @@ def log_prob_cost(f: Facts) -> Optional[Verdict]:
                    also={LOG_PROB_KEYS[st]: new[st] for st in rest})
 
 
+def old_log_prob_bypass(f: Facts) -> Optional[Verdict]:
+    """Sync, an old_log_prob pass that recomputes what the rollout returned: the rollout samples with the actor's
+    weights, and its token probabilities match the actor's to <= BYPASS_DIFF, so verl's bypass mode (pi_old = the
+    rollout's log-prob) trains on the same numbers without the pass. Not with an estimator that needs the pass's
+    own outputs (optimal_token_baseline: config.py refuses it)."""
+    s, olp, diff = f.settings, f.trainer_s.get("old_log_prob", 0.0), f.metrics.get("training/rollout_probs_diff_max")
+    if (s.get("trainer.mode", SYNC) != SYNC or not f.step_s or olp < BYPASS_SHARE * f.step_s or diff is None
+            or diff > BYPASS_DIFF or s.get("algorithm.rollout_correction.bypass_mode")
+            or str(s.get("algorithm.adv_estimator", "")).endswith("optimal_token_baseline")):
+        return None
+    return Verdict("old_log_prob_bypass", "old_log_prob", olp / f.step_s, _of_step(f),
+                   f"a forward that recomputes the rollout's own log-probs (the actor's probabilities match them to "
+                   f"{diff:.1g})", "algorithm.rollout_correction.bypass_mode", True,
+                   f"about {f.step_s - olp:.3g} s instead of {f.step_s:.3g} s; pi_old is then the rollout's log-prob, "
+                   "the same numbers here", olp / f.step_s,
+                   [f"old_log_prob {olp:.3g} s of a {f.step_s:.3g} s step",
+                    f"training/rollout_probs_diff_max {diff:.2g} (median over the steps)"],
+                   {"old_log_prob_s": olp, "rollout_probs_diff_max": diff, "step_s": f.step_s}, {"step_s": f.step_s - olp})
+
+
 def _forward_fit(f: Facts, times: dict[str, float], count: dict[str, int]) -> tuple[Optional[float], float, str]:
     """(c, W, how) of a forward's m·c + W for log_prob_cost; c None when no two stages differ in m."""
     pairs = [(times[st], count[st]) for st in times]
@@ -863,7 +887,8 @@ def unattributed(f: Facts) -> Optional[Verdict]:
 
 
 RULES: list[Callable[[Facts], Any]] = [generation_bound, async_idle, response_tail, reward_bound, judge_bound, weight_sync,
-                                       update_cost, log_prob_cost, straggler, memory_full, overhead, unattributed]
+                                       update_cost, log_prob_cost, old_log_prob_bypass, straggler, memory_full, overhead,
+                                       unattributed]
 
 
 def verdicts(f: Facts, top: int = 3, skipped: Optional[list[str]] = None) -> list[Verdict]:

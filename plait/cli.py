@@ -194,21 +194,23 @@ def all_errors(err: ConfigError) -> list[ConfigError]:
 
 def export_command(args) -> int:
     import transformers
-    from plait.export import ExportError, export_checkpoint
+    from plait.export import ExportError, actor_dir, export_checkpoint, tinker_folder
     transformers.utils.logging.disable_progress_bar()  # "Writing model shards" for one file
     if os.path.isdir(args.out) and os.listdir(args.out):  # files of another model would mix with this one's
         print(f"plait: export: {args.out} exists and is not empty; give a new folder", file=sys.stderr)
         return 2
+    tinker_dir = args.tinker_dir or default_tinker_dir()
     try:
-        out = export_checkpoint(args.checkpoint, args.out, lora=args.lora, base=args.base,
-                                tinker_dir=args.tinker_dir or default_tinker_dir())
+        out = export_checkpoint(args.checkpoint, args.out, lora=args.lora, base=args.base, tinker_dir=tinker_dir)
+        source = args.checkpoint if tinker_folder(args.checkpoint, tinker_dir) is not None else \
+            os.path.dirname(actor_dir(args.checkpoint))  # a run's folder or checkpoints/: the step it took
     except ExportError as err:
         print(f"plait: export: {err}", file=sys.stderr)
         return 2
     how = (f"PeftModel.from_pretrained(base_model, {out!r})" if args.lora == "adapter" and
            os.path.isfile(os.path.join(out, "adapter_config.json")) else
            f"AutoModelForCausalLM.from_pretrained({out!r}) or vllm serve {out}")
-    print(f"plait: exported {args.checkpoint} to {out}: load it with {how} (docs/export.md)", file=sys.stderr)
+    print(f"plait: exported {source} to {out}: load it with {how} (docs/export.md)", file=sys.stderr)
     return 0
 
 

@@ -43,11 +43,13 @@ class ExportError(ValueError):
 
 
 def actor_dir(checkpoint: str) -> str:
-    """The actor folder of `checkpoint`: a global_step_N folder, its actor/ folder, or a checkpoints/
-    folder (its newest step)."""
+    """The actor folder of `checkpoint`: a global_step_N folder, its actor/ folder, a checkpoints/ folder (its
+    newest step), or a run's output folder (its checkpoints/' newest step)."""
     path = os.path.normpath(checkpoint)
     if not os.path.isdir(path):
         raise ExportError(f"{checkpoint}: no such directory (give a checkpoints/global_step_N folder)")
+    if os.path.isdir(os.path.join(path, "checkpoints")) and not os.path.isdir(os.path.join(path, "actor")):
+        path = os.path.join(path, "checkpoints")  # a run's output folder
     if os.path.basename(path) == "checkpoints":
         steps = sorted(int(n.removeprefix("global_step_")) for n in os.listdir(path)
                        if n.startswith("global_step_") and n.removeprefix("global_step_").isdigit())

@@ -73,7 +73,10 @@ def test_export_refuses_a_damaged_checkpoint_in_one_line(tmp_path, tiny_config, 
     assert main(["export", str(tmp_path / "checkpoints"), str(tmp_path / "out")]) == 2  # checkpoints/: the newest
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "model.pt does not match its checksum" in err[0], err
-    assert main(["export", str(tmp_path), str(tmp_path / "out")]) == 2
+    assert main(["export", str(tmp_path), str(tmp_path / "out")]) == 2  # a run's output folder: its newest too
+    assert "model.pt does not match its checksum" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    assert main(["export", str(tmp_path / "empty"), str(tmp_path / "out")]) == 2
     assert "not a plait actor checkpoint" in capsys.readouterr().err
     assert main(["export", str(step), str(tmp_path / "checkpoints")]) == 2  # never into a folder that holds files
     assert "exists and is not empty" in capsys.readouterr().err

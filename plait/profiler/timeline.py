@@ -314,3 +314,14 @@ def fold_peaks(into: dict[str, int], peaks: dict[str, int]) -> dict[str, int]:
 def stage_memory_metrics(peaks: dict[str, dict[str, int]]) -> dict[str, float]:
     """memory/<stage>/<counter>_gb from StageTimer's per-stage peaks."""
     return {f"memory/{stage}/{k}_gb": v / 2**30 for stage, p in peaks.items() for k, v in p.items()}
+
+
+def union_of(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Overlapping (start, end) spans merged: the time any of them covers, once (replicas judging at once; a server's jobs)."""
+    out: list[tuple[float, float]] = []
+    for start, end in sorted(spans):
+        if out and start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], end))
+        else:
+            out.append((start, end))
+    return out

@@ -47,12 +47,12 @@ from plait.export import HF_DIR, write_export
 from plait.data.dataset import PromptDataset, iterate_batches, prompt_batch
 from plait.data.rewards import ScoreRequest, Scores
 from plait.profiler.samples import SAMPLES, now
-from plait.profiler.timeline import TIMELINE, WALL0
+from plait.profiler.timeline import TIMELINE, WALL0, union_of
 from plait.trainers.lifecycle import StageTimer, StepResult
 from plait.trainers.rollout_client import Restarts, RolloutClient
 from plait.trainers.metrics import (agent_metrics, data_metrics, filter_values, groups_with_signal, last_token_scores,
                                     loop_scores, masked_mean, merge_results, off_policy_metrics, record_tool_spans,
-                                    rollout_probs_diff, session_advantages, session_owners, sessions_of, union_of,
+                                    rollout_probs_diff, session_advantages, session_owners, sessions_of,
                                     validation_metrics, TokenLedger)
 from plait.types import PromptBatch, RolloutBatch
 from plait.workers.actor import Actor

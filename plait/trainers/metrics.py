@@ -115,17 +115,6 @@ def session_owners(infos: list[dict] | None) -> torch.Tensor | None:
     return None if owner == list(range(len(infos))) else torch.tensor(owner)
 
 
-def union_of(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    """Overlapping (start, end) spans merged: the time any of them covers, once (replicas judging at once)."""
-    out: list[tuple[float, float]] = []
-    for start, end in sorted(spans):
-        if out and start <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], end))
-        else:
-            out.append((start, end))
-    return out
-
-
 def record_tool_spans(batch: RolloutBatch) -> None:
     """The agent loops' tool calls (wall clock, timed in the rollout's process) as "tool_calls" spans of
     the rollout role in timeline.jsonl."""

@@ -27,6 +27,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from plait.profiler.analysis.verdict import MIN_SAVING, Verdict
+from plait.profiler.timeline import union_of
 
 IDLE_SHARE = 0.30  # the server idle >= 30 % of a session's wall time: the loop between requests bounds it
 SERIAL_CALLS = 3   # a sampler's engine calls awaited one by one: at least this many before it is said
@@ -66,8 +67,10 @@ def sessions(spans: list[dict]) -> list[Session]:
 def _session(sid: str, spans: list[dict]) -> Session:
     queued = {(s["session"], s["end"]): s["start"] for s in spans if s["stage"] == "queue"}  # a job's arrival
     jobs = [s for s in spans if s["stage"] not in ("queue", "load_weights")]  # a load runs inside its sample
-    busy, _ = _union(jobs)
-    _, idle = _union(spans)  # waiting in the queue (behind another session's job) is time at the server too
+    busy = sum(end - begin for begin, end in union_of([(s["start"], s["end"]) for s in jobs]))
+    at_server = union_of([(s["start"], s["end"]) for s in spans])  # waiting in the queue is time at the server too
+    ended = {s["end"]: s["stage"] for s in sorted(jobs, key=lambda s: s["start"])}  # the job that ends a stretch
+    idle = [(begin - end, ended.get(end, "queue")) for (_, end), (begin, _) in zip(at_server, at_server[1:])]
     start = min([*queued.values(), *(s["start"] for s in jobs)])
     units: dict[tuple, _Unit] = {}  # the session's jobs in start order; requests sampled in one engine call: one
     for s in sorted(jobs, key=lambda s: s["start"]):
@@ -97,26 +100,10 @@ class _Unit:
     arrival: float  # its (first) request's arrival
 
 
-def _union(spans: list[dict]) -> tuple[float, list[tuple[float, str]]]:
-    """The time covered by the spans (overlaps once), and the gaps between what they cover, each with the stage of
-    the job that ended before it."""
-    covered, gaps, reach, last = 0.0, [], None, ""
-    for begin, end, stage in sorted((s["start"], s["end"], s["stage"]) for s in spans):
-        if reach is None or begin > reach:
-            if reach is not None:
-                gaps.append((begin - reach, last))
-            covered += end - begin
-            reach, last = end, stage
-        elif end > reach:
-            covered += end - reach
-            reach, last = end, stage
-    return covered, gaps
-
-
 def loop_between_requests(s: Session) -> Verdict | None:
     idle = sum(gap for gap, _ in s.idle_gaps)
     share = idle / s.wall_s
-    if share < IDLE_SHARE or not s.idle_gaps:
+    if share < IDLE_SHARE:
         return None
     per_step = f", {s.requests / s.optim_steps:.3g} per optim_step" if s.optim_steps else ""
     longest, after = max(s.idle_gaps)

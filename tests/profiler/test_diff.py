@@ -48,3 +48,19 @@ def test_runs_timed_under_loads_far_apart_are_warned_of(tmp_path, capsys):
                         "each run's end): the times below compare the machine too; rerun both on a quiet one")
     assert cli.main(["profile", "diff", str(tmp_path / "quiet"), str(tmp_path / "same")]) == 0
     assert "load differed" not in capsys.readouterr().out
+
+
+def test_a_verdict_with_no_key_is_not_checked_against_a_rerun():
+    """A keyless verdict (a straggler rank: no key fixes it) predicts a step no rerun measures: a profiled run
+    against its unprofiled rerun read "2.70x the prediction" for a change nobody made."""
+    from plait.profiler.analysis import diff
+    from tests.profiler.test_verdict import BALANCED, facts
+    slow = facts(BALANCED)
+    slow.ranks = {"actor/update_actor": {0: {"s": 1.0, "wait_s": 0.0}, 1: {"s": 1.0, "wait_s": 0.0},
+                                         2: {"s": 3.0, "wait_s": 0.0}}}
+    rows = [r for r in diff.predictions(slow, facts(BALANCED)) if r["rule"] == "straggler"]
+    assert rows and rows[0]["key"] == "" and rows[0]["measured_over_predicted"] is None
+    line = diff.text({"a": "A", "b": "B", "steps": {"a": {"median_s": 1, "basis": "b"}, "b": {"median_s": 1, "basis": "b"}},
+                      "load": {"warning": None}, "stages": [], "operators": {}, "operators_not_compared": [],
+                      "memory": {"a": None, "b": None}, "predictions": rows}).splitlines()[-1]
+    assert "x the prediction" not in line and "names no key to set, so B is not its rerun" in line

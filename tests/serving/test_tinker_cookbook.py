@@ -33,9 +33,9 @@ SUFFIX = " Provide a numerical answer without units, written inside \\boxed{}." 
 SL = dict(batch_size=8, max_steps=6, learning_rate=1e-3, lora_rank=16)
 # rl_loop resumes from the newest checkpoint in its log_path: the SFT's final one (batch max_steps) when both share it;
 # its max_steps counts from batch 0, so this is 10 RL steps
-# 4 questions a step: at 2, most steps held one question every sample got right and one every sample got wrong, so
-# nothing to learn from; lr 5e-5: one step at 2e-4 moved a sampled answer's log-prob by 1-5 nats, and 10 such steps
-# on a few questions each took the held-out reward from 0.53 to 0.41 (docs/tinker.md)
+# 4 questions a step: at 2, 4 steps of 10 had no question whose 8 samples differed (nothing to learn from); lr 5e-5:
+# one step at 2e-4 moved a sampled answer's log-prob by up to 5 nats, and 10 such steps, each from a question or
+# two, took the held-out reward from 0.53 to 0.41 (docs/tinker.md)
 RL = dict(batch_size=4, group_size=8, max_steps=SL["max_steps"] + 10, learning_rate=5e-5, lora_rank=16, max_tokens=32,
           loss_fn="importance_sampling")
 HELD_OUT = 48  # questions scored before and after rl_loop, 8 samples each; none is in either training set

@@ -22,6 +22,7 @@ from __future__ import annotations
 import collections
 import importlib.util
 import os
+import signal
 import sys
 import tempfile
 import threading
@@ -219,6 +220,11 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8000, engine: str | N
               f"{tinker}; timeline in {output_dir or 'none (--output-dir)'}; Ctrl-C stops", file=sys.stderr)
         if ready is not None:
             ready(server.url)
+        if own_process and threading.current_thread() is threading.main_thread():
+            # Ctrl-C and SIGTERM stop it, also when it was started with SIGINT ignored (a script's `plait serve &`
+            # inherits that, and Python then leaves SIGINT ignored: such a server outlived its SIGINT in CI)
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(sig, _interrupted)
         try:
             while not stop.wait(0.5):
                 pass
@@ -235,9 +241,13 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8000, engine: str | N
 SHUTDOWN_S = 20.0  # `plait serve` exits this long after a stop at the latest
 
 
+def _interrupted(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
 def stuck_shutdown() -> None:
     """The server's shutdown (or the interpreter's after it) outlived SHUTDOWN_S: say so with every thread's stack,
-    then exit 130 (a `plait serve` in CI once did not exit within 60 s of its SIGINT, its cause not yet found)."""
+    then exit 130."""
     import faulthandler
     print(f"plait: serve: still shutting down after {SHUTDOWN_S:.0f} s; exiting now. Its threads:", file=sys.stderr)
     faulthandler.dump_traceback(file=sys.stderr, all_threads=True)

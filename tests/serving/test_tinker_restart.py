@@ -23,12 +23,14 @@ NAME = "tiny-restart"
 KEY = {"X-API-Key": "tml-restart"}
 
 
-def start(model: str, root: str, port: int) -> subprocess.Popen:
-    """`plait serve` on `port`, returned once it says it is serving (its line on stderr)."""
+def start(model: str, root: str, port: int, ignoring_sigint: bool = False) -> subprocess.Popen:
+    """`plait serve` on `port`, returned once it says it is serving (its line on stderr); `ignoring_sigint`: started
+    with SIGINT ignored, as a script's `plait serve &` is."""
     code = "import sys; from plait.cli import main; sys.exit(main(sys.argv[1:]))"
+    ignore = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if ignoring_sigint else None
     proc = subprocess.Popen([sys.executable, "-c", code, "serve", model, "--name", NAME, "--port", str(port),
                              "--tinker-dir", root, "--max-tokens", "16"], stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "TINKER_TELEMETRY": "0"})
+                            env={**os.environ, "TINKER_TELEMETRY": "0"}, preexec_fn=ignore)
     seen, serving, ended = [], threading.Event(), threading.Event()
 
     def drain():  # all of stderr, so that a full pipe never blocks the server
@@ -142,3 +144,15 @@ def test_sessions_futures_and_clients_survive_a_kill_and_retries_are_applied_onc
     with open(os.path.join(root, "server.jsonl")) as f:  # each retried request ran once: one line for its answer
         futures = [line for line in f if f'"{client.model_id}:10000"' in line]
     assert len(futures) == 1
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_plait_serve_started_with_sigint_ignored_still_stops_on_sigint_and_sigterm(tmp_path, sig):
+    """A background job of a non-interactive shell starts with SIGINT ignored, and Python keeps it so: a `plait serve`
+    started that way had outlived the SIGINT meant to stop it. It installs its own handlers, and SIGTERM closes it the
+    same way (its timeline written)."""
+    from plait.models import create_tiny_model
+    model = str(create_tiny_model(tmp_path / "model", size="xs", seed=3))
+    server = start(model, str(tmp_path / "tinker"), free_port(), ignoring_sigint=True)
+    stop(server, sig)
+    assert server.returncode == 0, "".join(server.seen)

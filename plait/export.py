@@ -264,7 +264,7 @@ def merged_lora_model(lora_dir: str, base: str | None):
     """Base + adapter merged into one plain model (peft's merge_and_unload). An adapter on an output head tied to
     the embeddings (a Tinker client's train_unembed) is merged into the head alone: the head is untied first."""
     from peft import PeftModel
-    from plait.models import load_causal_lm
+    from plait.models import load_causal_lm, peft_quiet
     model = load_causal_lm(adapter_base(lora_dir, base))
     with open(os.path.join(lora_dir, "adapter_config.json")) as f:
         targets = json.load(f).get("target_modules") or []
@@ -274,7 +274,8 @@ def merged_lora_model(lora_dir: str, base: str | None):
             t == head_name or head_name.endswith(f".{t}") or t == head_name.split(".")[-1] for t in targets):
         head.weight = torch.nn.Parameter(head.weight.detach().clone())
         model.config.tie_word_embeddings = False
-    model = PeftModel.from_pretrained(model, lora_dir)
+    with peft_quiet():
+        model = PeftModel.from_pretrained(model, lora_dir)
     return model.merge_and_unload().eval()
 
 

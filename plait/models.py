@@ -16,6 +16,7 @@ Left out: sharding, quantisation, and remote code.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pickle
@@ -368,12 +369,21 @@ def add_lora(model: PreTrainedModel, rank: int, alpha: float, target_modules: st
     except ImportError:
         raise ImportError("LoRA (actor_rollout_ref.model.lora_rank > 0) needs peft: pip install 'plait[lora]'") from None
     if adapter_path is not None:
-        return PeftModel.from_pretrained(model, _local_dir(adapter_path), is_trainable=True)
+        with peft_quiet():
+            return PeftModel.from_pretrained(model, _local_dir(adapter_path), is_trainable=True)
     config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=target_modules, exclude_modules=exclude_modules,
                         lora_dropout=0.0, bias="none", task_type="CAUSAL_LM")
-    with warnings.catch_warnings():  # peft reads transformers' deprecated `is_gradient_checkpointing`
-        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+    with peft_quiet():
         return get_peft_model(model, config)
+
+
+@contextlib.contextmanager
+def peft_quiet():
+    """peft reads transformers' deprecated `is_gradient_checkpointing` when it wraps or loads an adapter: a
+    FutureWarning on the user's console about two libraries' internals, not about anything they set."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        yield
 
 
 def config_overlay(path: str | Path, overrides: dict, folder: str | Path) -> str:

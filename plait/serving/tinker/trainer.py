@@ -151,6 +151,7 @@ class TinkerTrainer:
 
     def _add_adapter(self, lora: Lora) -> str:
         from peft import LoraConfig, get_peft_model
+        from plait.models import peft_quiet
         self.base()
         targets = [m for kind in ("mlp", "attn", "unembed") if getattr(lora, f"train_{kind}") for m in self.linears[kind]]
         if not targets:
@@ -159,11 +160,9 @@ class TinkerTrainer:
         name = f"a{self.adapters}"  # peft's adapter names are module keys: no dots or colons
         self.adapters += 1
         config = LoraConfig(r=lora.rank, lora_alpha=LORA_ALPHA, target_modules=targets, lora_dropout=0.0, bias="none")
-        with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+        with torch.random.fork_rng(devices=[]), peft_quiet(), warnings.catch_warnings():
             # peft warns that a LoRA on a head tied to the embeddings leaves the embeddings as they are: as meant here
             warnings.filterwarnings("ignore", message=".*tie_word_embeddings.*")
-            # peft reads transformers' deprecated `is_gradient_checkpointing` (a FutureWarning on every first adapter)
-            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
             torch.manual_seed(lora.seed if lora.seed is not None else int.from_bytes(os.urandom(4), "little"))
             if self.peft is None:
                 self.peft = get_peft_model(self.model, config, adapter_name=name)

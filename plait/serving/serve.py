@@ -220,11 +220,8 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8000, engine: str | N
               f"{tinker}; timeline in {output_dir or 'none (--output-dir)'}; Ctrl-C stops", file=sys.stderr)
         if ready is not None:
             ready(server.url)
-        if own_process and threading.current_thread() is threading.main_thread():
-            # Ctrl-C and SIGTERM stop it, also when it was started with SIGINT ignored (a script's `plait serve &`
-            # inherits that, and Python then leaves SIGINT ignored: such a server outlived its SIGINT in CI)
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                signal.signal(sig, _interrupted)
+        if own_process:
+            stop_on_signals()
         try:
             while not stop.wait(0.5):
                 pass
@@ -239,6 +236,14 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8000, engine: str | N
 
 
 SHUTDOWN_S = 20.0  # `plait serve` exits this long after a stop at the latest
+
+
+def stop_on_signals() -> None:
+    """Ctrl-C and SIGTERM stop `plait serve`, also when it was started with SIGINT ignored: a script's `plait serve &`
+    inherits that, and Python then leaves SIGINT ignored (such a server outlived its SIGINT in a CI rehearsal)."""
+    if threading.current_thread() is threading.main_thread():  # only the main thread may set handlers
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, _interrupted)
 
 
 def _interrupted(signum, frame) -> None:

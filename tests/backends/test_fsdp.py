@@ -220,6 +220,7 @@ def _no_reshard_rank(rank: int, model_dir: str, rdzv: str) -> None:
         new = logp_ent_grads(model, b, lambda m, b: micro_forward(m, b, T, True, packed))
         # both ranks ran the same rows and plait's FSDP2 sums gradients over ranks: twice one model's
         assert_same((new[0], new[1], {k: g.full_tensor() / 2 for k, g in new[2].items()}), old)
+    dist.barrier()  # neither rank tears the group down while the other still talks to it
     dist.destroy_process_group()
 
 

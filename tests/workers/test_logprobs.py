@@ -177,6 +177,7 @@ def _fsdp2_rank(rank: int, model_dir: str, rdzv: str) -> None:
             micro_forward(model, b, T, True, packed)
         new = logp_ent_grads(model, b, lambda m, b: micro_forward(m, b, T, True, packed))
         assert_same((new[0], new[1], {k: g.full_tensor() for k, g in new[2].items()}), old)  # the ranks' mean
+    dist.barrier()  # neither rank tears the group down while the other still talks to it
     dist.destroy_process_group()
 
 

@@ -251,6 +251,7 @@ def _fsdp2_bf16_rank(rank: int, model_dir: str, rdzv: str, want: dict) -> None:
     both = [torch.empty_like(weights) for _ in range(2)]
     dist.all_gather(both, weights)
     assert weights.dtype == torch.float32 and torch.equal(both[0], both[1])  # the replicas stay in step
+    dist.barrier()  # neither rank tears the group down while the other still talks to it
     dist.destroy_process_group()
 
 
